@@ -1,0 +1,185 @@
+"""A small but real PyTorch DDP job (gloo, CPU) that logs offline with `wbmerge.init`.
+
+Run it under torchrun, e.g.
+
+    torchrun --standalone --nproc-per-node 4 examples/ddp_train.py --steps 30 --dir out
+
+Every rank writes an offline W&B run under `<dir>/wandb/`. The options reproduce the
+situations wbmerge must handle (they are what `fixtures/make_fixtures.py` uses): ranks that
+log at different cadences, media and summary-only keys from a non-zero rank, a rank killed
+mid-training, a crash that torch elastic restarts, a deliberately slow rank, and plain
+`wandb.init` runs that only carry a plugin-style `x_label`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import wandb
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import wbmerge
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default=".", help="WANDB_DIR: runs go to <dir>/wandb/")
+    p.add_argument("--project", default="wbmerge-demo")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--every", type=int, default=1, help="non-zero ranks log every Nth step")
+    p.add_argument("--media-rank", type=int, default=None, help="rank that logs media")
+    p.add_argument("--kill-rank", type=int, default=None, help="rank SIGKILLed mid-training")
+    p.add_argument("--kill-step", type=int, default=None)
+    p.add_argument("--crash-rank", type=int, default=None, help="rank that raises, once")
+    p.add_argument("--crash-step", type=int, default=None)
+    p.add_argument("--slow-rank", type=int, default=None, help="rank that sleeps each step")
+    p.add_argument(
+        "--plain",
+        choices=["label", "bare"],
+        default=None,
+        help="plain wandb.init: with the plugin's x_label only, or with nothing at all",
+    )
+    p.add_argument("--stats-interval", type=float, default=1.0)
+    return p.parse_args(argv)
+
+
+def start_run(args: argparse.Namespace) -> wandb.Run:
+    config = {"lr": 0.05, "batch": args.batch, "steps": args.steps, "model": "mlp-16-32-1"}
+    settings = wandb.Settings(x_stats_sampling_interval=args.stats_interval)
+    if not args.plain:
+        return wbmerge.init(project=args.project, dir=args.dir, config=config, settings=settings)
+    # What a user without wbmerge writes: the plugin's label, nothing else.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    worker = int(os.environ["GROUP_RANK"])
+    label = f"worker-{worker}-rank-{local_rank}" if world // local_world > 1 else f"rank-{rank}"
+    if args.plain == "label":
+        settings.x_label = label
+    return wandb.init(
+        project=args.project, dir=args.dir, config=config, settings=settings, mode="offline"
+    )
+
+
+def checkpoint_path(args: argparse.Namespace) -> Path:
+    return Path(args.dir) / f"checkpoint-{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    init_process_group(restart)
+    rank = dist.get_rank()
+    run = start_run(args)
+
+    torch.manual_seed(1234)  # same initial weights on every rank
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=run.config["lr"])
+    generator = torch.Generator().manual_seed(rank)
+    target = torch.randn(16, 1, generator=torch.Generator().manual_seed(7))
+
+    start = 0
+    ckpt = checkpoint_path(args)
+    if restart and ckpt.exists():  # an elastic restart resumes after the last finished step
+        start = json.loads(ckpt.read_text())["step"] + 1
+        print(f"restart {restart}: resuming at step {start}", flush=True)
+
+    for step in range(start, args.steps):
+        began = time.perf_counter()
+        x = torch.randn(args.batch, 16, generator=generator)
+        y = x @ target + 0.1 * torch.randn(args.batch, 1, generator=generator)
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()  # DDP all-reduces the gradients over gloo here
+        optimizer.step()
+        if rank == args.slow_rank:
+            time.sleep(0.03)
+        elapsed = time.perf_counter() - began
+
+        if rank == args.crash_rank and step == args.crash_step and restart == 0:
+            raise RuntimeError(f"rank {rank}: simulated failure at step {step}")
+        if rank == args.kill_rank and step == args.kill_step:
+            print(f"rank {rank}: about to be killed at step {step}", flush=True)
+            kill_self_and_writer()
+
+        if rank == 0 or step % args.every == 0:
+            run.log(
+                {
+                    "train/loss": loss.item(),
+                    "train/samples_per_sec": args.batch / elapsed,
+                    "train/step_time": elapsed,
+                    "rank": rank,
+                },
+                step=step,
+            )
+        if rank == args.media_rank and step == args.steps // 2:
+            log_media(run, rank, step)
+        if step % 10 == 0:
+            print(f"rank {rank} step {step} loss {loss.item():.4f}", flush=True)
+        if rank == 0:
+            ckpt.write_text(json.dumps({"step": step}))
+
+    if rank == args.media_rank:
+        run.summary["eval/best_loss"] = float(loss.item())
+        run.summary["eval/notes"] = f"summary-only keys from rank {rank}"
+    dist.barrier()
+    run.finish()
+    dist.destroy_process_group()
+    return 0
+
+
+def init_process_group(restart: int) -> None:
+    """gloo over torch elastic's store, namespaced per restart: without the prefix, the
+    workers of a restart find the previous round's addresses in the store and hang."""
+    store, rank, world = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"restart-{restart}", store)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+
+
+def log_media(run: wandb.Run, rank: int, step: int) -> None:
+    import numpy as np
+
+    pixels = (np.arange(8 * 8 * 3, dtype=np.uint8).reshape(8, 8, 3) * (rank + 1)) % 255
+    table = wandb.Table(
+        columns=["rank", "step", "value"], data=[[rank, step, 0.5], [rank, step, 1.5]]
+    )
+    run.log(
+        {"samples/image": wandb.Image(pixels, caption=f"rank {rank}"), "samples/table": table},
+        step=step,
+    )
+    print(f"rank {rank} logged media at step {step}", flush=True)
+
+
+def kill_self_and_writer() -> None:
+    """SIGKILL this rank and its wandb-core writer, as an OOM killer would: no clean exit."""
+    me = os.getpid()
+    for child in _children(me):
+        os.kill(child, signal.SIGKILL)
+    os.kill(me, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The training-side helper, run the way a rank runs it: in its own process, offline."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from wbmerge.discover import discover, scan
+from wbmerge.errors import WbmergeError
+from wbmerge.topology import RankInfo
+from wbmerge.training import resolve_job_id
+
+
+def run_rank(tmp_path, code, **env):
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(code))
+    full_env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "WORLD"))
+    }
+    full_env.update(WANDB_DIR=str(tmp_path), WANDB_SILENT="true", **env)
+    return subprocess.run(
+        [sys.executable, str(script)], env=full_env, capture_output=True, text=True, timeout=120
+    )
+
+
+TOPOLOGY = dict(
+    RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="1",
+    TORCHELASTIC_RUN_ID="job-42", TORCHELASTIC_RESTART_COUNT="1",
+)  # fmt: skip
+
+
+def test_init_writes_offline_run_that_describes_its_rank(tmp_path):
+    result = run_rank(
+        tmp_path,
+        """
+        import wbmerge
+        run = wbmerge.init(project="p", config={"lr": 0.1})
+        assert run.offline, "must be offline by default"
+        for i in range(3):
+            run.log({"loss": 1.0 / (i + 1)})
+        print("hello from rank 3")
+        run.finish()
+        """,
+        **TOPOLOGY,
+    )
+    assert result.returncode == 0, result.stderr
+    [run] = discover([tmp_path])
+    assert run.rank_source == "metadata"
+    assert run.rank == RankInfo(3, 1, 4, 2, 1, restart=1, job_id="job-42")
+    assert run.label == "worker-1-rank-1"
+    assert (run.run_dir / "files" / "output_worker-1-rank-1.log").exists()
+    stats = scan(run)
+    assert stats.history_rows == 3 and stats.complete and stats.exit_code == 0
+
+
+def test_rank_config_is_the_one_argument_for_plain_wandb_init(tmp_path):
+    result = run_rank(
+        tmp_path,
+        """
+        import wandb, wbmerge
+        run = wandb.init(project="p", mode="offline", config=wbmerge.rank_config({"lr": 0.1}))
+        assert run.config["lr"] == 0.1
+        run.log({"x": 1})
+        run.finish()
+        """,
+        **TOPOLOGY,
+    )
+    assert result.returncode == 0, result.stderr
+    [run] = discover([tmp_path])
+    assert run.rank == RankInfo(3, 1, 4, 2, 1, restart=1, job_id="job-42")
+
+
+def test_single_process_gets_a_run_and_a_fresh_job_id(tmp_path):
+    result = run_rank(
+        tmp_path,
+        """
+        import wbmerge
+        run = wbmerge.init(project="p")
+        run.log({"x": 1})
+        run.finish()
+        """,
+    )
+    assert result.returncode == 0, result.stderr
+    [run] = discover([tmp_path])
+    assert (run.rank.rank, run.rank.world_size, run.label) == (0, 1, "rank-0")
+    assert run.job_id
+
+
+def test_explicit_mode_is_respected(tmp_path):
+    result = run_rank(
+        tmp_path,
+        """
+        import wbmerge
+        run = wbmerge.init(project="p", mode="disabled")
+        assert run.disabled
+        """,
+        **TOPOLOGY,
+    )
+    assert result.returncode == 0, result.stderr
+    assert not list(tmp_path.glob("wandb/offline-run-*"))
+
+
+def test_many_ranks_without_a_shared_job_id_is_an_error():
+    info = RankInfo(1, 1, 2, 2, 0)
+    with pytest.raises(WbmergeError, match="no job id"):
+        resolve_job_id(info)
+    assert resolve_job_id(info, "given") == "given"
+    assert resolve_job_id(RankInfo(0, 0, 2, 2, 0, job_id="elastic")) == "elastic"

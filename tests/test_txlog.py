@@ -1,0 +1,153 @@
+"""The `.wandb` reader and writer: exact framing, CRCs, and what damage does."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from wandb.proto import wandb_internal_pb2 as pb
+
+from wbmerge import txlog
+from wbmerge.errors import NotATransactionLog
+
+from .conftest import fixture_logs
+
+LOGS = fixture_logs()
+
+
+def read_all(data: bytes) -> tuple[list[bytes], txlog.ReadReport]:
+    report = txlog.ReadReport()
+    return list(txlog.iter_payloads(io.BytesIO(data), report)), report
+
+
+def write_all(payloads: list[bytes]) -> bytes:
+    out = io.BytesIO()
+    with txlog.LogWriter(out, flush_every=4096) as writer:
+        for payload in payloads:
+            writer.write(payload)
+    return out.getvalue()
+
+
+def test_fixtures_exist():
+    assert len(LOGS) >= 30
+
+
+@pytest.mark.parametrize("path", LOGS, ids=lambda p: f"{p.parts[-4]}/{p.name}")
+def test_every_fixture_rewrites_byte_identically(path):
+    data = path.read_bytes()
+    payloads, report = read_all(data)
+    rewritten = write_all(payloads)
+    if report.truncated:  # a killed rank: its complete records are a prefix of the file
+        assert data.startswith(rewritten)
+        assert len(data) - len(rewritten) == report.truncated_bytes
+    elif len(data) % txlog.BLOCK_SIZE == 0 and rewritten != data:
+        # killed right after wandb-core padded a block for a record it never flushed
+        assert data.startswith(rewritten)
+        assert set(data[len(rewritten) :]) == {0} and len(data) - len(rewritten) < 7
+    else:
+        assert rewritten == data
+    assert report.dropped_bytes == 0
+    assert report.records == len(payloads)
+
+
+def test_fixture_records_parse_and_kind_agrees_with_protobuf():
+    seen_spanning = False
+    for path in LOGS:
+        for payload in txlog.read_payloads(path):
+            record = pb.Record.FromString(payload)
+            assert txlog.record_kind(payload) == record.WhichOneof("record_type")
+            seen_spanning |= len(payload) > txlog.BLOCK_SIZE - 7
+    # the killed rank's first blocks end inside a record: spanning happens in real files
+    killed = [p for p in LOGS if "killed_rank" in p.parts]
+    data = killed[0].read_bytes()
+    kinds = {data[off + 6] for off in range(txlog.BLOCK_SIZE, len(data), txlog.BLOCK_SIZE)}
+    assert kinds & {txlog.MIDDLE, txlog.LAST} or seen_spanning
+
+
+def test_header_and_crc_are_wandbs():
+    data = LOGS[0].read_bytes()
+    assert data[:7] == b":W&B\xe1\xbe\x00"
+    crc, length, kind = struct.unpack_from("<IHB", data, 7)
+    assert crc == zlib.crc32(bytes([kind]) + data[14 : 14 + length])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=100_000), min_size=0, max_size=12), st.randoms())
+def test_round_trip_random_sizes(sizes, rnd):
+    payloads = [rnd.randbytes(n) for n in sizes]
+    data = write_all(payloads)
+    got, report = read_all(data)
+    assert got == payloads
+    assert not report.damaged
+    assert write_all(got) == data
+
+
+@pytest.mark.parametrize("left", [0, 1, 6, 7, 8, 20])
+def test_block_tail_padding_and_empty_first_chunk(left):
+    # Fill block 0 so that exactly `left` bytes remain, then write one more record.
+    first = txlog.BLOCK_SIZE - 7 - 7 - left
+    data = write_all([b"a" * first, b"b" * 100])
+    assert read_all(data)[0] == [b"a" * first, b"b" * 100]
+    if left < 7:
+        assert data[txlog.BLOCK_SIZE - left : txlog.BLOCK_SIZE] == bytes(left)
+        assert data[txlog.BLOCK_SIZE + 6] == txlog.FULL
+    else:  # LevelDB: a FIRST chunk with what fits (possibly nothing), the rest in block 1
+        assert data[txlog.BLOCK_SIZE - left + 6] == txlog.FIRST
+        assert data[txlog.BLOCK_SIZE + 6] == txlog.LAST
+
+
+def test_truncated_tail_yields_every_complete_record():
+    payloads = [bytes([i]) * (i * 997 % 50_000) for i in range(1, 12)]
+    data = write_all(payloads)
+    boundaries = [len(write_all(payloads[:k])) for k in range(len(payloads) + 1)]
+    for cut in range(7, len(data), 613):
+        got, report = read_all(data[:cut])
+        complete = max(k for k, b in enumerate(boundaries) if b <= cut)
+        assert got == payloads[:complete], cut
+        assert report.truncated == (cut not in boundaries and cut > boundaries[complete]), cut
+
+
+def test_corrupt_chunk_skips_to_next_block_and_counts():
+    payloads = [f"record {i}".encode() * 40 for i in range(200)]  # ~400 B each
+    data = bytearray(write_all(payloads))
+    before = read_all(bytes(data))[0]
+    # flip a byte inside the 5th record's payload (block 0)
+    offset = len(write_all(payloads[:4])) + 7 + 10
+    data[offset] ^= 0xFF
+    got, report = read_all(bytes(data))
+    in_block0 = sum(
+        1 for k in range(len(payloads)) if len(write_all(payloads[: k + 1])) <= txlog.BLOCK_SIZE
+    )
+    assert got[:4] == before[:4]
+    assert got[4:] == payloads[len(payloads) - len(got) + 4 :]  # the rest resumes in block 1
+    assert report.dropped_records == len(payloads) - len(got)
+    assert report.dropped_records >= in_block0 - 4
+    assert report.dropped_bytes == txlog.BLOCK_SIZE - (offset - 17) or report.dropped_bytes > 0
+    assert not report.truncated
+
+
+def test_corrupt_fixture_copy_reports_drop():
+    from .conftest import FIXTURES
+
+    corrupt = next(FIXTURES.glob("damaged/corrupt_block/wandb/*/run-*.wandb"))
+    got, report = read_all(corrupt.read_bytes())
+    assert report.dropped_bytes > 0 and report.dropped_records > 0
+    for payload in got:
+        pb.Record.FromString(payload)  # whatever is yielded is intact
+
+
+@pytest.mark.parametrize("data", [b"PK\x03\x04zipfile", b'{"json": 1}', b":W&B\x00\x00\x00"])
+def test_not_a_transaction_log(data):
+    with pytest.raises(NotATransactionLog):
+        read_all(data)
+
+
+def test_empty_and_header_only_files():
+    got, report = read_all(b"")
+    assert got == [] and report.truncated
+    got, report = read_all(txlog.FILE_HEADER)
+    assert got == [] and not report.damaged

@@ -1,0 +1,251 @@
+"""Discover: find offline runs under the user's paths and say which rank of which job wrote each.
+
+A run's identity comes, in order of trust, from the `wbmerge` block in its config (written
+by `wbmerge.init` / `rank_config`), from a plugin-style `x_label` (the `/l:<label>` suffix
+of system-metric keys, or `files/output_<label>.log`) with the rest of the topology inferred
+from the labels of its neighbours, or it stays unknown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from wandb.proto import wandb_internal_pb2 as pb
+
+from . import topology
+from .errors import NotATransactionLog, WbmergeError
+from .topology import METADATA_KEY, RankInfo
+from .txlog import BLOCK_SIZE, FILE_HEADER, ReadReport, read_payloads, record_kind
+
+_STATS_LABEL = re.compile(r"/l:(.+)$")
+_OUTPUT_LABEL = re.compile(r"^output_(.+)\.log$")
+_HEADER_SCAN_LIMIT = 2000  # records read for identity before giving up on a long run
+
+UNKNOWN_RANK_HINT = (
+    "log with wbmerge.init(...), or pass config=wbmerge.rank_config(config) to wandb.init"
+)
+
+
+@dataclass
+class RunStats:
+    """What a full pass over a run's records found."""
+
+    records: int = 0
+    history_rows: int = 0
+    first_step: int | None = None
+    last_step: int | None = None
+    complete: bool = False  # an exit record was seen
+    exit_code: int | None = None
+    report: ReadReport = field(default_factory=ReadReport)
+
+
+@dataclass
+class OfflineRun:
+    """One offline run directory and what it says about itself."""
+
+    path: Path  # the run-<id>.wandb file
+    run_id: str
+    project: str = ""
+    entity: str = ""
+    group: str = ""
+    job_type: str = ""
+    start_time: float = 0.0
+    label: str | None = None  # x_label as recorded or found
+    rank: RankInfo | None = None
+    rank_source: str | None = None  # "metadata", "label", or None when unknown
+    defaults: dict = field(default_factory=dict)  # run_mode etc. recorded at training time
+    stats: RunStats | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        return self.path.parent
+
+    @property
+    def job_id(self) -> str | None:
+        return self.rank.job_id if self.rank else None
+
+    @property
+    def size(self) -> int:
+        return self.path.stat().st_size
+
+
+def find_run_files(paths: Iterable[str | Path]) -> list[Path]:
+    """The `.wandb` files under each path: a file, a run directory, or any tree of them.
+
+    Raises WbmergeError for a path that does not exist or holds no offline run.
+    """
+    found: dict[Path, None] = {}
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            raise WbmergeError(f"{path}: no such file or directory")
+        if path.is_file():
+            files = [path]
+        else:
+            files = sorted(_walk_wandb_files(path))
+        if not files:
+            raise WbmergeError(f"{path}: no offline W&B run (no run-*.wandb file) found")
+        for file in files:
+            found.setdefault(file.resolve(), None)
+    return list(found)
+
+
+def _walk_wandb_files(root: Path) -> Iterator[Path]:
+    # followlinks=False: wandb's `latest-run` symlink would list a run twice.
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if not Path(dirpath, d).is_symlink())
+        for name in sorted(filenames):
+            if name.endswith(".wandb") and name.startswith("run-"):
+                yield Path(dirpath, name)
+
+
+def read_identity(path: Path) -> OfflineRun:
+    """Read just enough of a run to know its ids and rank (the run and first config records)."""
+    run = OfflineRun(path=path, run_id=_run_id_from_name(path))
+    for count, payload in enumerate(_payloads(path)):
+        kind = record_kind(payload)
+        if kind == "run":
+            _apply_run_record(run, pb.Record.FromString(payload).run)
+        elif kind == "config" and run.rank is None:
+            _apply_config(run, pb.Record.FromString(payload).config.update)
+        elif kind == "stats" and run.label is None:
+            run.label = _label_from_stats(pb.Record.FromString(payload).stats)
+        elif kind == "history" and (run.rank is not None or run.label is not None):
+            break  # identity comes before the first logged step
+        if count > _HEADER_SCAN_LIMIT:
+            break
+    if run.label is None:
+        run.label = _label_from_files(path.parent / "files")
+    return run
+
+
+def _payloads(path: Path, report: ReadReport | None = None) -> Iterator[bytes]:
+    """read_payloads with the user-facing errors of a bad or unreadable file."""
+    try:
+        yield from read_payloads(path, report)
+    except NotATransactionLog as exc:
+        raise WbmergeError(f"{path}: {exc}") from None
+    except OSError as exc:
+        raise WbmergeError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+def _run_id_from_name(path: Path) -> str:
+    stem = path.name[: -len(".wandb")]
+    return stem[len("run-") :] if stem.startswith("run-") else stem
+
+
+def _apply_run_record(run: OfflineRun, record: pb.RunRecord) -> None:
+    run.run_id = record.run_id or run.run_id
+    run.project, run.entity = record.project, record.entity
+    run.group, run.job_type = record.run_group, record.job_type
+    run.start_time = record.start_time.seconds + record.start_time.nanos / 1e9
+    _apply_config(run, record.config.update)
+
+
+def _apply_config(run: OfflineRun, updates: Iterable[pb.ConfigItem]) -> None:
+    for item in updates:
+        key = item.key or (item.nested_key[0] if len(item.nested_key) == 1 else "")
+        if key != METADATA_KEY:
+            continue
+        try:
+            block = json.loads(item.value_json)
+            # wandb stores config values as {"value": ...} in some code paths
+            if isinstance(block, dict) and set(block) == {"value"}:
+                block = block["value"]
+            run.rank = RankInfo.from_metadata(block)
+        except (ValueError, TypeError, AttributeError):
+            continue  # a block that is not ours: treat the run as unlabelled
+        run.rank_source = "metadata"
+        run.label = block.get("label") or run.rank.label
+        run.defaults = {k: block[k] for k in ("run_mode", "rank_scope") if block.get(k)}
+
+
+def _label_from_stats(stats: pb.StatsRecord) -> str | None:
+    for item in stats.item:
+        match = _STATS_LABEL.search(item.key)
+        if match:
+            return match[1]
+    return None
+
+
+def _label_from_files(files: Path) -> str | None:
+    if not files.is_dir():
+        return None
+    for entry in sorted(files.iterdir()):
+        match = _OUTPUT_LABEL.match(entry.name)
+        if match:
+            return match[1]
+    return None
+
+
+def scan(run: OfflineRun) -> RunStats:
+    """One full pass: history rows, steps, exit record, damage. Parses only what it counts."""
+    stats = RunStats()
+    for payload in _payloads(run.path, stats.report):
+        stats.records += 1
+        kind = record_kind(payload)
+        if kind == "history":
+            step = pb.Record.FromString(payload).history.step.num
+            stats.history_rows += 1
+            stats.first_step = step if stats.first_step is None else stats.first_step
+            stats.last_step = step
+        elif kind == "exit":
+            stats.complete = True
+            stats.exit_code = pb.Record.FromString(payload).exit.exit_code
+        elif kind == "stats" and run.label is None:
+            run.label = _label_from_stats(pb.Record.FromString(payload).stats)
+    report = stats.report
+    if not stats.complete and not report.truncated:
+        # wandb-core writes whole 32 KiB blocks until it closes the log, so a log without
+        # an exit record that ends on a block boundary (or after the header) was cut off.
+        size = report.bytes_read
+        report.truncated = size % BLOCK_SIZE == 0 or size == len(FILE_HEADER)
+    run.stats = stats
+    return stats
+
+
+def infer_label_topology(runs: list[OfflineRun]) -> None:
+    """Give runs without metadata a RankInfo from plugin-style labels, per directory.
+
+    Runs in one `wandb/` directory whose labels follow the plugin's convention are taken as
+    one job; its id is the offline id of the run labelled as rank 0 (or the first run).
+    A label seen twice in one directory is ambiguous: those runs stay unknown.
+    """
+    by_dir: dict[Path, list[OfflineRun]] = defaultdict(list)
+    for run in runs:
+        if run.rank is None and run.label and topology.is_plugin_label(run.label):
+            by_dir[run.run_dir.parent].append(run)
+    for members in by_dir.values():
+        labels = [r.label for r in members]
+        unique = {lab for lab in labels if labels.count(lab) == 1}
+        inferred = topology.infer_from_labels(unique)
+        if not inferred:
+            continue
+        candidates = [r for r in members if r.label in inferred]
+        first = min(candidates, key=lambda r: (inferred[r.label].rank, r.start_time))
+        job_id = f"{first.run_id}"
+        for run in candidates:
+            run.rank = replace(inferred[run.label], job_id=job_id)
+            run.rank_source = "label"
+
+
+def discover(paths: Iterable[str | Path], full_scan: bool = False) -> list[OfflineRun]:
+    """Every offline run under `paths`, identified, in a stable order (job, rank, restart)."""
+    runs = [read_identity(p) for p in find_run_files(paths)]
+    infer_label_topology(runs)
+    if full_scan:
+        for run in runs:
+            scan(run)
+    return sorted(runs, key=_order)
+
+
+def _order(run: OfflineRun) -> tuple:
+    if run.rank is None:
+        return (1, "", 0, 0, run.start_time, str(run.path))
+    return (0, run.job_id or "", run.rank.rank, run.rank.restart, run.start_time, str(run.path))

@@ -1,0 +1,107 @@
+"""`wbmerge inspect`: what offline runs are there, which rank wrote each, and are they whole."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from .discover import UNKNOWN_RANK_HINT, OfflineRun, discover
+
+
+def describe(run: OfflineRun) -> dict[str, Any]:
+    """One run as the JSON object `inspect --json` prints (None where unknown)."""
+    rank, stats = run.rank, run.stats
+    report = stats.report if stats else None
+    return {
+        "path": str(run.run_dir),
+        "run_id": run.run_id,
+        "job_id": run.job_id,
+        "rank": rank.rank if rank else None,
+        "local_rank": rank.local_rank if rank else None,
+        "worker": rank.worker if rank else None,
+        "world_size": rank.world_size if rank else None,
+        "local_world_size": rank.local_world_size if rank else None,
+        "label": run.label,
+        "restart": rank.restart if rank else None,
+        "rank_source": run.rank_source,
+        "project": run.project or None,
+        "history_rows": stats.history_rows if stats else None,
+        "last_step": stats.last_step if stats else None,
+        "size": run.size,
+        "complete": stats.complete if stats else None,
+        "exit_code": stats.exit_code if stats else None,
+        "truncated": report.truncated if report else None,
+        "dropped_records": report.dropped_records if report else None,
+        "dropped_bytes": report.dropped_bytes if report else None,
+        "damage": (report.describe() or None) if report else None,
+    }
+
+
+def inspect_runs(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    """Describe every offline run under `paths` after a full read of each."""
+    return [describe(run) for run in discover(paths, full_scan=True)]
+
+
+COLUMNS = [
+    ("run id", "run_id"),
+    ("rank", "rank"),
+    ("local", "local_rank"),
+    ("worker", "worker"),
+    ("world", "world_size"),
+    ("label", "label"),
+    ("restart", "restart"),
+    ("rows", "history_rows"),
+    ("last step", "last_step"),
+    ("size", "size"),
+    ("complete", "complete"),
+    ("damage", "damage"),
+]
+
+
+def format_report(rows: list[dict[str, Any]]) -> str:
+    """Human tables, one per job, then a hint for runs of unknown rank."""
+    jobs: dict[str | None, list[dict[str, Any]]] = {}
+    for row in rows:
+        jobs.setdefault(row["job_id"], []).append(row)
+    out = []
+    for job_id, members in jobs.items():
+        title = f"job {job_id}" if job_id else "unknown job (no rank metadata)"
+        sources = {m["rank_source"] for m in members} - {None}
+        if sources == {"label"}:
+            title += "  (topology inferred from x_label)"
+        out.append(title)
+        out.append(_table([[_cell(m, key) for _, key in COLUMNS] for m in members]))
+        out.append("")
+    if None in jobs:
+        out.append(f"hint: runs of unknown rank cannot be merged; {UNKNOWN_RANK_HINT}")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    value = row[key]
+    if key == "size":
+        return _human_size(value)
+    if key == "complete":
+        return "yes" if value else ("no" if value is not None else "-")
+    if key == "damage":
+        return value or "-"
+    return "-" if value is None else str(value)
+
+
+def _human_size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _table(body: list[list[str]]) -> str:
+    header = [name for name, _ in COLUMNS]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in [header, *body]
+    ]
+    return "\n".join(["  " + line for line in lines])

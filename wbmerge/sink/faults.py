@@ -1,0 +1,87 @@
+"""Fault injection for reliability tests: errors, latency and dropped connections on demand.
+
+A fault applies to requests whose kind matches (`graphql:<Operation>`, `file_stream`,
+`storage`, or `*`) and fires on chosen request numbers (counted per kind) or on every
+request, up to `times` times. Specs come from the CLI or JSON, e.g.
+`--fault 'graphql:UpsertBucket=500x2'`, `--fault 'file_stream=429@3'`,
+`--fault '*=delay:0.2'`, `--fault 'storage=drop@1'`.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field
+
+_SPEC = re.compile(
+    r"^(?P<kind>[\w:*.-]+)=(?P<action>\d{3}|drop|delay:[\d.]+)"
+    r"(?:@(?P<nth>[\d,]+))?(?:x(?P<times>\d+))?$"
+)
+
+
+@dataclass
+class Fault:
+    kind: str  # graphql:UpsertBucket | file_stream | storage | *
+    action: str  # "429", "500", "drop", "delay:0.5"
+    nth: tuple[int, ...] = ()  # 1-based request numbers of this kind; () = any
+    times: int | None = None  # how often it may fire; None = unlimited
+    fired: int = 0
+
+    def matches(self, kind: str, count: int) -> bool:
+        if self.kind not in ("*", kind) and not kind.startswith(self.kind + ":"):
+            return False
+        if self.nth and count not in self.nth:
+            return False
+        return self.times is None or self.fired < self.times
+
+    @property
+    def status(self) -> int | None:
+        return int(self.action) if self.action.isdigit() else None
+
+    @property
+    def delay(self) -> float:
+        return float(self.action.split(":", 1)[1]) if self.action.startswith("delay:") else 0.0
+
+
+def parse_fault(spec: str) -> Fault:
+    match = _SPEC.match(spec.strip())
+    if not match:
+        raise ValueError(f"bad fault spec {spec!r} (e.g. 'file_stream=500@2', '*=delay:0.1')")
+    nth = tuple(int(n) for n in match["nth"].split(",")) if match["nth"] else ()
+    times = int(match["times"]) if match["times"] else (len(nth) or None)
+    return Fault(match["kind"], match["action"], nth, times)
+
+
+@dataclass
+class FaultPlan:
+    """The faults in force and the per-kind request counters, safe across threads."""
+
+    faults: list[Fault] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def next(self, kind: str) -> list[Fault]:
+        """Count one request of `kind`; return the faults that fire for it."""
+        with self._lock:
+            self.counts[kind] = count = self.counts.get(kind, 0) + 1
+            if kind.startswith("graphql:"):
+                self.counts["graphql"] = self.counts.get("graphql", 0) + 1
+            firing = [f for f in self.faults if f.matches(kind, count)]
+            for fault in firing:
+                fault.fired += 1
+            return firing
+
+    def replace(self, faults: list[Fault]) -> None:
+        with self._lock:
+            self.faults = faults
+            self.counts = {}
+
+    def summary(self) -> dict:
+        with self._lock:
+            return {
+                "counts": dict(self.counts),
+                "faults": [
+                    {"kind": f.kind, "action": f.action, "nth": list(f.nth), "fired": f.fired}
+                    for f in self.faults
+                ],
+            }

@@ -1,0 +1,285 @@
+"""SQLite storage of the sink: runs, their history, system metrics, console lines and files.
+
+Lines are stored by the offset the uploader gives them, so a retried or resumed request
+overwrites instead of duplicating; all writes of one request happen in one transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    pk INTEGER PRIMARY KEY,
+    entity TEXT NOT NULL, project TEXT NOT NULL, name TEXT NOT NULL,
+    group_name TEXT, job_type TEXT, display_name TEXT, notes TEXT, host TEXT, program TEXT,
+    tags TEXT NOT NULL DEFAULT '[]', config TEXT NOT NULL DEFAULT '{}',
+    summary TEXT NOT NULL DEFAULT '{}',
+    state TEXT NOT NULL DEFAULT 'running', exit_code INTEGER,
+    created REAL NOT NULL, updated REAL NOT NULL,
+    UNIQUE (entity, project, name)
+);
+CREATE TABLE IF NOT EXISTS lines (
+    run INTEGER NOT NULL REFERENCES runs(pk),
+    stream TEXT NOT NULL,  -- history | events | console
+    offset INTEGER NOT NULL,
+    line TEXT NOT NULL,
+    PRIMARY KEY (run, stream, offset)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS files (
+    run INTEGER NOT NULL REFERENCES runs(pk),
+    name TEXT NOT NULL, size INTEGER NOT NULL, updated REAL NOT NULL,
+    PRIMARY KEY (run, name)
+) WITHOUT ROWID;
+"""
+
+# file_stream file names -> our stream names
+STREAMS = {
+    "wandb-history.jsonl": "history",
+    "wandb-events.jsonl": "events",
+    "output.log": "console",
+}
+
+_RUN_FIELDS = {
+    "groupName": "group_name",
+    "jobType": "job_type",
+    "displayName": "display_name",
+    "notes": "notes",
+    "host": "host",
+    "program": "program",
+}
+
+
+class Store:
+    """One SQLite database and a file tree under `data_dir`; safe to share between threads."""
+
+    def __init__(self, data_dir: str | Path) -> None:
+        self.data_dir = Path(data_dir)
+        self.files_dir = self.data_dir / "files"
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(
+            self.data_dir / "sink.sqlite3", check_same_thread=False, isolation_level=None
+        )
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._db.close()
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def upsert_run(self, entity: str, project: str, name: str, fields: dict[str, Any]) -> dict:
+        """Create or update a run from UpsertBucket variables; returns the stored run."""
+        now = time.time()
+        with self._lock, self._db:
+            pk = self._run_pk(entity, project, name, create=True, now=now)
+            sets, values = ["updated = ?"], [now]
+            for var, column in _RUN_FIELDS.items():
+                if fields.get(var) is not None:
+                    sets.append(f"{column} = ?")
+                    values.append(fields[var])
+            if fields.get("tags") is not None:
+                sets.append("tags = ?")
+                values.append(json.dumps(list(fields["tags"])))
+            if fields.get("config"):
+                merged = json.loads(self._one("SELECT config FROM runs WHERE pk = ?", pk))
+                merged.update(json.loads(fields["config"]))
+                sets.append("config = ?")
+                values.append(json.dumps(merged))
+            if fields.get("summaryMetrics"):
+                sets.append("summary = ?")
+                values.append(fields["summaryMetrics"])
+            if fields.get("state") in ("running", "finished", "failed", "crashed"):
+                sets.append("state = ?")
+                values.append(fields["state"])
+            self._db.execute(f"UPDATE runs SET {', '.join(sets)} WHERE pk = ?", [*values, pk])
+        return self.run(entity, project, name) or {}
+
+    def file_stream(self, entity: str, project: str, name: str, body: dict[str, Any]) -> None:
+        """Apply one file_stream request: lines by offset, summary, completion."""
+        now = time.time()
+        with self._lock, self._db:
+            pk = self._run_pk(entity, project, name, create=True, now=now)
+            for file_name, chunk in (body.get("files") or {}).items():
+                offset = int(chunk.get("offset", 0))
+                content = chunk.get("content") or []
+                if file_name == "wandb-summary.json":
+                    if content:
+                        self._db.execute(
+                            "UPDATE runs SET summary = ? WHERE pk = ?", (content[-1], pk)
+                        )
+                    continue
+                stream = STREAMS.get(file_name)
+                if stream is None:
+                    continue
+                self._db.executemany(
+                    "INSERT OR REPLACE INTO lines (run, stream, offset, line) VALUES (?, ?, ?, ?)",
+                    [(pk, stream, offset + i, line) for i, line in enumerate(content)],
+                )
+            if body.get("complete"):
+                code = body.get("exitcode")
+                state = "finished" if code in (0, None) else "failed"
+                self._db.execute(
+                    "UPDATE runs SET state = ?, exit_code = ?, updated = ? WHERE pk = ?",
+                    (state, code, now, pk),
+                )
+            else:
+                self._db.execute("UPDATE runs SET updated = ? WHERE pk = ?", (now, pk))
+
+    def save_file(self, entity: str, project: str, name: str, file_name: str, data: bytes) -> None:
+        path = self.file_path(entity, project, name, file_name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".part")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+        now = time.time()
+        with self._lock, self._db:
+            pk = self._run_pk(entity, project, name, create=True, now=now)
+            self._db.execute(
+                "INSERT OR REPLACE INTO files (run, name, size, updated) VALUES (?, ?, ?, ?)",
+                (pk, file_name, len(data), now),
+            )
+
+    def file_path(self, entity: str, project: str, name: str, file_name: str) -> Path:
+        """Where a run file lives on disk; refuses names that would leave the run's folder."""
+        base = (self.files_dir / entity / project / name).resolve()
+        path = (base / file_name).resolve()
+        if base not in path.parents:
+            raise ValueError(f"bad file name {file_name!r}")
+        return path
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def runs(self, entity: str | None = None, project: str | None = None) -> list[dict]:
+        query = "SELECT * FROM runs"
+        where, args = [], []
+        for column, value in (("entity", entity), ("project", project)):
+            if value:
+                where.append(f"{column} = ?")
+                args.append(value)
+        if where:
+            query += " WHERE " + " AND ".join(where)
+        with self._lock:
+            cursor = self._db.execute(query + " ORDER BY entity, project, name", args)
+            rows = [self._row(cursor, r) for r in cursor.fetchall()]
+        return [self._brief(r) for r in rows]
+
+    def run(self, entity: str, project: str, name: str, full: bool = False) -> dict | None:
+        with self._lock:
+            cursor = self._db.execute(
+                "SELECT * FROM runs WHERE entity = ? AND project = ? AND name = ?",
+                (entity, project, name),
+            )
+            row = cursor.fetchone()
+            if row is None:
+                return None
+            run = self._row(cursor, row)
+            counts = dict(
+                self._db.execute(
+                    "SELECT stream, COALESCE(MAX(offset) + 1, 0) FROM lines WHERE run = ? "
+                    "GROUP BY stream",
+                    (run["pk"],),
+                ).fetchall()
+            )
+            tails = {}
+            for stream in ("history", "events"):
+                tail = self._db.execute(
+                    "SELECT line FROM lines WHERE run = ? AND stream = ? ORDER BY offset DESC "
+                    "LIMIT 1",
+                    (run["pk"], stream),
+                ).fetchone()
+                tails[stream] = tail[0] if tail else None
+            lines: dict[str, list[str]] = {}
+            files: list[str] = []
+            if full:
+                for stream in ("history", "events", "console"):
+                    lines[stream] = [
+                        r[0]
+                        for r in self._db.execute(
+                            "SELECT line FROM lines WHERE run = ? AND stream = ? ORDER BY offset",
+                            (run["pk"], stream),
+                        )
+                    ]
+                files = [
+                    r[0]
+                    for r in self._db.execute(
+                        "SELECT name FROM files WHERE run = ? ORDER BY name", (run["pk"],)
+                    )
+                ]
+        result = self._brief(run)
+        result.update(
+            history_line_count=counts.get("history", 0),
+            events_line_count=counts.get("events", 0),
+            console_line_count=counts.get("console", 0),
+            history_tail=tails["history"],
+            events_tail=tails["events"],
+            raw_config=run["config"],
+            raw_summary=run["summary"],
+        )
+        if full:
+            result.update(
+                history=[json.loads(line) for line in lines["history"]],
+                system_metrics=[json.loads(line) for line in lines["events"]],
+                console=lines["console"],
+                files=files,
+            )
+        return result
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _run_pk(self, entity: str, project: str, name: str, create: bool, now: float) -> int:
+        row = self._db.execute(
+            "SELECT pk FROM runs WHERE entity = ? AND project = ? AND name = ?",
+            (entity, project, name),
+        ).fetchone()
+        if row:
+            return row[0]
+        cursor = self._db.execute(
+            "INSERT INTO runs (entity, project, name, created, updated) VALUES (?, ?, ?, ?, ?)",
+            (entity, project, name, now, now),
+        )
+        return int(cursor.lastrowid)
+
+    def _one(self, query: str, *args: Any) -> Any:
+        return self._db.execute(query, args).fetchone()[0]
+
+    @staticmethod
+    def _row(cursor: sqlite3.Cursor, row: tuple) -> dict:
+        return {d[0]: v for d, v in zip(cursor.description, row, strict=True)}
+
+    @staticmethod
+    def _brief(run: dict) -> dict:
+        config = json.loads(run["config"] or "{}")
+        return {
+            "id": run["name"],
+            "entity": run["entity"],
+            "project": run["project"],
+            "group": run["group_name"] or None,
+            "job_type": run["job_type"] or None,
+            "display_name": run["display_name"] or None,
+            "tags": json.loads(run["tags"] or "[]"),
+            "notes": run["notes"] or None,
+            "config": plain_config(config),
+            "summary": json.loads(run["summary"] or "{}"),
+            "state": run["state"],
+            "exit_code": run["exit_code"],
+            "created": run["created"],
+            "updated": run["updated"],
+        }
+
+
+def plain_config(config: dict[str, Any]) -> dict[str, Any]:
+    """W&B stores config as {key: {"value": v, "desc": ...}}: return {key: v}, no `_wandb`."""
+    plain = {}
+    for key, entry in config.items():
+        if key == "_wandb":
+            continue
+        plain[key] = entry["value"] if isinstance(entry, dict) and "value" in entry else entry
+    return plain

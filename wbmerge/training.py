@@ -1,0 +1,135 @@
+"""The training side: one offline W&B run per rank that knows which rank wrote it.
+
+`wbmerge.init(...)` is `wandb.init(...)` for distributed jobs. It works out the rank from
+torchrun's environment, writes offline, labels the run like the Flyte plugin does, and
+records a `wbmerge` block (rank, world size, worker, label, restart, job id) in the run's
+config, i.e. inside the `.wandb` file, so that a copied file still describes itself.
+
+Users who keep their own `wandb.init` add the same block with one argument:
+`wandb.init(..., config=wbmerge.rank_config(config))`.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from . import topology
+from .errors import WbmergeError
+from .topology import METADATA_KEY, RankInfo
+
+JOB_ID_ENV = "WBMERGE_JOB_ID"
+
+
+def detect_rank(env: Mapping[str, str] | None = None) -> RankInfo:
+    """This process's RankInfo: torchrun's variables, else an initialised process group,
+    else a single process. The job id is left as the environment gives it (maybe None)."""
+    env = os.environ if env is None else env
+    info = topology.from_env(env)
+    if info is not None:
+        return info
+    group = _process_group_rank()
+    if group is not None:
+        return group
+    return topology.SINGLE_PROCESS
+
+
+def _process_group_rank() -> RankInfo | None:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return RankInfo(
+        rank=rank,
+        local_rank=int(os.environ.get("LOCAL_RANK", rank % local_world)),
+        world_size=world,
+        local_world_size=local_world,
+        worker=int(os.environ.get("GROUP_RANK", rank // local_world)),
+    )
+
+
+def resolve_job_id(info: RankInfo, job_id: str | None = None) -> str:
+    """The id shared by every rank of one job.
+
+    In order: the argument, `WBMERGE_JOB_ID`, torch elastic's run id, rank 0's fresh id
+    broadcast over an initialised process group, a fresh id for a single process.
+    """
+    for candidate in (job_id, os.environ.get(JOB_ID_ENV), info.job_id):
+        if candidate:
+            return str(candidate)
+    if info.world_size == 1:
+        return uuid.uuid4().hex[:12]
+    broadcast = _broadcast_from_rank0(uuid.uuid4().hex[:12])
+    if broadcast:
+        return broadcast
+    raise WbmergeError(
+        "no job id shared by all ranks: launch with `torchrun --rdzv-id ID`, set "
+        f"{JOB_ID_ENV}, pass job_id=..., or call wbmerge.init after init_process_group"
+    )
+
+
+def _broadcast_from_rank0(candidate: str) -> str | None:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    box = [candidate]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+def rank_metadata(job_id: str | None = None, **defaults: Any) -> dict[str, Any]:
+    """The `wbmerge` config block for this process (extra keys, e.g. run_mode, kept)."""
+    info = detect_rank()
+    info = topology.with_job(info, resolve_job_id(info, job_id))
+    block = info.to_metadata()
+    block.update({k: v for k, v in defaults.items() if v is not None})
+    return block
+
+
+def rank_config(config: Mapping[str, Any] | None = None, *, job_id: str | None = None) -> dict:
+    """`config` plus this rank's `wbmerge` block: the one argument to add to `wandb.init`."""
+    return {**(dict(config) if config else {}), METADATA_KEY: rank_metadata(job_id)}
+
+
+def init(*, job_id: str | None = None, **wandb_init_kwargs: Any) -> Any:
+    """`wandb.init` for one rank of a distributed job, offline unless asked otherwise.
+
+    Accepts every `wandb.init` argument. Adds the rank's `wbmerge` block to the config
+    and the plugin's `x_label` to the settings (a label the user set is kept).
+    """
+    import wandb
+
+    block = rank_metadata(job_id)
+    kwargs = dict(wandb_init_kwargs)
+    if "mode" not in kwargs and not os.environ.get("WANDB_MODE"):
+        kwargs["mode"] = "offline"
+    kwargs["settings"] = _with_label(kwargs.get("settings"), block["label"])
+
+    config = kwargs.get("config")
+    if config is None or isinstance(config, Mapping):
+        kwargs["config"] = {**(config or {}), METADATA_KEY: block}
+        return wandb.init(**kwargs)
+    run = wandb.init(**kwargs)  # a config file path or namespace: add the block after
+    run.config.update({METADATA_KEY: block}, allow_val_change=True)
+    return run
+
+
+def _with_label(settings: Any, label: str) -> Any:
+    import wandb
+
+    if settings is None:
+        return wandb.Settings(x_label=label)
+    if isinstance(settings, Mapping):
+        return {"x_label": label, **settings}
+    if not getattr(settings, "x_label", None):
+        settings.x_label = label
+    return settings
