@@ -28,3 +28,33 @@ def fixture_logs(include_damaged: bool = False) -> list[Path]:
 @pytest.fixture
 def manifest() -> dict:
     return MANIFEST
+
+
+@pytest.fixture
+def sink(tmp_path_factory):
+    """A real sink on a free loopback port with a fresh data dir; `.env` points wandb at it."""
+    from .sinktools import SinkProcess
+
+    process = SinkProcess(tmp_path_factory.mktemp("sink") / "data")
+    process.data_dir.mkdir()
+    process.start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def make_sink(tmp_path_factory):
+    """Start sinks with options (faults); all are stopped after the test."""
+    from .sinktools import SinkProcess
+
+    started = []
+
+    def start(faults=()):
+        process = SinkProcess(tmp_path_factory.mktemp("sink") / "data", tuple(faults))
+        process.data_dir.mkdir()
+        started.append(process.start())
+        return process
+
+    yield start
+    for process in started:
+        process.stop()

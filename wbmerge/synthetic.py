@@ -25,8 +25,13 @@ def write_rank(
     stats_every: int = 100,
     print_every: int = 50,
     seed: int = 0,
+    key_labels: tuple[str, ...] = (),
 ) -> Path:
-    """Write one rank's offline run under `root/wandb/`; returns the `.wandb` path."""
+    """Write one rank's offline run under `root/wandb/`; returns the `.wandb` path.
+
+    With `key_labels`, every metric is written once per label as `{key}/{label}`: the shape
+    of a merged shared run, for tests of what displays it.
+    """
     run_id = f"syn{info.rank:04d}r{info.restart}{seed:x}"
     run_dir = root / "wandb" / f"offline-run-20260101_000000-{run_id}"
     (run_dir / "files").mkdir(parents=True, exist_ok=True)
@@ -35,6 +40,8 @@ def write_rank(
     start = 1_767_225_600.0 + info.restart * 3600
     label = info.label
     keys = [f"train/metric_{m:02d}" for m in range(metrics)]
+    if key_labels:
+        keys = [f"{key}/{lab}" for key in keys for lab in key_labels]
     with open(path, "wb") as stream, LogWriter(stream) as writer:
         num = 0
 

@@ -154,10 +154,14 @@ def _short(value: Any) -> str:
 def _charts(rows: list[dict], x_key: str, suffix: re.Pattern) -> str:
     """One chart per metric; labelled keys become one line per label in their base chart."""
     series: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    origin = None
     for row in rows:
         x = row.get(x_key)
         if not isinstance(x, int | float):
             continue
+        if x_key == "_timestamp":  # seconds since the first sample, not epoch seconds
+            origin = x if origin is None else origin
+            x -= origin
         for key, value in row.items():
             if key.startswith(_HIDDEN) or isinstance(value, bool):
                 continue
