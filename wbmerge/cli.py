@@ -132,3 +132,155 @@ def sink_show(run_path: str | None, url: str, as_json: bool) -> None:
     )
     click.echo(f"  console lines {len(run['console'])}, files {len(run['files'])}")
     click.echo(f"  summary keys: {', '.join(sorted(run['summary']))}")
+
+
+def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """The options `merge` and `sync` share: what to merge, and how."""
+    options = [
+        click.argument("paths", nargs=-1, required=True, type=click.Path()),
+        click.option("--run-mode", type=click.Choice(["auto", "shared", "new"]), default=None,
+                     help="auto: the primary rank only; shared: all ranks in one run; new: a run per rank. "
+                     "Default: as recorded at training time, else auto."),
+        click.option("--rank-scope", type=click.Choice(["global", "worker"]), default=None,
+                     help="global: one unit; worker: per node (primary = local rank 0). Default: global."),
+        click.option("--base-id", help="Run-id base instead of the job id ({base} in the plugin's ids)."),
+        click.option("--job", "job", help="Merge only this job id (several jobs in one directory)."),
+        click.option("--allow-missing-ranks", is_flag=True, help="Merge although ranks have no run."),
+        click.option("--system-metrics", type=click.Choice(["primary", "all"]), default="primary",
+                     show_default=True, help="auto mode: also every other rank's system metrics, labelled."),
+        click.option("--key-format", default="{key}/{label}", show_default=True,
+                     help="How shared mode labels a rank's metric keys."),
+        click.option("--skew-metrics", is_flag=True,
+                     help="shared mode: add wbmerge/spread/{key}, (max-min)/median across ranks per step."),
+        click.option("--project", "-p", help="Default: the runs' project, then WANDB_PROJECT."),
+        click.option("--entity", "-e", help="Default: WANDB_ENTITY, then the runs' entity."),
+        click.option("--job-type", help="Job type of the runs created."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _request(**kw: Any) -> Any:
+    from .pipeline import MergeRequest
+
+    return MergeRequest(
+        paths=kw["paths"], run_mode=kw["run_mode"], rank_scope=kw["rank_scope"],
+        base_id=kw["base_id"], job=kw["job"], allow_missing_ranks=kw["allow_missing_ranks"],
+        system_metrics=kw["system_metrics"], key_format=kw["key_format"],
+        project=kw["project"], entity=kw["entity"], job_type=kw["job_type"],
+        skew_metrics=kw["skew_metrics"],
+    )  # fmt: skip
+
+
+def _print_plan(planned: list, as_json: bool) -> None:
+    targets = [t.as_json() for job in planned for t in job.targets]
+    if as_json:
+        click.echo(json.dumps(targets, indent=2))
+        return
+    for job in planned:
+        click.echo(f"job {job.job.job_id}: run_mode={job.run_mode} rank_scope={job.rank_scope} "
+                   f"project={job.project or '-'} -> {len(job.targets)} run(s)")  # fmt: skip
+        for t in job.targets:
+            labels = ", ".join(
+                s.label + (f" (restart {s.restart})" if s.restart else "") for s in t.sources
+            )
+            group = f" group={t.group}" if t.group else ""
+            click.echo(f"  {t.id}{group} primary=rank {t.primary_rank}: {labels}")
+
+
+class _Progress:
+    """A progress bar over the runs being merged, on a terminal only."""
+
+    def __init__(self, total: int) -> None:
+        self.bar = None
+        if total and sys.stderr.isatty():
+            self.bar = click.progressbar(length=total, label="merging", file=sys.stderr)
+            self.bar.__enter__()
+
+    def __call__(self, staged: Any) -> None:
+        if self.bar:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.__exit__(None, None, None)
+
+
+@main.command()
+@merge_options
+@click.option(
+    "--out", "out_dir", required=True, type=click.Path(), help="Where to write the merged runs."
+)
+@click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")
+@click.option("--json", "as_json", is_flag=True)
+@_one_line_errors
+def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
+    """Merge the offline runs under PATHS into new offline runs in --out (no upload)."""
+    from pathlib import Path
+
+    from .pipeline import merge_jobs, plan_jobs
+
+    request = _request(**kw)
+    planned = plan_jobs(request)
+    if dry_run:
+        _print_plan(planned, as_json)
+        return
+    progress = _Progress(sum(len(j.targets) for j in planned))
+    try:
+        staged = merge_jobs(request, Path(out_dir), planned, progress)
+    finally:
+        progress.close()
+    for s in staged:
+        for warning in s.warnings:
+            click.echo(f"wbmerge: warning: {s.target.id}: {warning}", err=True)
+    if as_json:
+        click.echo(json.dumps([{"id": s.target.id, "path": str(s.run_dir), "history_rows": s.history_rows,
+                                "exit_code": s.exit_code} for s in staged], indent=2))  # fmt: skip
+        return
+    for s in staged:
+        click.echo(f"{s.run_dir}  ({s.history_rows} rows, exit code {s.exit_code})")
+    click.echo(f"upload later with: wandb sync {' '.join(str(s.run_dir) for s in staged)}")
+
+
+@main.command()
+@merge_options
+@click.option("--parallel", "-n", default=4, show_default=True, help="Runs uploaded at once.")
+@click.option("--force", is_flag=True, help="Upload again runs already synced from the same files.")
+@click.option("--dry-run", is_flag=True, help="Print the plan; write and upload nothing.")
+@click.option("--keep-staging", type=click.Path(), help="Stage merged runs here and keep them.")
+@click.option("--json", "as_json", is_flag=True)
+@_one_line_errors
+def sync(
+    parallel: int, force: bool, dry_run: bool, keep_staging: str | None, as_json: bool, **kw: Any
+) -> None:
+    """Merge the offline runs under PATHS and upload them with `wandb sync`."""
+    from pathlib import Path
+
+    from .pipeline import plan_jobs
+    from .pipeline import sync as run_sync
+
+    request = _request(**kw)
+    if dry_run:
+        _print_plan(plan_jobs(request), as_json)
+        return
+    progress = _Progress(0)
+    report = run_sync(
+        request, parallel=parallel, force=force,
+        staging_dir=Path(keep_staging) if keep_staging else None, keep_staging=bool(keep_staging),
+        progress=progress,
+    )  # fmt: skip
+    progress.close()
+    for warning in report.warnings:
+        click.echo(f"wbmerge: warning: {warning}", err=True)
+    if as_json:
+        click.echo(json.dumps({
+            "links": report.links,
+            "runs": [{"id": t.target.id, "group": t.target.group, "status": t.status, "url": t.url}
+                     for t in report.targets],
+        }, indent=2))  # fmt: skip
+        return
+    for t in report.targets:
+        click.echo(f"{t.status:>14}: {t.target.id}")
+    for link in report.links:
+        click.echo(f"{link['kind']}: {link['url']}")

@@ -249,3 +249,74 @@ def _order(run: OfflineRun) -> tuple:
     if run.rank is None:
         return (1, "", 0, 0, run.start_time, str(run.path))
     return (0, run.job_id or "", run.rank.rank, run.rank.restart, run.start_time, str(run.path))
+
+
+@dataclass
+class Job:
+    """All offline runs of one job id."""
+
+    job_id: str
+    runs: list[OfflineRun]
+
+    @property
+    def world_size(self) -> int:
+        return self.runs[0].rank.world_size if self.runs[0].rank else 0
+
+    @property
+    def missing_ranks(self) -> list[int]:
+        present = {r.rank.rank for r in self.runs if r.rank}
+        return [rank for rank in range(self.world_size) if rank not in present]
+
+
+def group_jobs(
+    runs: list[OfflineRun], job: str | None = None, allow_missing_ranks: bool = False
+) -> list[Job]:
+    """Group identified runs by job id and check each job can be merged.
+
+    Errors (WbmergeError, one line): runs of unknown rank among the inputs (unless `job`
+    selects another job), `job` not found, two runs claiming the same rank and restart,
+    a world size that changes within a job, and ranks missing (unless allowed).
+    """
+    unknown = [r for r in runs if r.rank is None]
+    by_id: dict[str, list[OfflineRun]] = defaultdict(list)
+    for run in runs:
+        if run.rank is not None:
+            by_id[run.job_id or ""].append(run)
+    if job is not None:
+        if job not in by_id:
+            known = ", ".join(sorted(by_id)) or "none"
+            raise WbmergeError(f"no job {job!r} among the runs found (jobs: {known})")
+        by_id = {job: by_id[job]}
+    elif unknown:
+        names = ", ".join(str(r.run_dir) for r in unknown[:3])
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        raise WbmergeError(
+            f"{len(unknown)} run(s) of unknown rank: {names}{more}; {UNKNOWN_RANK_HINT}"
+        )
+    jobs = []
+    for job_id, members in sorted(by_id.items()):
+        members.sort(key=_order)
+        seen: dict[tuple[int, int], OfflineRun] = {}
+        for run in members:
+            key = (run.rank.rank, run.rank.restart)
+            if key in seen:
+                raise WbmergeError(
+                    f"job {job_id}: rank {key[0]} (restart {key[1]}) claimed twice: "
+                    f"{seen[key].run_dir} and {run.run_dir}"
+                )
+            seen[key] = run
+        sizes = {(r.rank.world_size, r.rank.local_world_size) for r in members}
+        if len(sizes) > 1:
+            raise WbmergeError(
+                f"job {job_id}: world size changes between its runs {sorted(sizes)}; "
+                "merge each restart separately with --job and --base-id"
+            )
+        found = Job(job_id, members)
+        if found.missing_ranks and not allow_missing_ranks:
+            missing = ", ".join(map(str, found.missing_ranks))
+            raise WbmergeError(
+                f"job {job_id}: rank(s) {missing} of {found.world_size} have no offline run "
+                "(pass --allow-missing-ranks to merge the others)"
+            )
+        jobs.append(found)
+    return jobs

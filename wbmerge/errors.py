@@ -2,9 +2,14 @@
 
 
 class WbmergeError(Exception):
-    """A problem with the user's input or environment, explained in one line."""
+    """A problem with the user's input or environment, explained in one line.
 
-    exit_code = 2
+    `exit_code` is 2 for bad input (the default) and 1 for work that failed (an upload).
+    """
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class NotATransactionLog(WbmergeError):

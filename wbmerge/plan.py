@@ -1,0 +1,196 @@
+"""Plan (pure): run_mode x rank_scope x a job's ranks -> the W&B runs to create.
+
+Exactly the table of the online Flyte plugin (shared/reference/run-modes.md), so offline and
+online jobs line up. Nothing here reads files; `Source` carries what discovery found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import WbmergeError
+from .topology import RankInfo
+
+RUN_MODES = ("auto", "shared", "new")
+RANK_SCOPES = ("global", "worker")
+RESERVED_ID_CHARS = ":;,#?/'"  # wandb's own run id rule (wandb_settings.validate_run_id)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One offline run of one rank (one restart of it)."""
+
+    path: Path  # the .wandb file
+    rank: RankInfo
+    label: str
+    complete: bool = True  # an exit record was seen (known after a scan)
+
+    @property
+    def restart(self) -> int:
+        return self.rank.restart
+
+
+@dataclass(frozen=True)
+class Target:
+    """One W&B run to create, and the offline runs it is made of."""
+
+    id: str
+    group: str | None
+    display_name: str
+    job_type: str | None
+    primary_rank: int
+    kind: str  # "passthrough" (one rank as is), "shared" (ranks merged), "auto+system"
+    sources: tuple[Source, ...]  # ordered by rank, then restart
+    worker: int | None = None
+    extra_system_sources: tuple[Source, ...] = field(default=())  # auto --system-metrics all
+
+    @property
+    def labels(self) -> dict[int, str]:
+        return {s.rank.rank: s.label for s in (*self.sources, *self.extra_system_sources)}
+
+    def as_json(self) -> dict:
+        return {
+            "id": self.id,
+            "group": self.group,
+            "job_type": self.job_type,
+            "display_name": self.display_name,
+            "primary_rank": self.primary_rank,
+            "kind": self.kind,
+            "sources": [
+                {
+                    "path": str(s.path.parent),
+                    "rank": s.rank.rank,
+                    "label": s.label,
+                    "restart": s.restart,
+                }
+                for s in self.sources
+            ],  # fmt: skip
+            "system_metrics_from": [
+                {"path": str(s.path.parent), "rank": s.rank.rank, "label": s.label}
+                for s in self.extra_system_sources
+            ],
+        }
+
+
+def check_run_id(run_id: str) -> str:
+    """Raise WbmergeError unless W&B accepts `run_id` as a run id."""
+    if not run_id or run_id != run_id.strip():
+        raise WbmergeError(f"invalid run id {run_id!r}: empty or surrounded by whitespace")
+    bad = sorted(set(run_id) & set(RESERVED_ID_CHARS))
+    if bad:
+        raise WbmergeError(
+            f"invalid run id {run_id!r}: W&B run ids cannot contain {' '.join(bad)} "
+            "(choose another --base-id)"
+        )
+    return run_id
+
+
+def plan(
+    sources: Sequence[Source],
+    run_mode: str = "auto",
+    rank_scope: str = "global",
+    base_id: str | None = None,
+    system_metrics: str = "primary",
+    job_type: str | None = None,
+) -> list[Target]:
+    """The targets of one job. `sources` are all its offline runs (any order)."""
+    if run_mode not in RUN_MODES:
+        raise WbmergeError(f"run mode must be one of {', '.join(RUN_MODES)}, not {run_mode!r}")
+    if rank_scope not in RANK_SCOPES:
+        raise WbmergeError(f"rank scope must be one of {', '.join(RANK_SCOPES)}")
+    if not sources:
+        raise WbmergeError("no offline runs to plan")
+    ordered = tuple(sorted(sources, key=lambda s: (s.rank.rank, s.restart)))
+    first = ordered[0].rank
+    base = check_run_id(base_id or first.job_id or "")
+    multi_node = first.multi_node
+    per_worker = rank_scope == "worker" and multi_node
+
+    def ranks(predicate: object) -> tuple[Source, ...]:
+        return tuple(s for s in ordered if predicate(s.rank))  # type: ignore[operator]
+
+    targets: list[Target] = []
+    if run_mode in ("auto", "shared"):
+        workers = sorted({s.rank.worker for s in ordered}) if per_worker else [None]
+        for worker in workers:
+            in_scope = ordered if worker is None else ranks(lambda r, w=worker: r.worker == w)
+            primary = _primary(in_scope, worker)
+            run_id = base if worker is None else f"{base}-worker-{worker}"
+            if run_mode == "shared":
+                chosen, kind, extra = in_scope, "shared", ()
+            else:
+                chosen = tuple(s for s in in_scope if s.rank.rank == primary)
+                extra = ()
+                if system_metrics == "all":
+                    extra = tuple(s for s in in_scope if s.rank.rank != primary)
+                kind = "auto+system" if extra else "passthrough"
+            if not chosen:
+                raise WbmergeError(f"{run_id}: the primary rank {primary} has no offline run")
+            targets.append(
+                Target(
+                    id=check_run_id(run_id),
+                    group=None,
+                    display_name=run_id,
+                    job_type=job_type,
+                    primary_rank=primary,
+                    kind=kind,
+                    sources=chosen,
+                    worker=worker,
+                    extra_system_sources=extra,
+                )
+            )
+        return targets
+
+    # new: every rank its own run
+    for rank in sorted({s.rank.rank for s in ordered}):
+        chosen = ranks(lambda r, n=rank: r.rank == n)
+        info = chosen[0].rank
+        if per_worker:
+            run_id, group = (
+                f"{base}-worker-{info.worker}-rank-{info.local_rank}",
+                f"{base}-worker-{info.worker}",
+            )
+        else:
+            run_id, group = f"{base}-rank-{rank}", base
+        targets.append(
+            Target(
+                id=check_run_id(run_id),
+                group=group,
+                display_name=run_id,
+                job_type=job_type,
+                primary_rank=rank,
+                kind="passthrough",
+                sources=chosen,
+                worker=info.worker if per_worker else None,
+            )
+        )
+    return targets
+
+
+def _primary(sources: Sequence[Source], worker: int | None) -> int:
+    """Global rank 0, or local rank 0 of the worker (plugin rule)."""
+    if worker is None:
+        return 0
+    for s in sources:
+        if s.rank.local_rank == 0:
+            return s.rank.rank
+    return sources[0].rank.worker * sources[0].rank.local_world_size
+
+
+def links(
+    targets: Sequence[Target], app_url: str, entity: str, project: str, run_mode: str
+) -> list[dict]:
+    """The links the online plugin shows: runs, or for `new` one per group."""
+    base = f"{app_url.rstrip('/')}/{entity}/{project}"
+    if run_mode == "new":
+        groups = dict.fromkeys(t.group for t in targets if t.group)
+        return [{"kind": "group", "name": g, "url": f"{base}/groups/{g}"} for g in groups]
+    return [{"kind": "run", "name": t.id, "url": f"{base}/runs/{t.id}"} for t in targets]
+
+
+def app_url(base_url: str) -> str:
+    """W&B's app host for an API host (api.wandb.ai -> wandb.ai); others are the same."""
+    url = base_url.rstrip("/")
+    return url.replace("://api.wandb.ai", "://wandb.ai")
