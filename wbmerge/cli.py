@@ -246,7 +246,12 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
 @main.command()
 @merge_options
 @click.option("--parallel", "-n", default=4, show_default=True, help="Runs uploaded at once.")
-@click.option("--force", is_flag=True, help="Upload again runs already synced from the same files.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Upload again runs already synced from the same files. W&B appends to a run that "
+    "exists, so delete the runs first (or pick another --base-id) to avoid doubled history.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan; write and upload nothing.")
 @click.option("--keep-staging", type=click.Path(), help="Stage merged runs here and keep them.")
 @click.option("--json", "as_json", is_flag=True)

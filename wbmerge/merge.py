@@ -260,7 +260,7 @@ def _continue_steps(payload: bytes, last_step: int, shift: int | None) -> tuple[
         step += shift
         record.history.step.num = step
         for item in record.history.item:
-            if (item.key or ".".join(item.nested_key)) == "_step":
+            if _item_path(item) == ["_step"]:
                 item.value_json = str(step)
         payload = record.SerializeToString()
     return payload, step, shift
@@ -313,8 +313,9 @@ class _Labeller:
         return cached
 
 
-def _item_key(item: pb.HistoryItem | pb.SummaryItem) -> str:
-    return item.key if item.key else ".".join(item.nested_key)
+def _item_path(item: pb.HistoryItem | pb.SummaryItem) -> list[str]:
+    """A value's key path: media and dicts are nested (`["samples/image", "path"]`)."""
+    return list(item.nested_key) if item.nested_key else [item.key]
 
 
 def _write_shared(
@@ -497,16 +498,19 @@ def _merged_row(
     for rank, history in sorted(rows, key=lambda r: (r[0] != primary, r[0])):
         label = by_rank[rank][0].label
         for item in history.item:
-            key = _item_key(item)
+            path = _item_path(item)
+            key = path[0]
             if key in UNLABELLED:
                 if key != "_step" and (time_owner is None or time_owner == rank):
                     times[key] = item.value_json
                     time_owner = rank
                 continue
             out = merged.item.add()
+            # only the top-level key is labelled, so a nested value (an image) stays whole
             out.nested_key.append(label_key(key, label))
+            out.nested_key.extend(path[1:])
             out.value_json = item.value_json
-            if options.skew_metrics:
+            if options.skew_metrics and len(path) == 1:
                 try:
                     values.setdefault(key, []).append(float(item.value_json))
                 except ValueError:
@@ -541,7 +545,8 @@ def _final_summary(
                 item.nested_key.extend(path)
             else:
                 item = record.summary.update.add()
-                item.nested_key.append(label_key(".".join(path), label))
+                item.nested_key.append(label_key(path[0], label))
+                item.nested_key.extend(path[1:])
             item.value_json = value
     return record.SerializeToString()
 

@@ -196,9 +196,9 @@ def sync(
                     [s.run_dir for s in staged], job.project, entity, parallel, credentials
                 )
                 if not upload.ok:
-                    tail = "\n".join(upload.output.strip().splitlines()[-5:])
+                    tail = " | ".join(upload.output.strip().splitlines()[-3:])
                     raise WbmergeError(
-                        f"wandb sync failed for job {job.job_id}; nothing recorded as synced. "
+                        f"wandb sync failed for job {job.job.job_id}; nothing recorded as synced. "
                         f"Uploader said: {tail}",
                         exit_code=1,
                     )

@@ -1,0 +1,120 @@
+"""The plan against the run-mode table of shared/reference/run-modes.md, written out by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from wbmerge.errors import WbmergeError
+from wbmerge.plan import Source, app_url, check_run_id, links, plan
+from wbmerge.topology import RankInfo
+
+
+def job(nodes, nproc, restarts=1):
+    world = nodes * nproc
+    return [
+        Source(
+            Path(f"/runs/r{rank}-{restart}/run-x.wandb"),
+            info := RankInfo(rank, rank % nproc, world, nproc, rank // nproc, restart, "B"),
+            info.label,
+        )
+        for rank in range(world)
+        for restart in range(restarts)
+    ]
+
+
+def summary(targets):
+    return [
+        (t.id, t.group, t.primary_rank, sorted({s.rank.rank for s in t.sources})) for t in targets
+    ]
+
+
+# (nodes, nproc, run_mode, rank_scope) -> [(id, group, primary, source ranks)]
+TABLE = {
+    (1, 4, "auto", "global"): [("B", None, 0, [0])],
+    (1, 4, "auto", "worker"): [("B", None, 0, [0])],
+    (1, 4, "shared", "global"): [("B", None, 0, [0, 1, 2, 3])],
+    (1, 4, "shared", "worker"): [("B", None, 0, [0, 1, 2, 3])],
+    (1, 4, "new", "global"): [(f"B-rank-{r}", "B", r, [r]) for r in range(4)],
+    (1, 4, "new", "worker"): [(f"B-rank-{r}", "B", r, [r]) for r in range(4)],
+    (2, 2, "auto", "global"): [("B", None, 0, [0])],
+    (2, 2, "auto", "worker"): [("B-worker-0", None, 0, [0]), ("B-worker-1", None, 2, [2])],
+    (2, 2, "shared", "global"): [("B", None, 0, [0, 1, 2, 3])],
+    (2, 2, "shared", "worker"): [
+        ("B-worker-0", None, 0, [0, 1]),
+        ("B-worker-1", None, 2, [2, 3]),
+    ],
+    (2, 2, "new", "global"): [(f"B-rank-{r}", "B", r, [r]) for r in range(4)],
+    (2, 2, "new", "worker"): [
+        ("B-worker-0-rank-0", "B-worker-0", 0, [0]),
+        ("B-worker-0-rank-1", "B-worker-0", 1, [1]),
+        ("B-worker-1-rank-0", "B-worker-1", 2, [2]),
+        ("B-worker-1-rank-1", "B-worker-1", 3, [3]),
+    ],
+    (3, 2, "new", "worker"): [
+        (f"B-worker-{w}-rank-{lr}", f"B-worker-{w}", 2 * w + lr, [2 * w + lr])
+        for w in range(3)
+        for lr in range(2)
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(TABLE), ids=lambda c: "-".join(map(str, c)))
+def test_run_mode_table(case):
+    nodes, nproc, mode, scope = case
+    assert summary(plan(job(nodes, nproc), mode, scope)) == TABLE[case]
+
+
+@pytest.mark.parametrize(
+    "nodes, nproc, mode, scope, count",
+    [(2, 4, "auto", "global", 1), (2, 4, "auto", "worker", 2), (2, 4, "shared", "global", 1),
+     (2, 4, "shared", "worker", 2), (2, 4, "new", "global", 8), (2, 4, "new", "worker", 8)],
+)  # fmt: skip
+def test_run_counts(nodes, nproc, mode, scope, count):
+    targets = plan(job(nodes, nproc), mode, scope)
+    assert len(targets) == count
+    if mode == "new":
+        assert len({t.group for t in targets}) == (nodes if scope == "worker" else 1)
+
+
+def test_base_id_and_restarts_in_order():
+    targets = plan(job(1, 2, restarts=2), "shared", "global", base_id="exp-7")
+    assert targets[0].id == "exp-7"
+    assert [(s.rank.rank, s.restart) for s in targets[0].sources] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
+
+
+def test_auto_with_all_system_metrics():
+    [target] = plan(job(2, 2), "auto", "global", system_metrics="all")
+    assert [s.rank.rank for s in target.sources] == [0]
+    assert [s.rank.rank for s in target.extra_system_sources] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("bad", ["a/b", "x:y", "q?", "h#", "", " pad", "semi;", "it's"])
+def test_run_id_rules(bad):
+    with pytest.raises(WbmergeError, match="invalid run id"):
+        check_run_id(bad)
+
+
+def test_bad_base_id_is_refused_by_plan():
+    with pytest.raises(WbmergeError, match="cannot contain"):
+        plan(job(1, 2), "new", base_id="team/exp")
+
+
+def test_links_like_the_plugin():
+    targets = plan(job(2, 2), "new", "worker")
+    assert links(targets, "https://wandb.ai", "me", "p", "new") == [
+        {"kind": "group", "name": "B-worker-0", "url": "https://wandb.ai/me/p/groups/B-worker-0"},
+        {"kind": "group", "name": "B-worker-1", "url": "https://wandb.ai/me/p/groups/B-worker-1"},
+    ]
+    targets = plan(job(2, 2), "auto", "worker")
+    assert [link["url"] for link in links(targets, "http://h:1", "e", "p", "auto")] == [
+        "http://h:1/e/p/runs/B-worker-0",
+        "http://h:1/e/p/runs/B-worker-1",
+    ]
+    assert app_url("https://api.wandb.ai") == "https://wandb.ai"

@@ -1,0 +1,257 @@
+"""`wbmerge sync` end to end: real fixtures -> merge -> real `wandb sync` -> sink, by value.
+
+Expected ids and groups are the run-mode table (written out in test_plan.py); expected values
+come from the source `.wandb` files, read with protobuf in sinktools, not with our merge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from wbmerge.cli import main
+
+from .conftest import MANIFEST, job_dir
+from .sinktools import console_text, expected_from_log, system_metric_values
+from .test_plan import TABLE
+
+pytestmark = pytest.mark.e2e
+UNLABELLED = {"_step", "_runtime", "_timestamp"}
+
+
+def sources_of(name):
+    """rank -> (label, Expected) from the fixture's files and the launch manifest."""
+    job = MANIFEST["jobs"][name]
+    out = {}
+    for log in sorted(job_dir(name).glob("wandb/*/run-*.wandb")):
+        want = expected_from_log(log)
+        block = want.config["wbmerge"]
+        label = (
+            f"worker-{block['rank'] // job['nproc']}-rank-{block['rank'] % job['nproc']}"
+            if job["nodes"] > 1
+            else f"rank-{block['rank']}"
+        )
+        out[block["rank"]] = (label, want, log)
+    return out
+
+
+def cli_sync(sink, tmp_path, *args):
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
+    result = CliRunner().invoke(main, ["sync", "--json", *map(str, args)], env=env)
+    return result
+
+
+def tree_digest(root: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        digest.update(str(path.relative_to(root)).encode())
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def assert_shared(got, ranks, key_format="{key}/{label}"):
+    """Every value of every rank at its step under its label, exactly once; one row per step."""
+    steps = [row["_step"] for row in got["history"]]
+    assert steps == sorted(set(steps)), "one row per step, strictly increasing"
+    by_step = {row["_step"]: row for row in got["history"]}
+    expected_keys = {}
+    for label, want, _ in ranks:
+        for source_row in want.history:
+            row = by_step[source_row["_step"]]
+            for key, value in source_row.items():
+                if key in UNLABELLED:
+                    continue
+                labelled = key_format.format(key=key, label=label)
+                assert row[labelled] == value, (labelled, source_row["_step"])
+                expected_keys.setdefault(source_row["_step"], set()).add(labelled)
+    for step, row in by_step.items():
+        assert set(row) - UNLABELLED == expected_keys[step], step  # nothing extra, nothing lost
+    # console: every line of every rank, labelled, once
+    arrived = console_text(got["console"])
+    want_lines = sorted(f"[{label}] {line}" for label, want, _ in ranks for line in want.console)
+    assert sorted(arrived) == want_lines
+    # system metrics: every sample of every rank, with its /l:label suffix
+    arrived_stats = system_metric_values(got["system_metrics"])
+    for label, want, _ in ranks:
+        for sample in want.stats:
+            labelled = {k if "/l:" in k else f"{k}/l:{label}": v for k, v in sample.items()}
+            assert labelled in arrived_stats
+    assert len(arrived_stats) == sum(len(want.stats) for _, want, _ in ranks)
+    # summary: every rank's final values under labelled keys, summary-only keys included
+    for label, want, _ in ranks:
+        for key, value in want.summary.items():
+            if key not in UNLABELLED:
+                assert got["summary"][key_format.format(key=key, label=label)] == value
+
+
+CASES = [(name, mode, scope) for name in ("one_node_4", "two_nodes_2x2")
+         for mode in ("auto", "shared", "new") for scope in ("global", "worker")]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, mode, scope", CASES)
+def test_every_mode_and_scope_arrives_as_the_table_says(sink, tmp_path, name, mode, scope):
+    job = MANIFEST["jobs"][name]
+    before = tree_digest(job_dir(name))
+    result = cli_sync(sink, tmp_path, job_dir(name), "--run-mode", mode, "--rank-scope", scope,
+                      "-p", "e2e", "-e", "local", "--base-id", "B")  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    assert tree_digest(job_dir(name)) == before, "source directories must never change"
+
+    expected = TABLE[(job["nodes"], job["nproc"], mode, scope)]
+    runs = {r["id"]: r for r in sink.client.runs(project="e2e")}
+    assert sorted(runs) == sorted(t[0] for t in expected)
+    ranks = sources_of(name)
+    for run_id, group, primary, source_ranks in expected:
+        got = sink.client.run("local", "e2e", run_id)
+        assert got["group"] == group
+        assert got["config"]["wbmerge"]["primary_rank"] == primary
+        assert got["state"] == "finished" and got["exit_code"] == 0
+        if mode == "shared":
+            assert_shared(got, [ranks[r] for r in source_ranks])
+        else:
+            [rank] = source_ranks
+            want = ranks[rank][1]
+            assert got["history"] == want.history  # passed through untouched
+            assert {k: v for k, v in got["summary"].items() if k != "_wandb"} == want.summary
+            assert console_text(got["console"]) == want.console
+            assert system_metric_values(got["system_metrics"]) == want.stats
+        config = {k: v for k, v in got["config"].items() if k != "wbmerge"}
+        assert config == {k: v for k, v in ranks[primary][1].config.items() if k != "wbmerge"}
+
+    links = json.loads(result.output)["links"]
+    if mode == "new":
+        groups = sorted({t[1] for t in expected})
+        assert [link["url"] for link in links] == [
+            f"{sink.url}/local/e2e/groups/{g}" for g in groups
+        ]
+    else:
+        assert [link["url"] for link in links] == [
+            f"{sink.url}/local/e2e/runs/{t[0]}" for t in expected
+        ]
+
+
+def test_second_sync_uploads_nothing_and_force_uploads_again(sink, tmp_path):
+    args = [job_dir("one_node_4"), "--run-mode", "new", "-p", "again", "-e", "local"]
+    first = json.loads(cli_sync(sink, tmp_path, *args).output)
+    assert {r["status"] for r in first["runs"]} == {"uploaded"}
+    second = cli_sync(sink, tmp_path, *args)
+    assert {r["status"] for r in json.loads(second.output)["runs"]} == {"already synced"}
+    for run in sink.client.runs(project="again"):
+        assert len(sink.client.run("local", "again", run["id"])["history"]) == 30  # no duplicates
+    forced = cli_sync(sink, tmp_path, *args, "--force")
+    assert {r["status"] for r in json.loads(forced.output)["runs"]} == {"uploaded"}
+    # --force really uploads again; like `wandb sync` into an existing run (and like W&B),
+    # the server appends after its historyLineCount, which the --force help warns about.
+    for run in sink.client.runs(project="again"):
+        assert len(sink.client.run("local", "again", run["id"])["history"]) == 60
+
+
+def test_shared_media_from_a_non_zero_rank(sink, tmp_path):
+    result = cli_sync(
+        sink, tmp_path, job_dir("media"), "--run-mode", "shared", "-p", "media", "-e", "local"
+    )
+    assert result.exit_code == 0, result.stderr
+    got = sink.client.run("local", "media", "fx-media")
+    image = next(
+        row["samples/image/rank-1"] for row in got["history"] if "samples/image/rank-1" in row
+    )
+    table = got["summary"]["samples/table/rank-1"]
+    assert image["path"] in got["files"] and table["path"] in got["files"]
+    assert got["summary"]["eval/notes/rank-1"] == "summary-only keys from rank 1"
+    assert_shared(got, list(sources_of("media").values()))
+
+
+def test_killed_non_primary_rank_warns_and_keeps_its_data(sink, tmp_path):
+    result = cli_sync(
+        sink, tmp_path, job_dir("killed_rank"), "--run-mode", "shared", "-p", "k", "-e", "local"
+    )
+    assert result.exit_code == 0, result.stderr
+    assert (
+        "rank 2 (rank-2, restart 0) is a non-primary rank and ended without an exit record"
+        in result.stderr
+    )
+    got = sink.client.run("local", "k", "fx-killed-rank")
+    assert got["exit_code"] == 1 and got["state"] == "failed"  # the primary failed on the lost peer
+    assert_shared(got, list(sources_of("killed_rank").values()))
+
+
+def test_elastic_restarts_are_concatenated(sink, tmp_path):
+    result = cli_sync(
+        sink,
+        tmp_path,
+        job_dir("elastic_restart"),
+        "--run-mode",
+        "shared",
+        "-p",
+        "el",
+        "-e",
+        "local",
+    )
+    assert result.exit_code == 0, result.stderr
+    got = sink.client.run("local", "el", "fx-elastic-restart")
+    steps = [row["_step"] for row in got["history"]]
+    assert steps == list(range(20))
+    logs = sorted(job_dir("elastic_restart").glob("wandb/*/run-*.wandb"))
+    for log in logs:
+        want = expected_from_log(log)
+        label = want.config["wbmerge"]["label"]
+        for row in want.history:
+            assert got["history"][row["_step"]][f"train/loss/{label}"] == row["train/loss"]
+    assert got["exit_code"] == 0  # the last restart's exit
+
+
+def test_cadence_rows_align(sink, tmp_path):
+    result = cli_sync(
+        sink, tmp_path, job_dir("cadence"), "--run-mode", "shared", "-p", "cad", "-e", "local"
+    )
+    assert result.exit_code == 0, result.stderr
+    got = sink.client.run("local", "cad", "fx-cadence")
+    assert [r["_step"] for r in got["history"]] == list(range(30))
+    for row in got["history"]:
+        assert ("train/loss/rank-1" in row) == (row["_step"] % 5 == 0)
+    assert_shared(got, list(sources_of("cadence").values()))
+
+
+def test_auto_with_every_ranks_system_metrics(sink, tmp_path):
+    result = cli_sync(
+        sink, tmp_path, job_dir("one_node_4"), "--system-metrics", "all", "-p", "sm", "-e", "local"
+    )
+    assert result.exit_code == 0, result.stderr
+    got = sink.client.run("local", "sm", "fx-one-node-4")
+    ranks = sources_of("one_node_4")
+    assert got["history"] == ranks[0][1].history
+    labels = {k.rsplit("/l:", 1)[1] for row in got["system_metrics"] for k in row if "/l:" in k}
+    assert labels == {"rank-0", "rank-1", "rank-2", "rank-3"}
+    assert len(got["system_metrics"]) == sum(len(w.stats) for _, w, _ in ranks.values())
+
+
+def test_skew_metrics(sink, tmp_path):
+    result = cli_sync(sink, tmp_path, job_dir("slow_rank"), "--run-mode", "shared", "--skew-metrics",
+                      "-p", "skew", "-e", "local")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    row = sink.client.run("local", "skew", "fx-slow-rank")["history"][5]
+    values = sorted(row[f"train/step_time/rank-{r}"] for r in range(3))
+    assert row["wbmerge/spread/train/step_time"] == pytest.approx(
+        (values[2] - values[0]) / values[1]
+    )
+
+
+def test_merge_writes_runs_that_wandb_sync_accepts(sink, tmp_path):
+    from .sinktools import wandb_sync
+
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(main, ["merge", str(job_dir("two_nodes_2x2")), "--run-mode", "shared",
+                                       "--rank-scope", "worker", "--out", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    dirs = sorted(out.glob("offline-run-*"))
+    assert [d.name.rsplit("-", 2)[-2:] for d in dirs] == [["worker", "0"], ["worker", "1"]]
+    assert wandb_sync(sink, dirs, "-p", "later", "-e", "local").returncode == 0
+    assert sorted(r["id"] for r in sink.client.runs(project="later")) == [
+        "fx-two-nodes-2x2-worker-0",
+        "fx-two-nodes-2x2-worker-1",
+    ]

@@ -1,0 +1,133 @@
+"""What `wbmerge sync` / `merge` do with input that cannot be merged as asked: one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from wbmerge.cli import main
+
+from .conftest import job_dir
+from .sinktools import expected_from_log
+
+LOCAL = {"WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "local-" + "0" * 40}
+
+
+def run(*args, env=None):
+    return CliRunner().invoke(main, [str(a) for a in args], env={**LOCAL, **(env or {})})
+
+
+def assert_one_line_error(result, *fragments, code=2):
+    assert result.exit_code == code, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wbmerge: error:"), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert "Traceback" not in result.output
+
+
+def copy_job(name, dest, skip_ranks=()):
+    for run_dir in (job_dir(name) / "wandb").iterdir():
+        rank = expected_from_log(next(run_dir.glob("*.wandb"))).config["wbmerge"]["rank"]
+        if rank not in skip_ranks:
+            shutil.copytree(run_dir, dest / "wandb" / run_dir.name)
+    return dest
+
+
+def test_missing_rank_is_named(tmp_path):
+    copy_job("one_node_4", tmp_path, skip_ranks={2})
+    assert_one_line_error(
+        run("sync", tmp_path, "--dry-run"), "rank(s) 2 of 4", "--allow-missing-ranks"
+    )
+    result = run(
+        "sync", tmp_path, "--dry-run", "--json", "--run-mode", "new", "--allow-missing-ranks"
+    )
+    assert result.exit_code == 0
+    assert [t["id"] for t in json.loads(result.output)] == [
+        f"fx-one-node-4-rank-{r}" for r in (0, 1, 3)
+    ]
+
+
+def test_same_rank_twice_names_both_paths(tmp_path):
+    copy_job("one_node_4", tmp_path)
+    first = sorted((tmp_path / "wandb").iterdir())[0]
+    shutil.copytree(first, tmp_path / "copy" / first.name)
+    result = run("sync", tmp_path, "--dry-run")
+    assert_one_line_error(result, "claimed twice", str(first.name))
+    assert result.stderr.count(first.name) == 2
+
+
+def test_unknown_rank_is_refused_with_a_hint():
+    result = run("sync", job_dir("no_metadata"), "--dry-run")
+    assert_one_line_error(result, "unknown rank", "wbmerge.rank_config")
+
+
+def test_two_jobs_in_one_directory(tmp_path):
+    copy_job("one_node_4", tmp_path)
+    copy_job("cadence", tmp_path)
+    result = run("sync", tmp_path, "--dry-run", "--json")
+    assert result.exit_code == 0
+    assert sorted(t["id"] for t in json.loads(result.output)) == ["fx-cadence", "fx-one-node-4"]
+    result = run(
+        "sync", tmp_path, "--dry-run", "--json", "--job", "fx-cadence", "--run-mode", "shared"
+    )
+    [target] = json.loads(result.output)
+    assert target["id"] == "fx-cadence" and len(target["sources"]) == 4
+    assert_one_line_error(
+        run("sync", tmp_path, "--dry-run", "--base-id", "x"), "--base-id names one job"
+    )
+    assert_one_line_error(run("sync", tmp_path, "--dry-run", "--job", "nope"), "no job 'nope'")
+
+
+def test_dry_run_json_has_the_documented_keys():
+    result = run("sync", job_dir("two_nodes_2x2"), "--dry-run", "--json", "--run-mode", "shared",
+                 "--rank-scope", "worker")  # fmt: skip
+    targets = json.loads(result.output)
+    assert {"id", "group", "job_type", "display_name", "primary_rank", "sources"} <= set(targets[0])
+    assert [s["label"] for s in targets[1]["sources"]] == ["worker-1-rank-0", "worker-1-rank-1"]
+    assert targets[1]["primary_rank"] == 2
+
+
+def test_no_credentials_fails_before_any_work(tmp_path):
+    result = CliRunner().invoke(
+        main,
+        ["sync", str(job_dir("one_node_4")), "--keep-staging", str(tmp_path / "stage")],
+        env={
+            "WANDB_API_KEY": None,
+            "WANDB_BASE_URL": "http://127.0.0.1:9",
+            "NETRC": str(tmp_path / "none"),
+            "HOME": str(tmp_path),
+        },  # fmt: skip
+    )
+    assert_one_line_error(result, "no W&B credentials", "WANDB_API_KEY")
+    assert not (tmp_path / "stage").exists()
+
+
+def test_unreachable_server_is_a_failure_not_success(tmp_path):
+    # wandb's own retry settings, cut short so the uploader gives up quickly
+    quick = {f"WANDB_X_{kind}_{what}": value for kind in ("GRAPHQL", "FILE_STREAM", "FILE_TRANSFER")
+             for what, value in (("RETRY_MAX", "1"), ("RETRY_WAIT_MIN_SECONDS", "0.1"),
+                                 ("RETRY_WAIT_MAX_SECONDS", "0.2"), ("TIMEOUT_SECONDS", "2"))}  # fmt: skip
+    env = {"WBMERGE_STATE_DIR": str(tmp_path), **quick}
+    result = run("sync", job_dir("media"), "-p", "x", "-e", "local", env=env)
+    assert result.exit_code == 1 and "wandb sync failed" in result.stderr
+    assert not (tmp_path / "synced.json").exists()  # nothing recorded as synced
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--base-id", "team/exp"], "cannot contain"),
+        (["--key-format", "{key}"], "must contain {key} and {label}"),
+        (["--key-format", "{nope}"], "bad --key-format"),
+    ],
+)
+def test_bad_options(args, fragment):
+    assert_one_line_error(run("sync", job_dir("one_node_4"), "--dry-run", *args), fragment)
+
+
+def test_nothing_there(tmp_path):
+    assert_one_line_error(run("merge", tmp_path, "--out", tmp_path / "o"), "no offline W&B run")
