@@ -40,8 +40,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        # ~1.25 kB of records per step with 20 metrics
-        steps = int(args.mb * 1e6 / 1250)
+        # ~1.8 kB of records (history + summary) per step with 20 metrics
+        steps = int(args.mb * 1e6 / 1800)
         path = synthetic.write_rank(Path(tmp), RankInfo(0, 0, 1, 1, 0, job_id="b"), steps)
         size = path.stat().st_size
 

@@ -1,12 +1,31 @@
 #!/usr/bin/env bash
-# The main job, end to end on this machine: a 4-rank DDP job logging offline, then wbmerge.
+# The main job, end to end on this machine, no account and no network:
+#   1. the built-in local W&B-compatible sink on 127.0.0.1
+#   2. a real 4-rank torchrun DDP job (gloo, CPU); every rank writes an offline W&B run
+#   3. wbmerge sync --run-mode shared: all ranks merged into one run, uploaded by `wandb sync`
+#   4. the links, which open on the sink's own pages
 set -euo pipefail
 out="${1:-./wbmerge-demo}"
+port="${WBMERGE_SINK_PORT:-8765}"
 rm -rf "$out/wandb"
 mkdir -p "$out"
-echo "== training: torchrun, 4 ranks, every rank writes an offline W&B run under $out/wandb"
+
+sink_up() { python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/api/runs', timeout=2)" 2>/dev/null; }
+if ! sink_up; then
+    wbmerge sink serve --port "$port" --data "$out/sink" > "$out/sink.log" 2>&1 &
+    for _ in $(seq 100); do sink_up && break; sleep 0.1; done
+    echo "== the local sink runs on http://127.0.0.1:$port (pid $!; data in $out/sink)"
+fi
+export WANDB_BASE_URL="http://127.0.0.1:$port"
+export WANDB_API_KEY="local-0000000000000000000000000000000000000000"
+export WBMERGE_STATE_DIR="$out/state"
+
+echo "== training: torchrun, 4 ranks, offline W&B runs under $out/wandb"
 WANDB_SILENT=true python -m torch.distributed.run --standalone --nproc-per-node 4 \
-    "$(dirname "$0")/ddp_train.py" --dir "$out" --steps 40 > "$out/train.log" 2>&1 \
+    "$(dirname "$0")/ddp_train.py" --dir "$out" --steps 40 --slow-rank 3 > "$out/train.log" 2>&1 \
     || { tail -30 "$out/train.log"; exit 1; }
-echo "== wbmerge inspect $out/wandb"
 wbmerge inspect "$out/wandb"
+
+echo "== wbmerge sync --run-mode shared $out/wandb"
+wbmerge sync --run-mode shared --skew-metrics "$out/wandb"
+echo "== open the link above in a browser; the sink keeps running (stop it with: pkill -f 'wbmerge sink serve')"

@@ -289,3 +289,7 @@ def sync(
         click.echo(f"{t.status:>14}: {t.target.id}")
     for link in report.links:
         click.echo(f"{link['kind']}: {link['url']}")
+
+
+if __name__ == "__main__":
+    main()

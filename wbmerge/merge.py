@@ -307,10 +307,11 @@ class _Labeller:
         self._cache: dict[tuple[str, str], str] = {}
 
     def __call__(self, key: str, label: str) -> str:
-        cached = self._cache.get((key, label))
-        if cached is None:
-            cached = self._cache[(key, label)] = self.key_format.format(key=key, label=label)
-        return cached
+        try:
+            return self._cache[key, label]
+        except KeyError:
+            labelled = self._cache[key, label] = self.key_format.format(key=key, label=label)
+            return labelled
 
 
 def _item_path(item: pb.HistoryItem | pb.SummaryItem) -> list[str]:
@@ -425,10 +426,12 @@ def _rank_events(
                 last_step = step
                 yield (step, 0, rank), history
             elif kind == "summary":
-                for item in pb.Record.FromString(payload).summary.update:
-                    state.summary[tuple(item.nested_key) or (item.key,)] = item.value_json
-                for item in pb.Record.FromString(payload).summary.remove:
-                    state.summary.pop(tuple(item.nested_key) or (item.key,), None)
+                summary = pb.Record.FromString(payload).summary
+                folded = state.summary
+                for item in summary.update:
+                    folded[tuple(item.nested_key) or (item.key,)] = item.value_json
+                for item in summary.remove:
+                    folded.pop(tuple(item.nested_key) or (item.key,), None)
             elif kind == "exit":
                 state.exit_payload = payload
             elif kind == "metric":
@@ -497,20 +500,23 @@ def _merged_row(
     values: dict[str, list[float]] = {}
     for rank, history in sorted(rows, key=lambda r: (r[0] != primary, r[0])):
         label = by_rank[rank][0].label
+        add = merged.item.add
         for item in history.item:
-            path = _item_path(item)
-            key = path[0]
+            nested = item.nested_key
+            key = nested[0] if nested else item.key
             if key in UNLABELLED:
                 if key != "_step" and (time_owner is None or time_owner == rank):
                     times[key] = item.value_json
                     time_owner = rank
                 continue
-            out = merged.item.add()
+            out = add()
             # only the top-level key is labelled, so a nested value (an image) stays whole
-            out.nested_key.append(label_key(key, label))
-            out.nested_key.extend(path[1:])
+            if len(nested) > 1:
+                out.nested_key.extend([label_key(key, label), *nested[1:]])
+            else:
+                out.nested_key.append(label_key(key, label))
             out.value_json = item.value_json
-            if options.skew_metrics and len(path) == 1:
+            if options.skew_metrics and len(nested) <= 1:
                 try:
                     values.setdefault(key, []).append(float(item.value_json))
                 except ValueError:

@@ -1,0 +1,161 @@
+"""Merge and end-to-end sync on synthetic jobs from our own writer (issue 4 targets).
+
+    python bench/bench_merge.py                 # 8 ranks x 20k steps x 20 metrics; 64 x 2k
+    python bench/bench_merge.py --scale 0.1     # a quick look
+    python bench/bench_merge.py --skip-e2e
+
+For each job and run mode, the merge runs in a fresh process pinned to one core, `--repeat`
+times; reported: median seconds, throughput (source MB/s for new/auto, source history rows/s
+for shared) and that process's peak RSS. Peak RSS is also measured for the same 8-rank job at
+a tenth of the steps, to show memory does not grow with the step count.
+End to end: `wbmerge sync --run-mode new -n 8` against plain `wandb sync -n 8` of the raw rank
+directories, into the same local sink, in the same invocation (median, and their ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from wbmerge import synthetic  # noqa: E402
+from wbmerge.sink.client import local_api_key  # noqa: E402
+
+CHILD = """
+import json, os, resource, sys, time
+os.sched_setaffinity(0, {0})
+from pathlib import Path
+from wbmerge.pipeline import MergeRequest, merge_jobs
+job, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+began = time.perf_counter()
+staged = merge_jobs(MergeRequest([job], run_mode=mode), out)
+seconds = time.perf_counter() - began
+print(json.dumps({"seconds": seconds, "rows": sum(s.source_rows for s in staged),
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def merge_once(job: Path, mode: str) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, str(job), out, mode],
+            capture_output=True, text=True, check=True, cwd=ROOT,
+        )  # fmt: skip
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def source_mb(job: Path, mode: str) -> float:
+    logs = sorted(job.rglob("run-*.wandb"))
+    if mode == "auto":
+        logs = [p for p in logs if "syn0000" in p.name]
+    return sum(p.stat().st_size for p in logs) / 1e6
+
+
+def bench_merge(job: Path, repeat: int) -> dict:
+    result = {}
+    for mode in ("new", "auto", "shared"):
+        runs = [merge_once(job, mode) for _ in range(repeat)]
+        seconds = statistics.median(r["seconds"] for r in runs)
+        entry = {"seconds": round(seconds, 2), "peak_rss_mb": round(max(r["rss_mb"] for r in runs))}
+        if mode == "shared":
+            entry["source_rows_per_s"] = round(runs[0]["rows"] / seconds)
+        else:
+            entry["source_mb_per_s"] = round(source_mb(job, mode) / seconds)
+        result[mode] = entry
+        print(f"  {mode}: {entry}", flush=True)
+    return result
+
+
+def start_sink(data: Path) -> tuple[subprocess.Popen, str]:
+    port_file = data / "port"
+    data.mkdir(parents=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wbmerge.sink", "--port", "0", "--data", str(data), "--port-file", str(port_file)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    while not port_file.exists():
+        time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{port_file.read_text()}"
+
+
+def bench_e2e(job: Path, repeat: int, work: Path) -> dict:
+    proc, url = start_sink(work / "sink")
+    env = {
+        **os.environ,
+        "WANDB_BASE_URL": url,
+        "WANDB_API_KEY": local_api_key(),
+        "WANDB_SILENT": "true",
+    }
+    wandb = str(Path(sys.executable).with_name("wandb"))
+    ours, plain = [], []
+    try:
+        for i in range(repeat):
+            copy = work / f"raw-{i}"
+            shutil.copytree(job, copy)  # wandb sync writes beside the runs it reads
+            dirs = [str(d) for d in sorted((copy / "wandb").glob("offline-run-*"))]
+            began = time.perf_counter()
+            subprocess.run([wandb, "sync", "-p", f"plain{i}", "-e", "local", "-n", "8", *dirs],
+                           env=env, check=True, capture_output=True)  # fmt: skip
+            plain.append(time.perf_counter() - began)
+            began = time.perf_counter()
+            subprocess.run(
+                [sys.executable, "-m", "wbmerge.cli", "sync", str(job), "--run-mode", "new", "-n", "8",
+                 "-p", f"ours{i}", "-e", "local", "--force"],
+                env={**env, "WBMERGE_STATE_DIR": str(work / "state")}, check=True, capture_output=True,
+            )  # fmt: skip
+            ours.append(time.perf_counter() - began)
+    finally:
+        proc.terminate()
+    result = {
+        "plain_wandb_sync_s": round(statistics.median(plain), 2),
+        "wbmerge_sync_new_s": round(statistics.median(ours), 2),
+    }
+    result["ratio"] = round(result["wbmerge_sync_new_s"] / result["plain_wandb_sync_s"], 3)
+    print(f"  e2e: {result}", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the step counts")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--skip-e2e", action="store_true")
+    args = parser.parse_args()
+    results: dict = {"scale": args.scale, "repeat": args.repeat}
+    with tempfile.TemporaryDirectory(prefix="wbmerge-bench-") as tmp:
+        work = Path(tmp)
+        jobs = {
+            "8x20k": (1, 8, int(20_000 * args.scale)),
+            "8x2k": (1, 8, int(2_000 * args.scale)),
+            "64x2k": (8, 8, int(2_000 * args.scale)),
+        }
+        for name, (nodes, nproc, steps) in jobs.items():
+            began = time.perf_counter()
+            synthetic.write_job(
+                work / name, nodes, nproc, steps, metrics=20, job_id=f"bench-{name}"
+            )
+            size = sum(p.stat().st_size for p in (work / name).rglob("*.wandb")) / 1e6
+            print(f"{name}: {nodes * nproc} ranks x {steps} steps, {size:.0f} MB "
+                  f"(written in {time.perf_counter() - began:.1f} s)", flush=True)  # fmt: skip
+            results[name] = {
+                "source_mb": round(size),
+                "merge": bench_merge(work / name, args.repeat),
+            }
+        if not args.skip_e2e:
+            print("end to end, 8x20k, into the local sink:", flush=True)
+            results["e2e_8x20k"] = bench_e2e(work / "8x20k", args.repeat, work / "e2e")
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
