@@ -235,11 +235,12 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
         for warning in s.warnings:
             click.echo(f"wbmerge: warning: {s.target.id}: {warning}", err=True)
     if as_json:
-        click.echo(json.dumps([{"id": s.target.id, "path": str(s.run_dir), "history_rows": s.history_rows,
+        click.echo(json.dumps([{"id": s.target.id, "path": str(s.run_dir), "kind": s.target.kind,
                                 "exit_code": s.exit_code} for s in staged], indent=2))  # fmt: skip
         return
     for s in staged:
-        click.echo(f"{s.run_dir}  ({s.history_rows} rows, exit code {s.exit_code})")
+        rows = f"{s.history_rows} merged rows, " if s.target.kind == "shared" else ""
+        click.echo(f"{s.run_dir}  ({rows}exit code {s.exit_code})")
     click.echo(f"upload later with: wandb sync {' '.join(str(s.run_dir) for s in staged)}")
 
 

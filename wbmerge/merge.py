@@ -250,6 +250,35 @@ def _write_passthrough(
     writer.write(exit_payload if exit_payload is not None else _exit_record(code))
 
 
+def _copy_one(target: Target, writer: LogWriter, options: MergeOptions, staged: Staged) -> None:
+    """The hot path of `new` and `auto`: bytes in, bytes out; only the run record is parsed.
+
+    The exit record is the last one wandb writes, so only the last payload is looked at.
+    """
+    source = target.sources[0]
+    report = ReadReport()
+    payloads = read_payloads(source.path, report)
+    last = None
+    for payload in payloads:
+        kind = record_kind(payload)
+        if kind == "run":
+            writer.write(_rewrite_run(payload, target, options))
+            break
+        writer.write(payload)
+    write = writer.write
+    for payload in payloads:
+        if last is not None:
+            write(last)
+        last = payload
+    complete = last is not None and record_kind(last) == "exit"
+    if last is not None:
+        write(last)
+    staged.exit_code = _exit_code(last if complete else None)
+    if not complete:
+        write(_exit_record(staged.exit_code))
+    _note_damage(staged, source, report, complete, target.primary_rank)
+
+
 def _continue_steps(payload: bytes, last_step: int, shift: int | None) -> tuple[bytes, int, int]:
     """Elastic restarts continue the steps: a restart that repeats steps is moved after them."""
     record = pb.Record.FromString(payload)
