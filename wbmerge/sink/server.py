@@ -172,6 +172,7 @@ def serve(
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
+    sock.listen(128)  # connections queue from now on, so announcing the port is safe
     bound = sock.getsockname()[1]
     app = make_app(data_dir, faults)
     if port_file:
