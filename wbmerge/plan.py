@@ -128,19 +128,7 @@ def plan(
                 kind = "auto+system" if extra else "passthrough"
             if not chosen:
                 raise WbmergeError(f"{run_id}: the primary rank {primary} has no offline run")
-            targets.append(
-                Target(
-                    id=check_run_id(run_id),
-                    group=None,
-                    display_name=run_id,
-                    job_type=job_type,
-                    primary_rank=primary,
-                    kind=kind,
-                    sources=chosen,
-                    worker=worker,
-                    extra_system_sources=extra,
-                )
-            )
+            targets.append(_target(run_id, None, job_type, primary, kind, chosen, worker, extra))
         return targets
 
     # new: every rank its own run
@@ -154,19 +142,33 @@ def plan(
             )
         else:
             run_id, group = f"{base}-rank-{rank}", base
-        targets.append(
-            Target(
-                id=check_run_id(run_id),
-                group=group,
-                display_name=run_id,
-                job_type=job_type,
-                primary_rank=rank,
-                kind="passthrough",
-                sources=chosen,
-                worker=info.worker if per_worker else None,
-            )
-        )
+        worker = info.worker if per_worker else None
+        targets.append(_target(run_id, group, job_type, rank, "passthrough", chosen, worker))
     return targets
+
+
+def _target(
+    run_id: str,
+    group: str | None,
+    job_type: str | None,
+    primary: int,
+    kind: str,
+    sources: tuple[Source, ...],
+    worker: int | None,
+    extra: tuple[Source, ...] = (),
+) -> Target:
+    """A checked target; its display name is its id, as the plugin's runs are named."""
+    return Target(
+        id=check_run_id(run_id),
+        group=group,
+        display_name=run_id,
+        job_type=job_type,
+        primary_rank=primary,
+        kind=kind,
+        sources=sources,
+        worker=worker,
+        extra_system_sources=extra,
+    )
 
 
 def _primary(sources: Sequence[Source], worker: int | None) -> int:
