@@ -265,18 +265,23 @@ def sync(
 
     from .pipeline import plan_jobs
     from .pipeline import sync as run_sync
+    from .upload import find_credentials
 
     request = _request(**kw)
     if dry_run:
         _print_plan(plan_jobs(request), as_json)
         return
-    progress = _Progress(0)
-    report = run_sync(
-        request, parallel=parallel, force=force,
-        staging_dir=Path(keep_staging) if keep_staging else None, keep_staging=bool(keep_staging),
-        progress=progress,
-    )  # fmt: skip
-    progress.close()
+    find_credentials()  # before any work: no credentials, no reading of runs
+    planned = plan_jobs(request)
+    progress = _Progress(sum(len(j.targets) for j in planned))
+    try:
+        report = run_sync(
+            request, parallel=parallel, force=force,
+            staging_dir=Path(keep_staging) if keep_staging else None,
+            keep_staging=bool(keep_staging), progress=progress, planned=planned,
+        )  # fmt: skip
+    finally:
+        progress.close()
     for warning in report.warnings:
         click.echo(f"wbmerge: warning: {warning}", err=True)
     if as_json:

@@ -229,9 +229,8 @@ def infer_label_topology(runs: list[OfflineRun]) -> None:
             continue
         candidates = [r for r in members if r.label in inferred]
         first = min(candidates, key=lambda r: (inferred[r.label].rank, r.start_time))
-        job_id = f"{first.run_id}"
         for run in candidates:
-            run.rank = replace(inferred[run.label], job_id=job_id)
+            run.rank = replace(inferred[run.label], job_id=first.run_id)
             run.rank_source = "label"
 
 

@@ -58,8 +58,8 @@ class Staged:
 
     target: Target
     run_dir: Path
-    history_rows: int = 0
-    source_rows: int = 0
+    history_rows: int = 0  # shared targets: merged rows written
+    source_rows: int = 0  # shared targets: source rows read
     records: int = 0
     exit_code: int = 0
     warnings: list[str] = field(default_factory=list)
@@ -71,7 +71,7 @@ class Staged:
 
 def stage(target: Target, out_dir: Path, options: MergeOptions) -> Staged:
     """Write `target` under `out_dir` as `offline-run-<time>-<id>/`; returns what was written."""
-    start = _start_time(target.sources[0].path)
+    start = target.sources[0].start_time
     stamp = time.strftime("%Y%m%d_%H%M%S", time.gmtime(start or time.time()))
     run_dir = out_dir / f"offline-run-{stamp}-{target.id}"
     if run_dir.exists():
@@ -136,14 +136,6 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 # -- run record ----------------------------------------------------------------------------
-
-
-def _start_time(path: Path) -> float:
-    for payload in read_payloads(path):
-        if record_kind(payload) == "run":
-            t = pb.Record.FromString(payload).run.start_time
-            return t.seconds + t.nanos / 1e9
-    return 0.0
 
 
 def _wbmerge_block(target: Target, options: MergeOptions, rank_block: dict | None) -> dict:
@@ -218,11 +210,11 @@ def _write_passthrough(
 ) -> None:
     """A rank's records as they are (restarts concatenated), the run record rewritten."""
     exit_payload = None
-    last_step = -1
+    steps = _Steps()
     several = len(target.sources) > 1
     for index, source in enumerate(target.sources):
         report = ReadReport()
-        shift = None
+        steps.restart()
         exit_payload = None
         for payload in read_payloads(source.path, report):
             kind = record_kind(payload)
@@ -235,11 +227,8 @@ def _write_passthrough(
             if kind == "exit":
                 exit_payload = payload
                 continue
-            if kind == "history":
-                staged.source_rows += 1
-                staged.history_rows += 1
-                if several:
-                    payload, last_step, shift = _continue_steps(payload, last_step, shift)
+            if kind == "history" and several:
+                payload = _continue_steps(payload, steps)
             writer.write(payload)
         _note_damage(staged, source, report, exit_payload is not None, target.primary_rank)
     for extra in target.extra_system_sources:
@@ -279,20 +268,39 @@ def _copy_one(target: Target, writer: LogWriter, options: MergeOptions, staged: 
     _note_damage(staged, source, report, complete, target.primary_rank)
 
 
-def _continue_steps(payload: bytes, last_step: int, shift: int | None) -> tuple[bytes, int, int]:
-    """Elastic restarts continue the steps: a restart that repeats steps is moved after them."""
+class _Steps:
+    """Elastic restarts continue the steps: a restart that repeats steps is moved after them.
+
+    Call `restart()` before each restart's records and `place(step)` for each of its rows.
+    """
+
+    def __init__(self) -> None:
+        self.last = -1
+        self._shift: int | None = None
+
+    def restart(self) -> None:
+        self._shift = None
+
+    def place(self, step: int) -> int:
+        if self._shift is None:
+            self._shift = max(0, self.last + 1 - step)
+        step += self._shift
+        self.last = max(self.last, step)
+        return step
+
+
+def _continue_steps(payload: bytes, steps: _Steps) -> bytes:
+    """A pass-through history record, re-stepped when its restart repeated earlier steps."""
     record = pb.Record.FromString(payload)
     step = record.history.step.num
-    if shift is None:
-        shift = max(0, last_step + 1 - step)
-    if shift:
-        step += shift
-        record.history.step.num = step
-        for item in record.history.item:
-            if _item_path(item) == ["_step"]:
-                item.value_json = str(step)
-        payload = record.SerializeToString()
-    return payload, step, shift
+    placed = steps.place(step)
+    if placed == step:
+        return payload
+    record.history.step.num = placed
+    for item in record.history.item:
+        if _item_path(item) == ["_step"]:
+            item.value_json = str(placed)
+    return record.SerializeToString()
 
 
 def _exit_code(exit_payload: bytes | None) -> int:
@@ -307,7 +315,7 @@ def _note_damage(
     where = f"rank {source.rank.rank} ({source.label}, restart {source.restart})"
     if report.dropped_bytes:
         staged.warnings.append(f"{where}: {report.describe()}; the readable records are kept")
-    if not complete and source is not None:
+    if not complete:
         role = "the primary" if source.rank.rank == primary else "a non-primary rank"
         staged.warnings.append(
             f"{where} is {role} and ended without an exit record (killed?); "
@@ -435,21 +443,18 @@ def _rank_events(
     """
     rank = state.source.rank.rank
     label = state.source.label
-    last_step = -1
+    steps = _Steps()
+    last_step = -1  # of the rows yielded: other records follow the row before them
     seq = 0
     for index, source in enumerate(sources):
         report = ReadReport()
-        shift = None
+        steps.restart()
         state.exit_payload = None
         for payload in read_payloads(source.path, report):
             kind = record_kind(payload)
             if kind == "history":
                 history = pb.Record.FromString(payload).history
-                step = history.step.num
-                if len(sources) > 1:
-                    if shift is None:
-                        shift = max(0, last_step + 1 - step)
-                    step += shift
+                step = steps.place(history.step.num)
                 if step <= last_step:
                     continue  # never two rows of one rank at one step
                 last_step = step

@@ -84,7 +84,10 @@ def plan_jobs(request: MergeRequest) -> list[PlannedJob]:
         recorded = _recorded_defaults(job)
         run_mode = request.run_mode or recorded.get("run_mode") or "auto"
         rank_scope = request.rank_scope or recorded.get("rank_scope") or "global"
-        sources = [Source(r.path, r.rank, r.label or r.rank.label) for r in job.runs]
+        sources = [
+            Source(r.path, r.rank, r.label or r.rank.label, start_time=r.start_time)
+            for r in job.runs
+        ]
         targets = plan(
             sources,
             run_mode,
@@ -159,11 +162,12 @@ def sync(
     staging_dir: Path | None = None,
     keep_staging: bool = False,
     progress: Callable[[Staged], None] | None = None,
+    planned: list[PlannedJob] | None = None,
 ) -> SyncReport:
     """Merge and upload. Fails (WbmergeError) before any work without credentials, and
     reports failure, never success, when the uploader did not finish."""
     credentials = find_credentials()
-    planned = plan_jobs(request)
+    planned = plan_jobs(request) if planned is None else planned
     for job in planned:
         if not job.project:
             raise WbmergeError("no project: pass --project or set WANDB_PROJECT")

@@ -26,6 +26,7 @@ class Source:
     rank: RankInfo
     label: str
     complete: bool = True  # an exit record was seen (known after a scan)
+    start_time: float = 0.0  # the run record's, as discovery read it
 
     @property
     def restart(self) -> int:
