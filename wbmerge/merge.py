@@ -16,18 +16,26 @@ from __future__ import annotations
 import heapq
 import json
 import shutil
+import struct
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from wandb.proto import wandb_internal_pb2 as pb
 
+from . import items, wire
 from .plan import Source, Target
 from .topology import METADATA_KEY
 from .txlog import LogWriter, ReadReport, read_payloads, record_kind
 
-UNLABELLED = ("_step", "_runtime", "_timestamp")
+# W&B's own keys: never labelled; in a merged row and summary they are the primary's
+RESERVED = ("_step", "_runtime", "_timestamp", "_wandb")
 PASS_TWO = ("output_raw", "output", "stats")
 WANDB_FILES = {
     "requirements.txt",
@@ -232,7 +240,8 @@ def _write_passthrough(
             writer.write(payload)
         _note_damage(staged, source, report, exit_payload is not None, target.primary_rank)
     for extra in target.extra_system_sources:
-        for record in _console_and_stats(extra, options, stats_only=True):
+        stats = _console_and_stats(read_payloads(extra.path), extra, stats_only=True)
+        for record in stats:
             writer.write(record[3])
     code = _exit_code(exit_payload)
     staged.exit_code = code
@@ -298,7 +307,7 @@ def _continue_steps(payload: bytes, steps: _Steps) -> bytes:
         return payload
     record.history.step.num = placed
     for item in record.history.item:
-        if _item_path(item) == ["_step"]:
+        if (list(item.nested_key) or [item.key]) == ["_step"]:
             item.value_json = str(placed)
     return record.SerializeToString()
 
@@ -331,29 +340,40 @@ class _RankState:
     """What one rank's pass-1 stream accumulates besides its rows: O(keys), not O(steps)."""
 
     source: Source  # first restart (label, rank)
-    summary: dict[tuple[str, ...], str] = field(default_factory=dict)
+    keys: _RankKeys
+    summary: dict[bytes, bytes] = field(default_factory=dict)  # output key part -> value part
     exit_payload: bytes | None = None
     complete: bool = False
 
 
-class _Labeller:
-    """`{key}/{label}` with a cache: the same few keys are labelled millions of times."""
+class _RankKeys:
+    """One rank's item keys as they leave the merge, worked out once per distinct key.
 
-    def __init__(self, key_format: str) -> None:
+    Maps an item's raw key part to (output key part, reserved name, skew key): user keys
+    are labelled (only the top-level key, so a nested value such as an image stays whole)
+    and have no reserved name; `_step`, `_runtime`, `_timestamp` and `_wandb` keep their key,
+    written in the canonical `nested_key` form, and are named; the skew key is the top-level
+    key of a one-level user key, whose numbers the spread is computed from.
+    """
+
+    def __init__(self, label: str, key_format: str) -> None:
+        self.label = label
         self.key_format = key_format
-        self._cache: dict[tuple[str, str], str] = {}
+        self.known: dict[bytes, tuple[bytes, str | None, str | None]] = {}
 
-    def __call__(self, key: str, label: str) -> str:
-        try:
-            return self._cache[key, label]
-        except KeyError:
-            labelled = self._cache[key, label] = self.key_format.format(key=key, label=label)
-            return labelled
+    def learn(self, raw: bytes) -> tuple[bytes, str | None, str | None]:
+        path = wire.key_path(raw)
+        top = path[0]
+        if top in RESERVED:
+            entry = (wire.key_part(path), top, None)
+        else:
+            labelled = [self.key_format.format(key=top, label=self.label), *path[1:]]
+            entry = (wire.key_part(labelled), None, top if len(path) == 1 else None)
+        self.known[raw] = entry
+        return entry
 
 
-def _item_path(item: pb.HistoryItem | pb.SummaryItem) -> list[str]:
-    """A value's key path: media and dicts are nested (`["samples/image", "path"]`)."""
-    return list(item.nested_key) if item.nested_key else [item.key]
+_STEP_KEY = wire.key_part(["_step"])
 
 
 def _write_shared(
@@ -363,11 +383,13 @@ def _write_shared(
     file_map: dict[tuple[Path, str], str],
     staged: Staged,
 ) -> None:
-    label_key = _Labeller(options.key_format)
     by_rank: dict[int, list[Source]] = {}
     for source in target.sources:
         by_rank.setdefault(source.rank.rank, []).append(source)
-    states = {rank: _RankState(sources[0]) for rank, sources in by_rank.items()}
+    states = {
+        rank: _RankState(sources[0], _RankKeys(sources[0].label, options.key_format))
+        for rank, sources in by_rank.items()
+    }
     primary = target.primary_rank
     for payload in read_payloads(by_rank[primary][0].path):
         kind = record_kind(payload)
@@ -377,18 +399,52 @@ def _write_shared(
             writer.write(_rewrite_run(payload, target, options))
             break
 
-    # Pass 1: rows by step, with what travels with them.
+    with _Spools(staged.run_dir.parent) as spools:
+        _write_rows(by_rank, states, target, writer, options, file_map, staged, spools)
+        _write_console_and_stats(by_rank, writer, spools)
+
+    # The end: every rank's final summary, one exit record (the primary's).
+    writer.write(_final_summary(states, primary))
+    code = _exit_code(states[primary].exit_payload)
+    staged.exit_code = code
+    writer.write(_exit_record(code))
+
+
+def _write_rows(
+    by_rank: dict[int, list[Source]],
+    states: dict[int, _RankState],
+    target: Target,
+    writer: LogWriter,
+    options: MergeOptions,
+    file_map: dict[tuple[Path, str], str],
+    staged: Staged,
+    spools: _Spools,
+) -> None:
+    primary = target.primary_rank
+    # Pass 1: rows by step, with what travels with them. Each rank holds back a window of
+    # rows to label them as columns; together the windows stay within a few tens of MB.
+    window = max(64, min(1024, 32768 // len(by_rank)))
     streams = [
-        _rank_events(sources, states[rank], rank == primary, target, options, file_map, staged)
+        _rank_events(
+            sources,
+            states[rank],
+            rank == primary,
+            target,
+            options,
+            file_map,
+            staged,
+            window,
+            spools,
+        )
         for rank, sources in by_rank.items()
     ]
     current_step = None
-    row: list[tuple[int, pb.HistoryRecord]] = []
+    row: list[tuple[int, _Row]] = []
     seen: set[bytes] = set()  # the same definition or file list from several ranks
 
     def flush_row() -> None:
         if row:
-            writer.write(_merged_row(current_step, row, primary, by_rank, label_key, options))
+            writer.write(_merged_row(current_step, row, primary, options.skew_metrics))
             staged.history_rows += 1
 
     for key, event in heapq.merge(*streams, key=lambda e: e[0]):
@@ -408,18 +464,63 @@ def _write_shared(
             writer.write(event)
     flush_row()
 
-    # Pass 2: console and system metrics of every rank, by time.
+
+def _write_console_and_stats(
+    by_rank: dict[int, list[Source]], writer: LogWriter, spools: _Spools
+) -> None:
+    # Pass 2: console and system metrics of every rank, by time, from what pass 1 set aside.
     for record in heapq.merge(
-        *(_chain(_console_and_stats(s, options) for s in sources) for sources in by_rank.values()),
+        *(
+            _chain(_console_and_stats(spools.read(s), s) for s in sources)
+            for sources in by_rank.values()
+        ),
         key=lambda r: (r[0], r[1], r[2]),
     ):
         writer.write(record[3])
 
-    # The end: every rank's final summary, one exit record (the primary's).
-    writer.write(_final_summary(states, primary, label_key))
-    code = _exit_code(states[primary].exit_payload)
-    staged.exit_code = code
-    writer.write(_exit_record(code))
+
+class _Spools:
+    """Console and system-metric records of each source, set aside by pass 1 in a scratch
+    file (length-prefixed payloads) so that pass 2 need not read the logs again."""
+
+    def __init__(self, scratch: Path) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix=".wbmerge-spool-", dir=scratch))
+        self._files: dict[Path, BinaryIO] = {}
+
+    def __enter__(self) -> _Spools:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def writer(self, source: Source) -> _SpoolWriter:
+        stream = self._files[source.path] = open(self._dir / f"{len(self._files)}.spool", "w+b")
+        return _SpoolWriter(stream)
+
+    def read(self, source: Source) -> Iterator[bytes]:
+        stream = self._files[source.path]
+        stream.flush()
+        stream.seek(0)
+        header = _SPOOL_LENGTH
+        while chunk := stream.read(header.size):
+            (length,) = header.unpack(chunk)
+            yield stream.read(length)
+
+    def close(self) -> None:
+        for stream in self._files.values():
+            stream.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_SPOOL_LENGTH = struct.Struct("<I")
+
+
+class _SpoolWriter:
+    def __init__(self, stream: BinaryIO) -> None:
+        self._stream = stream
+
+    def write(self, payload: bytes) -> None:
+        self._stream.write(_SPOOL_LENGTH.pack(len(payload)) + payload)
 
 
 def _chain(iterators: Iterator[Iterator]) -> Iterator:
@@ -435,6 +536,8 @@ def _rank_events(
     options: MergeOptions,
     file_map: dict[tuple[Path, str], str],
     staged: Staged,
+    window_size: int,
+    spools: _Spools,
 ) -> Iterator[tuple[tuple, object]]:
     """One rank's pass-1 events, keyed so that a heap merge aligns ranks by step.
 
@@ -446,51 +549,83 @@ def _rank_events(
     steps = _Steps()
     last_step = -1  # of the rows yielded: other records follow the row before them
     seq = 0
+    window = _Window(rank, state, options.skew_metrics, window_size)
     for index, source in enumerate(sources):
         report = ReadReport()
         steps.restart()
         state.exit_payload = None
+        spool = spools.writer(source)
         for payload in read_payloads(source.path, report):
             kind = record_kind(payload)
             if kind == "history":
-                history = pb.Record.FromString(payload).history
-                step = steps.place(history.step.num)
+                raw_step, start, end = wire.history_region(payload)
+                step = steps.place(raw_step)
                 if step <= last_step:
                     continue  # never two rows of one rank at one step
                 last_step = step
-                yield (step, 0, rank), history
-            elif kind == "summary":
-                summary = pb.Record.FromString(payload).summary
-                folded = state.summary
-                for item in summary.update:
-                    folded[tuple(item.nested_key) or (item.key,)] = item.value_json
-                for item in summary.remove:
-                    folded.pop(tuple(item.nested_key) or (item.key,), None)
-            elif kind == "exit":
+                window.add_row(step, payload, start, end)
+                if window.full():
+                    yield from window.drain()
+                continue
+            if kind == "summary":
+                window.summaries.append(payload)
+                continue
+            if kind == "exit":
                 state.exit_payload = payload
-            elif kind == "metric":
-                seq += 1
-                yield (
-                    (last_step, 1, rank, seq),
-                    _labelled_metric(payload, label, options.key_format),
-                )
+                continue
+            if kind == "metric":
+                event = _labelled_metric(payload, label, options.key_format)
             elif kind == "files":
-                seq += 1
-                yield (last_step, 1, rank, seq), _mapped_files(payload, source.path, file_map)
-            elif kind in PASS_TWO or kind in ("header", "run"):
-                continue  # pass 2, or written once by the caller
+                event = _mapped_files(payload, source.path, file_map)
+            elif kind in PASS_TWO:
+                spool.write(payload)
+                continue
+            elif kind in ("header", "run"):
+                continue  # written once by the caller
             elif is_primary:
                 if index > 0 and kind in ("environment", "telemetry"):
                     continue  # a restart describes the same machine again
-                seq += 1
-                yield (last_step, 1, rank, seq), payload
+                event = payload
             elif kind in ("artifact", "use_artifact", "alert"):
-                seq += 1
-                yield (last_step, 1, rank, seq), payload
+                event = payload
+            else:
+                continue
+            seq += 1
+            window.events.append(((last_step, 1, rank, seq), event))
         state.complete = state.exit_payload is not None
         _note_damage(
             staged, source, report, state.complete or index < len(sources) - 1, target.primary_rank
         )
+    yield from window.drain()
+
+
+class _Window:
+    """One rank's pass-1 events, held back until `size` rows are in, so that the rows'
+    items are labelled and its summaries folded as columns (`items`), not one by one."""
+
+    def __init__(self, rank: int, state: _RankState, skew: bool, size: int) -> None:
+        self.rank = rank
+        self.state = state
+        self.skew = skew
+        self.size = size
+        self.events: list[tuple[tuple, object]] = []  # a row's event is its index in `rows`
+        self.rows: list[tuple[bytes, int, int]] = []  # payload, items start, items end
+        self.summaries: list[bytes] = []
+
+    def add_row(self, step: int, payload: bytes, start: int, end: int) -> None:
+        self.events.append(((step, 0, self.rank), len(self.rows)))
+        self.rows.append((payload, start, end))
+
+    def full(self) -> bool:
+        return len(self.rows) >= self.size
+
+    def drain(self) -> Iterator[tuple[tuple, object]]:
+        _fold_summaries(self.summaries, self.state)
+        labelled = _label_rows(self.rows, self.state.keys, self.skew)
+        events = self.events
+        self.events, self.rows, self.summaries = [], [], []
+        for key, event in events:
+            yield key, (labelled[event] if key[1] == 0 else event)
 
 
 def _labelled_metric(payload: bytes, label: str, key_format: str) -> bytes:
@@ -518,81 +653,162 @@ def _mapped_files(
     return record.SerializeToString()
 
 
-def _merged_row(
-    step: int,
-    rows: list[tuple[int, pb.HistoryRecord]],
-    primary: int,
-    by_rank: dict[int, list[Source]],
-    label_key: Callable[[str, str], str],
-    options: MergeOptions,
-) -> bytes:
-    record = pb.Record()
-    merged = record.history
-    merged.step.num = step
-    times: dict[str, str] = {}
-    time_owner = None
-    values: dict[str, list[float]] = {}
-    for rank, history in sorted(rows, key=lambda r: (r[0] != primary, r[0])):
-        label = by_rank[rank][0].label
-        add = merged.item.add
-        for item in history.item:
-            nested = item.nested_key
-            key = nested[0] if nested else item.key
-            if key in UNLABELLED:
-                if key != "_step" and (time_owner is None or time_owner == rank):
-                    times[key] = item.value_json
-                    time_owner = rank
-                continue
-            out = add()
-            # only the top-level key is labelled, so a nested value (an image) stays whole
-            if len(nested) > 1:
-                out.nested_key.extend([label_key(key, label), *nested[1:]])
-            else:
-                out.nested_key.append(label_key(key, label))
-            out.value_json = item.value_json
-            if options.skew_metrics and len(nested) <= 1:
+# A rank's row on its way to the merged row: its labelled items (concatenated item
+# fields), its reserved items by name, and (with --skew-metrics) its numbers by key.
+_Row = tuple[bytes, dict[str, bytes], dict[str, float]]
+
+
+def _row(items: list[bytes], keys: _RankKeys, skew: bool) -> _Row:
+    known, learn = keys.known, keys.learn
+    split, item_field = wire.split_item, wire.item_field
+    labelled = []
+    reserved = {}
+    numbers = {}
+    for item in items:
+        raw, value = split(item)
+        out, name, skew_key = known.get(raw) or learn(raw)
+        if name is None:
+            labelled.append(item_field(out, value))
+            if skew and skew_key is not None:
                 try:
-                    values.setdefault(key, []).append(float(item.value_json))
+                    numbers[skew_key] = float(wire.value_json(value))
                 except ValueError:
                     pass
-    for key, value in (("_step", str(step)), *times.items()):
-        out = merged.item.add()
-        out.nested_key.append(key)
-        out.value_json = value
-    if options.skew_metrics:
-        for key, numbers in values.items():
+        elif name != "_step":
+            reserved[name] = item_field(out, value)
+    return b"".join(labelled), reserved, numbers
+
+
+def _label_rows(rows: list[tuple[bytes, int, int]], keys: _RankKeys, skew: bool) -> list[_Row]:
+    """The `_Row` of each history record, labelled as columns when the batch path applies,
+    else item by item."""
+    batch = items.split([payload[start:end] for payload, start, end in rows])
+    if batch is not None:
+        try:
+            return _label_batch(batch, len(rows), keys, skew)
+        except ValueError:
+            pass  # a key part that is not one: the split does not hold
+    return [_row(wire.history_items(payload)[1], keys, skew) for payload, _, _ in rows]
+
+
+def _label_batch(batch: items.Items, count: int, keys: _RankKeys, skew: bool) -> list[_Row]:
+    encoded = pc.dictionary_encode(batch.key)
+    entries = [keys.known.get(raw) or keys.learn(raw) for raw in encoded.dictionary.to_pylist()]
+    index = encoded.indices.to_numpy()
+    outs = pa.array([out for out, _, _ in entries], pa.binary())
+    names = [name for _, name, _ in entries]
+    user = np.array([name is None for name in names], bool)[index]
+    fields = items.item_fields(outs.take(index[user]), batch.value.filter(user))
+    labelled = items.join_rows(fields, np.bincount(batch.row[user], minlength=count))
+    reserved: list[dict[str, bytes]] = [{} for _ in range(count)]
+    kept = np.array([name not in (None, "_step") for name in names], bool)[index]
+    where = np.flatnonzero(kept)
+    if len(where):
+        found = items.item_fields(outs.take(index[where]), batch.value.take(where)).to_pylist()
+        for row, entry, field in zip(
+            batch.row[where].tolist(), index[where].tolist(), found, strict=True
+        ):
+            reserved[row][names[entry]] = field
+    numbers: list[dict[str, float]] = [{} for _ in range(count)]
+    if skew:
+        skew_keys = [skew_key for _, _, skew_key in entries]
+        where = np.flatnonzero(np.array([k is not None for k in skew_keys], bool)[index])
+        texts = batch.json().take(where).to_pylist()
+        for row, entry, text in zip(
+            batch.row[where].tolist(), index[where].tolist(), texts, strict=True
+        ):
+            try:
+                numbers[row][skew_keys[entry]] = float(text)
+            except ValueError:
+                pass
+    return list(zip(labelled, reserved, numbers, strict=True))
+
+
+def _fold_summaries(payloads: list[bytes], state: _RankState) -> None:
+    """Fold summary records, in order, into the rank's summary (last value of a key wins)."""
+    regions = []
+    for payload in payloads:
+        start, end = wire.submessage(payload, wire.RECORD_SUMMARY) or (0, 0)
+        regions.append(payload[start:end])
+    batch = items.split(regions)
+    if batch is not None:
+        try:
+            encoded = pc.dictionary_encode(batch.key)
+            known, learn = state.keys.known, state.keys.learn
+            entries = [known.get(raw) or learn(raw) for raw in encoded.dictionary.to_pylist()]
+        except ValueError:
+            batch = None
+    if batch is None:
+        for payload in payloads:
+            _fold_summary(payload, state)
+        return
+    index = encoded.indices.to_numpy()
+    last = np.full(len(entries), -1, np.int64)
+    np.maximum.at(last, index, np.arange(len(index)))
+    order = np.argsort(last)  # keys that share an output key: the later one wins
+    values = batch.value.take(last[order]).to_pylist()
+    folded = state.summary
+    for entry, value in zip(order.tolist(), values, strict=True):
+        folded[entries[entry][0]] = value
+
+
+def _fold_summary(payload: bytes, state: _RankState) -> None:
+    known, learn = state.keys.known, state.keys.learn
+    split = wire.split_item
+    folded = state.summary
+    updates, removes = wire.summary_items(payload)
+    for item in updates:
+        raw, value = split(item)
+        folded[(known.get(raw) or learn(raw))[0]] = value
+    for item in removes:
+        raw = split(item)[0]
+        folded.pop((known.get(raw) or learn(raw))[0], None)
+
+
+def _merged_row(step: int, rows: list[tuple[int, _Row]], primary: int, skew: bool) -> bytes:
+    """One history record of the rows of every rank at `step`; W&B's own keys (`_runtime`,
+    `_timestamp`) are the primary's, or of the lowest rank when the primary has no row."""
+    rows.sort(key=lambda r: (r[0] != primary, r[0]))
+    parts = [labelled for _, (labelled, _, _) in rows]
+    parts.append(wire.item_field(_STEP_KEY, wire.value_part(str(step))))
+    reserved: dict[str, bytes] = {}
+    for _, (_, found, _) in rows:
+        for name, item in found.items():
+            reserved.setdefault(name, item)
+    parts.extend(reserved.values())
+    if skew:
+        by_key: dict[str, list[float]] = {}
+        for _, (_, _, numbers) in rows:
+            for key, number in numbers.items():
+                by_key.setdefault(key, []).append(number)
+        for key, numbers in by_key.items():
             if len(numbers) > 1:
                 numbers.sort()
                 median = numbers[len(numbers) // 2]
                 spread = (numbers[-1] - numbers[0]) / median if median else 0.0
-                out = merged.item.add()
-                out.nested_key.append(f"wbmerge/spread/{key}")
-                out.value_json = json.dumps(spread)
-    return record.SerializeToString()
+                parts.append(
+                    wire.item_field(
+                        wire.key_part([f"wbmerge/spread/{key}"]),
+                        wire.value_part(json.dumps(spread)),
+                    )
+                )
+    return wire.history_record(b"".join(parts), step)
 
 
-def _final_summary(
-    states: dict[int, _RankState], primary: int, label_key: Callable[[str, str], str]
-) -> bytes:
-    record = pb.Record()
+def _final_summary(states: dict[int, _RankState], primary: int) -> bytes:
+    """Every rank's final values under its labelled keys; W&B's own keys are the primary's."""
+    parts = []
     for rank, state in sorted(states.items()):
-        label = state.source.label
-        for path, value in state.summary.items():
-            if path[0] in (*UNLABELLED, "_wandb"):
-                if rank != primary:
-                    continue
-                item = record.summary.update.add()
-                item.nested_key.extend(path)
-            else:
-                item = record.summary.update.add()
-                item.nested_key.append(label_key(path[0], label))
-                item.nested_key.extend(path[1:])
-            item.value_json = value
-    return record.SerializeToString()
+        reserved = {out for out, name, _ in state.keys.known.values() if name is not None}
+        for out, value in state.summary.items():
+            if out in reserved and rank != primary:
+                continue
+            parts.append(wire.item_field(out, value))
+    return wire.summary_record(b"".join(parts))
 
 
 def _console_and_stats(
-    source: Source, options: MergeOptions, stats_only: bool = False
+    payloads: Iterable[bytes], source: Source, stats_only: bool = False
 ) -> Iterator[tuple[float, int, int, bytes]]:
     """One source's console lines (whole lines, `[label] ` prefixed) and system metrics
     (`/l:{label}` suffixed), as (timestamp, rank, n, payload), in file order."""
@@ -601,7 +817,7 @@ def _console_and_stats(
     suffix = f"/l:{label}"
     pending: dict[int, tuple[float, list[str]]] = {}  # output type -> (time, text so far)
     n = 0
-    for payload in read_payloads(source.path):
+    for payload in payloads:
         kind = record_kind(payload)
         if kind == "stats":
             record = pb.Record.FromString(payload)

@@ -19,6 +19,7 @@ from typing import BinaryIO
 from wandb.proto import wandb_internal_pb2 as pb
 
 from .errors import NotATransactionLog
+from .wire import skip_field, varint
 
 FILE_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
 BLOCK_SIZE = 32 * 1024
@@ -35,6 +36,10 @@ _ZERO_HEADER = bytes(CHUNK_HEADER_SIZE)
 RECORD_KINDS: dict[int, str] = {
     f.number: f.name for f in pb.Record.DESCRIPTOR.oneofs_by_name["record_type"].fields
 }
+# one-byte tags (fields 1-15, length-delimited) of the record kinds, for the common case
+_KIND_BY_TAG_BYTE: list[str | None] = [
+    RECORD_KINDS.get(byte >> 3) if byte & 7 == 2 else None for byte in range(128)
+]
 
 
 @dataclass
@@ -185,34 +190,25 @@ def record_kind(payload: bytes) -> str | None:
     Lets pass-through code route records without parsing them (about 10x cheaper).
     """
     pos, end = 0, len(payload)
+    if end > 2 and payload[0] == 0x08:  # `num` comes first in what wandb writes
+        pos = 1
+        while payload[pos] & 0x80:
+            pos += 1
+        pos += 1
+        if pos < end and payload[pos] < 0x80:
+            kind = _KIND_BY_TAG_BYTE[payload[pos]]
+            if kind is not None:
+                return kind
     while pos < end:
-        tag, pos = _varint(payload, pos)
-        field, wire = tag >> 3, tag & 7
+        tag, pos = varint(payload, pos)
+        field = tag >> 3
         if field in RECORD_KINDS:
             return RECORD_KINDS[field]
-        if wire == 0:
-            _, pos = _varint(payload, pos)
-        elif wire == 2:
-            length, pos = _varint(payload, pos)
-            pos += length
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
-        else:
+        try:
+            pos = skip_field(payload, pos, tag & 7)
+        except ValueError:
             return None
     return None
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
 
 
 class LogWriter:

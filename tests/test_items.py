@@ -1,0 +1,138 @@
+"""The batch item splitter (`items`) and the byte-level item helpers (`wire`) agree with protobuf."""
+
+import string
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from wandb.proto import wandb_internal_pb2 as pb
+
+from wbmerge import items, wire
+from wbmerge.merge import _label_rows, _RankKeys, _row
+from wbmerge.txlog import read_payloads, record_kind
+
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "data"
+
+
+def protobuf_items(payload: bytes) -> list[tuple[list[str], str]]:
+    record = pb.Record.FromString(payload)
+    found = record.history.item if record.HasField("history") else record.summary.update
+    return [(list(i.nested_key) or [i.key], i.value_json) for i in found]
+
+
+def split_items(payload: bytes, kind: str) -> list[tuple[list[str], str]] | None:
+    if kind == "history":
+        _, start, end = wire.history_region(payload)
+    else:
+        start, end = wire.submessage(payload, wire.RECORD_SUMMARY)
+    batch = items.split([payload[start:end]])
+    if batch is None:
+        return None
+    keys = [wire.key_path(k) for k in batch.key.to_pylist()]
+    return list(zip(keys, batch.json().to_pylist(), strict=True))
+
+
+@pytest.mark.parametrize("job", ["one_node_4", "media", "elastic_restart", "plain_labels"])
+def test_real_records_split_as_protobuf_parses_them(job):
+    checked = 0
+    for log in sorted((FIXTURES / job).glob("wandb/*/run-*.wandb")):
+        for payload in read_payloads(log):
+            kind = record_kind(payload)
+            if kind not in ("history", "summary"):
+                continue
+            found = split_items(payload, kind)
+            if found is not None:
+                assert found == protobuf_items(payload)
+                checked += 1
+    assert checked > 20
+
+
+def test_history_region_finds_the_step_whatever_its_size():
+    for step in (0, 1, 127, 128, 300, 2**21, 2**40):
+        record = pb.Record(num=5)
+        item = record.history.item.add()
+        item.nested_key.append("loss")
+        item.value_json = "1.5"
+        record.history.step.num = step
+        payload = record.SerializeToString()
+        found, start, end = wire.history_region(payload)
+        assert found == step
+        assert items.split([payload[start:end]]).key.to_pylist() == [wire.key_part(["loss"])]
+
+
+keys = st.text(string.ascii_letters + "/_.é₂ -", min_size=1, max_size=40)
+values = st.one_of(
+    st.floats(allow_nan=False).map(repr),
+    st.text(min_size=0, max_size=200).map(lambda t: '"' + t.replace('"', "") + '"'),
+    st.integers().map(str),
+)
+
+
+@st.composite
+def history_records(draw: st.DrawFn) -> bytes:
+    record = pb.Record(num=draw(st.integers(0, 2**20)))
+    for _ in range(draw(st.integers(1, 6))):
+        item = record.history.item.add()
+        if draw(st.booleans()):
+            item.nested_key.extend(draw(st.lists(keys, min_size=1, max_size=3)))
+        else:
+            item.key = draw(keys)
+        item.value_json = draw(values)
+    record.history.step.num = draw(st.integers(0, 2**33))
+    return record.SerializeToString()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(history_records(), min_size=1, max_size=8))
+def test_batch_split_is_exact_or_refuses(payloads):
+    regions = []
+    for payload in payloads:
+        _, start, end = wire.history_region(payload)
+        regions.append(payload[start:end])
+    batch = items.split(regions)
+    expected = [protobuf_items(p) for p in payloads]
+    if batch is None:
+        return  # refused: the caller goes item by item
+    got: list[list] = [[] for _ in payloads]
+    texts = batch.json().to_pylist()
+    for row, key, text in zip(batch.row.tolist(), batch.key.to_pylist(), texts, strict=True):
+        got[row].append((wire.key_path(key), text))
+    assert got == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(history_records(), min_size=1, max_size=8))
+def test_labelled_rows_are_the_same_by_batch_and_item_by_item(payloads):
+    rows = []
+    for payload in payloads:
+        _, start, end = wire.history_region(payload)
+        rows.append((payload, start, end))
+    batched = _label_rows(rows, _RankKeys("rank-1", "{key}/{label}"), skew=True)
+    one_by_one = [
+        _row(wire.history_items(p)[1], _RankKeys("rank-1", "{key}/{label}"), skew=True)
+        for p in payloads
+    ]
+    assert batched == one_by_one
+
+
+def test_labelled_row_decodes_to_the_labelled_keys():
+    record = pb.Record()
+    for path, value in ((["train/loss"], "0.5"), (["samples", "path"], '"a.png"'), (["_step"], "3")):
+        item = record.history.item.add()
+        item.nested_key.extend(path)
+        item.value_json = value
+    record.history.step.num = 3
+    payload = record.SerializeToString()
+    _, start, end = wire.history_region(payload)
+    labelled, reserved, numbers = _label_rows(
+        [(payload, start, end)], _RankKeys("rank-2", "{key}/{label}"), skew=True
+    )[0]
+    decoded = pb.HistoryRecord.FromString(labelled)
+    assert [(list(i.nested_key), i.value_json) for i in decoded.item] == [
+        (["train/loss/rank-2"], "0.5"),
+        (["samples/rank-2", "path"], '"a.png"'),
+    ]
+    assert reserved == {}  # `_step` is the merged row's, not the rank's
+    assert numbers == {"train/loss": 0.5}
