@@ -12,7 +12,6 @@ from wbmerge import items, wire
 from wbmerge.merge import _label_rows, _RankKeys, _row
 from wbmerge.txlog import read_payloads, record_kind
 
-
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "data"
 
 
@@ -119,7 +118,11 @@ def test_labelled_rows_are_the_same_by_batch_and_item_by_item(payloads):
 
 def test_labelled_row_decodes_to_the_labelled_keys():
     record = pb.Record()
-    for path, value in ((["train/loss"], "0.5"), (["samples", "path"], '"a.png"'), (["_step"], "3")):
+    for path, value in (
+        (["train/loss"], "0.5"),
+        (["samples", "path"], '"a.png"'),
+        (["_step"], "3"),
+    ):
         item = record.history.item.add()
         item.nested_key.extend(path)
         item.value_json = value

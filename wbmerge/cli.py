@@ -299,3 +299,43 @@ def sync(
 
 if __name__ == "__main__":
     main()
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--out", "-o", required=True, type=click.Path(), help="The Parquet file to write.")
+@click.option("--job", help="Only this job id (default: every job found).")
+@click.option("--wide", is_flag=True, help="One row per rank and step, a column per history key.")
+@_one_line_errors
+def export(paths: tuple[str, ...], out: str, job: str | None, wide: bool) -> None:
+    """Write every rank's history and system metrics to one Parquet file."""
+    from .export import export as export_runs
+
+    result = export_runs(paths, out, job=job, wide=wide)
+    for job_id, missing in result.missing.items():
+        click.echo(f"wbmerge: warning: job {job_id}: ranks {missing} not found", err=True)
+    shape = "rows (rank x step)" if wide else "values"
+    click.echo(
+        f"wrote {result.rows} {shape} of {result.ranks} ranks "
+        f"(job {', '.join(result.jobs)}) to {result.path}"
+    )
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--metric", "-m", "metrics", multiple=True, help="A metric key (repeatable).")
+@click.option("--job", help="Only this job id (default: every job found).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_one_line_errors
+def report(
+    paths: tuple[str, ...], metrics: tuple[str, ...], job: str | None, as_json: bool
+) -> None:
+    """Per-rank skew of each metric: which rank is slow, by how much, and at which steps."""
+    from .report import report as make_report
+    from .report_format import format_report
+
+    reports = make_report(paths, metrics, job)
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in reports], indent=2))
+    else:
+        click.echo(format_report(reports, color=sys.stdout.isatty()), nl=False)

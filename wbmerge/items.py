@@ -36,12 +36,15 @@ class Items:
     key: pa.BinaryArray  # raw key parts
     value: pa.BinaryArray  # value parts: tag, length, JSON
     counts: np.ndarray  # items per region
+    texts: pa.StringArray | None = None  # the JSON texts, when not in the one-byte form
 
     def __len__(self) -> int:
         return len(self.row)
 
     def json(self) -> pa.StringArray:
         """The JSON text of every value."""
+        if self.texts is not None:
+            return self.texts
         return pc.cast(pc.binary_slice(self.value, 3, 1 << 30), pa.string())  # (no stop: arrow bug)
 
 

@@ -218,7 +218,7 @@ def _write_passthrough(
 ) -> None:
     """A rank's records as they are (restarts concatenated), the run record rewritten."""
     exit_payload = None
-    steps = _Steps()
+    steps = Steps()
     several = len(target.sources) > 1
     for index, source in enumerate(target.sources):
         report = ReadReport()
@@ -277,7 +277,7 @@ def _copy_one(target: Target, writer: LogWriter, options: MergeOptions, staged: 
     _note_damage(staged, source, report, complete, target.primary_rank)
 
 
-class _Steps:
+class Steps:
     """Elastic restarts continue the steps: a restart that repeats steps is moved after them.
 
     Call `restart()` before each restart's records and `place(step)` for each of its rows.
@@ -298,7 +298,7 @@ class _Steps:
         return step
 
 
-def _continue_steps(payload: bytes, steps: _Steps) -> bytes:
+def _continue_steps(payload: bytes, steps: Steps) -> bytes:
     """A pass-through history record, re-stepped when its restart repeated earlier steps."""
     record = pb.Record.FromString(payload)
     step = record.history.step.num
@@ -546,7 +546,7 @@ def _rank_events(
     """
     rank = state.source.rank.rank
     label = state.source.label
-    steps = _Steps()
+    steps = Steps()
     last_step = -1  # of the rows yielded: other records follow the row before them
     seq = 0
     window = _Window(rank, state, options.skew_metrics, window_size)

@@ -1,0 +1,169 @@
+"""`wbmerge export`: the Parquet file read back equals the source values, for every fixture."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from wandb.proto import wandb_internal_pb2 as pb
+
+from wbmerge.cli import main
+from wbmerge.discover import discover
+from wbmerge.export import export
+from wbmerge.txlog import read_records
+
+from .conftest import JOBS, job_dir
+
+EXPORTABLE = [j for j in JOBS if j != "no_metadata"]
+RESERVED = ("_step", "_runtime", "_timestamp", "_wandb")
+
+
+def _value(text: str) -> tuple[float | None, str | None]:
+    """What the export should hold for a JSON text, decided with the json module."""
+    number = json.loads(text) if text else None
+    if isinstance(number, bool) or not isinstance(number, int | float):
+        return None, text
+    return float(number), None
+
+
+def expected_values(job: str) -> list[tuple]:
+    """(rank, restart, kind, step, key, value, value_json) of every source value, parsed with
+    protobuf; the steps of a restart continue after its rank's last step, as the merge does."""
+    out = []
+    last: dict[int, int] = {}
+    runs = sorted(discover([job_dir(job)]), key=lambda r: (r.rank.rank, r.rank.restart))
+    for run in runs:
+        rank = run.rank.rank
+        shift = None
+        for record in read_records(run.path):
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
+                step = record.history.step.num
+                if shift is None:
+                    shift = max(0, last.get(rank, -1) + 1 - step)
+                step += shift
+                last[rank] = step
+                for item in record.history.item:
+                    path = list(item.nested_key) or [item.key]
+                    if path[0] in RESERVED:
+                        continue
+                    out.append(
+                        (
+                            rank,
+                            run.rank.restart,
+                            "history",
+                            step,
+                            ".".join(path),
+                            *_value(item.value_json),
+                        )
+                    )
+            elif kind == "stats":
+                for item in record.stats.item:
+                    key = item.key.split("/l:")[0]
+                    out.append(
+                        (rank, run.rank.restart, "system", None, key, *_value(item.value_json))
+                    )
+    return out
+
+
+def _comparable(rows: list[tuple]) -> list[tuple]:
+    """NaN != NaN: compare it as a marker."""
+    return sorted(
+        (
+            tuple("nan" if isinstance(v, float) and math.isnan(v) else v for v in row)
+            for row in rows
+        ),
+        key=repr,
+    )
+
+
+@pytest.mark.parametrize("job", EXPORTABLE)
+def test_every_value_step_and_rank_reads_back_exactly(job, tmp_path):
+    out = tmp_path / "values.parquet"
+    result = export([job_dir(job)], out)
+    table = pq.read_table(out)
+    got = [
+        (r["rank"], r["restart"], r["kind"], r["step"], r["key"], r["value"], r["value_json"])
+        for r in table.to_pylist()
+    ]
+    expected = expected_values(job)
+    assert len(got) == result.rows == len(expected)
+    assert _comparable(got) == _comparable(expected)
+    assert set(table.column("job_id").to_pylist()) == {r.job_id for r in discover([job_dir(job)])}
+
+
+def test_string_columns_are_dictionary_encoded(tmp_path):
+    out = tmp_path / "values.parquet"
+    export([job_dir("one_node_4")], out)
+    schema = pq.read_schema(out)
+    for name in ("job_id", "run_id", "label", "kind", "key"):
+        assert str(schema.field(name).type).startswith("dictionary<values=string")
+    metadata = pq.ParquetFile(out).metadata.row_group(0)
+    key_column = metadata.column(schema.get_field_index("key"))
+    assert "RLE_DICTIONARY" in str(key_column.encodings)
+
+
+def test_history_timestamp_and_runtime_are_the_rows(tmp_path):
+    out = tmp_path / "values.parquet"
+    export([job_dir("one_node_4")], out)
+    rows = [r for r in pq.read_table(out).to_pylist() if r["kind"] == "history"]
+    run = next(r for r in discover([job_dir("one_node_4")]) if r.rank.rank == 1)
+    times = {}
+    for record in read_records(run.path):
+        if record.WhichOneof("record_type") == "history":
+            items = {(list(i.nested_key) or [i.key])[0]: i.value_json for i in record.history.item}
+            times[record.history.step.num] = (float(items["_timestamp"]), float(items["_runtime"]))
+    for row in rows:
+        if row["rank"] == 1:
+            assert (row["timestamp"], row["runtime"]) == times[row["step"]]
+
+
+def test_wide_has_a_column_per_key_and_the_same_values(tmp_path):
+    long_out, wide_out = tmp_path / "long.parquet", tmp_path / "wide.parquet"
+    export([job_dir("media")], long_out)
+    export([job_dir("media")], wide_out, wide=True)
+    long_rows = [r for r in pq.read_table(long_out).to_pylist() if r["kind"] == "history"]
+    wide = pq.read_table(wide_out)
+    assert {"_rank", "_step", "rank", "train/loss", "samples/image.path"} <= set(wide.column_names)
+    by_row = {(r["_rank"], r["_step"]): r for r in wide.to_pylist()}
+    for row in long_rows:
+        cell = by_row[row["rank"], row["step"]][row["key"]]
+        if row["value_json"] is not None:
+            assert cell == row["value_json"]
+        elif isinstance(cell, str):  # a key that is not always a number
+            assert float(cell) == row["value"]
+        else:
+            assert cell == row["value"]
+    logged = {(r["rank"], r["step"]) for r in long_rows}
+    assert set(by_row) == logged
+
+
+def test_cli_writes_the_file_and_says_what_it_wrote(tmp_path):
+    out = tmp_path / "runs.parquet"
+    result = CliRunner().invoke(main, ["export", str(job_dir("two_nodes_2x2")), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "of 4 ranks" in result.output and str(out) in result.output
+    assert pq.read_table(out).num_rows == len(expected_values("two_nodes_2x2"))
+
+
+def test_cli_bad_input_is_one_line_and_leaves_no_file(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["export", str(tmp_path), "--out", str(tmp_path / "x.parquet")])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and result.output.startswith("wbmerge: error:")
+    assert not list(tmp_path.iterdir())
+    result = runner.invoke(main, ["export", str(job_dir("one_node_4")), "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "is a directory" in result.output
+
+
+def test_export_never_writes_to_the_sources(tmp_path):
+    before = {p: p.stat().st_mtime_ns for p in job_dir("killed_rank").rglob("*")}
+    export([job_dir("killed_rank")], tmp_path / "k.parquet")
+    assert {p: p.stat().st_mtime_ns for p in job_dir("killed_rank").rglob("*")} == before
+
+
+def test_record_kinds_used_by_the_reference_exist():
+    assert {"history", "stats"} <= set(pb.Record.DESCRIPTOR.fields_by_name)

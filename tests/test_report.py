@@ -1,0 +1,106 @@
+"""`wbmerge report`: per-rank statistics checked against the source values, and the slow rank named."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+from click.testing import CliRunner
+
+from wbmerge.cli import main
+from wbmerge.report import _outliers, report
+
+from .conftest import job_dir
+from .test_export import expected_values
+
+
+def by_rank(job: str, key: str) -> dict[int, list[tuple[int, float]]]:
+    values: dict[int, list[tuple[int, float]]] = {}
+    for rank, _, kind, step, name, value, _ in expected_values(job):
+        if kind == "history" and name == key:
+            values.setdefault(rank, []).append((step, value))
+    return values
+
+
+def test_slow_rank_is_the_throughput_outlier_and_the_json_says_so():
+    result = CliRunner().invoke(main, ["report", str(job_dir("slow_rank")), "--json"])
+    assert result.exit_code == 0, result.output
+    (job,) = json.loads(result.output)
+    metric = next(m for m in job["metrics"] if m["key"] == "train/samples_per_sec")
+    assert metric["outliers"] == [2]
+    assert metric["slowest"] == 2 and metric["faster"] == "higher"
+    assert metric["fastest"] != 2
+    # no other logged metric singles out a rank: the others' step time waits for rank 2
+    others = [
+        m
+        for m in job["metrics"]
+        if m["kind"] == "history" and m["key"] not in ("train/samples_per_sec", "rank")
+    ]
+    assert all(m["outliers"] == [] for m in others)
+
+
+def test_per_rank_statistics_are_those_of_the_source_values():
+    (job,) = report([job_dir("cadence")], metrics=["train/loss"])
+    (metric,) = job.metrics
+    source = by_rank("cadence", "train/loss")
+    assert [s.rank for s in metric.ranks] == sorted(source)
+    for stats in metric.ranks:
+        values = [v for _, v in sorted(source[stats.rank])]
+        assert stats.count == len(values)
+        assert stats.mean == pytest.approx(statistics.fmean(values), rel=1e-12)
+        assert (stats.last, stats.min, stats.max) == (values[-1], min(values), max(values))
+
+
+def test_spread_is_taken_at_the_steps_ranks_share():
+    # rank 0 logs every step, the others every 5th: the spread is over the 5th steps only
+    (job,) = report([job_dir("cadence")], metrics=["train/loss"])
+    (metric,) = job.metrics
+    source = by_rank("cadence", "train/loss")
+    steps: dict[int, list[float]] = {}
+    for values in source.values():
+        for step, value in values:
+            steps.setdefault(step, []).append(value)
+    spreads = [(max(v) - min(v)) / abs(statistics.median(v)) for v in steps.values() if len(v) >= 2]
+    assert metric.aligned_steps == len(spreads) < len(steps)
+    assert metric.spread_mean == pytest.approx(statistics.fmean(spreads))
+    assert metric.spread_max == pytest.approx(max(spreads))
+
+
+def test_default_metrics_are_those_every_rank_logged_plus_system_metrics():
+    (job,) = report([job_dir("media")])
+    history = {m.key for m in job.metrics if m.kind == "history"}
+    assert history == {"rank", "train/loss", "train/samples_per_sec", "train/step_time"}
+    assert any(m.kind == "system" for m in job.metrics)
+
+
+@pytest.mark.parametrize(
+    ("means", "expected"),
+    [
+        ([100.0, 101.0, 99.0, 10.0], [3]),  # one far below
+        ([100.0, 100.0, 100.0, 100.0], []),  # all alike
+        ([100.0, 100.0, 100.0, 102.0], []),  # MAD 0, but only 2 % off
+        ([100.0, 100.0, 100.0, 150.0], [3]),  # MAD 0 and 50 % off
+        ([100.0, 120.0, 80.0, 110.0], []),  # noisy, nobody stands out
+        ([1.0, 50.0], []),  # two ranks: no majority to stand out from
+    ],
+)
+def test_outlier_rule(means, expected):
+    import numpy as np
+
+    assert _outliers(np.array(means)) == expected
+
+
+def test_terminal_report_names_the_outlier():
+    result = CliRunner().invoke(
+        main, ["report", str(job_dir("slow_rank")), "-m", "train/samples_per_sec"]
+    )
+    assert result.exit_code == 0
+    assert "outlier in train/samples_per_sec: rank 2" in result.output
+    assert "slowest rank 2" in result.output
+
+
+def test_unknown_metric_is_one_line_and_exit_2():
+    result = CliRunner().invoke(main, ["report", str(job_dir("slow_rank")), "-m", "no/such"])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "no numeric metric 'no/such'" in result.output

@@ -1,0 +1,199 @@
+"""One rank's history and system metrics as columns, a window of records at a time.
+
+What `export` writes to Parquet and `report` summarises: one entry per logged value, with
+the step (continued across elastic restarts, as the merge does), the row's `_timestamp` and
+`_runtime`, the key (a nested key joined with "."), and the value as a float64 when it is a
+JSON number (NaN and infinities included) or else as its JSON text. History items are split
+as columns (`items`); system-metric records are few and parsed one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from wandb.proto import wandb_internal_pb2 as pb
+
+from . import items, wire
+from .discover import Job
+from .merge import RESERVED, Steps
+from .plan import Source
+from .txlog import read_payloads, record_kind
+
+HISTORY = "history"
+SYSTEM = "system"
+_NUMBER = r"^(-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?|NaN|-?Infinity)$"
+_WINDOW = 4096
+
+
+@dataclass
+class Columns:
+    """Values of one rank, one entry each (numpy / arrow arrays of equal length)."""
+
+    source: Source  # the run (rank, restart) the values are from
+    kind: str  # HISTORY or SYSTEM
+    step: pa.Array  # int64; null for system metrics
+    timestamp: pa.Array  # float64 seconds
+    runtime: pa.Array  # float64 seconds; null for system metrics
+    key: pa.Array  # string
+    value: pa.Array  # float64; null when the value is not a number
+    value_json: pa.Array  # string; null when the value is a number
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+
+def rank_sources(job: Job) -> Iterator[list[Source]]:
+    """Each rank's sources, restarts in order."""
+    by_rank: dict[int, list] = {}
+    for run in job.runs:
+        by_rank.setdefault(run.rank.rank, []).append(run)
+    for rank in sorted(by_rank):
+        runs = sorted(by_rank[rank], key=lambda r: r.rank.restart)
+        yield [Source(r.path, r.rank, r.label or r.rank.label) for r in runs]
+
+
+def rank_columns(sources: list[Source], window: int = _WINDOW) -> Iterator[Columns]:
+    """The values of one rank's runs (its restarts, in order), window by window."""
+    steps = Steps()
+    last_step = -1
+    for source in sources:
+        steps.restart()
+        rows: list[tuple[int, bytes, int, int]] = []
+        stats: list[bytes] = []
+        for payload in read_payloads(source.path):
+            kind = record_kind(payload)
+            if kind == "history":
+                raw_step, start, end = wire.history_region(payload)
+                step = steps.place(raw_step)
+                if step <= last_step:
+                    continue  # as the merge: never two rows of one rank at one step
+                last_step = step
+                rows.append((step, payload, start, end))
+                if len(rows) >= window:
+                    yield _history(rows, source)
+                    rows = []
+            elif kind == "stats":
+                stats.append(payload)
+                if len(stats) >= window:
+                    yield _system(stats, source)
+                    stats = []
+        if rows:
+            yield _history(rows, source)
+        if stats:
+            yield _system(stats, source)
+
+
+def _history(rows: list[tuple[int, bytes, int, int]], source: Source) -> Columns:
+    batch = items.split([payload[start:end] for _, payload, start, end in rows])
+    if batch is not None:
+        try:
+            return _history_of(rows, batch, source)
+        except ValueError:
+            pass  # a key part that is not one: the split does not hold
+    return _history_of(rows, _split_one_by_one(rows), source)
+
+
+def _history_of(
+    rows: list[tuple[int, bytes, int, int]], batch: items.Items, source: Source
+) -> Columns:
+    encoded = pc.dictionary_encode(batch.key)
+    paths = [wire.key_path(raw) for raw in encoded.dictionary.to_pylist()]
+    index = encoded.indices.to_numpy()
+    names = [".".join(path) for path in paths]
+    texts = batch.json()
+    timestamp = _per_row(
+        len(rows), batch, index, texts, names.index("_timestamp") if "_timestamp" in names else -1
+    )
+    runtime = _per_row(
+        len(rows), batch, index, texts, names.index("_runtime") if "_runtime" in names else -1
+    )
+    user = np.array([path[0] not in RESERVED for path in paths], bool)[index]
+    row = batch.row[user]
+    step = np.fromiter((s for s, _, _, _ in rows), np.int64, len(rows))
+    keys = pa.DictionaryArray.from_arrays(
+        pa.array(index[user], pa.int32()), pa.array(names, pa.string())
+    )
+    value, value_json = _values(texts.filter(pa.array(user)))
+    return Columns(
+        source=source,
+        kind=HISTORY,
+        step=pa.array(step[row]),
+        timestamp=pa.array(timestamp[row], mask=np.isnan(timestamp[row])),
+        runtime=pa.array(runtime[row], mask=np.isnan(runtime[row])),
+        key=keys.cast(pa.string()),
+        value=value,
+        value_json=value_json,
+    )
+
+
+def _per_row(
+    count: int, batch: items.Items, index: np.ndarray, texts: pa.Array, entry: int
+) -> np.ndarray:
+    """The number each row logs under dictionary entry `entry` (NaN where absent)."""
+    out = np.full(count, np.nan)
+    if entry >= 0:
+        where = np.flatnonzero(index == entry)
+        numbers, _ = _values(texts.take(pa.array(where)))
+        out[batch.row[where]] = numbers.to_numpy(zero_copy_only=False)
+    return out
+
+
+def _values(texts: pa.Array) -> tuple[pa.Array, pa.Array]:
+    """(float64 where the JSON text is a number, the text where it is not)."""
+    try:  # the usual window: all numbers (a JSON string, true or null fails the cast)
+        return pc.cast(texts, pa.float64()), pa.nulls(len(texts), pa.string())
+    except pa.ArrowInvalid:
+        pass
+    numeric = pc.match_substring_regex(texts, _NUMBER)
+    value = pc.cast(pc.if_else(numeric, texts, pa.scalar(None, pa.string())), pa.float64())
+    value_json = pc.if_else(numeric, pa.scalar(None, pa.string()), texts)
+    return value, value_json
+
+
+def _split_one_by_one(rows: list[tuple[int, bytes, int, int]]) -> items.Items:
+    """The exact item-by-item split, for windows the batch path refuses (long values)."""
+    row_of, keys, values = [], [], []
+    for index, (_, payload, _, _) in enumerate(rows):
+        for item in wire.history_items(payload)[1]:
+            key, value = wire.split_item(item)
+            row_of.append(index)
+            keys.append(key)
+            values.append(value)
+    return items.Items(
+        row=np.array(row_of, np.int64),
+        key=pa.array(keys, pa.binary()),
+        value=pa.array(values, pa.binary()),
+        counts=np.bincount(np.array(row_of, np.int64), minlength=len(rows)),
+        texts=pa.array([wire.value_json(v).decode() for v in values], pa.string()),
+    )
+
+
+def _system(payloads: list[bytes], source: Source) -> Columns:
+    """System metrics: keys without the `/l:{label}` suffix (the label has its own column)."""
+    timestamps, keys, texts = [], [], []
+    for payload in payloads:
+        record = pb.Record.FromString(payload).stats
+        when = record.timestamp.seconds + record.timestamp.nanos / 1e9
+        for item in record.item:
+            key = item.key
+            if "/l:" in key:
+                key = key[: key.rindex("/l:")]
+            timestamps.append(when)
+            keys.append(key)
+            texts.append(item.value_json)
+    value, value_json = _values(pa.array(texts, pa.string()))
+    count = len(keys)
+    return Columns(
+        source=source,
+        kind=SYSTEM,
+        step=pa.nulls(count, pa.int64()),
+        timestamp=pa.array(timestamps, pa.float64()),
+        runtime=pa.nulls(count, pa.float64()),
+        key=pa.array(keys, pa.string()),
+        value=value,
+        value_json=value_json,
+    )

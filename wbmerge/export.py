@@ -1,0 +1,223 @@
+"""`wbmerge export`: the values of every rank of a job in one Parquet file, from the offline
+runs alone, for pandas, polars and DuckDB.
+
+Long format (one row per logged value, history and system metrics) or, with `wide`, one
+row per rank and step with a column per history key. Written row group by row group while
+reading, so memory does not grow with the number of steps; written to a scratch name and
+renamed at the end, so a file at `out` is always whole.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .columns import HISTORY, Columns, rank_columns, rank_sources
+from .discover import Job, discover, group_jobs
+from .errors import WbmergeError
+from .plan import Source
+
+_TEXT = pa.dictionary(pa.int32(), pa.string())
+LONG_SCHEMA = pa.schema(
+    [
+        ("job_id", _TEXT),
+        ("run_id", _TEXT),
+        ("rank", pa.int32()),
+        ("local_rank", pa.int32()),
+        ("worker", pa.int32()),
+        ("label", _TEXT),
+        ("restart", pa.int32()),
+        ("kind", _TEXT),
+        ("step", pa.int64()),
+        ("timestamp", pa.float64()),
+        ("runtime", pa.float64()),
+        ("key", _TEXT),
+        ("value", pa.float64()),
+        ("value_json", pa.string()),
+    ]
+)
+# Wide: the rank's and row's columns are named as W&B names its own keys (`_step`), so
+# that no metric key (a job may well log "rank") can take their place.
+WIDE_FIXED = [
+    pa.field(f"_{f.name}", f.type)
+    for f in LONG_SCHEMA
+    if f.name not in ("kind", "key", "value", "value_json")
+]
+_ROW_GROUP = 1 << 20
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    rows: int = 0
+    jobs: list[str] = field(default_factory=list)
+    ranks: int = 0
+    missing: dict[str, list[int]] = field(default_factory=dict)  # job id -> missing ranks
+
+
+def export(
+    paths: Sequence[str | Path], out: str | Path, job: str | None = None, wide: bool = False
+) -> ExportResult:
+    """Write the values of the jobs found under `paths` (or of `job`) to `out`."""
+    out = Path(out)
+    if out.is_dir():
+        raise WbmergeError(f"{out} is a directory; give a file name such as {out}/runs.parquet")
+    jobs = group_jobs(discover(paths), job, allow_missing_ranks=True)
+    result = ExportResult(out, jobs=[j.job_id for j in jobs])
+    result.missing = {j.job_id: j.missing_ranks for j in jobs if j.missing_ranks}
+    scratch = out.with_name(f".{out.name}.partial")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if wide:
+            _write_wide(jobs, scratch, result)
+        else:
+            _write_long(jobs, scratch, result)
+        os.replace(scratch, out)
+    finally:
+        scratch.unlink(missing_ok=True)
+    return result
+
+
+def run_id(source: Source) -> str:
+    return source.path.name[len("run-") : -len(".wandb")]
+
+
+def _write_long(jobs: list[Job], scratch: Path, result: ExportResult) -> None:
+    with _writer(scratch, LONG_SCHEMA) as writer:
+        pending: list[pa.Table] = []
+        size = 0
+        for job in jobs:
+            for sources in rank_sources(job):
+                result.ranks += 1
+                for columns in rank_columns(sources):
+                    table = _long_table(job.job_id, columns)
+                    pending.append(table)
+                    size += len(table)
+                    result.rows += len(table)
+                    if size >= _ROW_GROUP:
+                        writer.write_table(pa.concat_tables(pending), row_group_size=size)
+                        pending, size = [], 0
+        if pending:
+            writer.write_table(pa.concat_tables(pending), row_group_size=size)
+
+
+def _writer(path: Path, schema: pa.Schema) -> pq.ParquetWriter:
+    """Dictionary pages for the text columns only: floats rarely repeat, and encoding them
+    cost half the write time for nothing."""
+    text = [f.name for f in schema if pa.types.is_dictionary(f.type)]
+    return pq.ParquetWriter(
+        path, schema, compression="zstd", compression_level=1, use_dictionary=text
+    )
+
+
+def _constant(value: object, count: int, type_: pa.DataType) -> pa.Array:
+    if pa.types.is_dictionary(type_):
+        return pa.DictionaryArray.from_arrays(
+            pa.array(np.zeros(count, np.int32)), pa.array([value], pa.string())
+        )
+    return pa.array(np.full(count, value), type_)
+
+
+def _long_table(job_id: str, columns: Columns) -> pa.Table:
+    count = len(columns)
+    source = columns.source
+    rank = source.rank
+    return pa.table(
+        [
+            _constant(job_id, count, _TEXT),
+            _constant(run_id(source), count, _TEXT),
+            _constant(rank.rank, count, pa.int32()),
+            _constant(rank.local_rank, count, pa.int32()),
+            _constant(rank.worker, count, pa.int32()),
+            _constant(source.label, count, _TEXT),
+            _constant(rank.restart, count, pa.int32()),
+            _constant(columns.kind, count, _TEXT),
+            columns.step,
+            columns.timestamp,
+            columns.runtime,
+            columns.key.dictionary_encode(),
+            columns.value,
+            columns.value_json,
+        ],
+        schema=LONG_SCHEMA,
+    )
+
+
+def _write_wide(jobs: list[Job], scratch: Path, result: ExportResult) -> None:
+    """Two passes: the keys (and whether each is always a number), then the rows."""
+    numeric: dict[str, bool] = {}
+    for job in jobs:
+        for sources in rank_sources(job):
+            for columns in rank_columns(sources):
+                if columns.kind != HISTORY:
+                    continue
+                texts = columns.value_json.is_valid().to_numpy(zero_copy_only=False)
+                for key, text in zip(columns.key.to_pylist(), texts, strict=True):
+                    numeric[key] = numeric.get(key, True) and not text
+    keys = sorted(numeric)
+    schema = pa.schema(
+        WIDE_FIXED + [(k, pa.float64() if numeric[k] else pa.string()) for k in keys]
+    )
+    with _writer(scratch, schema) as writer:
+        for job in jobs:
+            for sources in rank_sources(job):
+                result.ranks += 1
+                for columns in rank_columns(sources):
+                    if columns.kind != HISTORY or not len(columns):
+                        continue
+                    table = _wide_table(job.job_id, columns, schema, keys)
+                    result.rows += len(table)
+                    writer.write_table(table)
+
+
+def _wide_table(job_id: str, columns: Columns, schema: pa.Schema, keys: list[str]) -> pa.Table:
+    source = columns.source
+    steps = columns.step.to_numpy()
+    row_steps, row = np.unique(steps, return_inverse=True)
+    count = len(row_steps)
+    first = np.zeros(count, np.int64)
+    first[row[::-1]] = np.arange(len(row))[::-1]  # each row's first value: its times
+    rank = source.rank
+    data = {
+        "_job_id": _constant(job_id, count, _TEXT),
+        "_run_id": _constant(run_id(source), count, _TEXT),
+        "_rank": _constant(rank.rank, count, pa.int32()),
+        "_local_rank": _constant(rank.local_rank, count, pa.int32()),
+        "_worker": _constant(rank.worker, count, pa.int32()),
+        "_label": _constant(source.label, count, _TEXT),
+        "_restart": _constant(rank.restart, count, pa.int32()),
+        "_step": pa.array(row_steps, pa.int64()),
+        "_timestamp": columns.timestamp.take(pa.array(first)),
+        "_runtime": columns.runtime.take(pa.array(first)),
+    }
+    encoded = columns.key.dictionary_encode()
+    index = encoded.indices.to_numpy()
+    present = {name: i for i, name in enumerate(encoded.dictionary.to_pylist())}
+    values = columns.value.to_numpy(zero_copy_only=False)
+    texts = columns.value_json
+    for key in keys:
+        field_type = schema.field(key).type
+        if key not in present:
+            data[key] = pa.nulls(count, field_type)
+            continue
+        where = np.flatnonzero(index == present[key])
+        if pa.types.is_floating(field_type):
+            column = np.full(count, np.nan)
+            column[row[where]] = values[where]
+            missing = np.ones(count, bool)
+            missing[row[where]] = False
+            data[key] = pa.array(column, mask=missing)
+        else:
+            cells: list = [None] * count
+            chosen = texts.take(pa.array(where)).to_pylist()
+            numbers = values[where]
+            for r, text, number in zip(row[where].tolist(), chosen, numbers, strict=True):
+                cells[r] = text if text is not None else repr(float(number))
+            data[key] = pa.array(cells, pa.string())
+    return pa.table(data, schema=schema)

@@ -1,0 +1,226 @@
+"""`wbmerge report`: per-rank skew of a job's metrics, from the offline runs alone.
+
+For each metric: every rank's mean, last, min and max; across ranks, at the steps two or
+more ranks logged, the spread (max - min) / median (its mean and worst over the steps); the
+highest and lowest rank by mean and, for metrics whose name says which way is faster
+(throughput, step time), the slowest and fastest; and the outlier ranks: those whose mean
+is far from the median rank's (robust z-score over 3.5, from the median absolute deviation,
+and at least 5 % off). System metrics have no steps, so their spread is that of the means.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .columns import HISTORY, SYSTEM, rank_columns, rank_sources
+from .discover import discover, group_jobs
+from .errors import WbmergeError
+
+_FASTER_WHEN_HIGHER = re.compile(r"per_s(ec)?\b|/s$|throughput|samples_per|tokens_per|it/s|fps")
+_FASTER_WHEN_LOWER = re.compile(r"time|latency|duration|_ms$|seconds")
+OUTLIER_Z = 3.5
+OUTLIER_MIN_DEVIATION = 0.05
+
+
+@dataclass
+class RankStats:
+    rank: int
+    label: str
+    count: int
+    mean: float
+    last: float
+    min: float
+    max: float
+
+
+@dataclass
+class MetricReport:
+    key: str
+    kind: str  # history or system
+    ranks: list[RankStats]
+    spread_mean: float | None  # (max - min) / median across ranks, mean over aligned steps
+    spread_max: float | None
+    aligned_steps: int
+    highest: int  # rank with the highest mean
+    lowest: int
+    faster: str | None  # "higher" / "lower" when the name says so, else None
+    slowest: int | None
+    fastest: int | None
+    outliers: list[int] = field(default_factory=list)
+
+
+@dataclass
+class JobReport:
+    job_id: str
+    world_size: int
+    metrics: list[MetricReport]
+
+    def to_dict(self) -> dict:
+        return _finite(asdict(self))
+
+
+def report(
+    paths: Sequence[str | Path], metrics: Sequence[str] = (), job: str | None = None
+) -> list[JobReport]:
+    """A report per job found under `paths` (or for `job`); `metrics` narrows the keys."""
+    reports = []
+    for found in group_jobs(discover(paths), job, allow_missing_ranks=True):
+        values: dict[tuple[str, str], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+        labels: dict[int, str] = {}
+        for sources in rank_sources(found):
+            rank = sources[0].rank.rank
+            labels[rank] = sources[0].label
+            chunks: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}
+            for columns in rank_columns(sources):
+                number = columns.value.is_valid().to_numpy(zero_copy_only=False)
+                keys = columns.key.to_numpy(zero_copy_only=False)[number]
+                value = columns.value.to_numpy(zero_copy_only=False)[number]
+                if columns.kind == HISTORY:
+                    order = columns.step.to_numpy(zero_copy_only=False)[number]
+                else:
+                    order = columns.timestamp.to_numpy(zero_copy_only=False)[number]
+                for key in np.unique(keys):
+                    chosen = keys == key
+                    chunks.setdefault((columns.kind, key), []).append(
+                        (order[chosen], value[chosen])
+                    )
+            for name, parts in chunks.items():
+                values.setdefault(name, {})[rank] = (
+                    np.concatenate([p[0] for p in parts]),
+                    np.concatenate([p[1] for p in parts]),
+                )
+        chosen = _choose(values, len(labels), metrics)
+        reports.append(
+            JobReport(
+                found.job_id,
+                found.world_size,
+                [_metric(kind, key, values[kind, key], labels) for kind, key in chosen],
+            )
+        )
+    return reports
+
+
+def _choose(values: dict, ranks: int, metrics: Sequence[str]) -> list[tuple[str, str]]:
+    if metrics:
+        chosen = []
+        for key in metrics:
+            found = [name for name in values if name[1] == key]
+            if not found:
+                known = ", ".join(sorted({k for _, k in values})[:8])
+                raise WbmergeError(
+                    f"no numeric metric {key!r} in the runs (some that are: {known})"
+                )
+            chosen.extend(found)
+        return chosen
+    return sorted(
+        (name for name, by_rank in values.items() if len(by_rank) == ranks),
+        key=lambda name: (name[0] != HISTORY, name[1]),
+    )
+
+
+def _metric(kind: str, key: str, by_rank: dict, labels: dict[int, str]) -> MetricReport:
+    ranks = []
+    for rank, (order, value) in sorted(by_rank.items()):
+        finite = value[np.isfinite(value)]
+        last = value[np.argmax(order)] if len(order) else math.nan
+        ranks.append(
+            RankStats(
+                rank,
+                labels[rank],
+                len(value),
+                float(finite.mean()) if len(finite) else math.nan,
+                float(last),
+                float(finite.min()) if len(finite) else math.nan,
+                float(finite.max()) if len(finite) else math.nan,
+            )
+        )
+    means = np.array([r.mean for r in ranks])
+    ids = [r.rank for r in ranks]
+    if kind == HISTORY:
+        spreads = _aligned_spreads(by_rank)
+    else:
+        spreads = _spreads(means[:, None]) if len(ranks) > 1 else np.array([])
+    faster = _direction(key)
+    valid = np.isfinite(means)
+    highest = ids[int(np.nanargmax(means))] if valid.any() else ids[0]
+    lowest = ids[int(np.nanargmin(means))] if valid.any() else ids[0]
+    return MetricReport(
+        key=key,
+        kind=kind,
+        ranks=ranks,
+        spread_mean=float(spreads.mean()) if len(spreads) else None,
+        spread_max=float(spreads.max()) if len(spreads) else None,
+        aligned_steps=len(spreads) if kind == HISTORY else 0,
+        highest=highest,
+        lowest=lowest,
+        faster=faster,
+        slowest=None if faster is None else (lowest if faster == "higher" else highest),
+        fastest=None if faster is None else (highest if faster == "higher" else lowest),
+        outliers=[ids[i] for i in _outliers(means)],
+    )
+
+
+def _direction(key: str) -> str | None:
+    name = key.lower()
+    if _FASTER_WHEN_HIGHER.search(name):
+        return "higher"
+    if _FASTER_WHEN_LOWER.search(name):
+        return "lower"
+    return None
+
+
+def _aligned_spreads(by_rank: dict) -> np.ndarray:
+    """(max - min) / median across ranks at each step that two or more ranks logged."""
+    steps = np.unique(np.concatenate([order for order, _ in by_rank.values()]))
+    grid = np.full((len(by_rank), len(steps)), np.nan)
+    for row, (order, value) in enumerate(by_rank.values()):
+        grid[row, np.searchsorted(steps, order)] = value
+    shared = (np.isfinite(grid).sum(axis=0)) >= 2
+    return _spreads(grid[:, shared])
+
+
+def _spreads(grid: np.ndarray) -> np.ndarray:
+    if grid.shape[1] == 0:
+        return np.array([])
+    with np.errstate(all="ignore"):
+        median = np.nanmedian(grid, axis=0)
+        spread = (np.nanmax(grid, axis=0) - np.nanmin(grid, axis=0)) / np.abs(median)
+    return spread[np.isfinite(spread)]
+
+
+def _outliers(means: np.ndarray) -> list[int]:
+    """Ranks whose mean is far from the others': robust z over OUTLIER_Z and at least
+    OUTLIER_MIN_DEVIATION off the median (so that tiny, tidy differences are not flagged)."""
+    valid = np.isfinite(means)
+    if valid.sum() < 3:
+        return []
+    median = float(np.median(means[valid]))
+    deviation = np.abs(means - median)
+    mad = float(np.median(deviation[valid]))
+    found = []
+    for i, dev in enumerate(deviation):
+        if not valid[i] or dev <= OUTLIER_MIN_DEVIATION * abs(median):
+            continue
+        if mad == 0 or 0.6745 * dev / mad > OUTLIER_Z:
+            found.append(i)
+    return found
+
+
+def _finite(value: object) -> object:
+    """JSON has no NaN: non-finite numbers become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+__all__ = ["SYSTEM", "JobReport", "MetricReport", "RankStats", "report"]
