@@ -100,15 +100,23 @@ def rank_config(config: Mapping[str, Any] | None = None, *, job_id: str | None =
     return {**(dict(config) if config else {}), METADATA_KEY: rank_metadata(job_id)}
 
 
-def init(*, job_id: str | None = None, **wandb_init_kwargs: Any) -> Any:
+def init(
+    *,
+    job_id: str | None = None,
+    run_mode: str | None = None,
+    rank_scope: str | None = None,
+    **wandb_init_kwargs: Any,
+) -> Any:
     """`wandb.init` for one rank of a distributed job, offline unless asked otherwise.
+
+    `run_mode` / `rank_scope`, when given, are recorded as the merge's defaults for the job.
 
     Accepts every `wandb.init` argument. Adds the rank's `wbmerge` block to the config
     and the plugin's `x_label` to the settings (a label the user set is kept).
     """
     import wandb
 
-    block = rank_metadata(job_id)
+    block = rank_metadata(job_id, run_mode=run_mode, rank_scope=rank_scope)
     kwargs = dict(wandb_init_kwargs)
     if "mode" not in kwargs and not os.environ.get("WANDB_MODE"):
         kwargs["mode"] = "offline"
