@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from .columns import HISTORY, Columns, rank_columns, rank_sources
 from .discover import Job, discover, group_jobs
 from .errors import WbmergeError
+from .gcpause import fewer_collections
 from .plan import Source
 
 _TEXT = pa.dictionary(pa.int32(), pa.string())
@@ -74,10 +75,11 @@ def export(
     scratch = out.with_name(f".{out.name}.partial")
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        if wide:
-            _write_wide(jobs, scratch, result)
-        else:
-            _write_long(jobs, scratch, result)
+        with fewer_collections():
+            if wide:
+                _write_wide(jobs, scratch, result)
+            else:
+                _write_long(jobs, scratch, result)
         os.replace(scratch, out)
     finally:
         scratch.unlink(missing_ok=True)

@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 from wandb.proto import wandb_internal_pb2 as pb
 
 from . import items, wire
+from .gcpause import fewer_collections
 from .plan import Source, Target
 from .topology import METADATA_KEY
 from .txlog import LogWriter, ReadReport, read_payloads, record_kind
@@ -87,7 +88,7 @@ def stage(target: Target, out_dir: Path, options: MergeOptions) -> Staged:
     (run_dir / "files").mkdir(parents=True)
     staged = Staged(target, run_dir)
     file_map = _stage_files(target, run_dir / "files", staged.warnings)
-    with open(staged.log_path, "wb") as stream, LogWriter(stream) as writer:
+    with fewer_collections(), open(staged.log_path, "wb") as stream, LogWriter(stream) as writer:
         if target.kind == "shared":
             _write_shared(target, writer, options, file_map, staged)
         else:

@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from .columns import HISTORY, SYSTEM, rank_columns, rank_sources
-from .discover import discover, group_jobs
+from .discover import Job, discover, group_jobs
 from .errors import WbmergeError
+from .gcpause import fewer_collections
 
 _FASTER_WHEN_HIGHER = re.compile(r"per_s(ec)?\b|/s$|throughput|samples_per|tokens_per|it/s|fps")
 _FASTER_WHEN_LOWER = re.compile(r"time|latency|duration|_ms$|seconds")
@@ -70,40 +71,42 @@ def report(
 ) -> list[JobReport]:
     """A report per job found under `paths` (or for `job`); `metrics` narrows the keys."""
     reports = []
-    for found in group_jobs(discover(paths), job, allow_missing_ranks=True):
-        values: dict[tuple[str, str], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
-        labels: dict[int, str] = {}
-        for sources in rank_sources(found):
-            rank = sources[0].rank.rank
-            labels[rank] = sources[0].label
-            chunks: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}
-            for columns in rank_columns(sources):
-                number = columns.value.is_valid().to_numpy(zero_copy_only=False)
-                keys = columns.key.to_numpy(zero_copy_only=False)[number]
-                value = columns.value.to_numpy(zero_copy_only=False)[number]
-                if columns.kind == HISTORY:
-                    order = columns.step.to_numpy(zero_copy_only=False)[number]
-                else:
-                    order = columns.timestamp.to_numpy(zero_copy_only=False)[number]
-                for key in np.unique(keys):
-                    chosen = keys == key
-                    chunks.setdefault((columns.kind, key), []).append(
-                        (order[chosen], value[chosen])
-                    )
-            for name, parts in chunks.items():
-                values.setdefault(name, {})[rank] = (
-                    np.concatenate([p[0] for p in parts]),
-                    np.concatenate([p[1] for p in parts]),
-                )
-        chosen = _choose(values, len(labels), metrics)
-        reports.append(
-            JobReport(
-                found.job_id,
-                found.world_size,
-                [_metric(kind, key, values[kind, key], labels) for kind, key in chosen],
-            )
-        )
+    with fewer_collections():
+        found_jobs = group_jobs(discover(paths), job, allow_missing_ranks=True)
+        for found in found_jobs:
+            reports.append(_job_report(found, metrics))
     return reports
+
+
+def _job_report(found: Job, metrics: Sequence[str]) -> JobReport:
+    values: dict[tuple[str, str], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    labels: dict[int, str] = {}
+    for sources in rank_sources(found):
+        rank = sources[0].rank.rank
+        labels[rank] = sources[0].label
+        chunks: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}
+        for columns in rank_columns(sources):
+            number = columns.value.is_valid().to_numpy(zero_copy_only=False)
+            keys = columns.key.to_numpy(zero_copy_only=False)[number]
+            value = columns.value.to_numpy(zero_copy_only=False)[number]
+            if columns.kind == HISTORY:
+                order = columns.step.to_numpy(zero_copy_only=False)[number]
+            else:
+                order = columns.timestamp.to_numpy(zero_copy_only=False)[number]
+            for key in np.unique(keys):
+                chosen = keys == key
+                chunks.setdefault((columns.kind, key), []).append((order[chosen], value[chosen]))
+        for name, parts in chunks.items():
+            values.setdefault(name, {})[rank] = (
+                np.concatenate([p[0] for p in parts]),
+                np.concatenate([p[1] for p in parts]),
+            )
+    chosen = _choose(values, len(labels), metrics)
+    return JobReport(
+        found.job_id,
+        found.world_size,
+        [_metric(kind, key, values[kind, key], labels) for kind, key in chosen],
+    )
 
 
 def _choose(values: dict, ranks: int, metrics: Sequence[str]) -> list[tuple[str, str]]:
