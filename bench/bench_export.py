@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,36 +21,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pinned import run_pinned  # noqa: E402
+
 from wbmerge import synthetic  # noqa: E402
 
-CHILD = """
-import json, os, resource, sys, time
-os.sched_setaffinity(0, {0})
-from pathlib import Path
+WORK = """
 from wbmerge.export import export
 from wbmerge.txlog import read_payloads, record_kind
-job, out, what = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+job, what = args
 began = time.perf_counter()
 if what == "export":
-    rows = export([job], out / "x.parquet").rows
+    export([job], out / "x.parquet")
 else:
-    rows = 0
     for log in sorted(Path(job).rglob("run-*.wandb")):
         for payload in read_payloads(log):
-            rows += record_kind(payload) == "history"
-seconds = time.perf_counter() - began
-print(json.dumps({"seconds": seconds, "values": rows,
-                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+            record_kind(payload)
+result = {}
 """
 
 
 def run_once(job: Path, what: str) -> dict:
-    with tempfile.TemporaryDirectory() as out:
-        proc = subprocess.run(
-            [sys.executable, "-c", CHILD, str(job), out, what],
-            capture_output=True, text=True, check=True, cwd=ROOT,
-        )  # fmt: skip
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_pinned(WORK, str(job), what)
 
 
 def bench(job: Path, rows: int, repeat: int) -> dict:

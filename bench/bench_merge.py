@@ -28,30 +28,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pinned import run_pinned  # noqa: E402
+
 from wbmerge import synthetic  # noqa: E402
 from wbmerge.sink.client import local_api_key  # noqa: E402
 
-CHILD = """
-import json, os, resource, sys, time
-os.sched_setaffinity(0, {0})
-from pathlib import Path
+MERGE = """
 from wbmerge.pipeline import MergeRequest, merge_jobs
-job, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 began = time.perf_counter()
-staged = merge_jobs(MergeRequest([job], run_mode=mode), out)
-seconds = time.perf_counter() - began
-print(json.dumps({"seconds": seconds, "rows": sum(s.source_rows for s in staged),
-                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+staged = merge_jobs(MergeRequest([args[0]], run_mode=args[1]), out)
+result = {"rows": sum(s.source_rows for s in staged)}
 """
 
 
 def merge_once(job: Path, mode: str) -> dict:
-    with tempfile.TemporaryDirectory() as out:
-        proc = subprocess.run(
-            [sys.executable, "-c", CHILD, str(job), out, mode],
-            capture_output=True, text=True, check=True, cwd=ROOT,
-        )  # fmt: skip
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_pinned(MERGE, str(job), mode)
 
 
 def source_mb(job: Path, mode: str) -> float:
