@@ -21,27 +21,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pinned import run_pinned  # noqa: E402
+from pinned import READ_ONLY, run_pinned  # noqa: E402
 
 from wbmerge import synthetic  # noqa: E402
 
-WORK = """
+EXPORT = """
 from wbmerge.export import export
-from wbmerge.txlog import read_payloads, record_kind
-job, what = args
 began = time.perf_counter()
-if what == "export":
-    export([job], out / "x.parquet")
-else:
-    for log in sorted(Path(job).rglob("run-*.wandb")):
-        for payload in read_payloads(log):
-            record_kind(payload)
+export([args[0]], out / "x.parquet")
 result = {}
 """
 
 
 def run_once(job: Path, what: str) -> dict:
-    return run_pinned(WORK, str(job), what)
+    return run_pinned(EXPORT if what == "export" else READ_ONLY, str(job))
 
 
 def bench(job: Path, rows: int, repeat: int) -> dict:

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pinned import run_pinned  # noqa: E402
+from pinned import READ_ONLY, run_pinned  # noqa: E402
 
 from wbmerge import synthetic  # noqa: E402
 from wbmerge.sink.client import local_api_key  # noqa: E402
@@ -53,7 +53,10 @@ def source_mb(job: Path, mode: str) -> float:
 
 
 def bench_merge(job: Path, repeat: int) -> dict:
-    result = {}
+    """Each mode's median time, throughput, peak RSS, and its time over the baseline's
+    (reading the same logs and nothing else), which machine noise moves much less."""
+    baseline = statistics.median(run_pinned(READ_ONLY, str(job))["seconds"] for _ in range(repeat))
+    result: dict = {"read_only_s": round(baseline, 2)}
     for mode in ("new", "auto", "shared"):
         runs = [merge_once(job, mode) for _ in range(repeat)]
         seconds = statistics.median(r["seconds"] for r in runs)
@@ -62,6 +65,8 @@ def bench_merge(job: Path, repeat: int) -> dict:
             entry["source_rows_per_s"] = round(runs[0]["rows"] / seconds)
         else:
             entry["source_mb_per_s"] = round(source_mb(job, mode) / seconds)
+        if mode != "auto":  # auto reads one rank: no baseline to compare with
+            entry["over_read_only"] = round(seconds / baseline, 2)
         result[mode] = entry
         print(f"  {mode}: {entry}", flush=True)
     return result

@@ -221,11 +221,16 @@ def _run_rank(
         **init_kwargs,
     )
     try:
-        return func(*args, **kwargs)
-    finally:
+        result = func(*args, **kwargs)
+    except BaseException:
         if _RUN is not None:
-            _RUN.finish()
+            _RUN.finish(exit_code=1)  # a crashed rank: a failed run (the merge warns)
             _RUN = None
+        raise
+    if _RUN is not None:  # the task did not call offline_runs()
+        _RUN.finish()
+        _RUN = None
+    return result
 
 
 def _barrier() -> None:

@@ -38,9 +38,6 @@ class Items:
     counts: np.ndarray  # items per region
     texts: pa.StringArray | None = None  # the JSON texts, when not in the one-byte form
 
-    def __len__(self) -> int:
-        return len(self.row)
-
     def json(self) -> pa.StringArray:
         """The JSON text of every value."""
         if self.texts is not None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .columns import HISTORY, SYSTEM, rank_columns, rank_sources
+from .columns import HISTORY, rank_columns, rank_sources
 from .discover import Job, discover, group_jobs
 from .errors import WbmergeError
 from .gcpause import fewer_collections
@@ -224,6 +224,3 @@ def _finite(value: object) -> object:
     if isinstance(value, list):
         return [_finite(v) for v in value]
     return value
-
-
-__all__ = ["SYSTEM", "JobReport", "MetricReport", "RankStats", "report"]
