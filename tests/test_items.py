@@ -83,14 +83,15 @@ def history_records(draw: st.DrawFn) -> bytes:
     return record.SerializeToString()
 
 
+def located(payloads: list[bytes]) -> list[tuple[bytes, int, int]]:
+    """Each history payload with where its items are."""
+    return [(p, *wire.history_region(p)[1:]) for p in payloads]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(history_records(), min_size=1, max_size=8))
 def test_batch_split_is_exact_or_refuses(payloads):
-    regions = []
-    for payload in payloads:
-        _, start, end = wire.history_region(payload)
-        regions.append(payload[start:end])
-    batch = items.split(regions)
+    batch = items.split([p[start:end] for p, start, end in located(payloads)])
     expected = [protobuf_items(p) for p in payloads]
     if batch is None:
         return  # refused: the caller goes item by item
@@ -104,11 +105,7 @@ def test_batch_split_is_exact_or_refuses(payloads):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(history_records(), min_size=1, max_size=8))
 def test_labelled_rows_are_the_same_by_batch_and_item_by_item(payloads):
-    rows = []
-    for payload in payloads:
-        _, start, end = wire.history_region(payload)
-        rows.append((payload, start, end))
-    batched = _label_rows(rows, _RankKeys("rank-1", "{key}/{label}"), skew=True)
+    batched = _label_rows(located(payloads), _RankKeys("rank-1", "{key}/{label}"), skew=True)
     one_by_one = [
         _row(wire.history_items(p)[1], _RankKeys("rank-1", "{key}/{label}"), skew=True)
         for p in payloads
