@@ -30,7 +30,6 @@ _CHUNK_HEADER = struct.Struct("<IHB")
 # crc32(bytes([type]) + payload) == crc32(payload, _TYPE_CRC[type]): no concatenation needed.
 _TYPE_CRC = [zlib.crc32(bytes([t])) for t in range(5)]
 _READ_SIZE = 32 * BLOCK_SIZE  # 1 MiB per read call, always whole blocks
-_ZERO_HEADER = bytes(CHUNK_HEADER_SIZE)
 
 # Field number of each member of Record's `record_type` oneof, and back.
 RECORD_KINDS: dict[int, str] = {
@@ -89,6 +88,7 @@ def iter_payloads(stream: BinaryIO, report: ReadReport | None = None) -> Iterato
     partial: list[bytes] = []  # fragments of a record that spans blocks
     orphans = False  # skipping MIDDLE/LAST chunks of a record already dropped
     eof = False
+    unpack, crc32, type_crc = _CHUNK_HEADER.unpack_from, zlib.crc32, _TYPE_CRC  # hot loop
     while not eof:
         more = stream.read(_READ_SIZE)
         eof = not more
@@ -100,22 +100,25 @@ def iter_payloads(stream: BinaryIO, report: ReadReport | None = None) -> Iterato
         end = len(buf)
         while True:
             block_end = pos - pos % BLOCK_SIZE + BLOCK_SIZE
-            if block_end - pos < CHUNK_HEADER_SIZE or (
-                buf[pos : pos + CHUNK_HEADER_SIZE] == _ZERO_HEADER
-            ):
-                if block_end > end:  # padding or zero fill, not all here yet
+            if block_end - pos < CHUNK_HEADER_SIZE:
+                if block_end > end:  # the block's trailer, not all here yet
                     break
                 pos = block_end
                 continue
             if pos + CHUNK_HEADER_SIZE > end:
                 break
-            crc, length, kind = _CHUNK_HEADER.unpack_from(buf, pos)
+            crc, length, kind = unpack(buf, pos)
+            if not (crc or length or kind):  # zero fill: the rest of the block is padding
+                if block_end > end:
+                    break
+                pos = block_end
+                continue
             chunk_end = pos + CHUNK_HEADER_SIZE + length
             sane = FULL <= kind <= LAST and chunk_end <= block_end
             if sane and chunk_end > end:
                 break  # more bytes to come, or a truncated tail
             payload = buf[pos + CHUNK_HEADER_SIZE : chunk_end] if sane else b""
-            if not sane or zlib.crc32(payload, _TYPE_CRC[kind]) != crc:
+            if not sane or crc32(payload, type_crc[kind]) != crc:
                 if block_end > end and not eof:
                     break  # count the loss once the whole block is here
                 stop = min(block_end, end)
