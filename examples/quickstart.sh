@@ -2,8 +2,9 @@
 # The main job, end to end on this machine, no account and no network:
 #   1. the built-in local W&B-compatible sink on 127.0.0.1
 #   2. a real 4-rank torchrun DDP job (gloo, CPU); every rank writes an offline W&B run
-#   3. wbmerge sync --run-mode shared: all ranks merged into one run, uploaded by `wandb sync`
-#   4. the links, which open on the sink's own pages
+#   3. wbmerge report: per-rank skew, from the offline runs alone
+#   4. wbmerge sync --run-mode shared: all ranks merged into one run, uploaded by `wandb sync`
+#   5. the links, which open on the sink's own pages
 set -euo pipefail
 out="${1:-./wbmerge-demo}"
 port="${WBMERGE_SINK_PORT:-8765}"
@@ -25,6 +26,8 @@ WANDB_SILENT=true python -m torch.distributed.run --standalone --nproc-per-node 
     "$(dirname "$0")/ddp_train.py" --dir "$out" --steps 40 --slow-rank 3 > "$out/train.log" 2>&1 \
     || { tail -30 "$out/train.log"; exit 1; }
 wbmerge inspect "$out/wandb"
+echo "== wbmerge report: which rank is slow? (from the offline runs alone)"
+wbmerge report "$out/wandb" -m train/samples_per_sec -m train/loss
 
 echo "== wbmerge sync --run-mode shared $out/wandb"
 wbmerge sync --run-mode shared --skew-metrics "$out/wandb"
