@@ -123,11 +123,11 @@ def history_items(payload: bytes) -> tuple[int, list[bytes]]:
 def history_region(payload: bytes) -> tuple[int, int, int]:
     """(step, start, end) of a history record's items: wandb writes the step field last, so
     it is looked for at the end first; anything else is walked field by field."""
-    span = submessage(payload, RECORD_HISTORY)
+    span = _history_span(payload) or submessage(payload, RECORD_HISTORY)
     if span is None:
         raise ValueError("not a history record")
     start, end = span
-    if payload[end - 2 : end] == b"\x12\x00":
+    if payload[end - 2] == 0x12 and payload[end - 1] == 0:
         return 0, start, end - 2
     for size, head in _STEP_HEADS:  # step { num: a varint of `size` bytes }
         field = end - size - 3
@@ -146,6 +146,19 @@ def history_region(payload: bytes) -> tuple[int, int, int]:
         else:
             break
     return step, start, last
+
+
+def _history_span(payload: bytes) -> tuple[int, int] | None:
+    """The history span of a record as wandb writes it (`num`, then `history` last), or None."""
+    if payload[0] != 0x08:
+        return None
+    pos = 1
+    while payload[pos] & 0x80:
+        pos += 1
+    if payload[pos + 1] != 0x12:
+        return None
+    start, end = _span(payload, pos + 2)
+    return (start, end) if end == len(payload) else None
 
 
 def summary_items(payload: bytes) -> tuple[list[bytes], list[bytes]]:
