@@ -167,3 +167,24 @@ def test_export_never_writes_to_the_sources(tmp_path):
 
 def test_record_kinds_used_by_the_reference_exist():
     assert {"history", "stats"} <= set(pb.Record.DESCRIPTOR.fields_by_name)
+
+
+def test_damaged_log_exports_its_readable_records_and_says_what_was_lost(tmp_path):
+    damaged = job_dir("damaged") / "corrupt_block"
+    out = tmp_path / "d.parquet"
+    result = CliRunner().invoke(main, ["export", str(damaged), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert (
+        "records /" in result.output and "dropped; the readable records are used" in result.output
+    )
+    (run,) = discover([damaged])
+    expected = 0
+    for record in read_records(run.path):  # the same tolerant reader: every readable value
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            expected += sum(
+                (list(i.nested_key) or [i.key])[0] not in RESERVED for i in record.history.item
+            )
+        elif kind == "stats":
+            expected += len(record.stats.item)
+    assert pq.read_table(out).num_rows == expected > 0

@@ -314,6 +314,8 @@ def export(paths: tuple[str, ...], out: str, job: str | None, wide: bool) -> Non
     result = export_runs(paths, out, job=job, wide=wide)
     for job_id, missing in result.missing.items():
         click.echo(f"wbmerge: warning: job {job_id}: ranks {missing} not found", err=True)
+    for line in result.damage:
+        click.echo(f"wbmerge: warning: {line}", err=True)
     shape = "rows (rank x step)" if wide else "values"
     click.echo(
         f"wrote {result.rows} {shape} of {result.ranks} ranks "
@@ -335,6 +337,8 @@ def report(
     from .report_format import format_report
 
     reports = make_report(paths, metrics, job)
+    for line in (line for r in reports for line in r.damage):
+        click.echo(f"wbmerge: warning: {line}", err=True)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in reports], indent=2))
     else:

@@ -21,7 +21,7 @@ from . import items, wire
 from .discover import Job
 from .merge import RESERVED, Steps
 from .plan import Source
-from .txlog import read_payloads, record_kind
+from .txlog import ReadReport, read_payloads, record_kind
 
 HISTORY = "history"
 SYSTEM = "system"
@@ -56,15 +56,19 @@ def rank_sources(job: Job) -> Iterator[list[Source]]:
         yield [Source(r.path, r.rank, r.label or r.rank.label) for r in runs]
 
 
-def rank_columns(sources: list[Source], window: int = _WINDOW) -> Iterator[Columns]:
-    """The values of one rank's runs (its restarts, in order), window by window."""
+def rank_columns(
+    sources: list[Source], damage: list[str] | None = None, window: int = _WINDOW
+) -> Iterator[Columns]:
+    """The values of one rank's runs (its restarts, in order), window by window. What a
+    damaged log lost (a corrupt block, a truncated tail) is appended to `damage`."""
     steps = Steps()
     last_step = -1
     for source in sources:
         steps.restart()
         rows: list[tuple[int, bytes, int, int]] = []
         stats: list[bytes] = []
-        for payload in read_payloads(source.path):
+        report = ReadReport()
+        for payload in read_payloads(source.path, report):
             kind = record_kind(payload)
             if kind == "history":
                 raw_step, start, end = wire.history_region(payload)
@@ -85,6 +89,8 @@ def rank_columns(sources: list[Source], window: int = _WINDOW) -> Iterator[Colum
             yield _history(rows, source)
         if stats:
             yield _system(stats, source)
+        if damage is not None and report.describe():
+            damage.append(f"{source.path}: {report.describe()}; the readable records are used")
 
 
 def _history(rows: list[tuple[int, bytes, int, int]], source: Source) -> Columns:

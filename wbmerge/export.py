@@ -60,6 +60,7 @@ class ExportResult:
     jobs: list[str] = field(default_factory=list)
     ranks: int = 0
     missing: dict[str, list[int]] = field(default_factory=dict)  # job id -> missing ranks
+    damage: list[str] = field(default_factory=list)  # what damaged logs lost
 
 
 def export(
@@ -97,7 +98,7 @@ def _write_long(jobs: list[Job], scratch: Path, result: ExportResult) -> None:
         for job in jobs:
             for sources in rank_sources(job):
                 result.ranks += 1
-                for columns in rank_columns(sources):
+                for columns in rank_columns(sources, result.damage):
                     table = _long_table(job.job_id, columns)
                     pending.append(table)
                     size += len(table)
@@ -170,7 +171,7 @@ def _write_wide(jobs: list[Job], scratch: Path, result: ExportResult) -> None:
         for job in jobs:
             for sources in rank_sources(job):
                 result.ranks += 1
-                for columns in rank_columns(sources):
+                for columns in rank_columns(sources, result.damage):
                     if columns.kind != HISTORY or not len(columns):
                         continue
                     table = _wide_table(job.job_id, columns, schema, keys)

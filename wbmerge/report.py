@@ -61,6 +61,7 @@ class JobReport:
     job_id: str
     world_size: int
     metrics: list[MetricReport]
+    damage: list[str] = field(default_factory=list)  # what damaged logs lost
 
     def to_dict(self) -> dict:
         return _finite(asdict(self))
@@ -81,11 +82,12 @@ def report(
 def _job_report(found: Job, metrics: Sequence[str]) -> JobReport:
     values: dict[tuple[str, str], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
     labels: dict[int, str] = {}
+    damage: list[str] = []
     for sources in rank_sources(found):
         rank = sources[0].rank.rank
         labels[rank] = sources[0].label
         chunks: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}
-        for columns in rank_columns(sources):
+        for columns in rank_columns(sources, damage):
             number = columns.value.is_valid().to_numpy(zero_copy_only=False)
             keys = columns.key.to_numpy(zero_copy_only=False)[number]
             value = columns.value.to_numpy(zero_copy_only=False)[number]
@@ -106,6 +108,7 @@ def _job_report(found: Job, metrics: Sequence[str]) -> JobReport:
         found.job_id,
         found.world_size,
         [_metric(kind, key, values[kind, key], labels) for kind, key in chosen],
+        damage,
     )
 
 
