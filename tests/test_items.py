@@ -23,10 +23,11 @@ def protobuf_items(payload: bytes) -> list[tuple[list[str], str]]:
 
 def split_items(payload: bytes, kind: str) -> list[tuple[list[str], str]] | None:
     if kind == "history":
-        _, start, end = wire.history_region(payload)
+        region = wire.history_region(payload)[1]
     else:
         start, end = wire.submessage(payload, wire.RECORD_SUMMARY)
-    batch = items.split([payload[start:end]])
+        region = payload[start:end]
+    batch = items.split([region])
     if batch is None:
         return None
     keys = [wire.key_path(k) for k in batch.key.to_pylist()]
@@ -56,9 +57,9 @@ def test_history_region_finds_the_step_whatever_its_size():
         item.value_json = "1.5"
         record.history.step.num = step
         payload = record.SerializeToString()
-        found, start, end = wire.history_region(payload)
+        found, region = wire.history_region(payload)
         assert found == step
-        assert items.split([payload[start:end]]).key.to_pylist() == [wire.key_part(["loss"])]
+        assert items.split([region]).key.to_pylist() == [wire.key_part(["loss"])]
 
 
 keys = st.text(string.ascii_letters + "/_.é₂ -", min_size=1, max_size=40)
@@ -83,15 +84,15 @@ def history_records(draw: st.DrawFn) -> bytes:
     return record.SerializeToString()
 
 
-def located(payloads: list[bytes]) -> list[tuple[bytes, int, int]]:
-    """Each history payload with where its items are."""
-    return [(p, *wire.history_region(p)[1:]) for p in payloads]
+def located(payloads: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """Each history payload with its item fields."""
+    return [(p, wire.history_region(p)[1]) for p in payloads]
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(history_records(), min_size=1, max_size=8))
 def test_batch_split_is_exact_or_refuses(payloads):
-    batch = items.split([p[start:end] for p, start, end in located(payloads)])
+    batch = items.split([region for _, region in located(payloads)])
     expected = [protobuf_items(p) for p in payloads]
     if batch is None:
         return  # refused: the caller goes item by item
@@ -125,9 +126,9 @@ def test_labelled_row_decodes_to_the_labelled_keys():
         item.value_json = value
     record.history.step.num = 3
     payload = record.SerializeToString()
-    _, start, end = wire.history_region(payload)
+    region = wire.history_region(payload)[1]
     labelled, reserved, numbers = _label_rows(
-        [(payload, start, end)], _RankKeys("rank-2", "{key}/{label}"), skew=True
+        [(payload, region)], _RankKeys("rank-2", "{key}/{label}"), skew=True
     )[0]
     decoded = pb.HistoryRecord.FromString(labelled)
     assert [(list(i.nested_key), i.value_json) for i in decoded.item] == [
@@ -136,3 +137,25 @@ def test_labelled_row_decodes_to_the_labelled_keys():
     ]
     assert reserved == {}  # `_step` is the merged row's, not the rank's
     assert numbers == {"train/loss": 0.5}
+
+
+def test_history_region_of_a_record_in_another_field_order():
+    record = pb.Record(num=3)
+    item = record.history.item.add()
+    item.nested_key.append("loss")
+    item.value_json = "2.5"
+    record.history.step.num = 7
+    history = record.history
+    # step first, then the item: valid protobuf that wandb does not write
+    reordered = (
+        b"\x08\x03\x12"
+        + bytes([len(history.SerializeToString())])
+        + b"\x12\x02\x08\x07"
+        + b"\x0a"
+        + bytes([len(item.SerializeToString())])
+        + item.SerializeToString()
+    )
+    assert pb.Record.FromString(reordered) == record
+    step, region = wire.history_region(reordered)
+    assert step == 7
+    assert items.split([region]).key.to_pylist() == [wire.key_part(["loss"])]

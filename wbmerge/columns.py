@@ -62,21 +62,19 @@ def rank_columns(
     """The values of one rank's runs (its restarts, in order), window by window. What a
     damaged log lost (a corrupt block, a truncated tail) is appended to `damage`."""
     steps = Steps()
-    last_step = -1
     for source in sources:
         steps.restart()
-        rows: list[tuple[int, bytes, int, int]] = []
+        rows: list[tuple[int, bytes, bytes]] = []
         stats: list[bytes] = []
         report = ReadReport()
         for payload in read_payloads(source.path, report):
             kind = record_kind(payload)
             if kind == "history":
-                raw_step, start, end = wire.history_region(payload)
-                step = steps.place(raw_step)
-                if step <= last_step:
-                    continue  # as the merge: never two rows of one rank at one step
-                last_step = step
-                rows.append((step, payload, start, end))
+                raw_step, region = wire.history_region(payload)
+                step = steps.place_row(raw_step)  # as the merge does
+                if step is None:
+                    continue
+                rows.append((step, payload, region))
                 if len(rows) >= window:
                     yield _history(rows, source)
                     rows = []
@@ -93,8 +91,8 @@ def rank_columns(
             damage.append(f"{source.path}: {report.describe()}; the readable records are used")
 
 
-def _history(rows: list[tuple[int, bytes, int, int]], source: Source) -> Columns:
-    batch = items.split([payload[start:end] for _, payload, start, end in rows])
+def _history(rows: list[tuple[int, bytes, bytes]], source: Source) -> Columns:
+    batch = items.split([region for _, _, region in rows])
     if batch is not None:
         try:
             return _history_of(rows, batch, source)
@@ -104,7 +102,7 @@ def _history(rows: list[tuple[int, bytes, int, int]], source: Source) -> Columns
 
 
 def _history_of(
-    rows: list[tuple[int, bytes, int, int]], batch: items.Items, source: Source
+    rows: list[tuple[int, bytes, bytes]], batch: items.Items, source: Source
 ) -> Columns:
     encoded = pc.dictionary_encode(batch.key)
     paths = [wire.key_path(raw) for raw in encoded.dictionary.to_pylist()]
@@ -119,7 +117,7 @@ def _history_of(
     )
     user = np.array([path[0] not in RESERVED for path in paths], bool)[index]
     row = batch.row[user]
-    step = np.fromiter((s for s, _, _, _ in rows), np.int64, len(rows))
+    step = np.fromiter((s for s, _, _ in rows), np.int64, len(rows))
     keys = pa.DictionaryArray.from_arrays(
         pa.array(index[user], pa.int32()), pa.array(names, pa.string())
     )
@@ -160,10 +158,10 @@ def _values(texts: pa.Array) -> tuple[pa.Array, pa.Array]:
     return value, value_json
 
 
-def _split_one_by_one(rows: list[tuple[int, bytes, int, int]]) -> items.Items:
+def _split_one_by_one(rows: list[tuple[int, bytes, bytes]]) -> items.Items:
     """The exact item-by-item split, for windows the batch path refuses (long values)."""
     row_of, keys, values = [], [], []
-    for index, (_, payload, _, _) in enumerate(rows):
+    for index, (_, payload, _) in enumerate(rows):
         for item in wire.history_items(payload)[1]:
             key, value = wire.split_item(item)
             row_of.append(index)

@@ -281,7 +281,8 @@ def _copy_one(target: Target, writer: LogWriter, options: MergeOptions, staged: 
 class Steps:
     """Elastic restarts continue the steps: a restart that repeats steps is moved after them.
 
-    Call `restart()` before each restart's records and `place(step)` for each of its rows.
+    Call `restart()` before each restart's records and `place(step)` (or `place_row`) for
+    each of its rows.
     """
 
     def __init__(self) -> None:
@@ -297,6 +298,12 @@ class Steps:
         step += self._shift
         self.last = max(self.last, step)
         return step
+
+    def place_row(self, step: int) -> int | None:
+        """`place`, or None for a row at or before the last one: never two rows at one step."""
+        before = self.last
+        placed = self.place(step)
+        return placed if placed > before else None
 
 
 def _continue_steps(payload: bytes, steps: Steps) -> bytes:
@@ -548,7 +555,6 @@ def _rank_events(
     rank = state.source.rank.rank
     label = state.source.label
     steps = Steps()
-    last_step = -1  # of the rows yielded: other records follow the row before them
     seq = 0
     window = _Window(rank, state, options.skew_metrics, window_size)
     for index, source in enumerate(sources):
@@ -559,12 +565,11 @@ def _rank_events(
         for payload in read_payloads(source.path, report):
             kind = record_kind(payload)
             if kind == "history":
-                raw_step, start, end = wire.history_region(payload)
-                step = steps.place(raw_step)
-                if step <= last_step:
-                    continue  # never two rows of one rank at one step
-                last_step = step
-                window.add_row(step, payload, start, end)
+                raw_step, region = wire.history_region(payload)
+                step = steps.place_row(raw_step)
+                if step is None:
+                    continue
+                window.add_row(step, payload, region)
                 if window.full():
                     yield from window.drain()
                 continue
@@ -592,7 +597,8 @@ def _rank_events(
             else:
                 continue
             seq += 1
-            window.events.append(((last_step, 1, rank, seq), event))
+            # other records follow the row they were written after
+            window.events.append(((steps.last, 1, rank, seq), event))
         state.complete = state.exit_payload is not None
         _note_damage(
             staged, source, report, state.complete or index < len(sources) - 1, target.primary_rank
@@ -610,12 +616,12 @@ class _Window:
         self.skew = skew
         self.size = size
         self.events: list[tuple[tuple, object]] = []  # a row's event is its index in `rows`
-        self.rows: list[tuple[bytes, int, int]] = []  # payload, items start, items end
+        self.rows: list[tuple[bytes, bytes]] = []  # payload, its item fields
         self.summaries: list[bytes] = []
 
-    def add_row(self, step: int, payload: bytes, start: int, end: int) -> None:
+    def add_row(self, step: int, payload: bytes, region: bytes) -> None:
         self.events.append(((step, 0, self.rank), len(self.rows)))
-        self.rows.append((payload, start, end))
+        self.rows.append((payload, region))
 
     def full(self) -> bool:
         return len(self.rows) >= self.size
@@ -680,16 +686,16 @@ def _row(items: list[bytes], keys: _RankKeys, skew: bool) -> _Row:
     return b"".join(labelled), reserved, numbers
 
 
-def _label_rows(rows: list[tuple[bytes, int, int]], keys: _RankKeys, skew: bool) -> list[_Row]:
+def _label_rows(rows: list[tuple[bytes, bytes]], keys: _RankKeys, skew: bool) -> list[_Row]:
     """The `_Row` of each history record, labelled as columns when the batch path applies,
     else item by item."""
-    batch = items.split([payload[start:end] for payload, start, end in rows])
+    batch = items.split([region for _, region in rows])
     if batch is not None:
         try:
             return _label_batch(batch, len(rows), keys, skew)
         except ValueError:
             pass  # a key part that is not one: the split does not hold
-    return [_row(wire.history_items(payload)[1], keys, skew) for payload, _, _ in rows]
+    return [_row(wire.history_items(payload)[1], keys, skew) for payload, _ in rows]
 
 
 def _label_batch(batch: items.Items, count: int, keys: _RankKeys, skew: bool) -> list[_Row]:

@@ -120,32 +120,23 @@ def history_items(payload: bytes) -> tuple[int, list[bytes]]:
     return step, items
 
 
-def history_region(payload: bytes) -> tuple[int, int, int]:
-    """(step, start, end) of a history record's items: wandb writes the step field last, so
-    it is looked for at the end first; anything else is walked field by field."""
+def history_region(payload: bytes) -> tuple[int, bytes]:
+    """(step, item fields) of a history record. wandb writes the items, then the step field
+    last: that is looked for at the end; a record in any other shape is parsed by protobuf."""
     span = _history_span(payload) or submessage(payload, RECORD_HISTORY)
     if span is None:
         raise ValueError("not a history record")
     start, end = span
-    if payload[end - 2] == 0x12 and payload[end - 1] == 0:
-        return 0, start, end - 2
+    if end - start >= 2 and payload[end - 2] == 0x12 and payload[end - 1] == 0:
+        return 0, payload[start : end - 2]
     for size, head in _STEP_HEADS:  # step { num: a varint of `size` bytes }
         field = end - size - 3
         if field >= start and payload[field : field + 3] == head:
             step, after = varint(payload, field + 3)
             if after == end:
-                return step, start, field
-    step, items = history_items(payload)
-    last = start
-    pos = start
-    while pos < end:  # find where the item fields stop
-        tag, inner = varint(payload, pos)
-        pos = skip_field(payload, inner, tag & 7)
-        if tag == _KEY_TAG:
-            last = pos
-        else:
-            break
-    return step, start, last
+                return step, payload[start:field]
+    history = pb.Record.FromString(payload).history
+    return history.step.num, pb.HistoryRecord(item=history.item).SerializeToString()
 
 
 def _history_span(payload: bytes) -> tuple[int, int] | None:
