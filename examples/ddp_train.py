@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import wandb
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import wandb
 import wbmerge
 
 
