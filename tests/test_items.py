@@ -3,6 +3,7 @@
 import string
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -62,7 +63,10 @@ def test_history_region_finds_the_step_whatever_its_size():
         assert items.split([region]).key.to_pylist() == [wire.key_part(["loss"])]
 
 
-keys = st.text(string.ascii_letters + "/_.é₂ -", min_size=1, max_size=40)
+keys = st.one_of(
+    st.text(string.ascii_letters + "/_.é₂ -", min_size=1, max_size=40),
+    st.sampled_from(["_runtime", "_timestamp", "_step", "_wandb"]),  # W&B's own, also twice
+)
 values = st.one_of(
     st.floats(allow_nan=False).map(repr),
     st.text(min_size=0, max_size=200).map(lambda t: '"' + t.replace('"', "") + '"'),
@@ -89,6 +93,17 @@ def located(payloads: list[bytes]) -> list[tuple[bytes, bytes]]:
     return [(p, wire.history_region(p)[1]) for p in payloads]
 
 
+def spans(regions: list[bytes], gap: bytes = b"") -> tuple[bytes, np.ndarray, np.ndarray]:
+    """The regions in one buffer, `gap` before each: (data, starts, ends)."""
+    data, starts, ends = b"", [], []
+    for region in regions:
+        data += gap
+        starts.append(len(data))
+        data += region
+        ends.append(len(data))
+    return data, np.array(starts, np.int64), np.array(ends, np.int64)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(history_records(), min_size=1, max_size=8))
 def test_batch_split_is_exact_or_refuses(payloads):
@@ -106,7 +121,8 @@ def test_batch_split_is_exact_or_refuses(payloads):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(history_records(), min_size=1, max_size=8))
 def test_labelled_rows_are_the_same_by_batch_and_item_by_item(payloads):
-    batched = _label_rows(located(payloads), _RankKeys("rank-1", "{key}/{label}"), skew=True)
+    regions = [region for _, region in located(payloads)]
+    batched = _label_rows(*spans(regions), _RankKeys("rank-1", "{key}/{label}"), skew=True)
     one_by_one = [
         _row(wire.history_items(p)[1], _RankKeys("rank-1", "{key}/{label}"), skew=True)
         for p in payloads
@@ -127,15 +143,15 @@ def test_labelled_row_decodes_to_the_labelled_keys():
     record.history.step.num = 3
     payload = record.SerializeToString()
     region = wire.history_region(payload)[1]
-    labelled, reserved, numbers = _label_rows(
-        [(payload, region)], _RankKeys("rank-2", "{key}/{label}"), skew=True
+    labelled, reserved_names, reserved, numbers = _label_rows(
+        *spans([region]), _RankKeys("rank-2", "{key}/{label}"), skew=True
     )[0]
     decoded = pb.HistoryRecord.FromString(labelled)
     assert [(list(i.nested_key), i.value_json) for i in decoded.item] == [
         (["train/loss/rank-2"], "0.5"),
         (["samples/rank-2", "path"], '"a.png"'),
     ]
-    assert reserved == {}  # `_step` is the merged row's, not the rank's
+    assert (reserved_names, reserved) == ((), b"")  # `_step` is the merged row's, not the rank's
     assert numbers == {"train/loss": 0.5}
 
 

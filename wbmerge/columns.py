@@ -17,16 +17,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from wandb.proto import wandb_internal_pb2 as pb
 
-from . import items, wire
+from . import items, records, wire
 from .discover import Job
 from .merge import RESERVED, Steps
 from .plan import Source
-from .txlog import ReadReport, read_payloads, record_kind
+from .txlog import ReadReport, read_frames
 
 HISTORY = "history"
 SYSTEM = "system"
 _NUMBER = r"^(-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?|NaN|-?Infinity)$"
-_WINDOW = 4096
+_READ_SIZE = 4 << 20  # a few thousand rows a read: array work pays per read, not per row
+_STATS_WINDOW = 4096
+_HISTORY_CODE = records.code("history")
+_STATS_CODE = records.code("stats")
 
 
 @dataclass
@@ -38,7 +41,7 @@ class Columns:
     step: pa.Array  # int64; null for system metrics
     timestamp: pa.Array  # float64 seconds
     runtime: pa.Array  # float64 seconds; null for system metrics
-    key: pa.Array  # string
+    key: pa.DictionaryArray  # strings
     value: pa.Array  # float64; null when the value is not a number
     value_json: pa.Array  # string; null when the value is a number
 
@@ -56,68 +59,58 @@ def rank_sources(job: Job) -> Iterator[list[Source]]:
         yield [Source(r.path, r.rank, r.label or r.rank.label) for r in runs]
 
 
-def rank_columns(
-    sources: list[Source], damage: list[str] | None = None, window: int = _WINDOW
-) -> Iterator[Columns]:
-    """The values of one rank's runs (its restarts, in order), window by window. What a
-    damaged log lost (a corrupt block, a truncated tail) is appended to `damage`."""
+def rank_columns(sources: list[Source], damage: list[str] | None = None) -> Iterator[Columns]:
+    """The values of one rank's runs (its restarts, in order), a read of its log at a time.
+    What a damaged log lost (a corrupt block, a truncated tail) is appended to `damage`."""
     steps = Steps()
     for source in sources:
         steps.restart()
-        rows: list[tuple[int, bytes, bytes]] = []
         stats: list[bytes] = []
         report = ReadReport()
-        for payload in read_payloads(source.path, report):
-            kind = record_kind(payload)
-            if kind == "history":
-                raw_step, region = wire.history_region(payload)
-                step = steps.place_row(raw_step)  # as the merge does
-                if step is None:
-                    continue
-                rows.append((step, payload, region))
-                if len(rows) >= window:
-                    yield _history(rows, source)
-                    rows = []
-            elif kind == "stats":
-                stats.append(payload)
-                if len(stats) >= window:
-                    yield _system(stats, source)
-                    stats = []
-        if rows:
-            yield _history(rows, source)
+        for frames in read_frames(source.path, report, _READ_SIZE):
+            codes = records.kinds(frames)
+            rows = records.history_rows(frames, np.flatnonzero(codes == _HISTORY_CODE))
+            placed = steps.place_rows(rows.steps)  # as the merge does
+            if len(rows):
+                yield _history(rows, placed, source)
+            for index in np.flatnonzero(codes == _STATS_CODE).tolist():
+                stats.append(frames.data[frames.starts[index] : frames.ends[index]])
+            if len(stats) >= _STATS_WINDOW:
+                yield _system(stats, source)
+                stats = []
         if stats:
             yield _system(stats, source)
         if damage is not None and report.describe():
             damage.append(f"{source.path}: {report.describe()}; the readable records are used")
 
 
-def _history(rows: list[tuple[int, bytes, bytes]], source: Source) -> Columns:
-    batch = items.split([region for _, _, region in rows])
+def _history(rows: records.HistoryRows, placed: np.ndarray, source: Source) -> Columns:
+    kept = placed >= 0
+    starts, ends = rows.starts[kept], rows.ends[kept]
+    batch = items.split_spans(rows.data, starts, ends)
     if batch is not None:
         try:
-            return _history_of(rows, batch, source)
+            return _history_of(placed[kept], batch, source)
         except ValueError:
             pass  # a key part that is not one: the split does not hold
-    return _history_of(rows, _split_one_by_one(rows), source)
+    regions = [rows.data[s:e] for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
+    return _history_of(placed[kept], _split_one_by_one(regions), source)
 
 
-def _history_of(
-    rows: list[tuple[int, bytes, bytes]], batch: items.Items, source: Source
-) -> Columns:
-    encoded = pc.dictionary_encode(batch.key)
-    paths = [wire.key_path(raw) for raw in encoded.dictionary.to_pylist()]
-    index = encoded.indices.to_numpy()
+def _history_of(step: np.ndarray, batch: items.Items, source: Source) -> Columns:
+    index, raw_keys = batch.key_codes()
+    paths = [wire.key_path(raw) for raw in raw_keys]
     names = [".".join(path) for path in paths]
     texts = batch.json()
+    count = len(step)
     timestamp = _per_row(
-        len(rows), batch, index, texts, names.index("_timestamp") if "_timestamp" in names else -1
+        count, batch, index, texts, names.index("_timestamp") if "_timestamp" in names else -1
     )
     runtime = _per_row(
-        len(rows), batch, index, texts, names.index("_runtime") if "_runtime" in names else -1
+        count, batch, index, texts, names.index("_runtime") if "_runtime" in names else -1
     )
     user = np.array([path[0] not in RESERVED for path in paths], bool)[index]
     row = batch.row[user]
-    step = np.fromiter((s for s, _, _ in rows), np.int64, len(rows))
     keys = pa.DictionaryArray.from_arrays(
         pa.array(index[user], pa.int32()), pa.array(names, pa.string())
     )
@@ -128,7 +121,7 @@ def _history_of(
         step=pa.array(step[row]),
         timestamp=pa.array(timestamp[row], mask=np.isnan(timestamp[row])),
         runtime=pa.array(runtime[row], mask=np.isnan(runtime[row])),
-        key=keys.cast(pa.string()),
+        key=keys,
         value=value,
         value_json=value_json,
     )
@@ -154,15 +147,15 @@ def _values(texts: pa.Array) -> tuple[pa.Array, pa.Array]:
         pass
     numeric = pc.match_substring_regex(texts, _NUMBER)
     value = pc.cast(pc.if_else(numeric, texts, pa.scalar(None, pa.string())), pa.float64())
-    value_json = pc.if_else(numeric, pa.scalar(None, pa.string()), texts)
-    return value, value_json
+    value_json = pc.if_else(numeric, pa.scalar(None, texts.type), texts)
+    return value, value_json.cast(pa.string())  # (checks the UTF-8)
 
 
-def _split_one_by_one(rows: list[tuple[int, bytes, bytes]]) -> items.Items:
-    """The exact item-by-item split, for windows the batch path refuses (long values)."""
+def _split_one_by_one(regions: list[bytes]) -> items.Items:
+    """The exact item-by-item split, for rows the batch path refuses (long values)."""
     row_of, keys, values = [], [], []
-    for index, (_, payload, _) in enumerate(rows):
-        for item in wire.history_items(payload)[1]:
+    for index, region in enumerate(regions):
+        for item in wire.region_items(region):
             key, value = wire.split_item(item)
             row_of.append(index)
             keys.append(key)
@@ -171,7 +164,7 @@ def _split_one_by_one(rows: list[tuple[int, bytes, bytes]]) -> items.Items:
         row=np.array(row_of, np.int64),
         key=pa.array(keys, pa.binary()),
         value=pa.array(values, pa.binary()),
-        counts=np.bincount(np.array(row_of, np.int64), minlength=len(rows)),
+        counts=np.bincount(np.array(row_of, np.int64), minlength=len(regions)),
         texts=pa.array([wire.value_json(v).decode() for v in values], pa.string()),
     )
 
@@ -197,7 +190,7 @@ def _system(payloads: list[bytes], source: Source) -> Columns:
         step=pa.nulls(count, pa.int64()),
         timestamp=pa.array(timestamps, pa.float64()),
         runtime=pa.nulls(count, pa.float64()),
-        key=pa.array(keys, pa.string()),
+        key=pa.array(keys, pa.string()).dictionary_encode(),
         value=value,
         value_json=value_json,
     )

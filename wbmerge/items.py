@@ -17,8 +17,6 @@ one (`wire.key_path` parses it), which completes the proof.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -28,21 +26,82 @@ from . import wire
 _HEADS = pa.array([b"\x0a" + wire.encode_varint(n) for n in range(1 << 14)], pa.binary())
 
 
-@dataclass
 class Items:
-    """The items of a batch of regions, in order: item i belongs to region `row[i]`."""
+    """The items of a batch of regions, in order: item i belongs to region `row[i]`.
 
-    row: np.ndarray  # int64, non-decreasing
-    key: pa.BinaryArray  # raw key parts
-    value: pa.BinaryArray  # value parts: tag, length, JSON
-    counts: np.ndarray  # items per region
-    texts: pa.StringArray | None = None  # the JSON texts, when not in the one-byte form
+    Built by `split_spans` from where each item's parts are (`bounds`); raw key parts,
+    value parts (tag, length, JSON) and JSON texts are cut out of the bytes when first
+    asked for, so a caller pays only for what it uses. Or built from those arrays.
+    """
 
-    def json(self) -> pa.StringArray:
-        """The JSON text of every value."""
-        if self.texts is not None:
-            return self.texts
-        return pc.cast(pc.binary_slice(self.value, 3, 1 << 30), pa.string())  # (no stop: arrow bug)
+    def __init__(
+        self,
+        row: np.ndarray,
+        counts: np.ndarray,
+        key: pa.BinaryArray | None = None,
+        value: pa.BinaryArray | None = None,
+        texts: pa.StringArray | None = None,
+        located: tuple[bytes, np.ndarray, np.ndarray | None] | None = None,
+    ) -> None:
+        self.row = row  # int64, non-decreasing
+        self.counts = counts  # items per region
+        self._key, self._value, self._texts = key, value, texts
+        self._located = located  # (data, bounds, the items' order in `bounds` or None)
+
+    @property
+    def key(self) -> pa.BinaryArray:
+        """The raw key parts."""
+        if self._key is None:
+            self._key = self._take(self._pieces(_KEY, _VALUE)).cast(pa.binary())
+        return self._key
+
+    @property
+    def value(self) -> pa.BinaryArray:
+        """The value parts: tag, length, JSON."""
+        if self._value is None:
+            self._value = self._take(self._pieces(_VALUE, _END)).cast(pa.binary())
+        return self._value
+
+    def json(self) -> pa.Array:
+        """The JSON text of every value (as split, its UTF-8 not yet checked)."""
+        if self._texts is None:
+            pieces = self._pieces(_TEXT, _END)
+            texts = pa.Array.from_buffers(pa.large_string(), len(pieces), pieces.buffers())
+            self._texts = self._take(texts)
+        return self._texts
+
+    def key_codes(self) -> tuple[np.ndarray, list[bytes]]:
+        """(each item's index into the distinct key parts, the distinct key parts)."""
+        keys = self._key if self._located is None else self._take(self._pieces(_KEY, _VALUE))
+        encoded = pc.dictionary_encode(keys)
+        return encoded.indices.to_numpy(), encoded.dictionary.to_pylist()
+
+    def _pieces(self, first: int, stop: int) -> pa.LargeBinaryArray:
+        """Bytes `first` to `stop` (`bounds` columns) of every item in data order, each
+        followed by the gap to the next: an array of twice as many pieces, no copy."""
+        data, bounds, _ = self._located
+        base = bounds[0, _HEAD]
+        offsets = np.empty(2 * len(bounds) + 1, np.int64)
+        offsets[0:-1:2] = bounds[:, first]
+        offsets[1:-1:2] = bounds[:, stop]
+        offsets[-1] = bounds[-1, stop]
+        offsets -= base
+        return pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(),
+            2 * len(bounds),
+            [None, pa.py_buffer(offsets), pa.py_buffer(memoryview(data)[base:])],
+        )
+
+    def _take(self, pieces: pa.Array | np.ndarray) -> pa.Array | np.ndarray:
+        """The items' own pieces, in the items' order."""
+        pick = self._located[2]
+        index = np.arange(0, len(pieces), 2) if pick is None else 2 * pick
+        return pieces[index] if isinstance(pieces, np.ndarray) else pieces.take(index)
+
+
+# Where each item's parts begin: its field head (tag, length), key part, value part (tag,
+# length), JSON text; and where it ends. One row of `bounds` per item.
+_HEAD, _KEY, _VALUE, _TEXT, _END = range(5)
 
 
 def split(regions: list[bytes]) -> Items | None:
@@ -50,32 +109,70 @@ def split(regions: list[bytes]) -> Items | None:
     not in the one-byte-length form wandb writes for ordinary values (see the module doc)."""
     if not regions:
         return None
-    data = b"".join(regions)
-    buf = np.frombuffer(data, np.uint8)
     lengths = np.fromiter(map(len, regions), np.int64, len(regions))
     ends = np.cumsum(lengths)
-    starts = ends - lengths
-    tags = np.flatnonzero((buf[:-1] == 0x82) & (buf[1:] == 0x01))
+    return split_spans(b"".join(regions), ends - lengths, ends)
+
+
+def value_tags(data: bytes) -> np.ndarray:
+    """Where the value tags (`82 01`) of `data` are: what `split_spans` starts from, found
+    once for several calls on the same bytes."""
+    buf = np.frombuffer(data, np.uint8)
+    tags = np.flatnonzero(buf[:-1] == 0x82)
+    return tags[buf[tags + 1] == 0x01]
+
+
+def split_spans(
+    data: bytes, starts: np.ndarray, ends: np.ndarray, tags: np.ndarray | None = None
+) -> Items | None:
+    """`split` of the regions `data[starts[i]:ends[i]]` (not overlapping), found in place:
+    `data` may hold other bytes between them, and the regions need not be in data order.
+    `tags`: `value_tags(data)`, when the caller has it."""
+    if not len(starts):
+        return None
+    order = None
+    if (starts[1:] < starts[:-1]).any():  # e.g. a record that spanned blocks, put last
+        order = np.argsort(starts, kind="stable")
+        starts, ends = starts[order], ends[order]
+    if tags is None:
+        tags = value_tags(data)
+    found = _bounds(np.frombuffer(data, np.uint8), starts, ends, tags)
+    if found is None:
+        return None
+    row, bounds = found
+    pick = None  # items in data order; put back in the caller's order of regions
+    if order is not None:
+        row = order[row]
+        pick = np.argsort(row, kind="stable")
+        row = row[pick]
+    return Items(row, np.bincount(row, minlength=len(starts)), located=(data, bounds, pick))
+
+
+def _bounds(
+    buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, tags: np.ndarray
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(region of each item, `bounds` of each item) of regions in data order, or None."""
+    lengths = ends - starts
+    row = np.searchsorted(ends, tags, side="right")  # the region a tag is in, if any
+    inside = row < len(starts)
+    inside[inside] = tags[inside] >= starts[row[inside]]
+    tags, row = tags[inside], row[inside]
     if len(tags) == 0 or tags[-1] + 3 > len(buf):
         return None
     value_lengths = buf[tags + 2].astype(np.int64)
     value_ends = tags + 3 + value_lengths
-    row = np.searchsorted(ends, tags, side="right")
-    if row[-1] >= len(regions):
-        return None
-    item_starts = np.empty_like(tags)
-    item_starts[0] = 0
-    item_starts[1:] = value_ends[:-1]
     first = np.ones(len(tags), bool)
     first[1:] = row[1:] != row[:-1]
-    counts = np.bincount(row, minlength=len(regions))
+    # each region's first item starts at its start, each other at the previous one's end
+    item_starts = np.empty_like(tags)
+    item_starts[1:] = value_ends[:-1]
+    item_starts[first] = starts[row[first]]
+    counts = np.bincount(row, minlength=len(starts))
     filled = counts > 0
     last = (np.cumsum(counts) - 1)[filled]
     if (
         (value_lengths >= 0x80).any()
         or (lengths[~filled] != 0).any()
-        # each region's first item starts at its start, each other at the previous end
-        or (item_starts[first] != starts[row[first]]).any()
         or (value_ends[last] != ends[filled]).any()
         or (tags - item_starts < 3).any()
     ):
@@ -89,22 +186,13 @@ def split(regions: list[bytes]) -> Items | None:
         or not np.isin(buf[item_starts + 2], (0x0A, 0x12)).all()
     ):
         return None
-    # The buffer is tiled by (head, key part, value part) of consecutive items.
-    offsets = np.empty(3 * len(tags) + 1, np.int64)
-    offsets[0:-1:3] = item_starts
-    offsets[1:-1:3] = item_starts + 2
-    offsets[2:-1:3] = tags
-    offsets[-1] = len(buf)
-    pieces = pa.LargeBinaryArray.from_buffers(
-        pa.large_binary(), 3 * len(tags), [None, pa.py_buffer(offsets), pa.py_buffer(data)]
-    )
-    index = np.arange(len(tags), dtype=np.int64) * 3
-    return Items(
-        row=row,
-        key=pieces.take(index + 1).cast(pa.binary()),
-        value=pieces.take(index + 2).cast(pa.binary()),
-        counts=counts,
-    )
+    bounds = np.empty((len(tags), 5), np.int64)
+    bounds[:, _HEAD] = item_starts
+    bounds[:, _KEY] = item_starts + 2
+    bounds[:, _VALUE] = tags
+    bounds[:, _TEXT] = tags + 3
+    bounds[:, _END] = value_ends
+    return row, bounds
 
 
 def item_fields(keys: pa.BinaryArray, values: pa.BinaryArray) -> pa.BinaryArray:

@@ -19,21 +19,31 @@ import shutil
 import struct
 import tempfile
 import time
+from bisect import bisect_right
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from wandb.proto import wandb_internal_pb2 as pb
 
-from . import items, wire
+from . import items, records, wire
 from .gcpause import fewer_collections
 from .plan import Source, Target
+from .records import KIND_NAMES
 from .topology import METADATA_KEY
-from .txlog import LogWriter, ReadReport, read_payloads, record_kind
+from .txlog import (
+    BLOCK_SIZE,
+    Frames,
+    LogWriter,
+    ReadReport,
+    read_frames,
+    read_payloads,
+    record_kind,
+)
 
 # W&B's own keys: never labelled; in a merged row and summary they are the primary's
 RESERVED = ("_step", "_runtime", "_timestamp", "_wandb")
@@ -249,35 +259,6 @@ def _write_passthrough(
     writer.write(exit_payload if exit_payload is not None else _exit_record(code))
 
 
-def _copy_one(target: Target, writer: LogWriter, options: MergeOptions, staged: Staged) -> None:
-    """The hot path of `new` and `auto`: bytes in, bytes out; only the run record is parsed.
-
-    The exit record is the last one wandb writes, so only the last payload is looked at.
-    """
-    source = target.sources[0]
-    report = ReadReport()
-    payloads = read_payloads(source.path, report)
-    last = None
-    for payload in payloads:
-        kind = record_kind(payload)
-        if kind == "run":
-            writer.write(_rewrite_run(payload, target, options))
-            break
-        writer.write(payload)
-    write = writer.write
-    for payload in payloads:
-        if last is not None:
-            write(last)
-        last = payload
-    complete = last is not None and record_kind(last) == "exit"
-    if last is not None:
-        write(last)
-    staged.exit_code = _exit_code(last if complete else None)
-    if not complete:
-        write(_exit_record(staged.exit_code))
-    _note_damage(staged, source, report, complete, target.primary_rank)
-
-
 class Steps:
     """Elastic restarts continue the steps: a restart that repeats steps is moved after them.
 
@@ -304,6 +285,17 @@ class Steps:
         before = self.last
         placed = self.place(step)
         return placed if placed > before else None
+
+    def place_rows(self, steps: np.ndarray) -> np.ndarray:
+        """`place_row` of each step in turn: the placed steps, -1 where a row is dropped."""
+        if not len(steps):
+            return steps
+        if self._shift is None:
+            self._shift = max(0, self.last + 1 - int(steps[0]))
+        placed = steps + self._shift
+        before = np.maximum.accumulate(np.concatenate([[self.last], placed[:-1]]))
+        self.last = max(self.last, int(placed.max()))
+        return np.where(placed > before, placed, -1)
 
 
 def _continue_steps(payload: bytes, steps: Steps) -> bytes:
@@ -429,9 +421,9 @@ def _write_rows(
     spools: _Spools,
 ) -> None:
     primary = target.primary_rank
-    # Pass 1: rows by step, with what travels with them. Each rank holds back a window of
-    # rows to label them as columns; together the windows stay within a few tens of MB.
-    window = max(64, min(1024, 32768 // len(by_rank)))
+    # Pass 1: rows by step, with what travels with them. Each rank's log is read a few
+    # MiB at a time, whose rows are labelled as columns: together a few tens of MB held.
+    read_size = BLOCK_SIZE * max(32, min(128, 4096 // len(by_rank)))
     streams = [
         _rank_events(
             sources,
@@ -441,7 +433,7 @@ def _write_rows(
             options,
             file_map,
             staged,
-            window,
+            read_size,
             spools,
         )
         for rank, sources in by_rank.items()
@@ -455,7 +447,7 @@ def _write_rows(
             writer.write(_merged_row(current_step, row, primary, options.skew_metrics))
             staged.history_rows += 1
 
-    for key, event in heapq.merge(*streams, key=lambda e: e[0]):
+    for key, event in _merge_batches(streams):
         step, order, rank = key[0], key[1], key[2]
         if order == 0:  # a history row of `rank` at `step`
             if step != current_step:
@@ -536,6 +528,39 @@ def _chain(iterators: Iterator[Iterator]) -> Iterator:
         yield from iterator
 
 
+def _merge_batches(streams: list[Iterator[list[tuple[tuple, object]]]]) -> Iterator[tuple]:
+    """The events of every stream in key order, each stream giving sorted batches of
+    events with keys unique across streams (a stream's next batch starts after its last).
+
+    What every stream has up to the smallest of their batches' last keys is final: that
+    much is sorted at once (in C) and given out, and emptied streams read their next batch.
+    """
+    pending: list[list[tuple[tuple, object]]] = []
+    live: list[Iterator[list[tuple[tuple, object]]]] = []
+    for stream in streams:
+        batch = next(stream, None)
+        if batch is not None:
+            pending.append(batch)
+            live.append(stream)
+    first_key = itemgetter(0)
+    while live:
+        bound = min(batch[-1][0] for batch in pending)
+        ready: list[tuple[tuple, object]] = []
+        for index, batch in enumerate(pending):
+            cut = bisect_right(batch, bound, key=first_key)
+            ready += batch[:cut]
+            pending[index] = batch[cut:]
+        ready.sort(key=first_key)
+        yield from ready
+        for index in reversed(range(len(live))):
+            if not pending[index]:
+                batch = next(live[index], None)
+                if batch is None:
+                    del live[index], pending[index]
+                else:
+                    pending[index] = batch
+
+
 def _rank_events(
     sources: list[Source],
     state: _RankState,
@@ -544,95 +569,104 @@ def _rank_events(
     options: MergeOptions,
     file_map: dict[tuple[Path, str], str],
     staged: Staged,
-    window_size: int,
+    read_size: int,
     spools: _Spools,
-) -> Iterator[tuple[tuple, object]]:
-    """One rank's pass-1 events, keyed so that a heap merge aligns ranks by step.
+) -> Iterator[list[tuple[tuple, object]]]:
+    """One rank's pass-1 events, in sorted batches (a read of its log each), keyed so that
+    a merge of the ranks' streams aligns them by step.
 
     History rows have key (step, 0, rank); other records (step of the last row, 1, rank,
     n) so they follow the row they were written after. Restarts are concatenated.
     """
     rank = state.source.rank.rank
-    label = state.source.label
     steps = Steps()
     seq = 0
-    window = _Window(rank, state, options.skew_metrics, window_size)
     for index, source in enumerate(sources):
         report = ReadReport()
         steps.restart()
         state.exit_payload = None
         spool = spools.writer(source)
-        for payload in read_payloads(source.path, report):
-            kind = record_kind(payload)
-            if kind == "history":
-                raw_step, region = wire.history_region(payload)
-                step = steps.place_row(raw_step)
-                if step is None:
-                    continue
-                window.add_row(step, payload, region)
-                if window.full():
-                    yield from window.drain()
-                continue
-            if kind == "summary":
-                window.summaries.append(payload)
-                continue
-            if kind == "exit":
-                state.exit_payload = payload
-                continue
-            if kind == "metric":
-                event = _labelled_metric(payload, label, options.key_format)
-            elif kind == "files":
-                event = _mapped_files(payload, source.path, file_map)
-            elif kind in PASS_TWO:
-                spool.write(payload)
-                continue
-            elif kind in ("header", "run"):
-                continue  # written once by the caller
-            elif is_primary:
-                if index > 0 and kind in ("environment", "telemetry"):
-                    continue  # a restart describes the same machine again
-                event = payload
-            elif kind in ("artifact", "use_artifact", "alert"):
-                event = payload
-            else:
-                continue
-            seq += 1
-            # other records follow the row they were written after
-            window.events.append(((steps.last, 1, rank, seq), event))
+        for frames in read_frames(source.path, report, read_size):
+            codes = records.kinds(frames)
+            tags = items.value_tags(frames.data)
+            _fold_summaries(frames, np.flatnonzero(codes == _SUMMARY), state, tags)
+            history = np.flatnonzero(codes == _HISTORY)
+            rows = records.history_rows(frames, history)
+            before = steps.last
+            placed = steps.place_rows(rows.steps)
+            kept = placed >= 0
+            labelled = _label_rows(
+                rows.data,
+                rows.starts[kept],
+                rows.ends[kept],
+                state.keys,
+                options.skew_metrics,
+                tags if rows.data is frames.data else None,
+            )
+            events: list[tuple[tuple, object]] = [
+                ((step, 0, rank), row)
+                for step, row in zip(placed[kept].tolist(), labelled, strict=True)
+            ]
+            others = np.flatnonzero((codes != _HISTORY) & (codes != _SUMMARY))
+            if len(others):
+                # the last step placed before each other record: it follows that row
+                last = np.maximum.accumulate(np.concatenate([[before], placed]))
+                at_row = np.searchsorted(history, others)
+                place = np.searchsorted(history[kept], others)  # its place among the rows
+                inserted = 0
+                for record, after, rows_before in zip(
+                    others.tolist(), last[at_row].tolist(), place.tolist(), strict=True
+                ):
+                    payload = frames.data[frames.starts[record] : frames.ends[record]]
+                    event = _other_event(
+                        payload, KIND_NAMES[codes[record]], state, is_primary, index, source,
+                        file_map, spool, options,
+                    )  # fmt: skip
+                    if event is not None:
+                        seq += 1
+                        events.insert(rows_before + inserted, ((after, 1, rank, seq), event))
+                        inserted += 1
+            if events:
+                yield events
         state.complete = state.exit_payload is not None
         _note_damage(
             staged, source, report, state.complete or index < len(sources) - 1, target.primary_rank
         )
-    yield from window.drain()
 
 
-class _Window:
-    """One rank's pass-1 events, held back until `size` rows are in, so that the rows'
-    items are labelled and its summaries folded as columns (`items`), not one by one."""
+_HISTORY = records.code("history")
+_SUMMARY = records.code("summary")
 
-    def __init__(self, rank: int, state: _RankState, skew: bool, size: int) -> None:
-        self.rank = rank
-        self.state = state
-        self.skew = skew
-        self.size = size
-        self.events: list[tuple[tuple, object]] = []  # a row's event is its index in `rows`
-        self.rows: list[tuple[bytes, bytes]] = []  # payload, its item fields
-        self.summaries: list[bytes] = []
 
-    def add_row(self, step: int, payload: bytes, region: bytes) -> None:
-        self.events.append(((step, 0, self.rank), len(self.rows)))
-        self.rows.append((payload, region))
-
-    def full(self) -> bool:
-        return len(self.rows) >= self.size
-
-    def drain(self) -> Iterator[tuple[tuple, object]]:
-        _fold_summaries(self.summaries, self.state)
-        labelled = _label_rows(self.rows, self.state.keys, self.skew)
-        events = self.events
-        self.events, self.rows, self.summaries = [], [], []
-        for key, event in events:
-            yield key, (labelled[event] if key[1] == 0 else event)
+def _other_event(
+    payload: bytes,
+    kind: str,
+    state: _RankState,
+    is_primary: bool,
+    restart: int,
+    source: Source,
+    file_map: dict[tuple[Path, str], str],
+    spool: _SpoolWriter,
+    options: MergeOptions,
+) -> bytes | None:
+    """What a record other than a history row or summary becomes in pass 1, if anything:
+    an event for the merged log, or set aside (console, system metrics, the exit)."""
+    if kind == "exit":
+        state.exit_payload = payload
+    elif kind == "metric":
+        return _labelled_metric(payload, state.source.label, options.key_format)
+    elif kind == "files":
+        return _mapped_files(payload, source.path, file_map)
+    elif kind in PASS_TWO:
+        spool.write(payload)
+    elif kind in ("header", "run"):
+        pass  # written once by the caller
+    elif is_primary:
+        if restart == 0 or kind not in ("environment", "telemetry"):
+            return payload  # (a restart describes the same machine again)
+    elif kind in ("artifact", "use_artifact", "alert"):
+        return payload
+    return None
 
 
 def _labelled_metric(payload: bytes, label: str, key_format: str) -> bytes:
@@ -661,8 +695,9 @@ def _mapped_files(
 
 
 # A rank's row on its way to the merged row: its labelled items (concatenated item
-# fields), its reserved items by name, and (with --skew-metrics) its numbers by key.
-_Row = tuple[bytes, dict[str, bytes], dict[str, float]]
+# fields), its reserved items (their names, and their fields concatenated), and (with
+# --skew-metrics) its numbers by key.
+_Row = tuple[bytes, tuple[str, ...], bytes, dict[str, float]]
 
 
 def _row(items: list[bytes], keys: _RankKeys, skew: bool) -> _Row:
@@ -683,39 +718,40 @@ def _row(items: list[bytes], keys: _RankKeys, skew: bool) -> _Row:
                     pass
         elif name != "_step":
             reserved[name] = item_field(out, value)
-    return b"".join(labelled), reserved, numbers
+    return b"".join(labelled), tuple(reserved), b"".join(reserved.values()), numbers
 
 
-def _label_rows(rows: list[tuple[bytes, bytes]], keys: _RankKeys, skew: bool) -> list[_Row]:
-    """The `_Row` of each history record, labelled as columns when the batch path applies,
-    else item by item."""
-    batch = items.split([region for _, region in rows])
+def _label_rows(
+    data: bytes,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    keys: _RankKeys,
+    skew: bool,
+    tags: np.ndarray | None = None,
+) -> list[_Row]:
+    """The `_Row` of each history row (its item fields: `data[starts[i]:ends[i]]`), labelled
+    as columns when the batch path applies, else item by item."""
+    batch = items.split_spans(data, starts, ends, tags)
     if batch is not None:
         try:
-            return _label_batch(batch, len(rows), keys, skew)
+            return _label_batch(batch, len(starts), keys, skew)
         except ValueError:
             pass  # a key part that is not one: the split does not hold
-    return [_row(wire.history_items(payload)[1], keys, skew) for payload, _ in rows]
+    return [
+        _row(wire.region_items(data[start:end]), keys, skew)
+        for start, end in zip(starts.tolist(), ends.tolist(), strict=True)
+    ]
 
 
 def _label_batch(batch: items.Items, count: int, keys: _RankKeys, skew: bool) -> list[_Row]:
-    encoded = pc.dictionary_encode(batch.key)
-    entries = [keys.known.get(raw) or keys.learn(raw) for raw in encoded.dictionary.to_pylist()]
-    index = encoded.indices.to_numpy()
+    index, raw_keys = batch.key_codes()
+    entries = [keys.known.get(raw) or keys.learn(raw) for raw in raw_keys]
     outs = pa.array([out for out, _, _ in entries], pa.binary())
     names = [name for _, name, _ in entries]
     user = np.array([name is None for name in names], bool)[index]
     fields = items.item_fields(outs.take(index[user]), batch.value.filter(user))
     labelled = items.join_rows(fields, np.bincount(batch.row[user], minlength=count))
-    reserved: list[dict[str, bytes]] = [{} for _ in range(count)]
-    kept = np.array([name not in (None, "_step") for name in names], bool)[index]
-    where = np.flatnonzero(kept)
-    if len(where):
-        found = items.item_fields(outs.take(index[where]), batch.value.take(where)).to_pylist()
-        for row, entry, field in zip(
-            batch.row[where].tolist(), index[where].tolist(), found, strict=True
-        ):
-            reserved[row][names[entry]] = field
+    names_of, blobs = _reserved(batch, index, outs, names, count)
     numbers: list[dict[str, float]] = [{} for _ in range(count)]
     if skew:
         skew_keys = [skew_key for _, _, skew_key in entries]
@@ -728,28 +764,76 @@ def _label_batch(batch: items.Items, count: int, keys: _RankKeys, skew: bool) ->
                 numbers[row][skew_keys[entry]] = float(text)
             except ValueError:
                 pass
-    return list(zip(labelled, reserved, numbers, strict=True))
+    return list(zip(labelled, names_of, blobs, numbers, strict=True))
 
 
-def _fold_summaries(payloads: list[bytes], state: _RankState) -> None:
-    """Fold summary records, in order, into the rank's summary (last value of a key wins)."""
-    regions = []
-    for payload in payloads:
-        start, end = wire.submessage(payload, wire.RECORD_SUMMARY) or (0, 0)
-        regions.append(payload[start:end])
-    batch = items.split(regions)
+def _reserved(
+    batch: items.Items, index: np.ndarray, outs: pa.BinaryArray, names: list, count: int
+) -> tuple[list[tuple[str, ...]], list[bytes]]:
+    """Each row's reserved items (`_runtime`, `_timestamp`, ...): their names, and their
+    fields concatenated in row order, as `_row` gives them."""
+    kept = dict.fromkeys(name for name in names if name not in (None, "_step"))
+    ids = {name: i for i, name in enumerate(kept)}
+    entry_id = np.array([ids.get(name, -1) if name else -1 for name in names], np.int64)
+    item_id = entry_id[index]
+    where = np.flatnonzero(item_id >= 0)
+    if not len(where):
+        return [()] * count, [b""] * count
+    rows = batch.row[where]
+    found = items.item_fields(outs.take(index[where]), batch.value.take(where))
+    by_id = list(ids)
+    per_name = np.bincount(rows * len(ids) + item_id[where], minlength=count * len(ids))
+    if (per_name > 1).any():  # a name twice in a row: the last one counts, as in `_row`
+        dicts: list[dict[str, bytes]] = [{} for _ in range(count)]
+        for row, name_id, field in zip(
+            rows.tolist(), item_id[where].tolist(), found.to_pylist(), strict=True
+        ):
+            dicts[row][by_id[name_id]] = field
+        return [tuple(d) for d in dicts], [b"".join(d.values()) for d in dicts]
+    blobs = items.join_rows(found, np.bincount(rows, minlength=count))
+    # a row's names in its order, as one number: its items' ids + 1 as digits, in base n + 1
+    first = np.ones(len(rows), bool)
+    first[1:] = rows[1:] != rows[:-1]
+    starts = np.flatnonzero(first)
+    position = np.arange(len(rows)) - np.repeat(starts, np.diff(np.append(starts, len(rows))))
+    digits = item_id[where] + 1
+    base = len(ids) + 1
+    order_key = np.zeros(count, np.int64)
+    for nth in range(int(position.max()) + 1):
+        at = position == nth
+        order_key[rows[at]] = order_key[rows[at]] * base + digits[at]
+    spelled = {key: _names_of_key(key, base, by_id) for key in np.unique(order_key).tolist()}
+    return [spelled[key] for key in order_key.tolist()], blobs
+
+
+def _names_of_key(key: int, base: int, by_id: list[str]) -> tuple[str, ...]:
+    spelled = []
+    while key:
+        key, digit = divmod(key, base)
+        spelled.append(by_id[digit - 1])
+    return tuple(reversed(spelled))
+
+
+def _fold_summaries(
+    frames: Frames, which: np.ndarray, state: _RankState, tags: np.ndarray | None = None
+) -> None:
+    """Fold the summary records `which`, in order, into the rank's summary (the last value
+    of a key wins)."""
+    if not len(which):
+        return
+    starts, ends = records.body_spans(frames, which, 0x1A)
+    batch = None if (starts < 0).any() else items.split_spans(frames.data, starts, ends, tags)
     if batch is not None:
         try:
-            encoded = pc.dictionary_encode(batch.key)
+            index, raw_keys = batch.key_codes()
             known, learn = state.keys.known, state.keys.learn
-            entries = [known.get(raw) or learn(raw) for raw in encoded.dictionary.to_pylist()]
+            entries = [known.get(raw) or learn(raw) for raw in raw_keys]
         except ValueError:
             batch = None
-    if batch is None:
-        for payload in payloads:
-            _fold_summary(payload, state)
+    if batch is None:  # (a removed key, say)
+        for record in which.tolist():
+            _fold_summary(frames.data[frames.starts[record] : frames.ends[record]], state)
         return
-    index = encoded.indices.to_numpy()
     last = np.full(len(entries), -1, np.int64)
     np.maximum.at(last, index, np.arange(len(index)))
     order = np.argsort(last)  # keys that share an output key: the later one wins
@@ -776,16 +860,21 @@ def _merged_row(step: int, rows: list[tuple[int, _Row]], primary: int, skew: boo
     """One history record of the rows of every rank at `step`; W&B's own keys (`_runtime`,
     `_timestamp`) are the primary's, or of the lowest rank when the primary has no row."""
     rows.sort(key=lambda r: (r[0] != primary, r[0]))
-    parts = [labelled for _, (labelled, _, _) in rows]
+    parts = [row[0] for _, row in rows]
     parts.append(wire.item_field(_STEP_KEY, wire.value_part(str(step))))
-    reserved: dict[str, bytes] = {}
-    for _, (_, found, _) in rows:
-        for name, item in found.items():
-            reserved.setdefault(name, item)
-    parts.extend(reserved.values())
+    _, (_, names, blob, _) = rows[0]
+    parts.append(blob)
+    if len(rows) > 1:
+        have = set(names)
+        for _, (_, more, blob, _) in rows[1:]:
+            if not have.issuperset(more):  # a reserved key the first row lacks: the next's
+                for name, field in zip(more, wire.region_items(blob), strict=True):
+                    if name not in have:
+                        have.add(name)
+                        parts.append(wire.item_field(*wire.split_item(field)))
     if skew:
         by_key: dict[str, list[float]] = {}
-        for _, (_, _, numbers) in rows:
+        for _, (_, _, _, numbers) in rows:
             for key, number in numbers.items():
                 by_key.setdefault(key, []).append(number)
         for key, numbers in by_key.items():

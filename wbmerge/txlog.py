@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 from wandb.proto import wandb_internal_pb2 as pb
 
 from .errors import NotATransactionLog
@@ -29,7 +30,7 @@ FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 _CHUNK_HEADER = struct.Struct("<IHB")
 # crc32(bytes([type]) + payload) == crc32(payload, _TYPE_CRC[type]): no concatenation needed.
 _TYPE_CRC = [zlib.crc32(bytes([t])) for t in range(5)]
-_READ_SIZE = 32 * BLOCK_SIZE  # 1 MiB per read call, always whole blocks
+_READ_SIZE = 32 * BLOCK_SIZE  # 1 MiB per read call by default; always whole blocks
 
 # Field number of each member of Record's `record_type` oneof, and back.
 RECORD_KINDS: dict[int, str] = {
@@ -68,13 +69,44 @@ class ReadReport:
         return ", ".join(parts)
 
 
+@dataclass
+class Frames:
+    """The records of one read call: record i is `data[starts[i]:ends[i]]`.
+
+    Whole-chunk records are not copied out of the read buffer; batch code (`records`,
+    `items`) works on the offsets, so reading costs no Python object per record.
+    """
+
+    data: bytes
+    starts: np.ndarray  # int64
+    ends: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def payloads(self) -> Iterator[bytes]:
+        data = self.data
+        for start, end in zip(self.starts.tolist(), self.ends.tolist(), strict=True):
+            yield data[start:end]
+
+
 def iter_payloads(stream: BinaryIO, report: ReadReport | None = None) -> Iterator[bytes]:
-    """Yield the raw payload of every complete, CRC-valid record in `stream`, in order.
+    """Yield the raw payload of every complete, CRC-valid record in `stream`, in order."""
+    for frames in iter_frames(stream, report):
+        yield from frames.payloads()
+
+
+def iter_frames(
+    stream: BinaryIO, report: ReadReport | None = None, read_size: int = _READ_SIZE
+) -> Iterator[Frames]:
+    """Yield every complete, CRC-valid record in `stream`, in order, a read call at a time.
 
     A corrupt chunk makes the reader skip to the next block (LevelDB semantics), dropping
     the records it interrupts; a tail that ends mid-record is reported as truncated.
     Raises `NotATransactionLog` when the stream does not start with the W&B header.
     """
+    if read_size <= 0 or read_size % BLOCK_SIZE:
+        raise ValueError(f"read_size must be a positive multiple of {BLOCK_SIZE}")
     report = report if report is not None else ReadReport()
     buf = stream.read(len(FILE_HEADER))
     report.bytes_read = len(buf)
@@ -90,7 +122,7 @@ def iter_payloads(stream: BinaryIO, report: ReadReport | None = None) -> Iterato
     eof = False
     unpack, crc32, type_crc = _CHUNK_HEADER.unpack_from, zlib.crc32, _TYPE_CRC  # hot loop
     while not eof:
-        more = stream.read(_READ_SIZE)
+        more = stream.read(read_size)
         eof = not more
         if more:
             cut = pos - pos % BLOCK_SIZE
@@ -98,6 +130,16 @@ def iter_payloads(stream: BinaryIO, report: ReadReport | None = None) -> Iterato
             pos -= cut
             report.bytes_read += len(more)
         end = len(buf)
+        view = memoryview(buf)
+        starts: list[int] = []  # of the records in this read, in order
+        ends: list[int] = []
+        joined: list[bytes] = []  # records that spanned blocks, placed after `buf`
+        joined_at = end
+        whole = end - end % BLOCK_SIZE  # the blocks all here: walked as arrays
+        walked = _walk_blocks(buf, view, pos, whole, partial, joined, joined_at)
+        if walked is not None:
+            pos, partial, joined_at, fast_starts, fast_ends = walked
+            orphans = False
         while True:
             block_end = pos - pos % BLOCK_SIZE + BLOCK_SIZE
             if block_end - pos < CHUNK_HEADER_SIZE:
@@ -117,8 +159,7 @@ def iter_payloads(stream: BinaryIO, report: ReadReport | None = None) -> Iterato
             sane = FULL <= kind <= LAST and chunk_end <= block_end
             if sane and chunk_end > end:
                 break  # more bytes to come, or a truncated tail
-            payload = buf[pos + CHUNK_HEADER_SIZE : chunk_end] if sane else b""
-            if not sane or crc32(payload, type_crc[kind]) != crc:
+            if not sane or crc32(view[pos + CHUNK_HEADER_SIZE : chunk_end], type_crc[kind]) != crc:
                 if block_end > end and not eof:
                     break  # count the loss once the whole block is here
                 stop = min(block_end, end)
@@ -131,7 +172,6 @@ def iter_payloads(stream: BinaryIO, report: ReadReport | None = None) -> Iterato
                 if pos == end:
                     break
                 continue
-            pos = chunk_end
             if kind == FULL or kind == FIRST:
                 if partial:  # a FIRST whose LAST never came
                     report.dropped_records += 1
@@ -139,25 +179,129 @@ def iter_payloads(stream: BinaryIO, report: ReadReport | None = None) -> Iterato
                 orphans = False
                 if kind == FULL:
                     partial = []
-                    report.records += 1
-                    yield payload
+                    starts.append(pos + CHUNK_HEADER_SIZE)
+                    ends.append(chunk_end)
                 else:
-                    partial = [payload]
+                    partial = [buf[pos + CHUNK_HEADER_SIZE : chunk_end]]
             elif partial:
-                partial.append(payload)
+                partial.append(buf[pos + CHUNK_HEADER_SIZE : chunk_end])
                 if kind == LAST:
-                    report.records += 1
                     record, partial = b"".join(partial), []
-                    yield record
+                    starts.append(joined_at)
+                    joined_at += len(record)
+                    ends.append(joined_at)
+                    joined.append(record)
             else:  # MIDDLE/LAST whose FIRST was lost
                 report.dropped_bytes += CHUNK_HEADER_SIZE + length
                 if not orphans:
                     report.dropped_records += 1
                 orphans = kind == MIDDLE
+            pos = chunk_end
+        view.release()
+        if walked is not None:
+            starts_array = np.concatenate([fast_starts, np.array(starts, np.int64)])
+            ends_array = np.concatenate([fast_ends, np.array(ends, np.int64)])
+        else:
+            starts_array, ends_array = np.array(starts, np.int64), np.array(ends, np.int64)
+        if len(starts_array):
+            report.records += len(starts_array)
+            yield Frames(b"".join([buf, *joined]) if joined else buf, starts_array, ends_array)
     tail = len(buf) - pos
     if partial or tail > 0:
         report.truncated = True
         report.truncated_bytes = tail + sum(map(len, partial))
+
+
+def _walk_blocks(
+    buf: bytes,
+    view: memoryview,
+    pos: int,
+    stop: int,
+    partial: list[bytes],
+    joined: list[bytes],
+    joined_at: int,
+) -> tuple[int, list[bytes], int, np.ndarray, np.ndarray] | None:
+    """The records of the whole blocks `buf[pos:stop]`, found by walking every block at once.
+
+    Blocks are independent (each starts with a chunk), so the walk advances one chunk in
+    all of them per numpy step. Only for intact blocks: a zero-length padding header ends a
+    block; an impossible chunk, a bad CRC or a broken FIRST..LAST sequence returns None, and
+    the caller's chunk-by-chunk loop, which accounts for damage, reads these blocks instead.
+    Returns (new position, partial record, joined_at, record starts, record ends); records
+    that span blocks are appended to `joined` (only then) and placed at `joined_at` on.
+    """
+    if stop <= pos:
+        return None
+    data = np.frombuffer(buf, np.uint8, count=stop)
+    # the little-endian u16 and u32 at every byte offset, without copying
+    u16 = np.ndarray((stop - 1,), "<u2", buf, 0, (1,))
+    u32 = np.ndarray((stop - 3,), "<u4", buf, 0, (1,))
+    block_ends = np.arange(pos - pos % BLOCK_SIZE + BLOCK_SIZE, stop + 1, BLOCK_SIZE)
+    at = block_ends - BLOCK_SIZE
+    at[0] = pos
+    live = at + CHUNK_HEADER_SIZE <= block_ends
+    at, limit = at[live], block_ends[live]
+    found: list[np.ndarray] = []
+    while len(at):
+        after = at + CHUNK_HEADER_SIZE + u16[at + 4]
+        kinds = data[at + 6]
+        odd = ((kinds - np.uint8(FULL)) > LAST - FULL) | (after > limit)
+        if odd.any():
+            padding = (kinds == 0) & (after == at + CHUNK_HEADER_SIZE) & (u32[at] == 0)
+            if (odd & ~padding).any():
+                return None
+            keep = ~padding  # zero fill: the rest of its block is padding
+            at, limit, after = at[keep], limit[keep], after[keep]
+        found.append(at)
+        live = after + CHUNK_HEADER_SIZE <= limit
+        at, limit = after[live], limit[live]
+    if not found:
+        return stop, partial, joined_at, np.empty(0, np.int64), np.empty(0, np.int64)
+    chunks = np.sort(np.concatenate(found))
+    begins = chunks + CHUNK_HEADER_SIZE
+    ends = begins + u16[chunks + 4]
+    kinds = data[chunks + 6]
+    computed = map(
+        zlib.crc32,
+        map(view.__getitem__, map(slice, begins.tolist(), ends.tolist())),
+        map(_TYPE_CRC.__getitem__, kinds.tolist()),
+    )
+    if (np.fromiter(computed, np.uint32, len(chunks)) != u32[chunks]).any():
+        return None
+    full = kinds == FULL
+    if partial and full[0]:
+        return None  # a FIRST whose LAST never came
+    pieces = np.flatnonzero(~full)  # FIRST, MIDDLE, LAST: rare, put together one by one
+    records: list[bytes] = []
+    last_at: list[int] = []
+    joined_starts: list[int] = []
+    joined_ends: list[int] = []
+    partial = list(partial)
+    for index, kind in zip(pieces.tolist(), kinds[pieces].tolist(), strict=True):
+        if kind == FIRST:
+            if partial:
+                return None
+            partial = [buf[begins[index] : ends[index]]]
+        else:
+            if not partial or (index > 0 and kinds[index - 1] not in (FIRST, MIDDLE)):
+                return None  # a continuation without its start
+            partial.append(buf[begins[index] : ends[index]])
+            if kind == LAST:
+                record, partial = b"".join(partial), []
+                records.append(record)
+                last_at.append(index)
+                joined_starts.append(joined_at)
+                joined_at += len(record)
+                joined_ends.append(joined_at)
+        if kind != LAST and index + 1 < len(kinds) and kinds[index + 1] not in (MIDDLE, LAST):
+            return None  # a record cut short by another
+    joined.extend(records)
+    starts, ends = begins[full], ends[full]
+    if last_at:  # records that spanned blocks, in the place of their last chunk
+        order = np.argsort(np.concatenate([np.flatnonzero(full), last_at]), kind="stable")
+        starts = np.concatenate([starts, joined_starts])[order]
+        ends = np.concatenate([ends, joined_ends])[order]
+    return stop, partial, joined_at, starts, ends
 
 
 def _count_chunks_after(block: bytes, pos: int, limit: int) -> int:
@@ -272,6 +416,14 @@ class LogWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_frames(
+    path: str | Path, report: ReadReport | None = None, read_size: int = _READ_SIZE
+) -> Iterator[Frames]:
+    """`iter_frames` over a file path, closing the file when the iteration ends."""
+    with open(path, "rb") as stream:
+        yield from iter_frames(stream, report, read_size)
 
 
 def read_payloads(path: str | Path, report: ReadReport | None = None) -> Iterator[bytes]:

@@ -152,6 +152,21 @@ def _history_span(payload: bytes) -> tuple[int, int] | None:
     return (start, end) if end == len(payload) else None
 
 
+def region_items(region: bytes) -> list[bytes]:
+    """The raw items of a region of item fields (field 1; `history_region`'s result)."""
+    found = []
+    pos, end = 0, len(region)
+    while pos < end:
+        tag, pos = varint(region, pos)
+        if tag == _KEY_TAG:
+            length, pos = varint(region, pos)
+            found.append(region[pos : pos + length])
+            pos += length
+        else:
+            pos = skip_field(region, pos, tag & 7)
+    return found
+
+
 def summary_items(payload: bytes) -> tuple[list[bytes], list[bytes]]:
     """(updated items, removed items) of a serialized Record holding a summary record."""
     span = submessage(payload, RECORD_SUMMARY)

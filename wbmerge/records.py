@@ -1,0 +1,145 @@
+"""What each record of a read is, worked out for all of a read's records at once.
+
+`txlog.iter_frames` gives the records of a read as offsets into one buffer; here numpy
+finds each record's kind and, for history records, its step and item fields, from the
+bytes wandb writes (`num` first, then the one record field; a history record's step field
+last). A record in any other shape is handled by the exact one-record functions
+(`txlog.record_kind`, `wire.history_region`), so the result is always what protobuf says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import wire
+from .txlog import RECORD_KINDS, Frames, record_kind
+
+KIND_NAMES: list[str | None] = [None, *sorted(set(RECORD_KINDS.values()))]
+_CODE = {name: code for code, name in enumerate(KIND_NAMES)}
+# the kind code of each one-byte tag (fields 1-15, length-delimited); 0: not a kind
+_CODE_BY_TAG = np.zeros(256, np.uint8)
+for _tag in range(0x80):  # a byte with the top bit set is not a whole tag
+    if _tag & 7 == 2 and _tag >> 3 in RECORD_KINDS:
+        _CODE_BY_TAG[_tag] = _CODE[RECORD_KINDS[_tag >> 3]]
+
+
+def code(kind: str) -> int:
+    """The code `kinds` gives records of `kind`."""
+    return _CODE[kind]
+
+
+def kinds(frames: Frames) -> np.ndarray:
+    """The kind code of every record of `frames` (uint8; `KIND_NAMES[code]` is its name)."""
+    data = np.frombuffer(frames.data, np.uint8)
+    starts, ends = frames.starts, frames.ends
+    tag_at = _after_num(data, starts, ends)
+    codes = np.zeros(len(starts), np.uint8)
+    ok = tag_at < ends
+    codes[ok] = _CODE_BY_TAG[data[tag_at[ok]]]
+    for index in np.flatnonzero(codes == 0).tolist():  # not in the usual shape: the walk
+        codes[index] = _CODE[record_kind(frames.data[starts[index] : ends[index]])]
+    return codes
+
+
+@dataclass
+class HistoryRows:
+    """History records of a read: row i logs the item fields `data[starts[i]:ends[i]]` at
+    `steps[i]` (as written: not yet continued across restarts)."""
+
+    data: bytes
+    steps: np.ndarray  # int64
+    starts: np.ndarray  # int64
+    ends: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+
+def body_spans(frames: Frames, which: np.ndarray, tag: int) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) of the record field (a one-byte `tag`) of each record `which`, where it
+    is the record's last field, as wandb writes it; (-1, -1) where not."""
+    data = np.frombuffer(frames.data, np.uint8)
+    record_ends = frames.ends[which]
+    tag_at = _after_num(data, frames.starts[which], record_ends)
+    starts, ends = _span(data, tag_at + 1, record_ends)
+    ok = (ends == record_ends) & (_at(data, tag_at) == tag)
+    return np.where(ok, starts, -1), np.where(ok, ends, -1)
+
+
+def history_rows(frames: Frames, which: np.ndarray) -> HistoryRows:
+    """The step and item fields of the history records `which` (indices into `frames`)."""
+    data = np.frombuffer(frames.data, np.uint8)
+    starts, ends = body_spans(frames, which, 0x12)
+    steps = np.zeros(len(which), np.int64)
+    fields_end = np.full(len(which), -1, np.int64)
+    ok = ends - starts >= 2
+    ends = np.where(ok, ends, 2)  # (keeps the reads below in bounds)
+    empty = ok & (data[ends - 2] == 0x12) & (data[ends - 1] == 0)
+    fields_end[empty] = ends[empty] - 2  # `step {}`: step 0
+    for size in range(1, 11):  # `step { num: a varint of size bytes }` ends the record
+        field = ends - size - 3
+        fits = ok & (fields_end < 0) & (field >= starts)
+        if not fits.any():
+            break
+        at = np.where(fits, field, 0)
+        fits &= (data[at] == 0x12) & (data[at + 1] == size + 1) & (data[at + 2] == 0x08)
+        number = np.zeros(len(which), np.int64)
+        for byte in range(size):
+            value = _at(data, at + 3 + byte).astype(np.int64)
+            last = byte == size - 1
+            fits &= (value < 0x80) if last else (value >= 0x80)
+            number |= (value & 0x7F) << (7 * byte)
+        fields_end[fits] = field[fits]
+        steps[fits] = number[fits]
+    odd = np.flatnonzero(fields_end < 0)
+    buffer = frames.data
+    if len(odd):  # another shape: protobuf says (its item fields go after the buffer)
+        extra = []
+        offset = len(buffer)
+        for index in odd.tolist():
+            record = which[index]
+            payload = buffer[frames.starts[record] : frames.ends[record]]
+            steps[index], region = wire.history_region(payload)
+            starts[index], fields_end[index] = offset, offset + len(region)
+            offset += len(region)
+            extra.append(region)
+        buffer = b"".join([buffer, *extra])
+    return HistoryRows(buffer, steps, starts, fields_end)
+
+
+def _at(data: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """`data[index]`, with indices past the end read as the last byte (callers check bounds
+    themselves: this only keeps a damaged length from raising)."""
+    return data[np.minimum(index, len(data) - 1)]
+
+
+def _after_num(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Where the first field after a leading `num` varint starts (the record's start when
+    it has no `num`); `ends` where that runs past the record."""
+    has_num = (ends - starts > 1) & (_at(data, starts) == 0x08)
+    at = np.where(has_num, starts + 1, starts)
+    for _ in range(10):
+        more = has_num & (at < ends) & (_at(data, at) >= 0x80)
+        if not more.any():
+            break
+        at = at + more
+    at = np.where(has_num, at + 1, at)
+    return np.minimum(at, ends)
+
+
+def _span(data: np.ndarray, at: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) of the length-delimited value whose length varint is at `at`; a value
+    whose varint does not end within 3 bytes gets an empty span at -1 (the caller's odd)."""
+    length = np.zeros(len(at), np.int64)
+    start = np.full(len(at), -1, np.int64)
+    pending = at < ends
+    for byte in range(3):
+        value = _at(data, at + byte).astype(np.int64)
+        length |= np.where(pending, value & 0x7F, 0) << (7 * byte)
+        done = pending & (value < 0x80)
+        start[done] = at[done] + byte + 1
+        pending &= ~done
+    length[start < 0] = 0
+    return start, np.where(start < 0, -1, start + length)
