@@ -175,3 +175,28 @@ def test_history_region_of_a_record_in_another_field_order():
     step, region = wire.history_region(reordered)
     assert step == 7
     assert items.split([region]).key.to_pylist() == [wire.key_part(["loss"])]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(history_records(), min_size=1, max_size=8),
+    st.binary(max_size=12),
+    st.randoms(),
+)
+def test_split_in_place_is_the_split_of_the_regions(payloads, gap, rnd):
+    """Regions in a buffer with other bytes between them (value tags too), in any order."""
+    regions = [region for _, region in located(payloads)]
+    # (a gap starting 00: a region ending in byte 82 does not make a tag across the edge)
+    data, starts, ends = spans(regions, b"\x00" + gap + b"\x82\x01\x05")
+    order = list(range(len(regions)))
+    rnd.shuffle(order)
+    in_place = items.split_spans(data, starts[order], ends[order])
+    whole = items.split([regions[i] for i in order])
+    if whole is None:
+        assert in_place is None
+        return
+    assert in_place.row.tolist() == whole.row.tolist()
+    assert in_place.key.to_pylist() == whole.key.to_pylist()
+    assert in_place.value.to_pylist() == whole.value.to_pylist()
+    assert in_place.json().to_pylist() == whole.json().to_pylist()
+    assert in_place.key_codes()[1] == whole.key_codes()[1]

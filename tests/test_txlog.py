@@ -14,7 +14,7 @@ from wandb.proto import wandb_internal_pb2 as pb
 from wbmerge import txlog
 from wbmerge.errors import NotATransactionLog
 
-from .conftest import fixture_logs
+from .conftest import FIXTURES, fixture_logs
 
 LOGS = fixture_logs()
 
@@ -151,3 +151,85 @@ def test_empty_and_header_only_files():
     assert got == [] and report.truncated
     got, report = read_all(txlog.FILE_HEADER)
     assert got == [] and not report.damaged
+
+
+# -- the walk over whole blocks (`_walk_blocks`) reads exactly as the chunk-by-chunk loop --
+
+
+def read_both(data: bytes, read_size: int, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """(records, report) read with the array walk, and with the loop alone."""
+
+    def read(report: txlog.ReadReport) -> list[bytes]:
+        frames = txlog.iter_frames(io.BytesIO(data), report, read_size)
+        return [payload for f in frames for payload in f.payloads()]
+
+    walked = txlog.ReadReport()
+    got = read(walked)
+    with monkeypatch.context() as patched:
+        patched.setattr(txlog, "_walk_blocks", lambda *args: None)
+        looped = txlog.ReadReport()
+        want = read(looped)
+    return (got, walked), (want, looped)
+
+
+ALL_LOGS = [p for p in sorted(FIXTURES.glob("**/run-*.wandb")) if "not_a_log" not in p.parts]
+
+
+@pytest.mark.parametrize("path", ALL_LOGS, ids=lambda p: f"{p.parts[-4]}/{p.name}")
+def test_walked_blocks_read_every_fixture_as_the_loop_does(path, monkeypatch):
+    data = path.read_bytes()
+    for read_size in (txlog.BLOCK_SIZE, 3 * txlog.BLOCK_SIZE, 32 * txlog.BLOCK_SIZE):
+        walked, looped = read_both(data, read_size, monkeypatch)
+        assert walked == looped
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(min_value=0, max_value=70_000), min_size=1, max_size=30),
+    st.lists(st.integers(min_value=0, max_value=10**9), max_size=3),
+    st.integers(min_value=0, max_value=10**9),
+    st.sampled_from([1, 2, 5]),
+    st.randoms(),
+)
+def test_walked_blocks_read_damaged_logs_as_the_loop_does(sizes, flips, cut, blocks, rnd):
+    data = bytearray(write_all([rnd.randbytes(n) for n in sizes]))
+    for flip in flips:  # corrupt bytes anywhere: headers, lengths, payloads, padding
+        data[7 + flip % (len(data) - 7)] ^= 0x5A
+    data = bytes(data[: 7 + cut % len(data)]) if cut % 3 == 0 else bytes(data)
+    mp = pytest.MonkeyPatch()
+    try:
+        walked, looped = read_both(data, blocks * txlog.BLOCK_SIZE, mp)
+    finally:
+        mp.undo()
+    assert walked == looped
+
+
+def test_read_size_is_whole_blocks():
+    with pytest.raises(ValueError, match="multiple"):
+        list(txlog.iter_frames(io.BytesIO(txlog.FILE_HEADER), read_size=1000))
+
+
+def test_frames_give_each_record_once_in_order_also_across_blocks():
+    payloads = [bytes([i % 251]) * (i * 7919 % 90_000) for i in range(40)]
+    data = write_all(payloads)
+    frames = list(txlog.iter_frames(io.BytesIO(data), read_size=2 * txlog.BLOCK_SIZE))
+    assert len(frames) > 1
+    assert [p for f in frames for p in f.payloads()] == payloads
+
+
+def test_the_walk_reads_intact_blocks_and_leaves_damage_to_the_loop(monkeypatch):
+    walk = txlog._walk_blocks
+    outcomes: list[bool] = []
+    monkeypatch.setattr(
+        txlog, "_walk_blocks", lambda *args: outcomes.append(walk(*args) is not None) or walk(*args)
+    )
+    payloads = [bytes([i % 251]) * (300 + i * 37 % 2000) for i in range(3000)]
+    data = bytearray(write_all(payloads))
+    read_all(bytes(data))
+    # an intact log: every read's whole blocks walked (the last read has none left)
+    assert len(outcomes) > 2 and all(outcomes[:-1])
+    outcomes.clear()
+    data[5 * txlog.BLOCK_SIZE + 100] ^= 0xFF  # a damaged block in the first read
+    got, report = read_all(bytes(data))
+    assert outcomes[0] is False and any(outcomes[1:])
+    assert report.dropped_records > 0 and len(got) == len(payloads) - report.dropped_records

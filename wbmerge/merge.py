@@ -423,7 +423,7 @@ def _write_rows(
     primary = target.primary_rank
     # Pass 1: rows by step, with what travels with them. Each rank's log is read a few
     # MiB at a time, whose rows are labelled as columns: together a few tens of MB held.
-    read_size = BLOCK_SIZE * max(32, min(128, 4096 // len(by_rank)))
+    read_size = BLOCK_SIZE * max(8, min(_READ_BLOCKS, 1024 // len(by_rank)))
     streams = [
         _rank_events(
             sources,
@@ -634,6 +634,7 @@ def _rank_events(
         )
 
 
+_READ_BLOCKS = 64  # the most a rank's stream reads at once: 2 MiB
 _HISTORY = records.code("history")
 _SUMMARY = records.code("summary")
 

@@ -164,7 +164,9 @@ def iter_frames(
                     break  # count the loss once the whole block is here
                 stop = min(block_end, end)
                 report.dropped_bytes += stop - pos
-                report.dropped_records += 1 + (1 if partial else 0)
+                # the chunk's record; and the one it was continuing, unless it is that one
+                continues = partial and sane and kind in (MIDDLE, LAST)
+                report.dropped_records += 1 + (1 if partial and not continues else 0)
                 if sane:
                     report.dropped_records += _count_chunks_after(buf, chunk_end, stop)
                 partial, orphans = [], True
