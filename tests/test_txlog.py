@@ -233,3 +233,31 @@ def test_the_walk_reads_intact_blocks_and_leaves_damage_to_the_loop(monkeypatch)
     got, report = read_all(bytes(data))
     assert outcomes[0] is False and any(outcomes[1:])
     assert report.dropped_records > 0 and len(got) == len(payloads) - report.dropped_records
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(min_value=0, max_value=40_000), max_size=40),
+    st.lists(st.integers(min_value=0, max_value=40), max_size=4),
+    st.randoms(),
+)
+def test_write_many_frames_as_write_does(sizes, cuts, rnd):
+    payloads = [rnd.randbytes(n) for n in sizes]
+    data = b"".join(payloads)
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    starts = [end - size for end, size in zip(ends, sizes, strict=True)]
+    out = io.BytesIO()
+    with txlog.LogWriter(out, flush_every=50_000) as writer:
+        done = 0
+        for cut in sorted({c % (len(sizes) + 1) for c in cuts}):  # interleaved with `write`
+            if cut < done:
+                continue
+            writer.write_many(data, starts[done:cut], ends[done:cut])
+            if cut < len(sizes):
+                writer.write(payloads[cut])
+                done = cut + 1
+            else:
+                done = cut
+        writer.write_many(data, starts[done:], ends[done:])
+        assert writer.records == len(payloads)
+    assert out.getvalue() == write_all(payloads)

@@ -224,6 +224,13 @@ def _exit_record(code: int) -> bytes:
 # -- pass-through (new, auto) --------------------------------------------------------------
 
 
+_PASSTHROUGH_READ = 128 * BLOCK_SIZE
+# records a pass-through does not copy as they are (a history record only when restarts
+# continue each other's steps)
+_SPECIAL = [records.code(kind) for kind in ("run", "header", "exit")]
+_SPECIAL_SEVERAL = [*_SPECIAL, records.code("history")]
+
+
 def _write_passthrough(
     target: Target, writer: LogWriter, options: MergeOptions, staged: Staged
 ) -> None:
@@ -235,20 +242,26 @@ def _write_passthrough(
         report = ReadReport()
         steps.restart()
         exit_payload = None
-        for payload in read_payloads(source.path, report):
-            kind = record_kind(payload)
-            if kind == "run":
-                if index == 0:
-                    writer.write(_rewrite_run(payload, target, options))
-                continue
-            if kind == "header" and index > 0:
-                continue
-            if kind == "exit":
-                exit_payload = payload
-                continue
-            if kind == "history" and several:
-                payload = _continue_steps(payload, steps)
-            writer.write(payload)
+        for frames in read_frames(source.path, report, _PASSTHROUGH_READ):
+            codes = records.kinds(frames)
+            special = np.isin(codes, _SPECIAL_SEVERAL if several else _SPECIAL)
+            starts, ends = frames.starts.tolist(), frames.ends.tolist()
+            done = 0
+            for at in np.flatnonzero(special).tolist():
+                writer.write_many(frames.data, starts[done:at], ends[done:at])
+                done = at + 1
+                payload = frames.data[starts[at] : ends[at]]
+                kind = KIND_NAMES[codes[at]]
+                if kind == "run":
+                    if index == 0:
+                        writer.write(_rewrite_run(payload, target, options))
+                elif kind == "exit":
+                    exit_payload = payload
+                elif kind == "history":
+                    writer.write(_continue_steps(payload, steps))
+                elif index == 0:  # the header: once
+                    writer.write(payload)
+            writer.write_many(frames.data, starts[done:], ends[done:])
         _note_damage(staged, source, report, exit_payload is not None, target.primary_rank)
     for extra in target.extra_system_sources:
         stats = _console_and_stats(read_payloads(extra.path), extra, stats_only=True)
