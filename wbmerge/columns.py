@@ -74,7 +74,7 @@ def rank_columns(sources: list[Source], damage: list[str] | None = None) -> Iter
             if len(rows):
                 yield _history(rows, placed, source)
             for index in np.flatnonzero(codes == _STATS_CODE).tolist():
-                stats.append(frames.data[frames.starts[index] : frames.ends[index]])
+                stats.append(frames.payload(index))
             if len(stats) >= _STATS_WINDOW:
                 yield _system(stats, source)
                 stats = []

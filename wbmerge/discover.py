@@ -16,12 +16,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 from wandb.proto import wandb_internal_pb2 as pb
 
-from . import topology
+from . import records, topology
 from .errors import NotATransactionLog, WbmergeError
 from .topology import METADATA_KEY, RankInfo
-from .txlog import BLOCK_SIZE, FILE_HEADER, ReadReport, read_payloads, record_kind
+from .txlog import BLOCK_SIZE, FILE_HEADER, Frames, ReadReport, read_frames, record_kind
 
 _STATS_LABEL = re.compile(r"/l:(.+)$")
 _OUTPUT_LABEL = re.compile(r"^output_(.+)\.log$")
@@ -108,7 +109,7 @@ def _walk_wandb_files(root: Path) -> Iterator[Path]:
 def read_identity(path: Path) -> OfflineRun:
     """Read just enough of a run to know its ids and rank (the run and first config records)."""
     run = OfflineRun(path=path, run_id=_run_id_from_name(path))
-    for count, payload in enumerate(_payloads(path)):
+    for count, payload in enumerate(_payloads(path, read_size=_IDENTITY_READ)):
         kind = record_kind(payload)
         if kind == "run":
             _apply_run_record(run, pb.Record.FromString(payload).run)
@@ -125,10 +126,23 @@ def read_identity(path: Path) -> OfflineRun:
     return run
 
 
-def _payloads(path: Path, report: ReadReport | None = None) -> Iterator[bytes]:
-    """read_payloads with the user-facing errors of a bad or unreadable file."""
+_IDENTITY_READ = 4 * BLOCK_SIZE  # the run and config records are in the first blocks
+
+
+def _payloads(
+    path: Path, report: ReadReport | None = None, read_size: int = 32 * BLOCK_SIZE
+) -> Iterator[bytes]:
+    """`read_payloads` with the user-facing errors of a bad or unreadable file."""
+    for frames in _frames(path, report, read_size):
+        yield from frames.payloads()
+
+
+def _frames(
+    path: Path, report: ReadReport | None = None, read_size: int = 32 * BLOCK_SIZE
+) -> Iterator[Frames]:
+    """`read_frames` with the user-facing errors of a bad or unreadable file."""
     try:
-        yield from read_payloads(path, report)
+        yield from read_frames(path, report, read_size)
     except NotATransactionLog as exc:
         raise WbmergeError(f"{path}: {exc}") from None
     except OSError as exc:
@@ -187,19 +201,22 @@ def _label_from_files(files: Path) -> str | None:
 def scan(run: OfflineRun) -> RunStats:
     """One full pass: history rows, steps, exit record, damage. Parses only what it counts."""
     stats = RunStats()
-    for payload in _payloads(run.path, stats.report):
-        stats.records += 1
-        kind = record_kind(payload)
-        if kind == "history":
-            step = pb.Record.FromString(payload).history.step.num
-            stats.history_rows += 1
-            stats.first_step = step if stats.first_step is None else stats.first_step
-            stats.last_step = step
-        elif kind == "exit":
+    for frames in _frames(run.path, stats.report):
+        codes = records.kinds(frames)
+        stats.records += len(codes)
+        steps = records.history_rows(frames, np.flatnonzero(codes == _HISTORY)).steps
+        if len(steps):
+            stats.history_rows += len(steps)
+            if stats.first_step is None:
+                stats.first_step = int(steps[0])
+            stats.last_step = int(steps[-1])
+        for index in np.flatnonzero(codes == _EXIT).tolist():
             stats.complete = True
-            stats.exit_code = pb.Record.FromString(payload).exit.exit_code
-        elif kind == "stats" and run.label is None:
-            run.label = _label_from_stats(pb.Record.FromString(payload).stats)
+            stats.exit_code = pb.Record.FromString(frames.payload(index)).exit.exit_code
+        if run.label is None:
+            for index in np.flatnonzero(codes == _STATS).tolist():
+                run.label = _label_from_stats(pb.Record.FromString(frames.payload(index)).stats)
+                break
     report = stats.report
     if not stats.complete and not report.truncated:
         # wandb-core writes whole 32 KiB blocks until it closes the log, so a log without
@@ -208,6 +225,9 @@ def scan(run: OfflineRun) -> RunStats:
         report.truncated = size % BLOCK_SIZE == 0 or size == len(FILE_HEADER)
     run.stats = stats
     return stats
+
+
+_HISTORY, _EXIT, _STATS = (records.code(kind) for kind in ("history", "exit", "stats"))
 
 
 def infer_label_topology(runs: list[OfflineRun]) -> None:

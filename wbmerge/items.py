@@ -76,6 +76,17 @@ class Items:
         encoded = pc.dictionary_encode(keys)
         return encoded.indices.to_numpy(), encoded.dictionary.to_pylist()
 
+    def rows(self, lo: int, hi: int) -> Items:
+        """The items of regions `lo` to `hi` (numbered from 0 again)."""
+        a, b = np.searchsorted(self.row, [lo, hi]).tolist()
+        row, counts = self.row[a:b] - lo, self.counts[lo:hi]
+        if self._located is None:
+            texts = None if self._texts is None else self._texts[a:b]
+            return Items(row, counts, self._key[a:b], self._value[a:b], texts)
+        data, bounds, pick = self._located
+        picked = (data, bounds[a:b], None) if pick is None else (data, bounds, pick[a:b])
+        return Items(row, counts, located=picked)
+
     def _pieces(self, first: int, stop: int) -> pa.LargeBinaryArray:
         """Bytes `first` to `stop` (`bounds` columns) of every item in data order, each
         followed by the gap to the next: an array of twice as many pieces, no copy."""

@@ -602,19 +602,35 @@ def _rank_events(
         for frames in read_frames(source.path, report, read_size):
             codes = records.kinds(frames)
             tags = items.value_tags(frames.data)
-            _fold_summaries(frames, np.flatnonzero(codes == _SUMMARY), state, tags)
             history = np.flatnonzero(codes == _HISTORY)
             rows = records.history_rows(frames, history)
             before = steps.last
             placed = steps.place_rows(rows.steps)
             kept = placed >= 0
+            starts, ends = rows.starts[kept], rows.ends[kept]
+            summaries = np.flatnonzero(codes == _SUMMARY)
+            summary_starts, summary_ends = records.body_spans(frames, summaries, 0x1A)
+            row_items = summary_items = None
+            if rows.data is frames.data and (summary_starts >= 0).all():
+                # the rows' items and the summaries' in one split: one pass over the tags
+                both = items.split_spans(
+                    frames.data,
+                    np.concatenate([starts, summary_starts]),
+                    np.concatenate([ends, summary_ends]),
+                    tags,
+                )
+                if both is not None:
+                    row_items = both.rows(0, len(starts))
+                    summary_items = both.rows(len(starts), len(starts) + len(summaries))
+            _fold_summaries(frames, summaries, state, tags, summary_items)
             labelled = _label_rows(
                 rows.data,
-                rows.starts[kept],
-                rows.ends[kept],
+                starts,
+                ends,
                 state.keys,
                 options.skew_metrics,
                 tags if rows.data is frames.data else None,
+                row_items,
             )
             events: list[tuple[tuple, object]] = [
                 ((step, 0, rank), row)
@@ -630,7 +646,7 @@ def _rank_events(
                 for record, after, rows_before in zip(
                     others.tolist(), last[at_row].tolist(), place.tolist(), strict=True
                 ):
-                    payload = frames.data[frames.starts[record] : frames.ends[record]]
+                    payload = frames.payload(record)
                     event = _other_event(
                         payload, KIND_NAMES[codes[record]], state, is_primary, index, source,
                         file_map, spool, options,
@@ -742,10 +758,15 @@ def _label_rows(
     keys: _RankKeys,
     skew: bool,
     tags: np.ndarray | None = None,
+    batch: items.Items | None = None,
 ) -> list[_Row]:
     """The `_Row` of each history row (its item fields: `data[starts[i]:ends[i]]`), labelled
-    as columns when the batch path applies, else item by item."""
-    batch = items.split_spans(data, starts, ends, tags)
+    as columns when the batch path applies, else item by item. `batch`: the rows' items,
+    when the caller split them."""
+    if not len(starts):
+        return []
+    if batch is None:
+        batch = items.split_spans(data, starts, ends, tags)
     if batch is not None:
         try:
             return _label_batch(batch, len(starts), keys, skew)
@@ -829,14 +850,20 @@ def _names_of_key(key: int, base: int, by_id: list[str]) -> tuple[str, ...]:
 
 
 def _fold_summaries(
-    frames: Frames, which: np.ndarray, state: _RankState, tags: np.ndarray | None = None
+    frames: Frames,
+    which: np.ndarray,
+    state: _RankState,
+    tags: np.ndarray | None = None,
+    batch: items.Items | None = None,
 ) -> None:
     """Fold the summary records `which`, in order, into the rank's summary (the last value
-    of a key wins)."""
+    of a key wins). `batch`: their items, when the caller split them."""
     if not len(which):
         return
-    starts, ends = records.body_spans(frames, which, 0x1A)
-    batch = None if (starts < 0).any() else items.split_spans(frames.data, starts, ends, tags)
+    if batch is None:
+        starts, ends = records.body_spans(frames, which, 0x1A)
+        if (starts >= 0).all():
+            batch = items.split_spans(frames.data, starts, ends, tags)
     if batch is not None:
         try:
             index, raw_keys = batch.key_codes()
@@ -846,7 +873,7 @@ def _fold_summaries(
             batch = None
     if batch is None:  # (a removed key, say)
         for record in which.tolist():
-            _fold_summary(frames.data[frames.starts[record] : frames.ends[record]], state)
+            _fold_summary(frames.payload(record), state)
         return
     last = np.full(len(entries), -1, np.int64)
     np.maximum.at(last, index, np.arange(len(index)))

@@ -39,7 +39,7 @@ def kinds(frames: Frames) -> np.ndarray:
     ok = tag_at < ends
     codes[ok] = _CODE_BY_TAG[data[tag_at[ok]]]
     for index in np.flatnonzero(codes == 0).tolist():  # not in the usual shape: the walk
-        codes[index] = _CODE[record_kind(frames.data[starts[index] : ends[index]])]
+        codes[index] = _CODE[record_kind(frames.payload(index))]
     return codes
 
 

@@ -88,6 +88,9 @@ class Frames:
     def __len__(self) -> int:
         return len(self.starts)
 
+    def payload(self, index: int) -> bytes:
+        return self.data[self.starts[index] : self.ends[index]]
+
     def payloads(self) -> Iterator[bytes]:
         data = self.data
         for start, end in zip(self.starts.tolist(), self.ends.tolist(), strict=True):
