@@ -47,6 +47,8 @@ class Items:
         self.counts = counts  # items per region
         self._key, self._value, self._texts = key, value, texts
         self._located = located  # (data, bounds, the items' order in `bounds` or None)
+        self._codes: tuple[np.ndarray, list[bytes]] | None = None
+        self._cut: dict[tuple[int, int], pa.LargeBinaryArray] = {}  # `_pieces`, by parts
 
     @property
     def key(self) -> pa.BinaryArray:
@@ -62,6 +64,14 @@ class Items:
             self._value = self._take(self._pieces(_VALUE, _END)).cast(pa.binary())
         return self._value
 
+    def values(self, which: np.ndarray) -> pa.BinaryArray:
+        """The value parts of the items `which` (indices), cut out for just those."""
+        if self._located is None:
+            return self.value.take(which)
+        pick = self._located[2]
+        pieces = self._pieces(_VALUE, _END)
+        return pieces.take(2 * (which if pick is None else pick[which])).cast(pa.binary())
+
     def json(self) -> pa.Array:
         """The JSON text of every value (as split, its UTF-8 not yet checked)."""
         if self._texts is None:
@@ -72,24 +82,39 @@ class Items:
 
     def key_codes(self) -> tuple[np.ndarray, list[bytes]]:
         """(each item's index into the distinct key parts, the distinct key parts)."""
-        keys = self._key if self._located is None else self._take(self._pieces(_KEY, _VALUE))
-        encoded = pc.dictionary_encode(keys)
-        return encoded.indices.to_numpy(), encoded.dictionary.to_pylist()
+        if self._codes is None:
+            if self._located is None:
+                keys = self._key
+            else:
+                keys = self._take(self._pieces(_KEY, _VALUE))
+            encoded = pc.dictionary_encode(keys)
+            self._codes = encoded.indices.to_numpy(), encoded.dictionary.to_pylist()
+        return self._codes
 
     def rows(self, lo: int, hi: int) -> Items:
-        """The items of regions `lo` to `hi` (numbered from 0 again)."""
+        """The items of regions `lo` to `hi` (numbered from 0 again); key codes found for
+        all of them are kept (one dictionary for both parts)."""
         a, b = np.searchsorted(self.row, [lo, hi]).tolist()
         row, counts = self.row[a:b] - lo, self.counts[lo:hi]
         if self._located is None:
             texts = None if self._texts is None else self._texts[a:b]
-            return Items(row, counts, self._key[a:b], self._value[a:b], texts)
-        data, bounds, pick = self._located
-        picked = (data, bounds[a:b], None) if pick is None else (data, bounds, pick[a:b])
-        return Items(row, counts, located=picked)
+            part = Items(row, counts, self._key[a:b], self._value[a:b], texts)
+        else:
+            data, bounds, pick = self._located
+            if pick is None:
+                part = Items(row, counts, located=(data, bounds[a:b], None))
+            else:  # the same bounds: the same pieces
+                part = Items(row, counts, located=(data, bounds, pick[a:b]))
+                part._cut = self._cut
+        if self._codes is not None:
+            part._codes = self._codes[0][a:b], self._codes[1]
+        return part
 
     def _pieces(self, first: int, stop: int) -> pa.LargeBinaryArray:
         """Bytes `first` to `stop` (`bounds` columns) of every item in data order, each
         followed by the gap to the next: an array of twice as many pieces, no copy."""
+        if (first, stop) in self._cut:
+            return self._cut[first, stop]
         data, bounds, _ = self._located
         base = bounds[0, _HEAD]
         offsets = np.empty(2 * len(bounds) + 1, np.int64)
@@ -97,11 +122,13 @@ class Items:
         offsets[1:-1:2] = bounds[:, stop]
         offsets[-1] = bounds[-1, stop]
         offsets -= base
-        return pa.LargeBinaryArray.from_buffers(
+        pieces = pa.LargeBinaryArray.from_buffers(
             pa.large_binary(),
             2 * len(bounds),
             [None, pa.py_buffer(offsets), pa.py_buffer(memoryview(data)[base:])],
         )
+        self._cut[first, stop] = pieces
+        return pieces
 
     def _take(self, pieces: pa.Array | np.ndarray) -> pa.Array | np.ndarray:
         """The items' own pieces, in the items' order."""

@@ -451,31 +451,62 @@ def _write_rows(
         )
         for rank, sources in by_rank.items()
     ]
-    current_step = None
-    row: list[tuple[int, _Row]] = []
+    rows: list[tuple[int, int, _Row]] = []  # (step, rank, row), not yet written
     seen: set[bytes] = set()  # the same definition or file list from several ranks
+    for ready in _merge_batches(streams):
+        for key, event in ready:
+            if key[1] == 0:  # a history row of rank key[2] at step key[0]
+                rows.append((key[0], key[2], event))
+                continue
+            _write_merged(rows, writer, primary, options.skew_metrics, staged)
+            rows = []
+            if event not in seen:
+                seen.add(event)
+                writer.write(event)
+        if rows:  # the last step's rows may go on in the next batch: kept back
+            last = len(rows) - 1
+            while last and rows[last - 1][0] == rows[-1][0]:
+                last -= 1
+            _write_merged(rows[:last], writer, primary, options.skew_metrics, staged)
+            rows = rows[last:]
+    _write_merged(rows, writer, primary, options.skew_metrics, staged)
 
-    def flush_row() -> None:
-        if row:
-            writer.write(_merged_row(current_step, row, primary, options.skew_metrics))
-            staged.history_rows += 1
 
-    for key, event in _merge_batches(streams):
-        step, order, rank = key[0], key[1], key[2]
-        if order == 0:  # a history row of `rank` at `step`
-            if step != current_step:
-                flush_row()
-                current_step, row = step, []
-            row.append((rank, event))
-            staged.source_rows += 1
-            continue
-        flush_row()
-        row = []
-        current_step = None
-        if event not in seen:
-            seen.add(event)
-            writer.write(event)
-    flush_row()
+def _write_merged(
+    rows: list[tuple[int, int, _Row]], writer: LogWriter, primary: int, skew: bool, staged: Staged
+) -> None:
+    """One merged history record per step of `rows` (sorted by step, then rank), joined
+    into one buffer and written at once."""
+    pieces: list[bytes] = []
+    ends: list[int] = []
+    end = 0
+    index, count = 0, len(rows)
+    while index < count:
+        step = rows[index][0]
+        after = index + 1
+        while after < count and rows[after][0] == step:
+            after += 1
+        group = rows[index:after]
+        first = group[0]
+        names = first[2][1]
+        if skew or first[1] != primary or any(row[2][1] != names for row in group):
+            record = _merged_row(step, [(rank, row) for _, rank, row in group], primary, skew)
+            pieces.append(record)
+            end += len(record)
+        else:  # the common case: the primary's row first, every row with the same own keys
+            items = [row[2][0] for row in group]
+            items.append(wire.item_field(_STEP_KEY, wire.value_part(str(step))))
+            items.append(first[2][2])
+            record_pieces, length = wire.history_pieces(items, step)
+            pieces.extend(record_pieces)
+            end += length
+        ends.append(end)
+        index = after
+    if ends:
+        starts = [0, *ends[:-1]]
+        writer.write_many(b"".join(pieces), starts, ends)
+        staged.history_rows += len(ends)
+        staged.source_rows += count
 
 
 def _write_console_and_stats(
@@ -541,9 +572,11 @@ def _chain(iterators: Iterator[Iterator]) -> Iterator:
         yield from iterator
 
 
-def _merge_batches(streams: list[Iterator[list[tuple[tuple, object]]]]) -> Iterator[tuple]:
-    """The events of every stream in key order, each stream giving sorted batches of
-    events with keys unique across streams (a stream's next batch starts after its last).
+def _merge_batches(
+    streams: list[Iterator[list[tuple[tuple, object]]]],
+) -> Iterator[list[tuple[tuple, object]]]:
+    """The events of every stream in key order, in batches; each stream gives sorted
+    batches of events with keys unique across streams (its next batch starts after its last).
 
     What every stream has up to the smallest of their batches' last keys is final: that
     much is sorted at once (in C) and given out, and emptied streams read their next batch.
@@ -564,7 +597,7 @@ def _merge_batches(streams: list[Iterator[list[tuple[tuple, object]]]]) -> Itera
             ready += batch[:cut]
             pending[index] = batch[cut:]
         ready.sort(key=first_key)
-        yield from ready
+        yield ready
         for index in reversed(range(len(live))):
             if not pending[index]:
                 batch = next(live[index], None)
@@ -620,6 +653,7 @@ def _rank_events(
                     tags,
                 )
                 if both is not None:
+                    both.key_codes()  # once, for both parts
                     row_items = both.rows(0, len(starts))
                     summary_items = both.rows(len(starts), len(starts) + len(summaries))
             _fold_summaries(frames, summaries, state, tags, summary_items)
@@ -784,7 +818,8 @@ def _label_batch(batch: items.Items, count: int, keys: _RankKeys, skew: bool) ->
     outs = pa.array([out for out, _, _ in entries], pa.binary())
     names = [name for _, name, _ in entries]
     user = np.array([name is None for name in names], bool)[index]
-    fields = items.item_fields(outs.take(index[user]), batch.value.filter(user))
+    mine = np.flatnonzero(user)
+    fields = items.item_fields(outs.take(index[mine]), batch.values(mine))
     labelled = items.join_rows(fields, np.bincount(batch.row[user], minlength=count))
     names_of, blobs = _reserved(batch, index, outs, names, count)
     numbers: list[dict[str, float]] = [{} for _ in range(count)]
@@ -815,7 +850,7 @@ def _reserved(
     if not len(where):
         return [()] * count, [b""] * count
     rows = batch.row[where]
-    found = items.item_fields(outs.take(index[where]), batch.value.take(where))
+    found = items.item_fields(outs.take(index[where]), batch.values(where))
     by_id = list(ids)
     per_name = np.bincount(rows * len(ids) + item_id[where], minlength=count * len(ids))
     if (per_name > 1).any():  # a name twice in a row: the last one counts, as in `_row`
@@ -878,7 +913,7 @@ def _fold_summaries(
     last = np.full(len(entries), -1, np.int64)
     np.maximum.at(last, index, np.arange(len(index)))
     order = np.argsort(last)  # keys that share an output key: the later one wins
-    values = batch.value.take(last[order]).to_pylist()
+    values = batch.values(last[order]).to_pylist()
     folded = state.summary
     for entry, value in zip(order.tolist(), values, strict=True):
         folded[entries[entry][0]] = value
@@ -900,7 +935,8 @@ def _fold_summary(payload: bytes, state: _RankState) -> None:
 def _merged_row(step: int, rows: list[tuple[int, _Row]], primary: int, skew: bool) -> bytes:
     """One history record of the rows of every rank at `step`; W&B's own keys (`_runtime`,
     `_timestamp`) are the primary's, or of the lowest rank when the primary has no row."""
-    rows.sort(key=lambda r: (r[0] != primary, r[0]))
+    if rows[0][0] != primary:  # (rows come in rank order)
+        rows.sort(key=lambda r: (r[0] != primary, r[0]))
     parts = [row[0] for _, row in rows]
     parts.append(wire.item_field(_STEP_KEY, wire.value_part(str(step))))
     _, (_, names, blob, _) = rows[0]
@@ -929,7 +965,7 @@ def _merged_row(step: int, rows: list[tuple[int, _Row]], primary: int, skew: boo
                         wire.value_part(json.dumps(spread)),
                     )
                 )
-    return wire.history_record(b"".join(parts), step)
+    return wire.history_record(parts, step)
 
 
 def _final_summary(states: dict[int, _RankState], primary: int) -> bytes:

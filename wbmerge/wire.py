@@ -272,11 +272,19 @@ def item_field(key: bytes, value: bytes) -> bytes:
     return _ITEM_TAG + encode_varint(len(key) + len(value)) + key + value
 
 
-def history_record(items: bytes, step: int) -> bytes:
-    """A serialized Record holding a history record of the concatenated item fields."""
+def history_record(items: list[bytes], step: int) -> bytes:
+    """A serialized Record holding a history record of the item fields `items` (pieces of
+    concatenated fields), joined once with the record's head and step."""
+    return b"".join(history_pieces(items, step)[0])
+
+
+def history_pieces(items: list[bytes], step: int) -> tuple[list[bytes], int]:
+    """`history_record` as pieces to join, and their total length: for a caller that joins
+    many records at once."""
     step_field = _STEP_TAG + (b"\x00" if step == 0 else _with_length(b"\x08" + encode_varint(step)))
-    history = items + step_field
-    return b"\x12" + encode_varint(len(history)) + history
+    size = sum(map(len, items)) + len(step_field)
+    head = b"\x12" + encode_varint(size)
+    return [head, *items, step_field], len(head) + size
 
 
 def summary_record(items: bytes) -> bytes:
