@@ -130,11 +130,10 @@ class Items:
         self._cut[first, stop] = pieces
         return pieces
 
-    def _take(self, pieces: pa.Array | np.ndarray) -> pa.Array | np.ndarray:
-        """The items' own pieces, in the items' order."""
+    def _take(self, pieces: pa.Array) -> pa.Array:
+        """The items' own pieces (not the gaps), in the items' order."""
         pick = self._located[2]
-        index = np.arange(0, len(pieces), 2) if pick is None else 2 * pick
-        return pieces[index] if isinstance(pieces, np.ndarray) else pieces.take(index)
+        return pieces.take(np.arange(0, len(pieces), 2) if pick is None else 2 * pick)
 
 
 # Where each item's parts begin: its field head (tag, length), key part, value part (tag,
