@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge import txlog, wire
+from wbmerge import txlog
 from wbmerge.merge import Staged, _merged_row, _RankKeys, _row, _write_merged
 
-from .test_items import history_records
+from .test_items import history_records, protobuf_item_fields
 
 
 @st.composite
@@ -22,7 +22,7 @@ def step_rows(draw: st.DrawFn) -> list[tuple[int, int, tuple]]:
     for step in sorted(draw(st.sets(st.integers(0, 10**6), min_size=1, max_size=6))):
         for rank in sorted(draw(st.sets(st.integers(0, 4), min_size=1, max_size=4))):
             payload = draw(history_records())
-            items = wire.history_items(payload)[1]
+            items = protobuf_item_fields(payload)
             rows.append(
                 (step, rank, _row(items, _RankKeys(f"rank-{rank}", "{key}/{label}"), False))
             )

@@ -250,7 +250,7 @@ def _write_passthrough(
             for at in np.flatnonzero(special).tolist():
                 writer.write_many(frames.data, starts[done:at], ends[done:at])
                 done = at + 1
-                payload = frames.data[starts[at] : ends[at]]
+                payload = frames.payload(at)
                 kind = KIND_NAMES[codes[at]]
                 if kind == "run":
                     if index == 0:
@@ -275,8 +275,9 @@ def _write_passthrough(
 class Steps:
     """Elastic restarts continue the steps: a restart that repeats steps is moved after them.
 
-    Call `restart()` before each restart's records and `place(step)` (or `place_row`) for
-    each of its rows.
+    Call `restart()` before each restart's records and `place(step)` for each of its rows
+    (or `place_rows` for a read's rows at once, which also drops a row at or before the
+    last one: never two rows at one step).
     """
 
     def __init__(self) -> None:
@@ -293,14 +294,9 @@ class Steps:
         self.last = max(self.last, step)
         return step
 
-    def place_row(self, step: int) -> int | None:
-        """`place`, or None for a row at or before the last one: never two rows at one step."""
-        before = self.last
-        placed = self.place(step)
-        return placed if placed > before else None
-
     def place_rows(self, steps: np.ndarray) -> np.ndarray:
-        """`place_row` of each step in turn: the placed steps, -1 where a row is dropped."""
+        """`place` of each step in turn: the placed steps, -1 where a row is dropped (placed
+        at or before the last row placed)."""
         if not len(steps):
             return steps
         if self._shift is None:

@@ -145,9 +145,10 @@ def iter_frames(
         joined: list[bytes] = []  # records that spanned blocks, placed after `buf`
         joined_at = end
         whole = end - end % BLOCK_SIZE  # the blocks all here: walked as arrays
-        walked = _walk_blocks(buf, view, pos, whole, partial, joined, joined_at)
+        walked = _walk_blocks(buf, view, pos, whole, partial, joined_at)
         if walked is not None:
-            pos, partial, joined_at, fast_starts, fast_ends = walked
+            pos, partial, joined, fast_starts, fast_ends = walked
+            joined_at += sum(map(len, joined))
             orphans = False
         while True:
             block_end = pos - pos % BLOCK_SIZE + BLOCK_SIZE
@@ -229,17 +230,16 @@ def _walk_blocks(
     pos: int,
     stop: int,
     partial: list[bytes],
-    joined: list[bytes],
     joined_at: int,
-) -> tuple[int, list[bytes], int, np.ndarray, np.ndarray] | None:
+) -> tuple[int, list[bytes], list[bytes], np.ndarray, np.ndarray] | None:
     """The records of the whole blocks `buf[pos:stop]`, found by walking every block at once.
 
     Blocks are independent (each starts with a chunk), so the walk advances one chunk in
     all of them per numpy step. Only for intact blocks: a zero-length padding header ends a
     block; an impossible chunk, a bad CRC or a broken FIRST..LAST sequence returns None, and
     the caller's chunk-by-chunk loop, which accounts for damage, reads these blocks instead.
-    Returns (new position, partial record, joined_at, record starts, record ends); records
-    that span blocks are appended to `joined` (only then) and placed at `joined_at` on.
+    Returns (new position, partial record, the records that spanned blocks, record starts,
+    record ends); the spanning records are numbered as if placed at `joined_at` on.
     """
     if stop <= pos:
         return None
@@ -267,7 +267,7 @@ def _walk_blocks(
         live = after + CHUNK_HEADER_SIZE <= limit
         at, limit = after[live], limit[live]
     if not found:
-        return stop, partial, joined_at, np.empty(0, np.int64), np.empty(0, np.int64)
+        return stop, partial, [], np.empty(0, np.int64), np.empty(0, np.int64)
     chunks = np.sort(np.concatenate(found))
     begins = chunks + CHUNK_HEADER_SIZE
     ends = begins + u16[chunks + 4]
@@ -306,13 +306,12 @@ def _walk_blocks(
                 joined_ends.append(joined_at)
         if kind != LAST and index + 1 < len(kinds) and kinds[index + 1] not in (MIDDLE, LAST):
             return None  # a record cut short by another
-    joined.extend(records)
     starts, ends = begins[full], ends[full]
     if last_at:  # records that spanned blocks, in the place of their last chunk
         order = np.argsort(np.concatenate([np.flatnonzero(full), last_at]), kind="stable")
         starts = np.concatenate([starts, joined_starts])[order]
         ends = np.concatenate([ends, joined_ends])[order]
-    return stop, partial, joined_at, starts, ends
+    return stop, partial, records, starts, ends
 
 
 def _count_chunks_after(block: bytes, pos: int, limit: int) -> int:
@@ -381,9 +380,39 @@ class LogWriter:
 
     def write(self, payload: bytes) -> None:
         """Append one record's serialized bytes, split across blocks when needed."""
+        self._frame(memoryview(payload))
+        self.records += 1
+        if len(self._buffer) >= self._flush_every:
+            self.flush()
+
+    def write_many(self, data: bytes, starts: list[int], ends: list[int]) -> None:
+        """Append the records `data[starts[i]:ends[i]]` in turn, as `write` of each would;
+        the common case (a record that fits in its block) in one tight loop."""
         buffer = self._buffer
         offset = self._block_offset
-        view = memoryview(payload)
+        view = memoryview(data)
+        pack, full_crc = _CHUNK_HEADER.pack, _TYPE_CRC[FULL]
+        for start, end in zip(starts, ends, strict=True):
+            length = end - start
+            piece = view[start:end]
+            if offset + CHUNK_HEADER_SIZE + length > BLOCK_SIZE:
+                self._block_offset = offset
+                self._frame(piece)
+                offset = self._block_offset
+                continue
+            buffer += pack(crc32(piece, full_crc), length, FULL)
+            buffer += piece
+            offset += CHUNK_HEADER_SIZE + length
+        view.release()
+        self._block_offset = offset
+        self.records += len(starts)
+        if len(buffer) >= self._flush_every:
+            self.flush()
+
+    def _frame(self, view: memoryview) -> None:
+        """Append one record as chunks, split across blocks when needed."""
+        buffer = self._buffer
+        offset = self._block_offset
         remaining = len(view)
         start = 0
         first = True
@@ -406,35 +435,6 @@ class LogWriter:
             if last:
                 break
         self._block_offset = offset
-        self.records += 1
-        if len(buffer) >= self._flush_every:
-            self.flush()
-
-    def write_many(self, data: bytes, starts: list[int], ends: list[int]) -> None:
-        """Append the records `data[starts[i]:ends[i]]` in turn: `write` of each, with the
-        common case (a record that fits in its block) in one tight loop."""
-        buffer = self._buffer
-        offset = self._block_offset
-        view = memoryview(data)
-        pack, full_crc = _CHUNK_HEADER.pack, _TYPE_CRC[FULL]
-        for start, end in zip(starts, ends, strict=True):
-            length = end - start
-            if offset + CHUNK_HEADER_SIZE + length > BLOCK_SIZE:
-                self._block_offset = offset
-                self.write(data[start:end])
-                self.records -= 1
-                offset = self._block_offset
-                buffer = self._buffer
-                continue
-            piece = view[start:end]
-            buffer += pack(crc32(piece, full_crc), length, FULL)
-            buffer += piece
-            offset += CHUNK_HEADER_SIZE + length
-        view.release()
-        self._block_offset = offset
-        self.records += len(starts)
-        if len(buffer) >= self._flush_every:
-            self.flush()
 
     def write_record(self, record: pb.Record) -> None:
         self.write(record.SerializeToString())

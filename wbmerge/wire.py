@@ -94,32 +94,6 @@ def _span(payload: bytes, pos: int) -> tuple[int, int]:
     return pos, pos + length
 
 
-def history_items(payload: bytes) -> tuple[int, list[bytes]]:
-    """(step, raw items) of a serialized Record holding a history record."""
-    span = submessage(payload, RECORD_HISTORY)
-    if span is None:
-        raise ValueError("not a history record")
-    pos, end = span
-    items = []
-    step = 0
-    while pos < end:
-        tag = payload[pos]
-        length, start = varint(payload, pos + 1)
-        if tag == _KEY_TAG:  # item
-            pos = start + length
-            items.append(payload[start:pos])
-        elif tag == _NESTED_TAG:  # step { num }
-            pos = start + length
-            if length:
-                inner_tag, inner = varint(payload, start)
-                if inner_tag == 0x08:
-                    step = varint(payload, inner)[0]
-        else:  # _info and anything newer: not part of the row
-            tag, pos = varint(payload, pos)
-            pos = skip_field(payload, pos, tag & 7)
-    return step, items
-
-
 def history_region(payload: bytes) -> tuple[int, bytes]:
     """(step, item fields) of a history record. wandb writes the items, then the step field
     last: that is looked for at the end; a record in any other shape is parsed by protobuf."""
