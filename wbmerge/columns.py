@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from wandb.proto import wandb_internal_pb2 as pb
 
 from . import items, records, wire
 from .discover import Job
 from .merge import RESERVED, Steps
 from .plan import Source
+from .proto import pb
 from .txlog import ReadReport, read_frames
 
 HISTORY = "history"

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-from wandb.proto import wandb_internal_pb2 as pb
 
 from . import records, topology
 from .errors import NotATransactionLog, WbmergeError
+from .proto import pb
 from .topology import METADATA_KEY, RankInfo
 from .txlog import BLOCK_SIZE, FILE_HEADER, Frames, ReadReport, read_frames, record_kind
 

@@ -28,11 +28,11 @@ from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
-from wandb.proto import wandb_internal_pb2 as pb
 
 from . import items, records, wire
 from .gcpause import fewer_collections
 from .plan import Source, Target
+from .proto import pb
 from .records import KIND_NAMES
 from .topology import METADATA_KEY
 from .txlog import (

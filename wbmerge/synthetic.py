@@ -11,8 +11,7 @@ import json
 import random
 from pathlib import Path
 
-from wandb.proto import wandb_internal_pb2 as pb
-
+from .proto import pb
 from .topology import METADATA_KEY, RankInfo
 from .txlog import LogWriter
 

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-from wandb.proto import wandb_internal_pb2 as pb
 
 from .errors import NotATransactionLog
+from .proto import pb
 from .wire import skip_field, varint
 
 FILE_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)

@@ -12,7 +12,7 @@ another order is put in that order first (by protobuf itself), so the split is a
 
 from __future__ import annotations
 
-from wandb.proto import wandb_internal_pb2 as pb
+from .proto import pb
 
 RECORD_HISTORY = 2
 RECORD_SUMMARY = 3
