@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from wbmerge import synthetic
 from wbmerge.cli import main
+from wbmerge.txlog import BLOCK_SIZE, LogWriter, read_payloads
 
 from .conftest import MANIFEST, job_dir
 from .sinktools import console_text, expected_from_log, system_metric_values
@@ -255,3 +258,54 @@ def test_merge_writes_runs_that_wandb_sync_accepts(sink, tmp_path):
         "fx-two-nodes-2x2-worker-0",
         "fx-two-nodes-2x2-worker-1",
     ]
+
+
+def test_new_mode_copies_the_blocks_after_the_run_record_and_they_arrive(sink, tmp_path):
+    """Logs longer than their head are not re-framed: the blocks after the run record are
+    the source's bytes (after a block ended early by empty chunks or zeros), and wandb-core
+    reads every record of them."""
+    job = tmp_path / "job"
+    logs = synthetic.write_job(job, 1, 2, 400, metrics=6, job_id="splice")
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(main, ["merge", str(job), "--run-mode", "new", "--out", str(out)])
+    assert result.exit_code == 0, result.stderr
+    for rank, log in enumerate(sorted(logs)):
+        [staged] = out.glob(f"offline-run-*-splice-rank-{rank}/run-*.wandb")
+        source = log.read_bytes()
+        assert len(source) > 8 * BLOCK_SIZE
+        assert staged.read_bytes().endswith(source[BLOCK_SIZE:])
+
+    result = cli_sync(sink, tmp_path, job, "--run-mode", "new", "-p", "splice", "-e", "local")
+    assert result.exit_code == 0, result.output + result.stderr
+    for rank, log in enumerate(sorted(logs)):
+        want = expected_from_log(log)
+        got = sink.client.run("local", "splice", f"splice-rank-{rank}")
+        assert got["state"] == "finished" and got["exit_code"] == 0
+        assert len(got["history"]) == 400
+        assert got["history"] == want.history
+        assert {k: v for k, v in got["summary"].items() if k != "_wandb"} == want.summary
+        assert system_metric_values(got["system_metrics"]) == want.stats
+
+
+def test_wandb_core_skips_blocks_ended_early_with_zeros(sink, tmp_path):
+    """What `end_block()` writes when the head ends on a record boundary: zeros to the end of
+    the block. wandb-core must read on from the next block, losing nothing."""
+    from .sinktools import wandb_sync
+
+    log = sorted(job_dir("one_node_4").glob("wandb/*/run-*.wandb"))[0]
+    run_dir = tmp_path / log.parent.name
+    shutil.copytree(log.parent, run_dir)
+    with open(run_dir / log.name, "wb") as stream, LogWriter(stream) as writer:
+        for index, payload in enumerate(read_payloads(log)):
+            writer.write(payload)
+            if index % 5 == 1:  # after the run record, and every fifth record on
+                writer.end_block()
+    assert (run_dir / log.name).stat().st_size > 4 * BLOCK_SIZE
+    assert wandb_sync(sink, [run_dir], "-p", "zeros", "-e", "local").returncode == 0
+    want = expected_from_log(log)
+    got = sink.client.run("local", "zeros", want.run_id)
+    assert got["history"] == want.history and len(want.history) > 5
+    assert {k: v for k, v in got["summary"].items() if k != "_wandb"} == want.summary
+    assert console_text(got["console"]) == want.console
+    assert system_metric_values(got["system_metrics"]) == want.stats
+    assert got["exit_code"] == want.exit_code == 0

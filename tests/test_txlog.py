@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import struct
+import tempfile
 import zlib
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -261,3 +263,92 @@ def test_write_many_frames_as_write_does(sizes, cuts, rnd):
         writer.write_many(data, starts[done:], ends[done:])
         assert writer.records == len(payloads)
     assert out.getvalue() == write_all(payloads)
+
+
+# -- a log's head rewritten, the rest copied as it is (`read_head`, `end_block`, `copy_blocks`)
+
+
+def splice(source: Path, dest: Path, blocks: int, new_first: bytes) -> tuple[int, bytes | None]:
+    """`dest` = `source` with its first record replaced, only its first `blocks` re-framed."""
+    with open(source, "rb") as stream:
+        head = txlog.read_head(stream, blocks)
+        assert head is not None
+        payloads, open_record = head
+        with open(dest, "wb") as out, txlog.LogWriter(out) as writer:
+            for payload in [new_first, *payloads[1:]]:
+                writer.write(payload)
+            writer.end_block(open_record)
+            total = len(read_all(source.read_bytes())[0])
+            writer.copy_blocks(stream, blocks * txlog.BLOCK_SIZE, total - len(payloads))
+            assert writer.records == total
+    return len(payloads), open_record
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(st.integers(min_value=0, max_value=40_000), min_size=2, max_size=40),
+    st.integers(min_value=1, max_value=3),
+    st.integers(min_value=0, max_value=70_000),
+    st.randoms(),
+)
+def test_a_rewritten_head_and_copied_blocks_read_as_one_log(sizes, blocks, first, rnd):
+    payloads = [rnd.randbytes(n) for n in sizes]
+    with tempfile.TemporaryDirectory() as tmp:
+        source, dest = Path(tmp, "a.wandb"), Path(tmp, "b.wandb")
+        source.write_bytes(write_all(payloads))
+        with open(source, "rb") as stream:
+            head = txlog.read_head(stream, blocks)
+        if source.stat().st_size <= blocks * txlog.BLOCK_SIZE:
+            assert head is None  # nothing after the head to copy
+            return
+        got_head, open_record = head
+        assert got_head == payloads[: len(got_head)] and got_head
+        if open_record is not None:  # the start of the record that goes on after the head
+            assert payloads[len(got_head)].startswith(open_record)
+        new_first = rnd.randbytes(first)
+        splice(source, dest, blocks, new_first)
+        data = dest.read_bytes()
+        # the blocks after the head are the source's, byte for byte
+        tail = source.read_bytes()[blocks * txlog.BLOCK_SIZE :]
+        assert len(data) % txlog.BLOCK_SIZE == len(tail) % txlog.BLOCK_SIZE
+        assert data.endswith(tail)
+        mp = pytest.MonkeyPatch()
+        try:
+            for read_size in (txlog.BLOCK_SIZE, 4 * txlog.BLOCK_SIZE):
+                walked, looped = read_both(data, read_size, mp)
+                assert walked == looped
+                got, report = walked
+                assert got == [new_first, *payloads[1:]]
+                assert not report.damaged
+        finally:
+            mp.undo()
+
+
+@pytest.mark.parametrize("left", [0, 3, 7, 8, 500])
+def test_head_ends_on_a_clean_boundary_or_an_open_record(left, tmp_path):
+    """`left` bytes of block 0 free after the first record: 0-6 is a trailer and the next
+    record starts block 1 (no open record); 7 is an empty FIRST chunk; more a FIRST chunk."""
+    first = txlog.BLOCK_SIZE - len(txlog.FILE_HEADER) - txlog.CHUNK_HEADER_SIZE - left
+    payloads = [b"r" * first, b"s" * 50_000, b"t" * 10]
+    source = tmp_path / "a.wandb"
+    source.write_bytes(write_all(payloads))
+    with open(source, "rb") as stream:
+        head = txlog.read_head(stream, 1)
+    assert head == (payloads[:1], None if left < 7 else b"s" * (left - 7))
+    splice(source, tmp_path / "b.wandb", 1, b"R" * 100)
+    assert read_all((tmp_path / "b.wandb").read_bytes()) == (
+        [b"R" * 100, *payloads[1:]],
+        txlog.ReadReport(records=3, bytes_read=(tmp_path / "b.wandb").stat().st_size),
+    )
+
+
+def test_copy_blocks_starts_on_a_block_boundary(tmp_path):
+    source = tmp_path / "a.wandb"
+    source.write_bytes(write_all([b"x" * 100_000]))
+    with open(source, "rb") as stream, open(tmp_path / "b", "wb") as out:
+        writer = txlog.LogWriter(out)
+        with pytest.raises(ValueError, match="block boundary"):
+            writer.copy_blocks(stream, txlog.BLOCK_SIZE, 1)  # mid-block: not ended yet
+        writer.end_block()
+        with pytest.raises(ValueError, match="block boundary"):
+            writer.copy_blocks(stream, 100, 1)

@@ -41,6 +41,7 @@ from .txlog import (
     LogWriter,
     ReadReport,
     read_frames,
+    read_head,
     read_payloads,
     record_kind,
 )
@@ -235,6 +236,9 @@ def _write_passthrough(
     target: Target, writer: LogWriter, options: MergeOptions, staged: Staged
 ) -> None:
     """A rank's records as they are (restarts concatenated), the run record rewritten."""
+    if len(target.sources) == 1 and not target.extra_system_sources:
+        if _write_spliced(target.sources[0], target, writer, options, staged):
+            return
     exit_payload = None
     steps = Steps()
     several = len(target.sources) > 1
@@ -270,6 +274,53 @@ def _write_passthrough(
     code = _exit_code(exit_payload)
     staged.exit_code = code
     writer.write(exit_payload if exit_payload is not None else _exit_record(code))
+
+
+_HEAD_BLOCKS = 64  # how far a log's head may reach: its run record and the records beside it
+_RUN, _EXIT = records.code("run"), records.code("exit")
+
+
+def _write_spliced(
+    source: Source, target: Target, writer: LogWriter, options: MergeOptions, staged: Staged
+) -> bool:
+    """One clean log without re-framing it: its head (the blocks up to the end of the run
+    record) re-framed with the run record rewritten, then every later block copied as it
+    is, in the kernel. This is the common case of
+    `new` and `auto`, and copying is several times cheaper than framing records again.
+
+    Returns False, having written nothing, for any other log: damaged or truncated, without
+    exactly one exit record, with a run or header record after the head, or too short.
+    """
+    report = ReadReport()
+    counts = np.zeros(256, np.int64)
+    exit_payload = b""
+    for frames in read_frames(source.path, report, _PASSTHROUGH_READ):
+        codes = records.kinds(frames)
+        counts += np.bincount(codes, minlength=256)
+        exits = np.flatnonzero(codes == _EXIT)
+        if len(exits):
+            exit_payload = frames.payload(int(exits[-1]))
+    if report.damaged or counts[_EXIT] != 1:
+        return False
+    with open(source.path, "rb") as stream:
+        for blocks in range(1, _HEAD_BLOCKS + 1):  # the head: up to the end of the run record
+            head = read_head(stream, blocks)
+            if head is None:
+                return False
+            payloads, open_record = head
+            kinds = [record_kind(payload) for payload in payloads]
+            if "run" in kinds:
+                break
+        else:
+            return False
+        if kinds.count("run") != counts[_RUN] or kinds.count("header") != counts[_SPECIAL[1]]:
+            return False  # a run or header record after the head: re-frame the whole log
+        for payload, kind in zip(payloads, kinds, strict=True):
+            writer.write(_rewrite_run(payload, target, options) if kind == "run" else payload)
+        writer.end_block(open_record)
+        writer.copy_blocks(stream, blocks * BLOCK_SIZE, report.records - len(payloads))
+    staged.exit_code = _exit_code(exit_payload)
+    return True
 
 
 class Steps:

@@ -9,6 +9,7 @@ killed mid-write, a corrupt block), reporting what it could not read in a `ReadR
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ except ImportError:  # pragma: no cover - isal is a dependency; this is for odd 
 _CHUNK_HEADER = struct.Struct("<IHB")
 # crc32(bytes([type]) + payload) == crc32(payload, _TYPE_CRC[type]): no concatenation needed.
 _TYPE_CRC = [crc32(bytes([t])) for t in range(5)]
+_EMPTY_MIDDLE = _CHUNK_HEADER.pack(_TYPE_CRC[MIDDLE], 0, MIDDLE)
 _READ_SIZE = 32 * BLOCK_SIZE  # 1 MiB per read call by default; always whole blocks
 
 # Field number of each member of Record's `record_type` oneof, and back.
@@ -314,6 +316,24 @@ def _walk_blocks(
     return stop, partial, records, starts, ends
 
 
+def read_head(stream: BinaryIO, blocks: int) -> tuple[list[bytes], bytes | None] | None:
+    """The first `blocks` blocks of a log: their records, and the start of the record that
+    goes on into the next block (None if none does). None if the log is shorter or those
+    blocks are damaged. With `LogWriter.end_block` and `copy_blocks`, a log's head can be
+    rewritten and the rest copied as it is."""
+    stream.seek(0)
+    data = stream.read(blocks * BLOCK_SIZE)
+    if len(data) < blocks * BLOCK_SIZE or not data.startswith(FILE_HEADER):
+        return None
+    with memoryview(data) as view:
+        walked = _walk_blocks(data, view, len(FILE_HEADER), len(data), [], len(data))
+    if walked is None:
+        return None
+    _, partial, joined, starts, ends = walked
+    frames = Frames(b"".join([data, *joined]), starts, ends)
+    return list(frames.payloads()), b"".join(partial) if partial else None
+
+
 def _count_chunks_after(block: bytes, pos: int, limit: int) -> int:
     """How many whole, CRC-valid chunks follow `pos` in a block that is being dropped.
 
@@ -409,8 +429,9 @@ class LogWriter:
         if len(buffer) >= self._flush_every:
             self.flush()
 
-    def _frame(self, view: memoryview) -> None:
-        """Append one record as chunks, split across blocks when needed."""
+    def _frame(self, view: memoryview, open_ended: bool = False) -> None:
+        """Append one record as chunks, split across blocks when needed; `open_ended`: its
+        last chunk is FIRST/MIDDLE, for a record that more chunks will finish."""
         buffer = self._buffer
         offset = self._block_offset
         remaining = len(view)
@@ -424,7 +445,8 @@ class LogWriter:
                 room = BLOCK_SIZE
             take = min(remaining, room - CHUNK_HEADER_SIZE)
             last = take == remaining
-            kind = (FULL if last else FIRST) if first else (LAST if last else MIDDLE)
+            closes = last and not open_ended
+            kind = (FULL if closes else FIRST) if first else (LAST if closes else MIDDLE)
             piece = view[start : start + take]
             buffer += _CHUNK_HEADER.pack(crc32(piece, _TYPE_CRC[kind]), take, kind)
             buffer += piece
@@ -435,6 +457,36 @@ class LogWriter:
             if last:
                 break
         self._block_offset = offset
+
+    def end_block(self, open_record: bytes | None = None) -> None:
+        """End the current block, so that what follows starts a block (see `copy_blocks`).
+
+        Without `open_record` the rest of the block is zeros: readers (wandb-core's, wandb
+        leet's, ours) take an all-zero chunk header as the end of a block's records, as
+        LevelDB's do. `open_record` is the start of a record whose remaining chunks follow
+        (copied from another log): it is written as FIRST/MIDDLE chunks, and the block is
+        filled with empty MIDDLE chunks, so the record goes on in the next block.
+        """
+        if open_record is not None:
+            self._frame(memoryview(open_record), open_ended=True)
+            room = BLOCK_SIZE - self._block_offset
+            self._buffer += _EMPTY_MIDDLE * (room // CHUNK_HEADER_SIZE)
+            self._block_offset = BLOCK_SIZE - room % CHUNK_HEADER_SIZE
+        if 0 < self._block_offset < BLOCK_SIZE:
+            self._buffer += bytes(BLOCK_SIZE - self._block_offset)
+        self._block_offset = 0
+
+    def copy_blocks(self, source: BinaryIO, start: int, records: int) -> None:
+        """Append another log's bytes from `start`, a block boundary no record spans, to its
+        end, as they are: their chunks stay valid at the same places in our blocks. Call on a
+        block boundary (`end_block`); `records` is how many records the bytes hold."""
+        if self._block_offset % BLOCK_SIZE or start % BLOCK_SIZE:
+            raise ValueError("copy_blocks goes from a block boundary to a block boundary")
+        self.flush()
+        size = os.fstat(source.fileno()).st_size
+        done = _copy_range(source, self._stream, start, size)
+        self._block_offset = (done - start) % BLOCK_SIZE
+        self.records += records
 
     def write_record(self, record: pb.Record) -> None:
         self.write(record.SerializeToString())
@@ -453,6 +505,29 @@ class LogWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _copy_range(source: BinaryIO, target: BinaryIO, start: int, end: int) -> int:
+    """Copy source[start:end] to target's position, in the kernel where it can; returns end."""
+    done = start
+    try:
+        while done < end:
+            copied = os.copy_file_range(source.fileno(), target.fileno(), end - done, done)
+            if not copied:
+                break
+            done += copied
+    except (AttributeError, OSError):  # no copy_file_range here, or not between these files
+        pass
+    if done < end:
+        source.seek(done)
+        while done < end:
+            piece = source.read(min(1 << 22, end - done))
+            if not piece:
+                raise OSError(f"{source.name}: shorter than it was ({done} of {end} bytes)")
+            target.write(piece)
+            done += len(piece)
+        target.flush()
+    return done
 
 
 def read_frames(
