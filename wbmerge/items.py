@@ -102,7 +102,7 @@ class Items:
         else:
             data, bounds, pick = self._located
             if pick is None:
-                part = Items(row, counts, located=(data, bounds[a:b], None))
+                part = Items(row, counts, located=(data, bounds[:, a:b], None))
             else:  # the same bounds: the same pieces
                 part = Items(row, counts, located=(data, bounds, pick[a:b]))
                 part._cut = self._cut
@@ -116,15 +116,16 @@ class Items:
         if (first, stop) in self._cut:
             return self._cut[first, stop]
         data, bounds, _ = self._located
-        base = bounds[0, _HEAD]
-        offsets = np.empty(2 * len(bounds) + 1, np.int64)
-        offsets[0:-1:2] = bounds[:, first]
-        offsets[1:-1:2] = bounds[:, stop]
-        offsets[-1] = bounds[-1, stop]
+        count = bounds.shape[1]
+        base = bounds[_HEAD, 0]
+        offsets = np.empty(2 * count + 1, np.int64)
+        offsets[0:-1:2] = bounds[first]
+        offsets[1:-1:2] = bounds[stop]
+        offsets[-1] = bounds[stop, -1]
         offsets -= base
         pieces = pa.LargeBinaryArray.from_buffers(
             pa.large_binary(),
-            2 * len(bounds),
+            2 * count,
             [None, pa.py_buffer(offsets), pa.py_buffer(memoryview(data)[base:])],
         )
         self._cut[first, stop] = pieces
@@ -137,7 +138,7 @@ class Items:
 
 
 # Where each item's parts begin: its field head (tag, length), key part, value part (tag,
-# length), JSON text; and where it ends. One row of `bounds` per item.
+# length), JSON text; and where it ends. One row of `bounds` per part, one column per item.
 _HEAD, _KEY, _VALUE, _TEXT, _END = range(5)
 
 
@@ -155,8 +156,9 @@ def value_tags(data: bytes) -> np.ndarray:
     """Where the value tags (`82 01`) of `data` are: what `split_spans` starts from, found
     once for several calls on the same bytes."""
     buf = np.frombuffer(data, np.uint8)
-    tags = np.flatnonzero(buf[:-1] == 0x82)
-    return tags[buf[tags + 1] == 0x01]
+    found = buf[1:] == 0x01
+    found &= buf[:-1] == 0x82
+    return np.flatnonzero(found)
 
 
 def split_spans(
@@ -177,12 +179,14 @@ def split_spans(
     if found is None:
         return None
     row, bounds = found
+    counts = np.bincount(row, minlength=len(starts))
     pick = None  # items in data order; put back in the caller's order of regions
-    if order is not None:
-        row = order[row]
-        pick = np.argsort(row, kind="stable")
-        row = row[pick]
-    return Items(row, np.bincount(row, minlength=len(starts)), located=(data, bounds, pick))
+    if order is not None:  # a region's items are together: move the ranges, not the items
+        firsts = (np.cumsum(counts) - counts)[np.argsort(order)]
+        counts = counts[np.argsort(order)]
+        pick = np.arange(len(row)) + np.repeat(firsts - (np.cumsum(counts) - counts), counts)
+        row = np.repeat(np.arange(len(starts)), counts)
+    return Items(row, counts, located=(data, bounds, pick))
 
 
 def _bounds(
@@ -220,15 +224,17 @@ def _bounds(
         (heads != 0x0A).any()
         or (item_lengths >= 0x80).any()
         or (item_starts + 2 + item_lengths != value_ends).any()
-        or not np.isin(buf[item_starts + 2], (0x0A, 0x12)).all()
     ):
         return None
-    bounds = np.empty((len(tags), 5), np.int64)
-    bounds[:, _HEAD] = item_starts
-    bounds[:, _KEY] = item_starts + 2
-    bounds[:, _VALUE] = tags
-    bounds[:, _TEXT] = tags + 3
-    bounds[:, _END] = value_ends
+    key_tags = buf[item_starts + 2]
+    if not ((key_tags == 0x0A) | (key_tags == 0x12)).all():
+        return None
+    bounds = np.empty((5, len(tags)), np.int64)
+    bounds[_HEAD] = item_starts
+    np.add(item_starts, 2, out=bounds[_KEY])
+    bounds[_VALUE] = tags
+    np.add(tags, 3, out=bounds[_TEXT])
+    bounds[_END] = value_ends
     return row, bounds
 
 

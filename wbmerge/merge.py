@@ -528,6 +528,7 @@ def _write_merged(
     ends: list[int] = []
     end = 0
     index, count = 0, len(rows)
+    one_names = len({id(row[2][1]) for row in rows}) == 1  # (names are interned)
     while index < count:
         step = rows[index][0]
         after = index + 1
@@ -536,7 +537,11 @@ def _write_merged(
         group = rows[index:after]
         first = group[0]
         names = first[2][1]
-        if skew or first[1] != primary or any(row[2][1] != names for row in group):
+        if (
+            skew
+            or first[1] != primary
+            or (not one_names and any(row[2][1] != names for row in group))
+        ):
             record = _merged_row(step, [(rank, row) for _, rank, row in group], primary, skew)
             pieces.append(record)
             end += len(record)
@@ -899,6 +904,13 @@ def _reserved(
     rows = batch.row[where]
     found = items.item_fields(outs.take(index[where]), batch.values(where))
     by_id = list(ids)
+    per_row = np.bincount(rows, minlength=count)
+    width = int(per_row[0])
+    if width and (per_row == width).all():  # the usual: every row the same names in order
+        grid = item_id[where].reshape(count, width)
+        if len(set(grid[0].tolist())) == width and (grid == grid[0]).all():
+            names_tuple = _interned(tuple(by_id[i] for i in grid[0].tolist()))
+            return [names_tuple] * count, items.join_rows(found, per_row)
     per_name = np.bincount(rows * len(ids) + item_id[where], minlength=count * len(ids))
     if (per_name > 1).any():  # a name twice in a row: the last one counts, as in `_row`
         dicts: list[dict[str, bytes]] = [{} for _ in range(count)]
@@ -907,7 +919,7 @@ def _reserved(
         ):
             dicts[row][by_id[name_id]] = field
         return [tuple(d) for d in dicts], [b"".join(d.values()) for d in dicts]
-    blobs = items.join_rows(found, np.bincount(rows, minlength=count))
+    blobs = items.join_rows(found, per_row)
     # a row's names in its order, as one number: its items' ids + 1 as digits, in base n + 1
     first = np.ones(len(rows), bool)
     first[1:] = rows[1:] != rows[:-1]
@@ -919,8 +931,18 @@ def _reserved(
     for nth in range(int(position.max()) + 1):
         at = position == nth
         order_key[rows[at]] = order_key[rows[at]] * base + digits[at]
-    spelled = {key: _names_of_key(key, base, by_id) for key in np.unique(order_key).tolist()}
+    spelled = {
+        key: _interned(_names_of_key(key, base, by_id)) for key in np.unique(order_key).tolist()
+    }
     return [spelled[key] for key in order_key.tolist()], blobs
+
+
+_NAMES: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+
+def _interned(names: tuple[str, ...]) -> tuple[str, ...]:
+    """One tuple object for equal names, so rows can be compared by identity."""
+    return _NAMES.setdefault(names, names)
 
 
 def _names_of_key(key: int, base: int, by_id: list[str]) -> tuple[str, ...]:
