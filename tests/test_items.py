@@ -132,7 +132,7 @@ def test_labelled_rows_are_the_same_by_batch_and_item_by_item(payloads):
         _row(protobuf_item_fields(p), _RankKeys("rank-1", "{key}/{label}"), skew=True)
         for p in payloads
     ]
-    assert batched == one_by_one
+    assert list(zip(*batched, strict=True)) == one_by_one
 
 
 def test_labelled_row_decodes_to_the_labelled_keys():
@@ -148,9 +148,10 @@ def test_labelled_row_decodes_to_the_labelled_keys():
     record.history.step.num = 3
     payload = record.SerializeToString()
     region = wire.history_region(payload)[1]
-    labelled, reserved_names, reserved, numbers = _label_rows(
-        *spans([region]), _RankKeys("rank-2", "{key}/{label}"), skew=True
-    )[0]
+    [(labelled, reserved_names, reserved, numbers)] = zip(
+        *_label_rows(*spans([region]), _RankKeys("rank-2", "{key}/{label}"), skew=True),
+        strict=True,
+    )
     decoded = pb.HistoryRecord.FromString(labelled)
     assert [(list(i.nested_key), i.value_json) for i in decoded.item] == [
         (["train/loss/rank-2"], "0.5"),

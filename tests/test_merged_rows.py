@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge import txlog
-from wbmerge.merge import Staged, _merged_row, _RankKeys, _row, _write_merged
+from wbmerge.merge import Staged, _merged_row, _RankKeys, _row, _Rows, _write_merged
 
 from .test_items import history_records, protobuf_item_fields
 
@@ -35,7 +35,7 @@ def test_bulk_merged_rows_are_the_one_by_one_records(rows, primary):
     out = io.BytesIO()
     staged = Staged(target=None, run_dir=None)
     with txlog.LogWriter(out) as writer:
-        _write_merged(rows, writer, primary, False, staged)
+        _write_merged(_Rows.of(rows), writer, primary, False, staged)
     written = list(txlog.iter_payloads(io.BytesIO(out.getvalue())))
     want = []
     for step in sorted({step for step, _, _ in rows}):

@@ -20,11 +20,12 @@ import struct
 import tempfile
 import time
 from bisect import bisect_right
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
-from typing import BinaryIO
+from types import MappingProxyType
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -480,7 +481,7 @@ def _write_rows(
     staged: Staged,
     spools: _Spools,
 ) -> None:
-    primary = target.primary_rank
+    primary, skew = target.primary_rank, options.skew_metrics
     # Pass 1: rows by step, with what travels with them. Each rank's log is read a few
     # MiB at a time, whose rows are labelled as columns: together a few tens of MB held.
     read_size = BLOCK_SIZE * max(8, min(_READ_BLOCKS, 1024 // len(by_rank)))
@@ -498,67 +499,66 @@ def _write_rows(
         )
         for rank, sources in by_rank.items()
     ]
-    rows: list[tuple[int, int, _Row]] = []  # (step, rank, row), not yet written
     seen: set[bytes] = set()  # the same definition or file list from several ranks
-    for ready in _merge_batches(streams):
-        for key, event in ready:
-            if key[1] == 0:  # a history row of rank key[2] at step key[0]
-                rows.append((key[0], key[2], event))
-                continue
-            _write_merged(rows, writer, primary, options.skew_metrics, staged)
-            rows = []
+    held = _Rows.empty()  # the last step's rows: more ranks' rows of it may come next
+    for ready, others in _merge_batches(streams):
+        rows = _Rows.concat([held, ready]).sorted()
+        done = 0
+        for key, event in others:  # each after the rows up to its step
+            at = int(np.searchsorted(rows.steps, key[0], side="right"))
+            _write_merged(rows.take(slice(done, at)), writer, primary, skew, staged)
+            done = max(done, at)
             if event not in seen:
                 seen.add(event)
                 writer.write(event)
-        if rows:  # the last step's rows may go on in the next batch: kept back
-            last = len(rows) - 1
-            while last and rows[last - 1][0] == rows[-1][0]:
-                last -= 1
-            _write_merged(rows[:last], writer, primary, options.skew_metrics, staged)
-            rows = rows[last:]
-    _write_merged(rows, writer, primary, options.skew_metrics, staged)
+        keep = int(np.searchsorted(rows.steps, rows.steps[-1])) if len(rows) else done
+        keep = max(keep, done)
+        _write_merged(rows.take(slice(done, keep)), writer, primary, skew, staged)
+        held = rows.take(slice(keep, None))
+    _write_merged(held, writer, primary, skew, staged)
 
 
-def _write_merged(
-    rows: list[tuple[int, int, _Row]], writer: LogWriter, primary: int, skew: bool, staged: Staged
-) -> None:
+def _write_merged(rows: _Rows, writer: LogWriter, primary: int, skew: bool, staged: Staged) -> None:
     """One merged history record per step of `rows` (sorted by step, then rank), joined
     into one buffer and written at once."""
+    count = len(rows)
+    if not count:
+        return
+    steps = rows.steps
+    firsts = np.flatnonzero(np.concatenate([[True], steps[1:] != steps[:-1]]))
+    labelled, names, reserved = rows.labelled, rows.names, rows.reserved
+    one_names = len({id(n) for n in names}) == 1  # (names are interned)
     pieces: list[bytes] = []
     ends: list[int] = []
     end = 0
-    index, count = 0, len(rows)
-    one_names = len({id(row[2][1]) for row in rows}) == 1  # (names are interned)
-    while index < count:
-        step = rows[index][0]
-        after = index + 1
-        while after < count and rows[after][0] == step:
-            after += 1
-        group = rows[index:after]
-        first = group[0]
-        names = first[2][1]
+    for a, b, step, first_rank in zip(
+        firsts.tolist(),
+        [*firsts[1:].tolist(), count],
+        steps[firsts].tolist(),
+        rows.ranks[firsts].tolist(),
+        strict=True,
+    ):
         if (
             skew
-            or first[1] != primary
-            or (not one_names and any(row[2][1] != names for row in group))
+            or first_rank != primary
+            or (not one_names and any(n != names[a] for n in names[a + 1 : b]))
         ):
-            record = _merged_row(step, [(rank, row) for _, rank, row in group], primary, skew)
+            ranks = rows.ranks[a:b].tolist()
+            group = [(rank, rows.row(i)) for i, rank in zip(range(a, b), ranks, strict=True)]
+            record = _merged_row(step, group, primary, skew)
             pieces.append(record)
             end += len(record)
         else:  # the common case: the primary's row first, every row with the same own keys
-            items = [row[2][0] for row in group]
-            items.append(wire.item_field(_STEP_KEY, wire.value_part(str(step))))
-            items.append(first[2][2])
-            record_pieces, length = wire.history_pieces(items, step)
+            parts = labelled[a:b]
+            parts.append(wire.item_field(_STEP_KEY, wire.value_part(str(step))))
+            parts.append(reserved[a])
+            record_pieces, length = wire.history_pieces(parts, step)
             pieces.extend(record_pieces)
             end += length
         ends.append(end)
-        index = after
-    if ends:
-        starts = [0, *ends[:-1]]
-        writer.write_many(b"".join(pieces), starts, ends)
-        staged.history_rows += len(ends)
-        staged.source_rows += count
+    writer.write_many(b"".join(pieces), [0, *ends[:-1]], ends)
+    staged.history_rows += len(ends)
+    staged.source_rows += count
 
 
 def _write_console_and_stats(
@@ -625,16 +625,17 @@ def _chain(iterators: Iterator[Iterator]) -> Iterator:
 
 
 def _merge_batches(
-    streams: list[Iterator[list[tuple[tuple, object]]]],
-) -> Iterator[list[tuple[tuple, object]]]:
-    """The events of every stream in key order, in batches; each stream gives sorted
-    batches of events with keys unique across streams (its next batch starts after its last).
+    streams: list[Iterator[tuple[_Rows, list[tuple[tuple, bytes]]]]],
+) -> Iterator[tuple[_Rows, list[tuple[tuple, bytes]]]]:
+    """The rows and other events of every stream in key order, in batches. Each stream
+    gives batches of rows (in step order, keys (step, 0, rank)) and of other events (sorted
+    by key), keys unique across streams, each batch after the stream's last.
 
-    What every stream has up to the smallest of their batches' last keys is final: that
-    much is sorted at once (in C) and given out, and emptied streams read their next batch.
+    What every stream has up to the smallest of their batches' last keys is final: those
+    rows and those events are given out, and emptied streams read their next batch.
     """
-    pending: list[list[tuple[tuple, object]]] = []
-    live: list[Iterator[list[tuple[tuple, object]]]] = []
+    pending: list[tuple[_Rows, list[tuple[tuple, bytes]]]] = []
+    live: list[Iterator[tuple[_Rows, list[tuple[tuple, bytes]]]]] = []
     for stream in streams:
         batch = next(stream, None)
         if batch is not None:
@@ -642,21 +643,44 @@ def _merge_batches(
             live.append(stream)
     first_key = itemgetter(0)
     while live:
-        bound = min(batch[-1][0] for batch in pending)
-        ready: list[tuple[tuple, object]] = []
-        for index, batch in enumerate(pending):
-            cut = bisect_right(batch, bound, key=first_key)
-            ready += batch[:cut]
-            pending[index] = batch[cut:]
-        ready.sort(key=first_key)
-        yield ready
+        bound = min(map(_last_key, pending))
+        ready_rows: list[_Rows] = []
+        ready_others: list[tuple[tuple, bytes]] = []
+        for index, (rows, others) in enumerate(pending):
+            through = _rows_through(rows, bound)
+            cut = bisect_right(others, bound, key=first_key)
+            ready_rows.append(rows.take(slice(0, through)))
+            ready_others += others[:cut]
+            pending[index] = rows.take(slice(through, None)), others[cut:]
+        ready_others.sort(key=first_key)
+        yield _Rows.concat(ready_rows).sorted(), ready_others
         for index in reversed(range(len(live))):
-            if not pending[index]:
+            if not len(pending[index][0]) and not pending[index][1]:
                 batch = next(live[index], None)
                 if batch is None:
                     del live[index], pending[index]
                 else:
                     pending[index] = batch
+
+
+def _last_key(batch: tuple[_Rows, list[tuple[tuple, bytes]]]) -> tuple:
+    rows, others = batch
+    keys = [others[-1][0]] if others else []
+    if len(rows):
+        keys.append((int(rows.steps[-1]), 0, int(rows.ranks[-1])))
+    return max(keys)
+
+
+def _rows_through(rows: _Rows, bound: tuple) -> int:
+    """How many of a rank's rows (in step order) have keys (step, 0, rank) up to `bound`."""
+    through = int(np.searchsorted(rows.steps, bound[0]))
+    if (
+        through < len(rows)
+        and rows.steps[through] == bound[0]
+        and (bound[1] > 0 or rows.ranks[through] <= bound[2])
+    ):
+        through += 1
+    return through
 
 
 def _rank_events(
@@ -669,9 +693,9 @@ def _rank_events(
     staged: Staged,
     read_size: int,
     spools: _Spools,
-) -> Iterator[list[tuple[tuple, object]]]:
-    """One rank's pass-1 events, in sorted batches (a read of its log each), keyed so that
-    a merge of the ranks' streams aligns them by step.
+) -> Iterator[tuple[_Rows, list[tuple[tuple, bytes]]]]:
+    """One rank's pass-1 rows and other events, in batches (a read of its log each), keyed
+    so that a merge of the ranks' streams aligns them by step.
 
     History rows have key (step, 0, rank); other records (step of the last row, 1, rank,
     n) so they follow the row they were written after. Restarts are concatenated.
@@ -718,20 +742,14 @@ def _rank_events(
                 tags if rows.data is frames.data else None,
                 row_items,
             )
-            events: list[tuple[tuple, object]] = [
-                ((step, 0, rank), row)
-                for step, row in zip(placed[kept].tolist(), labelled, strict=True)
-            ]
+            placed_rows = _Rows(placed[kept], np.full(len(starts), rank, np.int64), *labelled)
+            others_events: list[tuple[tuple, bytes]] = []
             others = np.flatnonzero((codes != _HISTORY) & (codes != _SUMMARY))
             if len(others):
                 # the last step placed before each other record: it follows that row
                 last = np.maximum.accumulate(np.concatenate([[before], placed]))
                 at_row = np.searchsorted(history, others)
-                place = np.searchsorted(history[kept], others)  # its place among the rows
-                inserted = 0
-                for record, after, rows_before in zip(
-                    others.tolist(), last[at_row].tolist(), place.tolist(), strict=True
-                ):
+                for record, after in zip(others.tolist(), last[at_row].tolist(), strict=True):
                     payload = frames.payload(record)
                     event = _other_event(
                         payload, KIND_NAMES[codes[record]], state, is_primary, index, source,
@@ -739,10 +757,9 @@ def _rank_events(
                     )  # fmt: skip
                     if event is not None:
                         seq += 1
-                        events.insert(rows_before + inserted, ((after, 1, rank, seq), event))
-                        inserted += 1
-            if events:
-                yield events
+                        others_events.append(((after, 1, rank, seq), event))
+            if len(placed_rows) or others_events:
+                yield placed_rows, others_events
         state.complete = state.exit_payload is not None
         _note_damage(
             staged, source, report, state.complete or index < len(sources) - 1, target.primary_rank
@@ -813,7 +830,91 @@ def _mapped_files(
 # A rank's row on its way to the merged row: its labelled items (concatenated item
 # fields), its reserved items (their names, and their fields concatenated), and (with
 # --skew-metrics) its numbers by key.
-_Row = tuple[bytes, tuple[str, ...], bytes, dict[str, float]]
+_Row = tuple[bytes, tuple[str, ...], bytes, Mapping[str, float]]
+_NO_NUMBERS: Mapping[str, float] = MappingProxyType({})  # a row's numbers without skew
+
+
+class _Labelled(NamedTuple):
+    """`_Row`s as columns: one list per field."""
+
+    labelled: list[bytes]
+    names: list[tuple[str, ...]]
+    reserved: list[bytes]
+    numbers: list[Mapping[str, float]]
+
+
+@dataclass
+class _Rows:
+    """History rows on their way to merged rows, as columns: row i is of rank `ranks[i]` at
+    `steps[i]`, its `_Row` the i-th of the other columns."""
+
+    steps: np.ndarray  # int64
+    ranks: np.ndarray  # int64
+    labelled: list[bytes]
+    names: list[tuple[str, ...]]
+    reserved: list[bytes]
+    numbers: list[Mapping[str, float]]
+
+    @classmethod
+    def empty(cls) -> _Rows:
+        return cls(np.empty(0, np.int64), np.empty(0, np.int64), [], [], [], [])
+
+    @classmethod
+    def of(cls, rows: list[tuple[int, int, _Row]]) -> _Rows:
+        """From (step, rank, row) triples."""
+        if not rows:
+            return cls.empty()
+        steps, ranks, fields = zip(*rows, strict=True)
+        return cls(
+            np.array(steps, np.int64),
+            np.array(ranks, np.int64),
+            *map(list, zip(*fields, strict=True)),
+        )
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def row(self, index: int) -> _Row:
+        return self.labelled[index], self.names[index], self.reserved[index], self.numbers[index]
+
+    def take(self, which: slice | np.ndarray) -> _Rows:
+        if isinstance(which, slice):
+            pick = itemgetter(which)
+        else:
+            indices = which.tolist()
+            pick = lambda column: [column[i] for i in indices]  # noqa: E731
+        return _Rows(
+            self.steps[which],
+            self.ranks[which],
+            pick(self.labelled),
+            pick(self.names),
+            pick(self.reserved),
+            pick(self.numbers),
+        )
+
+    @staticmethod
+    def concat(parts: list[_Rows]) -> _Rows:
+        parts = [part for part in parts if len(part)]
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return _Rows.empty()
+        return _Rows(
+            np.concatenate([part.steps for part in parts]),
+            np.concatenate([part.ranks for part in parts]),
+            [x for part in parts for x in part.labelled],
+            [x for part in parts for x in part.names],
+            [x for part in parts for x in part.reserved],
+            [x for part in parts for x in part.numbers],
+        )
+
+    def sorted(self) -> _Rows:
+        """By step, then rank."""
+        steps, ranks = self.steps, self.ranks
+        if len(steps) < 2:
+            return self
+        ordered = (steps[1:] > steps[:-1]) | ((steps[1:] == steps[:-1]) & (ranks[1:] > ranks[:-1]))
+        return self if ordered.all() else self.take(np.lexsort((ranks, steps)))
 
 
 def _row(items: list[bytes], keys: _RankKeys, skew: bool) -> _Row:
@@ -834,7 +935,12 @@ def _row(items: list[bytes], keys: _RankKeys, skew: bool) -> _Row:
                     pass
         elif name != "_step":
             reserved[name] = item_field(out, value)
-    return b"".join(labelled), tuple(reserved), b"".join(reserved.values()), numbers
+    return (
+        b"".join(labelled),
+        _interned(tuple(reserved)),
+        b"".join(reserved.values()),
+        numbers if skew else _NO_NUMBERS,
+    )
 
 
 def _label_rows(
@@ -845,12 +951,12 @@ def _label_rows(
     skew: bool,
     tags: np.ndarray | None = None,
     batch: items.Items | None = None,
-) -> list[_Row]:
+) -> _Labelled:
     """The `_Row` of each history row (its item fields: `data[starts[i]:ends[i]]`), labelled
     as columns when the batch path applies, else item by item. `batch`: the rows' items,
     when the caller split them."""
     if not len(starts):
-        return []
+        return _Labelled([], [], [], [])
     if batch is None:
         batch = items.split_spans(data, starts, ends, tags)
     if batch is not None:
@@ -858,13 +964,14 @@ def _label_rows(
             return _label_batch(batch, len(starts), keys, skew)
         except ValueError:
             pass  # a key part that is not one: the split does not hold
-    return [
+    rows = [
         _row(wire.region_items(data[start:end]), keys, skew)
         for start, end in zip(starts.tolist(), ends.tolist(), strict=True)
     ]
+    return _Labelled(*map(list, zip(*rows, strict=True)))
 
 
-def _label_batch(batch: items.Items, count: int, keys: _RankKeys, skew: bool) -> list[_Row]:
+def _label_batch(batch: items.Items, count: int, keys: _RankKeys, skew: bool) -> _Labelled:
     index, raw_keys = batch.key_codes()
     entries = [keys.known.get(raw) or keys.learn(raw) for raw in raw_keys]
     outs = pa.array([out for out, _, _ in entries], pa.binary())
@@ -874,19 +981,20 @@ def _label_batch(batch: items.Items, count: int, keys: _RankKeys, skew: bool) ->
     fields = items.item_fields(outs.take(index[mine]), batch.values(mine))
     labelled = items.join_rows(fields, np.bincount(batch.row[user], minlength=count))
     names_of, blobs = _reserved(batch, index, outs, names, count)
+    if not skew:
+        return _Labelled(labelled, names_of, blobs, [_NO_NUMBERS] * count)
     numbers: list[dict[str, float]] = [{} for _ in range(count)]
-    if skew:
-        skew_keys = [skew_key for _, _, skew_key in entries]
-        where = np.flatnonzero(np.array([k is not None for k in skew_keys], bool)[index])
-        texts = batch.json().take(where).to_pylist()
-        for row, entry, text in zip(
-            batch.row[where].tolist(), index[where].tolist(), texts, strict=True
-        ):
-            try:
-                numbers[row][skew_keys[entry]] = float(text)
-            except ValueError:
-                pass
-    return list(zip(labelled, names_of, blobs, numbers, strict=True))
+    skew_keys = [skew_key for _, _, skew_key in entries]
+    where = np.flatnonzero(np.array([k is not None for k in skew_keys], bool)[index])
+    texts = batch.json().take(where).to_pylist()
+    for row, entry, text in zip(
+        batch.row[where].tolist(), index[where].tolist(), texts, strict=True
+    ):
+        try:
+            numbers[row][skew_keys[entry]] = float(text)
+        except ValueError:
+            pass
+    return _Labelled(labelled, names_of, blobs, numbers)
 
 
 def _reserved(
