@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from wandb.proto import wandb_internal_pb2 as pb
@@ -29,13 +30,20 @@ def step_rows(draw: st.DrawFn) -> list[tuple[int, int, tuple]]:
     return rows
 
 
+def as_columns(rows: list[tuple[int, int, tuple]]) -> _Rows:
+    """(step, rank, row) triples as the columns the merge hands over."""
+    steps, ranks, fields = zip(*rows, strict=True)
+    columns = map(list, zip(*fields, strict=True))
+    return _Rows(np.array(steps, np.int64), np.array(ranks, np.int64), *columns)
+
+
 @settings(max_examples=200, deadline=None)
 @given(step_rows(), st.sampled_from([0, 1]))
 def test_bulk_merged_rows_are_the_one_by_one_records(rows, primary):
     out = io.BytesIO()
     staged = Staged(target=None, run_dir=None)
     with txlog.LogWriter(out) as writer:
-        _write_merged(_Rows.of(rows), writer, primary, False, staged)
+        _write_merged(as_columns(rows), writer, primary, False, staged)
     written = list(txlog.iter_payloads(io.BytesIO(out.getvalue())))
     want = []
     for step in sorted({step for step, _, _ in rows}):

@@ -279,7 +279,8 @@ def splice(source: Path, dest: Path, blocks: int, new_first: bytes) -> tuple[int
                 writer.write(payload)
             writer.end_block(open_record)
             total = len(read_all(source.read_bytes())[0])
-            writer.copy_blocks(stream, blocks * txlog.BLOCK_SIZE, total - len(payloads))
+            size = source.stat().st_size
+            writer.copy_blocks(stream, blocks * txlog.BLOCK_SIZE, size, total - len(payloads))
             assert writer.records == total
     return len(payloads), open_record
 
@@ -348,7 +349,7 @@ def test_copy_blocks_starts_on_a_block_boundary(tmp_path):
     with open(source, "rb") as stream, open(tmp_path / "b", "wb") as out:
         writer = txlog.LogWriter(out)
         with pytest.raises(ValueError, match="block boundary"):
-            writer.copy_blocks(stream, txlog.BLOCK_SIZE, 1)  # mid-block: not ended yet
+            writer.copy_blocks(stream, txlog.BLOCK_SIZE, 100_000, 1)  # not ended yet
         writer.end_block()
         with pytest.raises(ValueError, match="block boundary"):
-            writer.copy_blocks(stream, 100, 1)
+            writer.copy_blocks(stream, 100, 100_000, 1)

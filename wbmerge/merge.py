@@ -319,7 +319,8 @@ def _write_spliced(
         for payload, kind in zip(payloads, kinds, strict=True):
             writer.write(_rewrite_run(payload, target, options) if kind == "run" else payload)
         writer.end_block(open_record)
-        writer.copy_blocks(stream, blocks * BLOCK_SIZE, report.records - len(payloads))
+        copied = report.records - len(payloads)  # (the bytes read, should the log grow)
+        writer.copy_blocks(stream, blocks * BLOCK_SIZE, report.bytes_read, copied)
     staged.exit_code = _exit_code(exit_payload)
     return True
 
@@ -858,18 +859,6 @@ class _Rows:
     @classmethod
     def empty(cls) -> _Rows:
         return cls(np.empty(0, np.int64), np.empty(0, np.int64), [], [], [], [])
-
-    @classmethod
-    def of(cls, rows: list[tuple[int, int, _Row]]) -> _Rows:
-        """From (step, rank, row) triples."""
-        if not rows:
-            return cls.empty()
-        steps, ranks, fields = zip(*rows, strict=True)
-        return cls(
-            np.array(steps, np.int64),
-            np.array(ranks, np.int64),
-            *map(list, zip(*fields, strict=True)),
-        )
 
     def __len__(self) -> int:
         return len(self.steps)

@@ -476,16 +476,16 @@ class LogWriter:
             self._buffer += bytes(BLOCK_SIZE - self._block_offset)
         self._block_offset = 0
 
-    def copy_blocks(self, source: BinaryIO, start: int, records: int) -> None:
-        """Append another log's bytes from `start`, a block boundary no record spans, to its
-        end, as they are: their chunks stay valid at the same places in our blocks. Call on a
-        block boundary (`end_block`); `records` is how many records the bytes hold."""
+    def copy_blocks(self, source: BinaryIO, start: int, end: int, records: int) -> None:
+        """Append another log's bytes `start:end` as they are, `start` a block boundary: its
+        chunks stay valid at the same places in our blocks. Call on a block boundary
+        (`end_block`, which can begin a record these bytes finish); `records` is how many
+        records the bytes hold (finish)."""
         if self._block_offset % BLOCK_SIZE or start % BLOCK_SIZE:
             raise ValueError("copy_blocks goes from a block boundary to a block boundary")
         self.flush()
-        size = os.fstat(source.fileno()).st_size
-        done = _copy_range(source, self._stream, start, size)
-        self._block_offset = (done - start) % BLOCK_SIZE
+        _copy_range(source, self._stream, start, end)
+        self._block_offset = (end - start) % BLOCK_SIZE
         self.records += records
 
     def write_record(self, record: pb.Record) -> None:
@@ -507,8 +507,8 @@ class LogWriter:
         self.close()
 
 
-def _copy_range(source: BinaryIO, target: BinaryIO, start: int, end: int) -> int:
-    """Copy source[start:end] to target's position, in the kernel where it can; returns end."""
+def _copy_range(source: BinaryIO, target: BinaryIO, start: int, end: int) -> None:
+    """Copy source[start:end] to target's position, in the kernel where it can."""
     done = start
     try:
         while done < end:
@@ -527,7 +527,6 @@ def _copy_range(source: BinaryIO, target: BinaryIO, start: int, end: int) -> int
             target.write(piece)
             done += len(piece)
         target.flush()
-    return done
 
 
 def read_frames(

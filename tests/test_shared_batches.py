@@ -1,0 +1,83 @@
+"""A shared merge of logs read in many small batches: ranks of different lengths and sizes,
+so every read of every rank ends at a different step, and records between the rows (metric
+definitions) that must follow the row they were written after. Checked against the source
+records, parsed with protobuf."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from wandb.proto import wandb_internal_pb2 as pb
+
+from wbmerge import merge
+from wbmerge.pipeline import MergeRequest, merge_jobs
+from wbmerge.topology import METADATA_KEY, RankInfo
+from wbmerge.txlog import LogWriter, read_records
+
+# rank -> (steps, first step, metrics, steps after whose row a metric is defined)
+RANKS = {0: (1500, 0, 12, (3, 700)), 1: (900, 40, 4, (41, 899)), 2: (1700, 0, 25, ())}
+
+
+def write_rank(root: Path, rank: int) -> dict[int, dict[str, str]]:
+    """One rank's log; returns its rows: step -> {key: value_json}."""
+    steps, first, metrics, defines = RANKS[rank]
+    info = RankInfo(rank, rank, len(RANKS), len(RANKS), 0, job_id="batches")
+    run_dir = root / "wandb" / f"offline-run-20260101_000000-bat{rank}"
+    (run_dir / "files").mkdir(parents=True)
+    rows: dict[int, dict[str, str]] = {}
+    with open(run_dir / f"run-bat{rank}.wandb", "wb") as stream, LogWriter(stream) as writer:
+        record = pb.Record()
+        record.run.run_id, record.run.project = f"bat{rank}", "batches"
+        item = record.run.config.update.add()
+        item.key, item.value_json = METADATA_KEY, json.dumps(info.to_metadata())
+        writer.write_record(record)
+        for step in range(first, first + steps):
+            values = {f"m{m}": repr((rank + 1) * step + m / 7) for m in range(metrics)}
+            rows[step] = values
+            record = pb.Record()
+            for key, value in {**values, "_step": str(step), "_runtime": str(step)}.items():
+                item = record.history.item.add()
+                item.key, item.value_json = key, value
+            record.history.step.num = step
+            writer.write_record(record)
+            if step in defines:
+                record = pb.Record()
+                record.metric.name = f"defined_after_{step}"
+                writer.write_record(record)
+        record = pb.Record()
+        record.exit.exit_code = 0
+        writer.write_record(record)
+    return rows
+
+
+def test_rows_and_records_between_them_across_many_reads(tmp_path, monkeypatch):
+    monkeypatch.setattr(merge, "_READ_BLOCKS", 1)  # the smallest reads: 8 blocks
+    sources = {rank: write_rank(tmp_path / "job", rank) for rank in RANKS}
+    staged = merge_jobs(MergeRequest([tmp_path / "job"], run_mode="shared"), tmp_path / "out")
+    [target] = staged
+    assert target.source_rows == sum(len(rows) for rows in sources.values())
+
+    merged: list[tuple[int, dict[str, str]]] = []
+    defined: dict[str, int] = {}  # metric -> the step of the row before it
+    for record in read_records(target.log_path):
+        if record.HasField("history"):
+            row = {item.key or item.nested_key[0]: item.value_json for item in record.history.item}
+            merged.append((record.history.step.num, row))
+        elif record.HasField("metric"):
+            defined[record.metric.name] = merged[-1][0]
+    steps = [step for step, _ in merged]
+    assert steps == sorted(set().union(*sources.values()))  # one row per step, in order
+    for step, row in merged:
+        want = {
+            f"{key}/rank-{rank}": value
+            for rank, rows in sources.items()
+            for key, value in rows.get(step, {}).items()
+        }
+        assert {k: v for k, v in row.items() if not k.startswith("_")} == want, step
+        assert row["_step"] == str(step)
+    assert defined == {
+        f"defined_after_{step}/rank-{rank}": step
+        for rank, (_, _, _, defines) in RANKS.items()
+        for step in defines
+    }
