@@ -229,14 +229,16 @@ def _exit_record(code: int) -> bytes:
 _PASSTHROUGH_READ = 128 * BLOCK_SIZE
 # records a pass-through does not copy as they are (a history record only when restarts
 # continue each other's steps)
-_SPECIAL = [records.code(kind) for kind in ("run", "header", "exit")]
+_RUN, _HEADER, _EXIT = (records.code(kind) for kind in ("run", "header", "exit"))
+_SPECIAL = [_RUN, _HEADER, _EXIT]
 _SPECIAL_SEVERAL = [*_SPECIAL, records.code("history")]
 
 
 def _write_passthrough(
     target: Target, writer: LogWriter, options: MergeOptions, staged: Staged
 ) -> None:
-    """A rank's records as they are (restarts concatenated), the run record rewritten."""
+    """A rank's records as they are (restarts concatenated), the run record rewritten: one
+    clean log by copying its blocks (`_write_spliced`), anything else record by record."""
     if len(target.sources) == 1 and not target.extra_system_sources:
         if _write_spliced(target.sources[0], target, writer, options, staged):
             return
@@ -278,7 +280,6 @@ def _write_passthrough(
 
 
 _HEAD_BLOCKS = 64  # how far a log's head may reach: its run record and the records beside it
-_RUN, _EXIT = records.code("run"), records.code("exit")
 
 
 def _write_spliced(
@@ -286,8 +287,8 @@ def _write_spliced(
 ) -> bool:
     """One clean log without re-framing it: its head (the blocks up to the end of the run
     record) re-framed with the run record rewritten, then every later block copied as it
-    is, in the kernel. This is the common case of
-    `new` and `auto`, and copying is several times cheaper than framing records again.
+    is, in the kernel. The common case of `new` and `auto`: copying costs a fraction of
+    framing every record again.
 
     Returns False, having written nothing, for any other log: damaged or truncated, without
     exactly one exit record, with a run or header record after the head, or too short.
@@ -314,7 +315,7 @@ def _write_spliced(
                 break
         else:
             return False
-        if kinds.count("run") != counts[_RUN] or kinds.count("header") != counts[_SPECIAL[1]]:
+        if kinds.count("run") != counts[_RUN] or kinds.count("header") != counts[_HEADER]:
             return False  # a run or header record after the head: re-frame the whole log
         for payload, kind in zip(payloads, kinds, strict=True):
             writer.write(_rewrite_run(payload, target, options) if kind == "run" else payload)
@@ -626,8 +627,8 @@ def _chain(iterators: Iterator[Iterator]) -> Iterator:
 
 
 def _merge_batches(
-    streams: list[Iterator[tuple[_Rows, list[tuple[tuple, bytes]]]]],
-) -> Iterator[tuple[_Rows, list[tuple[tuple, bytes]]]]:
+    streams: list[Iterator[_Batch]],
+) -> Iterator[_Batch]:
     """The rows and other events of every stream in key order, in batches. Each stream
     gives batches of rows (in step order, keys (step, 0, rank)) and of other events (sorted
     by key), keys unique across streams, each batch after the stream's last.
@@ -635,8 +636,8 @@ def _merge_batches(
     What every stream has up to the smallest of their batches' last keys is final: those
     rows and those events are given out, and emptied streams read their next batch.
     """
-    pending: list[tuple[_Rows, list[tuple[tuple, bytes]]]] = []
-    live: list[Iterator[tuple[_Rows, list[tuple[tuple, bytes]]]]] = []
+    pending: list[_Batch] = []
+    live: list[Iterator[_Batch]] = []
     for stream in streams:
         batch = next(stream, None)
         if batch is not None:
@@ -646,7 +647,7 @@ def _merge_batches(
     while live:
         bound = min(map(_last_key, pending))
         ready_rows: list[_Rows] = []
-        ready_others: list[tuple[tuple, bytes]] = []
+        ready_others: _Events = []
         for index, (rows, others) in enumerate(pending):
             through = _rows_through(rows, bound)
             cut = bisect_right(others, bound, key=first_key)
@@ -664,7 +665,7 @@ def _merge_batches(
                     pending[index] = batch
 
 
-def _last_key(batch: tuple[_Rows, list[tuple[tuple, bytes]]]) -> tuple:
+def _last_key(batch: _Batch) -> tuple:
     rows, others = batch
     keys = [others[-1][0]] if others else []
     if len(rows):
@@ -694,7 +695,7 @@ def _rank_events(
     staged: Staged,
     read_size: int,
     spools: _Spools,
-) -> Iterator[tuple[_Rows, list[tuple[tuple, bytes]]]]:
+) -> Iterator[_Batch]:
     """One rank's pass-1 rows and other events, in batches (a read of its log each), keyed
     so that a merge of the ranks' streams aligns them by step.
 
@@ -744,7 +745,7 @@ def _rank_events(
                 row_items,
             )
             placed_rows = _Rows(placed[kept], np.full(len(starts), rank, np.int64), *labelled)
-            others_events: list[tuple[tuple, bytes]] = []
+            others_events: _Events = []
             others = np.flatnonzero((codes != _HISTORY) & (codes != _SUMMARY))
             if len(others):
                 # the last step placed before each other record: it follows that row
@@ -844,6 +845,10 @@ class _Labelled(NamedTuple):
     numbers: list[Mapping[str, float]]
 
 
+# The records other than rows that pass 1 writes, keyed (step of the row before, 1, rank, n)
+_Events = list[tuple[tuple, bytes]]
+
+
 @dataclass
 class _Rows:
     """History rows on their way to merged rows, as columns: row i is of rank `ranks[i]` at
@@ -904,6 +909,9 @@ class _Rows:
             return self
         ordered = (steps[1:] > steps[:-1]) | ((steps[1:] == steps[:-1]) & (ranks[1:] > ranks[:-1]))
         return self if ordered.all() else self.take(np.lexsort((ranks, steps)))
+
+
+_Batch = tuple[_Rows, _Events]  # what a rank's stream gives per read
 
 
 def _row(items: list[bytes], keys: _RankKeys, skew: bool) -> _Row:
