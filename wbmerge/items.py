@@ -182,8 +182,9 @@ def split_spans(
     counts = np.bincount(row, minlength=len(starts))
     pick = None  # items in data order; put back in the caller's order of regions
     if order is not None:  # a region's items are together: move the ranges, not the items
-        firsts = (np.cumsum(counts) - counts)[np.argsort(order)]
-        counts = counts[np.argsort(order)]
+        caller = np.argsort(order)  # the caller's region i is region caller[i] in data order
+        firsts = (np.cumsum(counts) - counts)[caller]
+        counts = counts[caller]
         pick = np.arange(len(row)) + np.repeat(firsts - (np.cumsum(counts) - counts), counts)
         row = np.repeat(np.arange(len(starts)), counts)
     return Items(row, counts, located=(data, bounds, pick))
