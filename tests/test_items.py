@@ -206,3 +206,40 @@ def test_split_in_place_is_the_split_of_the_regions(payloads, gap, rnd):
     assert in_place.value.to_pylist() == whole.value.to_pylist()
     assert in_place.json().to_pylist() == whole.json().to_pylist()
     assert in_place.key_codes()[1] == whole.key_codes()[1]
+
+
+def protobuf_region_items(region: bytes) -> list[tuple[list[str], str]] | None:
+    """The items protobuf parses from a region of item fields; None if it refuses it or
+    the region holds another field."""
+    try:
+        history = pb.HistoryRecord.FromString(region)
+    except Exception:  # DecodeError, or a wrong wire type
+        return None
+    if [field.name for field, _ in history.ListFields()] not in ([], ["item"]):
+        return None
+    return [(list(i.nested_key) or [i.key], i.value_json) for i in history.item]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(history_records(), min_size=1, max_size=5), st.data())
+def test_damaged_regions_split_exactly_or_refuse(payloads, data):
+    """A byte changed anywhere in a batch: the split (with the caller's key and UTF-8
+    checks) is protobuf's parse of the changed bytes, or it is refused."""
+    regions = [region for _, region in located(payloads)]
+    which = data.draw(st.integers(0, len(regions) - 1))
+    region = bytearray(regions[which])
+    at = data.draw(st.integers(0, len(region) - 1))
+    region[at] = data.draw(st.integers(0, 255).filter(lambda b: b != region[at]))
+    regions[which] = bytes(region)
+    batch = items.split(regions)
+    if batch is None:
+        return
+    got: list[list] = [[] for _ in regions]
+    try:
+        texts = [t.encode("utf-8", "surrogatepass").decode() for t in batch.json().to_pylist()]
+        keys = [wire.key_path(k) for k in batch.key.to_pylist()]
+    except (ValueError, UnicodeError):
+        return  # the caller refuses the batch
+    for row, key, text in zip(batch.row.tolist(), keys, texts, strict=True):
+        got[row].append((key, text))
+    assert got == [protobuf_region_items(r) for r in regions]

@@ -6,13 +6,14 @@ are found with array operations over their concatenated bytes, so the cost per v
 few array elements, and the result is columns: which record, raw key part, value part.
 
 An item is `0x0a L` + key part + value part, where the key part is one or more `key` /
-`nested_key` fields and the value part is `0x82 0x01 V` + V bytes of JSON. JSON text has no
-control characters, so the value tag `82 01` cannot occur inside a value, and is found by a
-vector comparison. From the tags, item bounds follow; they are then checked to chain exactly
-from each region's start to its end (first byte `0a`, the length byte matching), so a batch
-either splits exactly as protobuf would parse it or is refused (`None`) and the caller takes
-the exact item-by-item path (`wire`). Key parts are checked by the caller when it first sees
-one (`wire.key_path` parses it), which completes the proof.
+`nested_key` fields and the value part is `0x82 0x01 V` + V bytes of JSON. The walk follows
+the lengths, as protobuf does, but one item of every region per array step: each region's
+items must chain exactly from its start to its end; then each item must hold key fields
+(one, as wandb writes them, or several, walked the same way) and a value field that ends
+exactly where the item does, every length in the one-byte form wandb writes for ordinary
+values. So a batch either splits exactly as protobuf would parse it or is refused (`None`)
+and the caller takes the exact item-by-item path (`wire`). Key parts are checked by the
+caller when it first sees one (`wire.key_path` parses it), which completes the proof.
 """
 
 from __future__ import annotations
@@ -152,30 +153,16 @@ def split(regions: list[bytes]) -> Items | None:
     return split_spans(b"".join(regions), ends - lengths, ends)
 
 
-def value_tags(data: bytes) -> np.ndarray:
-    """Where the value tags (`82 01`) of `data` are: what `split_spans` starts from, found
-    once for several calls on the same bytes."""
-    buf = np.frombuffer(data, np.uint8)
-    found = buf[1:] == 0x01
-    found &= buf[:-1] == 0x82
-    return np.flatnonzero(found)
-
-
-def split_spans(
-    data: bytes, starts: np.ndarray, ends: np.ndarray, tags: np.ndarray | None = None
-) -> Items | None:
+def split_spans(data: bytes, starts: np.ndarray, ends: np.ndarray) -> Items | None:
     """`split` of the regions `data[starts[i]:ends[i]]` (not overlapping), found in place:
-    `data` may hold other bytes between them, and the regions need not be in data order.
-    `tags`: `value_tags(data)`, when the caller has it."""
+    `data` may hold other bytes between them, and the regions need not be in data order."""
     if not len(starts):
         return None
     order = None
     if (starts[1:] < starts[:-1]).any():  # e.g. a record that spanned blocks, put last
         order = np.argsort(starts, kind="stable")
         starts, ends = starts[order], ends[order]
-    if tags is None:
-        tags = value_tags(data)
-    found = _bounds(np.frombuffer(data, np.uint8), starts, ends, tags)
+    found = _bounds(np.frombuffer(data, np.uint8), starts, ends)
     if found is None:
         return None
     row, bounds = found
@@ -191,52 +178,124 @@ def split_spans(
 
 
 def _bounds(
-    buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, tags: np.ndarray
+    buf: np.ndarray, starts: np.ndarray, ends: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """(region of each item, `bounds` of each item) of regions in data order, or None."""
-    lengths = ends - starts
-    row = np.searchsorted(ends, tags, side="right")  # the region a tag is in, if any
-    inside = row < len(starts)
-    inside[inside] = tags[inside] >= starts[row[inside]]
-    tags, row = tags[inside], row[inside]
-    if len(tags) == 0 or tags[-1] + 3 > len(buf):
+    """(region of each item, `bounds` of each item) of regions in data order, or None.
+
+    Walks the items of all regions at once (`_item_heads`), then checks every item's shape
+    at once: its key part, then its value field, which must end exactly where the item does.
+    Each gather reads four bytes: `0a L 0a K` at an item's start, `? 82 01 V` before its
+    value; a gather that ran past the buffer is clipped, and then the checks fail."""
+    found = _item_heads(buf, starts, ends)
+    if found is None:
         return None
-    value_lengths = buf[tags + 2].astype(np.int64)
-    value_ends = tags + 3 + value_lengths
-    first = np.ones(len(tags), bool)
-    first[1:] = row[1:] != row[:-1]
-    # each region's first item starts at its start, each other at the previous one's end
-    item_starts = np.empty_like(tags)
-    item_starts[1:] = value_ends[:-1]
-    item_starts[first] = starts[row[first]]
-    counts = np.bincount(row, minlength=len(starts))
-    filled = counts > 0
-    last = (np.cumsum(counts) - 1)[filled]
-    if (
-        (value_lengths >= 0x80).any()
-        or (lengths[~filled] != 0).any()
-        or (value_ends[last] != ends[filled]).any()
-        or (tags - item_starts < 3).any()
-    ):
+    row, heads, words = found
+    if (words & 0x80FF != 0x0A).any():  # each item is field 1 with a one-byte length
         return None
-    heads = buf[item_starts]
-    item_lengths = buf[item_starts + 1].astype(np.int64)
-    if (
-        (heads != 0x0A).any()
-        or (item_lengths >= 0x80).any()
-        or (item_starts + 2 + item_lengths != value_ends).any()
-    ):
+    item_ends = heads + 2 + ((words >> 8) & 0xFF)
+    keys = heads + 2
+    # the usual key part: one `key` or `nested_key` field (0a, 12) of a one-byte length
+    key_tags = (words >> 16) & 0xFF
+    value = keys + 2 + (words >> 24)
+    tail = _tails(buf, value)
+    usual = (key_tags == 0x0A) | (key_tags == 0x12)
+    usual &= (words >> 24) < 0x80
+    usual &= (tail >> 8) & 0xFFFF == 0x0182
+    if not usual.all():  # several key fields: walk them
+        others = np.flatnonzero(~usual)
+        after = _after_key_fields(buf, keys[others], item_ends[others])
+        if after is None:
+            return None
+        value[others] = after
+        tail[others] = _tails(buf, after)
+        if ((tail[others] >> 8) & 0xFFFF != 0x0182).any():
+            return None
+    value_lengths = tail >> 24
+    if (value_lengths >= 0x80).any() or (value + 3 + value_lengths != item_ends).any():
         return None
-    key_tags = buf[item_starts + 2]
-    if not ((key_tags == 0x0A) | (key_tags == 0x12)).all():
-        return None
-    bounds = np.empty((5, len(tags)), np.int64)
-    bounds[_HEAD] = item_starts
-    np.add(item_starts, 2, out=bounds[_KEY])
-    bounds[_VALUE] = tags
-    np.add(tags, 3, out=bounds[_TEXT])
-    bounds[_END] = value_ends
+    bounds = np.empty((5, len(heads)), np.int64)
+    bounds[_HEAD] = heads
+    bounds[_KEY] = keys
+    bounds[_VALUE] = value
+    np.add(value, 3, out=bounds[_TEXT])
+    bounds[_END] = item_ends
     return row, bounds
+
+
+def _tails(buf: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """The four bytes that end at each `value` + 3: the byte before it, then what should be
+    a value field's tag (`82 01`) and one-byte length."""
+    words = _words(buf)
+    return words[np.clip(value - 1, 0, len(words) - 1)]
+
+
+def _words(buf: np.ndarray) -> np.ndarray:
+    """The little-endian u32 at every byte offset of `buf`, without copying."""
+    return np.ndarray((max(len(buf) - 3, 0),), "<u4", buf, 0, (1,))
+
+
+def _item_heads(
+    buf: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(region, start, first four bytes) of every item (`0a L` + L bytes) of the regions,
+    region by region; None unless each region's items chain exactly from its start to its
+    end. A step of the walk takes the next item of every region that has one; the items'
+    heads are checked by the caller."""
+    words_at = _words(buf)
+    regions = np.flatnonzero(ends > starts)
+    at, end = starts[regions], ends[regions]
+    walked: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    while len(regions):
+        try:
+            words = words_at[at]
+        except IndexError:  # an item less than 4 bytes before the end: not one of ours
+            return None
+        walked.append((regions, at, words))
+        at = at + 2 + ((words >> 8) & 0xFF)
+        going = at < end
+        if not going.all():
+            if (at[~going] != end[~going]).any():
+                return None
+            regions, at, end = regions[going], at[going], end[going]
+    if not walked:
+        return None
+    if all(len(w[0]) == len(starts) for w in walked):  # as many items in every region
+        count = len(walked)
+        row = np.repeat(np.arange(len(starts)), count)
+        return (
+            row,
+            np.stack([w[1] for w in walked], 1).ravel(),
+            np.stack([w[2] for w in walked], 1).ravel(),
+        )
+    # from step order to region order: item k of region r goes to place firsts[r] + k
+    region = np.concatenate([w[0] for w in walked])
+    counts = np.bincount(region, minlength=len(starts))
+    place = (np.cumsum(counts) - counts)[region]
+    place += np.repeat(np.arange(len(walked)), [len(w[0]) for w in walked])
+    heads = np.empty(len(place), np.int64)
+    heads[place] = np.concatenate([w[1] for w in walked])
+    words = np.empty(len(place), np.uint32)
+    words[place] = np.concatenate([w[2] for w in walked])
+    return np.repeat(np.arange(len(starts)), counts), heads, words
+
+
+def _after_key_fields(buf: np.ndarray, at: np.ndarray, item_ends: np.ndarray) -> np.ndarray | None:
+    """Where each item's key part (one or more fields `0a`/`12` + one-byte length + bytes)
+    ends, from its start `at`; None if an item has none, or a length of two bytes."""
+    walking = np.ones(len(at), bool)
+    first = True
+    while True:
+        tags = buf.take(at, mode="clip")
+        walking &= (at + 2 <= item_ends) & ((tags == 0x0A) | (tags == 0x12))
+        if first and not walking.all():
+            return None
+        if not walking.any():
+            return at
+        lengths = buf.take(at + 1, mode="clip")
+        if (lengths[walking] >= 0x80).any():
+            return None
+        at = np.where(walking, at + 2 + lengths, at)
+        first = False
 
 
 def item_fields(keys: pa.BinaryArray, values: pa.BinaryArray) -> pa.BinaryArray:

@@ -712,7 +712,6 @@ def _rank_events(
         spool = spools.writer(source)
         for frames in read_frames(source.path, report, read_size):
             codes = records.kinds(frames)
-            tags = items.value_tags(frames.data)
             history = np.flatnonzero(codes == _HISTORY)
             rows = records.history_rows(frames, history)
             before = steps.last
@@ -723,26 +722,19 @@ def _rank_events(
             summary_starts, summary_ends = records.body_spans(frames, summaries, 0x1A)
             row_items = summary_items = None
             if rows.data is frames.data and (summary_starts >= 0).all():
-                # the rows' items and the summaries' in one split: one pass over the tags
+                # the rows' items and the summaries' in one split: one dictionary of keys
                 both = items.split_spans(
                     frames.data,
                     np.concatenate([starts, summary_starts]),
                     np.concatenate([ends, summary_ends]),
-                    tags,
                 )
                 if both is not None:
                     both.key_codes()  # once, for both parts
                     row_items = both.rows(0, len(starts))
                     summary_items = both.rows(len(starts), len(starts) + len(summaries))
-            _fold_summaries(frames, summaries, state, tags, summary_items)
+            _fold_summaries(frames, summaries, state, summary_items)
             labelled = _label_rows(
-                rows.data,
-                starts,
-                ends,
-                state.keys,
-                options.skew_metrics,
-                tags if rows.data is frames.data else None,
-                row_items,
+                rows.data, starts, ends, state.keys, options.skew_metrics, row_items
             )
             placed_rows = _Rows(placed[kept], np.full(len(starts), rank, np.int64), *labelled)
             others_events: _Events = []
@@ -946,7 +938,6 @@ def _label_rows(
     ends: np.ndarray,
     keys: _RankKeys,
     skew: bool,
-    tags: np.ndarray | None = None,
     batch: items.Items | None = None,
 ) -> _Labelled:
     """The `_Row` of each history row (its item fields: `data[starts[i]:ends[i]]`), labelled
@@ -955,7 +946,7 @@ def _label_rows(
     if not len(starts):
         return _Labelled([], [], [], [])
     if batch is None:
-        batch = items.split_spans(data, starts, ends, tags)
+        batch = items.split_spans(data, starts, ends)
     if batch is not None:
         try:
             return _label_batch(batch, len(starts), keys, skew)
@@ -1062,7 +1053,6 @@ def _fold_summaries(
     frames: Frames,
     which: np.ndarray,
     state: _RankState,
-    tags: np.ndarray | None = None,
     batch: items.Items | None = None,
 ) -> None:
     """Fold the summary records `which`, in order, into the rank's summary (the last value
@@ -1072,7 +1062,7 @@ def _fold_summaries(
     if batch is None:
         starts, ends = records.body_spans(frames, which, 0x1A)
         if (starts >= 0).all():
-            batch = items.split_spans(frames.data, starts, ends, tags)
+            batch = items.split_spans(frames.data, starts, ends)
     if batch is not None:
         try:
             index, raw_keys = batch.key_codes()
