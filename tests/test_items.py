@@ -243,3 +243,74 @@ def test_damaged_regions_split_exactly_or_refuse(payloads, data):
     for row, key, text in zip(batch.row.tolist(), keys, texts, strict=True):
         got[row].append((key, text))
     assert got == [protobuf_region_items(r) for r in regions]
+
+
+def history_payload(pairs: list[tuple[str, str]], step: int) -> bytes:
+    record = pb.Record(num=step)
+    for key, value in pairs:
+        item = record.history.item.add()
+        item.nested_key.append(key)
+        item.value_json = value
+    record.history.step.num = step
+    return record.SerializeToString()
+
+
+def keys_by_code(batch: items.Items) -> list[bytes]:
+    index, distinct = batch.key_codes()
+    assert len(set(distinct)) == len(distinct)
+    return [distinct[i] for i in index.tolist()]
+
+
+def test_rows_that_repeat_their_keys_are_coded_by_period():
+    rows = [
+        history_payload([("loss", str(step / 7)), ("acc", "0.5"), ("_runtime", str(step))], step)
+        for step in range(12)
+    ]
+    summaries = [history_payload([("loss", str(step)), ("lr", "1e-3")], step) for step in range(12)]
+    # rows and summaries taking turns: a period of two regions, five items
+    taking_turns = [r for pair in zip(rows, summaries, strict=True) for r in pair]
+    for payloads in (rows, taking_turns):
+        batch = items.split([region for _, region in located(payloads)])
+        assert batch._repeating_key_codes() is not None
+        assert keys_by_code(batch) == batch.key.to_pylist()
+        assert keys_by_code(batch) == [
+            wire.key_part(path) for p in payloads for path, _ in protobuf_items(p)
+        ]
+
+
+@pytest.mark.parametrize("changed_row", [1, 6, 11])
+def test_one_row_that_breaks_the_repeat_is_coded_by_its_own_keys(changed_row):
+    """The same key lengths, one byte different: the period is refused, the codes exact."""
+    payloads = [
+        history_payload([("loss", "1"), ("acc", "0.5"), ("_runtime", str(step))], step)
+        for step in range(12)
+    ]
+    payloads[changed_row] = history_payload(
+        [("loss", "1"), ("acd", "0.5"), ("_runtime", "3")], changed_row
+    )
+    batch = items.split([region for _, region in located(payloads)])
+    assert batch._repeating_key_codes() is None
+    found = keys_by_code(batch)
+    assert found == [wire.key_part(path) for p in payloads for path, _ in protobuf_items(p)]
+    assert found.count(wire.key_part(["acd"])) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(history_records(), min_size=1, max_size=3),
+    st.integers(1, 12),
+    st.one_of(st.none(), st.tuples(st.integers(0, 100), keys)),
+)
+def test_key_codes_of_repeating_and_almost_repeating_rows(template, repeats, change):
+    payloads = template * repeats
+    if change is not None:  # one item of one record gets another key
+        at, key = change
+        record = pb.Record.FromString(payloads[at % len(payloads)])
+        item = record.history.item[at % len(record.history.item)]
+        del item.nested_key[:]
+        item.key = key
+        payloads[at % len(payloads)] = record.SerializeToString()
+    batch = items.split([region for _, region in located(payloads)])
+    if batch is None:
+        return
+    assert keys_by_code(batch) == batch.key.to_pylist()

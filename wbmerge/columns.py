@@ -101,20 +101,15 @@ def _history_of(step: np.ndarray, batch: items.Items, source: Source) -> Columns
     index, raw_keys = batch.key_codes()
     paths = [wire.key_path(raw) for raw in raw_keys]
     names = [".".join(path) for path in paths]
-    texts = batch.json()
     count = len(step)
-    timestamp = _per_row(
-        count, batch, index, texts, names.index("_timestamp") if "_timestamp" in names else -1
-    )
-    runtime = _per_row(
-        count, batch, index, texts, names.index("_runtime") if "_runtime" in names else -1
-    )
-    user = np.array([path[0] not in RESERVED for path in paths], bool)[index]
+    timestamp = _per_row(count, batch, index, _entry(names, "_timestamp"))
+    runtime = _per_row(count, batch, index, _entry(names, "_runtime"))
+    user = np.flatnonzero(np.array([path[0] not in RESERVED for path in paths], bool)[index])
     row = batch.row[user]
     keys = pa.DictionaryArray.from_arrays(
         pa.array(index[user], pa.int32()), pa.array(names, pa.string())
     )
-    value, value_json = _values(texts.filter(pa.array(user)))
+    value, value_json = _values(batch.json(user))
     return Columns(
         source=source,
         kind=HISTORY,
@@ -127,14 +122,16 @@ def _history_of(step: np.ndarray, batch: items.Items, source: Source) -> Columns
     )
 
 
-def _per_row(
-    count: int, batch: items.Items, index: np.ndarray, texts: pa.Array, entry: int
-) -> np.ndarray:
+def _entry(names: list[str], name: str) -> int:
+    return names.index(name) if name in names else -1
+
+
+def _per_row(count: int, batch: items.Items, index: np.ndarray, entry: int) -> np.ndarray:
     """The number each row logs under dictionary entry `entry` (NaN where absent)."""
     out = np.full(count, np.nan)
     if entry >= 0:
         where = np.flatnonzero(index == entry)
-        numbers, _ = _values(texts.take(pa.array(where)))
+        numbers, _ = _values(batch.json(where))
         out[batch.row[where]] = numbers.to_numpy(zero_copy_only=False)
     return out
 

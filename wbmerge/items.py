@@ -24,7 +24,8 @@ import pyarrow.compute as pc
 
 from . import wire
 
-_HEADS = pa.array([b"\x0a" + wire.encode_varint(n) for n in range(1 << 14)], pa.binary())
+_ITEM_TAG = b"\x0a"
+_PERIOD_SEARCH = 256  # the longest period of repeating keys looked for, in items
 
 
 class Items:
@@ -67,22 +68,67 @@ class Items:
 
     def values(self, which: np.ndarray) -> pa.BinaryArray:
         """The value parts of the items `which` (indices), cut out for just those."""
-        if self._located is None:
-            return self.value.take(which)
-        pick = self._located[2]
-        pieces = self._pieces(_VALUE, _END)
-        return pieces.take(2 * (which if pick is None else pick[which])).cast(pa.binary())
+        pieces, at = self._value_pieces(which)
+        return pieces.take(at).cast(pa.binary())
 
-    def json(self) -> pa.Array:
-        """The JSON text of every value (as split, its UTF-8 not yet checked)."""
+    def rekeyed(self, which: np.ndarray, codes: np.ndarray, key_parts: list[bytes]) -> pa.Array:
+        """The items `which` (indices) as item fields again, item `which[i]` with the key
+        part `key_parts[codes[i]]`: two pieces an item (tag, length and key part; value
+        part), for `join_rows`. The heads are made once per key part and value size."""
+        pieces, at = self._value_pieces(which)
+        if self._located is None:
+            sizes = pc.binary_length(pieces).to_numpy()[at].astype(np.int64)
+        else:  # (`at` halved: the item's place in `bounds`)
+            bounds = self._located[1]
+            sizes = bounds[_END, at >> 1] - bounds[_VALUE, at >> 1]
+        stride = int(sizes.max(initial=0)) + 1
+        pairs = codes.astype(np.int64) * stride + sizes
+        if len(key_parts) * stride <= 1 << 20:
+            bins = np.bincount(pairs, minlength=len(key_parts) * stride)
+            present = np.flatnonzero(bins)
+            head_of = np.empty(len(bins), np.int64)
+            head_of[present] = np.arange(len(present))
+            head_at = head_of[pairs]
+        else:  # values too long for a table of every (key part, size)
+            present, head_at = np.unique(pairs, return_inverse=True)
+        heads = []
+        for pair in present.tolist():
+            code, size = divmod(pair, stride)
+            part = key_parts[code]
+            heads.append(_ITEM_TAG + wire.encode_varint(len(part) + size) + part)
+        pool = pa.concat_arrays([pa.array(heads, pieces.type), pieces])
+        order = np.empty(2 * len(which), np.int64)
+        order[0::2] = head_at
+        order[1::2] = at + len(heads)
+        return pool.take(order)
+
+    def _value_pieces(self, which: np.ndarray) -> tuple[pa.Array, np.ndarray]:
+        """An array that holds the value parts, and where those of items `which` are."""
+        if self._located is None:
+            return self.value, which
+        pick = self._located[2]
+        return self._pieces(_VALUE, _END), 2 * (which if pick is None else pick[which])
+
+    def json(self, which: np.ndarray | None = None) -> pa.Array:
+        """The JSON text of every value, or of the items `which` (indices) only (as split,
+        its UTF-8 not yet checked)."""
+        if which is not None:
+            if self._located is None:
+                return self.json().take(which)
+            pick = self._located[2]
+            return self._texts_and_gaps().take(2 * (which if pick is None else pick[which]))
         if self._texts is None:
-            pieces = self._pieces(_TEXT, _END)
-            texts = pa.Array.from_buffers(pa.large_string(), len(pieces), pieces.buffers())
-            self._texts = self._take(texts)
+            self._texts = self._take(self._texts_and_gaps())
         return self._texts
+
+    def _texts_and_gaps(self) -> pa.LargeStringArray:
+        pieces = self._pieces(_TEXT, _END)
+        return pa.Array.from_buffers(pa.large_string(), len(pieces), pieces.buffers())
 
     def key_codes(self) -> tuple[np.ndarray, list[bytes]]:
         """(each item's index into the distinct key parts, the distinct key parts)."""
+        if self._codes is None:
+            self._codes = self._repeating_key_codes()
         if self._codes is None:
             if self._located is None:
                 keys = self._key
@@ -91,6 +137,32 @@ class Items:
             encoded = pc.dictionary_encode(keys)
             self._codes = encoded.indices.to_numpy(), encoded.dictionary.to_pylist()
         return self._codes
+
+    def _repeating_key_codes(self) -> tuple[np.ndarray, list[bytes]] | None:
+        """`key_codes` when the keys repeat, in data order, with a period of a few regions
+        (every row logging the same keys; rows and summaries taking turns): proved by each
+        key being equal to the key one period before, compared in place, which is cheaper
+        than encoding every key. None when they do not."""
+        if self._located is None:
+            return None
+        bounds, pick = self._located[1], self._located[2]
+        count = bounds.shape[1]
+        pieces = self._pieces(_KEY, _VALUE)  # key parts at even places, in data order
+        early = pieces.slice(0, 2 * min(count, _PERIOD_SEARCH))
+        same_as_first = pc.equal(early, pieces[0]).to_numpy(zero_copy_only=False)
+        for period in np.flatnonzero(same_as_first[2::2])[:3].tolist():
+            period += 1
+            if 4 * period > count:
+                break
+            repeats = pc.equal(pieces.slice(2 * period), pieces.slice(0, 2 * (count - period)))
+            if not repeats.to_numpy(zero_copy_only=False)[0::2].all():
+                continue
+            encoded = pc.dictionary_encode(
+                pieces.slice(0, 2 * period).take(np.arange(0, 2 * period, 2))
+            )
+            index = np.resize(encoded.indices.to_numpy(), count)
+            return index if pick is None else index[pick], encoded.dictionary.to_pylist()
+        return None
 
     def rows(self, lo: int, hi: int) -> Items:
         """The items of regions `lo` to `hi` (numbered from 0 again); key codes found for
@@ -298,17 +370,9 @@ def _after_key_fields(buf: np.ndarray, at: np.ndarray, item_ends: np.ndarray) ->
         first = False
 
 
-def item_fields(keys: pa.BinaryArray, values: pa.BinaryArray) -> pa.BinaryArray:
-    """Each (key part, value part) as an item field: tag, length, key, value."""
-    lengths = pc.add(pc.binary_length(keys), pc.binary_length(values))
-    if len(lengths) and pc.max(lengths).as_py() >= len(_HEADS):
-        raise ValueError("item too long for the batch path")
-    return pc.binary_join_element_wise(_HEADS.take(lengths), keys, values, b"")
-
-
-def join_rows(fields: pa.BinaryArray, counts: np.ndarray) -> list[bytes]:
-    """The concatenated fields of each row, given how many fields each row has."""
+def join_rows(fields: pa.Array, counts: np.ndarray) -> list[bytes]:
+    """The concatenated fields (or pieces) of each row, given how many each row has."""
     offsets = np.zeros(len(counts) + 1, np.int32)
     np.cumsum(counts, out=offsets[1:])
     rows = pa.ListArray.from_arrays(pa.array(offsets), fields)
-    return pc.binary_join(rows, b"").to_pylist()
+    return pc.binary_join(rows, pa.scalar(b"", fields.type)).to_pylist()

@@ -962,19 +962,32 @@ def _label_rows(
 def _label_batch(batch: items.Items, count: int, keys: _RankKeys, skew: bool) -> _Labelled:
     index, raw_keys = batch.key_codes()
     entries = [keys.known.get(raw) or keys.learn(raw) for raw in raw_keys]
-    outs = pa.array([out for out, _, _ in entries], pa.binary())
+    outs = [out for out, _, _ in entries]
     names = [name for _, name, _ in entries]
     user = np.array([name is None for name in names], bool)[index]
     mine = np.flatnonzero(user)
-    fields = items.item_fields(outs.take(index[mine]), batch.values(mine))
-    labelled = items.join_rows(fields, np.bincount(batch.row[user], minlength=count))
-    names_of, blobs = _reserved(batch, index, outs, names, count)
+    # W&B's own items (`_runtime`, `_timestamp`; not `_step`, which the merged row sets)
+    kept = {
+        name: i
+        for i, name in enumerate(dict.fromkeys(n for n in names if n not in (None, "_step")))
+    }
+    entry_id = np.array([kept.get(name, -1) for name in names], np.int64)
+    item_id = entry_id[index]
+    where = np.flatnonzero(item_id >= 0)
+    both = np.concatenate([mine, where])
+    pieces = batch.rekeyed(both, index[both], outs)  # (one pass for both kinds of item)
+    labelled = items.join_rows(
+        pieces[: 2 * len(mine)], 2 * np.bincount(batch.row[user], minlength=count)
+    )
+    names_of, blobs = _reserved(
+        batch.row[where], item_id[where], list(kept), pieces[2 * len(mine) :], count
+    )
     if not skew:
         return _Labelled(labelled, names_of, blobs, [_NO_NUMBERS] * count)
     numbers: list[dict[str, float]] = [{} for _ in range(count)]
     skew_keys = [skew_key for _, _, skew_key in entries]
     where = np.flatnonzero(np.array([k is not None for k in skew_keys], bool)[index])
-    texts = batch.json().take(where).to_pylist()
+    texts = batch.json(where).to_pylist()
     for row, entry, text in zip(
         batch.row[where].tolist(), index[where].tolist(), texts, strict=True
     ):
@@ -986,43 +999,35 @@ def _label_batch(batch: items.Items, count: int, keys: _RankKeys, skew: bool) ->
 
 
 def _reserved(
-    batch: items.Items, index: np.ndarray, outs: pa.BinaryArray, names: list, count: int
+    rows: np.ndarray, item_id: np.ndarray, by_id: list[str], pieces: pa.Array, count: int
 ) -> tuple[list[tuple[str, ...]], list[bytes]]:
     """Each row's reserved items (`_runtime`, `_timestamp`, ...): their names, and their
-    fields concatenated in row order, as `_row` gives them."""
-    kept = dict.fromkeys(name for name in names if name not in (None, "_step"))
-    ids = {name: i for i, name in enumerate(kept)}
-    entry_id = np.array([ids.get(name, -1) if name else -1 for name in names], np.int64)
-    item_id = entry_id[index]
-    where = np.flatnonzero(item_id >= 0)
-    if not len(where):
+    fields concatenated in row order, as `_row` gives them. Item i is in row `rows[i]`,
+    named `by_id[item_id[i]]`, its field the two `pieces` from 2 i."""
+    if not len(rows):
         return [()] * count, [b""] * count
-    rows = batch.row[where]
-    found = items.item_fields(outs.take(index[where]), batch.values(where))
-    by_id = list(ids)
     per_row = np.bincount(rows, minlength=count)
     width = int(per_row[0])
     if width and (per_row == width).all():  # the usual: every row the same names in order
-        grid = item_id[where].reshape(count, width)
+        grid = item_id.reshape(count, width)
         if len(set(grid[0].tolist())) == width and (grid == grid[0]).all():
             names_tuple = _interned(tuple(by_id[i] for i in grid[0].tolist()))
-            return [names_tuple] * count, items.join_rows(found, per_row)
-    per_name = np.bincount(rows * len(ids) + item_id[where], minlength=count * len(ids))
+            return [names_tuple] * count, items.join_rows(pieces, 2 * per_row)
+    per_name = np.bincount(rows * len(by_id) + item_id, minlength=count * len(by_id))
     if (per_name > 1).any():  # a name twice in a row: the last one counts, as in `_row`
         dicts: list[dict[str, bytes]] = [{} for _ in range(count)]
-        for row, name_id, field in zip(
-            rows.tolist(), item_id[where].tolist(), found.to_pylist(), strict=True
-        ):
+        fields = items.join_rows(pieces, np.full(len(rows), 2))
+        for row, name_id, field in zip(rows.tolist(), item_id.tolist(), fields, strict=True):
             dicts[row][by_id[name_id]] = field
         return [tuple(d) for d in dicts], [b"".join(d.values()) for d in dicts]
-    blobs = items.join_rows(found, per_row)
+    blobs = items.join_rows(pieces, 2 * per_row)
     # a row's names in its order, as one number: its items' ids + 1 as digits, in base n + 1
     first = np.ones(len(rows), bool)
     first[1:] = rows[1:] != rows[:-1]
     starts = np.flatnonzero(first)
     position = np.arange(len(rows)) - np.repeat(starts, np.diff(np.append(starts, len(rows))))
-    digits = item_id[where] + 1
-    base = len(ids) + 1
+    digits = item_id + 1
+    base = len(by_id) + 1
     order_key = np.zeros(count, np.int64)
     for nth in range(int(position.max()) + 1):
         at = position == nth
