@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 from .columns import HISTORY, Columns, rank_columns, rank_sources
 from .discover import Job, discover, group_jobs
 from .errors import WbmergeError
-from .gcpause import fewer_collections
 from .plan import Source
+from .streaming import streaming
 
 _TEXT = pa.dictionary(pa.int32(), pa.string())
 LONG_SCHEMA = pa.schema(
@@ -76,7 +76,7 @@ def export(
     scratch = out.with_name(f".{out.name}.partial")
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with fewer_collections():
+        with streaming():
             if wide:
                 _write_wide(jobs, scratch, result)
             else:

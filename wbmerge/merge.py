@@ -31,10 +31,10 @@ import numpy as np
 import pyarrow as pa
 
 from . import items, records, wire
-from .gcpause import fewer_collections
 from .plan import Source, Target
 from .proto import pb
 from .records import KIND_NAMES
+from .streaming import streaming
 from .topology import METADATA_KEY
 from .txlog import (
     BLOCK_SIZE,
@@ -100,7 +100,7 @@ def stage(target: Target, out_dir: Path, options: MergeOptions) -> Staged:
     (run_dir / "files").mkdir(parents=True)
     staged = Staged(target, run_dir)
     file_map = _stage_files(target, run_dir / "files", staged.warnings)
-    with fewer_collections(), open(staged.log_path, "wb") as stream, LogWriter(stream) as writer:
+    with streaming(), open(staged.log_path, "wb") as stream, LogWriter(stream) as writer:
         if target.kind == "shared":
             _write_shared(target, writer, options, file_map, staged)
         else:

@@ -21,7 +21,7 @@ import numpy as np
 from .columns import HISTORY, rank_columns, rank_sources
 from .discover import Job, discover, group_jobs
 from .errors import WbmergeError
-from .gcpause import fewer_collections
+from .streaming import streaming
 
 _FASTER_WHEN_HIGHER = re.compile(r"per_s(ec)?\b|/s$|throughput|samples_per|tokens_per|it/s|fps")
 _FASTER_WHEN_LOWER = re.compile(r"time|latency|duration|_ms$|seconds")
@@ -72,7 +72,7 @@ def report(
 ) -> list[JobReport]:
     """A report per job found under `paths` (or for `job`); `metrics` narrows the keys."""
     reports = []
-    with fewer_collections():
+    with streaming():
         found_jobs = group_jobs(discover(paths), job, allow_missing_ranks=True)
         for found in found_jobs:
             reports.append(_job_report(found, metrics))
