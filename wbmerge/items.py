@@ -143,8 +143,8 @@ class Items:
         (every row logging the same keys; rows and summaries taking turns): proved by each
         key being equal to the key one period before, compared in place, which is cheaper
         than encoding every key. None when they do not."""
-        if self._located is None:
-            return None
+        if self._located is None or self._located[1].shape[1] < 4:
+            return None  # (and no items: nothing to compare with)
         bounds, pick = self._located[1], self._located[2]
         count = bounds.shape[1]
         pieces = self._pieces(_KEY, _VALUE)  # key parts at even places, in data order
@@ -190,6 +190,8 @@ class Items:
             return self._cut[first, stop]
         data, bounds, _ = self._located
         count = bounds.shape[1]
+        if not count:  # (a part of a batch with no items)
+            return pa.array([], pa.large_binary())
         base = bounds[_HEAD, 0]
         offsets = np.empty(2 * count + 1, np.int64)
         offsets[0:-1:2] = bounds[first]
@@ -256,8 +258,9 @@ def _bounds(
 
     Walks the items of all regions at once (`_item_heads`), then checks every item's shape
     at once: its key part, then its value field, which must end exactly where the item does.
-    Each gather reads four bytes: `0a L 0a K` at an item's start, `? 82 01 V` before its
-    value; a gather that ran past the buffer is clipped, and then the checks fail."""
+    Each gather reads four bytes: `0a L 12 K` (or `0a L 0a K`) at an item's start, `? 82 01
+    V` before its value; a gather past the buffer's end is clipped, and then the check that
+    the value ends where the item does fails."""
     found = _item_heads(buf, starts, ends)
     if found is None:
         return None

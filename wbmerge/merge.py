@@ -964,8 +964,7 @@ def _label_batch(batch: items.Items, count: int, keys: _RankKeys, skew: bool) ->
     entries = [keys.known.get(raw) or keys.learn(raw) for raw in raw_keys]
     outs = [out for out, _, _ in entries]
     names = [name for _, name, _ in entries]
-    user = np.array([name is None for name in names], bool)[index]
-    mine = np.flatnonzero(user)
+    mine = np.flatnonzero(np.array([name is None for name in names], bool)[index])
     # W&B's own items (`_runtime`, `_timestamp`; not `_step`, which the merged row sets)
     kept = {
         name: i
@@ -973,14 +972,14 @@ def _label_batch(batch: items.Items, count: int, keys: _RankKeys, skew: bool) ->
     }
     entry_id = np.array([kept.get(name, -1) for name in names], np.int64)
     item_id = entry_id[index]
-    where = np.flatnonzero(item_id >= 0)
-    both = np.concatenate([mine, where])
+    own = np.flatnonzero(item_id >= 0)
+    both = np.concatenate([mine, own])
     pieces = batch.rekeyed(both, index[both], outs)  # (one pass for both kinds of item)
     labelled = items.join_rows(
-        pieces[: 2 * len(mine)], 2 * np.bincount(batch.row[user], minlength=count)
+        pieces[: 2 * len(mine)], 2 * np.bincount(batch.row[mine], minlength=count)
     )
     names_of, blobs = _reserved(
-        batch.row[where], item_id[where], list(kept), pieces[2 * len(mine) :], count
+        batch.row[own], item_id[own], list(kept), pieces[2 * len(mine) :], count
     )
     if not skew:
         return _Labelled(labelled, names_of, blobs, [_NO_NUMBERS] * count)
