@@ -68,19 +68,21 @@ class Items:
 
     def values(self, which: np.ndarray) -> pa.BinaryArray:
         """The value parts of the items `which` (indices), cut out for just those."""
-        pieces, at = self._value_pieces(which)
-        return pieces.take(at).cast(pa.binary())
+        if self._located is None:
+            return self.value.take(which)
+        return self._pieces(_VALUE, _END).take(self._places(which)).cast(pa.binary())
 
     def rekeyed(self, which: np.ndarray, codes: np.ndarray, key_parts: list[bytes]) -> pa.Array:
         """The items `which` (indices) as item fields again, item `which[i]` with the key
         part `key_parts[codes[i]]`: two pieces an item (tag, length and key part; value
         part), for `join_rows`. The heads are made once per key part and value size."""
-        pieces, at = self._value_pieces(which)
         if self._located is None:
+            pieces, at = self.value, which
             sizes = pc.binary_length(pieces).to_numpy()[at].astype(np.int64)
-        else:  # (`at` halved: the item's place in `bounds`)
+        else:
+            pieces, at = self._pieces(_VALUE, _END), self._places(which)
             bounds = self._located[1]
-            sizes = bounds[_END, at >> 1] - bounds[_VALUE, at >> 1]
+            sizes = bounds[_END, at >> 1] - bounds[_VALUE, at >> 1]  # (`at` >> 1: its column)
         stride = int(sizes.max(initial=0)) + 1
         pairs = codes.astype(np.int64) * stride + sizes
         if len(key_parts) * stride <= 1 << 20:
@@ -102,12 +104,10 @@ class Items:
         order[1::2] = at + len(heads)
         return pool.take(order)
 
-    def _value_pieces(self, which: np.ndarray) -> tuple[pa.Array, np.ndarray]:
-        """An array that holds the value parts, and where those of items `which` are."""
-        if self._located is None:
-            return self.value, which
+    def _places(self, which: np.ndarray) -> np.ndarray:
+        """Where the items `which` (indices) are in a `_pieces` array."""
         pick = self._located[2]
-        return self._pieces(_VALUE, _END), 2 * (which if pick is None else pick[which])
+        return 2 * (which if pick is None else pick[which])
 
     def json(self, which: np.ndarray | None = None) -> pa.Array:
         """The JSON text of every value, or of the items `which` (indices) only (as split,
@@ -115,8 +115,7 @@ class Items:
         if which is not None:
             if self._located is None:
                 return self.json().take(which)
-            pick = self._located[2]
-            return self._texts_and_gaps().take(2 * (which if pick is None else pick[which]))
+            return self._texts_and_gaps().take(self._places(which))
         if self._texts is None:
             self._texts = self._take(self._texts_and_gaps())
         return self._texts
@@ -143,10 +142,10 @@ class Items:
         (every row logging the same keys; rows and summaries taking turns): proved by each
         key being equal to the key one period before, compared in place, which is cheaper
         than encoding every key. None when they do not."""
-        if self._located is None or self._located[1].shape[1] < 4:
+        count = 0 if self._located is None else self._located[1].shape[1]
+        if count < 4:
             return None  # (and no items: nothing to compare with)
-        bounds, pick = self._located[1], self._located[2]
-        count = bounds.shape[1]
+        pick = self._located[2]
         pieces = self._pieces(_KEY, _VALUE)  # key parts at even places, in data order
         early = pieces.slice(0, 2 * min(count, _PERIOD_SEARCH))
         same_as_first = pc.equal(early, pieces[0]).to_numpy(zero_copy_only=False)
