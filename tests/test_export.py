@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 from wandb.proto import wandb_internal_pb2 as pb
 
+from wbmerge import export as export_module
 from wbmerge.cli import main
 from wbmerge.discover import discover
 from wbmerge.export import export
@@ -93,6 +94,76 @@ def test_every_value_step_and_rank_reads_back_exactly(job, tmp_path):
     assert len(got) == result.rows == len(expected)
     assert _comparable(got) == _comparable(expected)
     assert set(table.column("job_id").to_pylist()) == {r.job_id for r in discover([job_dir(job)])}
+    assert _identities(table.to_pylist()) == _identities_of_runs(job)
+
+
+def _identities(rows: list[dict]) -> set[tuple]:
+    return {
+        (
+            r["job_id"],
+            r["rank"],
+            r["restart"],
+            r["run_id"],
+            r["local_rank"],
+            r["worker"],
+            r["label"],
+        )
+        for r in rows
+    }
+
+
+def _identities_of_runs(job: str) -> set[tuple]:
+    """What each run's rows should say of it, from discovery."""
+    return {
+        (
+            r.job_id,
+            r.rank.rank,
+            r.rank.restart,
+            r.path.name.removeprefix("run-").removesuffix(".wandb"),
+            r.rank.local_rank,
+            r.rank.worker,
+            r.label or r.rank.label,
+        )
+        for r in discover([job_dir(job)])
+    }
+
+
+def test_row_groups_cut_across_ranks_keep_each_rows_identity(tmp_path, monkeypatch):
+    """Row groups smaller than a rank's values: the identity columns are made once a row
+    group, for parts of several ranks and kinds; every row must still say whose it is."""
+    monkeypatch.setattr(export_module, "_ROW_GROUP", 150)
+    out = tmp_path / "values.parquet"
+    export([job_dir("two_nodes_2x2")], out)
+    parquet = pq.ParquetFile(out)
+    groups = [parquet.read_row_group(i).to_pylist() for i in range(parquet.num_row_groups)]
+    mixed = [g for g in groups if len({(r["rank"], r["kind"]) for r in g}) > 1]
+    assert len(groups) > 2 and mixed
+    table = parquet.read()
+    assert _identities(table.to_pylist()) == _identities_of_runs("two_nodes_2x2")
+    assert _comparable(
+        [
+            (r["rank"], r["restart"], r["kind"], r["step"], r["key"], r["value"], r["value_json"])
+            for r in table.to_pylist()
+        ]
+    ) == _comparable(expected_values("two_nodes_2x2"))
+
+
+def test_identity_kind_and_key_are_declared_never_null(tmp_path):
+    out = tmp_path / "values.parquet"
+    export([job_dir("one_node_4")], out)
+    schema = pq.read_schema(out)
+    required = {
+        "job_id",
+        "run_id",
+        "rank",
+        "local_rank",
+        "worker",
+        "label",
+        "restart",
+        "kind",
+        "key",
+    }
+    assert {f.name for f in schema if not f.nullable} == required
 
 
 def test_string_columns_are_dictionary_encoded(tmp_path):

@@ -25,20 +25,25 @@ from .plan import Source
 from .streaming import streaming
 
 _TEXT = pa.dictionary(pa.int32(), pa.string())
+# Who each value is from, the same for a whole read of a rank: made once a row group
+# (`_identity_columns`). Never null, so declared so: the writer then stores no levels.
+IDENTITY = [
+    pa.field("job_id", _TEXT, False),
+    pa.field("run_id", _TEXT, False),
+    pa.field("rank", pa.int32(), False),
+    pa.field("local_rank", pa.int32(), False),
+    pa.field("worker", pa.int32(), False),
+    pa.field("label", _TEXT, False),
+    pa.field("restart", pa.int32(), False),
+]
 LONG_SCHEMA = pa.schema(
     [
-        ("job_id", _TEXT),
-        ("run_id", _TEXT),
-        ("rank", pa.int32()),
-        ("local_rank", pa.int32()),
-        ("worker", pa.int32()),
-        ("label", _TEXT),
-        ("restart", pa.int32()),
-        ("kind", _TEXT),
+        *IDENTITY,
+        pa.field("kind", _TEXT, False),
         ("step", pa.int64()),
         ("timestamp", pa.float64()),
         ("runtime", pa.float64()),
-        ("key", _TEXT),
+        pa.field("key", _TEXT, False),
         ("value", pa.float64()),
         ("value_json", pa.string()),
     ]
@@ -46,7 +51,7 @@ LONG_SCHEMA = pa.schema(
 # Wide: the rank's and row's columns are named as W&B names its own keys (`_step`), so
 # that no metric key (a job may well log "rank") can take their place.
 WIDE_FIXED = [
-    pa.field(f"_{f.name}", f.type)
+    f.with_name(f"_{f.name}")
     for f in LONG_SCHEMA
     if f.name not in ("kind", "key", "value", "value_json")
 ]
@@ -93,33 +98,43 @@ def run_id(source: Source) -> str:
 
 def _write_long(jobs: list[Job], scratch: Path, result: ExportResult) -> None:
     with _writer(scratch, LONG_SCHEMA) as writer:
-        pending: list[pa.Table] = []
+        group: list[tuple[str, Columns]] = []  # (job id, values) of the next row group
         size = 0
         for job in jobs:
             for sources in rank_sources(job):
                 result.ranks += 1
                 for columns in rank_columns(sources, result.damage):
-                    table = _long_table(job.job_id, columns)
-                    pending.append(table)
-                    size += len(table)
-                    result.rows += len(table)
+                    group.append((job.job_id, columns))
+                    size += len(columns)
+                    result.rows += len(columns)
                     if size >= _ROW_GROUP:
-                        _write_group(writer, pending, size)
-                        pending, size = [], 0
-        if pending:
-            _write_group(writer, pending, size)
+                        _write_group(writer, group)
+                        group, size = [], 0
+        if group:
+            _write_group(writer, group)
 
 
-def _write_group(writer: pq.ParquetWriter, tables: list[pa.Table], rows: int) -> None:
-    """One row group. Its text columns share one dictionary: a dictionary per chunk would
+_PER_VALUE = [f.name for f in LONG_SCHEMA][len(IDENTITY) + 1 :]  # after the identity, kind
+
+
+def _write_group(writer: pq.ParquetWriter, group: list[tuple[str, Columns]]) -> None:
+    """One row group. Its text columns share one dictionary: a dictionary per part would
     make the writer re-encode every value."""
-    writer.write_table(pa.concat_tables(tables).unify_dictionaries(), row_group_size=rows)
+    fixed = _identity_columns(
+        [(*_identity(job_id, c.source), c.kind) for job_id, c in group],
+        [len(c) for _, c in group],
+        LONG_SCHEMA,
+    )
+    values = [pa.chunked_array([getattr(c, name) for _, c in group]) for name in _PER_VALUE]
+    table = pa.table(fixed + values, schema=LONG_SCHEMA).unify_dictionaries()
+    writer.write_table(table, row_group_size=len(table))
 
 
 def _writer(path: Path, schema: pa.Schema) -> pq.ParquetWriter:
     """Dictionary pages for the text columns only: floats rarely repeat, and encoding them
     cost half the write time for nothing. Min/max statistics (what readers skip row groups
-    by) for the number columns only: on the text columns they cost a third of the write."""
+    by) for the identity, step and time columns only: on the text columns they cost a third
+    of the write, and on `value`, whose row groups mix every key, a quarter of its."""
     text = [f.name for f in schema if pa.types.is_dictionary(f.type)]
     numbers = [f.name for f in schema if not pa.types.is_dictionary(f.type)]
     return pq.ParquetWriter(
@@ -128,41 +143,50 @@ def _writer(path: Path, schema: pa.Schema) -> pq.ParquetWriter:
         compression="zstd",
         compression_level=1,
         use_dictionary=text,
-        write_statistics=numbers,
+        write_statistics=[name for name in numbers if name not in ("value", "value_json")],
     )
 
 
-def _constant(value: object, count: int, type_: pa.DataType) -> pa.Array:
-    if pa.types.is_dictionary(type_):
-        return pa.DictionaryArray.from_arrays(
-            pa.array(np.zeros(count, np.int32)), pa.array([value], pa.string())
-        )
-    return pa.array(np.full(count, value), type_)
-
-
-def _long_table(job_id: str, columns: Columns) -> pa.Table:
-    count = len(columns)
-    source = columns.source
+def _identity(job_id: str, source: Source) -> tuple:
+    """The values of the `IDENTITY` columns for `source`."""
     rank = source.rank
-    return pa.table(
-        [
-            _constant(job_id, count, _TEXT),
-            _constant(run_id(source), count, _TEXT),
-            _constant(rank.rank, count, pa.int32()),
-            _constant(rank.local_rank, count, pa.int32()),
-            _constant(rank.worker, count, pa.int32()),
-            _constant(source.label, count, _TEXT),
-            _constant(rank.restart, count, pa.int32()),
-            _constant(columns.kind, count, _TEXT),
-            columns.step,
-            columns.timestamp,
-            columns.runtime,
-            columns.key,
-            columns.value,
-            columns.value_json,
-        ],
-        schema=LONG_SCHEMA,
+    return (
+        job_id,
+        run_id(source),
+        rank.rank,
+        rank.local_rank,
+        rank.worker,
+        source.label,
+        rank.restart,
     )
+
+
+def _identity_columns(
+    identities: list[tuple], lengths: list[int], schema: pa.Schema
+) -> list[pa.Array]:
+    """The first columns of `schema` for runs of rows: `lengths[i]` rows hold `identities[i]`,
+    run after run. Text as a dictionary of the distinct values."""
+    columns = []
+    for i in range(len(identities[0])):
+        field = schema.field(i)
+        values = [identity[i] for identity in identities]
+        if pa.types.is_dictionary(field.type):
+            distinct = list(dict.fromkeys(values))
+            codes = _runs([distinct.index(v) for v in values], lengths)
+            columns.append(pa.DictionaryArray.from_arrays(codes, pa.array(distinct, pa.string())))
+        else:
+            columns.append(pa.array(_runs(values, lengths), field.type))
+    return columns
+
+
+def _runs(numbers: list[int], lengths: list[int]) -> np.ndarray:
+    """`numbers[i]` `lengths[i]` times, run after run, as int32."""
+    out = np.empty(sum(lengths), np.int32)
+    at = 0
+    for number, length in zip(numbers, lengths, strict=True):
+        out[at : at + length] = number
+        at += length
+    return out
 
 
 def _write_wide(jobs: list[Job], scratch: Path, result: ExportResult) -> None:
@@ -199,15 +223,9 @@ def _wide_table(job_id: str, columns: Columns, schema: pa.Schema, keys: list[str
     count = len(row_steps)
     first = np.zeros(count, np.int64)
     first[row[::-1]] = np.arange(len(row))[::-1]  # each row's first value: its times
-    rank = source.rank
+    identity = _identity_columns([_identity(job_id, source)], [count], schema)
     data = {
-        "_job_id": _constant(job_id, count, _TEXT),
-        "_run_id": _constant(run_id(source), count, _TEXT),
-        "_rank": _constant(rank.rank, count, pa.int32()),
-        "_local_rank": _constant(rank.local_rank, count, pa.int32()),
-        "_worker": _constant(rank.worker, count, pa.int32()),
-        "_label": _constant(source.label, count, _TEXT),
-        "_restart": _constant(rank.restart, count, pa.int32()),
+        **dict(zip(schema.names[: len(identity)], identity, strict=True)),
         "_step": pa.array(row_steps, pa.int64()),
         "_timestamp": columns.timestamp.take(pa.array(first)),
         "_runtime": columns.runtime.take(pa.array(first)),
