@@ -4,6 +4,7 @@ import string
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -322,3 +323,10 @@ def test_key_codes_of_a_part_without_items():
     empty = batch.rows(3, 3)
     index, _ = empty.key_codes()
     assert len(index) == 0 and empty.row.tolist() == []
+
+
+@given(st.lists(st.booleans(), max_size=40), st.integers(0, 9))
+def test_even_places_are_read_off_the_bitmap(flags, offset):
+    """Whatever the flags at odd places, and wherever the array starts in its bitmap."""
+    array = pa.array([False] * offset + flags).slice(offset)
+    assert items._even_places_true(array) == all(flags[0::2])

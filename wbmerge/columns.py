@@ -114,8 +114,8 @@ def _history_of(step: np.ndarray, batch: items.Items, source: Source) -> Columns
         source=source,
         kind=HISTORY,
         step=pa.array(step[row]),
-        timestamp=pa.array(timestamp[row], mask=np.isnan(timestamp[row])),
-        runtime=pa.array(runtime[row], mask=np.isnan(runtime[row])),
+        timestamp=_per_value(timestamp, row),
+        runtime=_per_value(runtime, row),
         key=keys,
         value=value,
         value_json=value_json,
@@ -134,6 +134,15 @@ def _per_row(count: int, batch: items.Items, index: np.ndarray, entry: int) -> n
         numbers, _ = _values(batch.json(where))
         out[batch.row[where]] = numbers.to_numpy(zero_copy_only=False)
     return out
+
+
+def _per_value(per_row: np.ndarray, row: np.ndarray) -> pa.Array:
+    """Each value's row's number, null where the row has none (NaN); the mask is made
+    only when some row has none, as rows usually all do."""
+    missing = np.isnan(per_row)
+    if not missing.any():
+        return pa.array(per_row[row])
+    return pa.array(per_row[row], mask=missing[row])
 
 
 def _values(texts: pa.Array) -> tuple[pa.Array, pa.Array]:
