@@ -206,6 +206,37 @@ def test_walked_blocks_read_damaged_logs_as_the_loop_does(sizes, flips, cut, blo
     assert walked == looped
 
 
+def chunked_log(chunks: list[tuple[int, int]]) -> bytes:
+    """A log of the given (chunk type, payload size) chunks, whatever their order, each with
+    a right CRC; a chunk that does not fit in its block's room starts the next block."""
+    out = bytearray(txlog.FILE_HEADER)
+    for kind, size in chunks:
+        room = txlog.BLOCK_SIZE - len(out) % txlog.BLOCK_SIZE
+        if room < txlog.CHUNK_HEADER_SIZE + size:
+            out += bytes(room)
+        payload = (bytes(range(256)) * (size // 256 + 1))[:size]
+        out += struct.pack("<IHB", zlib.crc32(bytes([kind]) + payload), size, kind) + payload
+    return bytes(out)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(txlog.FULL, txlog.LAST), st.integers(0, 20_000)), max_size=30),
+    st.sampled_from([1, 2]),
+)
+def test_chunks_in_any_order_read_as_the_loop_reads_them(chunks, blocks):
+    """Right CRCs, wrong sequences (a LAST without its FIRST, a FIRST cut short by another
+    record): the walk takes a block only when its sequence holds, as the loop reads it.
+    Whole records follow, so that the chunks are in whole blocks, which the walk reads."""
+    data = chunked_log(chunks + [(txlog.FULL, 30_000)] * 3)
+    mp = pytest.MonkeyPatch()
+    try:
+        walked, looped = read_both(data, blocks * txlog.BLOCK_SIZE, mp)
+    finally:
+        mp.undo()
+    assert walked == looped
+
+
 def test_read_size_is_whole_blocks():
     with pytest.raises(ValueError, match="multiple"):
         list(txlog.iter_frames(io.BytesIO(txlog.FILE_HEADER), read_size=1000))

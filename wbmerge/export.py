@@ -134,7 +134,9 @@ def _writer(path: Path, schema: pa.Schema) -> pq.ParquetWriter:
     """Dictionary pages for the text columns only: floats rarely repeat, and encoding them
     cost half the write time for nothing. Min/max statistics (what readers skip row groups
     by) for the identity, step and time columns only: on the text columns they cost a third
-    of the write, and on `value`, whose row groups mix every key, a quarter of its."""
+    of the write, and on `value`, whose row groups mix every key, a quarter of its. Values
+    are taken 64k at a time, not 1k: a tenth less write time, for pages that may outgrow
+    the 1 MB page size by one batch."""
     text = [f.name for f in schema if pa.types.is_dictionary(f.type)]
     numbers = [f.name for f in schema if not pa.types.is_dictionary(f.type)]
     return pq.ParquetWriter(
@@ -144,6 +146,7 @@ def _writer(path: Path, schema: pa.Schema) -> pq.ParquetWriter:
         compression_level=1,
         use_dictionary=text,
         write_statistics=[name for name in numbers if name not in ("value", "value_json")],
+        write_batch_size=1 << 16,
     )
 
 

@@ -240,8 +240,9 @@ def _walk_blocks(
     all of them per numpy step. Only for intact blocks: a zero-length padding header ends a
     block; an impossible chunk, a bad CRC or a broken FIRST..LAST sequence returns None, and
     the caller's chunk-by-chunk loop, which accounts for damage, reads these blocks instead.
-    Returns (new position, partial record, the records that spanned blocks, record starts,
-    record ends); the spanning records are numbered as if placed at `joined_at` on.
+    Returns (new position, partial record, the bytes of the records that spanned blocks
+    (back to back, in one piece or none), record starts, record ends); the spanning records
+    are numbered as if placed at `joined_at` on.
     """
     if stop <= pos:
         return None
@@ -282,38 +283,31 @@ def _walk_blocks(
     if (np.fromiter(computed, np.uint32, len(chunks)) != u32[chunks]).any():
         return None
     full = kinds == FULL
-    if partial and full[0]:
-        return None  # a FIRST whose LAST never came
-    pieces = np.flatnonzero(~full)  # FIRST, MIDDLE, LAST: rare, put together one by one
-    records: list[bytes] = []
-    last_at: list[int] = []
-    joined_starts: list[int] = []
-    joined_ends: list[int] = []
-    partial = list(partial)
-    for index, kind in zip(pieces.tolist(), kinds[pieces].tolist(), strict=True):
-        if kind == FIRST:
-            if partial:
-                return None
-            partial = [buf[begins[index] : ends[index]]]
-        else:
-            if not partial or (index > 0 and kinds[index - 1] not in (FIRST, MIDDLE)):
-                return None  # a continuation without its start
-            partial.append(buf[begins[index] : ends[index]])
-            if kind == LAST:
-                record, partial = b"".join(partial), []
-                records.append(record)
-                last_at.append(index)
-                joined_starts.append(joined_at)
-                joined_at += len(record)
-                joined_ends.append(joined_at)
-        if kind != LAST and index + 1 < len(kinds) and kinds[index + 1] not in (MIDDLE, LAST):
-            return None  # a record cut short by another
-    starts, ends = begins[full], ends[full]
-    if last_at:  # records that spanned blocks, in the place of their last chunk
-        order = np.argsort(np.concatenate([np.flatnonzero(full), last_at]), kind="stable")
-        starts = np.concatenate([starts, joined_starts])[order]
-        ends = np.concatenate([ends, joined_ends])[order]
-    return stop, partial, records, starts, ends
+    # each chunk continues a record (MIDDLE, LAST) exactly when one is open before it
+    opened = np.empty(len(kinds), bool)
+    opened[0] = bool(partial)
+    opened[1:] = (kinds[:-1] == FIRST) | (kinds[:-1] == MIDDLE)
+    if (((kinds == MIDDLE) | (kinds == LAST)) != opened).any():
+        return None  # a continuation without its start, or a record cut short by another
+    record_starts, record_ends = begins[full], ends[full]
+    spanning = np.flatnonzero(~full)  # the chunks of records that span blocks, in order
+    pieces = list(
+        map(view.__getitem__, map(slice, begins[spanning].tolist(), ends[spanning].tolist()))
+    )
+    lasts = np.flatnonzero(kinds[spanning] == LAST)
+    if not len(lasts):  # no record completed here: all of it is carried on
+        return stop, [*partial, *map(bytes, pieces)], [], record_starts, record_ends
+    done = int(lasts[-1]) + 1  # the pieces of the records completed here
+    records = [b"".join([*partial, *pieces[:done]])]  # back to back, placed at `joined_at`
+    sizes = (ends - begins)[spanning[:done]]
+    sizes[0] += sum(map(len, partial))
+    joined_ends = joined_at + np.cumsum(sizes)[lasts]
+    joined_starts = np.concatenate([[joined_at], joined_ends[:-1]])
+    # records that spanned blocks go in the place of their last chunk
+    order = np.argsort(np.concatenate([np.flatnonzero(full), spanning[lasts]]), kind="stable")
+    record_starts = np.concatenate([record_starts, joined_starts])[order]
+    record_ends = np.concatenate([record_ends, joined_ends])[order]
+    return stop, list(map(bytes, pieces[done:])), records, record_starts, record_ends
 
 
 def read_head(stream: BinaryIO, blocks: int) -> tuple[list[bytes], bytes | None] | None:
