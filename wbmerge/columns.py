@@ -101,15 +101,17 @@ def _history_of(step: np.ndarray, batch: items.Items, source: Source) -> Columns
     index, raw_keys = batch.key_codes()
     paths = [wire.key_path(raw) for raw in raw_keys]
     names = [".".join(path) for path in paths]
-    count = len(step)
-    timestamp = _per_row(count, batch, index, _entry(names, "_timestamp"))
-    runtime = _per_row(count, batch, index, _entry(names, "_runtime"))
     user = np.flatnonzero(np.array([path[0] not in RESERVED for path in paths], bool)[index])
+    stamps, runtimes = _where(index, names, "_timestamp"), _where(index, names, "_runtime")
+    # the values and the rows' times cut out and cast together, the values first
+    numbers, texts = _values(batch.json(np.concatenate([user, stamps, runtimes])))
+    times = numbers.slice(len(user))
+    timestamp = _per_row(len(step), batch.row[stamps], times.slice(0, len(stamps)))
+    runtime = _per_row(len(step), batch.row[runtimes], times.slice(len(stamps)))
     row = batch.row[user]
     keys = pa.DictionaryArray.from_arrays(
         pa.array(index[user], pa.int32()), pa.array(names, pa.string())
     )
-    value, value_json = _values(batch.json(user))
     return Columns(
         source=source,
         kind=HISTORY,
@@ -117,22 +119,22 @@ def _history_of(step: np.ndarray, batch: items.Items, source: Source) -> Columns
         timestamp=_per_value(timestamp, row),
         runtime=_per_value(runtime, row),
         key=keys,
-        value=value,
-        value_json=value_json,
+        value=numbers.slice(0, len(user)),
+        value_json=texts.slice(0, len(user)),
     )
 
 
-def _entry(names: list[str], name: str) -> int:
-    return names.index(name) if name in names else -1
+def _where(index: np.ndarray, names: list[str], name: str) -> np.ndarray:
+    """The items logged under `name`."""
+    if name not in names:
+        return np.empty(0, np.int64)
+    return np.flatnonzero(index == names.index(name))
 
 
-def _per_row(count: int, batch: items.Items, index: np.ndarray, entry: int) -> np.ndarray:
-    """The number each row logs under dictionary entry `entry` (NaN where absent)."""
+def _per_row(count: int, rows: np.ndarray, numbers: pa.Array) -> np.ndarray:
+    """`numbers[i]` at row `rows[i]`, NaN in the rows that have none."""
     out = np.full(count, np.nan)
-    if entry >= 0:
-        where = np.flatnonzero(index == entry)
-        numbers, _ = _values(batch.json(where))
-        out[batch.row[where]] = numbers.to_numpy(zero_copy_only=False)
+    out[rows] = numbers.to_numpy(zero_copy_only=False)
     return out
 
 
