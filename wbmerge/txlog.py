@@ -275,12 +275,9 @@ def _walk_blocks(
     begins = chunks + CHUNK_HEADER_SIZE
     ends = begins + u16[chunks + 4]
     kinds = data[chunks + 6]
-    computed = map(
-        crc32,
-        map(view.__getitem__, map(slice, begins.tolist(), ends.tolist())),
-        map(_TYPE_CRC.__getitem__, kinds.tolist()),
-    )
-    if (np.fromiter(computed, np.uint32, len(chunks)) != u32[chunks]).any():
+    # a chunk's CRC covers its type byte and payload, which lie side by side
+    typed = map(view.__getitem__, map(slice, (chunks + 6).tolist(), ends.tolist()))
+    if (np.fromiter(map(crc32, typed), np.uint32, len(chunks)) != u32[chunks]).any():
         return None
     full = kinds == FULL
     # each chunk continues a record (MIDDLE, LAST) exactly when one is open before it
