@@ -33,8 +33,11 @@ except ImportError:  # pragma: no cover - isal is a dependency; this is for odd 
     from zlib import crc32
 
 _CHUNK_HEADER = struct.Struct("<IHB")
-# crc32(bytes([type]) + payload) == crc32(payload, _TYPE_CRC[type]): no concatenation needed.
+# A chunk's CRC covers its type byte and payload. Readers take it over the two as they lie
+# (the type is the header's last byte); writers start from the type's CRC instead:
+# crc32(bytes([type]) + payload) == crc32(payload, _TYPE_CRC[type]).
 _TYPE_CRC = [crc32(bytes([t])) for t in range(5)]
+_TYPE_AT = CHUNK_HEADER_SIZE - 1  # where a chunk's type byte is in it
 _EMPTY_MIDDLE = _CHUNK_HEADER.pack(_TYPE_CRC[MIDDLE], 0, MIDDLE)
 _READ_SIZE = 32 * BLOCK_SIZE  # 1 MiB per read call by default; always whole blocks
 
@@ -129,7 +132,7 @@ def iter_frames(
     partial: list[bytes] = []  # fragments of a record that spans blocks
     orphans = False  # skipping MIDDLE/LAST chunks of a record already dropped
     eof = False
-    unpack, type_crc = _CHUNK_HEADER.unpack_from, _TYPE_CRC  # hot loop
+    unpack = _CHUNK_HEADER.unpack_from  # hot loop
     while not eof:
         # reads end on block boundaries (the first is short by the header), so the walk
         # uses up a read and the next one needs no bytes carried over
@@ -171,7 +174,7 @@ def iter_frames(
             sane = FULL <= kind <= LAST and chunk_end <= block_end
             if sane and chunk_end > end:
                 break  # more bytes to come, or a truncated tail
-            if not sane or crc32(view[pos + CHUNK_HEADER_SIZE : chunk_end], type_crc[kind]) != crc:
+            if not sane or crc32(view[pos + _TYPE_AT : chunk_end]) != crc:
                 if block_end > end and not eof:
                     break  # count the loss once the whole block is here
                 stop = min(block_end, end)
@@ -258,7 +261,7 @@ def _walk_blocks(
     found: list[np.ndarray] = []
     while len(at):
         after = at + CHUNK_HEADER_SIZE + u16[at + 4]
-        kinds = data[at + 6]
+        kinds = data[at + _TYPE_AT]
         odd = ((kinds - np.uint8(FULL)) > LAST - FULL) | (after > limit)
         if odd.any():
             padding = (kinds == 0) & (after == at + CHUNK_HEADER_SIZE) & (u32[at] == 0)
@@ -274,9 +277,8 @@ def _walk_blocks(
     chunks = np.sort(np.concatenate(found))
     begins = chunks + CHUNK_HEADER_SIZE
     ends = begins + u16[chunks + 4]
-    kinds = data[chunks + 6]
-    # a chunk's CRC covers its type byte and payload, which lie side by side
-    typed = map(view.__getitem__, map(slice, (chunks + 6).tolist(), ends.tolist()))
+    kinds = data[chunks + _TYPE_AT]
+    typed = map(view.__getitem__, map(slice, (chunks + _TYPE_AT).tolist(), ends.tolist()))
     if (np.fromiter(map(crc32, typed), np.uint32, len(chunks)) != u32[chunks]).any():
         return None
     full = kinds == FULL
@@ -336,7 +338,7 @@ def _count_chunks_after(block: bytes, pos: int, limit: int) -> int:
         end = pos + CHUNK_HEADER_SIZE + length
         if not (FULL <= kind <= LAST) or end > limit:
             break
-        if crc32(block[pos + CHUNK_HEADER_SIZE : end], _TYPE_CRC[kind]) != crc:
+        if crc32(block[pos + _TYPE_AT : end]) != crc:
             break
         if kind in (FULL, FIRST):
             count += 1
