@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -40,7 +41,7 @@ def test_topology_of_helper_jobs(name):
         (rank, restart) for rank in range(world) for restart in range(restarts)
     )
     for r in rows:
-        assert r["rank_source"] == "metadata"
+        assert r["source"] == "wbmerge"
         assert (r["world_size"], r["local_world_size"]) == (world, job["nproc"])
         assert (r["worker"], r["local_rank"]) == divmod(r["rank"], job["nproc"])
         assert r["label"] == expected_label(r["rank"], job["nodes"], job["nproc"])
@@ -92,18 +93,35 @@ def test_plain_wandb_runs_with_plugin_labels(name):
     assert sorted(r["rank"] for r in rows) == list(range(world))
     rank0 = next(r for r in rows if r["rank"] == 0)
     for r in rows:
-        assert r["rank_source"] == "label"
+        assert r["source"] == "label"
         assert r["label"] == expected_label(r["rank"], job["nodes"], job["nproc"])
         assert r["world_size"] == world and r["local_world_size"] == job["nproc"]
         assert r["job_id"] == rank0["run_id"]
 
 
-def test_runs_without_metadata_are_unknown_with_a_hint():
+def test_runs_that_say_nothing_are_numbered_by_start_order_with_a_note():
     result = CliRunner().invoke(main, ["inspect", str(job_dir("no_metadata"))])
     assert result.exit_code == 0
-    assert "unknown job" in result.output and "wbmerge.rank_config" in result.output
+    assert "assumed from start order" in result.output and "--ranks" in result.output
     rows = inspect_json(job_dir("no_metadata"))
-    assert all(r["rank"] is None and r["job_id"] is None and r["complete"] for r in rows)
+    by_start = sorted(rows, key=lambda r: _start_time(r["path"]))
+    assert [r["rank"] for r in by_start] == [0, 1]
+    assert {r["source"] for r in rows} == {"order"}
+    assert {r["job_id"] for r in rows} == {by_start[0]["run_id"]}
+    assert all(r["label"] == r["run_id"] for r in rows)  # no x_label, no display name
+
+
+def _start_time(run_dir: str) -> float:
+    """The run record's start time, read with protobuf (not with wbmerge's reader)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    from wbmerge.txlog import read_payloads
+
+    for payload in read_payloads(next(Path(run_dir).glob("run-*.wandb"))):
+        record = pb.Record.FromString(payload)
+        if record.HasField("run"):
+            return record.run.start_time.ToNanoseconds() / 1e9
+    raise AssertionError("no run record")
 
 
 def test_damaged_copies():

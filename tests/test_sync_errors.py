@@ -60,9 +60,15 @@ def test_same_rank_twice_names_both_paths(tmp_path):
     assert result.stderr.count(first.name) == 2
 
 
-def test_unknown_rank_is_refused_with_a_hint():
-    result = run("sync", job_dir("no_metadata"), "--dry-run")
-    assert_one_line_error(result, "unknown rank", "wbmerge.rank_config")
+def test_two_plain_runs_claiming_one_rank_are_named_with_the_option_that_resolves_it(
+    tmp_path,
+):
+    shutil.copytree(job_dir("plain_labels") / "wandb", tmp_path / "wandb")
+    first = sorted((tmp_path / "wandb").iterdir())[0]
+    shutil.copytree(first, tmp_path / "copy" / first.name)  # the same run twice
+    result = run("sync", tmp_path, "--dry-run")
+    assert_one_line_error(result, "claimed by more than one run", "--ranks")
+    assert result.stderr.count(first.name) == 2 and "label 'rank-" in result.stderr
 
 
 def test_two_jobs_in_one_directory(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wbmerge.topology import RankInfo, from_env, infer_from_labels, label_for, parse_label
+from wbmerge.topology import RankInfo, from_env, label_for
 
 
 def env(rank, world, local_rank, local_world, group, **extra):
@@ -65,36 +65,6 @@ def test_inconsistent_environment_is_rejected():
         from_env(env(4, 4, 0, 4, 0))
     with pytest.raises(ValueError):
         from_env(env(1, 4, 3, 2, 0))
-
-
-@pytest.mark.parametrize(
-    "label, parsed",
-    [
-        ("rank-0", (0, 0, 0)),
-        ("rank-12", (0, 12, 12)),
-        ("worker-3-rank-1", (3, 1, None)),
-        ("rank_0", (None, None, None)),
-        ("node-a", (None, None, None)),
-    ],
-)
-def test_parse_label(label, parsed):
-    assert parse_label(label) == parsed
-
-
-def test_infer_single_node_from_labels():
-    got = infer_from_labels(["rank-0", "rank-2", "rank-1"])
-    assert {k: (v.rank, v.world_size, v.worker) for k, v in got.items()} == {
-        "rank-0": (0, 3, 0),
-        "rank-1": (1, 3, 0),
-        "rank-2": (2, 3, 0),
-    }
-
-
-def test_infer_multi_node_from_labels():
-    labels = [f"worker-{w}-rank-{r}" for w in range(3) for r in range(2)]
-    got = infer_from_labels(labels)
-    assert got["worker-2-rank-1"] == RankInfo(5, 1, 6, 2, 2)
-    assert all(info.label == label for label, info in got.items())
 
 
 def test_metadata_round_trip():

@@ -49,7 +49,7 @@ def test_init_writes_offline_run_that_describes_its_rank(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     [run] = discover([tmp_path])
-    assert run.rank_source == "metadata"
+    assert run.rank_source == "wbmerge"
     assert run.rank == RankInfo(3, 1, 4, 2, 1, restart=1, job_id="job-42")
     assert run.label == "worker-1-rank-1"
     assert (run.run_dir / "files" / "output_worker-1-rank-1.log").exists()

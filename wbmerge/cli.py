@@ -41,6 +41,22 @@ def _one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def rank_options() -> list[Callable[..., Any]]:
+    """How to read the ranks of runs written without wbmerge (every reading command)."""
+    return [
+        click.option("--label-pattern", help="How the runs' labels or names spell the rank, "
+                     "e.g. 'rank_{rank}' or 'node{worker}-gpu{local_rank}'."),
+        click.option("--ranks", "ranks_file", type=click.Path(),
+                     help="JSON or CSV file of run id -> rank (optional local_rank, worker)."),
+    ]  # fmt: skip
+
+
+def _with_rank_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(rank_options()):
+        func = option(func)
+    return func
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="wbmerge")
 def main() -> None:
@@ -50,12 +66,17 @@ def main() -> None:
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array, one object per run.")
+@_with_rank_options
 @_one_line_errors
-def inspect(paths: tuple[str, ...], as_json: bool) -> None:
-    """List the offline runs under PATHS: rank, label, rows, completeness, damage."""
+def inspect(
+    paths: tuple[str, ...], as_json: bool, label_pattern: str | None, ranks_file: str | None
+) -> None:
+    """List the offline runs under PATHS: rank (and where it came from), label, rows,
+    completeness, damage."""
+    from .hints import make_hints
     from .inspect import format_report, inspect_runs
 
-    rows = inspect_runs(paths)
+    rows = inspect_runs(paths, make_hints(label_pattern, ranks_file))
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     else:
@@ -134,6 +155,12 @@ def sink_show(run_path: str | None, url: str, as_json: bool) -> None:
     click.echo(f"  summary keys: {', '.join(sorted(run['summary']))}")
 
 
+def _warn_jobs(planned: list) -> None:
+    for job in planned:
+        for warning in job.warnings:
+            click.echo(f"wbmerge: warning: {warning}", err=True)
+
+
 def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """The options `merge` and `sync` share: what to merge, and how."""
     options = [
@@ -155,6 +182,7 @@ def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--project", "-p", help="Default: the runs' project, then WANDB_PROJECT."),
         click.option("--entity", "-e", help="Default: WANDB_ENTITY, then the runs' entity."),
         click.option("--job-type", help="Job type of the runs created."),
+        *rank_options(),
     ]  # fmt: skip
     for option in reversed(options):
         func = option(func)
@@ -169,7 +197,8 @@ def _request(**kw: Any) -> Any:
         base_id=kw["base_id"], job=kw["job"], allow_missing_ranks=kw["allow_missing_ranks"],
         system_metrics=kw["system_metrics"], key_format=kw["key_format"],
         project=kw["project"], entity=kw["entity"], job_type=kw["job_type"],
-        skew_metrics=kw["skew_metrics"],
+        skew_metrics=kw["skew_metrics"], label_pattern=kw["label_pattern"],
+        ranks_file=kw["ranks_file"],
     )  # fmt: skip
 
 
@@ -223,6 +252,7 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
 
     request = _request(**kw)
     planned = plan_jobs(request)
+    _warn_jobs(planned)
     if dry_run:
         _print_plan(planned, as_json)
         return
@@ -269,10 +299,13 @@ def sync(
 
     request = _request(**kw)
     if dry_run:
-        _print_plan(plan_jobs(request), as_json)
+        planned = plan_jobs(request)
+        _warn_jobs(planned)
+        _print_plan(planned, as_json)
         return
     find_credentials()  # before any work: no credentials, no reading of runs
     planned = plan_jobs(request)
+    _warn_jobs(planned)
     progress = _Progress(sum(len(j.targets) for j in planned))
     try:
         report = run_sync(
@@ -297,24 +330,30 @@ def sync(
         click.echo(f"{link['kind']}: {link['url']}")
 
 
-if __name__ == "__main__":
-    main()
-
-
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--out", "-o", required=True, type=click.Path(), help="The Parquet file to write.")
 @click.option("--job", help="Only this job id (default: every job found).")
 @click.option("--wide", is_flag=True, help="One row per rank and step, a column per history key.")
+@_with_rank_options
 @_one_line_errors
-def export(paths: tuple[str, ...], out: str, job: str | None, wide: bool) -> None:
+def export(
+    paths: tuple[str, ...],
+    out: str,
+    job: str | None,
+    wide: bool,
+    label_pattern: str | None,
+    ranks_file: str | None,
+) -> None:
     """Write every rank's history and system metrics to one Parquet file."""
     from .export import export as export_runs
+    from .hints import make_hints
 
-    result = export_runs(paths, out, job=job, wide=wide)
+    hints = make_hints(label_pattern, ranks_file)
+    result = export_runs(paths, out, job=job, wide=wide, hints=hints)
     for job_id, missing in result.missing.items():
         click.echo(f"wbmerge: warning: job {job_id}: ranks {missing} not found", err=True)
-    for line in result.damage:
+    for line in [*result.warnings, *result.damage]:
         click.echo(f"wbmerge: warning: {line}", err=True)
     shape = "rows (rank x step)" if wide else "values"
     click.echo(
@@ -328,18 +367,29 @@ def export(paths: tuple[str, ...], out: str, job: str | None, wide: bool) -> Non
 @click.option("--metric", "-m", "metrics", multiple=True, help="A metric key (repeatable).")
 @click.option("--job", help="Only this job id (default: every job found).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_with_rank_options
 @_one_line_errors
 def report(
-    paths: tuple[str, ...], metrics: tuple[str, ...], job: str | None, as_json: bool
+    paths: tuple[str, ...],
+    metrics: tuple[str, ...],
+    job: str | None,
+    as_json: bool,
+    label_pattern: str | None,
+    ranks_file: str | None,
 ) -> None:
     """Per-rank skew of each metric: which rank is slow, by how much, and at which steps."""
+    from .hints import make_hints
     from .report import report as make_report
     from .report_format import format_report
 
-    reports = make_report(paths, metrics, job)
-    for line in (line for r in reports for line in r.damage):
+    reports = make_report(paths, metrics, job, hints=make_hints(label_pattern, ranks_file))
+    for line in (line for r in reports for line in [*r.warnings, *r.damage]):
         click.echo(f"wbmerge: warning: {line}", err=True)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in reports], indent=2))
     else:
         click.echo(format_report(reports, color=sys.stdout.isatty()), nl=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,36 +1,37 @@
 """Discover: find offline runs under the user's paths and say which rank of which job wrote each.
 
-A run's identity comes, in order of trust, from the `wbmerge` block in its config (written
-by `wbmerge.init` / `rank_config`), from a plugin-style `x_label` (the `/l:<label>` suffix
-of system-metric keys, or `files/output_<label>.log`) with the rest of the topology inferred
-from the labels of its neighbours, or it stays unknown.
+This module reads what each run says about itself: the `wbmerge` block in its config
+(written by `wbmerge.init` / `rank_config`), the config keys people use for ranks, its
+`x_label` (the `/l:<label>` suffix of system-metric keys, or `files/output_<label>.log`),
+display name, group, project, job type, host, and when it started and last wrote. The
+rules that turn those facts into ranks and jobs are pure and live in `jobs.py`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
-from . import records, topology
+from . import jobs, rankclaims, records
 from .errors import NotATransactionLog, WbmergeError
+from .jobs import Hints, RunFacts
 from .proto import pb
 from .topology import METADATA_KEY, RankInfo
-from .txlog import BLOCK_SIZE, FILE_HEADER, Frames, ReadReport, read_frames, record_kind
+from .txlog import BLOCK_SIZE, FILE_HEADER, Frames, ReadReport, read_frames, read_tail, record_kind
 
 _STATS_LABEL = re.compile(r"/l:(.+)$")
 _OUTPUT_LABEL = re.compile(r"^output_(.+)\.log$")
 _HEADER_SCAN_LIMIT = 2000  # records read for identity before giving up on a long run
 
-UNKNOWN_RANK_HINT = (
-    "log with wbmerge.init(...), or pass config=wbmerge.rank_config(config) to wandb.init"
-)
+UNKNOWN_RANK_HINT = jobs.RESOLVE_HINT
+_CLAIM_KEYS = {key for keys in rankclaims.CONFIG_KEYS.values() for key in keys}
 
 
 @dataclass
@@ -56,10 +57,18 @@ class OfflineRun:
     entity: str = ""
     group: str = ""
     job_type: str = ""
+    display_name: str = ""
+    host: str = ""
     start_time: float = 0.0
-    label: str | None = None  # x_label as recorded or found
+    end_time: float = 0.0  # the latest time its last records show
+    label: str | None = None  # x_label as recorded or found; after `identify`, the label used
+    config: dict = field(default_factory=dict)  # the config keys that may say a rank
+    metadata: RankInfo | None = None  # the `wbmerge` block, if any
+    metadata_label: str | None = None
     rank: RankInfo | None = None
-    rank_source: str | None = None  # "metadata", "label", or None when unknown
+    rank_source: str | None = None  # one of rankclaims.SOURCES, None when unknown
+    problem: str | None = None  # why the rank is unknown
+    warnings: list[str] = field(default_factory=list)  # about its job, shown once per job
     defaults: dict = field(default_factory=dict)  # run_mode etc. recorded at training time
     stats: RunStats | None = None
 
@@ -115,15 +124,46 @@ def read_identity(path: Path) -> OfflineRun:
             _apply_run_record(run, pb.Record.FromString(payload).run)
         elif kind == "config" and run.rank is None:
             _apply_config(run, pb.Record.FromString(payload).config.update)
+        elif kind == "environment" and not run.host:
+            run.host = pb.Record.FromString(payload).environment.host
         elif kind == "stats" and run.label is None:
             run.label = _label_from_stats(pb.Record.FromString(payload).stats)
-        elif kind == "history" and (run.rank is not None or run.label is not None):
+        elif kind == "history" and run.label is not None:
             break  # identity comes before the first logged step
         if count > _HEADER_SCAN_LIMIT:
             break
     if run.label is None:
         run.label = _label_from_files(path.parent / "files")
+    run.end_time = _end_time(path, run.start_time)
     return run
+
+
+def _end_time(path: Path, start: float) -> float:
+    """The latest time the records at the end of a run show (its start when none do)."""
+    try:
+        with open(path, "rb") as stream:
+            tail = read_tail(stream)
+    except OSError:
+        return start
+    latest = start
+    for payload in tail:
+        try:
+            record = pb.Record.FromString(payload)
+        except DecodeError:  # a damaged tail says nothing about time
+            continue
+        kind = record.WhichOneof("record_type")
+        if kind == "exit":
+            latest = max(latest, start + record.exit.runtime)
+        elif kind in ("stats", "output_raw", "output"):
+            stamp = getattr(record, kind).timestamp
+            latest = max(latest, stamp.seconds + stamp.nanos / 1e9)
+        elif kind == "history":
+            for item in record.history.item:
+                if (item.key or "/".join(item.nested_key)) == "_timestamp":
+                    value = rankclaims.config_value(item.value_json)
+                    if isinstance(value, (int, float)):
+                        latest = max(latest, float(value))
+    return latest
 
 
 _IDENTITY_READ = 4 * BLOCK_SIZE  # the run and config records are in the first blocks
@@ -158,6 +198,7 @@ def _apply_run_record(run: OfflineRun, record: pb.RunRecord) -> None:
     run.run_id = record.run_id or run.run_id
     run.project, run.entity = record.project, record.entity
     run.group, run.job_type = record.run_group, record.job_type
+    run.display_name, run.host = record.display_name, record.host
     run.start_time = record.start_time.seconds + record.start_time.nanos / 1e9
     _apply_config(run, record.config.update)
 
@@ -165,19 +206,18 @@ def _apply_run_record(run: OfflineRun, record: pb.RunRecord) -> None:
 def _apply_config(run: OfflineRun, updates: Iterable[pb.ConfigItem]) -> None:
     for item in updates:
         key = item.key or (item.nested_key[0] if len(item.nested_key) == 1 else "")
-        if key != METADATA_KEY:
+        if key.lower() in _CLAIM_KEYS:
+            run.config[key] = rankclaims.config_value(item.value_json)
+        if key != METADATA_KEY or run.metadata is not None:
             continue
         try:
-            block = json.loads(item.value_json)
-            # wandb stores config values as {"value": ...} in some code paths
-            if isinstance(block, dict) and set(block) == {"value"}:
-                block = block["value"]
-            run.rank = RankInfo.from_metadata(block)
+            block = rankclaims.config_value(item.value_json)
+            run.metadata = RankInfo.from_metadata(block)  # type: ignore[arg-type]
         except (ValueError, TypeError, AttributeError):
-            continue  # a block that is not ours: treat the run as unlabelled
-        run.rank_source = "metadata"
-        run.label = block.get("label") or run.rank.label
-        run.defaults = {k: block[k] for k in ("run_mode", "rank_scope") if block.get(k)}
+            continue  # a block that is not ours: the run is read like any other
+        label = block.get("label")  # type: ignore[union-attr]
+        run.metadata_label = label if isinstance(label, str) and label else None
+        run.defaults = {k: block[k] for k in ("run_mode", "rank_scope") if block.get(k)}  # type: ignore[union-attr]
 
 
 def _label_from_stats(stats: pb.StatsRecord) -> str | None:
@@ -230,34 +270,52 @@ def scan(run: OfflineRun) -> RunStats:
 _HISTORY, _EXIT, _STATS = (records.code(kind) for kind in ("history", "exit", "stats"))
 
 
-def infer_label_topology(runs: list[OfflineRun]) -> None:
-    """Give runs without metadata a RankInfo from plugin-style labels, per directory.
+def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
+    """Give every run its rank, job, label and rank source (`jobs.identify`'s rules).
 
-    Runs in one `wandb/` directory whose labels follow the plugin's convention are taken as
-    one job; its id is the offline id of the run labelled as rank 0 (or the first run).
-    A label seen twice in one directory is ambiguous: those runs stay unknown.
+    A run that cannot be identified keeps `rank` None and says why in `problem`.
     """
-    by_dir: dict[Path, list[OfflineRun]] = defaultdict(list)
-    for run in runs:
-        if run.rank is None and run.label and topology.is_plugin_label(run.label):
-            by_dir[run.run_dir.parent].append(run)
-    for members in by_dir.values():
-        labels = [r.label for r in members]
-        unique = {lab for lab in labels if labels.count(lab) == 1}
-        inferred = topology.infer_from_labels(unique)
-        if not inferred:
-            continue
-        candidates = [r for r in members if r.label in inferred]
-        first = min(candidates, key=lambda r: (inferred[r.label].rank, r.start_time))
-        for run in candidates:
-            run.rank = replace(inferred[run.label], job_id=first.run_id)
-            run.rank_source = "label"
+    facts = [
+        RunFacts(
+            run_id=r.run_id,
+            project=r.project,
+            group=r.group,
+            job_type=r.job_type,
+            start=r.start_time,
+            end=r.end_time,
+            host=r.host,
+            label=r.label,
+            name=r.display_name,
+            config=r.config,
+            metadata=r.metadata,
+            metadata_label=r.metadata_label,
+            where=str(r.run_dir),
+        )
+        for r in runs
+    ]
+    found = jobs.identify(facts, hints)
+    for index, identity in found.identities.items():
+        run = runs[index]
+        run.rank, run.rank_source, run.label = identity.rank, identity.source, identity.label
+    for problem in found.problems:
+        for index in problem.runs:
+            runs[index].problem = runs[index].problem or problem.message
+    for warning in found.warnings:
+        for index in warning.runs:
+            runs[index].warnings.append(warning.message)
+    unknown = set(hints.given) - {r.run_id for r in runs} if hints else set()
+    if unknown:
+        raise WbmergeError(
+            f"--ranks names run(s) not found under the paths given: {', '.join(sorted(unknown))}"
+        )
 
 
-def discover(paths: Iterable[str | Path], full_scan: bool = False) -> list[OfflineRun]:
+def discover(
+    paths: Iterable[str | Path], full_scan: bool = False, hints: Hints | None = None
+) -> list[OfflineRun]:
     """Every offline run under `paths`, identified, in a stable order (job, rank, restart)."""
     runs = [read_identity(p) for p in find_run_files(paths)]
-    infer_label_topology(runs)
+    identify(runs, hints)
     if full_scan:
         for run in runs:
             scan(run)
@@ -276,6 +334,11 @@ class Job:
 
     job_id: str
     runs: list[OfflineRun]
+
+    @property
+    def warnings(self) -> list[str]:
+        """What wbmerge assumed about this job, once each."""
+        return list(dict.fromkeys(w for run in self.runs for w in run.warnings))
 
     @property
     def world_size(self) -> int:
@@ -307,11 +370,10 @@ def group_jobs(
             raise WbmergeError(f"no job {job!r} among the runs found (jobs: {known})")
         by_id = {job: by_id[job]}
     elif unknown:
-        names = ", ".join(str(r.run_dir) for r in unknown[:3])
-        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
-        raise WbmergeError(
-            f"{len(unknown)} run(s) of unknown rank: {names}{more}; {UNKNOWN_RANK_HINT}"
-        )
+        problems = list(dict.fromkeys(r.problem for r in unknown if r.problem))
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        first = problems[0] if problems else f"{len(unknown)} run(s) of unknown rank"
+        raise WbmergeError(f"{first}{more}")
     jobs = []
     for job_id, members in sorted(by_id.items()):
         members.sort(key=_order)

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from .columns import HISTORY, Columns, rank_columns, rank_sources
 from .discover import Job, discover, group_jobs
 from .errors import WbmergeError
+from .jobs import Hints
 from .plan import Source
 from .streaming import streaming
 
@@ -66,17 +67,24 @@ class ExportResult:
     ranks: int = 0
     missing: dict[str, list[int]] = field(default_factory=dict)  # job id -> missing ranks
     damage: list[str] = field(default_factory=list)  # what damaged logs lost
+    warnings: list[str] = field(default_factory=list)  # what was assumed about ranks
 
 
 def export(
-    paths: Sequence[str | Path], out: str | Path, job: str | None = None, wide: bool = False
+    paths: Sequence[str | Path],
+    out: str | Path,
+    job: str | None = None,
+    wide: bool = False,
+    hints: Hints | None = None,
 ) -> ExportResult:
-    """Write the values of the jobs found under `paths` (or of `job`) to `out`."""
+    """Write the values of the jobs found under `paths` (or of `job`) to `out`; `hints` say
+    how to read the ranks of runs written without wbmerge."""
     out = Path(out)
     if out.is_dir():
         raise WbmergeError(f"{out} is a directory; give a file name such as {out}/runs.parquet")
-    jobs = group_jobs(discover(paths), job, allow_missing_ranks=True)
+    jobs = group_jobs(discover(paths, hints=hints), job, allow_missing_ranks=True)
     result = ExportResult(out, jobs=[j.job_id for j in jobs])
+    result.warnings = [w for j in jobs for w in j.warnings]
     result.missing = {j.job_id: j.missing_ranks for j in jobs if j.missing_ranks}
     scratch = out.with_name(f".{out.name}.partial")
     out.parent.mkdir(parents=True, exist_ok=True)

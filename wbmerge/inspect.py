@@ -6,7 +6,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .discover import UNKNOWN_RANK_HINT, OfflineRun, discover
+from .discover import OfflineRun, discover
+from .jobs import Hints
 
 
 def describe(run: OfflineRun) -> dict[str, Any]:
@@ -24,8 +25,13 @@ def describe(run: OfflineRun) -> dict[str, Any]:
         "local_world_size": rank.local_world_size if rank else None,
         "label": run.label,
         "restart": rank.restart if rank else None,
-        "rank_source": run.rank_source,
+        "source": run.rank_source,
+        "problem": run.problem,
+        "warnings": run.warnings,
         "project": run.project or None,
+        "group": run.group or None,
+        "name": run.display_name or None,
+        "host": run.host or None,
         "history_rows": stats.history_rows if stats else None,
         "last_step": stats.last_step if stats else None,
         "size": run.size,
@@ -38,9 +44,9 @@ def describe(run: OfflineRun) -> dict[str, Any]:
     }
 
 
-def inspect_runs(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+def inspect_runs(paths: Iterable[str | Path], hints: Hints | None = None) -> list[dict[str, Any]]:
     """Describe every offline run under `paths` after a full read of each."""
-    return [describe(run) for run in discover(paths, full_scan=True)]
+    return [describe(run) for run in discover(paths, full_scan=True, hints=hints)]
 
 
 COLUMNS = [
@@ -50,6 +56,7 @@ COLUMNS = [
     ("worker", "worker"),
     ("world", "world_size"),
     ("label", "label"),
+    ("source", "source"),
     ("restart", "restart"),
     ("rows", "history_rows"),
     ("last step", "last_step"),
@@ -60,21 +67,18 @@ COLUMNS = [
 
 
 def format_report(rows: list[dict[str, Any]]) -> str:
-    """Human tables, one per job, then a hint for runs of unknown rank."""
+    """Human tables, one per job, each followed by what was assumed about the job; then
+    the runs of unknown rank, with why."""
     jobs: dict[str | None, list[dict[str, Any]]] = {}
     for row in rows:
         jobs.setdefault(row["job_id"], []).append(row)
     out = []
     for job_id, members in jobs.items():
-        title = f"job {job_id}" if job_id else "unknown job (no rank metadata)"
-        sources = {m["rank_source"] for m in members} - {None}
-        if sources == {"label"}:
-            title += "  (topology inferred from x_label)"
-        out.append(title)
+        out.append(f"job {job_id}" if job_id else "runs of unknown rank")
         out.append(_table([[_cell(m, key) for _, key in COLUMNS] for m in members]))
+        notes = [*(w for m in members for w in m["warnings"]), *(m["problem"] for m in members)]
+        out.extend(f"  note: {note}" for note in dict.fromkeys(n for n in notes if n))
         out.append("")
-    if None in jobs:
-        out.append(f"hint: runs of unknown rank cannot be merged; {UNKNOWN_RANK_HINT}")
     return "\n".join(out).rstrip() + "\n"
 
 

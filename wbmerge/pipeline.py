@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .discover import Job, discover, group_jobs
 from .errors import WbmergeError
+from .hints import make_hints
 from .merge import DEFAULT_KEY_FORMAT, MergeOptions, Staged, stage
 from .plan import Source, Target, app_url, links, plan
 from .upload import DEFAULT_PARALLEL, Ledger, find_credentials, run_wandb_sync, state_dir
@@ -36,6 +37,8 @@ class MergeRequest:
     entity: str | None = None
     job_type: str | None = None
     skew_metrics: bool = False
+    label_pattern: str | None = None  # how the runs spell their rank, e.g. "rank_{rank}"
+    ranks_file: str | Path | None = None  # run id -> rank, JSON or CSV
 
 
 @dataclass
@@ -46,6 +49,11 @@ class PlannedJob:
     rank_scope: str
     project: str | None
     entity: str | None
+
+    @property
+    def warnings(self) -> list[str]:
+        """What was assumed about the job's ranks (say once, before merging)."""
+        return self.job.warnings
 
     def options(self, request: MergeRequest) -> MergeOptions:
         return MergeOptions(
@@ -72,7 +80,8 @@ def check_key_format(key_format: str) -> str:
 def plan_jobs(request: MergeRequest) -> list[PlannedJob]:
     """Discover the runs under the paths, group them into jobs, and plan each job's targets."""
     check_key_format(request.key_format)
-    runs = discover(request.paths)
+    hints = make_hints(request.label_pattern, request.ranks_file)
+    runs = discover(request.paths, hints=hints)
     jobs = group_jobs(runs, request.job, request.allow_missing_ranks)
     if request.base_id and len(jobs) > 1:
         names = ", ".join(j.job_id for j in jobs)

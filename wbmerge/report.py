@@ -21,6 +21,7 @@ import numpy as np
 from .columns import HISTORY, rank_columns, rank_sources
 from .discover import Job, discover, group_jobs
 from .errors import WbmergeError
+from .jobs import Hints
 from .streaming import streaming
 
 _FASTER_WHEN_HIGHER = re.compile(r"per_s(ec)?\b|/s$|throughput|samples_per|tokens_per|it/s|fps")
@@ -62,20 +63,27 @@ class JobReport:
     world_size: int
     metrics: list[MetricReport]
     damage: list[str] = field(default_factory=list)  # what damaged logs lost
+    warnings: list[str] = field(default_factory=list)  # what was assumed about ranks
 
     def to_dict(self) -> dict:
         return _finite(asdict(self))
 
 
 def report(
-    paths: Sequence[str | Path], metrics: Sequence[str] = (), job: str | None = None
+    paths: Sequence[str | Path],
+    metrics: Sequence[str] = (),
+    job: str | None = None,
+    hints: Hints | None = None,
 ) -> list[JobReport]:
-    """A report per job found under `paths` (or for `job`); `metrics` narrows the keys."""
+    """A report per job found under `paths` (or for `job`); `metrics` narrows the keys;
+    `hints` say how to read the ranks of runs written without wbmerge."""
     reports = []
     with streaming():
-        found_jobs = group_jobs(discover(paths), job, allow_missing_ranks=True)
+        found_jobs = group_jobs(discover(paths, hints=hints), job, allow_missing_ranks=True)
         for found in found_jobs:
-            reports.append(_job_report(found, metrics))
+            made = _job_report(found, metrics)
+            made.warnings = found.warnings
+            reports.append(made)
     return reports
 
 

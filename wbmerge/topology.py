@@ -1,4 +1,4 @@
-"""Who a rank is: pure functions from torchrun's environment or from `x_label`s to `RankInfo`.
+"""Who a rank is: pure functions from a launcher's environment to `RankInfo`.
 
 These rules reproduce the online Flyte W&B plugin, so offline and online jobs line up:
 labels are `rank-{r}` on one node and `worker-{w}-rank-{lr}` on several, and a job is
@@ -7,15 +7,11 @@ multi-node when `WORLD_SIZE // LOCAL_WORLD_SIZE > 1`.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 METADATA_KEY = "wbmerge"  # config key under which every rank records its RankInfo
-
-_SINGLE_NODE_LABEL = re.compile(r"^rank-(\d+)$")
-_MULTI_NODE_LABEL = re.compile(r"^worker-(\d+)-rank-(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -123,47 +119,6 @@ def _int(value: str | None, default: int) -> int:
         return int(value) if value not in (None, "") else default
     except ValueError:
         return default
-
-
-def parse_label(label: str) -> tuple[int | None, int | None, int | None]:
-    """(worker, local_rank, rank) from a plugin-style label; (None, None, None) otherwise."""
-    match = _MULTI_NODE_LABEL.match(label)
-    if match:
-        return int(match[1]), int(match[2]), None
-    match = _SINGLE_NODE_LABEL.match(label)
-    if match:
-        rank = int(match[1])
-        return 0, rank, rank
-    return None, None, None
-
-
-def is_plugin_label(label: str) -> bool:
-    return parse_label(label) != (None, None, None)
-
-
-def infer_from_labels(labels: Iterable[str]) -> dict[str, RankInfo]:
-    """Topology of a job known only by its ranks' plugin-style labels.
-
-    Single-node labels give rank and world size (the highest rank + 1). Multi-node labels
-    give worker and local rank; the local world size is the largest local rank seen + 1 and
-    global ranks are `worker * local_world_size + local_rank`, as torchrun assigns them.
-    Labels that follow neither convention are left out.
-    """
-    parsed = {label: parse_label(label) for label in set(labels)}
-    single = {label: p for label, p in parsed.items() if p[2] is not None}
-    multi = {label: p for label, p in parsed.items() if p[2] is None and p[0] is not None}
-    result: dict[str, RankInfo] = {}
-    if single and not multi:
-        world = max(p[2] for p in single.values()) + 1
-        for label, (_, _, rank) in single.items():
-            result[label] = RankInfo(rank, rank, world, world, 0)
-    elif multi and not single:
-        local_world = max(p[1] for p in multi.values()) + 1
-        workers = max(p[0] for p in multi.values()) + 1
-        for label, (worker, local_rank, _) in multi.items():
-            rank = worker * local_world + local_rank
-            result[label] = RankInfo(rank, local_rank, workers * local_world, local_world, worker)
-    return result
 
 
 def with_job(info: RankInfo, job_id: str | None) -> RankInfo:

@@ -327,6 +327,46 @@ def read_head(stream: BinaryIO, blocks: int) -> tuple[list[bytes], bytes | None]
     return list(frames.payloads()), b"".join(partial) if partial else None
 
 
+def read_tail(stream: BinaryIO, blocks: int = 1) -> list[bytes]:
+    """The payloads of the whole, CRC-valid records that start in the last `blocks` blocks.
+
+    Reading the end of a log alone tells what a run did last (its exit record, its latest
+    timestamps) without reading all of it. A record that began in an earlier block is
+    skipped; a chunk that fails its CRC ends the walk of its block.
+    """
+    size = stream.seek(0, os.SEEK_END)
+    if size <= len(FILE_HEADER):
+        return []
+    start = max(0, ((size - 1) // BLOCK_SIZE - (blocks - 1)) * BLOCK_SIZE)
+    stream.seek(start)
+    data = stream.read(size - start)
+    payloads: list[bytes] = []
+    partial: list[bytes] | None = None
+    for block_start in range(0, len(data), BLOCK_SIZE):
+        pos = block_start + (len(FILE_HEADER) if start + block_start == 0 else 0)
+        end = min(block_start + BLOCK_SIZE, len(data))
+        while end - pos >= CHUNK_HEADER_SIZE:
+            checksum, length, kind = _CHUNK_HEADER.unpack_from(data, pos)
+            body = pos + CHUNK_HEADER_SIZE
+            if (checksum, length, kind) == (0, 0, 0) or body + length > end:
+                break
+            if crc32(data[pos + _TYPE_AT : body + length]) != checksum:
+                partial = None
+                break
+            piece = data[body : body + length]
+            if kind == FULL:
+                payloads.append(piece)
+            elif kind == FIRST:
+                partial = [piece]
+            elif partial is not None and kind == MIDDLE:
+                partial.append(piece)
+            elif partial is not None and kind == LAST:
+                payloads.append(b"".join([*partial, piece]))
+                partial = None
+            pos = body + length
+    return payloads
+
+
 def _count_chunks_after(block: bytes, pos: int, limit: int) -> int:
     """How many whole, CRC-valid chunks follow `pos` in a block that is being dropped.
 

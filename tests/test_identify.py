@@ -1,0 +1,419 @@
+"""Table tests of how runs written without wbmerge get their ranks and jobs (pure rules)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from wbmerge.cli import main
+from wbmerge.hints import make_hints
+from wbmerge.jobs import GivenRank, Hints, RunFacts, identify
+from wbmerge.rankclaims import compile_pattern, config_claim, parse_spelling, parse_with_pattern
+from wbmerge.topology import RankInfo
+
+from .conftest import job_dir
+
+# text -> (node, number, form); None: the text spells no rank
+SPELLINGS = [
+    ("rank-3", None, 3, "rank-{}"),
+    ("rank_3", None, 3, "rank_{}"),
+    ("rank3", None, 3, "rank{}"),
+    ("Rank 3", None, 3, "rank {}"),
+    ("RANK_12", None, 12, "rank_{}"),
+    ("gpu3", None, 3, "gpu{}"),
+    ("gpu-0", None, 0, "gpu-{}"),
+    ("worker-1-rank-0", 1, 0, "worker-{}-rank-{}"),
+    ("node1_rank0", 1, 0, "node{}_rank{}"),
+    ("node1-gpu0", 1, 0, "node{}-gpu{}"),
+    ("Node 2 Rank 5", 2, 5, "node {} rank {}"),
+    ("host-a-rank-3", "host-a", 3, "{}-rank-{}"),
+    ("dgx-a100-07_rank1", "dgx-a100-07", 1, "{}_rank{}"),
+    ("trainer-rank-2", "trainer", 2, "{}-rank-{}"),
+]
+NOT_A_RANK = [
+    "worker-a",
+    "worker-3",  # a worker alone is not a rank
+    "rank",
+    "rank-",
+    "3",
+    "rank-3-4",  # two unrelated numbers
+    "seed42_rank0",  # a number glued to a word, then a rank: two unrelated numbers
+    "exp2-rank3",
+    "gpu0-rank3",
+    "lr0.1_bs32",
+    "rank--3",
+    "rank 3 of 8",
+    "vivid-sun-12",
+    "",
+]
+
+
+@pytest.mark.parametrize("text, node, number, form", SPELLINGS)
+def test_label_spellings(text, node, number, form):
+    claim = parse_spelling(text)
+    assert claim is not None
+    assert (claim.node, claim.number, claim.form) == (node, number, form)
+    assert claim.rank is None and claim.local_rank is None  # global or local: the job decides
+
+
+@pytest.mark.parametrize("text", NOT_A_RANK)
+def test_texts_that_spell_no_rank(text):
+    assert parse_spelling(text) is None
+
+
+@pytest.mark.parametrize(
+    "pattern, text, expected",
+    [
+        ("rank_{rank}", "rank_7", (7, None, None)),
+        ("trainer.{rank}", "trainer.7", (7, None, None)),
+        ("trainer.{rank}", "trainerX7", None),  # the dot is literal
+        ("n{worker}g{local_rank}", "n3g1", (None, 1, 3)),
+        ("{local_rank}@{worker}", "0@2", (None, 0, 2)),
+        ("rank_{rank}", "rank_7b", None),
+    ],
+)
+def test_label_patterns(pattern, text, expected):
+    claim = parse_with_pattern(text, compile_pattern(pattern), "label")
+    if expected is None:
+        assert claim is None
+    else:
+        assert (claim.rank, claim.local_rank, claim.node) == expected
+
+
+@pytest.mark.parametrize(
+    "pattern", ["rank_{rnak}", "{worker}", "{rank}-{rank}", "plain text", "rank_{}"]
+)
+def test_bad_label_patterns_are_one_line_errors(pattern):
+    result = CliRunner().invoke(
+        main, ["inspect", str(job_dir("plain_labels")), "--label-pattern", pattern]
+    )
+    assert result.exit_code == 2
+    assert result.stderr.startswith("wbmerge: error: bad --label-pattern")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ({"rank": 3, "world_size": 8}, (3, None, 8, None, None)),
+        ({"RANK": "3", "World_Size": 8}, (3, None, 8, None, None)),
+        ({"global_rank": 5, "local_rank": 1, "local_world_size": 4}, (5, 1, None, 4, None)),
+        ({"rank": 5, "node_rank": 1}, (5, None, None, None, 1)),
+        ({"rank": 5, "group_rank": 1}, (5, None, None, None, 1)),
+        ({"rank": 2.0}, (2, None, None, None, None)),
+        ({"rank": True}, None),
+        ({"rank": -1}, None),
+        ({"rank": "three"}, None),
+        ({"world_size": 4}, None),
+        ({"lr": 0.1}, None),
+    ],
+)
+def test_config_claims(config, expected):
+    claim = config_claim(config)
+    if expected is None:
+        assert claim is None
+    else:
+        got = (claim.rank, claim.local_rank, claim.world_size, claim.local_world_size, claim.node)
+        assert got == expected
+
+
+def facts(run_id, start=0.0, end=100.0, **kw):
+    return RunFacts(run_id=run_id, project="p", start=start, end=end, **kw)
+
+
+def places(runs, hints=None):
+    """run id -> (rank, local rank, worker, world, local world, source, label, job id)."""
+    found = identify(runs, hints)
+    assert not found.problems, found.problems
+    return {
+        runs[i].run_id: (
+            ident.rank.rank,
+            ident.rank.local_rank,
+            ident.rank.worker,
+            ident.rank.world_size,
+            ident.rank.local_world_size,
+            ident.source,
+            ident.label,
+            ident.rank.job_id,
+        )
+        for i, ident in found.identities.items()
+    }
+
+
+def test_single_node_labels_keep_their_spelling():
+    runs = [facts(f"r{i}", start=i, label=f"rank_{i}") for i in (2, 0, 1)]
+    assert places(runs) == {
+        "r0": (0, 0, 0, 3, 3, "label", "rank_0", "r0"),
+        "r1": (1, 1, 0, 3, 3, "label", "rank_1", "r0"),
+        "r2": (2, 2, 0, 3, 3, "label", "rank_2", "r0"),
+    }
+
+
+def test_node_labels_that_count_from_zero_per_node_are_local_ranks():
+    runs = [facts(f"r{w}{lr}", label=f"node{w}_rank{lr}") for w in (0, 1) for lr in (0, 1)]
+    got = places(runs)
+    assert {k: v[:5] for k, v in got.items()} == {
+        "r00": (0, 0, 0, 4, 2),
+        "r01": (1, 1, 0, 4, 2),
+        "r10": (2, 0, 1, 4, 2),
+        "r11": (3, 1, 1, 4, 2),
+    }
+    assert got["r10"][6] == "node1_rank0"
+
+
+def test_node_labels_with_distinct_numbers_are_global_ranks():
+    labels = ["node0_rank0", "node0_rank1", "node1_rank2", "node1_rank3"]
+    runs = [facts(f"r{i}", label=label) for i, label in enumerate(labels)]
+    got = places(runs)
+    assert [got[f"r{i}"][:5] for i in range(4)] == [
+        (0, 0, 0, 4, 2),
+        (1, 1, 0, 4, 2),
+        (2, 0, 1, 4, 2),
+        (3, 1, 1, 4, 2),
+    ]
+
+
+def test_named_hosts_in_labels_are_workers_in_name_order():
+    runs = [facts(f"{h}{r}", label=f"host-{h}-rank-{r}") for h in "ba" for r in (0, 1)]
+    got = places(runs)
+    assert got["a1"][:5] == (1, 1, 0, 4, 2)
+    assert got["b0"][:5] == (2, 0, 1, 4, 2)
+
+
+def test_the_recorded_host_tells_nodes_apart_when_nothing_else_does():
+    # global ranks from the config, two hosts: the ranks of a host are one worker
+    runs = [
+        facts(f"r{rank}", host="node-b" if rank >= 2 else "node-a", config={"rank": rank})
+        for rank in (3, 0, 2, 1)
+    ]
+    got = places(runs)
+    assert [got[f"r{r}"][:5] for r in range(4)] == [
+        (0, 0, 0, 4, 2),
+        (1, 1, 0, 4, 2),
+        (2, 0, 1, 4, 2),
+        (3, 1, 1, 4, 2),
+    ]
+    assert got["r2"][5:7] == ("config", "worker-1-rank-0")  # no label: the plugin's
+
+
+def test_gpu_numbers_that_repeat_across_hosts_are_local_ranks():
+    runs = [facts(f"{h}{g}", host=h, label=f"gpu{g}") for h in ("x", "y") for g in (0, 1)]
+    got = places(runs)
+    assert got["y1"][:5] == (3, 1, 1, 4, 2)
+    # `gpu1` names a rank on each host: one label for two ranks would mix their keys in a
+    # shared run, so the job is labelled the plugin's way, with a warning.
+    assert got["y1"][6] == "worker-1-rank-1"
+    [warning] = identify(runs).warnings
+    assert "share a label" in warning.message
+
+
+def test_the_name_says_the_rank_when_the_label_does_not():
+    runs = [facts(f"r{i}", name=f"rank-{i}", label=None) for i in (0, 1)]
+    got = places(runs)
+    assert got["r1"] == (1, 1, 0, 2, 2, "name", "rank-1", "r0")
+
+
+def test_sources_most_explicit_first():
+    info = RankInfo(1, 1, 2, 2, 0, job_id="job-a")
+    runs = [
+        facts("meta", metadata=info, metadata_label="rank-1", config={"rank": 0}),
+        facts("conf", config={"rank": 1}, label="rank_0", name="rank-0"),
+        facts("conf0", config={"rank": 0}, label="rank_9"),
+    ]
+    got = places(runs)
+    assert got["meta"][5:] == ("wbmerge", "rank-1", "job-a")
+    assert got["conf"][:1] + got["conf"][5:6] == (1, "config")
+    assert got["conf0"][:1] == (0,)
+
+
+def test_given_ranks_win_over_everything():
+    runs = [facts("a", label="rank_0"), facts("b", label="rank_1")]
+    hints = Hints(given={"a": GivenRank(1), "b": GivenRank(0)})
+    got = places(runs, hints)
+    assert got["a"][0] == 1 and got["a"][5] == "given" and got["a"][7] == "b"
+    hints = Hints(given={"a": GivenRank(1, job="my-job"), "b": GivenRank(0, job="my-job")})
+    assert {v[7] for v in places(runs, hints).values()} == {"my-job"}
+
+
+def test_a_label_pattern_comes_before_the_built_in_spellings():
+    runs = [facts("a", label="rank3-of-4"), facts("b", label="rank1-of-4")]
+    hints = Hints(label_pattern=compile_pattern("rank{rank}-of-4"))
+    got = places(runs, hints)
+    assert (got["a"][0], got["b"][0]) == (3, 1)
+
+
+def test_nothing_said_numbers_by_start_order_with_main_first_and_warns_once():
+    runs = [
+        facts("late", start=5.0, name="calm-sea-3"),
+        facts("early", start=1.0),
+        facts("boss", start=9.0, job_type="main", label="leader"),
+    ]
+    found = identify(runs)
+    ranks = {runs[i].run_id: (x.rank.rank, x.source, x.label) for i, x in found.identities.items()}
+    assert ranks == {
+        "boss": (0, "order", "leader"),
+        "early": (1, "order", "early"),
+        "late": (2, "order", "calm-sea-3"),
+    }
+    assert len(found.warnings) == 1 and "start order" in found.warnings[0].message
+
+
+def test_a_single_run_that_says_nothing_is_a_job_of_one_rank_without_warning():
+    found = identify([facts("solo")])
+    [ident] = found.identities.values()
+    assert (ident.rank.rank, ident.rank.world_size, ident.rank.job_id) == (0, 1, "solo")
+    assert not found.warnings and not found.problems
+
+
+# Job grouping: run id -> (group, project, start, end, label); expected jobs as sets of ids.
+GROUPING = [
+    (
+        "the same group is one job, whatever the labels",
+        [("a", "g", "p", 0, 10, "rank_0"), ("b", "g", "p", 1, 10, "gpu1")],
+        [{"a", "b"}],
+    ),
+    (
+        "two groups are two jobs, even overlapping in time",
+        [("a", "g1", "p", 0, 10, "rank_0"), ("b", "g2", "p", 0, 10, "rank_0")],
+        [{"a"}, {"b"}],
+    ),
+    (
+        "one group used twice, one run after the other, is two jobs",
+        [
+            ("a0", "DDP", "p", 0, 10, None),
+            ("a1", "DDP", "p", 1, 10, None),
+            ("b0", "DDP", "p", 20, 30, None),
+            ("b1", "DDP", "p", 21, 29, None),
+        ],
+        [{"a0", "a1"}, {"b0", "b1"}],
+    ),
+    (
+        "the same group in two projects is two jobs",
+        [("a", "g", "p", 0, 10, None), ("b", "g", "q", 0, 10, None)],
+        [{"a"}, {"b"}],
+    ),
+    (
+        "no group: overlapping runs that spell labels alike are one job",
+        [("a", "", "p", 0, 10, "rank_0"), ("b", "", "p", 2, 5, "rank_1")],
+        [{"a", "b"}],
+    ),
+    (
+        "no group: overlapping runs that spell labels differently are two jobs",
+        [("a", "", "p", 0, 10, "rank_0"), ("b", "", "p", 2, 5, "gpu0")],
+        [{"a"}, {"b"}],
+    ),
+    (
+        "no group: runs apart in time are two jobs",
+        [("a", "", "p", 0, 10, "rank_0"), ("b", "", "p", 11, 20, "rank_0")],
+        [{"a"}, {"b"}],
+    ),
+    (
+        "overlap is transitive: a short run inside a long one joins it",
+        [
+            ("long", "", "p", 0, 100, "rank_0"),
+            ("short", "", "p", 1, 2, "rank_1"),
+            ("late", "", "p", 50, 60, "rank_2"),
+        ],
+        [{"long", "short", "late"}],
+    ),
+]
+
+
+@pytest.mark.parametrize("case, table, expected", GROUPING, ids=[c[0] for c in GROUPING])
+def test_job_grouping(case, table, expected):
+    runs = [
+        RunFacts(run_id=i, group=g, project=p, start=s, end=e, label=lab)
+        for i, g, p, s, e, lab in table
+    ]
+    found = identify(runs)
+    jobs: dict[str, set[str]] = {}
+    for index, ident in found.identities.items():
+        jobs.setdefault(ident.rank.job_id, set()).add(runs[index].run_id)
+    assert not found.problems
+    assert sorted(jobs.values(), key=sorted) == sorted(expected, key=sorted)
+
+
+def test_two_runs_claiming_one_rank_name_both_runs_and_the_options():
+    runs = [
+        facts("a", label="rank_0", name="first"),
+        facts("b", label="rank_0", name="second"),
+        facts("c", label="rank_1"),
+    ]
+    found = identify(runs)
+    assert not found.identities
+    [problem] = found.problems
+    for fragment in ("a (label 'rank_0', name 'first'", "b (label 'rank_0'", "--ranks"):
+        assert fragment in problem.message
+
+
+def test_a_run_that_says_nothing_beside_runs_that_do_is_named():
+    runs = [facts("a", group="g", label="rank_0"), facts("quiet", group="g")]
+    [problem] = identify(runs).problems
+    assert problem.message.startswith("quiet (no label)") and "--label-pattern" in problem.message
+
+
+def test_ranks_file_json_and_csv(tmp_path):
+    (tmp_path / "r.json").write_text(json.dumps({"a": 1, "b": {"rank": 0, "job": "j"}}))
+    hints = make_hints(ranks_file=tmp_path / "r.json")
+    assert hints.given == {"a": GivenRank(1), "b": GivenRank(0, job="j")}
+    (tmp_path / "r.csv").write_text("run_id,rank,local_rank,worker\na,3,1,1\nb,0,0,0\n")
+    hints = make_hints(ranks_file=tmp_path / "r.csv")
+    assert hints.given["a"] == GivenRank(3, local_rank=1, worker=1)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"a": -1}', "rank must be a whole number"),
+        ('{"a:b": 1}', "invalid run id"),
+        ('{"a": {"rank": 1, "worker": 0}}', "local_rank and worker together"),
+        ("run,rank\na,1\n", "header with run_id and rank"),
+        ("run_id,rank\na,1\na,2\n", "given twice"),
+    ],
+)
+def test_bad_ranks_files_are_one_line_errors(tmp_path, content, message):
+    path = tmp_path / "ranks.txt"
+    path.write_text(content)
+    result = CliRunner().invoke(
+        main, ["inspect", str(job_dir("no_metadata")), "--ranks", str(path)]
+    )
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_ranks_file_reorders_real_runs_and_names_unknown_ids(tmp_path):
+    runs = json.loads(
+        CliRunner().invoke(main, ["inspect", str(job_dir("no_metadata")), "--json"]).output
+    )
+    by_rank = {r["rank"]: r["run_id"] for r in runs}
+    swapped = {by_rank[0]: 1, by_rank[1]: 0}
+    (tmp_path / "ranks.json").write_text(json.dumps(swapped))
+    result = CliRunner().invoke(
+        main,
+        ["inspect", str(job_dir("no_metadata")), "--json", "--ranks", str(tmp_path / "ranks.json")],
+    )
+    assert result.exit_code == 0, result.output
+    got = {r["run_id"]: (r["rank"], r["source"]) for r in json.loads(result.output)}
+    assert got == {by_rank[0]: (1, "given"), by_rank[1]: (0, "given")}
+    (tmp_path / "ranks.json").write_text(json.dumps({**swapped, "nosuchrun": 2}))
+    result = CliRunner().invoke(
+        main, ["inspect", str(job_dir("no_metadata")), "--ranks", str(tmp_path / "ranks.json")]
+    )
+    assert result.exit_code == 2 and "nosuchrun" in result.stderr
+
+
+def test_plain_runs_of_two_directories_are_one_job_when_they_overlap(tmp_path):
+    # plugin-labelled runs split over two directories (as two nodes' disks would be)
+    runs = sorted((job_dir("plain_labels_2x2") / "wandb").iterdir())
+    for index, run_dir in enumerate(runs):
+        shutil.copytree(run_dir, tmp_path / f"node{index % 2}" / "wandb" / run_dir.name)
+    result = CliRunner().invoke(
+        main, ["inspect", "--json", str(tmp_path / "node0"), str(tmp_path / "node1")]
+    )
+    rows = json.loads(result.output)
+    assert len({r["job_id"] for r in rows}) == 1
+    assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3]

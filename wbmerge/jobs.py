@@ -1,0 +1,439 @@
+"""Which runs make one job, and which rank each run is (pure: no files are read here).
+
+Discovery reads what each run says about itself into a `RunFacts`; `identify` turns the
+facts of all runs found into an `Identity` (rank, topology, job id, label, and where the
+rank came from) per run, or a `Notice` that names the runs and the option that resolves it.
+
+The rules, most explicit first:
+
+1. A run's rank comes from `--ranks FILE` (`given`), its `wbmerge` config block, its config
+   keys (`rank`, `local_rank`, `world_size`, ...), its `x_label` (`--label-pattern` first,
+   then the common spellings of `rankclaims`), its display name, likewise; and when no run
+   of a job says anything, from the order the runs started in (`order`).
+2. Runs with a `wbmerge` block belong to the job its `job_id` names. The others are told
+   apart by what they share: the same group (and project), or, without a group, the same
+   project and the same spelling of their labels (or names); in either case only runs that
+   overlap in time are one job. Two groups are two jobs, whatever their directory.
+3. A label's number after a node (`node1_rank0`) is a local rank when every node counts
+   from 0, else a global rank when the numbers are distinct. For example
+   `node0_rank0, node0_rank1, node1_rank0, node1_rank1` is two nodes of local ranks 0-1
+   (global ranks 0-3), while `node0_rank0, node0_rank1, node1_rank2, node1_rank3` names the
+   global ranks. Without a node in the label, the host a run was written on tells the nodes
+   apart: the ranks of one host are one worker, the hosts ordered by their lowest rank.
+4. A job without a `wbmerge` block takes the offline id of its rank-0 run as its job id.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from . import rankclaims
+from .rankclaims import Claim
+from .topology import RankInfo, validate
+
+RESOLVE_HINT = "say each run's rank with --ranks FILE (run id -> rank) or --label-pattern"
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What one run says about itself, as discovery read it."""
+
+    run_id: str
+    project: str = ""
+    group: str = ""
+    job_type: str = ""
+    start: float = 0.0
+    end: float = 0.0  # the latest time the run's records show (its start when unknown)
+    host: str = ""
+    label: str | None = None  # x_label, as written
+    name: str = ""  # display name
+    config: Mapping[str, object] = field(default_factory=dict)  # the run's config values
+    metadata: RankInfo | None = None  # from the `wbmerge` block, with its job id
+    metadata_label: str | None = None
+    where: str = ""  # how to name the run to the user (its directory)
+
+    def describe(self) -> str:
+        """`abc123 (label 'rank_2', name 'rank-2', wandb/offline-run-...)`."""
+        parts = [f"label {self.label!r}" if self.label else "no label"]
+        if self.name:
+            parts.append(f"name {self.name!r}")
+        if self.where:
+            parts.append(self.where)
+        return f"{self.run_id} ({', '.join(parts)})"
+
+
+@dataclass(frozen=True)
+class GivenRank:
+    """One row of `--ranks FILE`."""
+
+    rank: int
+    local_rank: int | None = None
+    worker: int | None = None
+    restart: int = 0
+    job: str | None = None
+
+
+@dataclass(frozen=True)
+class Hints:
+    """What the user says about ranks: a label pattern, and ranks given outright."""
+
+    label_pattern: re.Pattern[str] | None = None
+    given: Mapping[str, GivenRank] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Identity:
+    rank: RankInfo  # with the job id
+    source: str  # one of rankclaims.SOURCES
+    label: str
+
+
+@dataclass(frozen=True)
+class Notice:
+    """One line about some runs: why they cannot be identified, or a warning."""
+
+    runs: tuple[int, ...]
+    message: str
+
+
+@dataclass
+class Identification:
+    identities: dict[int, Identity] = field(default_factory=dict)
+    problems: list[Notice] = field(default_factory=list)  # these runs stay unidentified
+    warnings: list[Notice] = field(default_factory=list)  # shown once per job
+
+
+def identify(runs: Sequence[RunFacts], hints: Hints | None = None) -> Identification:
+    """Identities for `runs` (indexed as given), problems, and warnings to show once."""
+    hints = hints or Hints()
+    result = Identification()
+    claims = {i: claim_of(run, hints) for i, run in enumerate(runs)}
+    for i, run in enumerate(runs):
+        if run.metadata is not None and claims[i].source == "wbmerge":
+            label = run.metadata_label or run.label or run.metadata.label
+            result.identities[i] = Identity(run.metadata, "wbmerge", label)
+    rest = [i for i in range(len(runs)) if i not in result.identities]
+    for job_id, members in split_jobs(runs, claims, rest, hints):
+        _identify_job(runs, claims, members, result, job_id)
+    return result
+
+
+def claim_of(run: RunFacts, hints: Hints) -> Claim:
+    """The most explicit thing `run` says about its rank (source `order` if nothing)."""
+    given = hints.given.get(run.run_id)
+    if given is not None:
+        return Claim(
+            "given",
+            rank=given.rank,
+            local_rank=given.local_rank,
+            node=given.worker,
+            restart=given.restart,
+        )
+    if run.metadata is not None:
+        return Claim("wbmerge", rank=run.metadata.rank)
+    found = rankclaims.config_claim(run.config)
+    if found:
+        return found
+    for text, source in ((run.label, "label"), (run.name, "name")):
+        if text and hints.label_pattern is not None:
+            found = rankclaims.parse_with_pattern(text, hints.label_pattern, source)
+            if found:
+                return found
+    for text, source in ((run.label, "label"), (run.name, "name")):
+        found = rankclaims.parse_spelling(text, source) if text else None
+        if found:
+            return found
+    return Claim("order")
+
+
+def split_jobs(
+    runs: Sequence[RunFacts],
+    claims: Mapping[int, Claim],
+    members: Sequence[int],
+    hints: Hints | None = None,
+) -> list[tuple[str | None, list[int]]]:
+    """The runs of `members` (without a wbmerge job id) grouped into jobs (rule 2), each
+    with the job id the user gave it, if any.
+
+    Runs given in `--ranks FILE` form one job per value of its `job` column (that value is
+    the job's id), whenever they ran.
+    """
+    given = hints.given if hints else {}
+    buckets: dict[tuple, list[int]] = defaultdict(list)
+    chosen: dict[str | None, list[int]] = defaultdict(list)
+    for i in members:
+        run, claim = runs[i], claims[i]
+        if claim.source == "given":
+            chosen[given[run.run_id].job].append(i)
+        elif run.group:
+            buckets[("group", run.project, run.group)].append(i)
+        else:
+            buckets[("family", run.project, claim.source, claim.form)].append(i)
+    jobs: list[tuple[str | None, list[int]]] = [(job, found) for job, found in chosen.items()]
+    for found in buckets.values():
+        jobs.extend((None, job) for job in overlapping(runs, found))
+    return jobs
+
+
+def overlapping(runs: Sequence[RunFacts], members: Sequence[int]) -> list[list[int]]:
+    """`members` cut where no run is alive: runs that overlap in time, directly or through
+    others, are one job. E.g. runs alive at [0, 10], [1, 9], [12, 20] give two jobs."""
+    ordered = sorted(members, key=lambda i: (runs[i].start, runs[i].run_id))
+    jobs: list[list[int]] = []
+    alive_until = None
+    for i in ordered:
+        run = runs[i]
+        if alive_until is None or run.start > alive_until:
+            jobs.append([])
+            alive_until = run.start
+        jobs[-1].append(i)
+        alive_until = max(alive_until, run.end, run.start)
+    return jobs
+
+
+def _identify_job(
+    runs: Sequence[RunFacts],
+    claims: Mapping[int, Claim],
+    members: list[int],
+    out: Identification,
+    job_id: str | None = None,
+) -> None:
+    saying = [i for i in members if claims[i].says_rank]
+    silent = [i for i in members if not claims[i].says_rank]
+    if not saying:
+        _number_by_order(runs, members, out)
+        return
+    if silent:
+        names = ", ".join(runs[i].describe() for i in silent)
+        others = len(saying)
+        out.problems.append(
+            Notice(
+                tuple(members),
+                f"{names}: say(s) no rank while {others} other run(s) of the same job do; "
+                f"{RESOLVE_HINT}",
+            )
+        )
+        return
+    try:
+        places = place_ranks(runs, claims, members)
+    except _Unresolved as exc:
+        out.problems.append(Notice(tuple(members), f"{exc}; {RESOLVE_HINT}"))
+        return
+    _settle(runs, claims, members, places, out, job_id)
+
+
+class _Unresolved(Exception):
+    """A job's claims that do not make one topology (message names the runs)."""
+
+
+@dataclass(frozen=True)
+class Place:
+    rank: int
+    local_rank: int
+    worker: int
+    world_size: int
+    local_world_size: int
+
+
+def place_ranks(
+    runs: Sequence[RunFacts], claims: Mapping[int, Claim], members: Sequence[int]
+) -> dict[int, Place]:
+    """Global rank, local rank and worker of every run of one job from their claims.
+
+    Raises `_Unresolved` naming the runs when the claims contradict each other.
+    """
+    numbers = {i: claims[i] for i in members if claims[i].number is not None}
+    ranks: dict[int, int] = {i: c.rank for i in members if (c := claims[i]).rank is not None}
+    locals_: dict[int, int] = {}
+    nodes: dict[int, object] = {}
+    hosts = {runs[i].host for i in members}
+    for i in members:
+        claim = claims[i]
+        if claim.node is not None:
+            nodes[i] = claim.node
+        elif len(hosts) > 1:
+            nodes[i] = ("host", runs[i].host)
+        if claim.local_rank is not None:
+            locals_[i] = claim.local_rank
+    if numbers:
+        resolve_numbers(runs, numbers, nodes, ranks, locals_)
+    lws = {c.local_world_size for i in members if (c := claims[i]).local_world_size}
+    if len(lws) == 1 and len(nodes) < len(members) and len(ranks) == len(members):
+        size = lws.pop()
+        for i in members:
+            nodes.setdefault(i, ranks[i] // size)
+    return _places(runs, claims, members, ranks, locals_, nodes)
+
+
+def resolve_numbers(
+    runs: Sequence[RunFacts],
+    numbers: Mapping[int, Claim],
+    nodes: Mapping[int, object],
+    ranks: dict[int, int],
+    locals_: dict[int, int],
+) -> None:
+    """Decide whether the label numbers of a job are local or global ranks (rule 3)."""
+    by_node: dict[object, list[int]] = defaultdict(list)
+    for i, claim in numbers.items():
+        by_node[nodes.get(i)].append(claim.number)  # type: ignore[arg-type]
+    counts_from_zero = all(sorted(n) == list(range(len(n))) for n in by_node.values())
+    if len(by_node) > 1 and counts_from_zero:
+        locals_.update({i: c.number for i, c in numbers.items()})  # type: ignore[misc]
+        return
+    values = [c.number for c in numbers.values()]
+    if len(set(values)) == len(values):
+        ranks.update({i: c.number for i, c in numbers.items()})  # type: ignore[misc]
+        return
+    twice = sorted({v for v in values if values.count(v) > 1})  # type: ignore[type-var]
+    rank = twice[0]
+    names = " and ".join(runs[i].describe() for i, c in numbers.items() if c.number == rank)
+    raise _Unresolved(f"rank {rank} claimed by more than one run: {names}")
+
+
+def _places(
+    runs: Sequence[RunFacts],
+    claims: Mapping[int, Claim],
+    members: Sequence[int],
+    ranks: dict[int, int],
+    locals_: dict[int, int],
+    nodes: dict[int, object],
+) -> dict[int, Place]:
+    sizes = {c.world_size for i in members if (c := claims[i]).world_size}
+    if len(ranks) == len(members):
+        world = max([*ranks.values(), *(s - 1 for s in sizes)]) + 1
+        _check_distinct(runs, claims, ranks)
+        if not nodes:
+            return {i: Place(r, r, 0, world, world) for i, r in ranks.items()}
+        workers = _worker_order(nodes, ranks)
+        per_node: dict[object, list[int]] = defaultdict(list)
+        for i in members:
+            per_node[nodes.get(i)].append(i)
+        local_world = max(len(v) for v in per_node.values())
+        places = {}
+        for node, node_runs in per_node.items():
+            for position, i in enumerate(sorted(node_runs, key=ranks.__getitem__)):
+                local = locals_.get(i, position)
+                places[i] = Place(ranks[i], local, workers[node], world, local_world)
+        return places
+    missing = [i for i in members if i not in ranks and (i not in locals_ or i not in nodes)]
+    if missing:
+        names = ", ".join(runs[i].describe() for i in missing)
+        raise _Unresolved(f"{names}: rank or node unclear among the runs of its job")
+    workers = _worker_order(nodes, {})
+    local_world = max(locals_.values()) + 1
+    places = {}
+    for i in members:
+        worker = workers[nodes[i]]
+        rank = ranks.get(i, worker * local_world + locals_[i])
+        places[i] = Place(rank, locals_[i], worker, 0, local_world)
+    world = max(max(p.rank for p in places.values()) + 1, *sizes, len(set(workers.values())))
+    num_workers = max(workers.values()) + 1
+    world = max(world, num_workers * local_world)
+    _check_distinct(runs, claims, {i: p.rank for i, p in places.items()})
+    return {i: Place(p.rank, p.local_rank, p.worker, world, local_world) for i, p in places.items()}
+
+
+def _worker_order(nodes: Mapping[int, object], ranks: Mapping[int, int]) -> dict[object, int]:
+    """Worker index of each node: its own number (`node1`), else by lowest rank, else name."""
+    keys = set(nodes.values())
+    if keys and all(isinstance(k, int) for k in keys):
+        return {k: k for k in keys}  # type: ignore[misc]
+    lowest: dict[object, tuple] = {}
+    for i, node in nodes.items():
+        key = (ranks.get(i, 1 << 30), str(node))
+        lowest[node] = min(lowest.get(node, key), key)
+    return {node: index for index, node in enumerate(sorted(keys, key=lowest.__getitem__))}
+
+
+def _check_distinct(
+    runs: Sequence[RunFacts], claims: Mapping[int, Claim], ranks: Mapping[int, int]
+) -> None:
+    """Raise `_Unresolved` when two runs claim one rank (and restart)."""
+    seen: dict[tuple[int, int], int] = {}
+    for i, rank in sorted(ranks.items(), key=lambda item: runs[item[0]].start):
+        key = (rank, claims[i].restart)
+        if key in seen:
+            raise _Unresolved(
+                f"rank {rank} claimed by more than one run: "
+                f"{runs[seen[key]].describe()} and {runs[i].describe()}"
+            )
+        seen[key] = i
+
+
+def _settle(
+    runs: Sequence[RunFacts],
+    claims: Mapping[int, Claim],
+    members: list[int],
+    places: Mapping[int, Place],
+    out: Identification,
+    job_id: str | None = None,
+) -> None:
+    """Identities from places: the job id is rank 0's run id unless given, labels kept as
+    written."""
+    first = min(
+        members, key=lambda i: (places[i].rank, claims[i].restart, runs[i].start, runs[i].run_id)
+    )
+    job_id = job_id or runs[first].run_id
+    infos = {}
+    for i in members:
+        p = places[i]
+        restart = claims[i].restart
+        info = RankInfo(
+            p.rank, p.local_rank, p.world_size, p.local_world_size, p.worker, restart, job_id
+        )
+        try:
+            validate(info)
+        except ValueError as exc:
+            out.problems.append(
+                Notice(tuple(members), f"{runs[i].describe()}: {exc}; {RESOLVE_HINT}")
+            )
+            return
+        infos[i] = info
+    labels = {i: runs[i].label or infos[i].label for i in members}
+    if _shared_label(labels, {i: infos[i].rank for i in members}):
+        out.warnings.append(
+            Notice(
+                tuple(members),
+                f"job {job_id}: runs of different ranks share a label; "
+                "labelled rank-N / worker-W-rank-L instead",
+            )
+        )
+        labels = {i: infos[i].label for i in members}
+    for i in members:
+        out.identities[i] = Identity(infos[i], claims[i].source, labels[i])
+
+
+def _number_by_order(runs: Sequence[RunFacts], members: list[int], out: Identification) -> None:
+    """Rule 1's last resort: the run whose job type is `main` is rank 0, then start order."""
+    ordered = sorted(
+        members, key=lambda i: (runs[i].job_type != "main", runs[i].start, runs[i].run_id)
+    )
+    world = len(ordered)
+    job_id = runs[ordered[0]].run_id
+    labels = {i: runs[i].label or runs[i].name or runs[i].run_id for i in ordered}
+    if _shared_label(labels, {i: rank for rank, i in enumerate(ordered)}):
+        labels = {i: runs[i].run_id for i in ordered}  # offline run ids are unique
+    for rank, i in enumerate(ordered):
+        info = RankInfo(rank, rank, world, world, 0, 0, job_id)
+        out.identities[i] = Identity(info, "order", labels[i])
+    if world > 1:
+        order = ", ".join(f"{rank}={runs[i].run_id}" for rank, i in enumerate(ordered))
+        out.warnings.append(
+            Notice(
+                tuple(members),
+                f"job {job_id}: no run says its rank, so ranks were assumed from start "
+                f"order (rank=run: {order}); {RESOLVE_HINT}",
+            )
+        )
+
+
+def _shared_label(labels: Mapping[int, str], ranks: Mapping[int, int]) -> bool:
+    """True when two runs of different ranks have one label (restarts of a rank may)."""
+    owner: dict[str, int] = {}
+    for i, label in labels.items():
+        if owner.setdefault(label, ranks[i]) != ranks[i]:
+            return True
+    return False

@@ -1,0 +1,195 @@
+"""What one run says about its rank, read from its label, its name or its config (pure).
+
+Runs written without wbmerge carry their rank, if at all, the way their authors wrote it:
+an `x_label` such as `rank_0` (W&B's shared-mode guide), `rank0` (its UI example),
+`rank-0` (the Flyte plugin), a display name `rank-3`, a config `{"rank": 3}`, or a
+multi-node form such as `worker-1-rank-0`, `node1_rank0`, `node1-gpu0` or `host-a-rank-3`.
+Each function here turns one such text into a `Claim`; `jobs.py` puts the claims of a
+job's runs together. A label is never rewritten: it stays what the user sees in W&B.
+
+A label's number is deliberately left undecided between a global and a local rank when it
+follows a node (`node1_rank0`): only the whole job can tell (see `jobs.resolve_numbers`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+SOURCES = ("wbmerge", "config", "label", "name", "order", "given")
+
+_SEP = r"[-_. ]?"
+_RANK_WORD = r"(?P<word>rank|gpu)"
+# `rank3`, `rank_3`, `Rank 3`, `gpu3`: the number is the rank on a single node.
+_PLAIN = re.compile(rf"^{_RANK_WORD}{_SEP}(?P<n>\d+)$", re.IGNORECASE)
+# `worker-1-rank-0`, `node1_rank0`, `node1-gpu0`: a numbered node, then a rank.
+_NUMBERED_NODE = re.compile(
+    rf"^(?P<nodeword>worker|node|host|machine){_SEP}(?P<node>\d+){_SEP}{_RANK_WORD}{_SEP}(?P<n>\d+)$",
+    re.IGNORECASE,
+)
+# `host-a-rank-3`, `gpu-node-07_rank1`: a named node (a host name with a letter in it).
+_NAMED_NODE = re.compile(
+    rf"^(?P<node>[a-z0-9][a-z0-9.-]*?)[-_. ]{_RANK_WORD}{_SEP}(?P<n>\d+)$", re.IGNORECASE
+)
+_PATTERN_FIELDS = ("rank", "local_rank", "worker")
+
+# Config keys people use for a rank's place, lower-cased; the first key found wins.
+CONFIG_KEYS = {
+    "rank": ("rank", "global_rank"),
+    "local_rank": ("local_rank",),
+    "world_size": ("world_size",),
+    "local_world_size": ("local_world_size",),
+    "node": ("node_rank", "group_rank", "node"),
+}
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a run says about its place in a job; None where it says nothing.
+
+    `number` is a label's or name's rank number whose kind (global or local) is not yet
+    known; `rank` and `local_rank` are known to be what they say. `node` is a node's
+    number (`node1_rank0`) or name (`host-a-rank-3`). `form` is the spelling with the
+    numbers and the node name left out (`node{}_rank{}`), so that runs written by one
+    job, which spell their labels alike, can be told from another job's.
+    """
+
+    source: str
+    rank: int | None = None
+    local_rank: int | None = None
+    number: int | None = None
+    node: int | str | None = None
+    world_size: int | None = None
+    local_world_size: int | None = None
+    form: str = ""
+    restart: int = 0
+
+    @property
+    def says_rank(self) -> bool:
+        return self.rank is not None or self.number is not None or self.local_rank is not None
+
+
+def parse_spelling(text: str, source: str = "label") -> Claim | None:
+    """The rank a label or display name spells, or None when it spells none.
+
+    >>> parse_spelling("rank_3").number
+    3
+    >>> parse_spelling("node1-gpu0").node, parse_spelling("node1-gpu0").number
+    (1, 0)
+    >>> parse_spelling("worker-a") is None
+    True
+    """
+    text = text.strip()
+    match = _PLAIN.match(text)
+    if match:
+        return Claim(source, number=int(match["n"]), form=_form(text, match, ("n",)))
+    match = _NUMBERED_NODE.match(text)
+    if match:
+        form = _form(text, match, ("node", "n"))
+        return Claim(source, number=int(match["n"]), node=int(match["node"]), form=form)
+    match = _NAMED_NODE.match(text)
+    if match and _is_node_name(match["node"]):
+        form = _form(text, match, ("node", "n"))
+        return Claim(source, number=int(match["n"]), node=match["node"], form=form)
+    return None
+
+
+def _is_node_name(prefix: str) -> bool:
+    """A host-like prefix: letters only (`hosta`), or parts joined by `-` or `.` with a
+    letter somewhere (`host-a`, `dgx-a100-07`). A single word glued to a number
+    (`seed42-rank3`, `exp2_rank0`, `gpu0-rank3`) is two unrelated numbers, not a node."""
+    if prefix.isalpha():
+        return True
+    return bool(re.search(r"[-.]", prefix)) and bool(re.search(r"[a-z]", prefix, re.IGNORECASE))
+
+
+def _form(text: str, match: re.Match, fields: Iterable[str]) -> str:
+    """The text with the named groups replaced by `{}`, lower-cased: `Rank {}`."""
+    out, last = [], 0
+    for name in sorted(fields, key=match.start):
+        out += [text[last : match.start(name)], "{}"]
+        last = match.end(name)
+    return ("".join(out) + text[last:]).lower()
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """A regular expression for `--label-pattern` such as `rank_{rank}` or
+    `node{worker}-gpu{local_rank}`: the fields match whole numbers, the rest literally.
+
+    Raises ValueError for an unknown field, a field used twice, or no field at all.
+    """
+    parts = re.split(r"\{([^{}]*)\}", pattern)
+    regex, seen = [], set()
+    for index, part in enumerate(parts):
+        if index % 2 == 0:
+            regex.append(re.escape(part))
+            continue
+        if part not in _PATTERN_FIELDS:
+            raise ValueError(
+                f"unknown field {{{part}}} in label pattern {pattern!r} "
+                f"(fields: {', '.join('{' + f + '}' for f in _PATTERN_FIELDS)})"
+            )
+        if part in seen:
+            raise ValueError(f"field {{{part}}} twice in label pattern {pattern!r}")
+        seen.add(part)
+        regex.append(rf"(?P<{part}>\d+)")
+    if not seen & {"rank", "local_rank"}:
+        raise ValueError(f"label pattern {pattern!r} needs {{rank}} or {{local_rank}}")
+    return re.compile("^" + "".join(regex) + "$")
+
+
+def parse_with_pattern(text: str, pattern: re.Pattern[str], source: str) -> Claim | None:
+    """The claim a user's `--label-pattern` reads from a label or name, or None."""
+    match = pattern.match(text.strip())
+    if not match:
+        return None
+    fields = {k: int(v) for k, v in match.groupdict().items()}
+    worker = fields.get("worker")
+    return Claim(
+        source,
+        rank=fields.get("rank"),
+        local_rank=fields.get("local_rank"),
+        node=worker,
+        form=f"pattern:{pattern.pattern}",
+    )
+
+
+def config_claim(config: Mapping[str, object]) -> Claim | None:
+    """The rank a run's config states (`rank`/`global_rank`, `local_rank`, `world_size`,
+    `local_world_size`, `node_rank`/`group_rank`/`node`, any case); None without a rank."""
+    lowered = {str(k).lower(): v for k, v in config.items()}
+    found: dict[str, int] = {}
+    for field, keys in CONFIG_KEYS.items():
+        for key in keys:
+            value = _whole_number(lowered.get(key))
+            if value is not None:
+                found[field] = value
+                break
+    if "rank" not in found and "local_rank" not in found:
+        return None
+    return Claim("config", form="config", **found)
+
+
+def config_value(value_json: str) -> object:
+    """A config item's value: wandb stores some values as `{"value": ..., "desc": ...}`."""
+    try:
+        value = json.loads(value_json)
+    except ValueError:
+        return None
+    if isinstance(value, dict) and "value" in value and set(value) <= {"value", "desc"}:
+        return value["value"]
+    return value
+
+
+def _whole_number(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    return None
