@@ -72,3 +72,101 @@ def test_metadata_round_trip():
     block = info.to_metadata()
     assert block["label"] == "worker-1-rank-1" == label_for(5, 1, 1, True)
     assert RankInfo.from_metadata(block) == info
+
+
+def slurm(procid, ntasks, localid, nodeid, nnodes, **extra):
+    return {
+        "SLURM_PROCID": str(procid),
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_LOCALID": str(localid),
+        "SLURM_NODEID": str(nodeid),
+        "SLURM_NNODES": str(nnodes),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "0",
+        **extra,
+    }
+
+
+# environment -> (rank, local rank, world, local world, worker, restart, job id)
+LAUNCHERS = [
+    (
+        "srun, 2 nodes x 2 tasks, tasks per node as SLURM_TASKS_PER_NODE",
+        slurm(3, 4, 1, 1, 2, SLURM_TASKS_PER_NODE="2(x2)"),
+        (3, 1, 4, 2, 1, 0, "slurm-4242.0"),
+    ),
+    (
+        "srun, SLURM_NTASKS_PER_NODE and a restart",
+        slurm(2, 4, 0, 1, 2, SLURM_NTASKS_PER_NODE="2", SLURM_RESTART_COUNT="3"),
+        (2, 0, 4, 2, 1, 3, "slurm-4242.0"),
+    ),
+    (
+        "srun, one node",
+        slurm(1, 2, 1, 0, 1, SLURM_TASKS_PER_NODE="2"),
+        (1, 1, 2, 2, 0, 0, "slurm-4242.0"),
+    ),
+    (
+        "srun, uneven tasks per node: one unit",
+        slurm(4, 5, 1, 1, 2, SLURM_TASKS_PER_NODE="3,2"),
+        (4, 4, 5, 5, 0, 0, "slurm-4242.0"),
+    ),
+    (
+        "srun without a step id",
+        {**slurm(1, 2, 1, 0, 1, SLURM_TASKS_PER_NODE="2"), "SLURM_STEP_ID": ""},
+        (1, 1, 2, 2, 0, 0, "slurm-4242"),
+    ),
+    (
+        "Open MPI, 2 nodes x 4",
+        {
+            "OMPI_COMM_WORLD_RANK": "6",
+            "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+            "PMIX_NAMESPACE": "prterun-h-1234@1",
+        },
+        (6, 2, 8, 4, 1, 0, "mpi-prterun-h-1234@1"),
+    ),
+    (
+        "MPICH Hydra",
+        {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
+        (3, 1, 4, 2, 1, 0, None),
+    ),
+    (
+        "PMI without local variables: one node",
+        {"PMI_RANK": "2", "PMI_SIZE": "3"},
+        (2, 2, 3, 3, 0, 0, None),
+    ),
+    (
+        "torchrun inside an srun allocation: torchrun wins",
+        {**slurm(0, 8, 0, 0, 2, SLURM_TASKS_PER_NODE="4(x2)"), **env(5, 6, 2, 3, 1)},
+        (5, 2, 6, 3, 1, 0, None),
+    ),
+]
+
+
+@pytest.mark.parametrize("case, variables, expected", LAUNCHERS, ids=[c[0] for c in LAUNCHERS])
+def test_launcher_environments(case, variables, expected):
+    info = from_env(variables)
+    got = (
+        info.rank,
+        info.local_rank,
+        info.world_size,
+        info.local_world_size,
+        info.worker,
+        info.restart,
+        info.job_id,
+    )
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    "variables",
+    [
+        slurm(0, 1, 0, 0, 1),  # a single task
+        {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "4"},  # an allocation, not a task
+        {**slurm(0, 8, 0, 0, 2), "RANK": "0", "WORLD_SIZE": "1"},  # torchrun of one process
+        {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"},
+        {"PMI_RANK": "0"},
+    ],
+)
+def test_launchers_of_one_process_are_not_distributed(variables):
+    assert from_env(variables) is None

@@ -2,7 +2,8 @@
 
 These rules reproduce the online Flyte W&B plugin, so offline and online jobs line up:
 labels are `rank-{r}` on one node and `worker-{w}-rank-{lr}` on several, and a job is
-multi-node when `WORLD_SIZE // LOCAL_WORLD_SIZE > 1`.
+multi-node when `WORLD_SIZE // LOCAL_WORLD_SIZE > 1`. Besides torchrun, the launchers of
+clusters whose compute nodes have no internet (SLURM's `srun`, Open MPI, MPICH) are read.
 """
 
 from __future__ import annotations
@@ -84,34 +85,127 @@ def validate(info: RankInfo) -> None:
 
 
 def from_env(env: Mapping[str, str]) -> RankInfo | None:
-    """RankInfo from torchrun / torch elastic variables; None when not distributed.
+    """RankInfo from the launcher's variables; None when the process is not distributed.
 
-    Not distributed means `RANK` or `WORLD_SIZE` missing, or `WORLD_SIZE <= 1` (plugin rule).
-    Missing per-node variables default to a single node.
+    torchrun / torch elastic first (where its `RANK` and `WORLD_SIZE` are set, they alone
+    decide, also that a job of one process is not distributed), then SLURM's `srun`,
+    Open MPI's `mpirun` and MPICH's Hydra / PMI. A world of one process is not distributed.
     """
-    try:
-        rank = int(env["RANK"])
-        world_size = int(env["WORLD_SIZE"])
-    except (KeyError, ValueError):
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return _checked(_torchrun(env))
+    for reader in (_slurm, _open_mpi, _pmi):
+        info = reader(env)
+        if info is not None:
+            return _checked(info)
+    return None
+
+
+def _checked(info: RankInfo | None) -> RankInfo | None:
+    if info is None or info.world_size <= 1:
         return None
-    if world_size <= 1:
+    validate(info)
+    return info
+
+
+def _torchrun(env: Mapping[str, str]) -> RankInfo | None:
+    """torchrun's variables; missing per-node variables mean a single node."""
+    rank, world_size = _int(env.get("RANK"), -1), _int(env.get("WORLD_SIZE"), 0)
+    if rank < 0 or world_size < 1:
         return None
     local_world_size = _int(env.get("LOCAL_WORLD_SIZE"), world_size)
-    local_rank = _int(env.get("LOCAL_RANK"), rank % local_world_size)
-    worker = _int(env.get("GROUP_RANK"), rank // local_world_size)
     run_id = env.get("TORCHELASTIC_RUN_ID")
-    info = RankInfo(
+    return RankInfo(
         rank=rank,
-        local_rank=local_rank,
+        local_rank=_int(env.get("LOCAL_RANK"), rank % local_world_size),
         world_size=world_size,
         local_world_size=local_world_size,
-        worker=worker,
+        worker=_int(env.get("GROUP_RANK"), rank // local_world_size),
         restart=_int(env.get("TORCHELASTIC_RESTART_COUNT"), 0),
         # torchrun's default rendezvous id "none" is the same for every job: not an id.
         job_id=run_id if run_id and run_id != "none" else None,
     )
-    validate(info)
-    return info
+
+
+def _slurm(env: Mapping[str, str]) -> RankInfo | None:
+    """One task of `srun`: `SLURM_PROCID` of `SLURM_NTASKS`, `SLURM_LOCALID` on node
+    `SLURM_NODEID`. The job id is `slurm-{SLURM_JOB_ID}.{SLURM_STEP_ID}`, so that two
+    `srun` steps of one allocation are two jobs; restarts are `SLURM_RESTART_COUNT`."""
+    rank = _int(env.get("SLURM_PROCID"), -1)
+    world_size = _int(env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS"), 0)
+    if rank < 0 or world_size < 1:
+        return None
+    nodes = _int(env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES"), 1)
+    per_node = _int(env.get("SLURM_NTASKS_PER_NODE"), 0) or _tasks_per_node(
+        env.get("SLURM_TASKS_PER_NODE", "")
+    )
+    local_rank = _int(env.get("SLURM_LOCALID"), rank)
+    worker = _int(env.get("SLURM_NODEID"), 0)
+    if not per_node or per_node * nodes != world_size:
+        # Uneven tasks per node do not fit the plugin's topology (global rank =
+        # worker * local world + local rank): the job is then taken as one unit.
+        per_node, local_rank, worker = world_size, rank, 0
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
+    job_id = None
+    if job:
+        job_id = f"slurm-{job}" + (f".{step}" if step else "")
+    return RankInfo(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=per_node,
+        worker=worker,
+        restart=_int(env.get("SLURM_RESTART_COUNT"), 0),
+        job_id=job_id,
+    )
+
+
+def _tasks_per_node(value: str) -> int:
+    """The tasks on every node from `SLURM_TASKS_PER_NODE` (`4(x2)`, `4,4`); 0 when the
+    nodes differ (`3(x2),2`) or the value cannot be read."""
+    counts = set()
+    for part in filter(None, value.split(",")):
+        count = part.split("(", 1)[0]
+        if not count.isdigit():
+            return 0
+        counts.add(int(count))
+    return counts.pop() if len(counts) == 1 else 0
+
+
+def _open_mpi(env: Mapping[str, str]) -> RankInfo | None:
+    """A process of Open MPI's `mpirun`; ranks fill one node after another (its default
+    by-slot mapping), so the node is `rank // local size`."""
+    rank = _int(env.get("OMPI_COMM_WORLD_RANK"), -1)
+    world_size = _int(env.get("OMPI_COMM_WORLD_SIZE"), 0)
+    if rank < 0 or world_size < 1:
+        return None
+    per_node = _int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE"), world_size)
+    job = env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_ess_base_jobid")
+    return RankInfo(
+        rank=rank,
+        local_rank=_int(env.get("OMPI_COMM_WORLD_LOCAL_RANK"), rank % per_node),
+        world_size=world_size,
+        local_world_size=per_node,
+        worker=rank // per_node,
+        job_id=f"mpi-{job}" if job else None,
+    )
+
+
+def _pmi(env: Mapping[str, str]) -> RankInfo | None:
+    """A process of MPICH's Hydra (or another PMI launcher): `PMI_RANK` of `PMI_SIZE`,
+    with Hydra's `MPI_LOCALRANKID` / `MPI_LOCALNRANKS` where set. PMI gives no job id."""
+    rank = _int(env.get("PMI_RANK"), -1)
+    world_size = _int(env.get("PMI_SIZE"), 0)
+    if rank < 0 or world_size < 1:
+        return None
+    per_node = _int(env.get("MPI_LOCALNRANKS"), world_size)
+    return RankInfo(
+        rank=rank,
+        local_rank=_int(env.get("MPI_LOCALRANKID"), rank % per_node),
+        world_size=world_size,
+        local_world_size=per_node,
+        worker=rank // per_node,
+    )
 
 
 def _int(value: str | None, default: int) -> int:

@@ -1,7 +1,7 @@
 """The training side: one offline W&B run per rank that knows which rank wrote it.
 
 `wbmerge.init(...)` is `wandb.init(...)` for distributed jobs. It works out the rank from
-torchrun's environment, writes offline, labels the run like the Flyte plugin does, and
+the launcher's environment (torchrun, SLURM's srun, Open MPI, MPICH), writes offline, labels the run like the Flyte plugin does, and
 records a `wbmerge` block (rank, world size, worker, label, restart, job id) in the run's
 config, i.e. inside the `.wandb` file, so that a copied file still describes itself.
 
@@ -24,8 +24,8 @@ JOB_ID_ENV = "WBMERGE_JOB_ID"
 
 
 def detect_rank(env: Mapping[str, str] | None = None) -> RankInfo:
-    """This process's RankInfo: torchrun's variables, else an initialised process group,
-    else a single process. The job id is left as the environment gives it (maybe None)."""
+    """This process's RankInfo: the launcher's variables (torchrun's first), else an
+    initialised process group, else a single process. The job id is left as the environment gives it (maybe None)."""
     env = os.environ if env is None else env
     info = topology.from_env(env)
     if info is not None:
