@@ -7,8 +7,11 @@ Run it under torchrun, e.g.
 Every rank writes an offline W&B run under `<dir>/wandb/`. The options reproduce the
 situations wbmerge must handle (they are what `fixtures/make_fixtures.py` uses): ranks that
 log at different cadences, media and summary-only keys from a non-zero rank, a rank killed
-mid-training, a crash that torch elastic restarts, a deliberately slow rank, and plain
-`wandb.init` runs that only carry a plugin-style `x_label`.
+mid-training, a crash that torch elastic restarts, a deliberately slow rank, plain
+`wandb.init` runs that only carry a plugin-style `x_label`, and (`--recipe`) plain
+`wandb.init` exactly as W&B's own distributed-training guides write it. `--recipe legacy`
+also runs under wandb 0.16 and 0.19, which have neither `x_label` nor
+`x_stats_sampling_interval`.
 """
 
 from __future__ import annotations
@@ -49,12 +52,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="plain wandb.init: with the plugin's x_label only, or with nothing at all",
     )
+    p.add_argument(
+        "--recipe",
+        choices=sorted(RECIPES),
+        default=None,
+        help="plain wandb.init exactly as one of W&B's distributed-training recipes writes it",
+    )
     p.add_argument("--stats-interval", type=float, default=1.0)
     return p.parse_args(argv)
 
 
-def start_run(args: argparse.Namespace) -> wandb.Run:
+# The ways W&B's own distributed-training guides start a run on every rank (or on rank 0
+# only), each as a user copies it, offline: runs that carry no wbmerge block and, apart from
+# `shared-label`, `ui-label` and `node-label`, no label either. `legacy` is what wandb
+# versions without `x_label` (0.16, 0.19) allow: a name and a group.
+RECIPES = {
+    "group": "every rank: group='DDP' (track each process separately)",
+    "job-type": "job_type 'main' on rank 0, 'worker' on the others, group 'experiment_1'",
+    "shared-label": "the shared-mode settings, offline: x_label='rank_{rank}', x_primary",
+    "ui-label": "x_label='rank{rank}', the spelling of the console-log example",
+    "name": "name='rank-{rank}'",
+    "config": "config gets 'rank' and 'world_size'",
+    "node-label": "x_label='node{group_rank}_rank{local_rank}'",
+    "host": "config gets 'rank' and 'world_size'; each node is its own host",
+    "rank0-only": "only rank 0 calls wandb.init and logs",
+    "legacy": "name='rank-{rank}', group='DDP', a nested key and summary values",
+}
+
+
+def start_run(args: argparse.Namespace) -> wandb.Run | None:
     config = {"lr": 0.05, "batch": args.batch, "steps": args.steps, "model": "mlp-16-32-1"}
+    if args.recipe:
+        return start_recipe_run(args, config)
     settings = wandb.Settings(x_stats_sampling_interval=args.stats_interval)
     if not args.plain:
         return wbmerge.init(project=args.project, dir=args.dir, config=config, settings=settings)
@@ -68,6 +97,40 @@ def start_run(args: argparse.Namespace) -> wandb.Run:
     return wandb.init(
         project=args.project, dir=args.dir, config=config, settings=settings, mode="offline"
     )
+
+
+def start_recipe_run(args: argparse.Namespace, config: dict) -> wandb.Run | None:
+    """`wandb.init` as the recipe writes it, and nothing more (None on the ranks that the
+    recipe leaves without a run)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, group_rank = int(os.environ["LOCAL_RANK"]), int(os.environ["GROUP_RANK"])
+    init: dict = {"project": args.project, "dir": args.dir, "config": config, "mode": "offline"}
+    if args.recipe == "legacy":  # wandb 0.16 has neither x_label nor x_stats_sampling_interval
+        return wandb.init(**init, name=f"rank-{rank}", group="DDP")
+    settings = wandb.Settings(x_stats_sampling_interval=args.stats_interval)
+    init["settings"] = settings
+    if args.recipe == "group":
+        return wandb.init(**init, group="DDP")
+    if args.recipe == "job-type":
+        return wandb.init(**init, job_type="main" if rank == 0 else "worker", group="experiment_1")
+    if args.recipe == "shared-label":
+        settings.x_label = f"rank_{rank}"
+        settings.x_primary = rank == 0
+        return wandb.init(**init)
+    if args.recipe == "ui-label":
+        settings.x_label = f"rank{rank}"
+        return wandb.init(**init)
+    if args.recipe == "name":
+        return wandb.init(**init, name=f"rank-{rank}")
+    if args.recipe in ("config", "host"):
+        init["config"] = {**config, "rank": rank, "world_size": world}
+        return wandb.init(**init)
+    if args.recipe == "node-label":
+        settings.x_label = f"node{group_rank}_rank{local_rank}"
+        return wandb.init(**init)
+    if args.recipe == "rank0-only":
+        return wandb.init(**init) if rank == 0 else None
+    raise ValueError(f"unknown recipe {args.recipe!r}")
 
 
 def checkpoint_path(args: argparse.Namespace) -> Path:
@@ -84,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(1234)  # same initial weights on every rank
     model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=run.config["lr"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05 if run is None else run.config["lr"])
     generator = torch.Generator().manual_seed(rank)
     target = torch.randn(16, 1, generator=torch.Generator().manual_seed(7))
 
@@ -115,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rank {rank}: about to be killed at step {step}", flush=True)
             kill_self_and_writer()
 
-        if rank == 0 or step % args.every == 0:
+        if run is not None and (rank == 0 or step % args.every == 0):
             run.log(
                 {
                     "train/loss": loss.item(),
@@ -125,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 step=step,
             )
+        if run is not None and args.recipe == "legacy" and step % 3 == 0:
+            # a nested dict: newer wandb writes it as a nested key, older as one JSON value
+            run.log({"eval": {"loss": loss.item(), "rank": rank}}, step=step)
         if rank == args.media_rank and step == args.steps // 2:
             log_media(run, rank, step)
         if step % 10 == 0:
@@ -135,8 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     if rank == args.media_rank:
         run.summary["eval/best_loss"] = float(loss.item())
         run.summary["eval/notes"] = f"summary-only keys from rank {rank}"
+    if run is not None and args.recipe == "legacy":
+        run.summary["final/loss"] = float(loss.item())
+        run.summary["final/rank"] = rank
     dist.barrier()
-    run.finish()
+    if run is not None:
+        run.finish()
     dist.destroy_process_group()
     return 0
 
