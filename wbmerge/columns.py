@@ -101,6 +101,12 @@ def _history_of(step: np.ndarray, batch: items.Items, source: Source) -> Columns
     index, raw_keys = batch.key_codes()
     paths = [wire.key_path(raw) for raw in raw_keys]
     names = [".".join(path) for path in paths]
+    distinct = list(dict.fromkeys(names))
+    if len(distinct) < len(names):  # one key written as `key` and as `nested_key`: one name
+        position = {name: at for at, name in enumerate(distinct)}
+        index = np.array([position[name] for name in names], np.int64)[index]
+        paths = [paths[names.index(name)] for name in distinct]
+        names = distinct
     user = np.flatnonzero(np.array([path[0] not in RESERVED for path in paths], bool)[index])
     stamps, runtimes = _where(index, names, "_timestamp"), _where(index, names, "_runtime")
     # the values and the rows' times cut out and cast together, the values first

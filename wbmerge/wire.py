@@ -12,6 +12,9 @@ another order is put in that order first (by protobuf itself), so the split is a
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
+
 from .proto import pb
 
 RECORD_HISTORY = 2
@@ -96,7 +99,8 @@ def _span(payload: bytes, pos: int) -> tuple[int, int]:
 
 def history_region(payload: bytes) -> tuple[int, bytes]:
     """(step, item fields) of a history record. wandb writes the items, then the step field
-    last: that is looked for at the end; a record in any other shape is parsed by protobuf."""
+    last: that is looked for at the end; a record in any other shape is parsed by protobuf.
+    A record without a step field (wandb 0.16 and older) has its step in its `_step` item."""
     span = _history_span(payload) or submessage(payload, RECORD_HISTORY)
     if span is None:
         raise ValueError("not a history record")
@@ -110,7 +114,26 @@ def history_region(payload: bytes) -> tuple[int, bytes]:
             if after == end:
                 return step, payload[start:field]
     history = pb.Record.FromString(payload).history
-    return history.step.num, pb.HistoryRecord(item=history.item).SerializeToString()
+    region = pb.HistoryRecord(item=history.item).SerializeToString()
+    if history.HasField("step"):
+        return history.step.num, region
+    return _step_item(history.item), region
+
+
+def _step_item(history_items: Iterable[pb.HistoryItem]) -> int:
+    """The step of a history record without a `step` field, as wandb before wandb-core
+    (0.16) writes them: its `_step` item (the last one, as a JSON integer), else 0. A
+    `_step` that is not a whole number from 0 to 2**63 - 1 counts as absent."""
+    step = 0
+    for item in history_items:
+        if (list(item.nested_key) or [item.key]) == ["_step"]:
+            try:
+                number = json.loads(item.value_json)
+            except ValueError:
+                continue
+            if type(number) is int and 0 <= number < 1 << 63:
+                step = number
+    return step
 
 
 def _history_span(payload: bytes) -> tuple[int, int] | None:

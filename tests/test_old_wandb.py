@@ -1,0 +1,291 @@
+"""Runs written by older wandb read right: 0.16.6 (before wandb-core) and 0.19.11.
+
+wandb 0.16 writes history items under `key` (not `nested_key`), no `step` field (the step is
+only in the `_step` item), a logged dict as one item whose value is a JSON object, and its
+exit record before the last history row and the only summary record. The expected values
+here are read from the source records with protobuf; the steps are also checked against the
+training loop, which logs step i as the i-th row. Until discovery identifies these runs by
+their names, each test gives them their ranks in a copy: a `wbmerge` block added to the run
+record (rank = the `rank` value the loop logs), every other record as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from wbmerge import records, txlog, wire
+from wbmerge.cli import main
+from wbmerge.proto import pb
+from wbmerge.topology import RankInfo
+from wbmerge.txlog import LogWriter, read_payloads
+
+from .conftest import MANIFEST, job_dir
+
+OLD = sorted(name for name, job in MANIFEST["recipes"].items() if job["wandb_version"])
+RESERVED = {"_step", "_runtime", "_timestamp", "_wandb"}
+
+
+def item_path(item) -> list[str]:
+    return list(item.nested_key) or [item.key]
+
+
+def source_history(path: Path) -> list[tuple[int, dict[str, str]]]:
+    """(step, {key joined with ".": JSON text}) of every history record, by protobuf: the
+    step field when there is one, else the `_step` item."""
+    rows = []
+    for payload in read_payloads(path):
+        record = pb.Record.FromString(payload)
+        if record.WhichOneof("record_type") != "history":
+            continue
+        values = {".".join(item_path(i)): i.value_json for i in record.history.item}
+        step = record.history.step.num if record.history.HasField("step") else None
+        rows.append((json.loads(values["_step"]) if step is None else step, values))
+    return rows
+
+
+def source_summary(path: Path) -> dict[str, str]:
+    """The final summary: every summary record's updates folded in order."""
+    folded: dict[str, str] = {}
+    for payload in read_payloads(path):
+        record = pb.Record.FromString(payload)
+        if record.WhichOneof("record_type") == "summary":
+            for item in record.summary.update:
+                folded[".".join(item_path(item))] = item.value_json
+    return folded
+
+
+def logs(name: str) -> dict[int, Path]:
+    """rank -> the job's .wandb file (the rank is what the loop logged)."""
+    found = {}
+    for path in sorted(job_dir(name).glob("wandb/offline-run-*/run-*.wandb")):
+        ranks = {json.loads(values["rank"]) for _, values in source_history(path)}
+        (rank,) = ranks
+        found[rank] = path
+    return found
+
+
+def ranked_copy(name: str, dest: Path) -> dict[int, Path]:
+    """The job's runs copied under dest, each run record given its rank as a `wbmerge` block."""
+    sources = logs(name)
+    copies = {}
+    for rank, path in sources.items():
+        info = RankInfo(rank, rank, len(sources), len(sources), 0, job_id=f"old-{name}")
+        target = dest / "wandb" / path.parent.name
+        shutil.copytree(path.parent, target)
+        with open(target / path.name, "wb") as stream, LogWriter(stream) as writer:
+            for payload in read_payloads(path):
+                record = pb.Record.FromString(payload)
+                if record.WhichOneof("record_type") == "run":
+                    block = json.dumps(info.to_metadata())
+                    record.run.config.update.add(key="wbmerge", value_json=block)
+                    payload = record.SerializeToString()
+                writer.write(payload)
+        copies[rank] = target / path.name
+    return copies
+
+
+def cli(*args: object, env: dict | None = None):
+    result = CliRunner().invoke(main, [str(a) for a in args], env=env)
+    assert result.exit_code == 0, result.output + result.stderr
+    return result
+
+
+@pytest.mark.parametrize("name", OLD)
+def test_source_steps_are_the_loops_steps(name):
+    """The reference reading itself: the i-th row is step i, as the loop logged it."""
+    steps = MANIFEST["recipes"][name]["steps"]
+    for path in logs(name).values():
+        assert [step for step, _ in source_history(path)] == list(range(steps))
+
+
+def test_wandb_0_16_writes_key_items_without_a_step_field():
+    """What makes 0.16 different, so that the tests below test something."""
+    (path, *_) = logs("wandb_0_16_6").values()
+    kinds = []
+    for payload in read_payloads(path):
+        record = pb.Record.FromString(payload)
+        kinds.append(record.WhichOneof("record_type"))
+        if kinds[-1] == "history":
+            assert not record.history.HasField("step")
+            assert all(i.key and not i.nested_key for i in record.history.item)
+    assert kinds.index("exit") < len(kinds) - 1 - kinds[::-1].index("history")
+    assert kinds.count("summary") == 1 and kinds.index("summary") > kinds.index("exit")
+
+
+@pytest.mark.parametrize("name", OLD)
+def test_inspect_counts_rows_and_last_step(name):
+    steps = MANIFEST["recipes"][name]["steps"]
+    report = json.loads(cli("inspect", "--json", job_dir(name)).output)
+    assert [(r["history_rows"], r["last_step"]) for r in report] == [(steps, steps - 1)] * 2
+
+
+@pytest.mark.parametrize("name", OLD)
+def test_the_array_reading_takes_each_rows_step(name):
+    steps = MANIFEST["recipes"][name]["steps"]
+    for path in logs(name).values():
+        found = []
+        for frames in txlog.read_frames(path):
+            codes = records.kinds(frames)
+            rows = records.history_rows(frames, np.flatnonzero(codes == records.code("history")))
+            found.extend(rows.steps.tolist())
+        assert found == list(range(steps))
+
+
+@pytest.mark.parametrize("name", OLD)
+def test_export_gives_every_value_at_its_step(tmp_path, name):
+    copies = ranked_copy(name, tmp_path / "runs")
+    out = tmp_path / "values.parquet"
+    cli("export", tmp_path / "runs", "--out", out)
+    table = pq.read_table(out).to_pylist()
+    got = {
+        (row["rank"], row["step"], row["key"]): row["value_json"] or repr(row["value"])
+        for row in table
+        if row["kind"] == "history"
+    }
+    expected = {}
+    for rank, path in copies.items():
+        for step, values in source_history(path):
+            for key, text in values.items():
+                if key not in RESERVED:
+                    number = json.loads(text)
+                    as_float = isinstance(number, (int, float)) and not isinstance(number, bool)
+                    expected[rank, step, key] = repr(float(number)) if as_float else text
+    assert got == expected
+    # and each value carries its row's time
+    times = {
+        (rank, step): json.loads(values["_timestamp"])
+        for rank, path in copies.items()
+        for step, values in source_history(path)
+    }
+    for row in table:
+        if row["kind"] == "history":
+            assert row["timestamp"] == times[row["rank"], row["step"]]
+
+
+def labelled(key: str, label: str) -> str:
+    """A key (nested parts joined with ".") as a shared merge labels it: its top level only,
+    so that a logged dict stays whole (none of these keys has a "." of its own)."""
+    top, *rest = key.split(".")
+    return ".".join([f"{top}/{label}", *rest])
+
+
+def merged_log(out: Path) -> Path:
+    (path,) = out.glob("offline-run-*/run-*.wandb")
+    return path
+
+
+@pytest.mark.parametrize("name", OLD)
+def test_shared_merge_labels_every_value_at_its_step(tmp_path, name):
+    copies = ranked_copy(name, tmp_path / "runs")
+    cli("merge", tmp_path / "runs", "--run-mode", "shared", "--out", tmp_path / "merged")
+    merged = source_history(merged_log(tmp_path / "merged"))
+    steps = MANIFEST["recipes"][name]["steps"]
+    assert [step for step, _ in merged] == list(range(steps))
+    expected: dict[int, dict[str, str]] = {step: {} for step in range(steps)}
+    for rank, path in copies.items():
+        for step, values in source_history(path):
+            for key, text in values.items():
+                if key not in RESERVED:
+                    expected[step][labelled(key, f"rank-{rank}")] = text
+    for step, values in merged:
+        assert {k: v for k, v in values.items() if k not in RESERVED} == expected[step]
+        assert json.loads(values["_step"]) == step
+    # every rank's final summary, the keys set after the loop included
+    summary = source_summary(merged_log(tmp_path / "merged"))
+    for rank, path in copies.items():
+        for key, text in source_summary(path).items():
+            if key.split(".")[0] not in RESERVED:
+                assert summary[labelled(key, f"rank-{rank}")] == text, key
+        assert f"final/loss/rank-{rank}" in summary
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["shared", "new"])
+def test_wandb_0_16_runs_arrive_in_the_sink(sink, tmp_path, mode):
+    """`wandb sync` (0.31) takes the merged 0.16 runs: every row at its step, and the
+    records 0.16 writes after its exit record (the last row, the summary) arrive too."""
+    copies = ranked_copy("wandb_0_16_6", tmp_path / "runs")
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
+    cli("sync", tmp_path / "runs", "--run-mode", mode, "-p", "old", "-e", "local",
+        "--base-id", "B", env=env)  # fmt: skip
+    for rank, path in copies.items():
+        run_id, label = ("B", f"/rank-{rank}") if mode == "shared" else (f"B-rank-{rank}", "")
+        got = sink.client.run("local", "old", run_id)
+        assert got["state"] == "finished"
+        by_step = {row["_step"]: row for row in got["history"]}
+        for step, values in source_history(path):
+            for key, text in values.items():
+                if key not in RESERVED:
+                    top, *rest = key.split(".")  # (a dict arrives as nested values)
+                    value = by_step[step][top + label]
+                    for part in rest:
+                        value = value[part]
+                    assert value == json.loads(text), (step, key)
+        for key, text in source_summary(path).items():
+            if key.split(".")[0] not in RESERVED:
+                assert got["summary"][key + label] == json.loads(text), key
+
+
+def test_a_step_less_record_takes_its_step_from_the_step_item():
+    record = pb.Record()
+    record.history.item.add(key="loss", value_json="0.5")
+    record.history.item.add(key="_step", value_json="41")
+    step, region = wire.history_region(record.SerializeToString())
+    assert step == 41
+    assert pb.HistoryRecord.FromString(region).item[0].key == "loss"
+
+
+@pytest.mark.parametrize("text", ["1.5", "-3", "true", '"7"', "1e3", "nonsense", str(1 << 63)])
+def test_a_step_item_that_is_not_a_step_counts_as_absent(text):
+    record = pb.Record()
+    record.history.item.add(key="_step", value_json=text)
+    assert wire.history_region(record.SerializeToString())[0] == 0
+
+
+@pytest.mark.parametrize("step", [0, 4])
+def test_a_step_field_wins_over_the_step_item(step):
+    """`step {}` (step 0, as wandb-core writes it) is a step field too."""
+    record = pb.Record()
+    record.history.item.add(nested_key=["_step"], value_json="9")
+    record.history.step.SetInParent()
+    record.history.step.num = step
+    assert wire.history_region(record.SerializeToString())[0] == step
+
+
+def test_export_names_a_key_once_whichever_way_it_is_written(tmp_path):
+    """A history key written as `key` in some rows and as `nested_key` in others is one key,
+    and every row's `_timestamp` is found, whichever way it was written."""
+    info = RankInfo(0, 0, 1, 1, 0, job_id="mixed")
+    run_dir = tmp_path / "wandb" / "offline-run-20260101_000000-mixed"
+    run_dir.mkdir(parents=True)
+    with open(run_dir / "run-mixed.wandb", "wb") as stream, LogWriter(stream) as writer:
+        record = pb.Record(num=1)
+        record.run.run_id = "mixed"
+        record.run.config.update.add(key="wbmerge", value_json=json.dumps(info.to_metadata()))
+        writer.write(record.SerializeToString())
+        for step in range(6):
+            record = pb.Record(num=2 + step)
+            old_style = step % 2 == 0
+            for key, text in [("loss", str(step / 4)), ("_timestamp", str(100 + step))]:
+                if old_style:
+                    record.history.item.add(key=key, value_json=text)
+                else:
+                    record.history.item.add(nested_key=[key], value_json=text)
+            record.history.step.num = step
+            writer.write(record.SerializeToString())
+        writer.write(pb.Record(num=9, exit=pb.RunExitRecord()).SerializeToString())
+    out = tmp_path / "values.parquet"
+    cli("export", tmp_path, "--out", out)
+    rows = [r for r in pq.read_table(out).to_pylist() if r["kind"] == "history"]
+    assert [(r["step"], r["key"], r["value"], r["timestamp"]) for r in rows] == [
+        (step, "loss", step / 4, 100.0 + step) for step in range(6)
+    ]
+    names = pq.read_table(out).column("key").combine_chunks().dictionary.to_pylist()
+    assert len(names) == len(set(names))  # (a name twice would be two keys to a reader)
