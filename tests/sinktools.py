@@ -27,9 +27,12 @@ CONSOLE_PREFIX = re.compile(r"^(ERROR )?\d{4}-\d\d-\d\dT[\d:.]+ ?")
 class SinkProcess:
     """`wbmerge sink serve` on a free loopback port, in its own process."""
 
-    def __init__(self, data_dir: Path, faults: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, data_dir: Path, faults: tuple[str, ...] = (), allow_faults: bool = False
+    ) -> None:
         self.data_dir = data_dir
         self.faults = faults
+        self.allow_faults = allow_faults
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
@@ -40,6 +43,8 @@ class SinkProcess:
         cmd += ["--port-file", str(port_file)]
         for fault in self.faults:
             cmd += ["--fault", fault]
+        if self.allow_faults:
+            cmd.append("--allow-faults")
         self.log = open(self.data_dir.parent / f"{self.data_dir.name}.log", "a")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log)
         deadline = time.monotonic() + 30

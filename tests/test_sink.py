@@ -44,10 +44,8 @@ def assert_arrived(client, project, log_path, files_dir=None):
             name = source.relative_to(files_dir).as_posix()
             if source.is_file() and not name.startswith("output"):
                 assert name in got["files"], name
-                with urllib.request.urlopen(
-                    f"{client.base_url}/storage/local/{project}/{want.run_id}/{name}"
-                ) as response:
-                    assert response.read() == source.read_bytes(), name
+                stored = client.file("local", project, want.run_id, name)
+                assert stored == source.read_bytes(), name
     return got
 
 

@@ -91,11 +91,21 @@ def sink() -> None:
 @sink.command("serve")
 @click.option("--port", default=8765, show_default=True, help="Port on 127.0.0.1 (0: any free).")
 @click.option("--data", "data_dir", default="./wbmerge-sink", show_default=True, type=click.Path())
-@click.option("--fault", "faults", multiple=True, help="Inject a fault, e.g. 'file_stream=500@2'.")
+@click.option(
+    "--allow-faults", is_flag=True, help="Let POST /api/faults inject faults (for tests)."
+)
+@click.option(
+    "--fault",
+    "faults",
+    multiple=True,
+    help="Inject a fault, e.g. 'file_stream=500@2' (allows faults).",
+)
 @click.option("--port-file", type=click.Path(), help="Write the bound port to this file.")
 @_one_line_errors
-def sink_serve(port: int, data_dir: str, faults: tuple[str, ...], port_file: str | None) -> None:
-    """Serve the sink on 127.0.0.1 until interrupted."""
+def sink_serve(
+    port: int, data_dir: str, allow_faults: bool, faults: tuple[str, ...], port_file: str | None
+) -> None:
+    """Serve the sink on 127.0.0.1 until interrupted (stop it with `kill PID`)."""
     from .sink.faults import parse_fault
     from .sink.server import serve
 
@@ -105,9 +115,11 @@ def sink_serve(port: int, data_dir: str, faults: tuple[str, ...], port_file: str
         except ValueError as exc:
             raise WbmergeError(str(exc)) from None
     try:
-        serve(data_dir, port, list(faults), port_file)
+        serve(data_dir, port, list(faults), port_file, allow_faults)
     except OSError as exc:
         raise WbmergeError(f"cannot serve on 127.0.0.1:{port}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # an unsafe data directory (a symlink in it), a bad secret file
+        raise WbmergeError(f"cannot serve from {data_dir}: {exc}") from None
 
 
 @sink.command("show")

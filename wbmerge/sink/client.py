@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import urllib.parse
 import urllib.request
@@ -16,12 +17,25 @@ def local_api_key() -> str:
 
 
 class SinkClient:
-    def __init__(self, base_url: str) -> None:
+    """Reads runs (open to all), and stored files and faults (these send the API key)."""
+
+    def __init__(self, base_url: str, api_key: str = LOCAL_API_KEY) -> None:
         self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+
+    def _request(self, path: str, data: bytes | None = None, method: str = "GET") -> bytes:
+        token = base64.b64encode(f"api:{self.api_key}".encode()).decode()
+        request = urllib.request.Request(
+            self.base_url + path,
+            data=data,
+            headers={"Authorization": f"Basic {token}", "Content-Type": "application/json"},
+            method=method,
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.read()
 
     def _get(self, path: str) -> Any:
-        with urllib.request.urlopen(self.base_url + path, timeout=30) as response:
-            return json.loads(response.read())
+        return json.loads(self._request(path))
 
     def runs(self, entity: str | None = None, project: str | None = None) -> list[dict]:
         query = urllib.parse.urlencode(
@@ -33,15 +47,15 @@ class SinkClient:
         quoted = "/".join(urllib.parse.quote(p, safe="") for p in (entity, project, run_id))
         return self._get(f"/api/runs/{quoted}")
 
+    def file(self, entity: str, project: str, run_id: str, name: str) -> bytes:
+        """A stored run file's bytes."""
+        quoted = "/".join(urllib.parse.quote(p, safe="") for p in (entity, project, run_id))
+        return self._request(f"/storage/{quoted}/{urllib.parse.quote(name)}")
+
     def set_faults(self, specs: list[str]) -> dict:
-        request = urllib.request.Request(
-            self.base_url + "/api/faults",
-            data=json.dumps({"faults": specs}).encode(),
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return json.loads(response.read())
+        """Replace the sink's fault plan (a sink started with --allow-faults or --fault)."""
+        body = json.dumps({"faults": specs}).encode()
+        return json.loads(self._request("/api/faults", body, "POST"))
 
     def faults(self) -> dict:
         return self._get("/api/faults")

@@ -13,6 +13,7 @@ import math
 import re
 from collections import defaultdict
 from typing import Any
+from urllib.parse import quote
 
 from aiohttp import web
 
@@ -128,12 +129,15 @@ def _run(run: dict) -> str:
     console = "\n".join(run["console"][-400:])
     parts.append(f"<h2>Console ({len(run['console'])} lines)</h2><pre>{_e(console)}</pre>")
     if run["files"]:
+        folder = "/".join(quote(run[k], safe="") for k in ("entity", "project", "id"))
         items = "".join(
-            f"<li><a href='/storage/{_e(run['entity'])}/{_e(run['project'])}/{_e(run['id'])}/"
-            f"{_e(f)}'>{_e(f)}</a></li>"
+            f"<li><a href='/storage/{_e(folder)}/{_e(quote(f))}'>{_e(f)}</a></li>"
             for f in run["files"]
         )
-        parts.append(f"<h2>Files</h2><ul>{items}</ul>")
+        note = (
+            "<p>Stored files need the API key: the browser asks for it (user <code>api</code>).</p>"
+        )
+        parts.append(f"<h2>Files</h2>{note}<ul>{items}</ul>")
     return "".join(parts)
 
 

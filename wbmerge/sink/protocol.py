@@ -10,8 +10,10 @@ import base64
 import gzip
 import json
 import re
+import urllib.parse
 from typing import Any
 
+from .names import BadName, check_file_name, check_run_path
 from .store import Store
 
 DEFAULT_ENTITY = "local"
@@ -40,6 +42,24 @@ def check_auth(header: str | None) -> str:
     if len(key.strip()) < MIN_API_KEY_LENGTH:
         raise ProtocolError(f"API key must have at least {MIN_API_KEY_LENGTH} characters", 401)
     return key
+
+
+def checked_run_path(entity: object, project: object, run_id: object) -> tuple[str, str, str]:
+    """The names of a run from a request, or ProtocolError(400): they become paths on disk."""
+    try:
+        return check_run_path(entity, project, run_id)
+    except BadName as exc:
+        raise ProtocolError(str(exc)) from None
+
+
+def checked_file_names(names: object) -> list[str]:
+    """A request's list of run file names, each a safe relative path, or ProtocolError(400)."""
+    if not isinstance(names, list):
+        raise ProtocolError("files must be a list of file names")
+    try:
+        return [check_file_name(name) for name in names]
+    except BadName as exc:
+        raise ProtocolError(str(exc)) from None
 
 
 def decode_body(data: bytes, encoding: str | None) -> Any:
@@ -74,7 +94,7 @@ def _upsert_bucket(store: Store, v: dict[str, Any], base_url: str) -> dict:
     name = v.get("name") or v.get("id")
     if not name:
         raise ProtocolError("UpsertBucket needs a run name")
-    entity, project = _entity(v), v.get("project") or "uncategorized"
+    entity, project, name = checked_run_path(_entity(v), v.get("project") or "uncategorized", name)
     run = store.upsert_run(entity, project, name, v)
     return {
         "upsertBucket": {
@@ -114,14 +134,23 @@ def _viewer(store: Store, v: dict[str, Any], base_url: str) -> dict:
 
 
 def _create_run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
-    entity, project, run = _entity(v), v.get("project") or "uncategorized", v["run"]
+    """Upload URLs that carry the token of their file (wandb-core sends them no API key)."""
+    entity, project, run = checked_run_path(
+        _entity(v), v.get("project") or "uncategorized", v.get("run")
+    )
+    quoted = "/".join(urllib.parse.quote(p, safe="") for p in (entity, project, run))
+    run_url = f"{base_url}/storage/{quoted}"
     return {
         "createRunFiles": {
             "runID": f"{entity}/{project}/{run}",
             "uploadHeaders": [],
             "files": [
-                {"name": f, "uploadUrl": f"{base_url}/storage/{entity}/{project}/{run}/{f}"}
-                for f in v.get("files") or []
+                {
+                    "name": f,
+                    "uploadUrl": f"{run_url}/{urllib.parse.quote(f)}?token="
+                    + store.upload_tokens.token(entity, project, run, f),
+                }
+                for f in checked_file_names(v.get("files") or [])
             ],
         }
     }
@@ -166,5 +195,8 @@ _HANDLERS = {
 
 
 def file_stream(store: Store, entity: str, project: str, run: str, body: dict) -> dict:
+    entity, project, run = checked_run_path(entity, project, run)
+    if not isinstance(body, dict):
+        raise ProtocolError("a file_stream body must be a JSON object")
     store.file_stream(entity, project, run, body)
     return {"exitcode": None, "limits": {}}

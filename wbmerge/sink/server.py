@@ -1,21 +1,47 @@
-"""The sink's HTTP server (aiohttp, bound to 127.0.0.1): upload API, read API, pages, faults."""
+"""The sink's HTTP server (aiohttp, bound to 127.0.0.1): upload API, read API, pages, faults.
+
+Who may do what: every request must name a loopback Host (`access`) and may not hide a
+path separator in percent-encoding. The upload API needs the API key (GraphQL,
+file_stream, reading stored files) or, for a file PUT, the token of its upload URL;
+fault injection needs the key and a sink started with `--allow-faults` (or `--fault`).
+The pages and their read API (`/`, `/api/runs...`) are open, as W&B's public pages are.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from . import pages, protocol
+from . import access, pages, protocol
 from .faults import FaultPlan, parse_fault
 from .store import Store
 
 STORE = web.AppKey("store", Store)
 FAULTS = web.AppKey("faults", FaultPlan)
+FAULTS_ALLOWED = web.AppKey("faults_allowed", bool)
+ENCODED_SEPARATORS = ("%2f", "%5c", "%00")  # "/", "\\" and NUL hidden in a path segment
+BASIC_CHALLENGE = {"WWW-Authenticate": 'Basic realm="wbmerge sink"'}
+
+
+def _refuse(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+@web.middleware
+async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Refuse foreign Host names (DNS rebinding) and encoded separators before anything runs."""
+    if not access.is_loopback_host(request.headers.get("Host")):
+        return _refuse(403, "the Host header must name the loopback (127.0.0.1, localhost, [::1])")
+    raw_path = request.rel_url.raw_path.lower()
+    if any(encoded in raw_path for encoded in ENCODED_SEPARATORS):
+        return _refuse(400, "percent-encoded path separators are not allowed")
+    return await handler(request)
 
 
 def _kind(request: web.Request, body: bytes) -> str:
@@ -74,31 +100,45 @@ async def file_stream(request: web.Request) -> web.Response:
     try:
         protocol.check_auth(request.headers.get("Authorization"))
         body = protocol.decode_body(await request.read(), request.headers.get("Content-Encoding"))
+        answer = protocol.file_stream(request.app[STORE], m["entity"], m["project"], m["run"], body)
     except protocol.ProtocolError as exc:
-        return web.json_response({"error": str(exc)}, status=exc.status)
+        return _refuse(exc.status, str(exc))
     except (ValueError, OSError) as exc:
-        return web.json_response({"error": f"bad request: {exc}"}, status=400)
-    answer = protocol.file_stream(request.app[STORE], m["entity"], m["project"], m["run"], body)
+        return _refuse(400, f"bad request: {exc}")
     return web.json_response(answer)
 
 
-async def put_file(request: web.Request) -> web.Response:
+def _run_file(request: web.Request) -> tuple[str, str, str, str]:
     m = request.match_info
+    return m["entity"], m["project"], m["run"], m["name"]
+
+
+async def put_file(request: web.Request) -> web.Response:
+    """Store an uploaded file: only with the token of its upload URL (see `access`)."""
+    store = request.app[STORE]
+    token = request.query.get("token")
+    if not store.upload_tokens.check(token, *_run_file(request)):
+        status = 403 if token else 401
+        return _refuse(status, "a file PUT needs the upload URL that CreateRunFiles handed out")
     try:
-        request.app[STORE].save_file(
-            m["entity"], m["project"], m["run"], m["name"], await request.read()
-        )
+        store.save_file(*_run_file(request), await request.read())
     except ValueError as exc:
-        return web.json_response({"error": str(exc)}, status=400)
+        return _refuse(400, str(exc))
+    except OSError as exc:
+        return _refuse(409, f"cannot store the file: {exc.strerror or exc}")
     return web.Response(status=200)
 
 
 async def get_file(request: web.Request) -> web.StreamResponse:
-    m = request.match_info
+    """A stored file, for a request with the API key (a browser asks for it: user `api`)."""
     try:
-        path = request.app[STORE].file_path(m["entity"], m["project"], m["run"], m["name"])
-    except ValueError:
-        raise web.HTTPNotFound() from None
+        protocol.check_auth(request.headers.get("Authorization"))
+    except protocol.ProtocolError as exc:
+        return _refuse(exc.status, str(exc), BASIC_CHALLENGE)
+    try:
+        path = request.app[STORE].file_path(*_run_file(request))
+    except ValueError as exc:
+        return _refuse(400, str(exc))
     if not path.is_file():
         raise web.HTTPNotFound()
     return web.FileResponse(path)
@@ -127,13 +167,20 @@ async def api_run(request: web.Request) -> web.Response:
 
 
 async def api_faults(request: web.Request) -> web.Response:
+    """The fault plan (GET) or a new one (POST): with the API key, on a sink that allows it."""
+    try:
+        protocol.check_auth(request.headers.get("Authorization"))
+    except protocol.ProtocolError as exc:
+        return _refuse(exc.status, str(exc), BASIC_CHALLENGE)
+    if not request.app[FAULTS_ALLOWED]:
+        return _refuse(403, "fault injection is off: start the sink with --allow-faults")
     plan = request.app[FAULTS]
     if request.method == "POST":
-        specs = (await request.json()).get("faults", [])
         try:
+            specs = (await request.json()).get("faults", [])
             plan.replace([parse_fault(s) for s in specs])
-        except ValueError as exc:
-            return web.json_response({"error": str(exc)}, status=400)
+        except (ValueError, AttributeError, TypeError) as exc:
+            return _refuse(400, f"bad fault plan: {exc}")
     return web.json_response(plan.summary())
 
 
@@ -141,10 +188,14 @@ def _base_url(request: web.Request) -> str:
     return f"{request.scheme}://{request.host}"
 
 
-def make_app(data_dir: str | Path, faults: list[str] | None = None) -> web.Application:
-    app = web.Application(middlewares=[fault_injection], client_max_size=1 << 30)
+def make_app(
+    data_dir: str | Path, faults: list[str] | None = None, allow_faults: bool = False
+) -> web.Application:
+    """The sink's application; faults can be set later only if `allow_faults` or `faults`."""
+    app = web.Application(middlewares=[guard, fault_injection], client_max_size=1 << 30)
     app[STORE] = Store(data_dir)
     app[FAULTS] = FaultPlan([parse_fault(s) for s in faults or []])
+    app[FAULTS_ALLOWED] = allow_faults or bool(faults)
     app.router.add_post("/graphql", graphql)
     app.router.add_post("/files/{entity}/{project}/{run}/file_stream", file_stream)
     app.router.add_put("/storage/{entity}/{project}/{run}/{name:.+}", put_file)
@@ -167,6 +218,7 @@ def serve(
     port: int = 8765,
     faults: list[str] | None = None,
     port_file: str | Path | None = None,
+    allow_faults: bool = False,
 ) -> None:
     """Run the sink on 127.0.0.1 until interrupted; port 0 picks a free port."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -174,10 +226,13 @@ def serve(
     sock.bind(("127.0.0.1", port))
     sock.listen(128)  # connections queue from now on, so announcing the port is safe
     bound = sock.getsockname()[1]
-    app = make_app(data_dir, faults)
+    app = make_app(data_dir, faults, allow_faults)
     if port_file:
         tmp = Path(str(port_file) + ".tmp")
         tmp.write_text(str(bound))
         tmp.replace(port_file)
-    print(f"wbmerge sink: http://127.0.0.1:{bound}  (data: {data_dir})", flush=True)
+    print(
+        f"wbmerge sink: http://127.0.0.1:{bound}  (pid {os.getpid()}; data: {data_dir})",
+        flush=True,
+    )
     web.run_app(app, sock=sock, print=None, access_log=None, handle_signals=True)

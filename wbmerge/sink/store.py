@@ -2,16 +2,25 @@
 
 Lines are stored by the offset the uploader gives them, so a retried or resumed request
 overwrites instead of duplicating; all writes of one request happen in one transaction.
+
+Every path the store opens lies inside the data directory: names are checked (`names`),
+and a path is used only if resolving it changes nothing, so that a symlink planted
+anywhere under the data directory (pointing out of it or not) is never followed.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from .access import UploadTokens
+from .names import check_file_name, check_run_path
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -45,6 +54,8 @@ STREAMS = {
     "output.log": "console",
 }
 
+DB_SUFFIXES = ("-wal", "-shm", "-journal")  # SQLite's files beside the database
+
 _RUN_FIELDS = {
     "groupName": "group_name",
     "jobType": "job_type",
@@ -59,12 +70,15 @@ class Store:
     """One SQLite database and a file tree under `data_dir`; safe to share between threads."""
 
     def __init__(self, data_dir: str | Path) -> None:
-        self.data_dir = Path(data_dir)
+        self.data_dir = Path(data_dir).resolve()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         self.files_dir = self.data_dir / "files"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(
-            self.data_dir / "sink.sqlite3", check_same_thread=False, isolation_level=None
-        )
+        self.files_dir.mkdir(exist_ok=True)
+        database = self.data_dir / "sink.sqlite3"
+        for path in (self.files_dir, database, *(Path(f"{database}{s}") for s in DB_SUFFIXES)):
+            _refuse_symlinks(path)
+        self.upload_tokens = UploadTokens.for_data_dir(self.data_dir)
+        self._db = sqlite3.connect(database, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
@@ -134,11 +148,22 @@ class Store:
                 self._db.execute("UPDATE runs SET updated = ? WHERE pk = ?", (now, pk))
 
     def save_file(self, entity: str, project: str, name: str, file_name: str, data: bytes) -> None:
+        """Store a run file atomically; ValueError for unsafe names, OSError if it cannot be.
+
+        The data goes to a fresh temporary file (created exclusively, so a planted symlink
+        is never written through) that then replaces the file's path.
+        """
         path = self.file_path(entity, project, name, file_name)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".part")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+        _refuse_symlinks(path)  # again: nothing was swapped in while the folders were made
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".upload-", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         now = time.time()
         with self._lock, self._db:
             pk = self._run_pk(entity, project, name, create=True, now=now)
@@ -148,11 +173,15 @@ class Store:
             )
 
     def file_path(self, entity: str, project: str, name: str, file_name: str) -> Path:
-        """Where a run file lives on disk; refuses names that would leave the run's folder."""
-        base = (self.files_dir / entity / project / name).resolve()
-        path = (base / file_name).resolve()
-        if base not in path.parents:
-            raise ValueError(f"bad file name {file_name!r}")
+        """Where a run file lives on disk; ValueError for any name or path that is not safe.
+
+        The names must pass `names`' checks and the path must resolve to itself: no
+        component of it may be a symlink, wherever that symlink points.
+        """
+        check_run_path(entity, project, name)
+        check_file_name(file_name)
+        path = self.files_dir / entity / project / name / file_name
+        _refuse_symlinks(path)
         return path
 
     # -- reads ----------------------------------------------------------------------------
@@ -273,6 +302,16 @@ class Store:
             "created": run["created"],
             "updated": run["updated"],
         }
+
+
+class UnsafePath(ValueError):
+    """A path under the data directory that is or passes through a symlink."""
+
+
+def _refuse_symlinks(path: Path) -> None:
+    """UnsafePath unless `path` (absolute) resolves to itself: no symlink on the way to it."""
+    if path.resolve() != path:
+        raise UnsafePath(f"{path} is or passes through a symlink; the sink does not follow it")
 
 
 def plain_config(config: dict[str, Any]) -> dict[str, Any]:
