@@ -12,10 +12,13 @@ rm -rf "$out/wandb"
 mkdir -p "$out"
 
 sink_up() { python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/api/runs', timeout=2)" 2>/dev/null; }
+sink_pid=""
 if ! sink_up; then
     wbmerge sink serve --port "$port" --data "$out/sink" > "$out/sink.log" 2>&1 &
+    sink_pid=$!
     for _ in $(seq 100); do sink_up && break; sleep 0.1; done
-    echo "== the local sink runs on http://127.0.0.1:$port (pid $!; data in $out/sink)"
+    sink_up || { cat "$out/sink.log"; exit 1; }
+    echo "== the local sink runs on http://127.0.0.1:$port (pid $sink_pid; data in $out/sink)"
 fi
 export WANDB_BASE_URL="http://127.0.0.1:$port"
 export WANDB_API_KEY="local-0000000000000000000000000000000000000000"
@@ -31,4 +34,8 @@ wbmerge report "$out/wandb" -m train/samples_per_sec -m train/loss
 
 echo "== wbmerge sync --run-mode shared $out/wandb"
 wbmerge sync --run-mode shared --skew-metrics "$out/wandb"
-echo "== open the link above in a browser; the sink keeps running (stop it with: pkill -f 'wbmerge sink serve')"
+if [ -n "$sink_pid" ]; then
+    echo "== open the link above in a browser; the sink keeps running (pid $sink_pid; stop it with: kill $sink_pid)"
+else
+    echo "== open the link above in a browser; the sink was already running (stop it with: kill PID, the pid its start-up line printed)"
+fi
