@@ -104,3 +104,41 @@ def test_unknown_metric_is_one_line_and_exit_2():
     result = CliRunner().invoke(main, ["report", str(job_dir("slow_rank")), "-m", "no/such"])
     assert result.exit_code == 2
     assert result.output.count("\n") == 1 and "no numeric metric 'no/such'" in result.output
+
+
+def test_report_and_skew_metrics_share_one_spread_with_the_true_median(tmp_path):
+    """Four ranks (an even count: the median is the mean of the two middle values), the
+    spread recomputed here with `statistics.median` from the source values; `report`'s
+    per-step spreads and the merged run's `wbmerge/spread/{key}` must both equal it."""
+    from wbmerge.txlog import read_records
+
+    key = "train/loss"
+    source = by_rank("one_node_4", key)
+    steps: dict[int, list[float]] = {}
+    for values in source.values():
+        for step, value in values:
+            steps.setdefault(step, []).append(value)
+    assert {len(v) for v in steps.values()} == {4}
+    expected = {step: (max(v) - min(v)) / abs(statistics.median(v)) for step, v in steps.items()}
+    upper_median = {step: (max(v) - min(v)) / sorted(v)[2] for step, v in steps.items()}
+    assert expected != pytest.approx(upper_median)  # the case where two definitions differ
+
+    (job,) = report([job_dir("one_node_4")], metrics=[key])
+    (metric,) = job.metrics
+    assert metric.spread_mean == pytest.approx(statistics.fmean(expected.values()))
+    assert metric.spread_max == pytest.approx(max(expected.values()))
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        main,
+        ["merge", str(job_dir("one_node_4")), "--run-mode", "shared", "--skew-metrics",
+         "--out", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    merged = {}
+    for record in read_records(next(out.glob("offline-run-*/run-*.wandb"))):
+        if record.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
+            if f"wbmerge/spread/{key}" in items:
+                merged[int(items["_step"])] = json.loads(items[f"wbmerge/spread/{key}"])
+    assert merged == pytest.approx(expected)

@@ -34,6 +34,7 @@ from . import items, records, wire
 from .plan import Source, Target
 from .proto import pb
 from .records import KIND_NAMES
+from .spread import spread
 from .streaming import streaming
 from .topology import METADATA_KEY
 from .txlog import (
@@ -1123,14 +1124,12 @@ def _merged_row(step: int, rows: list[tuple[int, _Row]], primary: int, skew: boo
             for key, number in numbers.items():
                 by_key.setdefault(key, []).append(number)
         for key, numbers in by_key.items():
-            if len(numbers) > 1:
-                numbers.sort()
-                median = numbers[len(numbers) // 2]
-                spread = (numbers[-1] - numbers[0]) / median if median else 0.0
+            value = spread(numbers)
+            if value is not None:
                 parts.append(
                     wire.item_field(
                         wire.key_part([f"wbmerge/spread/{key}"]),
-                        wire.value_part(json.dumps(spread)),
+                        wire.value_part(json.dumps(value)),
                     )
                 )
     return wire.history_record(parts, step)

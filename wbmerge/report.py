@@ -1,7 +1,8 @@
 """`wbmerge report`: per-rank skew of a job's metrics, from the offline runs alone.
 
 For each metric: every rank's mean, last, min and max; across ranks, at the steps two or
-more ranks logged, the spread (max - min) / median (its mean and worst over the steps); the
+more ranks logged, the spread (`wbmerge.spread`: (max - min) / |median|, the definition
+`--skew-metrics` uses too; its mean and worst over the steps); the
 highest and lowest rank by mean and, for metrics whose name says which way is faster
 (throughput, step time), the slowest and fastest; and the outlier ranks: those whose mean
 is far from the median rank's (robust z-score over 3.5, from the median absolute deviation,
@@ -22,6 +23,7 @@ from .columns import HISTORY, rank_columns, rank_sources
 from .discover import Job, discover, group_jobs
 from .errors import WbmergeError
 from .jobs import Hints
+from .spread import spreads
 from .streaming import streaming
 
 _FASTER_WHEN_HIGHER = re.compile(r"per_s(ec)?\b|/s$|throughput|samples_per|tokens_per|it/s|fps")
@@ -202,9 +204,7 @@ def _aligned_spreads(by_rank: dict) -> np.ndarray:
 def _spreads(grid: np.ndarray) -> np.ndarray:
     if grid.shape[1] == 0:
         return np.array([])
-    with np.errstate(all="ignore"):
-        median = np.nanmedian(grid, axis=0)
-        spread = (np.nanmax(grid, axis=0) - np.nanmin(grid, axis=0)) / np.abs(median)
+    spread = spreads(grid)
     return spread[np.isfinite(spread)]
 
 
