@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import os
 import shutil
 import struct
 import tempfile
@@ -30,7 +31,8 @@ from typing import BinaryIO, NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from . import items, records, wire
+from . import items, records, safepaths, wire
+from .errors import WbmergeError
 from .plan import Source, Target
 from .proto import pb
 from .records import KIND_NAMES
@@ -92,44 +94,67 @@ class Staged:
 
 
 def stage(target: Target, out_dir: Path, options: MergeOptions) -> Staged:
-    """Write `target` under `out_dir` as `offline-run-<time>-<id>/`; returns what was written."""
+    """Write `target` under `out_dir` as `offline-run-<time>-<id>/`; returns what was written.
+
+    The run directory is created exclusively: one that exists already is an error naming
+    it, never replaced (it may be a source, or another merge's output). On any failure the
+    directory this call created is removed again, and nothing else.
+    """
     start = target.sources[0].start_time
     stamp = time.strftime("%Y%m%d_%H%M%S", time.gmtime(start or time.time()))
-    run_dir = out_dir / f"offline-run-{stamp}-{target.id}"
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    (run_dir / "files").mkdir(parents=True)
-    staged = Staged(target, run_dir)
-    file_map = _stage_files(target, run_dir / "files", staged.warnings)
-    with streaming(), open(staged.log_path, "wb") as stream, LogWriter(stream) as writer:
-        if target.kind == "shared":
-            _write_shared(target, writer, options, file_map, staged)
-        else:
-            _write_passthrough(target, writer, options, staged)
-        staged.records = writer.records
+    name = f"offline-run-{stamp}-{safepaths.check_component(target.id, 'run id')}"
+    run_dir = out_dir / name
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir()
+    except FileExistsError:
+        raise WbmergeError(
+            f"{run_dir} exists already; merged runs are never written over an existing "
+            "directory (choose an empty --out, or remove it)"
+        ) from None
+    except OSError as exc:
+        raise WbmergeError(f"{run_dir}: cannot create ({exc.strerror or exc})") from None
+    try:
+        (run_dir / "files").mkdir()
+        staged = Staged(target, run_dir)
+        file_map, refused = _stage_files(target, run_dir / "files", staged.warnings)
+        with streaming(), open(staged.log_path, "xb") as stream, LogWriter(stream) as writer:
+            if target.kind == "shared":
+                _write_shared(target, writer, options, file_map, staged)
+            else:
+                _write_passthrough(target, writer, options, staged, refused)
+            staged.records = writer.records
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     return staged
 
 
 # -- files ---------------------------------------------------------------------------------
 
 
-def _stage_files(target: Target, dest: Path, warnings: list[str]) -> dict[tuple[Path, str], str]:
-    """Copy every source's `files/` into `dest`; returns (source, name) -> staged name.
+def _stage_files(
+    target: Target, dest: Path, warnings: list[str]
+) -> tuple[dict[tuple[Path, str], str], set[tuple[Path, str]]]:
+    """Copy every source's `files/` into `dest`; returns (source, name) -> staged name, and
+    the (source, name) entries refused.
 
     The primary's files are kept as they are. Of other ranks (shared mode), wandb's own
     files are the primary's business and skipped; their media and user files are kept, and
-    one whose name is taken by different content moves to `{label}/{name}`.
+    one whose name is taken by different content moves to `{label}/{name}` (the label made
+    safe as a directory name). Only regular files inside the source's `files/` directory are
+    read: a symbolic link that leads out of it, a dangling link or a link loop, a FIFO or a
+    device is refused with a warning; an entry that cannot be read is an error naming it.
     """
     mapping: dict[tuple[Path, str], str] = {}
+    refused: set[tuple[Path, str]] = set()
     for source in target.sources:
         files = source.path.parent / "files"
-        if not files.is_dir():
+        if not files.is_dir() or files.is_symlink():
             continue
+        root = files.resolve()
         primary = source.rank.rank == target.primary_rank
-        for path in sorted(files.rglob("*")):
-            if not path.is_file():
-                continue
-            name = path.relative_to(files).as_posix()
+        for path, name in _file_entries(files, source.label, warnings):
             if name.startswith("output") and name.endswith(".log"):
                 continue  # rebuilt by the uploader from the console records
             if (
@@ -138,10 +163,15 @@ def _stage_files(target: Target, dest: Path, warnings: list[str]) -> dict[tuple[
                 and (name in WANDB_FILES or name.startswith("code/"))
             ):
                 continue
+            readable, why = safepaths.regular_file_inside(path, root)
+            if readable is None:
+                refused.add((source.path, name))
+                warnings.append(f"{source.label}: file {name!r} {why}; not copied")
+                continue
             staged_name = name
             existing = dest / name
-            if existing.exists() and not _same_file(existing, path):
-                staged_name = f"{source.label}/{name}"
+            if existing.exists() and not _same_file(existing, readable):
+                staged_name = f"{safepaths.component(source.label)}/{name}"
                 warnings.append(
                     f"{source.label}: file {name} also written by another rank; kept as {staged_name}"
                 )
@@ -149,12 +179,37 @@ def _stage_files(target: Target, dest: Path, warnings: list[str]) -> dict[tuple[
             target_path = dest / staged_name
             if not target_path.exists():
                 target_path.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(path, target_path)
-    return mapping
+                try:
+                    shutil.copyfile(readable, target_path)
+                except OSError as exc:
+                    raise WbmergeError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    return mapping, refused
+
+
+def _file_entries(files: Path, label: str, warnings: list[str]) -> Iterator[tuple[Path, str]]:
+    """Every entry below `files` that is not a directory, as (path, name relative to
+    `files`), in a stable order; links to directories are not followed (warned about)."""
+
+    def unreadable(exc: OSError) -> None:
+        raise WbmergeError(f"{exc.filename}: cannot read ({exc.strerror or exc})")
+
+    for dirpath, dirnames, filenames in os.walk(files, onerror=unreadable):
+        here = Path(dirpath)
+        for name in sorted(dirnames):
+            if (here / name).is_symlink():
+                relative = (here / name).relative_to(files).as_posix()
+                warnings.append(f"{label}: {relative!r} is a link to a directory; not followed")
+        dirnames[:] = sorted(d for d in dirnames if not (here / d).is_symlink())
+        for name in sorted(filenames):
+            path = here / name
+            yield path, path.relative_to(files).as_posix()
 
 
 def _same_file(a: Path, b: Path) -> bool:
-    return a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
+    try:
+        return a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
+    except OSError as exc:
+        raise WbmergeError(f"{exc.filename}: cannot read ({exc.strerror or exc})") from None
 
 
 # -- run record ----------------------------------------------------------------------------
@@ -230,18 +285,24 @@ def _exit_record(code: int) -> bytes:
 _PASSTHROUGH_READ = 128 * BLOCK_SIZE
 # records a pass-through does not copy as they are (a history record only when restarts
 # continue each other's steps)
-_RUN, _HEADER, _EXIT = (records.code(kind) for kind in ("run", "header", "exit"))
-_SPECIAL = [_RUN, _HEADER, _EXIT]
+_RUN, _HEADER, _EXIT, _FILES = (records.code(k) for k in ("run", "header", "exit", "files"))
+_SPECIAL = [_RUN, _HEADER, _EXIT, _FILES]
 _SPECIAL_SEVERAL = [*_SPECIAL, records.code("history")]
 
 
 def _write_passthrough(
-    target: Target, writer: LogWriter, options: MergeOptions, staged: Staged
+    target: Target,
+    writer: LogWriter,
+    options: MergeOptions,
+    staged: Staged,
+    refused: set[tuple[Path, str]],
 ) -> None:
-    """A rank's records as they are (restarts concatenated), the run record rewritten: one
-    clean log by copying its blocks (`_write_spliced`), anything else record by record."""
+    """A rank's records as they are (restarts concatenated), the run record rewritten and
+    `files` records without the paths that would lead the uploader out of the run's files
+    (`_safe_files`): one clean log by copying its blocks (`_write_spliced`), anything else
+    record by record."""
     if len(target.sources) == 1 and not target.extra_system_sources:
-        if _write_spliced(target.sources[0], target, writer, options, staged):
+        if _write_spliced(target.sources[0], target, writer, options, staged, refused):
             return
     exit_payload = None
     steps = Steps()
@@ -265,6 +326,8 @@ def _write_passthrough(
                         writer.write(_rewrite_run(payload, target, options))
                 elif kind == "exit":
                     exit_payload = payload
+                elif kind == "files":
+                    writer.write(_safe_files(payload, source, refused, staged.warnings))
                 elif kind == "history":
                     writer.write(_continue_steps(payload, steps))
                 elif index == 0:  # the header: once
@@ -284,7 +347,12 @@ _HEAD_BLOCKS = 64  # how far a log's head may reach: its run record and the reco
 
 
 def _write_spliced(
-    source: Source, target: Target, writer: LogWriter, options: MergeOptions, staged: Staged
+    source: Source,
+    target: Target,
+    writer: LogWriter,
+    options: MergeOptions,
+    staged: Staged,
+    refused: set[tuple[Path, str]],
 ) -> bool:
     """One clean log without re-framing it: its head (the blocks up to the end of the run
     record) re-framed with the run record rewritten, then every later block copied as it
@@ -292,18 +360,23 @@ def _write_spliced(
     framing every record again.
 
     Returns False, having written nothing, for any other log: damaged or truncated, without
-    exactly one exit record, with a run or header record after the head, or too short.
+    exactly one exit record, with a run or header record after the head, with a `files`
+    record that must be changed, or too short.
     """
     report = ReadReport()
     counts = np.zeros(256, np.int64)
     exit_payload = b""
+    files_ok = True
     for frames in read_frames(source.path, report, _PASSTHROUGH_READ):
         codes = records.kinds(frames)
         counts += np.bincount(codes, minlength=256)
         exits = np.flatnonzero(codes == _EXIT)
         if len(exits):
             exit_payload = frames.payload(int(exits[-1]))
-    if report.damaged or counts[_EXIT] != 1:
+        for index in np.flatnonzero(codes == _FILES).tolist():
+            payload = frames.payload(index)
+            files_ok = files_ok and _safe_files(payload, source, refused, []) == payload
+    if report.damaged or counts[_EXIT] != 1 or not files_ok:
         return False
     with open(source.path, "rb") as stream:
         for blocks in range(1, _HEAD_BLOCKS + 1):  # the head: up to the end of the run record
@@ -748,7 +821,7 @@ def _rank_events(
                     payload = frames.payload(record)
                     event = _other_event(
                         payload, KIND_NAMES[codes[record]], state, is_primary, index, source,
-                        file_map, spool, options,
+                        file_map, spool, options, staged.warnings,
                     )  # fmt: skip
                     if event is not None:
                         seq += 1
@@ -776,6 +849,7 @@ def _other_event(
     file_map: dict[tuple[Path, str], str],
     spool: _SpoolWriter,
     options: MergeOptions,
+    warnings: list[str],
 ) -> bytes | None:
     """What a record other than a history row or summary becomes in pass 1, if anything:
     an event for the merged log, or set aside (console, system metrics, the exit)."""
@@ -784,7 +858,7 @@ def _other_event(
     elif kind == "metric":
         return _labelled_metric(payload, state.source.label, options.key_format)
     elif kind == "files":
-        return _mapped_files(payload, source.path, file_map)
+        return _mapped_files(payload, source, file_map, warnings)
     elif kind in PASS_TWO:
         spool.write(payload)
     elif kind in ("header", "run"):
@@ -808,15 +882,38 @@ def _labelled_metric(payload: bytes, label: str, key_format: str) -> bytes:
 
 
 def _mapped_files(
-    payload: bytes, source_path: Path, file_map: dict[tuple[Path, str], str]
+    payload: bytes, source: Source, file_map: dict[tuple[Path, str], str], warnings: list[str]
 ) -> bytes:
+    """A `files` record naming the files as staged; a path not staged is left out (a
+    path that would lead out of the run's files is also warned about)."""
     record = pb.Record.FromString(payload)
     kept = []
     for item in record.files.files:
-        staged_name = file_map.get((source_path, item.path))
+        staged_name = file_map.get((source.path, item.path))
         if staged_name is not None:
             item.path = staged_name
             kept.append(item)
+        elif not safepaths.relative_file_name(item.path):
+            warnings.append(f"{source.label}: files record path {item.path!r} left out")
+    del record.files.files[:]
+    record.files.files.extend(kept)
+    return record.SerializeToString()
+
+
+def _safe_files(
+    payload: bytes, source: Source, refused: set[tuple[Path, str]], warnings: list[str]
+) -> bytes:
+    """A `files` record without the paths that would lead the uploader (which reads each
+    path under the run's `files/`) out of the staged run: absolute paths, `..`, and files
+    refused when staging (links out of the source's files). Unchanged bytes otherwise."""
+    record = pb.Record.FromString(payload)
+    kept, dropped = [], []
+    for item in record.files.files:
+        safe = safepaths.relative_file_name(item.path) and (source.path, item.path) not in refused
+        (kept if safe else dropped).append(item)
+    if not dropped:
+        return payload
+    warnings.extend(f"{source.label}: files record path {i.path!r} left out" for i in dropped)
     del record.files.files[:]
     record.files.files.extend(kept)
     return record.SerializeToString()

@@ -18,6 +18,7 @@ from .errors import WbmergeError
 from .hints import make_hints
 from .merge import DEFAULT_KEY_FORMAT, MergeOptions, Staged, stage
 from .plan import Source, Target, app_url, links, plan
+from .safepaths import check_out_dir, source_trees
 from .upload import DEFAULT_PARALLEL, Ledger, find_credentials, run_wandb_sync, state_dir
 
 
@@ -135,9 +136,17 @@ def merge_jobs(
     planned: list[PlannedJob] | None = None,
     progress: Callable[[Staged], None] | None = None,
 ) -> list[Staged]:
-    """Write every target of every job as an offline run directory under `out_dir`."""
+    """Write every target of every job as an offline run directory under `out_dir`.
+
+    Refuses (WbmergeError) an `out_dir` that is, or lies inside, a directory the merge
+    reads; a run directory that exists already in `out_dir` is an error, never replaced.
+    """
     planned = plan_jobs(request) if planned is None else planned
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_out_dir(out_dir, source_trees(request.paths, _run_files(planned)))
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise WbmergeError(f"--out {out_dir}: cannot create ({exc.strerror or exc})") from None
     staged = []
     for job in planned:
         options = job.options(request)
@@ -147,6 +156,15 @@ def merge_jobs(
             if progress:
                 progress(result)
     return staged
+
+
+def _run_files(planned: list[PlannedJob]) -> list[Path]:
+    return [
+        source.path
+        for job in planned
+        for target in job.targets
+        for source in (*target.sources, *target.extra_system_sources)
+    ]
 
 
 @dataclass
@@ -183,6 +201,10 @@ def sync(
     report = SyncReport(planned)
     ledger = Ledger(state_dir() / "synced.json")
     own_staging = staging_dir is None
+    if staging_dir is not None:
+        check_out_dir(
+            staging_dir, source_trees(request.paths, _run_files(planned)), "--keep-staging"
+        )
     staging = Path(tempfile.mkdtemp(prefix="wbmerge-staging-")) if own_staging else staging_dir
     try:
         for job in planned:

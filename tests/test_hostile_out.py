@@ -1,0 +1,74 @@
+"""`merge --out` never writes into the runs it reads, and never replaces a directory."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from wbmerge.discover import discover
+
+from .hostile import copy_job, one_error_line, run_cli, run_logs, tree_digest
+
+
+@pytest.fixture
+def plain(tmp_path: Path) -> Path:
+    """Runs without a wbmerge block: auto mode's run id is rank 0's own offline id. Rank 0's
+    directory is named after its start time, as wandb names it (the fixture's name is a
+    second early), so a merge into wandb/ stages exactly the name of rank 0's source."""
+    job = copy_job("plain_labels", tmp_path / "job")
+    rank0 = next(run for run in discover([job]) if run.rank.rank == 0)
+    stamp = time.strftime("%Y%m%d_%H%M%S", time.gmtime(rank0.start_time))
+    rank0.run_dir.rename(rank0.run_dir.with_name(f"offline-run-{stamp}-{rank0.run_id}"))
+    return job
+
+
+@pytest.mark.parametrize(
+    "out_of",
+    [
+        lambda job: job / "wandb",  # the named directory itself
+        lambda job: job / "wandb" / "new",  # inside it
+        lambda job: run_logs(job)[0].parent,  # a run directory
+        lambda job: run_logs(job)[0].parent / "files" / "merged",  # inside a run
+    ],
+    ids=["named-dir", "inside-named-dir", "run-dir", "inside-run-dir"],
+)
+def test_out_in_a_source_tree_is_refused_and_sources_are_untouched(plain, out_of):
+    before = tree_digest(plain)
+    out = out_of(plain)
+    line = one_error_line(run_cli("merge", plain / "wandb", "--out", out))
+    assert "--out" in line and "source" in line
+    assert tree_digest(plain) == before
+
+
+def test_out_through_a_symlink_to_the_sources_is_refused(plain, tmp_path):
+    before = tree_digest(plain)
+    link = tmp_path / "looks-elsewhere"
+    link.symlink_to(plain / "wandb", target_is_directory=True)
+    one_error_line(run_cli("merge", plain / "wandb", "--out", link))
+    assert tree_digest(plain) == before
+
+
+def test_sources_inside_out_are_fine_and_untouched(plain):
+    # --out is the job directory, which holds the named wandb/ directory but is not read
+    before = tree_digest(plain / "wandb")
+    result = run_cli("merge", plain / "wandb", "--out", plain)
+    assert result.returncode == 0, result.stderr
+    assert tree_digest(plain / "wandb") == before
+    [staged] = plain.glob("offline-run-*")
+    # the merged run is rank 0's, re-framed with a new run record: a whole log, not empty
+    source = next(log for log in run_logs(plain) if log.parent.name == staged.name)
+    assert (staged / source.name).stat().st_size >= source.stat().st_size - 1024
+
+
+def test_an_existing_run_directory_in_out_is_an_error_never_removed(plain, tmp_path):
+    out = tmp_path / "out"
+    assert run_cli("merge", plain / "wandb", "--out", out).returncode == 0
+    [staged] = out.glob("offline-run-*")
+    marker = staged / "kept.txt"
+    marker.write_text("mine")
+    before = tree_digest(out)
+    line = one_error_line(run_cli("merge", plain / "wandb", "--out", out))
+    assert str(staged) in line and "exists" in line
+    assert tree_digest(out) == before
