@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
@@ -12,16 +13,24 @@ from typing import Any
 import click
 
 from . import __version__
-from .errors import WbmergeError
+from .errors import InputWarning, WbmergeError
 
 
 def _one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Bad input is one line on stderr and exit 2; a bug says so, still without a traceback."""
+    """Bad input is one line on stderr and exit 2; a bug says so, still without a traceback.
+
+    Input left out (InputWarning) is one `wbmerge: warning:` line each. A failure that is
+    not a WbmergeError is first traced to a hostile run (a record with a valid checksum
+    but invalid protobuf, which the fast readers do not parse): that is bad input, exit 2.
+    """
 
     @wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return func(*args, **kwargs)
+            with warnings.catch_warnings():
+                warnings.simplefilter("always", InputWarning)
+                warnings.showwarning = _show_warning
+                return func(*args, **kwargs)
         except WbmergeError as exc:
             click.echo(f"wbmerge: error: {exc}", err=True)
             sys.exit(exc.exit_code)
@@ -31,6 +40,10 @@ def _one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as exc:  # the last line of defence of the CLI
             if os.environ.get("WBMERGE_DEBUG"):
                 raise
+            hostile = _hostile_input(kwargs.get("paths"))
+            if hostile:
+                click.echo(f"wbmerge: error: {hostile}", err=True)
+                sys.exit(2)
             click.echo(
                 f"wbmerge: internal error: {type(exc).__name__}: {exc} "
                 "(rerun with WBMERGE_DEBUG=1 for a traceback)",
@@ -55,6 +68,27 @@ def _with_rank_options(func: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(rank_options()):
         func = option(func)
     return func
+
+
+def _show_warning(message: Any, category: type, *args: Any, **kwargs: Any) -> None:
+    if issubclass(category, InputWarning):
+        click.echo(f"wbmerge: warning: {message}", err=True)
+    else:
+        _default_show_warning(message, category, *args, **kwargs)
+
+
+_default_show_warning = warnings.showwarning
+
+
+def _hostile_input(paths: Any) -> str | None:
+    if not paths:
+        return None
+    from .discover import find_invalid_records
+
+    try:
+        return find_invalid_records(paths)
+    except Exception:  # the input cannot even be listed: report the first failure
+        return None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

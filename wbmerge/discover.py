@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import re
+import stat
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -20,11 +22,20 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from . import jobs, rankclaims, records
-from .errors import NotATransactionLog, WbmergeError
+from .errors import InputWarning, NotATransactionLog, WbmergeError
 from .jobs import Hints, RunFacts
 from .proto import pb
 from .topology import METADATA_KEY, RankInfo
-from .txlog import BLOCK_SIZE, FILE_HEADER, Frames, ReadReport, read_frames, read_tail, record_kind
+from .txlog import (
+    BLOCK_SIZE,
+    FILE_HEADER,
+    Frames,
+    ReadReport,
+    find_invalid_record,
+    read_frames,
+    read_tail,
+    record_kind,
+)
 
 _STATS_LABEL = re.compile(r"/l:(.+)$")
 _OUTPUT_LABEL = re.compile(r"^output_(.+)\.log$")
@@ -88,17 +99,27 @@ class OfflineRun:
 def find_run_files(paths: Iterable[str | Path]) -> list[Path]:
     """The `.wandb` files under each path: a file, a run directory, or any tree of them.
 
-    Raises WbmergeError for a path that does not exist or holds no offline run.
+    Raises WbmergeError for a path that does not exist, cannot be read or holds no offline
+    run. Only regular files are taken; a FIFO, socket, device, dangling link or link loop
+    named `run-*.wandb` inside a directory is left out with an InputWarning (never opened),
+    as is a link (wandb's `latest-run` would list a run twice, and a link may lead out of
+    the directories named).
     """
     found: dict[Path, None] = {}
     for raw in paths:
         path = Path(raw)
-        if not path.exists():
-            raise WbmergeError(f"{path}: no such file or directory")
-        if path.is_file():
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            raise WbmergeError(f"{path}: no such file or directory") from None
+        except OSError as exc:
+            raise WbmergeError(f"{path}: cannot read ({exc.strerror or exc})") from None
+        if stat.S_ISREG(mode):
             files = [path]
-        else:
+        elif stat.S_ISDIR(mode):
             files = sorted(_walk_wandb_files(path))
+        else:
+            raise WbmergeError(f"{path}: not a regular file or directory")
         if not files:
             raise WbmergeError(f"{path}: no offline W&B run (no run-*.wandb file) found")
         for file in files:
@@ -107,12 +128,40 @@ def find_run_files(paths: Iterable[str | Path]) -> list[Path]:
 
 
 def _walk_wandb_files(root: Path) -> Iterator[Path]:
-    # followlinks=False: wandb's `latest-run` symlink would list a run twice.
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+    def unreadable(exc: OSError) -> None:
+        raise WbmergeError(f"{exc.filename}: cannot read ({exc.strerror or exc})")
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable, followlinks=False):
         dirnames[:] = sorted(d for d in dirnames if not Path(dirpath, d).is_symlink())
         for name in sorted(filenames):
             if name.endswith(".wandb") and name.startswith("run-"):
-                yield Path(dirpath, name)
+                path = Path(dirpath, name)
+                mode = path.lstat().st_mode
+                if stat.S_ISREG(mode):
+                    yield path
+                else:
+                    kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+                    warnings.warn(f"{path}: {kind}; left out", InputWarning, stacklevel=2)
+
+
+def find_invalid_records(paths: Iterable[str | Path]) -> str | None:
+    """One line naming the first run under `paths` that holds a record with a valid
+    checksum but invalid protobuf, or None. A full parse of every record: the readers
+    trust the framing for speed, so this is how a failure is traced to a hostile file."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InputWarning)
+        files = find_run_files(paths)
+    for path in files:
+        try:
+            index = find_invalid_record(path)
+        except (OSError, WbmergeError):
+            continue
+        if index is not None:
+            return (
+                f"{path}: record {index} has a valid checksum but is not a W&B record "
+                "(invalid protobuf); this run cannot be read"
+            )
+    return None
 
 
 def read_identity(path: Path) -> OfflineRun:
@@ -229,9 +278,11 @@ def _label_from_stats(stats: pb.StatsRecord) -> str | None:
 
 
 def _label_from_files(files: Path) -> str | None:
-    if not files.is_dir():
-        return None
-    for entry in sorted(files.iterdir()):
+    try:
+        entries = sorted(files.iterdir()) if files.is_dir() else []
+    except OSError:
+        return None  # an unreadable files/ is named when the merge copies it
+    for entry in entries:
         match = _OUTPUT_LABEL.match(entry.name)
         if match:
             return match[1]

@@ -14,3 +14,8 @@ class WbmergeError(Exception):
 
 class NotATransactionLog(WbmergeError):
     """The file does not start with the W&B transaction-log header."""
+
+
+class InputWarning(UserWarning):
+    """Input that was left out, and why (a FIFO named like a run, a link loop): the CLI
+    prints each as one `wbmerge: warning:` line and goes on."""
