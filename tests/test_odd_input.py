@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from wbmerge.proto import pb
+from wbmerge.txlog import read_payloads
+
 from .hostile import copy_job, insert_after_run_record, one_error_line, run_cli, run_logs
 
 _NO_DAC = "-dac_override,-dac_read_search"
@@ -119,3 +122,20 @@ def test_an_unreadable_files_entry_is_named(job, tmp_path):
         assert str(entry) in line and "cannot read" in line
     finally:
         entry.chmod(0o644)
+
+
+@pytest.mark.parametrize("mode", ["new", "auto", "shared"])
+def test_an_invalid_record_of_no_known_kind_is_not_handed_to_the_uploader(job, tmp_path, mode):
+    # wandb's shape (`num`, then one field), but field 15 is no record kind and its length
+    # runs past the record: the readers skip it, so it is only caught before it is copied
+    for log in run_logs(job):
+        insert_after_run_record(log, [b"\x08\x01\x7a\x09\x0a"])
+    out = tmp_path / "out"
+    result = run_cli("merge", job / "wandb", "--run-mode", mode, "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert "not valid protobuf; left out" in result.stderr
+    staged = sorted(out.glob("offline-run-*/run-*.wandb"))
+    assert staged
+    for log in staged:
+        for payload in read_payloads(log):
+            pb.Record.FromString(payload)  # raises on the hostile record

@@ -30,6 +30,7 @@ from typing import BinaryIO, NamedTuple
 
 import numpy as np
 import pyarrow as pa
+from google.protobuf.message import DecodeError
 
 from . import items, records, safepaths, wire
 from .errors import WbmergeError
@@ -286,7 +287,8 @@ _PASSTHROUGH_READ = 128 * BLOCK_SIZE
 # records a pass-through does not copy as they are (a history record only when restarts
 # continue each other's steps)
 _RUN, _HEADER, _EXIT, _FILES = (records.code(k) for k in ("run", "header", "exit", "files"))
-_SPECIAL = [_RUN, _HEADER, _EXIT, _FILES]
+_UNKNOWN = 0  # the kind code of a record of no known kind (checked before it is copied)
+_SPECIAL = [_RUN, _HEADER, _EXIT, _FILES, _UNKNOWN]
 _SPECIAL_SEVERAL = [*_SPECIAL, records.code("history")]
 
 
@@ -328,6 +330,9 @@ def _write_passthrough(
                     exit_payload = payload
                 elif kind == "files":
                     writer.write(_safe_files(payload, source, refused, staged.warnings))
+                elif kind is None:
+                    if _valid(payload, source, staged.warnings):
+                        writer.write(payload)
                 elif kind == "history":
                     writer.write(_continue_steps(payload, steps))
                 elif index == 0:  # the header: once
@@ -361,12 +366,13 @@ def _write_spliced(
 
     Returns False, having written nothing, for any other log: damaged or truncated, without
     exactly one exit record, with a run or header record after the head, with a `files`
-    record that must be changed, or too short.
+    record that must be changed or a record of no known kind that is not valid protobuf,
+    or too short.
     """
     report = ReadReport()
     counts = np.zeros(256, np.int64)
     exit_payload = b""
-    files_ok = True
+    copyable = True
     for frames in read_frames(source.path, report, _PASSTHROUGH_READ):
         codes = records.kinds(frames)
         counts += np.bincount(codes, minlength=256)
@@ -375,8 +381,10 @@ def _write_spliced(
             exit_payload = frames.payload(int(exits[-1]))
         for index in np.flatnonzero(codes == _FILES).tolist():
             payload = frames.payload(index)
-            files_ok = files_ok and _safe_files(payload, source, refused, []) == payload
-    if report.damaged or counts[_EXIT] != 1 or not files_ok:
+            copyable = copyable and _safe_files(payload, source, refused, []) == payload
+        for index in np.flatnonzero(codes == _UNKNOWN).tolist():
+            copyable = copyable and _valid(frames.payload(index), source, []) is not None
+    if report.damaged or counts[_EXIT] != 1 or not copyable:
         return False
     with open(source.path, "rb") as stream:
         for blocks in range(1, _HEAD_BLOCKS + 1):  # the head: up to the end of the run record
@@ -865,10 +873,24 @@ def _other_event(
         pass  # written once by the caller
     elif is_primary:
         if restart == 0 or kind not in ("environment", "telemetry"):
-            return payload  # (a restart describes the same machine again)
+            return _valid(payload, source, warnings)  # (a restart: the same machine again)
     elif kind in ("artifact", "use_artifact", "alert"):
-        return payload
+        return _valid(payload, source, warnings)
     return None
+
+
+def _valid(payload: bytes, source: Source, warnings: list[str]) -> bytes | None:
+    """`payload` when it is a valid Record, else None with a warning. Records copied into
+    the merged log without being parsed pass here, so that one with a valid checksum but
+    invalid protobuf is dropped as damage, not handed to the uploader."""
+    try:
+        pb.Record.FromString(payload)
+    except DecodeError:
+        warnings.append(
+            f"{source.label}: a record with a valid checksum is not valid protobuf; left out"
+        )
+        return None
+    return payload
 
 
 def _labelled_metric(payload: bytes, label: str, key_format: str) -> bytes:
