@@ -136,7 +136,10 @@ def _walk_wandb_files(root: Path) -> Iterator[Path]:
         for name in sorted(filenames):
             if name.endswith(".wandb") and name.startswith("run-"):
                 path = Path(dirpath, name)
-                mode = path.lstat().st_mode
+                try:
+                    mode = path.lstat().st_mode
+                except OSError:
+                    continue  # removed while we walked
                 if stat.S_ISREG(mode):
                     yield path
                 else:
