@@ -289,3 +289,32 @@ def test_export_names_a_key_once_whichever_way_it_is_written(tmp_path):
     ]
     names = pq.read_table(out).column("key").combine_chunks().dictionary.to_pylist()
     assert len(names) == len(set(names))  # (a name twice would be two keys to a reader)
+
+
+def test_a_value_that_ends_like_a_step_field_is_not_taken_for_one(tmp_path):
+    """A step-less record (as 0.16 writes them) whose last value ends in the bytes of a step
+    field (`12 02 08 05`): protobuf reads no step field there, and neither may we."""
+    info = RankInfo(0, 0, 1, 1, 0, job_id="tail")
+    run_dir = tmp_path / "wandb" / "offline-run-20260101_000000-tail"
+    run_dir.mkdir(parents=True)
+    with open(run_dir / "run-tail.wandb", "wb") as stream, LogWriter(stream) as writer:
+        record = pb.Record(num=1)
+        record.run.run_id = "tail"
+        record.run.config.update.add(key="wbmerge", value_json=json.dumps(info.to_metadata()))
+        writer.write(record.SerializeToString())
+        for step in range(3):
+            record = pb.Record()
+            record.history.item.add(key="loss", value_json=str(step))
+            record.history.item.add(key="_step", value_json=str(step))
+            record.history.item.add(key="tail", value_json="1\x12\x02\x08\x05")
+            writer.write(record.SerializeToString())
+        writer.write(pb.Record(exit=pb.RunExitRecord()).SerializeToString())
+    report = json.loads(cli("inspect", "--json", tmp_path).output)
+    assert [(r["history_rows"], r["last_step"]) for r in report] == [(3, 2)]
+    out = tmp_path / "values.parquet"
+    cli("export", tmp_path, "--out", out)
+    rows = pq.read_table(out).to_pylist()
+    assert sorted((r["step"], r["key"], r["value_json"] or r["value"]) for r in rows) == sorted(
+        [(step, "loss", float(step)) for step in range(3)]
+        + [(step, "tail", "1\x12\x02\x08\x05") for step in range(3)]
+    )

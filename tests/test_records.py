@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -18,6 +19,21 @@ from .test_txlog import write_all
 LOGS = [p for p in sorted(FIXTURES.glob("**/run-*.wandb")) if "not_a_log" not in p.parts]
 
 
+def step_item(history: pb.HistoryRecord) -> int:
+    """The step of a record without a step field (wandb 0.16): its last `_step` item that is
+    a JSON integer from 0 to 2**63 - 1, else 0."""
+    step = 0
+    for item in history.item:
+        if (list(item.nested_key) or [item.key]) == ["_step"]:
+            try:
+                value = json.loads(item.value_json)
+            except ValueError:
+                continue
+            if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63:
+                step = value
+    return step
+
+
 def check_frames(frames: txlog.Frames) -> int:
     """Assert every record's kind, and every history record's step and item fields, as the
     one-record functions give them; returns how many history records were checked."""
@@ -30,6 +46,9 @@ def check_frames(frames: txlog.Frames) -> int:
         step, region = wire.history_region(payloads[index])
         assert rows.steps[row] == step
         assert rows.data[rows.starts[row] : rows.ends[row]] == region
+        parsed = pb.Record.FromString(payloads[index]).history  # and both as protobuf says
+        assert list(pb.HistoryRecord.FromString(region).item) == list(parsed.item)
+        assert step == (parsed.step.num if parsed.HasField("step") else step_item(parsed))
     summaries = np.flatnonzero(codes == records.code("summary"))
     starts, ends = records.body_spans(frames, summaries, 0x1A)
     for start, end, index in zip(starts.tolist(), ends.tolist(), summaries.tolist(), strict=True):
@@ -54,6 +73,12 @@ def test_the_fixtures_have_history_to_check():
     assert checked > 500
 
 
+# values as wandb writes them, one of 200 bytes (a length of two bytes), and ones whose last
+# bytes look like a step field (`12 02 08 05`, `12 00`): without a step field of its own, a
+# record ending in one must not be read as if it had one
+VALUES = ["1", "2.5", '"x"', "NaN", "7", "1" * 200, "1\x12\x02\x08\x05", "2\x12\x00"]
+
+
 @st.composite
 def any_record(draw: st.DrawFn) -> bytes:
     """Records as wandb writes them and in shapes it does not: no `num`, a field after the
@@ -63,13 +88,19 @@ def any_record(draw: st.DrawFn) -> bytes:
         record.num = draw(st.integers(0, 2**40))
     kind = draw(st.sampled_from(["history", "summary", "stats", "output_raw", "exit"]))
     if kind == "history":
+        old_style = draw(st.booleans())  # wandb 0.16: `key`, no step field, a `_step` item
         for _ in range(draw(st.integers(0, 4))):
             item = record.history.item.add()
-            item.nested_key.append(draw(st.text(min_size=1, max_size=12)))
-            item.value_json = draw(st.sampled_from(["1", "2.5", '"x"', "NaN"]))
-        if draw(st.booleans()):
+            name = draw(st.one_of(st.just("_step"), st.text(min_size=1, max_size=12)))
+            if old_style:
+                item.key = name
+            else:
+                item.nested_key.append(name)
+            item.value_json = draw(st.sampled_from(VALUES))
+        step = draw(st.sampled_from(["num", "empty", "none"]))
+        if step == "num":
             record.history.step.num = draw(st.integers(0, 2**62))
-        else:
+        elif step == "empty":
             record.history.step.SetInParent()  # `step {}`
     elif kind == "summary":
         item = record.summary.update.add()

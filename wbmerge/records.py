@@ -3,7 +3,9 @@
 `txlog.iter_frames` gives the records of a read as offsets into one buffer; here numpy
 finds each record's kind and, for history records, its step and item fields, from the
 bytes wandb writes (`num` first, then the one record field; a history record's step field
-last). A record in any other shape is handled by the exact one-record functions
+last, which counts as one only when the items before it end exactly where it starts: a
+record without a step field, as wandb 0.16 writes them, may end in a value whose last bytes
+look like one). A record in any other shape is handled by the exact one-record functions
 (`txlog.record_kind`, `wire.history_region`), so the result is always what protobuf says.
 """
 
@@ -93,6 +95,11 @@ def history_rows(frames: Frames, which: np.ndarray) -> HistoryRows:
             number |= (value & 0x7F) << (7 * byte)
         fields_end[fits] = field[fits]
         steps[fits] = number[fits]
+    # What looks like a step field at the end is one only if the items before it end exactly
+    # there: else its bytes are inside the last item (a record without a step field, as
+    # wandb 0.16 writes them, whose last value happens to end so) and protobuf decides.
+    found = np.flatnonzero(fields_end > starts)
+    fields_end[found[~_items_end_at(data, starts[found], fields_end[found])]] = -1
     odd = np.flatnonzero(fields_end < 0)
     buffer = frames.data
     if len(odd):  # another shape: protobuf says (its item fields go after the buffer)
@@ -107,6 +114,47 @@ def history_rows(frames: Frames, which: np.ndarray) -> HistoryRows:
             extra.append(region)
         buffer = b"".join([buffer, *extra])
     return HistoryRows(buffer, steps, starts, fields_end)
+
+
+def _items_end_at(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Whether each `data[starts[i]:ends[i]]` is item fields only (`0a`, a length, that many
+    bytes), the last ending exactly at `ends[i]`: walked one item of every region a step, as
+    protobuf would read them, regions dropping out as they end. Lengths of up to 3 bytes
+    (items under 2 MiB) are walked; a longer one is not (False: the caller asks protobuf)."""
+    ok = np.zeros(len(starts), bool)
+    heads = np.ndarray((max(len(data) - 1, 0),), "<u2", data, 0, (1,))  # tag | length << 8
+    live, at, end = np.arange(len(starts)), starts, ends
+    while len(live):
+        try:
+            word = heads[at].astype(np.int64)
+        except IndexError:  # an item's start on the buffer's last byte: not an item
+            word = heads[np.minimum(at, len(heads) - 1)].astype(np.int64)
+            word[at >= len(heads)] = 0
+        after = at + 2 + (word >> 8)
+        tagged = word & 0xFF == 0x0A
+        long = np.flatnonzero(word >= 0x8000)  # a length of more than one byte
+        if len(long):
+            after[long], tagged[long] = _long_item_ends(data, at[long], tagged[long])
+        stop = ~tagged | (after >= end)
+        if stop.any():
+            ok[live[stop]] = tagged[stop] & (after[stop] == end[stop])
+            go = ~stop
+            live, after, end = live[go], after[go], end[go]
+        at = after
+    return ok
+
+
+def _long_item_ends(
+    data: np.ndarray, at: np.ndarray, tagged: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(end, still an item) of items at `at` whose length takes 2 or 3 bytes."""
+    first = _at(data, at + 1).astype(np.int64) & 0x7F
+    second = _at(data, at + 2).astype(np.int64)
+    third = _at(data, at + 3).astype(np.int64)
+    three = second >= 0x80
+    length = first | (second & 0x7F) << 7 | np.where(three, third << 14, 0)
+    tagged = tagged & ~(three & (third >= 0x80))
+    return at + np.where(three, 4, 3) + length, tagged
 
 
 def _at(data: np.ndarray, index: np.ndarray) -> np.ndarray:

@@ -105,19 +105,34 @@ def history_region(payload: bytes) -> tuple[int, bytes]:
     if span is None:
         raise ValueError("not a history record")
     start, end = span
-    if end - start >= 2 and payload[end - 2] == 0x12 and payload[end - 1] == 0:
-        return 0, payload[start : end - 2]
+    if end - start >= 2 and payload[end - 2 : end] == b"\x12\x00":
+        if _items_end_at(payload, start, end - 2):
+            return 0, payload[start : end - 2]
     for size, head in _STEP_HEADS:  # step { num: a varint of `size` bytes }
         field = end - size - 3
         if field >= start and payload[field : field + 3] == head:
             step, after = varint(payload, field + 3)
-            if after == end:
+            if after == end and _items_end_at(payload, start, field):
                 return step, payload[start:field]
     history = pb.Record.FromString(payload).history
     region = pb.HistoryRecord(item=history.item).SerializeToString()
     if history.HasField("step"):
         return history.step.num, region
     return _step_item(history.item), region
+
+
+def _items_end_at(payload: bytes, pos: int, end: int) -> bool:
+    """Whether `payload[pos:end]` is item fields only, the last ending exactly at `end`: what
+    makes the bytes after them a field of the record, not the inside of an item."""
+    try:
+        while pos < end:
+            if payload[pos] != _KEY_TAG:  # (HistoryRecord.item: field 1, as a key field)
+                return False
+            length, pos = varint(payload, pos + 1)
+            pos += length
+    except IndexError:
+        return False
+    return pos == end
 
 
 def _step_item(history_items: Iterable[pb.HistoryItem]) -> int:
