@@ -153,11 +153,18 @@ def test_export_gives_every_value_at_its_step(tmp_path, name):
     for rank, path in copies.items():
         for step, values in source_history(path):
             for key, text in values.items():
-                if key not in RESERVED:
-                    number = json.loads(text)
-                    as_float = isinstance(number, (int, float)) and not isinstance(number, bool)
-                    expected[rank, step, key] = repr(float(number)) if as_float else text
+                if key in RESERVED:
+                    continue
+                value = json.loads(text)
+                # a dict that 0.16 wrote as one value is its leaves, as 0.19 writes them
+                leaves = value.items() if isinstance(value, dict) else [(None, value)]
+                for leaf_key, leaf in leaves:
+                    name = key if leaf_key is None else f"{key}.{leaf_key}"
+                    number = isinstance(leaf, (int, float)) and not isinstance(leaf, bool)
+                    whole = text if leaf_key is None else json.dumps(leaf)
+                    expected[rank, step, name] = repr(float(leaf)) if number else whole
     assert got == expected
+    assert {key for _, _, key in got} >= {"eval.loss", "eval.rank", "train/loss"}
     # and each value carries its row's time
     times = {
         (rank, step): json.loads(values["_timestamp"])
@@ -318,3 +325,49 @@ def test_a_value_that_ends_like_a_step_field_is_not_taken_for_one(tmp_path):
         [(step, "loss", float(step)) for step in range(3)]
         + [(step, "tail", "1\x12\x02\x08\x05") for step in range(3)]
     )
+
+
+def test_export_splits_a_dict_value_into_its_leaves_but_keeps_media_whole(tmp_path):
+    info = RankInfo(0, 0, 1, 1, 0, job_id="dicts")
+    run_dir = tmp_path / "wandb" / "offline-run-20260101_000000-dicts"
+    run_dir.mkdir(parents=True)
+    image = '{"_type": "image-file", "path": "media/a.png"}'
+    logged = [
+        ("a", '{"b": 1, "c": {"d": "x", "e": [1, 2]}, "f": {}}'),
+        ("img", image),
+        ("loss", "0.5"),
+        ("flag", "true"),
+    ]
+    with open(run_dir / "run-dicts.wandb", "wb") as stream, LogWriter(stream) as writer:
+        record = pb.Record(num=1)
+        record.run.run_id = "dicts"
+        record.run.config.update.add(key="wbmerge", value_json=json.dumps(info.to_metadata()))
+        writer.write(record.SerializeToString())
+        for step in range(2):
+            record = pb.Record()
+            for key, text in logged:
+                record.history.item.add(key=key, value_json=text)
+            record.history.item.add(key="_step", value_json=str(step))
+            writer.write(record.SerializeToString())
+        writer.write(pb.Record(exit=pb.RunExitRecord()).SerializeToString())
+    out = tmp_path / "values.parquet"
+    cli("export", tmp_path, "--out", out)
+    rows = pq.read_table(out).to_pylist()
+    got = [(r["step"], r["key"], r["value"], r["value_json"]) for r in rows]
+    per_step = [
+        ("a.b", 1.0, None),
+        ("a.c.d", None, '"x"'),
+        ("a.c.e", None, "[1, 2]"),
+        ("a.f", None, "{}"),
+        ("img", None, image),
+        ("loss", 0.5, None),
+        ("flag", None, "true"),
+    ]
+    assert sorted(got, key=str) == sorted(
+        [(step, *entry) for step in range(2) for entry in per_step], key=str
+    )
+    assert [r["step"] for r in rows] == [0] * 7 + [1] * 7  # each leaf in its row's place
+    cli("export", tmp_path, "--out", tmp_path / "wide.parquet", "--wide")
+    wide = pq.read_table(tmp_path / "wide.parquet")
+    assert wide.column("a.b").to_pylist() == [1.0, 1.0]
+    assert wide.column("img").to_pylist() == [image, image]

@@ -3,12 +3,15 @@
 What `export` writes to Parquet and `report` summarises: one entry per logged value, with
 the step (continued across elastic restarts, as the merge does), the row's `_timestamp` and
 `_runtime`, the key (a nested key joined with "."), and the value as a float64 when it is a
-JSON number (NaN and infinities included) or else as its JSON text. History items are split
+JSON number (NaN and infinities included) or else as its JSON text. A dict that older wandb
+(0.16) wrote as one value, a JSON object, is split into its leaves, named as wandb-core names
+the keys it splits a dict into, so that runs of every version export alike. History items are split
 as columns (`items`); system-metric records are few and parsed one by one.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -114,10 +117,11 @@ def _history_of(step: np.ndarray, batch: items.Items, source: Source) -> Columns
     times = numbers.slice(len(user))
     timestamp = _per_row(len(step), batch.row[stamps], times.slice(0, len(stamps)))
     runtime = _per_row(len(step), batch.row[runtimes], times.slice(len(stamps)))
-    row = batch.row[user]
-    keys = pa.DictionaryArray.from_arrays(
-        pa.array(index[user], pa.int32()), pa.array(names, pa.string())
-    )
+    row, codes = batch.row[user], index[user]
+    value, value_json = numbers.slice(0, len(user)), texts.slice(0, len(user))
+    if value_json.null_count < len(value_json):  # values that are not numbers: dicts?
+        row, codes, value, value_json = _leaves_of_dicts(row, codes, value, value_json, names)
+    keys = pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()), pa.array(names, pa.string()))
     return Columns(
         source=source,
         kind=HISTORY,
@@ -125,9 +129,81 @@ def _history_of(step: np.ndarray, batch: items.Items, source: Source) -> Columns
         timestamp=_per_value(timestamp, row),
         runtime=_per_value(runtime, row),
         key=keys,
-        value=numbers.slice(0, len(user)),
-        value_json=texts.slice(0, len(user)),
+        value=value,
+        value_json=value_json,
     )
+
+
+def _leaves_of_dicts(
+    row: np.ndarray, codes: np.ndarray, value: pa.Array, value_json: pa.Array, names: list[str]
+) -> tuple[np.ndarray, np.ndarray, pa.Array, pa.Array]:
+    """A logged dict that is one value, a JSON object (wandb 0.16 writes `{"eval": {"loss":
+    1}}` so), as one value per leaf named as wandb-core names them (`eval.loss`), in its
+    row's place; a media value (an object with `_type`) or an empty one stays whole. New
+    names are added to `names`."""
+    objects = pc.fill_null(pc.starts_with(value_json, "{"), False)
+    candidates = np.flatnonzero(objects.to_numpy(zero_copy_only=False))
+    if not len(candidates):
+        return row, codes, value, value_json
+    position = {name: at for at, name in enumerate(names)}
+    whole: list[int] = []
+    added_rows: list[int] = []
+    added_codes: list[int] = []
+    added_numbers: list[float | None] = []
+    added_texts: list[str | None] = []
+    texts = value_json.take(pa.array(candidates)).to_pylist()
+    for at, text in zip(candidates.tolist(), texts, strict=True):
+        try:
+            leaves = _leaves(json.loads(text), names[codes[at]])
+        except (ValueError, RecursionError):
+            continue
+        if not leaves:
+            continue
+        whole.append(at)
+        for name, leaf in leaves:
+            if name not in position:
+                position[name] = len(names)
+                names.append(name)
+            number = _number(leaf)
+            added_rows.append(int(row[at]))
+            added_codes.append(position[name])
+            added_numbers.append(number)
+            added_texts.append(None if number is not None else json.dumps(leaf))
+    if not whole:
+        return row, codes, value, value_json
+    keep = np.setdiff1d(np.arange(len(row)), np.array(whole, np.int64))
+    rows = np.concatenate([row[keep], np.array(added_rows, np.int64)])
+    order = np.argsort(rows, kind="stable")  # each leaf in its row's place
+    taken, kept = pa.array(order), pa.array(keep)
+    return (
+        rows[order],
+        np.concatenate([codes[keep], np.array(added_codes, codes.dtype)])[order],
+        pa.concat_arrays([value.take(kept), pa.array(added_numbers, pa.float64())]).take(taken),
+        pa.concat_arrays([value_json.take(kept), pa.array(added_texts, value_json.type)]).take(
+            taken
+        ),
+    )
+
+
+def _leaves(value: object, name: str) -> list[tuple[str, object]]:
+    """(name, leaf) of every leaf of a dict that wandb-core would have split into keys;
+    empty for anything else."""
+    if not isinstance(value, dict) or not value or "_type" in value:
+        return []
+    found = []
+    for key, inner in value.items():
+        found.extend(_leaves(inner, f"{name}.{key}") or [(f"{name}.{key}", inner)])
+    return found
+
+
+def _number(leaf: object) -> float | None:
+    """A JSON number's float64 (NaN and infinities included), else None."""
+    if isinstance(leaf, bool) or not isinstance(leaf, int | float):
+        return None
+    try:
+        return float(leaf)
+    except OverflowError:  # an integer beyond float64: kept as its text
+        return None
 
 
 def _where(index: np.ndarray, names: list[str], name: str) -> np.ndarray:
