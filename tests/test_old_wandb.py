@@ -72,11 +72,16 @@ def logs(name: str) -> dict[int, Path]:
 
 
 def ranked_copy(name: str, dest: Path) -> dict[int, Path]:
-    """The job's runs copied under dest, each run record given its rank as a `wbmerge` block."""
+    """The job's runs copied under dest, each run record given its rank as a `wbmerge` block
+    (its place on its node from the launch manifest; a job whose other ranks wrote no run,
+    as rank0-only, is taken as a job of the ranks that did)."""
     sources = logs(name)
+    job = MANIFEST["recipes"][name]
+    nproc = job["nproc"] if len(sources) == job["nodes"] * job["nproc"] else len(sources)
     copies = {}
     for rank, path in sources.items():
-        info = RankInfo(rank, rank, len(sources), len(sources), 0, job_id=f"old-{name}")
+        worker, local = divmod(rank, nproc)
+        info = RankInfo(rank, local, len(sources), nproc, worker, job_id=f"fx-{name}")
         target = dest / "wandb" / path.parent.name
         shutil.copytree(path.parent, target)
         with open(target / path.name, "wb") as stream, LogWriter(stream) as writer:
