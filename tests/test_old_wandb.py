@@ -27,6 +27,7 @@ from wbmerge.topology import RankInfo
 from wbmerge.txlog import LogWriter, read_payloads
 
 from .conftest import MANIFEST, job_dir
+from .sinktools import console_text
 
 OLD = sorted(name for name, job in MANIFEST["recipes"].items() if job["wandb_version"])
 RESERVED = {"_step", "_runtime", "_timestamp", "_wandb"}
@@ -243,6 +244,20 @@ def test_wandb_0_16_runs_arrive_in_the_sink(sink, tmp_path, mode):
         for key, text in source_summary(path).items():
             if key.split(".")[0] not in RESERVED:
                 assert got["summary"][key + label] == json.loads(text), key
+        # the console (0.16 writes a line and its newline as two records), labelled in shared
+        prefix = f"[rank-{rank}] " if mode == "shared" else ""
+        lines = [prefix + line for line in source_console(path)]
+        arrived = console_text(got["console"])
+        assert [line for line in arrived if line.startswith(prefix)] == lines
+
+
+def source_console(path: Path) -> list[str]:
+    text = "".join(
+        record.output_raw.line
+        for record in map(pb.Record.FromString, read_payloads(path))
+        if record.WhichOneof("record_type") == "output_raw"
+    )
+    return [line for line in text.split("\n") if line.strip()]
 
 
 def test_a_step_less_record_takes_its_step_from_the_step_item():
