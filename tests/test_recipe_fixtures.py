@@ -18,7 +18,6 @@ from wbmerge.proto import pb
 from wbmerge.txlog import read_payloads
 
 from .conftest import MANIFEST, job_dir
-from .test_old_wandb import cli, ranked_copy
 
 RECIPES = MANIFEST["recipes"]
 
@@ -182,45 +181,3 @@ def test_jobs_that_share_a_group_do_not_overlap_in_time():
     windows.sort()
     for (_, last, _), (first, _, name) in zip(windows, windows[1:], strict=False):
         assert first > last, name
-
-
-def expected_rows(path: Path) -> dict[int, dict[str, object]]:
-    """step -> {key: value} of a source run's history, by protobuf, W&B's own keys left out."""
-    rows = {}
-    for payload in read_payloads(path):
-        record = pb.Record.FromString(payload)
-        if record.WhichOneof("record_type") == "history":
-            values = {"/".join(item_path(i)): json.loads(i.value_json) for i in record.history.item}
-            rows[record.history.step.num] = {k: v for k, v in values.items() if k[0] != "_"}
-    return rows
-
-
-def item_path(item) -> list[str]:
-    return list(item.nested_key) or [item.key]
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("name", sorted(n for n, j in RECIPES.items() if not j["wandb_version"]))
-def test_recipe_runs_go_through_shared_and_new_into_the_sink(sink, tmp_path, name):
-    """Every recipe's runs, given their ranks (until discovery finds them on its own), merge
-    into one labelled run and pass through as one run per rank, every value at its step."""
-    copies = ranked_copy(name, tmp_path / "runs")
-    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
-    world = len(copies)
-    nodes = (
-        RECIPES[name]["nodes"] if world == RECIPES[name]["nodes"] * RECIPES[name]["nproc"] else 1
-    )
-    for mode in ("shared", "new"):
-        cli("sync", tmp_path / "runs", "--run-mode", mode, "-p", "fx", "-e", "local",
-            "--base-id", mode, env=env)  # fmt: skip
-        for rank, path in copies.items():
-            worker, local = divmod(rank, world // nodes)
-            label = f"worker-{worker}-rank-{local}" if nodes > 1 else f"rank-{rank}"
-            run_id = mode if mode == "shared" else f"new-rank-{rank}"
-            got = sink.client.run("local", "fx", run_id)
-            assert got["state"] == "finished" and got["exit_code"] == 0
-            by_step = {row["_step"]: row for row in got["history"]}
-            suffix = f"/{label}" if mode == "shared" else ""
-            for step, values in expected_rows(path).items():
-                assert {k + suffix: v for k, v in values.items()}.items() <= by_step[step].items()
-                assert by_step[step]["rank" + suffix] == rank
