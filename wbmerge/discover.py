@@ -31,7 +31,6 @@ from .txlog import (
     FILE_HEADER,
     Frames,
     ReadReport,
-    find_invalid_record,
     read_frames,
     read_tail,
     record_kind,
@@ -156,7 +155,7 @@ def find_invalid_records(paths: Iterable[str | Path]) -> str | None:
         files = find_run_files(paths)
     for path in files:
         try:
-            index = find_invalid_record(path)
+            index = records.find_invalid_record(path)
         except (OSError, WbmergeError):
             continue
         if index is not None:

@@ -12,11 +12,14 @@ look like one). A record in any other shape is handled by the exact one-record f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from . import wire
-from .txlog import RECORD_KINDS, Frames, record_kind
+from .proto import pb
+from .txlog import RECORD_KINDS, Frames, read_payloads, record_kind
 
 KIND_NAMES: list[str | None] = [None, *sorted(set(RECORD_KINDS.values()))]
 _CODE = {name: code for code, name in enumerate(KIND_NAMES)}
@@ -191,3 +194,15 @@ def _span(data: np.ndarray, at: np.ndarray, ends: np.ndarray) -> tuple[np.ndarra
         pending &= ~done
     length[start < 0] = 0
     return start, np.where(start < 0, -1, start + length)
+
+
+def find_invalid_record(path: str | Path) -> int | None:
+    """The index of the first record with a valid checksum that is not a valid `Record`
+    (protobuf), or None. Parses every record: for naming a hostile file after a failure,
+    not for every read."""
+    for index, payload in enumerate(read_payloads(path)):
+        try:
+            pb.Record.FromString(payload)
+        except DecodeError:
+            return index
+    return None

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from .errors import NotATransactionLog
 from .proto import pb
@@ -581,18 +580,6 @@ def read_records(path: str | Path, report: ReadReport | None = None) -> Iterator
     """`iter_records` over a file path."""
     with open(path, "rb") as stream:
         yield from iter_records(stream, report)
-
-
-def find_invalid_record(path: str | Path) -> int | None:
-    """The index of the first record with a valid checksum that is not a valid `Record`
-    (protobuf), or None. Parses every record: for naming a hostile file after a failure,
-    not for every read."""
-    for index, payload in enumerate(read_payloads(path)):
-        try:
-            pb.Record.FromString(payload)
-        except DecodeError:
-            return index
-    return None
 
 
 def write_payloads(path: str | Path, payloads: Iterable[bytes]) -> int:
