@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
+from wbmerge.errors import WbmergeError
 from wbmerge.hints import make_hints
 from wbmerge.jobs import GivenRank, Hints, RunFacts, identify
 from wbmerge.rankclaims import compile_pattern, config_claim, parse_spelling, parse_with_pattern
@@ -417,3 +418,128 @@ def test_plain_runs_of_two_directories_are_one_job_when_they_overlap(tmp_path):
     rows = json.loads(result.output)
     assert len({r["job_id"] for r in rows}) == 1
     assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3]
+
+
+# Cases found by trying wbmerge as users would (an adversarial review of the first version).
+
+
+def test_a_job_whose_runs_name_their_node_only_in_part_is_a_problem_not_a_crash():
+    runs = [facts("a", group="g", config={"rank": 0}), facts("b", group="g", label="node0_rank1")]
+    found = identify(runs)
+    assert not found.identities
+    [problem] = found.problems
+    assert "a (no label" in problem.message
+
+
+def test_a_config_rank_that_is_no_process_rank_gives_way_to_the_labels():
+    # `rank` as a LoRA hyperparameter, the same on every run; the labels say the ranks
+    runs = [facts(f"r{i}", config={"rank": 8}, label=f"rank_{i}") for i in range(2)]
+    assert {k: v[:1] + v[5:7] for k, v in places(runs).items()} == {
+        "r0": (0, "label", "rank_0"),
+        "r1": (1, "label", "rank_1"),
+    }
+    # a stale argparse --local_rank default, logged with config.update(args)
+    runs = [facts(f"r{i}", config={"local_rank": 0}, label=f"rank_{i}") for i in range(2)]
+    assert places(runs)["r1"][:1] == (1,)
+
+
+def test_a_label_pattern_wins_over_config_keys():
+    runs = [facts(f"r{i}", config={"rank": 1 - i}, label=f"trainer.{i}") for i in range(2)]
+    assert places(runs)["r1"][0] == 0  # the config says so
+    hints = Hints(label_pattern=compile_pattern("trainer.{rank}"))
+    assert places(runs, hints)["r1"][:1] + places(runs, hints)["r1"][5:6] == (1, "label")
+
+
+@pytest.mark.parametrize("name", ["bert-lr0-gpu0", "llama-7b-gpu8", "baseline-rank-2"])
+def test_display_names_are_read_only_in_the_plain_spellings(name):
+    assert parse_spelling(name, "name") is None
+    assert parse_spelling(name, "label") is not None  # as an x_label it names a node
+
+
+def test_a_lone_run_is_a_job_of_one_rank_whatever_its_name_says():
+    [ident] = identify([facts("solo", name="rank-3")]).identities.values()
+    assert (ident.rank.rank, ident.rank.world_size, ident.source) == (0, 1, "order")
+
+
+def test_runs_that_say_nothing_and_differ_in_config_are_separate_jobs():
+    runs = [facts("a", settings={"lr": "0.1"}), facts("b", start=1.0, settings={"lr": "0.2"})]
+    found = identify(runs)
+    assert {x.rank.job_id for x in found.identities.values()} == {"a", "b"}
+    assert not found.warnings
+
+
+def test_a_job_whose_runs_differ_in_config_is_merged_with_a_warning():
+    runs = [
+        facts(f"r{i}", group="DDP", label=f"rank_{i}", settings={"lr": f"0.{i}", "bs": "8"})
+        for i in range(2)
+    ]
+    found = identify(runs)
+    assert len(found.identities) == 2
+    [warning] = found.warnings
+    assert "differ in config (lr)" in warning.message and "job column" in warning.message
+
+
+def test_a_prefix_shared_by_every_label_is_not_a_node():
+    runs = [
+        facts(f"{h}{lr}", host=f"node{h}", label=f"ddp_rank{lr}") for h in (0, 1) for lr in (0, 1)
+    ]
+    got = places(runs)
+    assert got["11"][:5] == (3, 1, 1, 4, 2)
+
+
+def test_local_ranks_on_one_host_are_the_ranks():
+    runs = [facts(f"r{i}", config={"local_rank": i}) for i in range(2)]
+    assert {k: v[0] for k, v in places(runs).items()} == {"r0": 0, "r1": 1}
+    runs = [facts(f"r{i}", label=f"gpu-{i}") for i in range(2)]
+    hints = Hints(label_pattern=compile_pattern("gpu-{local_rank}"))
+    assert {k: v[0] for k, v in places(runs, hints).items()} == {"r0": 0, "r1": 1}
+
+
+def test_a_missing_last_rank_on_several_hosts_keeps_the_world_of_the_hosts():
+    runs = [facts(f"r{r}", host=f"h{r // 2}", label=f"rank_{r}") for r in range(3)]
+    got = places(runs)
+    assert {v[3:5] for v in got.values()} == {(4, 2)}  # rank 3 is missing, not a 3-rank world
+    assert got["r2"][:3] == (2, 0, 1)
+
+
+def test_ranks_file_from_a_spreadsheet(tmp_path):
+    path = tmp_path / "ranks.csv"
+    path.write_text("run_id, rank, job\n a , 1, exp-1\nb,0,exp-1\n", encoding="utf-8-sig")
+    hints = make_hints(ranks_file=path)
+    assert hints.given == {"a": GivenRank(1, job="exp-1"), "b": GivenRank(0, job="exp-1")}
+    path.write_text("run_id,rank,job\na,1,exp:1\n")
+    with pytest.raises(WbmergeError, match="job: invalid run id"):
+        make_hints(ranks_file=path)
+
+
+def test_partial_worker_columns_in_a_ranks_file_are_one_line(tmp_path):
+    rows = inspect_json(job_dir("no_metadata"))
+    ids = [r["run_id"] for r in rows]
+    (tmp_path / "p.csv").write_text(
+        f"run_id,rank,local_rank,worker\n{ids[0]},0,0,0\n{ids[1]},1,,\n"
+    )
+    result = CliRunner().invoke(
+        main, ["sync", str(job_dir("no_metadata")), "--dry-run", "--ranks", str(tmp_path / "p.csv")]
+    )
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "no node" in result.stderr
+
+
+def inspect_json(path, *args):
+    result = CliRunner().invoke(main, ["inspect", "--json", str(path), *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_a_run_killed_before_it_wrote_a_run_record_is_left_out_with_a_warning(tmp_path):
+    shutil.copytree(job_dir("plain_labels") / "wandb", tmp_path / "wandb")
+    empty = tmp_path / "wandb" / "offline-run-20261121_182900-k1lled00"
+    empty.mkdir()
+    (empty / "run-k1lled00.wandb").write_bytes(b":W&B\xe1\xbe\x00")  # the header alone
+    result = CliRunner().invoke(
+        main, ["sync", str(tmp_path), "--dry-run", "--json", "--run-mode", "shared"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "k1lled00" in result.stderr and "no run record" in result.stderr
+    [target] = json.loads(result.stdout)
+    assert len(target["sources"]) == 3

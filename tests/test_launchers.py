@@ -133,3 +133,30 @@ def test_open_mpi_job_merges_with_its_ranks(tmp_path):
     for run in runs:
         history = expected_from_log(run.path).history
         assert history[0]["who"] == run.rank.rank * 100
+
+
+def test_the_process_group_wins_over_launcher_variables_that_disagree(tmp_path):
+    # One srun task that starts its own two workers (as mp.spawn would): both inherit
+    # SLURM_PROCID 0 of 4, but the process group they train in has ranks 0 and 1 of 2.
+    envs = [
+        {
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "4",
+            "SLURM_LOCALID": "0",
+            "SLURM_NODEID": "0",
+            "SLURM_NNODES": "1",
+            "SLURM_TASKS_PER_NODE": "4",
+            "SLURM_JOB_ID": "9",
+            "SLURM_STEP_ID": "0",
+            "SPAWNED_RANK": str(rank),
+            "SPAWNED_WORLD": "2",
+        }
+        for rank in range(2)
+    ]
+    launch(tmp_path, "SPAWNED_RANK", "SPAWNED_WORLD", envs)
+    runs = discover([tmp_path])
+    assert sorted((r.rank.rank, r.rank.world_size) for r in runs) == [(0, 2), (1, 2)]
+    assert len({r.job_id for r in runs}) == 1  # rank 0's id, broadcast over the group
+    for run in runs:
+        history = expected_from_log(run.path).history
+        assert history[0]["who"] == run.rank.rank * 100

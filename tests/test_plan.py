@@ -118,3 +118,13 @@ def test_links_like_the_plugin():
         "http://h:1/e/p/runs/B-worker-1",
     ]
     assert app_url("https://api.wandb.ai") == "https://wandb.ai"
+
+
+@pytest.mark.parametrize("mode", ["auto", "shared"])
+@pytest.mark.parametrize("scope", ["global", "worker"])
+def test_a_missing_primary_is_named_in_shared_and_auto(mode, scope):
+    # ranks 1-3 of a one-node job of 4: nobody holds the primary's config and exit code
+    sources = [s for s in job(1, 4) if s.rank.rank != 0]
+    with pytest.raises(WbmergeError, match="primary rank 0 has no offline run"):
+        plan(sources, mode, scope)
+    assert len(plan(sources, "new", scope)) == 3

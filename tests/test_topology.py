@@ -110,9 +110,13 @@ LAUNCHERS = [
         (4, 4, 5, 5, 0, 0, "slurm-4242.0"),
     ),
     (
-        "srun without a step id",
-        {**slurm(1, 2, 1, 0, 1, SLURM_TASKS_PER_NODE="2"), "SLURM_STEP_ID": ""},
-        (1, 1, 2, 2, 0, 0, "slurm-4242"),
+        "srun, the step id under its older name",
+        {
+            **slurm(1, 2, 1, 0, 1, SLURM_TASKS_PER_NODE="2"),
+            "SLURM_STEP_ID": "",
+            "SLURM_STEPID": "5",
+        },
+        (1, 1, 2, 2, 0, 0, "slurm-4242.5"),
     ),
     (
         "Open MPI, 2 nodes x 4",
@@ -163,6 +167,9 @@ def test_launcher_environments(case, variables, expected):
     [
         slurm(0, 1, 0, 0, 1),  # a single task
         {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "4"},  # an allocation, not a task
+        # a batch script of `sbatch --ntasks=4`: no step, or the batch step's id
+        {**slurm(0, 4, 0, 0, 1), "SLURM_STEP_ID": ""},
+        {**slurm(0, 4, 0, 0, 1), "SLURM_STEP_ID": "4294967291"},
         {**slurm(0, 8, 0, 0, 2), "RANK": "0", "WORLD_SIZE": "1"},  # torchrun of one process
         {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"},
         {"PMI_RANK": "0"},

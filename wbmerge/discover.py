@@ -73,6 +73,8 @@ class OfflineRun:
     end_time: float = 0.0  # the latest time its last records show
     label: str | None = None  # x_label as recorded or found; after `identify`, the label used
     config: dict = field(default_factory=dict)  # the config keys that may say a rank
+    settings: dict = field(default_factory=dict)  # the rest of the config, key -> JSON
+    has_run_record: bool = False  # a run killed at once may have written nothing
     metadata: RankInfo | None = None  # the `wbmerge` block, if any
     metadata_label: str | None = None
     rank: RankInfo | None = None
@@ -246,6 +248,7 @@ def _run_id_from_name(path: Path) -> str:
 
 
 def _apply_run_record(run: OfflineRun, record: pb.RunRecord) -> None:
+    run.has_run_record = True
     run.run_id = record.run_id or run.run_id
     run.project, run.entity = record.project, record.entity
     run.group, run.job_type = record.run_group, record.job_type
@@ -259,6 +262,9 @@ def _apply_config(run: OfflineRun, updates: Iterable[pb.ConfigItem]) -> None:
         key = item.key or (item.nested_key[0] if len(item.nested_key) == 1 else "")
         if key.lower() in _CLAIM_KEYS:
             run.config[key] = rankclaims.config_value(item.value_json)
+        elif key not in (METADATA_KEY, "_wandb"):
+            path = item.key or "/".join(item.nested_key)
+            run.settings[path] = item.value_json
         if key != METADATA_KEY or run.metadata is not None:
             continue
         try:
@@ -326,8 +332,15 @@ _HISTORY, _EXIT, _STATS = (records.code(kind) for kind in ("history", "exit", "s
 def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
     """Give every run its rank, job, label and rank source (`jobs.identify`'s rules).
 
-    A run that cannot be identified keeps `rank` None and says why in `problem`.
+    A run that cannot be identified keeps `rank` None and says why in `problem`. A run
+    without a run record (its rank killed before wandb wrote one) holds nothing to merge:
+    it is left out of every job, with a warning.
     """
+    empty = [r for r in runs if not r.has_run_record]
+    for run in empty:
+        run.problem = "no run record (killed before wandb wrote one): nothing to merge"
+        warnings.warn(f"{run.run_dir}: {run.problem}; left out", InputWarning, stacklevel=2)
+    runs = [r for r in runs if r.has_run_record]
     facts = [
         RunFacts(
             run_id=r.run_id,
@@ -340,6 +353,7 @@ def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
             label=r.label,
             name=r.display_name,
             config=r.config,
+            settings=r.settings,
             metadata=r.metadata,
             metadata_label=r.metadata_label,
             where=str(r.run_dir),
@@ -412,7 +426,7 @@ def group_jobs(
     selects another job), `job` not found, two runs claiming the same rank and restart,
     a world size that changes within a job, and ranks missing (unless allowed).
     """
-    unknown = [r for r in runs if r.rank is None]
+    unknown = [r for r in runs if r.rank is None and r.has_run_record]
     by_id: dict[str, list[OfflineRun]] = defaultdict(list)
     for run in runs:
         if run.rank is not None:

@@ -42,7 +42,7 @@ def make_hints(label_pattern: str | None = None, ranks_file: str | Path | None =
 def load_ranks(path: Path) -> dict[str, GivenRank]:
     """The run id -> rank assignments of a `--ranks` file (JSON or CSV)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # spreadsheets save CSV with a BOM
     except (OSError, UnicodeDecodeError) as exc:
         raise WbmergeError(f"--ranks {path}: cannot read ({exc})") from None
     stripped = text.lstrip()
@@ -52,7 +52,10 @@ def load_ranks(path: Path) -> dict[str, GivenRank]:
         except ValueError as exc:
             raise WbmergeError(f"--ranks {path}: not valid JSON ({exc})") from None
     else:
-        rows = list(csv.DictReader(io.StringIO(text)))
+        rows = [
+            {(k or "").strip(): (v or "").strip() for k, v in row.items()}
+            for row in csv.DictReader(io.StringIO(text), skipinitialspace=True)
+        ]
         if not rows or "run_id" not in rows[0] or "rank" not in rows[0]:
             raise WbmergeError(f"--ranks {path}: a CSV file needs a header with run_id and rank")
     given: dict[str, GivenRank] = {}
@@ -98,6 +101,11 @@ def _given(row: Mapping, where: str) -> GivenRank:
     if (numbers["local_rank"] is None) != (numbers["worker"] is None):
         raise WbmergeError(f"{where}: give local_rank and worker together, or neither")
     job = row.get("job")
+    if job not in (None, ""):
+        try:
+            check_run_id(str(job))  # the job id becomes the base of run ids
+        except WbmergeError as exc:
+            raise WbmergeError(f"{where}: job: {exc}") from None
     return GivenRank(
         rank=numbers["rank"],
         local_rank=numbers["local_rank"],

@@ -6,19 +6,24 @@ rank came from) per run, or a `Notice` that names the runs and the option that r
 
 The rules, most explicit first:
 
-1. A run's rank comes from `--ranks FILE` (`given`), its `wbmerge` config block, its config
-   keys (`rank`, `local_rank`, `world_size`, ...), its `x_label` (`--label-pattern` first,
-   then the common spellings of `rankclaims`), its display name, likewise; and when no run
-   of a job says anything, from the order the runs started in (`order`).
+1. A run's rank comes from `--ranks FILE` (`given`), its `wbmerge` config block, the user's
+   `--label-pattern` on its label or name, its config keys (`rank`, `local_rank`,
+   `world_size`, ...), its `x_label` in a common spelling of `rankclaims`, its display name
+   likewise; and when no run of a job says anything, from the order the runs started in
+   (`order`). Config keys are a weak sign (a `rank` may be a LoRA rank, a `local_rank` a
+   stale argparse default): when they do not make one topology, the job is read again
+   without them.
 2. Runs with a `wbmerge` block belong to the job its `job_id` names. The others are told
    apart by what they share: the same group (and project), or, without a group, the same
-   project and the same spelling of their labels (or names); in either case only runs that
-   overlap in time are one job. Two groups are two jobs, whatever their directory.
+   project and the same spelling of their labels (or names), and for runs that say nothing
+   of their rank, the same config; in every case only runs that overlap in time are one
+   job. Two groups are two jobs, whatever their directory.
 3. A label's number after a node (`node1_rank0`) is a local rank when every node counts
    from 0, else a global rank when the numbers are distinct. For example
    `node0_rank0, node0_rank1, node1_rank0, node1_rank1` is two nodes of local ranks 0-1
    (global ranks 0-3), while `node0_rank0, node0_rank1, node1_rank2, node1_rank3` names the
-   global ranks. Without a node in the label, the host a run was written on tells the nodes
+   global ranks. A name before the rank that all runs share (`ddp_rank0`) is a prefix, not a
+   node. Without a node in the label, the host a run was written on tells the nodes
    apart: the ranks of one host are one worker, the hosts ordered by their lowest rank.
 4. A job without a `wbmerge` block takes the offline id of its rank-0 run as its job id.
 """
@@ -50,7 +55,8 @@ class RunFacts:
     host: str = ""
     label: str | None = None  # x_label, as written
     name: str = ""  # display name
-    config: Mapping[str, object] = field(default_factory=dict)  # the run's config values
+    config: Mapping[str, object] = field(default_factory=dict)  # config keys that may say a rank
+    settings: Mapping[str, str] = field(default_factory=dict)  # the rest of its config, as JSON
     metadata: RankInfo | None = None  # from the `wbmerge` block, with its job id
     metadata_label: str | None = None
     where: str = ""  # how to name the run to the user (its directory)
@@ -110,43 +116,44 @@ def identify(runs: Sequence[RunFacts], hints: Hints | None = None) -> Identifica
     """Identities for `runs` (indexed as given), problems, and warnings to show once."""
     hints = hints or Hints()
     result = Identification()
-    claims = {i: claim_of(run, hints) for i, run in enumerate(runs)}
+    candidates = {i: claims_of(run, hints) for i, run in enumerate(runs)}
     for i, run in enumerate(runs):
-        if run.metadata is not None and claims[i].source == "wbmerge":
+        if run.metadata is not None and candidates[i][0].source == "wbmerge":
             label = run.metadata_label or run.label or run.metadata.label
             result.identities[i] = Identity(run.metadata, "wbmerge", label)
     rest = [i for i in range(len(runs)) if i not in result.identities]
-    for job_id, members in split_jobs(runs, claims, rest, hints):
-        _identify_job(runs, claims, members, result, job_id)
+    first = {i: candidates[i][0] for i in rest}
+    for job_id, members in split_jobs(runs, first, rest, hints):
+        _identify_job(runs, candidates, members, result, job_id)
     return result
 
 
-def claim_of(run: RunFacts, hints: Hints) -> Claim:
-    """The most explicit thing `run` says about its rank (source `order` if nothing)."""
+def claims_of(run: RunFacts, hints: Hints) -> list[Claim]:
+    """What `run` says about its rank, most explicit first; the last is `order`."""
     given = hints.given.get(run.run_id)
     if given is not None:
-        return Claim(
-            "given",
-            rank=given.rank,
-            local_rank=given.local_rank,
-            node=given.worker,
-            restart=given.restart,
-        )
+        return [
+            Claim(
+                "given",
+                rank=given.rank,
+                local_rank=given.local_rank,
+                node=given.worker,
+                restart=given.restart,
+            )
+        ]
     if run.metadata is not None:
-        return Claim("wbmerge", rank=run.metadata.rank)
-    found = rankclaims.config_claim(run.config)
-    if found:
-        return found
-    for text, source in ((run.label, "label"), (run.name, "name")):
-        if text and hints.label_pattern is not None:
-            found = rankclaims.parse_with_pattern(text, hints.label_pattern, source)
-            if found:
-                return found
-    for text, source in ((run.label, "label"), (run.name, "name")):
-        found = rankclaims.parse_spelling(text, source) if text else None
-        if found:
-            return found
-    return Claim("order")
+        return [Claim("wbmerge", rank=run.metadata.rank)]
+    found: list[Claim | None] = []
+    texts = ((run.label, "label"), (run.name, "name"))
+    if hints.label_pattern is not None:
+        found += [
+            rankclaims.parse_with_pattern(text, hints.label_pattern, source)
+            for text, source in texts
+            if text
+        ]
+    found.append(rankclaims.config_claim(run.config))
+    found += [rankclaims.parse_spelling(text, source) for text, source in texts if text]
+    return [claim for claim in found if claim is not None] + [Claim("order")]
 
 
 def split_jobs(
@@ -170,6 +177,10 @@ def split_jobs(
             chosen[given[run.run_id].job].append(i)
         elif run.group:
             buckets[("group", run.project, run.group)].append(i)
+        elif claim.source == "order":
+            # Runs that say nothing of their rank are one job only if configured alike:
+            # two experiments started side by side differ in their hyperparameters.
+            buckets[("order", run.project, tuple(sorted(run.settings.items())))].append(i)
         else:
             buckets[("family", run.project, claim.source, claim.form)].append(i)
     jobs: list[tuple[str | None, list[int]]] = [(job, found) for job, found in chosen.items()]
@@ -196,33 +207,50 @@ def overlapping(runs: Sequence[RunFacts], members: Sequence[int]) -> list[list[i
 
 def _identify_job(
     runs: Sequence[RunFacts],
-    claims: Mapping[int, Claim],
+    candidates: Mapping[int, list[Claim]],
     members: list[int],
     out: Identification,
     job_id: str | None = None,
 ) -> None:
+    """Identify one job's runs from their most explicit claims, or, when those contradict
+    each other and some come from config keys, from what the runs say besides."""
+    claims = {i: candidates[i][0] for i in members}
+    failure = _try_job(runs, claims, members, out, job_id)
+    if failure and any(c.source == "config" for c in claims.values()):
+        weaker = {i: next(c for c in candidates[i] if c.source != "config") for i in members}
+        if _try_job(runs, weaker, members, out, job_id) is None:
+            return
+    if failure:
+        out.problems.append(Notice(tuple(members), failure))
+
+
+def _try_job(
+    runs: Sequence[RunFacts],
+    claims: Mapping[int, Claim],
+    members: list[int],
+    out: Identification,
+    job_id: str | None,
+) -> str | None:
+    """Identify the job from these claims into `out`; the reason why not, `out` untouched."""
     saying = [i for i in members if claims[i].says_rank]
     silent = [i for i in members if not claims[i].says_rank]
+    if len(members) == 1 and claims[members[0]].source == "name":
+        saying, silent = [], members  # a lone run's name is no evidence of other ranks
     if not saying:
         _number_by_order(runs, members, out)
-        return
+        return None
     if silent:
         names = ", ".join(runs[i].describe() for i in silent)
-        others = len(saying)
-        out.problems.append(
-            Notice(
-                tuple(members),
-                f"{names}: say(s) no rank while {others} other run(s) of the same job do; "
-                f"{RESOLVE_HINT}",
-            )
+        return (
+            f"{names}: say(s) no rank while {len(saying)} other run(s) of the same job do; "
+            f"{RESOLVE_HINT}"
         )
-        return
     try:
         places = place_ranks(runs, claims, members)
+        _settle(runs, claims, members, places, out, job_id)
     except _Unresolved as exc:
-        out.problems.append(Notice(tuple(members), f"{exc}; {RESOLVE_HINT}"))
-        return
-    _settle(runs, claims, members, places, out, job_id)
+        return f"{exc}; {RESOLVE_HINT}"
+    return None
 
 
 class _Unresolved(Exception):
@@ -250,16 +278,22 @@ def place_ranks(
     locals_: dict[int, int] = {}
     nodes: dict[int, object] = {}
     hosts = {runs[i].host for i in members}
+    named = {c.node for i in members if isinstance((c := claims[i]).node, str)}
     for i in members:
         claim = claims[i]
-        if claim.node is not None:
+        if claim.node is not None and not (isinstance(claim.node, str) and len(named) == 1):
             nodes[i] = claim.node
         elif len(hosts) > 1:
             nodes[i] = ("host", runs[i].host)
         if claim.local_rank is not None:
             locals_[i] = claim.local_rank
+    if nodes and len(nodes) < len(members):
+        names = ", ".join(runs[i].describe() for i in members if i not in nodes)
+        raise _Unresolved(f"{names}: no node, while other runs of its job name theirs")
     if numbers:
         resolve_numbers(runs, numbers, nodes, ranks, locals_)
+    if not nodes:  # one node: a local rank is the rank
+        ranks.update({i: local for i, local in locals_.items() if i not in ranks})
     lws = {c.local_world_size for i in members if (c := claims[i]).local_world_size}
     if len(lws) == 1 and len(nodes) < len(members) and len(ranks) == len(members):
         size = lws.pop()
@@ -310,13 +344,20 @@ def _places(
         workers = _worker_order(nodes, ranks)
         per_node: dict[object, list[int]] = defaultdict(list)
         for i in members:
-            per_node[nodes.get(i)].append(i)
+            per_node[nodes[i]].append(i)
         local_world = max(len(v) for v in per_node.values())
+        world = max(world, (max(workers.values()) + 1) * local_world)
         places = {}
         for node, node_runs in per_node.items():
-            for position, i in enumerate(sorted(node_runs, key=ranks.__getitem__)):
-                local = locals_.get(i, position)
-                places[i] = Place(ranks[i], local, workers[node], world, local_world)
+            for i in node_runs:
+                worker = workers[node]
+                local = locals_.get(i, ranks[i] - worker * local_world)
+                if not 0 <= local < local_world or ranks[i] != worker * local_world + local:
+                    raise _Unresolved(
+                        f"{runs[i].describe()}: rank {ranks[i]} does not fit worker {worker} "
+                        f"of {local_world} ranks"
+                    )
+                places[i] = Place(ranks[i], local, worker, world, local_world)
         return places
     missing = [i for i in members if i not in ranks and (i not in locals_ or i not in nodes)]
     if missing:
@@ -387,10 +428,7 @@ def _settle(
         try:
             validate(info)
         except ValueError as exc:
-            out.problems.append(
-                Notice(tuple(members), f"{runs[i].describe()}: {exc}; {RESOLVE_HINT}")
-            )
-            return
+            raise _Unresolved(f"{runs[i].describe()}: {exc}") from None
         infos[i] = info
     labels = {i: runs[i].label or infos[i].label for i in members}
     if _shared_label(labels, {i: infos[i].rank for i in members}):
@@ -404,6 +442,7 @@ def _settle(
         labels = {i: infos[i].label for i in members}
     for i in members:
         out.identities[i] = Identity(infos[i], claims[i].source, labels[i])
+    _warn_of_differing_config(runs, members, job_id, out)
 
 
 def _number_by_order(runs: Sequence[RunFacts], members: list[int], out: Identification) -> None:
@@ -425,9 +464,11 @@ def _number_by_order(runs: Sequence[RunFacts], members: list[int], out: Identifi
             Notice(
                 tuple(members),
                 f"job {job_id}: no run says its rank, so ranks were assumed from start "
-                f"order (rank=run: {order}); {RESOLVE_HINT}",
+                f"order (rank=run: {order}); rank 0's config, summary and exit code decide "
+                f"a shared run; {RESOLVE_HINT}",
             )
         )
+    _warn_of_differing_config(runs, members, job_id, out)
 
 
 def _shared_label(labels: Mapping[int, str], ranks: Mapping[int, int]) -> bool:
@@ -437,3 +478,21 @@ def _shared_label(labels: Mapping[int, str], ranks: Mapping[int, int]) -> bool:
         if owner.setdefault(label, ranks[i]) != ranks[i]:
             return True
     return False
+
+
+def _warn_of_differing_config(
+    runs: Sequence[RunFacts], members: Sequence[int], job_id: str, out: Identification
+) -> None:
+    """Ranks of one job share their hyperparameters; runs that do not may be two
+    experiments taken for one job (for example two jobs that reused one group name)."""
+    keys = {key for i in members for key in runs[i].settings}
+    differing = sorted(k for k in keys if len({runs[i].settings.get(k) for i in members}) > 1)
+    if differing:
+        shown = ", ".join(differing[:5]) + (", ..." if len(differing) > 5 else "")
+        out.warnings.append(
+            Notice(
+                tuple(members),
+                f"job {job_id}: its runs differ in config ({shown}); if they are separate "
+                "experiments, split them with --ranks FILE (its job column)",
+            )
+        )

@@ -127,8 +127,11 @@ def plan(
                 if system_metrics == "all":
                     extra = tuple(s for s in in_scope if s.rank.rank != primary)
                 kind = "auto+system" if extra else "passthrough"
-            if not chosen:
-                raise WbmergeError(f"{run_id}: the primary rank {primary} has no offline run")
+            if not any(s.rank.rank == primary for s in chosen):
+                raise WbmergeError(
+                    f"{run_id}: the primary rank {primary} has no offline run; its config, "
+                    "summary and exit code decide the run (merge the others with --run-mode new)"
+                )
             targets.append(_target(run_id, None, job_type, primary, kind, chosen, worker, extra))
         return targets
 

@@ -89,7 +89,9 @@ def parse_spelling(text: str, source: str = "label") -> Claim | None:
     if match:
         form = _form(text, match, ("node", "n"))
         return Claim(source, number=int(match["n"]), node=int(match["node"]), form=form)
-    match = _NAMED_NODE.match(text)
+    match = _NAMED_NODE.match(text) if source != "name" else None
+    # A display name is a weaker sign than a label: `bert-lr0-gpu0` or `llama-7b-gpu8`
+    # names an experiment, not a node, so names are read only in the plain spellings.
     if match and _is_node_name(match["node"]):
         form = _form(text, match, ("node", "n"))
         return Claim(source, number=int(match["n"]), node=match["node"], form=form)

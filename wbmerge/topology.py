@@ -127,9 +127,14 @@ def _torchrun(env: Mapping[str, str]) -> RankInfo | None:
 
 
 def _slurm(env: Mapping[str, str]) -> RankInfo | None:
-    """One task of `srun`: `SLURM_PROCID` of `SLURM_NTASKS`, `SLURM_LOCALID` on node
-    `SLURM_NODEID`. The job id is `slurm-{SLURM_JOB_ID}.{SLURM_STEP_ID}`, so that two
+    """One task of `srun` (a job step): `SLURM_PROCID` of `SLURM_NTASKS`, `SLURM_LOCALID` on
+    node `SLURM_NODEID`. The job id is `slurm-{SLURM_JOB_ID}.{SLURM_STEP_ID}`, so that two
     `srun` steps of one allocation are two jobs; restarts are `SLURM_RESTART_COUNT`."""
+    step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
+    if not step or not step.isdigit() or int(step) >= _SLURM_SPECIAL_STEPS:
+        # Only `srun` starts one process per task; a batch script (`sbatch --ntasks=4`
+        # running python once, maybe spawning its own workers) has SLURM_PROCID 0 of 4.
+        return None
     rank = _int(env.get("SLURM_PROCID"), -1)
     world_size = _int(env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS"), 0)
     if rank < 0 or world_size < 1:
@@ -145,10 +150,7 @@ def _slurm(env: Mapping[str, str]) -> RankInfo | None:
         # worker * local world + local rank): the job is then taken as one unit.
         per_node, local_rank, worker = world_size, rank, 0
     job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
-    step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
-    job_id = None
-    if job:
-        job_id = f"slurm-{job}" + (f".{step}" if step else "")
+    job_id = f"slurm-{job}.{step}" if job else None
     return RankInfo(
         rank=rank,
         local_rank=local_rank,
@@ -158,6 +160,9 @@ def _slurm(env: Mapping[str, str]) -> RankInfo | None:
         restart=_int(env.get("SLURM_RESTART_COUNT"), 0),
         job_id=job_id,
     )
+
+
+_SLURM_SPECIAL_STEPS = 0xFFFFFFF0  # the batch, extern and interactive steps' ids lie above
 
 
 def _tasks_per_node(value: str) -> int:

@@ -28,12 +28,14 @@ def detect_rank(env: Mapping[str, str] | None = None) -> RankInfo:
     initialised process group, else a single process. The job id is left as the environment gives it (maybe None)."""
     env = os.environ if env is None else env
     info = topology.from_env(env)
-    if info is not None:
-        return info
     group = _process_group_rank()
-    if group is not None:
+    if group is not None and (
+        info is None or (info.rank, info.world_size) != (group.rank, group.world_size)
+    ):
+        # The process group is what the job really runs: a launcher's variables that
+        # disagree with it describe another layer (processes spawned inside one task).
         return group
-    return topology.SINGLE_PROCESS
+    return info or topology.SINGLE_PROCESS
 
 
 def _process_group_rank() -> RankInfo | None:
