@@ -1,7 +1,7 @@
 """A Flyte 2 workflow: DDP training on real ranks logging offline, then the merge and upload.
 
     python examples/flyte_workflow.py                          # auto, 1 node x 2 ranks
-    python examples/flyte_workflow.py --run-mode shared
+    NODES=2 NPROC=2 python examples/flyte_workflow.py --run-mode shared
     NODES=2 NPROC=2 python examples/flyte_workflow.py --run-mode new --rank-scope worker
 
 Runs in Flyte's local mode (no cluster, no network). Uploads to WANDB_BASE_URL with
@@ -10,7 +10,11 @@ WANDB_API_KEY: start the built-in sink first (`wbmerge sink serve`, see the READ
 Flyte's local mode runs an `Elastic` task in-process, as one process. `wbmerge.flyte`'s
 decorator then launches the ranks itself, as the cluster would: one torch elastic launcher
 per node (NODES of them, NPROC ranks each, rendezvous on 127.0.0.1), so every rank writes
-a real offline run. On a cluster the same code runs under the Elastic plugin's launcher.
+a real offline run. Each node writes to its own directory (no shared volume) and hands its
+runs to Flyte's raw data store (`--raw-data-path`: a local folder, or s3://, gs://, abfs://
+with the store's credentials in the environment); the merge task reads them from there.
+`WBMERGE_HANDOFF=shared-volume` instead has all nodes write to one directory (WBMERGE_DIR). On a
+cluster the same code runs under the Elastic plugin's launcher.
 """
 
 from __future__ import annotations
@@ -40,7 +44,11 @@ train_env = flyte.TaskEnvironment(
 workflow_env = flyte.TaskEnvironment(name="wbmerge_workflow", depends_on=[train_env])
 
 
-@wbmerge.flyte.wandb_init  # run_mode, rank_scope, project: from wandb_config below
+# "blobstore" (each node uploads its runs) or "shared-volume" (one WBMERGE_DIR for all nodes)
+HANDOFF = os.environ.get("WBMERGE_HANDOFF", "blobstore")
+
+
+@wbmerge.flyte.wandb_init(handoff=HANDOFF)  # run_mode, rank_scope, project: from wandb_config
 @train_env.task
 def train(steps: int) -> flyte.io.Dir:
     dist.init_process_group("gloo")
@@ -101,10 +109,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--project", default="wbmerge-demo")
     parser.add_argument("--entity", default="local")
+    parser.add_argument("--raw-data-path", help="Flyte's raw data store (default: Flyte's own)")
     parser.add_argument("--json", action="store_true", help="print the links as JSON")
     args = parser.parse_args()
     flyte.init()
-    run = flyte.run(
+    run = flyte.with_runcontext(raw_data_path=args.raw_data_path).run(
         pipeline, steps=args.steps, run_mode=args.run_mode, rank_scope=args.rank_scope,
         project=args.project, entity=args.entity,
     )  # fmt: skip

@@ -1,21 +1,20 @@
-"""Flyte: the example workflow in Flyte's local mode, end to end into the sink; the links."""
+"""Flyte: the example workflow in Flyte's local mode, end to end into the sink; the links.
+
+Several nodes share no directory here: each node's launcher has its own WBMERGE_DIR and the
+runs reach the merge task only through the raw data store (a separate directory)."""
 
 from __future__ import annotations
-
-import json
-import subprocess
-import sys
 
 import flyte
 import pytest
 from flyteplugins.pytorch.task import Elastic
 
 import wbmerge.flyte as wf
-from wbmerge.discover import discover
 from wbmerge.errors import WbmergeError
-from wbmerge.txlog import read_records
 
-from .conftest import ROOT
+from .flytetools import run_example
+from .sinktools import console_text, expected_from_log, system_metric_values
+from .test_sync import assert_shared
 
 HOST = "https://wandb.ai"
 
@@ -102,36 +101,23 @@ def test_decorator_records_settings_and_links_on_the_task():
     assert train.func.__name__ == "train"  # Flyte finds the task by its function's name
 
 
-def run_example(sink, tmp_path, *args: str, nodes: int = 1, nproc: int = 2) -> dict:
-    env = {
-        **sink.env,
-        "WBMERGE_DIR": str(tmp_path / "runs"),
-        "WBMERGE_STATE_DIR": str(tmp_path / "state"),
-        "NODES": str(nodes),
-        "NPROC": str(nproc),
-        "HOME": str(tmp_path),  # flyte's local run data
-    }
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "flyte_workflow.py"), "--steps", "6", "--json", *args],
-        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    (job_dir,) = (tmp_path / "runs").iterdir()
-    result["base"] = job_dir.name
-    result["runs"] = discover([job_dir])
-    return result
+def sources(runs) -> dict[int, tuple[str, object, object]]:
+    """rank -> (label, what its .wandb file says, the run), read with protobuf directly."""
+    return {r.rank.rank: (r.rank.label, expected_from_log(r.path), r) for r in runs}
 
 
-def source_history(run) -> dict[int, dict[str, float]]:
-    rows = {}
-    for record in read_records(run.path):
-        if record.WhichOneof("record_type") == "history":
-            items = {(list(i.nested_key) or [i.key])[0]: i.value_json for i in record.history.item}
-            rows[record.history.step.num] = {
-                k: float(v) for k, v in items.items() if not k.startswith("_")
-            }
-    return rows
+def assert_passed_through(got, want) -> None:
+    assert got["history"] == want.history
+    assert {k: v for k, v in got["summary"].items() if k != "_wandb"} == want.summary
+    assert console_text(got["console"]) == want.console
+    assert system_metric_values(got["system_metrics"]) == want.stats
+
+
+def assert_nodes_kept_apart(result, nodes: int) -> None:
+    """Each node wrote only its own folder, in its own directory."""
+    assert [sorted(p.name for p in d.iterdir()) for d in result["node_dirs"]] == [
+        [f"worker-{n}"] for n in range(nodes)
+    ]
 
 
 @pytest.mark.e2e
@@ -144,31 +130,33 @@ def test_auto_uploads_rank_0_as_the_job_run(sink, tmp_path):
     assert result["links"] == [f"{sink.url}/local/wbmerge-demo/runs/{base}"]
     (arrived,) = sink.client.runs(project="wbmerge-demo")
     assert arrived["id"] == base
-    history = sink.client.run("local", "wbmerge-demo", base)["history"]
-    rank0 = next(r for r in result["runs"] if r.rank.rank == 0)
-    expected = source_history(rank0)
-    assert {row["_step"]: {k: row[k] for k in expected[0]} for row in history} == expected
+    _, want, _ = sources(result["runs"])[0]
+    assert_passed_through(sink.client.run("local", "wbmerge-demo", base), want)
 
 
 @pytest.mark.e2e
-def test_shared_merges_every_rank_into_the_job_run(sink, tmp_path):
-    result = run_example(sink, tmp_path, "--run-mode", "shared")
+def test_shared_on_two_nodes_without_a_shared_directory(sink, tmp_path):
+    result = run_example(sink, tmp_path, "--run-mode", "shared", nodes=2, nproc=2)
     base = result["base"]
+    assert_nodes_kept_apart(result, 2)
+    (handed,) = (tmp_path / "raw-data").glob(f"*/{base}")  # one prefix of the raw data store
+    assert sorted(p.name for p in handed.iterdir()) == [wf.MANIFEST, "worker-0", "worker-1"]
+    ranks = sources(result["runs"])
+    assert sorted(ranks) == [0, 1, 2, 3]
     assert result["links"] == [f"{sink.url}/local/wbmerge-demo/runs/{base}"]
     (arrived,) = sink.client.runs(project="wbmerge-demo")
     assert arrived["id"] == base
-    rows = {row["_step"]: row for row in sink.client.run("local", "wbmerge-demo", base)["history"]}
-    for run in result["runs"]:
-        label = run.rank.label
-        for step, values in source_history(run).items():
-            for key, value in values.items():
-                assert rows[step][f"{key}/{label}"] == value
+    got = sink.client.run("local", "wbmerge-demo", base)
+    assert_shared(got, [ranks[r] for r in sorted(ranks)])
 
 
 @pytest.mark.e2e
-def test_new_on_two_nodes_with_worker_scope_groups_per_worker(sink, tmp_path):
-    result = run_example(sink, tmp_path, "--run-mode", "new", "--rank-scope", "worker", nodes=2)
+def test_new_on_two_nodes_with_worker_scope_merges_each_node_apart(sink, tmp_path):
+    result = run_example(
+        sink, tmp_path, "--run-mode", "new", "--rank-scope", "worker", nodes=2, nproc=2
+    )
     base = result["base"]
+    assert_nodes_kept_apart(result, 2)
     assert sorted((r.rank.worker, r.rank.local_rank) for r in result["runs"]) == [
         (0, 0), (0, 1), (1, 0), (1, 1)
     ]  # fmt: skip
@@ -179,8 +167,9 @@ def test_new_on_two_nodes_with_worker_scope_groups_per_worker(sink, tmp_path):
     assert arrived == {
         f"{base}-worker-{w}-rank-{r}": f"{base}-worker-{w}" for w in (0, 1) for r in (0, 1)
     }
-    for run in result["runs"]:
+    for _, want, run in sources(result["runs"]).values():
         run_id = f"{base}-worker-{run.rank.worker}-rank-{run.rank.local_rank}"
-        history = sink.client.run("local", "wbmerge-demo", run_id)["history"]
-        expected = source_history(run)
-        assert {row["_step"]: {k: row[k] for k in expected[0]} for row in history} == expected
+        assert_passed_through(sink.client.run("local", "wbmerge-demo", run_id), want)
+    # one merge per node, each with its own record of what it uploaded
+    ledgers = sorted(p.parent.name for p in (tmp_path / "state").glob("*/synced.json"))
+    assert ledgers == ["worker-0", "worker-1"]

@@ -1,0 +1,187 @@
+"""The final task: fetch the handed-on runs, merge, upload with `wandb sync`, return the links.
+
+With `rank_scope="worker"` on several nodes `sync` starts one merge task per node, all at
+once (`asyncio.gather` of the task's calls, which Flyte runs as parallel actions; in local
+mode `flyte.map` would run them one after another), and each downloads only its node's
+folder. Every merge runs in a child process of the task: the merge is CPU work that would
+otherwise hold the task's event loop, and each per-node merge keeps its own record of what
+it uploaded (its targets are its own), so that merges running side by side on one machine
+never write one record file at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import flyte
+import flyte.io
+
+from ..errors import WbmergeError
+from .handoff import fetch_runs, read_manifest, workers_of
+from .links import training_links
+
+_CHILD_OUTPUT_LINES = 5  # of a crashed child's output, shown in the task's error
+
+
+def merge_task(env: flyte.TaskEnvironment, training_task: Any, name: str = "wbmerge_sync") -> Any:
+    """A task in `env` that merges and uploads the offline runs `training_task` returns
+    (all of them, or with `worker` >= 0 that node's), returns the links, and shows them in
+    the Flyte UI. Call it through `sync(...)`."""
+    settings = training_task.wbmerge_settings
+
+    async def wbmerge_sync(
+        runs: flyte.io.Dir,
+        run_mode: str = "",
+        rank_scope: str = "",
+        project: str = "",
+        entity: str = "",
+        worker: int = -1,
+    ) -> list[str]:
+        manifest = await read_manifest(runs)
+        node = worker if worker >= 0 else None
+        local = await fetch_runs(runs, manifest, node)
+        request = {
+            "path": str(local),
+            "run_mode": run_mode or None,
+            "rank_scope": rank_scope or None,
+            "project": project or None,
+            "entity": entity or None,
+            "worker": node,
+        }
+        return await _merge_in_child(request)
+
+    # Flyte finds a task on the cluster as `{func.__module__}.{func.__name__}`: the caller
+    # keeps it in a module-level variable called `name`.
+    wbmerge_sync.__name__ = wbmerge_sync.__qualname__ = name
+    wbmerge_sync.__module__ = sys._getframe(1).f_globals.get("__name__", __name__)
+    return env.task(links=training_links(settings, from_context=True))(wbmerge_sync)
+
+
+async def sync(
+    task: Any,
+    runs: flyte.io.Dir,
+    run_mode: str | None = None,
+    rank_scope: str | None = None,
+    project: str | None = None,
+    entity: str | None = None,
+    per_node: bool = True,
+) -> list[str]:
+    """Call the merge task on `runs` (once, or once per node for `rank_scope="worker"` on
+    several nodes, in parallel, unless `per_node=False`), with the context its UI links are
+    rendered from. Per node pays off where each task gets a machine (a cluster); in local
+    mode the tasks share this machine's cores."""
+    manifest = await read_manifest(runs)
+    workers = workers_of(manifest)
+    scope = rank_scope or manifest.get("rank_scope") or "global"
+    context = {"wbmerge_base": str(manifest.get("job_id") or Path(runs.path).name)}
+    for key, value in (
+        ("run_mode", run_mode or manifest.get("run_mode")),
+        ("rank_scope", scope),
+        ("project", project),
+        ("entity", entity),
+    ):
+        if value:
+            context[f"wbmerge_{key}"] = str(value)
+    arguments = {
+        "run_mode": run_mode or "",
+        "rank_scope": rank_scope or "",
+        "project": project or "",
+        "entity": entity or "",
+    }
+    with flyte.custom_context(**context):
+        if per_node and scope == "worker" and len(workers) > 1:
+            with flyte.group("wbmerge-per-node"):
+                per_node = await asyncio.gather(
+                    *(task.aio(runs, worker=w, **arguments) for w in workers)
+                )
+            return [link for links in per_node for link in links]
+        return await task.aio(runs, **arguments)
+
+
+async def _merge_in_child(request: dict) -> list[str]:
+    """Run `merge_and_upload(request)` in `python -m wbmerge.flyte merge`; its warnings go
+    to the task's log, a bad input comes back as the child's one-line error."""
+    with tempfile.TemporaryDirectory(prefix="wbmerge-merge-") as scratch:
+        spec = Path(scratch) / "request.json"
+        result = Path(scratch) / "result.json"
+        spec.write_text(json.dumps(request))
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "wbmerge.flyte", "merge", str(spec), str(result),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            output, _ = await child.communicate()
+        finally:
+            if child.returncode is None:  # the task was cancelled: so is its merge
+                child.kill()
+                await child.wait()
+        text = output.decode(errors="replace")
+        sys.stderr.write(text)
+        if not result.exists():
+            tail = " | ".join(text.strip().splitlines()[-_CHILD_OUTPUT_LINES:])
+            raise RuntimeError(f"the merge stopped (exit {child.returncode}): {tail}")
+        answer = json.loads(result.read_text())
+    if "error" in answer:
+        raise WbmergeError(answer["error"], exit_code=answer.get("exit_code", 2))
+    return answer["links"]
+
+
+def merge_and_upload(request: dict) -> dict:
+    """Merge and upload the runs at `request["path"]`: the whole job, or with `worker` one
+    node's runs, which must then be all of that node's ranks. Returns links and warnings."""
+    from ..pipeline import MergeRequest, plan_jobs
+    from ..pipeline import sync as sync_runs
+
+    worker = request.get("worker")
+    merge_request = MergeRequest(
+        [request["path"]],
+        run_mode=request.get("run_mode"),
+        rank_scope=request.get("rank_scope"),
+        project=request.get("project"),
+        entity=request.get("entity"),
+        allow_missing_ranks=worker is not None,  # the other nodes' ranks are merged elsewhere
+    )
+    planned = plan_jobs(merge_request)
+    if worker is not None:
+        for job in planned:
+            check_node_complete(job.job, worker)
+    report = sync_runs(merge_request, planned=planned)
+    return {"links": [link["url"] for link in report.links], "warnings": report.warnings}
+
+
+def check_node_complete(job: Any, worker: int) -> None:
+    """A per-node merge has exactly that node's ranks, every one of them."""
+    others = sorted({r.rank.worker for r in job.runs if r.rank.worker != worker})
+    if others:
+        raise WbmergeError(f"job {job.job_id}: runs of node(s) {others} in node {worker}'s folder")
+    local_world = job.runs[0].rank.local_world_size
+    present = {r.rank.local_rank for r in job.runs}
+    missing = [lr for lr in range(local_world) if lr not in present]
+    if missing:
+        raise WbmergeError(
+            f"job {job.job_id}: node {worker} has no offline run of local rank(s) "
+            f"{', '.join(map(str, missing))} of {local_world}"
+        )
+
+
+def merge_main(spec_path: str, result_path: str) -> None:
+    """`python -m wbmerge.flyte merge REQUEST RESULT`: one merge, its answer as JSON."""
+    import os
+
+    from ..upload import state_dir
+
+    request = json.loads(Path(spec_path).read_text())
+    if request.get("worker") is not None:
+        os.environ["WBMERGE_STATE_DIR"] = str(state_dir() / f"worker-{request['worker']}")
+    try:
+        answer: dict = merge_and_upload(request)
+    except WbmergeError as exc:
+        answer = {"error": str(exc), "exit_code": exc.exit_code}
+    for line in answer.get("warnings", []):
+        print(f"wbmerge: warning: {line}", file=sys.stderr)
+    Path(result_path).write_text(json.dumps(answer))
