@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from . import __version__
-from .errors import InputWarning, WbmergeError
+from .errors import InputWarning, Terminated, WbmergeError
 
 
 def _one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -32,11 +32,15 @@ def _one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
                 warnings.showwarning = _show_warning
                 return func(*args, **kwargs)
         except WbmergeError as exc:
-            click.echo(f"wbmerge: error: {exc}", err=True)
+            for line in getattr(exc, "lines", None) or [str(exc)]:
+                click.echo(f"wbmerge: error: {line}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
-            click.echo("wbmerge: interrupted", err=True)
+            click.echo("wbmerge: interrupted; runs verified so far stay recorded", err=True)
             sys.exit(130)
+        except Terminated:
+            click.echo("wbmerge: terminated; runs verified so far stay recorded", err=True)
+            sys.exit(143)
         except Exception as exc:  # the last line of defence of the CLI
             if os.environ.get("WBMERGE_DEBUG"):
                 raise
@@ -282,6 +286,27 @@ class _Progress:
             self.bar.__exit__(None, None, None)
 
 
+class _UploadProgress:
+    """Upload progress: a status line on a terminal, a line per finished run otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, progress: Any) -> None:
+        if self.tty:
+            click.echo(f"\ruploading: {progress.done}/{progress.total} runs verified, "
+                       f"{progress.rows} rows on the server", err=True, nl=False)  # fmt: skip
+            if progress.message:
+                click.echo(f"\r{progress.message}\033[K", err=True)
+        elif progress.message:
+            click.echo(f"{progress.message} ({progress.done}/{progress.total} runs)", err=True)
+
+
+def _say_waiting(key: str) -> None:
+    run = key.rsplit("|", 1)[-1]
+    click.echo(f"wbmerge: another sync is uploading run {run}; waiting for it", err=True)
+
+
 @main.command()
 @merge_options
 @click.option(
@@ -326,17 +351,30 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
 @click.option(
     "--force",
     is_flag=True,
-    help="Upload again runs already synced from the same files. W&B appends to a run that "
-    "exists, so delete the runs first (or pick another --base-id) to avoid doubled history.",
+    help="Check runs the ledger says are synced with the server again, and send what it "
+    "lacks (nothing is sent twice).",
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan; write and upload nothing.")
 @click.option("--keep-staging", type=click.Path(), help="Stage merged runs here and keep them.")
+@click.option(
+    "--timeout",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(min=1),
+    help="Seconds without upload progress before the upload is given up (exit 1).",
+)
 @click.option("--json", "as_json", is_flag=True)
 @_one_line_errors
 def sync(
-    parallel: int, force: bool, dry_run: bool, keep_staging: str | None, as_json: bool, **kw: Any
+    parallel: int,
+    force: bool,
+    dry_run: bool,
+    keep_staging: str | None,
+    timeout: float,
+    as_json: bool,
+    **kw: Any,
 ) -> None:
-    """Merge the offline runs under PATHS and upload them with `wandb sync`."""
+    """Merge the offline runs under PATHS and upload each exactly once, verified."""
     from pathlib import Path
 
     from .pipeline import plan_jobs
@@ -358,6 +396,7 @@ def sync(
             request, parallel=parallel, force=force,
             staging_dir=Path(keep_staging) if keep_staging else None,
             keep_staging=bool(keep_staging), progress=progress, planned=planned,
+            timeout=timeout, upload_progress=_UploadProgress(), on_wait=_say_waiting,
         )  # fmt: skip
     finally:
         progress.close()

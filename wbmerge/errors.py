@@ -19,3 +19,8 @@ class NotATransactionLog(WbmergeError):
 class InputWarning(UserWarning):
     """Input that was left out, and why (a FIFO named like a run, a link loop): the CLI
     prints each as one `wbmerge: warning:` line and goes on."""
+
+
+class Terminated(BaseException):
+    """SIGTERM (how Flyte and Kubernetes stop a task), raised where the process is, so that
+    cleanup (`finally`) runs as it does for Ctrl-C."""

@@ -8,18 +8,34 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
-from collections.abc import Callable, Sequence
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .discover import Job, discover, group_jobs
-from .errors import WbmergeError
+from .errors import Terminated, WbmergeError
 from .hints import make_hints
 from .merge import DEFAULT_KEY_FORMAT, MergeOptions, Staged, stage
 from .plan import Source, Target, app_url, links, plan
 from .safepaths import check_out_dir, source_trees
-from .upload import DEFAULT_PARALLEL, Ledger, find_credentials, run_wandb_sync, state_dir
+from .upload import (
+    DEFAULT_PARALLEL,
+    DEFAULT_TIMEOUT,
+    Credentials,
+    Deliverer,
+    Delivery,
+    Ledger,
+    Progress,
+    ServerClient,
+    clean_stale,
+    find_credentials,
+    make_staging,
+    run_locks,
+    state_dir,
+)
 
 
 @dataclass
@@ -170,7 +186,7 @@ def _run_files(planned: list[PlannedJob]) -> list[Path]:
 @dataclass
 class SyncedTarget:
     target: Target
-    status: str  # "uploaded" | "already synced"
+    status: str  # "uploaded" (verified on the server) | "already synced"
     url: str
 
 
@@ -182,6 +198,15 @@ class SyncReport:
     warnings: list[str] = field(default_factory=list)
 
 
+class UploadFailed(WbmergeError):
+    """Some runs are not (all) on the server: a line per run, exit 1, none of them recorded."""
+
+    def __init__(self, lines: list[str], report: SyncReport) -> None:
+        super().__init__("; ".join(lines), exit_code=1)
+        self.lines = lines
+        self.report = report
+
+
 def sync(
     request: MergeRequest,
     parallel: int = DEFAULT_PARALLEL,
@@ -190,68 +215,163 @@ def sync(
     keep_staging: bool = False,
     progress: Callable[[Staged], None] | None = None,
     planned: list[PlannedJob] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    upload_progress: Callable[[Progress], None] | None = None,
+    on_wait: Callable[[str], None] | None = None,
 ) -> SyncReport:
-    """Merge and upload. Fails (WbmergeError) before any work without credentials, and
-    reports failure, never success, when the uploader did not finish."""
+    """Merge and upload each run exactly once, verified on the server.
+
+    Fails (WbmergeError) before any work without credentials or when the server does not
+    answer; raises UploadFailed naming each run that is not whole on the server. Runs are
+    recorded in the ledger as each is verified, so an interrupted sync keeps what completed.
+    """
+    with sigterm_raises():
+        return _sync(request, parallel, force, staging_dir, keep_staging, progress, planned,
+                     timeout, upload_progress, on_wait)  # fmt: skip
+
+
+@contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While inside, SIGTERM raises `Terminated` in the main thread (when nothing else handles
+    it), so that the uploader is stopped and staging removed as for Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_DFL:
+        yield
+        return
+
+    def raise_terminated(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@dataclass
+class _Session:
+    """What every job of one sync shares: the server, the ledger, staging, the options."""
+
+    credentials: Credentials
+    client: ServerClient
+    viewer_entity: str | None
+    ledger: Ledger
+    staging: Path
+    report: SyncReport
+    parallel: int
+    force: bool
+    timeout: float
+    progress: Callable[[Staged], None] | None
+    upload_progress: Callable[[Progress], None] | None
+    on_wait: Callable[[str], None] | None
+
+
+def _sync(
+    request: MergeRequest,
+    parallel: int,
+    force: bool,
+    staging_dir: Path | None,
+    keep_staging: bool,
+    progress: Callable[[Staged], None] | None,
+    planned: list[PlannedJob] | None,
+    timeout: float,
+    upload_progress: Callable[[Progress], None] | None,
+    on_wait: Callable[[str], None] | None,
+) -> SyncReport:
     credentials = find_credentials()
+    client = ServerClient(credentials)
+    viewer_entity = client.viewer_entity()  # the preflight: fails in seconds, naming the URL
     planned = plan_jobs(request) if planned is None else planned
     for job in planned:
         if not job.project:
             raise WbmergeError("no project: pass --project or set WANDB_PROJECT")
     report = SyncReport(planned)
-    ledger = Ledger(state_dir() / "synced.json")
+    clean_stale()  # leftovers of syncs that were killed, their uploaders first
     own_staging = staging_dir is None
     if staging_dir is not None:
         check_out_dir(
             staging_dir, source_trees(request.paths, _run_files(planned)), "--keep-staging"
         )
-    staging = Path(tempfile.mkdtemp(prefix="wbmerge-staging-")) if own_staging else staging_dir
+    staging = make_staging() if own_staging else staging_dir
+    ledger = Ledger(state_dir() / "ledger.sqlite3")
+    session = _Session(credentials, client, viewer_entity, ledger, staging, report, parallel,
+                       force, timeout, progress, upload_progress, on_wait)  # fmt: skip
+    failures: list[str] = []
     try:
-        for job in planned:
-            options = job.options(request)
-            settings = {"options": options.__dict__, "system_metrics": request.system_metrics}
-            todo: list[tuple[Target, str, str]] = []
-            for target in job.targets:
-                key = Ledger.key(credentials.base_url, job.entity, job.project, target)
-                fingerprint = Ledger.fingerprint(target, settings)
-                if not force and ledger.synced(key, fingerprint):
-                    report.targets.append(SyncedTarget(target, "already synced", ""))
-                else:
-                    todo.append((target, key, fingerprint))
-            staged = []
-            for target, _, _ in todo:
-                result = stage(target, staging, options)
-                staged.append(result)
-                report.warnings.extend(f"{target.id}: {w}" for w in result.warnings)
-                if progress:
-                    progress(result)
-            entity = job.entity
-            if staged:
-                upload = run_wandb_sync(
-                    [s.run_dir for s in staged], job.project, entity, parallel, credentials
-                )
-                if not upload.ok:
-                    tail = " | ".join(upload.output.strip().splitlines()[-3:])
-                    raise WbmergeError(
-                        f"wandb sync failed for job {job.job.job_id}; nothing recorded as synced. "
-                        f"Uploader said: {tail}",
-                        exit_code=1,
-                    )
-                entity = entity or upload.entity
-                for target, key, fingerprint in todo:
-                    ledger.record(key, fingerprint)
-                    report.targets.append(SyncedTarget(target, "uploaded", ""))
-                ledger.save()
-            url = app_url(credentials.base_url)
-            for synced in report.targets:
-                if synced.target in job.targets:
-                    synced.url = (
-                        f"{url}/{entity or '<entity>'}/{job.project}/runs/{synced.target.id}"
-                    )
-            report.links.extend(
-                links(job.targets, url, entity or "<entity>", job.project, job.run_mode)
-            )
+        for index, job in enumerate(planned):
+            failures += _sync_job(request, job, session, staging / f"job-{index}")
     finally:
+        ledger.close()
         if own_staging and not keep_staging:
             shutil.rmtree(staging, ignore_errors=True)
+    if failures:
+        raise UploadFailed(failures, report)
     return report
+
+
+def _sync_job(
+    request: MergeRequest, job: PlannedJob, session: _Session, workdir: Path
+) -> list[str]:
+    """One job: lock its runs, skip the verified ones, deliver the rest; the failure lines."""
+    assert job.project
+    options = job.options(request)
+    settings = {"options": options.__dict__, "system_metrics": request.system_metrics}
+    entity = job.entity or session.viewer_entity
+    base_url = session.credentials.base_url
+    url = app_url(base_url)
+    keys = {t.id: Ledger.key(base_url, entity, job.project, t) for t in job.targets}
+    with run_locks(state_dir() / "locks", list(keys.values()), session.on_wait):
+        todo: list[tuple[Target, Delivery]] = []
+        for target in job.targets:
+            fingerprint = Ledger.fingerprint(target, settings)
+            entry = None if session.force else session.ledger.synced(keys[target.id], fingerprint)
+            if entry is not None:
+                known = entry["entity"] or entity
+                link = f"{url}/{known}/{job.project}/runs/{target.id}" if known else ""
+                session.report.targets.append(SyncedTarget(target, "already synced", link))
+                continue
+            staged = stage(target, workdir / "runs", options)
+            session.report.warnings.extend(f"{target.id}: {w}" for w in staged.warnings)
+            if session.progress:
+                session.progress(staged)
+            delivery = Delivery(
+                target.id, staged.run_dir, staged.log_path, keys[target.id], fingerprint
+            )
+            todo.append((target, delivery))
+        if not todo:
+            _add_links(session.report, job, url, entity)
+            return []
+        deliverer = Deliverer(
+            session.client, session.credentials, session.ledger, job.project, entity,
+            session.parallel, workdir / "uploader", session.timeout, session.upload_progress,
+            staging=session.staging,
+        )  # fmt: skip
+        try:
+            result = deliverer.deliver([d for _, d in todo])
+        finally:
+            deliverer.stop()
+    entity = entity or result.entity
+    for target, delivery in todo:
+        if delivery.verified:
+            link = f"{url}/{entity}/{job.project}/runs/{target.id}" if entity else ""
+            session.report.targets.append(SyncedTarget(target, "uploaded", link))
+    _add_links(session.report, job, url, entity)
+    lines = [f"run {d.run_id}: {'; '.join(d.problems)}" for d in result.failed]
+    if result.timed_out:
+        complete = [d.run_id for _, d in todo if d.verified]
+        lines.append(
+            f"no progress for {session.timeout:.0f} s, upload stopped; complete: "
+            f"{', '.join(complete) or 'none'} (rerun to send the rest)"
+        )
+    if lines:
+        lines.append("nothing missing was recorded as synced; rerun `wbmerge sync` to send it")
+    return lines
+
+
+def _add_links(report: SyncReport, job: PlannedJob, url: str, entity: str | None) -> None:
+    if entity:
+        report.links.extend(links(job.targets, url, entity, job.project or "", job.run_mode))

@@ -157,6 +157,14 @@ def _create_run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
 
 
 def _run_resume_status(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    """What the run holds, as W&B answers wandb-core's resume query.
+
+    wbmerge's exactly-once upload relies on three things W&B does and the sink must too:
+    each line count is the next line number a client writes (here the highest stored
+    offset + 1), the same count UpsertBucket reports as `historyLineCount`; `historyTail`
+    is a JSON list holding the last history line; lines are kept by offset, so lines sent
+    again at their offsets replace themselves instead of adding rows.
+    """
     entity, project = _entity(v), v.get("project") or "uncategorized"
     run = store.run(entity, project, v["name"])
     bucket = None

@@ -1,0 +1,94 @@
+"""What is left to send and what is missing, as pure functions of the staged run and the
+server's counts (the base of exactly-once uploads and of a later live mode)."""
+
+from __future__ import annotations
+
+import pytest
+
+from wbmerge.upload import Held, StagedContent, read_staged, remainder, shortfall
+from wbmerge.upload.remainder import Mismatch, console_line_count, write_remainder
+
+from .conftest import job_dir
+from .sinktools import expected_from_log
+
+STAGED = StagedContent(history_steps=(0, 1, 2, 5, 9), events=3, console_lines=4)
+
+
+@pytest.mark.parametrize(
+    "held, skip",
+    [
+        (Held(), 0),  # no such run: everything
+        (Held(exists=True), 0),  # the run exists without rows (an upload cut short early)
+        (Held(True, 1, 0, 0, 0), 1),
+        (Held(True, 3, 1, 2, 2), 3),
+        (Held(True, 4, 3, 4, 5), 4),
+        (Held(True, 5, 3, 4, 9), 5),  # all rows there: only files, summary, exit to send
+    ],
+)
+def test_remainder_skips_the_rows_the_server_holds(held, skip):
+    assert remainder(STAGED, held).skip_history == skip
+
+
+@pytest.mark.parametrize(
+    "held, fragment",
+    [
+        (Held(True, 6, 0, 0, 9), "more than the 5 staged"),  # e.g. doubled by an older tool
+        (Held(True, 3, 0, 0, 7), "has _step 7, the staged row 2"),  # rows of another merge
+        (Held(True, 2, 0, 0, None), "_step None"),
+    ],
+)
+def test_remainder_refuses_what_is_not_a_prefix(held, fragment):
+    with pytest.raises(Mismatch, match=fragment.replace("(", r"\(")):
+        remainder(STAGED, held)
+
+
+@pytest.mark.parametrize(
+    "held, problems",
+    [
+        (Held(True, 5, 3, 4, 9), []),
+        (Held(True, 5, 4, 6, 9), []),  # more events/console lines than staged is not a loss
+        (Held(), ["the run is not on the server"]),
+        (Held(True, 4, 3, 4, 5), ["history rows 4 of 5"]),
+        (Held(True, 10, 3, 4, 9), ["history rows 10 of 5"]),
+        (Held(True, 5, 3, 4, 8), ["last _step 8, staged 9"]),
+        (Held(True, 5, 1, 0, 9), ["system-metric rows 1 of 3", "console lines 0 of 4"]),
+    ],
+)
+def test_shortfall_names_what_is_missing(held, problems):
+    assert shortfall(STAGED, held) == problems
+
+
+def test_an_unforeseeable_console_is_not_counted():
+    staged = StagedContent((0,), 0, None)
+    assert shortfall(staged, Held(True, 1, 0, 0, 0)) == []
+
+
+@pytest.mark.parametrize(
+    "texts, lines",
+    [
+        ([], 0),
+        (["a\n"], 1),
+        (["a\nb"], 2),
+        (["a", "b\n", "c\n"], 2),
+        (["10%\r", "50%\r", "100%\n"], 1),
+        (["a\n\nb\n"], 3),
+        (["bar\x1b[A\n"], None),
+    ],
+)
+def test_console_line_count(texts, lines):
+    assert console_line_count(texts) == lines
+
+
+def test_read_staged_and_write_remainder_on_a_real_log(tmp_path):
+    log = sorted(job_dir("one_node_4").glob("wandb/*/run-*.wandb"))[0]
+    want = expected_from_log(log)
+    staged = read_staged(log)
+    assert list(staged.history_steps) == [row["_step"] for row in want.history]
+    assert staged.events == len(want.stats)
+    assert staged.console_lines == len(want.console)
+    cut = tmp_path / "cut.wandb"
+    write_remainder(log, cut, remainder(staged, Held(True, 12, 0, 0, want.history[11]["_step"])))
+    rest = expected_from_log(cut)
+    assert rest.history == want.history[12:]
+    assert rest.stats == want.stats and rest.console == want.console
+    assert rest.summary == want.summary and rest.exit_code == want.exit_code

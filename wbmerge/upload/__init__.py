@@ -1,0 +1,51 @@
+"""Upload: staged offline runs go to W&B through wandb's own uploader, `wandb sync`, once.
+
+We never speak W&B's upload protocol ourselves. The modules, one job each:
+
+| module | job |
+| --- | --- |
+| `credentials` | the server URL and API key; the `wandb` command |
+| `server` | what the server holds (the read-only queries wandb itself makes) |
+| `remainder` | pure: staged run x what the server holds -> what is left to send, what is missing |
+| `uploader` | `wandb sync` under supervision: progress, timeout, stopping its process tree |
+| `ledger` | runs verified complete (SQLite) and per-run locks |
+| `staging` | staging directories that name their owner; leftovers of killed syncs removed |
+| `deliver` | the exactly-once flow over one project's staged runs |
+"""
+
+from __future__ import annotations
+
+from .credentials import Credentials, find_credentials, wandb_executable
+from .deliver import Deliverer, Delivery, DeliveryReport, Progress
+from .ledger import Ledger, run_locks, state_dir
+from .remainder import Remainder, StagedContent, read_staged, remainder, shortfall
+from .server import Held, ServerClient, ServerError
+from .staging import clean_stale, make_staging
+from .uploader import DEFAULT_TIMEOUT
+
+DEFAULT_PARALLEL = 4  # below wandb sync's own default of 5: one job may be many runs
+
+__all__ = [
+    "DEFAULT_PARALLEL",
+    "DEFAULT_TIMEOUT",
+    "Credentials",
+    "Deliverer",
+    "Delivery",
+    "DeliveryReport",
+    "Held",
+    "Ledger",
+    "Progress",
+    "Remainder",
+    "ServerClient",
+    "ServerError",
+    "StagedContent",
+    "clean_stale",
+    "find_credentials",
+    "make_staging",
+    "read_staged",
+    "remainder",
+    "run_locks",
+    "shortfall",
+    "state_dir",
+    "wandb_executable",
+]

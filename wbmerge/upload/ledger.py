@@ -1,0 +1,105 @@
+"""The ledger of runs verified on a server, and the locks that keep two syncs of one run apart.
+
+Both live in wbmerge's state directory, never in the user's directories. The ledger is a
+SQLite database (each run is recorded in its own transaction the moment it is verified, so
+concurrent syncs and a kill at any point leave it whole); the locks are `flock`s, which the
+kernel releases when their holder dies, so a killed sync never leaves a stale lock behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..plan import Target
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS synced (
+    key TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, entity TEXT, time REAL NOT NULL
+)
+"""
+
+
+def state_dir(env: Mapping[str, str] | None = None) -> Path:
+    """WBMERGE_STATE_DIR, else $XDG_STATE_HOME/wbmerge, else ~/.local/state/wbmerge."""
+    env = os.environ if env is None else env
+    if env.get("WBMERGE_STATE_DIR"):
+        return Path(env["WBMERGE_STATE_DIR"])
+    base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "wbmerge"
+
+
+class Ledger:
+    """Which run (server, entity, project, id) was verified complete from which source files."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(path, timeout=60, isolation_level=None)
+        self._db.execute("PRAGMA busy_timeout = 60000")
+        self._db.execute(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    @staticmethod
+    def key(base_url: str, entity: str | None, project: str, target: Target) -> str:
+        return f"{base_url}|{entity or ''}|{project}|{target.id}"
+
+    @staticmethod
+    def fingerprint(target: Target, settings: Mapping[str, object]) -> str:
+        """The merge settings and every source file's path, size and mtime."""
+        digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+        for source in (*target.sources, *target.extra_system_sources):
+            stat = source.path.stat()
+            digest.update(f"{source.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+        return digest.hexdigest()
+
+    def synced(self, key: str, fingerprint: str) -> dict | None:
+        """The entry of a run verified from these very files, else None."""
+        row = self._db.execute(
+            "SELECT entity, time FROM synced WHERE key = ? AND fingerprint = ?", (key, fingerprint)
+        ).fetchone()
+        return {"entity": row[0], "time": row[1]} if row else None
+
+    def record(self, key: str, fingerprint: str, entity: str | None) -> None:
+        """Record one verified run, durably, at once."""
+        with self._db:
+            self._db.execute(
+                "INSERT OR REPLACE INTO synced (key, fingerprint, entity, time) VALUES (?, ?, ?, ?)",
+                (key, fingerprint, entity, time.time()),
+            )
+
+
+@contextmanager
+def run_locks(
+    lock_dir: Path, keys: list[str], on_wait: Callable[[str], None] | None = None
+) -> Iterator[None]:
+    """Hold an exclusive lock per run key (taken in sorted order, so two syncs cannot deadlock).
+
+    A lock held by another sync is waited for; `on_wait(key)` is told once per such lock.
+    """
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    handles = []
+    try:
+        for key in sorted(set(keys)):
+            name = hashlib.sha256(key.encode()).hexdigest()[:32] + ".lock"
+            handle = open(lock_dir / name, "a+")
+            handles.append(handle)
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if on_wait:
+                    on_wait(key)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        for handle in handles:
+            handle.close()  # closing releases the flock

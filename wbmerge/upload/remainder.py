@@ -1,0 +1,155 @@
+"""What is still to send, from what was staged and what the server holds: pure functions.
+
+How `wandb sync` (wandb-core 0.31) continues a run that already exists, which this relies on:
+
+- The first UpsertBucket answer carries the run's `historyLineCount`; wandb-core sends the
+  log's history lines from that offset on. So if the server holds the first H rows of a
+  staged run, dropping the first H history records from the log sends exactly the rest,
+  each at its own line number and with its own `_step` (sync sends history records as they
+  are stored; it renumbers no step unless told to resume, which wbmerge never asks).
+- System-metric ("events") lines and console (`output.log`) lines start at offset 0 again.
+  W&B and the sink keep file_stream lines by offset, so sending all of them again rewrites
+  the same lines in place: once, not twice. They are therefore always sent whole.
+- Files are put again by name (the same name replaces the file); config is merged and the
+  summary replaced; the exit record sends the final state.
+
+The server is checked to hold a prefix of the staged run (its row count and the `_step` of
+its last row); anything else (rows of another merge, duplicates of an older tool) is a
+`Mismatch`, refused rather than "repaired".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..proto import pb
+from ..txlog import read_payloads, record_kind, write_payloads
+from .server import Held
+
+_CURSOR_MOVES = ("\x1b[A", "\x1b[1A", "\x1b[2K")  # consoles wandb's emulator may fold
+
+
+@dataclass(frozen=True)
+class StagedContent:
+    """What one staged log will put on the server when sent whole."""
+
+    history_steps: tuple[int | None, ...]  # `_step` of each history row, in order
+    events: int  # system-metric rows
+    console_lines: int | None  # output.log lines; None when the console cannot be foretold
+
+
+@dataclass(frozen=True)
+class Remainder:
+    """What to send of a staged log: all of it but the first `skip_history` history rows."""
+
+    skip_history: int
+
+    @property
+    def resends(self) -> bool:
+        return self.skip_history > 0
+
+
+class Mismatch(ValueError):
+    """The server holds rows of this run that are not a prefix of the staged run."""
+
+
+def remainder(staged: StagedContent, held: Held) -> Remainder:
+    """The part of `staged` the server lacks (see the module docstring for why this suffices)."""
+    have = held.history_lines if held.exists else 0
+    if have == 0:
+        return Remainder(0)
+    rows = len(staged.history_steps)
+    if have > rows:
+        raise Mismatch(f"the server holds {have} history rows, more than the {rows} staged")
+    expected = staged.history_steps[have - 1]
+    if expected is not None and held.last_step != expected:
+        raise Mismatch(
+            f"the server's row {have} has _step {held.last_step}, the staged row {expected}"
+        )
+    return Remainder(have)
+
+
+def shortfall(staged: StagedContent, held: Held) -> list[str]:
+    """What the server lacks (or holds too much of) after a whole upload; [] when all is there."""
+    if not held.exists:
+        return ["the run is not on the server"]
+    problems = []
+    rows = len(staged.history_steps)
+    if held.history_lines != rows:
+        problems.append(f"history rows {held.history_lines} of {rows}")
+    elif (
+        rows and staged.history_steps[-1] is not None and held.last_step != staged.history_steps[-1]
+    ):
+        problems.append(f"last _step {held.last_step}, staged {staged.history_steps[-1]}")
+    if held.events_lines < staged.events:
+        problems.append(f"system-metric rows {held.events_lines} of {staged.events}")
+    if staged.console_lines is not None and held.log_lines < staged.console_lines:
+        problems.append(f"console lines {held.log_lines} of {staged.console_lines}")
+    return problems
+
+
+def console_line_count(texts: Sequence[str]) -> int | None:
+    """Lines wandb's console emulator makes of one stream's text (None if not foreseeable).
+
+    Every `\\n` ends a line; a last line without one is still a line; `\\r` rewrites the
+    line it is on. Cursor movement (progress bars) folds lines in ways only the emulator
+    knows, so such a console is not counted.
+    """
+    text = "".join(texts)
+    if any(move in text for move in _CURSOR_MOVES):
+        return None
+    if not text:
+        return 0
+    return text.count("\n") + (0 if text.endswith("\n") else 1)
+
+
+def read_staged(log: Path) -> StagedContent:
+    """Count what a staged log holds: history steps, system-metric rows, console lines."""
+    steps: list[int | None] = []
+    events = 0
+    streams: dict[int, list[str]] = {}
+    logger_lines = 0
+    for payload in read_payloads(log):
+        kind = record_kind(payload)
+        if kind == "history":
+            steps.append(_step_of(payload))
+        elif kind == "stats":
+            events += 1
+        elif kind == "output_raw":
+            record = pb.Record.FromString(payload)
+            streams.setdefault(record.output_raw.output_type, []).append(record.output_raw.line)
+        elif kind == "output_logger":  # wandb writes these lines as they are, one per line
+            text = pb.Record.FromString(payload).output_logger.line
+            logger_lines += len(text.removesuffix("\n").split("\n"))
+    counts = [console_line_count(texts) for texts in streams.values()]
+    console = None if None in counts else logger_lines + sum(c or 0 for c in counts)
+    return StagedContent(tuple(steps), events, console)
+
+
+def _step_of(payload: bytes) -> int | None:
+    history = pb.Record.FromString(payload).history
+    for item in history.item:
+        if item.key == "_step" or list(item.nested_key) == ["_step"]:
+            try:
+                value = json.loads(item.value_json)
+            except ValueError:
+                return None
+            return int(value) if isinstance(value, int | float) else None
+    return history.step.num if history.HasField("step") else None
+
+
+def write_remainder(log: Path, out: Path, plan: Remainder) -> int:
+    """Write `log` without its first `plan.skip_history` history records; returns records."""
+
+    def kept() -> Iterator[bytes]:
+        skipped = 0
+        for payload in read_payloads(log):
+            if skipped < plan.skip_history and record_kind(payload) == "history":
+                skipped += 1
+                continue
+            yield payload
+
+    return write_payloads(out, kept())

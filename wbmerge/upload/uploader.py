@@ -1,0 +1,226 @@
+"""Running wandb's own uploader, `wandb sync`, under supervision.
+
+The uploader runs in its own session (so a terminal's Ctrl-C reaches wbmerge, which stops
+it), with its working and log directories inside staging (its debug logs go to `./wandb`
+under its cwd, which must be neither the user's cwd nor a source directory). Its output
+is read as it comes: `Finished syncing` marks a run done, and silence from both the
+uploader and the server for `timeout` seconds ends it. `stop()` ends the whole process
+tree, wandb-core included (wandb starts wandb-core in a session of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .credentials import Credentials, wandb_executable
+from .staging import _start_time, write_owner
+
+DEFAULT_TIMEOUT = 300.0  # seconds without progress before an upload is given up
+_FINISHED = re.compile(r"\[[^\]]*?/(?P<run>[^/\]\s]+)\] Finished syncing")
+_VIEW_RUN = re.compile(r"View run \S+ at (?P<url>\S+/(?P<entity>[^/\s]+)/[^/\s]+/runs/\S+)")
+_RUN_ERROR = re.compile(r"^wandb: ERROR \[[^\]]*?/(?P<run>[^/\]\s]+)\] (?P<message>.*)$")
+_LOG_NAME = re.compile(r"run-(?P<run>[^/]+)\.wandb$")
+
+
+@dataclass
+class UploadOutcome:
+    returncode: int | None  # None: stopped by wbmerge (timeout or signal)
+    output: str
+    timed_out: bool = False
+    entity: str | None = None  # as the uploader reported it
+    errors: dict[str, list[str]] = field(default_factory=dict)  # run id -> what failed
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below `root` (Linux /proc), found before anything is killed."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class Uploader:
+    """One `wandb sync` of staged run directories into a project."""
+
+    def __init__(
+        self,
+        credentials: Credentials,
+        project: str,
+        entity: str | None,
+        parallel: int,
+        workdir: Path,
+        timeout: float = DEFAULT_TIMEOUT,
+        env: Mapping[str, str] | None = None,
+        staging: Path | None = None,
+    ) -> None:
+        """`staging`: the staging directory whose owner record names the uploader's processes."""
+        self.credentials = credentials
+        self.staging = staging
+        self.project, self.entity, self.parallel = project, entity, max(1, parallel)
+        self.workdir, self.timeout = workdir, timeout
+        self.env = dict(os.environ if env is None else env)
+        self.proc: subprocess.Popen | None = None
+        self._lines: list[str] = []
+        self._lock = threading.Lock()
+
+    def command(self, run_dirs: Sequence[Path]) -> list[str]:
+        cmd = [wandb_executable(), "sync", "-p", self.project, "-n", str(self.parallel)]
+        if self.entity:
+            cmd += ["-e", self.entity]
+        return cmd + [str(d) for d in run_dirs]
+
+    def run(
+        self,
+        run_dirs: Sequence[Path],
+        on_finished: Callable[[str], None],
+        probe: Callable[[], bool],
+        probe_every: float = 2.0,
+    ) -> UploadOutcome:
+        """Upload; `on_finished(run_id)` as each run ends; `probe()` says if the server moved."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = dict(self.env)
+        env.update(WANDB_BASE_URL=self.credentials.base_url, WANDB_API_KEY=self.credentials.api_key)
+        env.update(WANDB_DIR=str(self.workdir))
+        env.pop("WANDB_MODE", None)  # an inherited offline/disabled mode would upload nothing
+        env.pop("WANDB_RESUME", None)  # resuming would renumber nothing here but offsets
+        self.proc = subprocess.Popen(
+            self.command(run_dirs),
+            cwd=self.workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
+        self._record_processes()
+        reader = threading.Thread(target=self._read, daemon=True)
+        reader.start()
+        seen, last_progress, last_probe = 0, time.monotonic(), time.monotonic()
+        timed_out = False
+        while True:
+            done = self.proc.poll() is not None
+            with self._lock:
+                new = self._lines[seen:]
+            for line in new:
+                seen += 1
+                last_progress = time.monotonic()
+                match = _FINISHED.search(line)
+                if match:
+                    on_finished(match["run"])
+            if done and not reader.is_alive():
+                break
+            now = time.monotonic()
+            if not done and now - last_probe >= probe_every:
+                last_probe = now
+                if probe():
+                    last_progress = now
+                self._record_processes()
+            if not done and now - last_progress > self.timeout:
+                timed_out = True
+                self.stop()
+            time.sleep(0.1 if done else 0.25)
+        output = "".join(self._lines)
+        outcome = UploadOutcome(None if timed_out else self.proc.returncode, output, timed_out)
+        reported = {m["entity"] for m in _VIEW_RUN.finditer(output)}
+        outcome.entity = next(iter(reported)) if len(reported) == 1 else None
+        outcome.errors = self.errors()
+        return outcome
+
+    def errors(self) -> dict[str, list[str]]:
+        """What failed so far, per run id: the uploader's ERROR lines and failed files."""
+        with self._lock:
+            lines = list(self._lines)
+        errors: dict[str, list[str]] = {}
+        for match in map(_RUN_ERROR.match, lines):
+            if match:
+                errors.setdefault(match["run"], []).append(match["message"].strip())
+        for run_id, failures in self.file_failures().items():
+            errors.setdefault(run_id, []).extend(failures)
+        return errors
+
+    def _record_processes(self) -> None:
+        """Name the uploader's processes in the staging's owner record (see `staging`)."""
+        if self.staging is not None and self.proc is not None:
+            write_owner(self.staging, [self.proc.pid, *_descendants(self.proc.pid)])
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._lock:
+                self._lines.append(line)
+
+    def file_failures(self) -> dict[str, list[str]]:
+        """Failed file transfers per run id, from the uploader's debug logs.
+
+        `wandb sync` reports these only there (it exits 0 and prints nothing), as JSON lines
+        at level ERROR whose message starts `file transfer:` or `runfiles:`.
+        """
+        failures: dict[str, list[str]] = {}
+        for log in sorted(self.workdir.glob("wandb/logs/debug-sync.*.log")):
+            try:
+                lines = log.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                if '"ERROR"' not in line:
+                    continue
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue
+                message = str(entry.get("msg", ""))
+                if entry.get("level") != "ERROR" or not message.startswith(
+                    ("file transfer:", "runfiles:")
+                ):
+                    continue
+                match = _LOG_NAME.search(str(entry.get("sync_path", "")))
+                name = re.search(r"Name: ([^,]+),", str(entry.get("task", "")))
+                what = f"file {name[1]} not uploaded" if name else message[:160]
+                failures.setdefault(match["run"] if match else "?", []).append(what)
+        return failures
+
+    def stop(self, grace: float = 5.0) -> None:
+        """End the uploader and everything it started (wandb-core too); wait for them."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        tree = _descendants(proc.pid)
+        groups = {proc.pid}
+        for pid in tree:
+            try:
+                groups.add(os.getpgid(pid))
+            except ProcessLookupError:
+                pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for group in groups:
+                try:
+                    os.killpg(group, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            try:
+                proc.wait(timeout=grace)
+                if all(_start_time(pid) is None for pid in tree):
+                    return
+                time.sleep(0.2)
+            except subprocess.TimeoutExpired:
+                continue
