@@ -1,0 +1,299 @@
+"""Exactly once whatever happened before: faults, kills and reruns through the real uploader.
+
+Every test ends by comparing what the sink holds with the source `.wandb` records (read
+with protobuf in sinktools): every history row by value and `_step`, every console line and
+system-metric row, once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from wbmerge import synthetic
+from wbmerge.cli import main
+
+from .conftest import job_dir
+from .sinktools import console_text, expected_from_log, system_metric_values
+
+pytestmark = pytest.mark.e2e
+PRIMARY = sorted(job_dir("one_node_4").glob("wandb/*/run-*.wandb"))
+SOURCE_FILES = {"config.yaml", "requirements.txt", "wandb-metadata.json", "wandb-summary.json"}
+
+
+def sync_args(project, *more, source=None):
+    source = source or job_dir("one_node_4")
+    return ["sync", "--json", str(source), "-p", project, "-e", "local", *map(str, more)]
+
+
+def cli(sink, tmp_path, *args):
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
+    return CliRunner().invoke(main, list(args), env=env)
+
+
+def primary_expected():
+    for log in PRIMARY:
+        want = expected_from_log(log)
+        if want.config["wbmerge"]["rank"] == 0:
+            return want
+    raise AssertionError("no rank 0")
+
+
+def assert_exactly_once(got, want):
+    """Rows by value and `_step`, console lines and system-metric rows: each exactly once."""
+    assert [row["_step"] for row in got["history"]] == [row["_step"] for row in want.history]
+    assert got["history"] == want.history
+    assert console_text(got["console"]) == want.console
+    assert system_metric_values(got["system_metrics"]) == want.stats
+    assert got["state"] == "finished" and got["exit_code"] == want.exit_code
+
+
+FAULTS = [
+    ("file_stream=400@2", True),
+    ("file_stream=500@2", False),
+    ("file_stream=drop@2", False),
+    ("storage=400", True),
+    ("storage=403@1", True),
+    ("graphql:CreateRunFiles=400", True),
+    ("graphql:UpsertBucket=500@2", False),
+]
+
+
+@pytest.mark.parametrize("fault, loses", FAULTS)
+def test_rerun_after_a_fault_delivers_exactly_once(make_sink, tmp_path, fault, loses):
+    sink = make_sink([fault])
+    first = cli(sink, tmp_path, *sync_args("f"))
+    if loses:  # data was lost: said, exit 1, nothing recorded
+        assert first.exit_code == 1, first.output + first.stderr
+        assert "wbmerge: error: run fx-one-node-4:" in first.stderr
+    else:
+        assert first.exit_code in (0, 1), first.output + first.stderr
+    sink.client.set_faults([])
+    second = cli(sink, tmp_path, *sync_args("f"))
+    assert second.exit_code == 0, second.output + second.stderr
+    [run] = json.loads(second.output)["runs"]
+    assert run["status"] == ("uploaded" if loses else run["status"])
+    got = sink.client.run("local", "f", "fx-one-node-4")
+    assert_exactly_once(got, primary_expected())
+    assert SOURCE_FILES <= set(got["files"])
+
+
+def test_lost_files_are_exit_1_and_a_later_sync_delivers_them(make_sink, tmp_path):
+    sink = make_sink(["storage=400"])
+    first = cli(sink, tmp_path, *sync_args("files", "--run-mode", "new"))
+    assert first.exit_code == 1
+    lines = first.stderr.strip().splitlines()
+    for rank in range(4):
+        assert any(f"run fx-one-node-4-rank-{rank}:" in line and "not uploaded" in line
+                   for line in lines), first.stderr  # fmt: skip
+    assert not any(
+        run["files"]
+        for run in map(
+            lambda r: sink.client.run("local", "files", r["id"]), sink.client.runs(project="files")
+        )
+    )
+    sink.client.set_faults([])
+    second = cli(sink, tmp_path, *sync_args("files", "--run-mode", "new"))
+    assert second.exit_code == 0, second.stderr
+    assert {r["status"] for r in json.loads(second.output)["runs"]} == {"uploaded"}
+    for log in PRIMARY:
+        want = expected_from_log(log)
+        got = sink.client.run(
+            "local", "files", f"fx-one-node-4-rank-{want.config['wbmerge']['rank']}"
+        )
+        assert SOURCE_FILES <= set(got["files"])
+        assert_exactly_once(got, want)
+
+
+def test_new_mode_with_one_run_failed_resends_nothing_twice(make_sink, tmp_path):
+    sink = make_sink(["file_stream=400@3"])
+    first = cli(sink, tmp_path, *sync_args("one", "--run-mode", "new", "-n", "1"))
+    assert first.exit_code == 1
+    sink.client.set_faults([])
+    second = cli(sink, tmp_path, *sync_args("one", "--run-mode", "new"))
+    assert second.exit_code == 0, second.stderr
+    statuses = {r["id"]: r["status"] for r in json.loads(second.output)["runs"]}
+    assert "already synced" in statuses.values() and "uploaded" in statuses.values()
+    for log in PRIMARY:
+        want = expected_from_log(log)
+        rank = want.config["wbmerge"]["rank"]
+        assert_exactly_once(sink.client.run("local", "one", f"fx-one-node-4-rank-{rank}"), want)
+
+
+def run_bounded(env, args, timeout):
+    """`wbmerge` in its own process group, killed with the group when it overstays."""
+    proc = subprocess.Popen([sys.executable, "-m", "wbmerge.cli", *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"wbmerge sync still running after {timeout} s") from None
+    return proc.returncode, out, err
+
+
+def local_env(tmp_path, **more):
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("WANDB_")},
+            "WBMERGE_STATE_DIR": str(tmp_path / "state"),
+            "PYTHONPATH": str(Path(__file__).resolve().parent.parent), **more}  # fmt: skip
+
+
+def test_unreachable_server_fails_within_seconds_naming_the_url(tmp_path):
+    env = local_env(
+        tmp_path, WANDB_BASE_URL="http://127.0.0.1:9", WANDB_API_KEY="local-" + "0" * 40
+    )
+    code, _, err = run_bounded(env, sync_args("x"), timeout=30)
+    assert code == 1
+    [line] = err.strip().splitlines()
+    assert line.startswith("wbmerge: error: cannot reach W&B at http://127.0.0.1:9/graphql")
+
+
+def test_refused_key_fails_within_seconds(make_sink, tmp_path):
+    sink = make_sink()
+    env = local_env(tmp_path, WANDB_BASE_URL=sink.url, WANDB_API_KEY="short-key")
+    code, _, err = run_bounded(env, sync_args("x"), timeout=30)
+    assert code == 1
+    assert f"{sink.url}/graphql refused the API key (HTTP 401)" in err
+
+
+def test_a_fault_that_never_clears_ends_at_the_timeout(make_sink, tmp_path):
+    sink = make_sink(["graphql:UpsertBucket=500"])
+    env = {**local_env(tmp_path), **sink.env}
+    code, _, err = run_bounded(env, sync_args("never", "--timeout", "8"), timeout=60)
+    assert code == 1
+    assert "no progress for 8 s, upload stopped; complete: none" in err
+
+
+def test_already_synced_shows_the_real_link(sink, tmp_path):
+    args = ["sync", "--json", str(job_dir("one_node_4")), "-p", "link"]  # no entity given
+    assert cli(sink, tmp_path, *args).exit_code == 0
+    again = cli(sink, tmp_path, *args)
+    [run] = json.loads(again.output)["runs"]
+    assert run == {"id": "fx-one-node-4", "group": None, "status": "already synced",
+                   "url": f"{sink.url}/local/link/runs/fx-one-node-4"}  # fmt: skip
+
+
+def test_force_checks_with_the_server_and_sends_no_duplicates(sink, tmp_path):
+    assert cli(sink, tmp_path, *sync_args("force")).exit_code == 0
+    forced = cli(sink, tmp_path, *sync_args("force", "--force"))
+    assert forced.exit_code == 0, forced.stderr
+    assert_exactly_once(sink.client.run("local", "force", "fx-one-node-4"), primary_expected())
+
+
+# -- processes: signals, kills, concurrency, cwd -------------------------------------------
+
+
+def tree_digest(root: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        digest.update(str(path.relative_to(root)).encode())
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def spawn(sink, tmp_path, args, cwd=None):
+    """`wbmerge sync` in a process of its own, its staging under the test's own TMPDIR."""
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state"), "TMPDIR": str(tmp_path / "tmp"),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}  # fmt: skip
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "wbmerge.cli", *args], env=env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def processes_in(directory: Path) -> list[int]:
+    """Processes whose working directory is under `directory` (the uploader's is staging)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if str(proc.joinpath("cwd").readlink()).startswith(str(directory)):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def long_job(tmp_path_factory):
+    """One rank with 6000 rows of 100 metrics (~50 MB): wandb-core sends history in requests
+    of up to 10 MiB, so this run takes three, and a kill can land between them."""
+    root = tmp_path_factory.mktemp("long")
+    [log] = synthetic.write_job(root, 1, 1, 6000, metrics=100, job_id="long")
+    return root, expected_from_log(log)
+
+
+def wait_for_rows(sink, project, run_id, deadline=60):
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        try:
+            if sink.client.run("local", project, run_id)["history"]:
+                return
+        except Exception:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("no rows arrived")
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143),
+                                       (signal.SIGKILL, -9)])  # fmt: skip
+def test_interrupted_upload_then_rerun_is_exactly_once(make_sink, tmp_path, long_job, sig, code):
+    source, want = long_job
+    sink = make_sink(["file_stream=delay:1"])  # a second per request: time to be caught
+    before = tree_digest(source)
+    proc = spawn(sink, tmp_path, sync_args("sig", source=source))
+    try:
+        wait_for_rows(sink, "sig", "long")
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, proc.stderr.read()
+    if sig != signal.SIGKILL:
+        assert not list((tmp_path / "tmp").glob("wbmerge-staging-*")), "staging removed"
+        assert processes_in(tmp_path / "tmp") == [], "the uploader and wandb-core are stopped"
+    held = sink.client.run("local", "sig", "long")
+    assert 0 < len(held["history"]) < 6000 or sig == signal.SIGKILL  # caught halfway
+    sink.client.set_faults([])
+    rerun = spawn(sink, tmp_path, sync_args("sig", source=source))
+    out, err = rerun.communicate(timeout=120)
+    assert rerun.returncode == 0, err
+    assert not list((tmp_path / "tmp").glob("wbmerge-staging-*")), "stale staging removed"
+    assert processes_in(tmp_path / "tmp") == []
+    assert_exactly_once(sink.client.run("local", "sig", "long"), want)
+    assert tree_digest(source) == before
+
+
+def test_concurrent_syncs_deliver_exactly_once(make_sink, tmp_path, long_job):
+    source, want = long_job
+    sink = make_sink()
+    procs = [spawn(sink, tmp_path, sync_args("both", source=source)) for _ in range(2)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    statuses = sorted(json.loads(out)["runs"][0]["status"] for out, _ in results)
+    assert statuses == ["already synced", "uploaded"]
+    assert_exactly_once(sink.client.run("local", "both", "long"), want)
+
+
+def test_the_users_cwd_and_the_sources_stay_untouched(sink, tmp_path):
+    import shutil
+
+    job = tmp_path / "job"
+    shutil.copytree(job_dir("one_node_4") / "wandb", job / "wandb")
+    before = tree_digest(job)
+    proc = spawn(sink, tmp_path, sync_args("cwd", source="./wandb"), cwd=job)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert tree_digest(job) == before
