@@ -56,31 +56,30 @@ def assert_exactly_once(got, want):
     assert got["state"] == "finished" and got["exit_code"] == want.exit_code
 
 
+# Each fault loses data on the first sync: refused at once (4xx), or refused or cut off
+# for good (5xx, dropped connections), which wandb retries until `--timeout` ends it.
 FAULTS = [
-    ("file_stream=400@2", True),
-    ("file_stream=500@2", False),
-    ("file_stream=drop@2", False),
-    ("storage=400", True),
-    ("storage=403@1", True),
-    ("graphql:CreateRunFiles=400", True),
-    ("graphql:UpsertBucket=500@2", False),
+    "file_stream=400@2",
+    "file_stream=500",
+    "file_stream=drop",
+    "storage=400",
+    "storage=403@1",
+    "graphql:CreateRunFiles=400",
+    "graphql:UpsertBucket=500",
 ]
 
 
-@pytest.mark.parametrize("fault, loses", FAULTS)
-def test_rerun_after_a_fault_delivers_exactly_once(make_sink, tmp_path, fault, loses):
+@pytest.mark.parametrize("fault", FAULTS)
+def test_rerun_after_a_fault_delivers_exactly_once(make_sink, tmp_path, fault):
     sink = make_sink([fault])
-    first = cli(sink, tmp_path, *sync_args("f"))
-    if loses:  # data was lost: said, exit 1, nothing recorded
-        assert first.exit_code == 1, first.output + first.stderr
-        assert "wbmerge: error: run fx-one-node-4:" in first.stderr
-    else:
-        assert first.exit_code in (0, 1), first.output + first.stderr
+    first = cli(sink, tmp_path, *sync_args("f", "--timeout", "8"))
+    assert first.exit_code == 1, first.output + first.stderr  # said, not claimed
+    assert "wbmerge: error: run fx-one-node-4:" in first.stderr or "no progress" in first.stderr
     sink.client.set_faults([])
     second = cli(sink, tmp_path, *sync_args("f"))
     assert second.exit_code == 0, second.output + second.stderr
     [run] = json.loads(second.output)["runs"]
-    assert run["status"] == ("uploaded" if loses else run["status"])
+    assert run["status"] == "uploaded"  # the first sync recorded nothing
     got = sink.client.run("local", "f", "fx-one-node-4")
     assert_exactly_once(got, primary_expected())
     assert SOURCE_FILES <= set(got["files"])
