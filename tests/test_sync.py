@@ -126,7 +126,7 @@ def test_every_mode_and_scope_arrives_as_the_table_says(sink, tmp_path, name, mo
         config = {k: v for k, v in got["config"].items() if k != "wbmerge"}
         assert config == {k: v for k, v in ranks[primary][1].config.items() if k != "wbmerge"}
 
-    links = json.loads(result.output)["links"]
+    links = json.loads(result.stdout)["links"]
     if mode == "new":
         groups = sorted({t[1] for t in expected})
         assert [link["url"] for link in links] == [
@@ -140,14 +140,14 @@ def test_every_mode_and_scope_arrives_as_the_table_says(sink, tmp_path, name, mo
 
 def test_second_sync_uploads_nothing_and_force_sends_no_duplicates(sink, tmp_path):
     args = [job_dir("one_node_4"), "--run-mode", "new", "-p", "again", "-e", "local"]
-    first = json.loads(cli_sync(sink, tmp_path, *args).output)
+    first = json.loads(cli_sync(sink, tmp_path, *args).stdout)
     assert {r["status"] for r in first["runs"]} == {"uploaded"}
     second = cli_sync(sink, tmp_path, *args)
-    assert {r["status"] for r in json.loads(second.output)["runs"]} == {"already synced"}
+    assert {r["status"] for r in json.loads(second.stdout)["runs"]} == {"already synced"}
     for run in sink.client.runs(project="again"):
         assert len(sink.client.run("local", "again", run["id"])["history"]) == 30  # no duplicates
     forced = cli_sync(sink, tmp_path, *args, "--force")
-    assert {r["status"] for r in json.loads(forced.output)["runs"]} == {"uploaded"}
+    assert {r["status"] for r in json.loads(forced.stdout)["runs"]} == {"uploaded"}
     # --force skips the ledger, not the server: it sends only what the server lacks (here no
     # row), where `wandb sync` of the same run again would append every row a second time.
     for run in sink.client.runs(project="again"):

@@ -78,7 +78,7 @@ def test_rerun_after_a_fault_delivers_exactly_once(make_sink, tmp_path, fault):
     sink.client.set_faults([])
     second = cli(sink, tmp_path, *sync_args("f"))
     assert second.exit_code == 0, second.output + second.stderr
-    [run] = json.loads(second.output)["runs"]
+    [run] = json.loads(second.stdout)["runs"]
     assert run["status"] == "uploaded"  # the first sync recorded nothing
     got = sink.client.run("local", "f", "fx-one-node-4")
     assert_exactly_once(got, primary_expected())
@@ -99,10 +99,13 @@ def test_lost_files_are_exit_1_and_a_later_sync_delivers_them(make_sink, tmp_pat
             lambda r: sink.client.run("local", "files", r["id"]), sink.client.runs(project="files")
         )
     )
+    assert "file config.yaml not uploaded" in first.stderr  # from the uploader's debug log
     sink.client.set_faults([])
     second = cli(sink, tmp_path, *sync_args("files", "--run-mode", "new"))
     assert second.exit_code == 0, second.stderr
-    assert {r["status"] for r in json.loads(second.output)["runs"]} == {"uploaded"}
+    for rank in range(4):  # not a terminal: a line per verified run
+        assert f"verified fx-one-node-4-rank-{rank}: 30 rows (" in second.stderr
+    assert {r["status"] for r in json.loads(second.stdout)["runs"]} == {"uploaded"}
     for log in PRIMARY:
         want = expected_from_log(log)
         got = sink.client.run(
@@ -119,7 +122,7 @@ def test_new_mode_with_one_run_failed_resends_nothing_twice(make_sink, tmp_path)
     sink.client.set_faults([])
     second = cli(sink, tmp_path, *sync_args("one", "--run-mode", "new"))
     assert second.exit_code == 0, second.stderr
-    statuses = {r["id"]: r["status"] for r in json.loads(second.output)["runs"]}
+    statuses = {r["id"]: r["status"] for r in json.loads(second.stdout)["runs"]}
     assert "already synced" in statuses.values() and "uploaded" in statuses.values()
     for log in PRIMARY:
         want = expected_from_log(log)
@@ -177,7 +180,7 @@ def test_already_synced_shows_the_real_link(sink, tmp_path):
     args = ["sync", "--json", str(job_dir("one_node_4")), "-p", "link"]  # no entity given
     assert cli(sink, tmp_path, *args).exit_code == 0
     again = cli(sink, tmp_path, *args)
-    [run] = json.loads(again.output)["runs"]
+    [run] = json.loads(again.stdout)["runs"]
     assert run == {"id": "fx-one-node-4", "group": None, "status": "already synced",
                    "url": f"{sink.url}/local/link/runs/fx-one-node-4"}  # fmt: skip
 

@@ -101,17 +101,20 @@ class Deliverer:
         by_id = {d.run_id: d for d in todo}
         done = [0]
 
-        def finished(run_id: str) -> None:
+        def finished(run_id: str, errors: list[str] | None = None) -> None:
             delivery = by_id.get(run_id)
-            if delivery is not None and not delivery.verified and not delivery.problems:
-                self._verify(delivery, self.uploader.errors().get(run_id, []))
-                done[0] += delivery.verified
-                message = (
-                    f"verified {run_id}: {len(delivery.content.history_steps)} rows"
-                    if delivery.verified
-                    else f"incomplete {run_id}: {'; '.join(delivery.problems)}"
-                )
-                self.progress(Progress(done[0], len(deliveries), self._total_rows(), message))
+            if delivery is None or delivery.verified or delivery.problems:
+                return
+            assert delivery.content is not None
+            found = self.uploader.errors().get(run_id, []) if errors is None else errors
+            self._verify(delivery, found)
+            done[0] += delivery.verified
+            message = (
+                f"verified {run_id}: {len(delivery.content.history_steps)} rows"
+                if delivery.verified
+                else f"incomplete {run_id}: {'; '.join(delivery.problems)}"
+            )
+            self.progress(Progress(done[0], len(deliveries), self._total_rows(), message))
 
         def probe() -> bool:
             moved = False
@@ -134,16 +137,10 @@ class Deliverer:
             outcome = self.uploader.run([d.run_dir for d in todo], finished, probe, probe_every)
             report.timed_out = outcome.timed_out
             report.entity = self.entity or outcome.entity
-            for delivery in todo:
-                if delivery.verified or delivery.problems:
-                    continue
-                if outcome.timed_out:
+            for delivery in todo:  # the runs the uploader did not say it finished
+                if outcome.timed_out and not (delivery.verified or delivery.problems):
                     delivery.problems.append("not complete when the upload was given up")
-                    continue
-                errors = outcome.errors.get(delivery.run_id, [])
-                self._verify(delivery, errors)
-                if delivery.verified:
-                    done[0] += 1
+                finished(delivery.run_id, outcome.errors.get(delivery.run_id, []))
         report.failed = [d for d in deliveries if not d.verified]
         return report
 

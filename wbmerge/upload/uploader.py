@@ -100,7 +100,9 @@ class Uploader:
         env.update(WANDB_BASE_URL=self.credentials.base_url, WANDB_API_KEY=self.credentials.api_key)
         env.update(WANDB_DIR=str(self.workdir))
         env.pop("WANDB_MODE", None)  # an inherited offline/disabled mode would upload nothing
-        env.pop("WANDB_RESUME", None)  # resuming would renumber nothing here but offsets
+        env.pop("WANDB_RESUME", None)  # resuming would move the offsets remainder.py relies on
+        for quiet in ("WANDB_SILENT", "WANDB_QUIET"):  # its output is how runs are seen ending
+            env.pop(quiet, None)
         self.proc = subprocess.Popen(
             self.command(run_dirs),
             cwd=self.workdir,
