@@ -185,6 +185,16 @@ def test_already_synced_shows_the_real_link(sink, tmp_path):
                    "url": f"{sink.url}/local/link/runs/fx-one-node-4"}  # fmt: skip
 
 
+def test_another_merge_under_the_same_id_is_refused_not_mixed_in(sink, tmp_path):
+    args = sync_args("mix", "--run-mode", "shared")
+    assert cli(sink, tmp_path, *args).exit_code == 0
+    before = sink.client.run("local", "mix", "fx-one-node-4")
+    other = cli(sink, tmp_path, *args, "--key-format", "{label}/{key}")
+    assert other.exit_code == 1
+    assert "run fx-one-node-4: the server's row 30 differs from the staged row 30" in other.stderr
+    assert sink.client.run("local", "mix", "fx-one-node-4")["history"] == before["history"]
+
+
 def test_force_checks_with_the_server_and_sends_no_duplicates(sink, tmp_path):
     assert cli(sink, tmp_path, *sync_args("force")).exit_code == 0
     forced = cli(sink, tmp_path, *sync_args("force", "--force"))

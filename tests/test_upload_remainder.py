@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from wbmerge.upload import Held, StagedContent, read_staged, remainder, shortfall
-from wbmerge.upload.remainder import Mismatch, console_line_count, write_remainder
+from wbmerge.upload.remainder import (
+    Mismatch,
+    console_line_count,
+    history_row,
+    same_value,
+    write_remainder,
+)
 
 from .conftest import job_dir
 from .sinktools import expected_from_log
@@ -40,6 +46,32 @@ def test_remainder_skips_the_rows_the_server_holds(held, skip):
 def test_remainder_refuses_what_is_not_a_prefix(held, fragment):
     with pytest.raises(Mismatch, match=fragment.replace("(", r"\(")):
         remainder(STAGED, held)
+
+
+@pytest.mark.parametrize(
+    "a, b, same",
+    [
+        (5.0, 5, True),
+        (float("nan"), float("nan"), True),
+        ({"a": [1, {"b": 2.0}]}, {"a": [1.0, {"b": 2}]}, True),
+        (True, 1, False),
+        ({"a": 1}, {"a": 1, "b": 2}, False),
+        ([1, 2], [1], False),
+        ("1", 1, False),
+        (0.1, 0.1000001, False),
+    ],
+)
+def test_same_value(a, b, same):
+    assert same_value(a, b) is same
+
+
+def test_the_servers_last_row_must_equal_the_staged_row_at_its_place():
+    rows = [{"_step": s, "loss/rank-0": 0.5 * s, "nan": float("nan")} for s in (0, 1, 2, 5, 9)]
+    same = Held(True, 3, 0, 0, 2, {**rows[2], "loss/rank-0": 1})  # wandb-core writes 1.0 as 1
+    assert remainder(STAGED, same, rows.__getitem__).skip_history == 3
+    relabelled = {"_step": 2, "loss/worker-0-rank-0": 1.0, "nan": float("nan")}
+    with pytest.raises(Mismatch, match="row 3 differs from the staged row 3"):
+        remainder(STAGED, Held(True, 3, 0, 0, 2, relabelled), rows.__getitem__)
 
 
 @pytest.mark.parametrize(
@@ -86,6 +118,7 @@ def test_read_staged_and_write_remainder_on_a_real_log(tmp_path):
     assert list(staged.history_steps) == [row["_step"] for row in want.history]
     assert staged.events == len(want.stats)
     assert staged.console_lines == len(want.console)
+    assert history_row(log, 11) == want.history[11]
     cut = tmp_path / "cut.wandb"
     write_remainder(log, cut, remainder(staged, Held(True, 12, 0, 0, want.history[11]["_step"])))
     rest = expected_from_log(cut)

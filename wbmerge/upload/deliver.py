@@ -15,7 +15,15 @@ from pathlib import Path
 
 from .credentials import Credentials
 from .ledger import Ledger
-from .remainder import Mismatch, StagedContent, read_staged, remainder, shortfall, write_remainder
+from .remainder import (
+    Mismatch,
+    StagedContent,
+    history_row,
+    read_staged,
+    remainder,
+    shortfall,
+    write_remainder,
+)
 from .server import ServerClient, ServerError
 from .uploader import DEFAULT_TIMEOUT, Uploader
 
@@ -80,13 +88,15 @@ class Deliverer:
         """Cut the staged log down to what the server lacks (raises Mismatch, ServerError)."""
         delivery.content = read_staged(delivery.log)
         held = self.client.held(self.entity, self.project, delivery.run_id)
-        plan = remainder(delivery.content, held)
+        plan = remainder(delivery.content, held, lambda index: history_row(delivery.log, index))
         if plan.resends:
             cut = delivery.log.with_name(delivery.log.name + ".remainder")
             write_remainder(delivery.log, cut, plan)
             cut.replace(delivery.log)
 
     def deliver(self, deliveries: list[Delivery]) -> DeliveryReport:
+        """Send what the server lacks of each run in one `wandb sync`, verifying each run as
+        the uploader finishes it (and the rest after it exits); failed runs say why."""
         report = DeliveryReport(self.entity)
         todo = []
         for delivery in deliveries:
@@ -95,8 +105,8 @@ class Deliverer:
                 todo.append(delivery)
             except Mismatch as exc:
                 delivery.problems.append(
-                    f"{exc}; it was not uploaded from these files (delete the run on the "
-                    "server, or pick another --base-id)"
+                    f"{exc}: the server's run is not a beginning of this one and is left "
+                    "as it is (delete it on the server, or pick another --base-id)"
                 )
         by_id = {d.run_id: d for d in todo}
         done = [0]

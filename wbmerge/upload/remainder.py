@@ -21,7 +21,7 @@ its last row); anything else (rows of another merge, duplicates of an older tool
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +56,14 @@ class Mismatch(ValueError):
     """The server holds rows of this run that are not a prefix of the staged run."""
 
 
-def remainder(staged: StagedContent, held: Held) -> Remainder:
-    """The part of `staged` the server lacks (see the module docstring for why this suffices)."""
+def remainder(
+    staged: StagedContent, held: Held, staged_row: Callable[[int], dict] | None = None
+) -> Remainder:
+    """The part of `staged` the server lacks (see the module docstring for why this suffices).
+
+    `staged_row(i)` gives the staged history row i; with it, the server's last row must
+    equal the staged row at its place (same keys and values), not only have its `_step`.
+    """
     have = held.history_lines if held.exists else 0
     if have == 0:
         return Remainder(0)
@@ -69,7 +75,47 @@ def remainder(staged: StagedContent, held: Held) -> Remainder:
         raise Mismatch(
             f"the server's row {have} has _step {held.last_step}, the staged row {expected}"
         )
+    if staged_row is not None and held.last_row is not None:
+        if not same_value(staged_row(have - 1), held.last_row):
+            raise Mismatch(f"the server's row {have} differs from the staged row {have}")
     return Remainder(have)
+
+
+def same_value(a: object, b: object) -> bool:
+    """JSON values equal as W&B sees them: numbers by value (wandb-core writes the float 5.0
+    as `5`), NaN equal to NaN, objects key by key, lists item by item."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+    numbers = (int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers):
+        if isinstance(a, bool) or isinstance(b, bool):
+            return a is b
+        return a == b or (a != a and b != b)  # NaN is the one value not equal to itself
+    return a == b
+
+
+def history_row(log: Path, index: int) -> dict:
+    """History row `index` of a log as wandb-core sends it: nested keys as nested objects."""
+    seen = 0
+    for payload in read_payloads(log):
+        if record_kind(payload) != "history":
+            continue
+        if seen == index:
+            row: dict = {}
+            for item in pb.Record.FromString(payload).history.item:
+                keys = list(item.nested_key) or [item.key]
+                target = row
+                for key in keys[:-1]:
+                    target = target.setdefault(key, {})
+                try:
+                    target[keys[-1]] = json.loads(item.value_json)
+                except ValueError:  # not JSON: cannot equal what the server holds
+                    target[keys[-1]] = {"unparsed value": item.value_json}
+            return row
+        seen += 1
+    raise IndexError(index)
 
 
 def shortfall(staged: StagedContent, held: Held) -> list[str]:

@@ -50,6 +50,7 @@ class Held:
     events_lines: int = 0
     log_lines: int = 0
     last_step: int | None = None  # `_step` of the last history line, when it has one
+    last_row: dict | None = None  # the last history line itself
 
 
 class ServerClient:
@@ -99,21 +100,27 @@ class ServerClient:
         bucket = (data.get("model") or {}).get("bucket")
         if not bucket:
             return Held()
+        last_row = _last_row(bucket.get("historyTail"))
         return Held(
             exists=True,
             history_lines=int(bucket.get("historyLineCount") or 0),
             events_lines=int(bucket.get("eventsLineCount") or 0),
             log_lines=int(bucket.get("logLineCount") or 0),
-            last_step=_last_step(bucket.get("historyTail")),
+            last_step=_step(last_row),
+            last_row=last_row,
         )
 
 
-def _last_step(history_tail: object) -> int | None:
-    """`_step` of the last line of `historyTail`, a JSON list of JSON lines."""
+def _last_row(history_tail: object) -> dict | None:
+    """The last line of `historyTail` (a JSON list of JSON lines), as a dict."""
     try:
         lines = json.loads(history_tail) if isinstance(history_tail, str) else []
-        last = json.loads(lines[-1]) if lines else {}
+        last = json.loads(lines[-1]) if lines else None
     except (ValueError, TypeError, IndexError):
         return None
-    step = last.get("_step") if isinstance(last, dict) else None
+    return last if isinstance(last, dict) else None
+
+
+def _step(row: dict | None) -> int | None:
+    step = (row or {}).get("_step")
     return int(step) if isinstance(step, int | float) and not isinstance(step, bool) else None
