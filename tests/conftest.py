@@ -57,8 +57,8 @@ def make_sink(tmp_path_factory):
 
     started = []
 
-    def start(faults=()):
-        process = SinkProcess(tmp_path_factory.mktemp("sink") / "data", tuple(faults))
+    def start(faults=(), allow_faults=False):
+        process = SinkProcess(tmp_path_factory.mktemp("sink") / "data", tuple(faults), allow_faults)
         process.data_dir.mkdir()
         started.append(process.start())
         return process

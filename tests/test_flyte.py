@@ -171,5 +171,5 @@ def test_new_on_two_nodes_with_worker_scope_merges_each_node_apart(sink, tmp_pat
         run_id = f"{base}-worker-{run.rank.worker}-rank-{run.rank.local_rank}"
         assert_passed_through(sink.client.run("local", "wbmerge-demo", run_id), want)
     # one merge per node, each with its own record of what it uploaded
-    ledgers = sorted(p.parent.name for p in (tmp_path / "state").glob("*/synced.json"))
+    ledgers = sorted(p.parent.name for p in (tmp_path / "state").glob("*/ledger.sqlite3"))
     assert ledgers == ["worker-0", "worker-1"]

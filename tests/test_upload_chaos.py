@@ -32,7 +32,7 @@ def test_random_faults_and_kills_then_exactly_once(make_sink, tmp_path, long_job
     source, want = long_job
     seed = int(os.environ.get("WBMERGE_CHAOS_SEED", "1414"))
     rng = random.Random(seed)
-    sink = make_sink()
+    sink = make_sink(allow_faults=True)  # faults are set round by round
     args = ["sync", "--json", str(source), "-p", "chaos", "-e", "local", "--timeout", "20"]
     started, rounds = time.monotonic(), []
     while time.monotonic() - started < BUDGET and len(rounds) < 8:
