@@ -286,28 +286,37 @@ def test_a_step_field_wins_over_the_step_item(step):
     assert wire.history_region(record.SerializeToString())[0] == step
 
 
+def write_one_rank_log(root: Path, run_id: str, records: list) -> None:
+    """A one-rank job under `root/wandb`: a run record with its wbmerge block, `records`,
+    and an exit record."""
+    info = RankInfo(0, 0, 1, 1, 0, job_id=run_id)
+    run_dir = root / "wandb" / f"offline-run-20260101_000000-{run_id}"
+    run_dir.mkdir(parents=True)
+    with open(run_dir / f"run-{run_id}.wandb", "wb") as stream, LogWriter(stream) as writer:
+        record = pb.Record(num=1)
+        record.run.run_id = run_id
+        record.run.config.update.add(key="wbmerge", value_json=json.dumps(info.to_metadata()))
+        writer.write(record.SerializeToString())
+        for record in records:
+            writer.write(record.SerializeToString())
+        writer.write(pb.Record(exit=pb.RunExitRecord()).SerializeToString())
+
+
 def test_export_names_a_key_once_whichever_way_it_is_written(tmp_path):
     """A history key written as `key` in some rows and as `nested_key` in others is one key,
     and every row's `_timestamp` is found, whichever way it was written."""
-    info = RankInfo(0, 0, 1, 1, 0, job_id="mixed")
-    run_dir = tmp_path / "wandb" / "offline-run-20260101_000000-mixed"
-    run_dir.mkdir(parents=True)
-    with open(run_dir / "run-mixed.wandb", "wb") as stream, LogWriter(stream) as writer:
-        record = pb.Record(num=1)
-        record.run.run_id = "mixed"
-        record.run.config.update.add(key="wbmerge", value_json=json.dumps(info.to_metadata()))
-        writer.write(record.SerializeToString())
-        for step in range(6):
-            record = pb.Record(num=2 + step)
-            old_style = step % 2 == 0
-            for key, text in [("loss", str(step / 4)), ("_timestamp", str(100 + step))]:
-                if old_style:
-                    record.history.item.add(key=key, value_json=text)
-                else:
-                    record.history.item.add(nested_key=[key], value_json=text)
-            record.history.step.num = step
-            writer.write(record.SerializeToString())
-        writer.write(pb.Record(num=9, exit=pb.RunExitRecord()).SerializeToString())
+    records = []
+    for step in range(6):
+        record = pb.Record(num=2 + step)
+        old_style = step % 2 == 0
+        for key, text in [("loss", str(step / 4)), ("_timestamp", str(100 + step))]:
+            if old_style:
+                record.history.item.add(key=key, value_json=text)
+            else:
+                record.history.item.add(nested_key=[key], value_json=text)
+        record.history.step.num = step
+        records.append(record)
+    write_one_rank_log(tmp_path, "mixed", records)
     out = tmp_path / "values.parquet"
     cli("export", tmp_path, "--out", out)
     rows = [r for r in pq.read_table(out).to_pylist() if r["kind"] == "history"]
@@ -321,21 +330,14 @@ def test_export_names_a_key_once_whichever_way_it_is_written(tmp_path):
 def test_a_value_that_ends_like_a_step_field_is_not_taken_for_one(tmp_path):
     """A step-less record (as 0.16 writes them) whose last value ends in the bytes of a step
     field (`12 02 08 05`): protobuf reads no step field there, and neither may we."""
-    info = RankInfo(0, 0, 1, 1, 0, job_id="tail")
-    run_dir = tmp_path / "wandb" / "offline-run-20260101_000000-tail"
-    run_dir.mkdir(parents=True)
-    with open(run_dir / "run-tail.wandb", "wb") as stream, LogWriter(stream) as writer:
-        record = pb.Record(num=1)
-        record.run.run_id = "tail"
-        record.run.config.update.add(key="wbmerge", value_json=json.dumps(info.to_metadata()))
-        writer.write(record.SerializeToString())
-        for step in range(3):
-            record = pb.Record()
-            record.history.item.add(key="loss", value_json=str(step))
-            record.history.item.add(key="_step", value_json=str(step))
-            record.history.item.add(key="tail", value_json="1\x12\x02\x08\x05")
-            writer.write(record.SerializeToString())
-        writer.write(pb.Record(exit=pb.RunExitRecord()).SerializeToString())
+    records = []
+    for step in range(3):
+        record = pb.Record()
+        record.history.item.add(key="loss", value_json=str(step))
+        record.history.item.add(key="_step", value_json=str(step))
+        record.history.item.add(key="tail", value_json="1\x12\x02\x08\x05")
+        records.append(record)
+    write_one_rank_log(tmp_path, "tail", records)
     report = json.loads(cli("inspect", "--json", tmp_path).output)
     assert [(r["history_rows"], r["last_step"]) for r in report] == [(3, 2)]
     out = tmp_path / "values.parquet"

@@ -23,6 +23,7 @@ from wbmerge.cli import main
 
 from .conftest import job_dir
 from .sinktools import console_text, expected_from_log, system_metric_values
+from .test_sync import tree_digest
 
 pytestmark = pytest.mark.e2e
 PRIMARY = sorted(job_dir("one_node_4").glob("wandb/*/run-*.wandb"))
@@ -203,17 +204,6 @@ def test_force_checks_with_the_server_and_sends_no_duplicates(sink, tmp_path):
 
 
 # -- processes: signals, kills, concurrency, cwd -------------------------------------------
-
-
-def tree_digest(root: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        digest.update(str(path.relative_to(root)).encode())
-        if path.is_file():
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 def spawn(sink, tmp_path, args, cwd=None):

@@ -178,38 +178,38 @@ def _tasks_per_node(value: str) -> int:
 
 
 def _open_mpi(env: Mapping[str, str]) -> RankInfo | None:
-    """A process of Open MPI's `mpirun`; ranks fill one node after another (its default
-    by-slot mapping), so the node is `rank // local size`."""
-    rank = _int(env.get("OMPI_COMM_WORLD_RANK"), -1)
-    world_size = _int(env.get("OMPI_COMM_WORLD_SIZE"), 0)
-    if rank < 0 or world_size < 1:
-        return None
-    per_node = _int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE"), world_size)
+    """A process of Open MPI's `mpirun`."""
     job = env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_ess_base_jobid")
-    return RankInfo(
-        rank=rank,
-        local_rank=_int(env.get("OMPI_COMM_WORLD_LOCAL_RANK"), rank % per_node),
-        world_size=world_size,
-        local_world_size=per_node,
-        worker=rank // per_node,
-        job_id=f"mpi-{job}" if job else None,
+    return _mpi_rank(
+        env,
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        f"mpi-{job}" if job else None,
     )
 
 
 def _pmi(env: Mapping[str, str]) -> RankInfo | None:
-    """A process of MPICH's Hydra (or another PMI launcher): `PMI_RANK` of `PMI_SIZE`,
-    with Hydra's `MPI_LOCALRANKID` / `MPI_LOCALNRANKS` where set. PMI gives no job id."""
-    rank = _int(env.get("PMI_RANK"), -1)
-    world_size = _int(env.get("PMI_SIZE"), 0)
+    """A process of MPICH's Hydra (or another PMI launcher), with Hydra's local variables
+    where set. PMI gives no job id."""
+    return _mpi_rank(env, ("PMI_RANK", "PMI_SIZE"), ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"), None)
+
+
+def _mpi_rank(
+    env: Mapping[str, str], world: tuple[str, str], local: tuple[str, str], job_id: str | None
+) -> RankInfo | None:
+    """An MPI launcher's rank: ranks fill one node after another (its default by-slot
+    mapping), so the node is `rank // local size`; no local size means one node."""
+    rank, world_size = _int(env.get(world[0]), -1), _int(env.get(world[1]), 0)
     if rank < 0 or world_size < 1:
         return None
-    per_node = _int(env.get("MPI_LOCALNRANKS"), world_size)
+    per_node = _int(env.get(local[1]), world_size)
     return RankInfo(
         rank=rank,
-        local_rank=_int(env.get("MPI_LOCALRANKID"), rank % per_node),
+        local_rank=_int(env.get(local[0]), rank % per_node),
         world_size=world_size,
         local_world_size=per_node,
         worker=rank // per_node,
+        job_id=job_id,
     )
 
 
