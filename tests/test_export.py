@@ -13,7 +13,7 @@ from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge import export as export_module
 from wbmerge.cli import main
-from wbmerge.columns import _per_value
+from wbmerge.columns import per_value
 from wbmerge.discover import discover
 from wbmerge.export import export
 from wbmerge.txlog import read_records
@@ -265,6 +265,6 @@ def test_damaged_log_exports_its_readable_records_and_says_what_was_lost(tmp_pat
 
 def test_a_rows_time_is_each_of_its_values_and_null_where_the_row_has_none():
     rows = np.array([1.5, 2.5, 3.5])
-    assert _per_value(rows, np.array([0, 0, 2, 1])).to_pylist() == [1.5, 1.5, 3.5, 2.5]
+    assert per_value(rows, np.array([0, 0, 2, 1])).to_pylist() == [1.5, 1.5, 3.5, 2.5]
     rows[2] = np.nan  # a row without `_timestamp`
-    assert _per_value(rows, np.array([0, 2, 2, 1])).to_pylist() == [1.5, None, None, 2.5]
+    assert per_value(rows, np.array([0, 2, 2, 1])).to_pylist() == [1.5, None, None, 2.5]

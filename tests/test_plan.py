@@ -1,4 +1,4 @@
-"""The plan against the run-mode table of shared/reference/run-modes.md, written out by hand."""
+"""The plan against the online Flyte plugin's run-mode table (README), written out by hand."""
 
 from __future__ import annotations
 

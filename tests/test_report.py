@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
-from wbmerge.report import _outliers, report
+from wbmerge.report import outliers, report
 
 from .conftest import job_dir
 from .test_export import expected_values
@@ -88,7 +88,7 @@ def test_default_metrics_are_those_every_rank_logged_plus_system_metrics():
 def test_outlier_rule(means, expected):
     import numpy as np
 
-    assert _outliers(np.array(means)) == expected
+    assert outliers(np.array(means)) == expected
 
 
 def test_terminal_report_names_the_outlier():

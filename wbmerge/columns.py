@@ -126,8 +126,8 @@ def _history_of(step: np.ndarray, batch: items.Items, source: Source) -> Columns
         source=source,
         kind=HISTORY,
         step=pa.array(step[row]),
-        timestamp=_per_value(timestamp, row),
-        runtime=_per_value(runtime, row),
+        timestamp=per_value(timestamp, row),
+        runtime=per_value(runtime, row),
         key=keys,
         value=value,
         value_json=value_json,
@@ -220,7 +220,7 @@ def _per_row(count: int, rows: np.ndarray, numbers: pa.Array) -> np.ndarray:
     return out
 
 
-def _per_value(per_row: np.ndarray, row: np.ndarray) -> pa.Array:
+def per_value(per_row: np.ndarray, row: np.ndarray) -> pa.Array:
     """Each value's row's number, null where the row has none (NaN); the mask is made
     only when some row has none, as rows usually all do."""
     missing = np.isnan(per_row)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import os
 import shutil
 import struct
 import tempfile
@@ -38,6 +37,7 @@ from .plan import Source, Target
 from .proto import pb
 from .records import KIND_NAMES
 from .spread import spread
+from .stagefiles import files_record, stage_files
 from .streaming import streaming
 from .topology import METADATA_KEY
 from .txlog import (
@@ -54,15 +54,6 @@ from .txlog import (
 # W&B's own keys: never labelled; in a merged row and summary they are the primary's
 RESERVED = ("_step", "_runtime", "_timestamp", "_wandb")
 PASS_TWO = ("output_raw", "output", "stats")
-WANDB_FILES = {
-    "requirements.txt",
-    "wandb-metadata.json",
-    "config.yaml",
-    "wandb-summary.json",
-    "diff.patch",
-    "conda-environment.yaml",
-    "wandb-job.json",
-}
 DEFAULT_KEY_FORMAT = "{key}/{label}"
 
 
@@ -118,7 +109,7 @@ def stage(target: Target, out_dir: Path, options: MergeOptions) -> Staged:
     try:
         (run_dir / "files").mkdir()
         staged = Staged(target, run_dir)
-        file_map, refused = _stage_files(target, run_dir / "files", staged.warnings)
+        file_map, refused = stage_files(target, run_dir / "files", staged.warnings)
         with streaming(), open(staged.log_path, "xb") as stream, LogWriter(stream) as writer:
             if target.kind == "shared":
                 _write_shared(target, writer, options, file_map, staged)
@@ -129,88 +120,6 @@ def stage(target: Target, out_dir: Path, options: MergeOptions) -> Staged:
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
     return staged
-
-
-# -- files ---------------------------------------------------------------------------------
-
-
-def _stage_files(
-    target: Target, dest: Path, warnings: list[str]
-) -> tuple[dict[tuple[Path, str], str], set[tuple[Path, str]]]:
-    """Copy every source's `files/` into `dest`; returns (source, name) -> staged name, and
-    the (source, name) entries refused.
-
-    The primary's files are kept as they are. Of other ranks (shared mode), wandb's own
-    files are the primary's business and skipped; their media and user files are kept, and
-    one whose name is taken by different content moves to `{label}/{name}` (the label made
-    safe as a directory name). Only regular files inside the source's `files/` directory are
-    read: a symbolic link that leads out of it, a dangling link or a link loop, a FIFO or a
-    device is refused with a warning; an entry that cannot be read is an error naming it.
-    """
-    mapping: dict[tuple[Path, str], str] = {}
-    refused: set[tuple[Path, str]] = set()
-    for source in target.sources:
-        files = source.path.parent / "files"
-        if not files.is_dir() or files.is_symlink():
-            continue
-        root = files.resolve()
-        primary = source.rank.rank == target.primary_rank
-        for path, name in _file_entries(files, source.label, warnings):
-            if name.startswith("output") and name.endswith(".log"):
-                continue  # rebuilt by the uploader from the console records
-            if (
-                not primary
-                and target.kind == "shared"
-                and (name in WANDB_FILES or name.startswith("code/"))
-            ):
-                continue
-            readable, why = safepaths.regular_file_inside(path, root)
-            if readable is None:
-                refused.add((source.path, name))
-                warnings.append(f"{source.label}: file {name!r} {why}; not copied")
-                continue
-            staged_name = name
-            existing = dest / name
-            if existing.exists() and not _same_file(existing, readable):
-                staged_name = f"{safepaths.component(source.label)}/{name}"
-                warnings.append(
-                    f"{source.label}: file {name} also written by another rank; kept as {staged_name}"
-                )
-            mapping[(source.path, name)] = staged_name
-            target_path = dest / staged_name
-            if not target_path.exists():
-                target_path.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    shutil.copyfile(readable, target_path)
-                except OSError as exc:
-                    raise WbmergeError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    return mapping, refused
-
-
-def _file_entries(files: Path, label: str, warnings: list[str]) -> Iterator[tuple[Path, str]]:
-    """Every entry below `files` that is not a directory, as (path, name relative to
-    `files`), in a stable order; links to directories are not followed (warned about)."""
-
-    def unreadable(exc: OSError) -> None:
-        raise WbmergeError(f"{exc.filename}: cannot read ({exc.strerror or exc})")
-
-    for dirpath, dirnames, filenames in os.walk(files, onerror=unreadable):
-        here = Path(dirpath)
-        for name in sorted(dirnames):
-            if (here / name).is_symlink():
-                relative = (here / name).relative_to(files).as_posix()
-                warnings.append(f"{label}: {relative!r} is a link to a directory; not followed")
-        dirnames[:] = sorted(d for d in dirnames if not (here / d).is_symlink())
-        for name in sorted(filenames):
-            path = here / name
-            yield path, path.relative_to(files).as_posix()
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
-    except OSError as exc:
-        raise WbmergeError(f"{exc.filename}: cannot read ({exc.strerror or exc})") from None
 
 
 # -- run record ----------------------------------------------------------------------------
@@ -301,7 +210,7 @@ def _write_passthrough(
 ) -> None:
     """A rank's records as they are (restarts concatenated), the run record rewritten and
     `files` records without the paths that would lead the uploader out of the run's files
-    (`_safe_files`): one clean log by copying its blocks (`_write_spliced`), anything else
+    (`stagefiles.files_record`): one clean log by copying its blocks (`_write_spliced`), anything else
     record by record."""
     if len(target.sources) == 1 and not target.extra_system_sources:
         if _write_spliced(target.sources[0], target, writer, options, staged, refused):
@@ -329,7 +238,7 @@ def _write_passthrough(
                 elif kind == "exit":
                     exit_payload = payload
                 elif kind == "files":
-                    writer.write(_safe_files(payload, source, refused, staged.warnings))
+                    writer.write(files_record(payload, source, staged.warnings, refused=refused))
                 elif kind is None:
                     if _valid(payload, source, staged.warnings):
                         writer.write(payload)
@@ -381,7 +290,7 @@ def _write_spliced(
             exit_payload = frames.payload(int(exits[-1]))
         for index in np.flatnonzero(codes == _FILES).tolist():
             payload = frames.payload(index)
-            copyable = copyable and _safe_files(payload, source, refused, []) == payload
+            copyable = copyable and files_record(payload, source, [], refused=refused) == payload
         for index in np.flatnonzero(codes == _UNKNOWN).tolist():
             copyable = copyable and _valid(frames.payload(index), source, []) is not None
     if report.damaged or counts[_EXIT] != 1 or not copyable:
@@ -866,7 +775,7 @@ def _other_event(
     elif kind == "metric":
         return _labelled_metric(payload, state.source.label, options.key_format)
     elif kind == "files":
-        return _mapped_files(payload, source, file_map, warnings)
+        return files_record(payload, source, warnings, staged=file_map)
     elif kind in PASS_TWO:
         spool.write(payload)
     elif kind in ("header", "run"):
@@ -900,44 +809,6 @@ def _labelled_metric(payload: bytes, label: str, key_format: str) -> bytes:
         metric.name = key_format.format(key=metric.name, label=label)
     if metric.step_metric and not metric.step_metric.startswith("_"):
         metric.step_metric = key_format.format(key=metric.step_metric, label=label)
-    return record.SerializeToString()
-
-
-def _mapped_files(
-    payload: bytes, source: Source, file_map: dict[tuple[Path, str], str], warnings: list[str]
-) -> bytes:
-    """A `files` record naming the files as staged; a path not staged is left out (a
-    path that would lead out of the run's files is also warned about)."""
-    record = pb.Record.FromString(payload)
-    kept = []
-    for item in record.files.files:
-        staged_name = file_map.get((source.path, item.path))
-        if staged_name is not None:
-            item.path = staged_name
-            kept.append(item)
-        elif not safepaths.relative_file_name(item.path):
-            warnings.append(f"{source.label}: files record path {item.path!r} left out")
-    del record.files.files[:]
-    record.files.files.extend(kept)
-    return record.SerializeToString()
-
-
-def _safe_files(
-    payload: bytes, source: Source, refused: set[tuple[Path, str]], warnings: list[str]
-) -> bytes:
-    """A `files` record without the paths that would lead the uploader (which reads each
-    path under the run's `files/`) out of the staged run: absolute paths, `..`, and files
-    refused when staging (links out of the source's files). Unchanged bytes otherwise."""
-    record = pb.Record.FromString(payload)
-    kept, dropped = [], []
-    for item in record.files.files:
-        safe = safepaths.relative_file_name(item.path) and (source.path, item.path) not in refused
-        (kept if safe else dropped).append(item)
-    if not dropped:
-        return payload
-    warnings.extend(f"{source.label}: files record path {i.path!r} left out" for i in dropped)
-    del record.files.files[:]
-    record.files.files.extend(kept)
     return record.SerializeToString()
 
 

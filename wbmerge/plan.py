@@ -1,6 +1,6 @@
 """Plan (pure): run_mode x rank_scope x a job's ranks -> the W&B runs to create.
 
-Exactly the table of the online Flyte plugin (shared/reference/run-modes.md), so offline and
+Exactly the table of the online Flyte plugin (the README's run-mode table), so offline and
 online jobs line up. Nothing here reads files; `Source` carries what discovery found.
 """
 

@@ -178,7 +178,7 @@ def _metric(kind: str, key: str, by_rank: dict, labels: dict[int, str]) -> Metri
         faster=faster,
         slowest=None if faster is None else (lowest if faster == "higher" else highest),
         fastest=None if faster is None else (highest if faster == "higher" else lowest),
-        outliers=[ids[i] for i in _outliers(means)],
+        outliers=[ids[i] for i in outliers(means)],
     )
 
 
@@ -208,7 +208,7 @@ def _spreads(grid: np.ndarray) -> np.ndarray:
     return spread[np.isfinite(spread)]
 
 
-def _outliers(means: np.ndarray) -> list[int]:
+def outliers(means: np.ndarray) -> list[int]:
     """Ranks whose mean is far from the others': robust z over OUTLIER_Z and at least
     OUTLIER_MIN_DEVIATION off the median (so that tiny, tidy differences are not flagged)."""
     valid = np.isfinite(means)
