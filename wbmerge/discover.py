@@ -9,6 +9,7 @@ rules that turn those facts into ranks and jobs are pure and live in `jobs.py`.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import stat
@@ -213,10 +214,17 @@ def _end_time(path: Path, start: float) -> float:
         elif kind == "history":
             for item in record.history.item:
                 if (item.key or "/".join(item.nested_key)) == "_timestamp":
-                    value = rankclaims.config_value(item.value_json)
-                    if isinstance(value, (int, float)):
-                        latest = max(latest, float(value))
+                    latest = max(latest, _seconds(item.value_json, latest))
     return latest
+
+
+def _seconds(value_json: str, default: float) -> float:
+    """A `_timestamp` value: JSON seconds since the epoch (`default` if it is not one)."""
+    try:
+        value = float(value_json)
+    except ValueError:
+        return default
+    return value if math.isfinite(value) else default
 
 
 _IDENTITY_READ = 4 * BLOCK_SIZE  # the run and config records are in the first blocks
