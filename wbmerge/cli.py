@@ -111,10 +111,10 @@ def inspect(
 ) -> None:
     """List the offline runs under PATHS: rank (and where it came from), label, rows,
     completeness, damage."""
-    from .hints import make_hints
-    from .inspect import format_report, inspect_runs
+    from . import api
+    from .inspect import format_report
 
-    rows = inspect_runs(paths, make_hints(label_pattern, ranks_file))
+    rows = api.inspect(paths, label_pattern=label_pattern, ranks_file=ranks_file)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     else:
@@ -239,19 +239,6 @@ def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def _request(**kw: Any) -> Any:
-    from .pipeline import MergeRequest
-
-    return MergeRequest(
-        paths=kw["paths"], run_mode=kw["run_mode"], rank_scope=kw["rank_scope"],
-        base_id=kw["base_id"], job=kw["job"], allow_missing_ranks=kw["allow_missing_ranks"],
-        system_metrics=kw["system_metrics"], key_format=kw["key_format"],
-        project=kw["project"], entity=kw["entity"], job_type=kw["job_type"],
-        skew_metrics=kw["skew_metrics"], label_pattern=kw["label_pattern"],
-        ranks_file=kw["ranks_file"],
-    )  # fmt: skip
-
-
 def _print_plan(planned: list, as_json: bool) -> None:
     targets = [t.as_json() for job in planned for t in job.targets]
     if as_json:
@@ -317,19 +304,16 @@ def _say_waiting(key: str) -> None:
 @_one_line_errors
 def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
     """Merge the offline runs under PATHS into new offline runs in --out (no upload)."""
-    from pathlib import Path
+    from . import api
 
-    from .pipeline import merge_jobs, plan_jobs
-
-    request = _request(**kw)
-    planned = plan_jobs(request)
+    planned = api.plan(**kw)
     _warn_jobs(planned)
     if dry_run:
         _print_plan(planned, as_json)
         return
     progress = _Progress(sum(len(j.targets) for j in planned))
     try:
-        staged = merge_jobs(request, Path(out_dir), planned, progress)
+        staged = api.merge(out=out_dir, progress=progress, planned=planned, **kw)
     finally:
         progress.close()
     for s in staged:
@@ -375,28 +359,22 @@ def sync(
     **kw: Any,
 ) -> None:
     """Merge the offline runs under PATHS and upload each exactly once, verified."""
-    from pathlib import Path
-
-    from .pipeline import plan_jobs
-    from .pipeline import sync as run_sync
+    from . import api
     from .upload import find_credentials
 
-    request = _request(**kw)
+    if not dry_run:
+        find_credentials()  # before any work: no credentials, no reading of runs
+    planned = api.plan(**kw)
+    _warn_jobs(planned)
     if dry_run:
-        planned = plan_jobs(request)
-        _warn_jobs(planned)
         _print_plan(planned, as_json)
         return
-    find_credentials()  # before any work: no credentials, no reading of runs
-    planned = plan_jobs(request)
-    _warn_jobs(planned)
     progress = _Progress(sum(len(j.targets) for j in planned))
     try:
-        report = run_sync(
-            request, parallel=parallel, force=force,
-            staging_dir=Path(keep_staging) if keep_staging else None,
-            keep_staging=bool(keep_staging), progress=progress, planned=planned,
-            timeout=timeout, upload_progress=_UploadProgress(), on_wait=_say_waiting,
+        report = api.sync(
+            parallel=parallel, force=force, timeout=timeout, keep_staging=keep_staging,
+            progress=progress, upload_progress=_UploadProgress(), on_wait=_say_waiting,
+            planned=planned, **kw,
         )  # fmt: skip
     finally:
         progress.close()
@@ -431,11 +409,11 @@ def export(
     ranks_file: str | None,
 ) -> None:
     """Write every rank's history and system metrics to one Parquet file."""
-    from .export import export as export_runs
-    from .hints import make_hints
+    from . import api
 
-    hints = make_hints(label_pattern, ranks_file)
-    result = export_runs(paths, out, job=job, wide=wide, hints=hints)
+    result = api.export(
+        paths, out, job=job, wide=wide, label_pattern=label_pattern, ranks_file=ranks_file
+    )
     for job_id, missing in result.missing.items():
         click.echo(f"wbmerge: warning: job {job_id}: ranks {missing} not found", err=True)
     for line in [*result.warnings, *result.damage]:
@@ -463,11 +441,12 @@ def report(
     ranks_file: str | None,
 ) -> None:
     """Per-rank skew of each metric: which rank is slow, by how much, and at which steps."""
-    from .hints import make_hints
-    from .report import report as make_report
+    from . import api
     from .report_format import format_report
 
-    reports = make_report(paths, metrics, job, hints=make_hints(label_pattern, ranks_file))
+    reports = api.report(
+        paths, metrics=metrics, job=job, label_pattern=label_pattern, ranks_file=ranks_file
+    )
     for line in (line for r in reports for line in [*r.warnings, *r.damage]):
         click.echo(f"wbmerge: warning: {line}", err=True)
     if as_json:
@@ -477,4 +456,4 @@ def report(
 
 
 if __name__ == "__main__":
-    main()
+    main(prog_name="wbmerge")

@@ -1,0 +1,130 @@
+"""The Python API (`wbmerge.api`) does what the CLI does, and every command runs as a module.
+
+The CLI is a thin layer over the API, so each test here compares the API's result with an
+independent truth: the fixture's launch manifest, the bytes the CLI wrote, or what arrived
+in the sink (read back through the sink's own client).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from wbmerge import api
+from wbmerge.cli import main
+from wbmerge.errors import WbmergeError
+
+from .conftest import MANIFEST, ROOT, job_dir
+from .sinktools import expected_from_log
+
+COMMANDS = ["inspect", "merge", "sync", "export", "report", "sink"]
+
+
+@pytest.mark.parametrize("module", ["wbmerge", "wbmerge.cli"])
+def test_every_command_runs_as_a_module(module):
+    listed = subprocess.run(
+        [sys.executable, "-m", module, "--help"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    for command in COMMANDS:
+        assert f"  {command} " in listed.stdout
+        one = subprocess.run(
+            [sys.executable, "-m", module, command, "--help"],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )  # fmt: skip
+        assert one.returncode == 0, (command, one.stderr)
+        assert one.stdout.startswith(f"Usage: wbmerge {command}")
+
+
+def test_a_module_run_does_real_work():
+    done = subprocess.run(
+        [sys.executable, "-m", "wbmerge", "inspect", "--json", str(job_dir("one_node_4"))],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert sorted(r["rank"] for r in json.loads(done.stdout)) == [0, 1, 2, 3]
+
+
+def test_discover_finds_every_rank_the_job_launched():
+    job = MANIFEST["jobs"]["two_nodes_2x2"]
+    runs = api.discover([job_dir("two_nodes_2x2")])
+    world = job["nodes"] * job["nproc"]
+    assert [r.rank.rank for r in runs] == list(range(world))
+    assert [(r.rank.worker, r.rank.local_rank) for r in runs] == [
+        (rank // job["nproc"], rank % job["nproc"]) for rank in range(world)
+    ]
+
+
+def test_plan_writes_nothing_and_names_the_plugins_runs(tmp_path):
+    planned = api.plan([job_dir("two_nodes_2x2")], run_mode="new", rank_scope="worker")
+    (job,) = planned
+    ids = sorted(t.id for t in job.targets)
+    base = job.job.job_id
+    # The plugin's ids in new mode with rank_scope worker: {base}-worker-{w}-rank-{local}.
+    assert ids == sorted(f"{base}-worker-{w}-rank-{r}" for w in (0, 1) for r in (0, 1))
+    assert {t.group for t in job.targets} == {f"{base}-worker-0", f"{base}-worker-1"}
+
+
+def test_an_unknown_option_is_named():
+    with pytest.raises(TypeError, match="run_mod"):
+        api.plan([job_dir("one_node_4")], run_mod="shared")
+
+
+def test_merge_writes_what_the_cli_writes(tmp_path):
+    staged = api.merge([job_dir("one_node_4")], tmp_path / "api", run_mode="shared")
+    result = CliRunner().invoke(
+        main,
+        ["merge", "--run-mode", "shared", "--out", str(tmp_path / "cli"),
+         str(job_dir("one_node_4"))],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (one,) = staged
+    twin = tmp_path / "cli" / one.run_dir.name / one.log_path.name
+    assert one.log_path.read_bytes() == twin.read_bytes()
+    assert one.history_rows == MANIFEST["jobs"]["one_node_4"]["steps"]
+
+
+def test_merge_refuses_to_write_into_its_sources():
+    source = job_dir("one_node_4")
+    with pytest.raises(WbmergeError, match="--out"):
+        api.merge([source], source / "merged", run_mode="shared")
+
+
+def test_export_and_report_match_the_cli(tmp_path):
+    source = [job_dir("slow_rank")]
+    exported = api.export(source, tmp_path / "api.parquet")
+    result = CliRunner().invoke(
+        main, ["export", "-o", str(tmp_path / "cli.parquet"), *map(str, source)]
+    )
+    assert result.exit_code == 0, result.output
+    assert f"wrote {exported.rows} values of {exported.ranks} ranks" in result.output
+    assert exported.ranks == MANIFEST["jobs"]["slow_rank"]["nproc"]
+
+    reports = api.report(source)
+    printed = CliRunner().invoke(main, ["report", "--json", *map(str, source)])
+    assert printed.exit_code == 0, printed.output
+    assert [r.to_dict() for r in reports] == json.loads(printed.output)
+    # The fixture's rank 2 sleeps every step: the report must name it as the slow rank.
+    slow = int(MANIFEST["jobs"]["slow_rank"]["train_args"][-1])
+    assert any(m.slowest == slow for m in reports[0].metrics)
+
+
+@pytest.mark.e2e
+def test_sync_uploads_and_verifies(sink, tmp_path, monkeypatch):
+    for name, value in {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}.items():
+        monkeypatch.setenv(name, value)
+    result = api.sync([job_dir("one_node_4")], run_mode="auto", project="api-test")
+    (synced,) = result.targets
+    assert synced.status == "uploaded"
+    log = next(p for p in sorted(job_dir("one_node_4").glob("wandb/*/run-*.wandb"))
+               if expected_from_log(p).config["wbmerge"]["rank"] == 0)  # fmt: skip
+    want = expected_from_log(log)
+    entity = synced.url.split("/")[-4]
+    got = sink.client.run(entity, "api-test", synced.target.id)
+    rows = [{k: v for k, v in row.items() if k in want.history[0]} for row in got["history"]]
+    assert rows == want.history

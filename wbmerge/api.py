@@ -1,0 +1,165 @@
+"""The Python API: one function per `wbmerge` command, the CLI is a thin layer over these.
+
+    from wbmerge import api
+
+    runs = api.discover(["./wandb"])                      # the offline runs, ranks identified
+    jobs = api.plan(["./wandb"], run_mode="shared")       # what a sync would create
+    staged = api.merge(["./wandb"], "./merged", run_mode="new")  # offline runs, no upload
+    result = api.sync(["./wandb"], run_mode="shared")     # upload, verified on the server
+    api.export(["./wandb"], "runs.parquet")               # every rank's values as Parquet
+    reports = api.report(["./wandb"], metrics=["train/loss"])  # which rank is slow
+
+The merge options (`plan`, `merge`, `sync`) are the fields of `MergeRequest`, given by
+keyword: `run_mode`, `rank_scope`, `base_id`, `job`, `allow_missing_ranks`,
+`system_metrics`, `key_format`, `skew_metrics`, `project`, `entity`, `job_type`,
+`label_pattern`, `ranks_file`. Every function raises `WbmergeError` (one line, with the
+exit code the CLI uses) for bad input, and warns with `InputWarning` for input it leaves out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .discover import OfflineRun
+from .discover import discover as _discover_runs
+from .export import ExportResult
+from .export import export as _export
+from .hints import make_hints
+from .inspect import inspect_runs
+from .pipeline import MergeRequest, PlannedJob, SyncReport, merge_jobs, plan_jobs
+from .pipeline import sync as _sync
+from .report import JobReport
+from .report import report as _report
+
+Paths = Sequence[str | Path]
+
+__all__ = [
+    "MergeRequest",
+    "discover",
+    "export",
+    "inspect",
+    "merge",
+    "plan",
+    "report",
+    "request",
+    "sync",
+]
+
+
+def request(paths: Paths, **options: Any) -> MergeRequest:
+    """The request a merge or sync of `paths` with these options makes (checked by name)."""
+    try:
+        return MergeRequest(paths=list(paths), **options)
+    except TypeError as exc:  # an unknown option name: say which
+        raise TypeError(f"unknown merge option: {exc}") from None
+
+
+def discover(
+    paths: Paths,
+    *,
+    full_scan: bool = False,
+    label_pattern: str | None = None,
+    ranks_file: str | Path | None = None,
+) -> list[OfflineRun]:
+    """Every offline run under `paths` with its rank, in job, rank, restart order.
+
+    `full_scan` also reads every record (row counts, last step, damage); without it only
+    each run's head and last block are read. `label_pattern` and `ranks_file` say how to
+    read the ranks of runs written without wbmerge (as `--label-pattern` and `--ranks`).
+    """
+    return _discover_runs(paths, full_scan, make_hints(label_pattern, ranks_file))
+
+
+def inspect(
+    paths: Paths, *, label_pattern: str | None = None, ranks_file: str | Path | None = None
+) -> list[dict[str, Any]]:
+    """What `wbmerge inspect --json` prints: a dict per run, after a full read of each."""
+    return inspect_runs(paths, make_hints(label_pattern, ranks_file))
+
+
+def plan(paths: Paths, **options: Any) -> list[PlannedJob]:
+    """The jobs found under `paths` and the runs a merge would create for each (pure: no
+    file is written). Options are the fields of `MergeRequest`."""
+    return plan_jobs(request(paths, **options))
+
+
+def merge(
+    paths: Paths,
+    out: str | Path,
+    *,
+    progress: Callable[[Any], None] | None = None,
+    planned: list[PlannedJob] | None = None,
+    **options: Any,
+) -> list[Any]:
+    """Write the merged offline runs of `paths` under `out` (no upload); a `Staged` per run.
+
+    `out` must not be, or lie inside, a directory the merge reads. `progress` is called
+    with each `Staged` as it is written; `planned` is the result of `plan` with the same
+    arguments, when the caller has it already."""
+    made = request(paths, **options)
+    return merge_jobs(made, Path(out), planned or plan_jobs(made), progress)
+
+
+def sync(
+    paths: Paths,
+    *,
+    parallel: int = 4,
+    force: bool = False,
+    timeout: float = 300.0,
+    keep_staging: str | Path | None = None,
+    progress: Callable[[Any], None] | None = None,
+    upload_progress: Callable[[Any], None] | None = None,
+    on_wait: Callable[[str], None] | None = None,
+    planned: list[PlannedJob] | None = None,
+    **options: Any,
+) -> SyncReport:
+    """Merge `paths` and upload each run exactly once with `wandb sync`, verified.
+
+    The server and key come from wandb's own settings (`WANDB_BASE_URL`, `WANDB_API_KEY`
+    or `~/.netrc`). Runs already verified (the ledger) are skipped unless `force`.
+    Raises `UploadFailed` (exit 1) naming each run that is not whole on the server.
+    `keep_staging` stages the merged runs there and keeps them. `progress` is called with
+    each run staged, `upload_progress` with the uploader's progress, `on_wait` with the key
+    of a run another sync holds."""
+    made = request(paths, **options)
+    return _sync(
+        made,
+        parallel=parallel,
+        force=force,
+        staging_dir=Path(keep_staging) if keep_staging else None,
+        keep_staging=bool(keep_staging),
+        progress=progress,
+        timeout=timeout,
+        upload_progress=upload_progress,
+        on_wait=on_wait,
+        planned=planned,
+    )
+
+
+def export(
+    paths: Paths,
+    out: str | Path,
+    *,
+    job: str | None = None,
+    wide: bool = False,
+    label_pattern: str | None = None,
+    ranks_file: str | Path | None = None,
+) -> ExportResult:
+    """Write every rank's history and system metrics under `paths` to the Parquet file `out`:
+    a value per row (long), or with `wide` a row per rank and step."""
+    return _export(paths, out, job=job, wide=wide, hints=make_hints(label_pattern, ranks_file))
+
+
+def report(
+    paths: Paths,
+    *,
+    metrics: Sequence[str] = (),
+    job: str | None = None,
+    label_pattern: str | None = None,
+    ranks_file: str | Path | None = None,
+) -> list[JobReport]:
+    """Per job under `paths`: each metric's skew across ranks, which rank is slow and by
+    how much; `metrics` narrows the keys (default: the ones that tell most)."""
+    return _report(paths, metrics, job, hints=make_hints(label_pattern, ranks_file))
