@@ -59,7 +59,7 @@ def rank_sources(job: Job) -> Iterator[list[Source]]:
         by_rank.setdefault(run.rank.rank, []).append(run)
     for rank in sorted(by_rank):
         runs = sorted(by_rank[rank], key=lambda r: r.rank.restart)
-        yield [Source(r.path, r.rank, r.label or r.rank.label) for r in runs]
+        yield [r.source() for r in runs]
 
 
 def rank_columns(sources: list[Source], damage: list[str] | None = None) -> Iterator[Columns]:

@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 from . import jobs, rankclaims, records
 from .errors import InputWarning, NotATransactionLog, WbmergeError
 from .jobs import Hints, RunFacts
+from .plan import Source, run_id_from_file
 from .proto import pb
 from .topology import METADATA_KEY, RankInfo
 from .txlog import (
@@ -96,6 +97,13 @@ class OfflineRun:
     @property
     def size(self) -> int:
         return self.path.stat().st_size
+
+    def source(self) -> Source:
+        """This run as a source of the runs a merge makes (after `identify` gave its rank)."""
+        assert self.rank is not None, "a run is a source only once its rank is known"
+        return Source(
+            self.path, self.rank, self.label or self.rank.label, start_time=self.start_time
+        )
 
 
 def find_run_files(paths: Iterable[str | Path]) -> list[Path]:
@@ -171,7 +179,7 @@ def find_invalid_records(paths: Iterable[str | Path]) -> str | None:
 
 def read_identity(path: Path) -> OfflineRun:
     """Read just enough of a run to know its ids and rank (the run and first config records)."""
-    run = OfflineRun(path=path, run_id=_run_id_from_name(path))
+    run = OfflineRun(path=path, run_id=run_id_from_file(path))
     for count, payload in enumerate(_payloads(path, read_size=_IDENTITY_READ)):
         kind = record_kind(payload)
         if kind == "run":
@@ -248,11 +256,6 @@ def _frames(
         raise WbmergeError(f"{path}: {exc}") from None
     except OSError as exc:
         raise WbmergeError(f"{path}: cannot read ({exc.strerror or exc})") from None
-
-
-def _run_id_from_name(path: Path) -> str:
-    stem = path.name[: -len(".wandb")]
-    return stem[len("run-") :] if stem.startswith("run-") else stem
 
 
 def _apply_run_record(run: OfflineRun, record: pb.RunRecord) -> None:

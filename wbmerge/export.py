@@ -100,10 +100,6 @@ def export(
     return result
 
 
-def run_id(source: Source) -> str:
-    return source.path.name[len("run-") : -len(".wandb")]
-
-
 def _write_long(jobs: list[Job], scratch: Path, result: ExportResult) -> None:
     with _writer(scratch, LONG_SCHEMA) as writer:
         group: list[tuple[str, Columns]] = []  # (job id, values) of the next row group
@@ -163,7 +159,7 @@ def _identity(job_id: str, source: Source) -> tuple:
     rank = source.rank
     return (
         job_id,
-        run_id(source),
+        source.run_id,
         rank.rank,
         rank.local_rank,
         rank.worker,

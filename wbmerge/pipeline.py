@@ -19,7 +19,7 @@ from .discover import Job, discover, group_jobs
 from .errors import Terminated, WbmergeError
 from .hints import make_hints
 from .merge import DEFAULT_KEY_FORMAT, MergeOptions, Staged, stage
-from .plan import Source, Target, app_url, links, plan
+from .plan import Target, app_url, links, plan, run_url
 from .safepaths import check_out_dir, source_trees
 from .upload import (
     DEFAULT_PARALLEL,
@@ -110,10 +110,7 @@ def plan_jobs(request: MergeRequest) -> list[PlannedJob]:
         recorded = _recorded_defaults(job)
         run_mode = request.run_mode or recorded.get("run_mode") or "auto"
         rank_scope = request.rank_scope or recorded.get("rank_scope") or "global"
-        sources = [
-            Source(r.path, r.rank, r.label or r.rank.label, start_time=r.start_time)
-            for r in job.runs
-        ]
+        sources = [r.source() for r in job.runs]
         targets = plan(
             sources,
             run_mode,
@@ -331,7 +328,7 @@ def _sync_job(
             entry = None if session.force else session.ledger.synced(keys[target.id], fingerprint)
             if entry is not None:
                 known = entry["entity"] or entity
-                link = f"{url}/{known}/{job.project}/runs/{target.id}" if known else ""
+                link = run_url(url, known, job.project, target.id) if known else ""
                 session.report.targets.append(SyncedTarget(target, "already synced", link))
                 continue
             staged = stage(target, workdir / "runs", options)
@@ -357,7 +354,7 @@ def _sync_job(
     entity = entity or result.entity
     for target, delivery in todo:
         if delivery.verified:
-            link = f"{url}/{entity}/{job.project}/runs/{target.id}" if entity else ""
+            link = run_url(url, entity, job.project, target.id) if entity else ""
             session.report.targets.append(SyncedTarget(target, "uploaded", link))
     _add_links(session.report, job, url, entity)
     lines = [f"run {d.run_id}: {'; '.join(d.problems)}" for d in result.failed]

@@ -18,6 +18,22 @@ RANK_SCOPES = ("global", "worker")
 RESERVED_ID_CHARS = ":;,#?/'"  # wandb's own run id rule (wandb_settings.validate_run_id)
 
 
+def run_id_from_file(path: Path) -> str:
+    """The run id a `.wandb` file's name carries: `run-<id>.wandb` -> `<id>`."""
+    stem = path.name.removesuffix(".wandb")
+    return stem.removeprefix("run-")
+
+
+def run_url(app_url: str, entity: str, project: str, run_id: str) -> str:
+    """A run's page in W&B's app (`app_url` as `app_url()` gives it)."""
+    return f"{app_url.rstrip('/')}/{entity}/{project}/runs/{run_id}"
+
+
+def group_url(app_url: str, entity: str, project: str, group: str) -> str:
+    """A group's page in W&B's app: the link of `new` mode, whose runs share a group."""
+    return f"{app_url.rstrip('/')}/{entity}/{project}/groups/{group}"
+
+
 @dataclass(frozen=True)
 class Source:
     """One offline run of one rank (one restart of it)."""
@@ -31,6 +47,11 @@ class Source:
     @property
     def restart(self) -> int:
         return self.rank.restart
+
+    @property
+    def run_id(self) -> str:
+        """The id of the offline run this source is (from its file name, as wandb names it)."""
+        return run_id_from_file(self.path)
 
 
 @dataclass(frozen=True)
@@ -189,11 +210,12 @@ def links(
     targets: Sequence[Target], app_url: str, entity: str, project: str, run_mode: str
 ) -> list[dict]:
     """The links the online plugin shows: runs, or for `new` one per group."""
-    base = f"{app_url.rstrip('/')}/{entity}/{project}"
     if run_mode == "new":
         groups = dict.fromkeys(t.group for t in targets if t.group)
-        return [{"kind": "group", "name": g, "url": f"{base}/groups/{g}"} for g in groups]
-    return [{"kind": "run", "name": t.id, "url": f"{base}/runs/{t.id}"} for t in targets]
+        return [{"kind": "group", "name": g, "url": group_url(app_url, entity, project, g)}
+                for g in groups]  # fmt: skip
+    return [{"kind": "run", "name": t.id, "url": run_url(app_url, entity, project, t.id)}
+            for t in targets]  # fmt: skip
 
 
 def app_url(base_url: str) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 
 import flyte
 
-from ..plan import app_url
+from ..plan import app_url, group_url, run_url
 from .context import Settings, read_context
 
 
@@ -24,11 +24,10 @@ def run_links(
 ) -> list[str]:
     """The online plugin's links: a run, one per worker with rank_scope "worker" on several
     nodes, or the group(s) of `new`."""
-    root = f"{host.rstrip('/')}/{entity}/{project}"
     per_worker = rank_scope == "worker" and num_workers > 1
     names = [f"{base}-worker-{i}" for i in range(num_workers)] if per_worker else [base]
-    kind = "groups" if run_mode == "new" else "runs"
-    return [f"{root}/{kind}/{name}" for name in names]
+    url = group_url if run_mode == "new" else run_url
+    return [url(host, entity, project, name) for name in names]
 
 
 @dataclass
