@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge import items, wire
-from wbmerge.merge import _label_rows, _RankKeys, _row
+from wbmerge.merge.labels import RankKeys, label_row, label_rows
 from wbmerge.txlog import read_payloads, record_kind
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "data"
@@ -128,9 +128,9 @@ def test_batch_split_is_exact_or_refuses(payloads):
 @given(st.lists(history_records(), min_size=1, max_size=8))
 def test_labelled_rows_are_the_same_by_batch_and_item_by_item(payloads):
     regions = [region for _, region in located(payloads)]
-    batched = _label_rows(*spans(regions), _RankKeys("rank-1", "{key}/{label}"), skew=True)
+    batched = label_rows(*spans(regions), RankKeys("rank-1", "{key}/{label}"), skew=True)
     one_by_one = [
-        _row(protobuf_item_fields(p), _RankKeys("rank-1", "{key}/{label}"), skew=True)
+        label_row(protobuf_item_fields(p), RankKeys("rank-1", "{key}/{label}"), skew=True)
         for p in payloads
     ]
     assert list(zip(*batched, strict=True)) == one_by_one
@@ -150,7 +150,7 @@ def test_labelled_row_decodes_to_the_labelled_keys():
     payload = record.SerializeToString()
     region = wire.history_region(payload)[1]
     [(labelled, reserved_names, reserved, numbers)] = zip(
-        *_label_rows(*spans([region]), _RankKeys("rank-2", "{key}/{label}"), skew=True),
+        *label_rows(*spans([region]), RankKeys("rank-2", "{key}/{label}"), skew=True),
         strict=True,
     )
     decoded = pb.HistoryRecord.FromString(labelled)

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge import txlog
-from wbmerge.merge import Staged, _merged_row, _RankKeys, _row, _Rows, _write_merged
+from wbmerge.merge.labels import RankKeys, label_row
+from wbmerge.merge.rows import Rows, merged_row, write_merged
 
 from .test_items import history_records, protobuf_item_fields
 
@@ -25,31 +26,30 @@ def step_rows(draw: st.DrawFn) -> list[tuple[int, int, tuple]]:
             payload = draw(history_records())
             items = protobuf_item_fields(payload)
             rows.append(
-                (step, rank, _row(items, _RankKeys(f"rank-{rank}", "{key}/{label}"), False))
+                (step, rank, label_row(items, RankKeys(f"rank-{rank}", "{key}/{label}"), False))
             )
     return rows
 
 
-def as_columns(rows: list[tuple[int, int, tuple]]) -> _Rows:
+def as_columns(rows: list[tuple[int, int, tuple]]) -> Rows:
     """(step, rank, row) triples as the columns the merge hands over."""
     steps, ranks, fields = zip(*rows, strict=True)
     columns = map(list, zip(*fields, strict=True))
-    return _Rows(np.array(steps, np.int64), np.array(ranks, np.int64), *columns)
+    return Rows(np.array(steps, np.int64), np.array(ranks, np.int64), *columns)
 
 
 @settings(max_examples=200, deadline=None)
 @given(step_rows(), st.sampled_from([0, 1]))
 def test_bulk_merged_rows_are_the_one_by_one_records(rows, primary):
     out = io.BytesIO()
-    staged = Staged(target=None, run_dir=None)
     with txlog.LogWriter(out) as writer:
-        _write_merged(as_columns(rows), writer, primary, False, staged)
+        written_rows = write_merged(as_columns(rows), writer, primary, False)
     written = list(txlog.iter_payloads(io.BytesIO(out.getvalue())))
     want = []
     for step in sorted({step for step, _, _ in rows}):
         group = [(rank, row) for s, rank, row in rows if s == step]
-        want.append(_merged_row(step, group, primary, False))
+        want.append(merged_row(step, group, primary, False))
     assert written == want
-    assert staged.history_rows == len(want) and staged.source_rows == len(rows)
+    assert written_rows == len(want)
     for payload in written:  # and each is a history record protobuf reads
         assert pb.Record.FromString(payload).HasField("history")

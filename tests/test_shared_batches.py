@@ -10,7 +10,7 @@ from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge import merge
+from wbmerge.merge import shared
 from wbmerge.pipeline import MergeRequest, merge_jobs
 from wbmerge.topology import METADATA_KEY, RankInfo
 from wbmerge.txlog import LogWriter, read_records
@@ -52,7 +52,7 @@ def write_rank(root: Path, rank: int) -> dict[int, dict[str, str]]:
 
 
 def test_rows_and_records_between_them_across_many_reads(tmp_path, monkeypatch):
-    monkeypatch.setattr(merge, "_READ_BLOCKS", 1)  # the smallest reads: 8 blocks
+    monkeypatch.setattr(shared, "READ_BLOCKS", 1)  # the smallest reads: 8 blocks
     sources = {rank: write_rank(tmp_path / "job", rank) for rank in RANKS}
     staged = merge_jobs(MergeRequest([tmp_path / "job"], run_mode="shared"), tmp_path / "out")
     [target] = staged

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wbmerge.merge import Steps
+from wbmerge.steps import Steps
 
 
 def place_row(steps: Steps, step: int) -> int | None:

@@ -21,9 +21,9 @@ import pyarrow.compute as pc
 
 from . import items, records, wire
 from .discover import Job
-from .merge import RESERVED, Steps
 from .plan import Source
 from .proto import pb
+from .steps import RESERVED, Steps
 from .txlog import ReadReport, read_frames
 
 HISTORY = "history"

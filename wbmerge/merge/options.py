@@ -1,0 +1,18 @@
+"""What the user chose for a merge, the same for every target of a job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_KEY_FORMAT = "{key}/{label}"
+
+
+@dataclass
+class MergeOptions:
+    project: str | None = None
+    entity: str | None = None
+    key_format: str = DEFAULT_KEY_FORMAT
+    run_mode: str = "auto"
+    rank_scope: str = "global"
+    job_id: str = ""
+    skew_metrics: bool = False

@@ -1,0 +1,149 @@
+"""Pass-through targets (`new`, `auto`): one rank's records as they are, restarts
+concatenated, with the run record rewritten. A clean log is spliced: its head re-framed,
+every later block copied in the kernel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .. import records
+from ..plan import Source, Target
+from ..records import KIND_NAMES
+from ..stagefiles import files_record
+from ..steps import Steps, continue_steps
+from ..txlog import (
+    BLOCK_SIZE,
+    LogWriter,
+    ReadReport,
+    read_frames,
+    read_head,
+    read_payloads,
+    record_kind,
+)
+from .console import console_and_stats
+from .options import MergeOptions
+from .outcome import Outcome, damage_warnings, is_record, not_a_record
+from .runrecord import exit_code, exit_record, rewrite_run
+
+_PASSTHROUGH_READ = 128 * BLOCK_SIZE
+# records a pass-through does not copy as they are (a history record only when restarts
+# continue each other's steps)
+_RUN, _HEADER, _EXIT, _FILES = (records.code(k) for k in ("run", "header", "exit", "files"))
+_UNKNOWN = 0  # the kind code of a record of no known kind (checked before it is copied)
+_SPECIAL = [_RUN, _HEADER, _EXIT, _FILES, _UNKNOWN]
+_SPECIAL_SEVERAL = [*_SPECIAL, records.code("history")]
+_HEAD_BLOCKS = 64  # how far a log's head may reach: its run record and the records beside it
+
+
+def write_passthrough(
+    target: Target, writer: LogWriter, options: MergeOptions, refused: set[tuple[Path, str]]
+) -> Outcome:
+    """A rank's records as they are (restarts concatenated), the run record rewritten and
+    `files` records without the paths that would lead the uploader out of the run's files
+    (`stagefiles.files_record`): one clean log by copying its blocks (`write_spliced`),
+    anything else record by record."""
+    if len(target.sources) == 1 and not target.extra_system_sources:
+        spliced = write_spliced(target.sources[0], target, writer, options, refused)
+        if spliced is not None:
+            return spliced
+    outcome = Outcome()
+    warnings = outcome.warnings
+    exit_payload = None
+    steps = Steps()
+    several = len(target.sources) > 1
+    for index, source in enumerate(target.sources):
+        report = ReadReport()
+        steps.restart()
+        exit_payload = None
+        for frames in read_frames(source.path, report, _PASSTHROUGH_READ):
+            codes = records.kinds(frames)
+            special = np.isin(codes, _SPECIAL_SEVERAL if several else _SPECIAL)
+            starts, ends = frames.starts.tolist(), frames.ends.tolist()
+            done = 0
+            for at in np.flatnonzero(special).tolist():
+                writer.write_many(frames.data, starts[done:at], ends[done:at])
+                done = at + 1
+                payload = frames.payload(at)
+                kind = KIND_NAMES[codes[at]]
+                if kind == "run":
+                    if index == 0:
+                        writer.write(rewrite_run(payload, target, options))
+                elif kind == "exit":
+                    exit_payload = payload
+                elif kind == "files":
+                    writer.write(files_record(payload, source, warnings, refused=refused))
+                elif kind is None:
+                    if is_record(payload):
+                        writer.write(payload)
+                    else:
+                        warnings.append(not_a_record(source))
+                elif kind == "history":
+                    writer.write(continue_steps(payload, steps))
+                elif index == 0:  # the header: once
+                    writer.write(payload)
+            writer.write_many(frames.data, starts[done:], ends[done:])
+        warnings += damage_warnings(source, report, exit_payload is not None, target.primary_rank)
+    for extra in target.extra_system_sources:
+        stats = console_and_stats(read_payloads(extra.path), extra, stats_only=True)
+        for record in stats:
+            writer.write(record[3])
+    outcome.exit_code = exit_code(exit_payload)
+    writer.write(exit_payload if exit_payload is not None else exit_record(outcome.exit_code))
+    return outcome
+
+
+def write_spliced(
+    source: Source,
+    target: Target,
+    writer: LogWriter,
+    options: MergeOptions,
+    refused: set[tuple[Path, str]],
+) -> Outcome | None:
+    """One clean log without re-framing it: its head (the blocks up to the end of the run
+    record) re-framed with the run record rewritten, then every later block copied as it
+    is, in the kernel. The common case of `new` and `auto`: copying costs a fraction of
+    framing every record again.
+
+    Returns None, having written nothing, for any other log: damaged or truncated, without
+    exactly one exit record, with a run or header record after the head, with a `files`
+    record that must be changed or a record of no known kind that is not valid protobuf,
+    or too short.
+    """
+    report = ReadReport()
+    counts = np.zeros(256, np.int64)
+    exit_payload = b""
+    copyable = True
+    for frames in read_frames(source.path, report, _PASSTHROUGH_READ):
+        codes = records.kinds(frames)
+        counts += np.bincount(codes, minlength=256)
+        exits = np.flatnonzero(codes == _EXIT)
+        if len(exits):
+            exit_payload = frames.payload(int(exits[-1]))
+        for index in np.flatnonzero(codes == _FILES).tolist():
+            payload = frames.payload(index)
+            copyable = copyable and files_record(payload, source, [], refused=refused) == payload
+        for index in np.flatnonzero(codes == _UNKNOWN).tolist():
+            copyable = copyable and is_record(frames.payload(index))
+    if report.damaged or counts[_EXIT] != 1 or not copyable:
+        return None
+    with open(source.path, "rb") as stream:
+        for blocks in range(1, _HEAD_BLOCKS + 1):  # the head: up to the end of the run record
+            head = read_head(stream, blocks)
+            if head is None:
+                return None
+            payloads, open_record = head
+            kinds = [record_kind(payload) for payload in payloads]
+            if "run" in kinds:
+                break
+        else:
+            return None
+        if kinds.count("run") != counts[_RUN] or kinds.count("header") != counts[_HEADER]:
+            return None  # a run or header record after the head: re-frame the whole log
+        for payload, kind in zip(payloads, kinds, strict=True):
+            writer.write(rewrite_run(payload, target, options) if kind == "run" else payload)
+        writer.end_block(open_record)
+        copied = report.records - len(payloads)  # (the bytes read, should the log grow)
+        writer.copy_blocks(stream, blocks * BLOCK_SIZE, report.bytes_read, copied)
+    return Outcome(exit_code=exit_code(exit_payload))

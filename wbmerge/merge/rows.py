@@ -1,0 +1,168 @@
+"""Merged history rows: the rows of every rank at one step become one record, and every
+rank's final summary one summary record."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from operator import itemgetter
+
+import numpy as np
+
+from .. import wire
+from ..spread import spread
+from ..txlog import LogWriter
+from .labels import RankKeys, Row
+
+STEP_KEY = wire.key_part(["_step"])
+
+
+@dataclass
+class Rows:
+    """History rows on their way to merged rows, as columns: row i is of rank `ranks[i]` at
+    `steps[i]`, its `Row` the i-th of the other columns."""
+
+    steps: np.ndarray  # int64
+    ranks: np.ndarray  # int64
+    labelled: list[bytes]
+    names: list[tuple[str, ...]]
+    reserved: list[bytes]
+    numbers: list
+
+    @classmethod
+    def empty(cls) -> Rows:
+        return cls(np.empty(0, np.int64), np.empty(0, np.int64), [], [], [], [])
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def row(self, index: int) -> Row:
+        return self.labelled[index], self.names[index], self.reserved[index], self.numbers[index]
+
+    def take(self, which: slice | np.ndarray) -> Rows:
+        if isinstance(which, slice):
+            pick = itemgetter(which)
+        else:
+            indices = which.tolist()
+            pick = lambda column: [column[i] for i in indices]  # noqa: E731
+        return Rows(
+            self.steps[which],
+            self.ranks[which],
+            pick(self.labelled),
+            pick(self.names),
+            pick(self.reserved),
+            pick(self.numbers),
+        )
+
+    @staticmethod
+    def concat(parts: list[Rows]) -> Rows:
+        parts = [part for part in parts if len(part)]
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return Rows.empty()
+        return Rows(
+            np.concatenate([part.steps for part in parts]),
+            np.concatenate([part.ranks for part in parts]),
+            [x for part in parts for x in part.labelled],
+            [x for part in parts for x in part.names],
+            [x for part in parts for x in part.reserved],
+            [x for part in parts for x in part.numbers],
+        )
+
+    def sorted(self) -> Rows:
+        """By step, then rank."""
+        steps, ranks = self.steps, self.ranks
+        if len(steps) < 2:
+            return self
+        ordered = (steps[1:] > steps[:-1]) | ((steps[1:] == steps[:-1]) & (ranks[1:] > ranks[:-1]))
+        return self if ordered.all() else self.take(np.lexsort((ranks, steps)))
+
+
+def merged_row(step: int, rows: list[tuple[int, Row]], primary: int, skew: bool) -> bytes:
+    """One history record of the rows of every rank at `step`; W&B's own keys (`_runtime`,
+    `_timestamp`) are the primary's, or of the lowest rank when the primary has no row."""
+    if rows[0][0] != primary:  # (rows come in rank order)
+        rows.sort(key=lambda r: (r[0] != primary, r[0]))
+    parts = [row[0] for _, row in rows]
+    parts.append(wire.item_field(STEP_KEY, wire.value_part(str(step))))
+    _, (_, names, blob, _) = rows[0]
+    parts.append(blob)
+    if len(rows) > 1:
+        have = set(names)
+        for _, (_, more, blob, _) in rows[1:]:
+            if not have.issuperset(more):  # a reserved key the first row lacks: the next's
+                for name, field in zip(more, wire.region_items(blob), strict=True):
+                    if name not in have:
+                        have.add(name)
+                        parts.append(wire.item_field(*wire.split_item(field)))
+    if skew:
+        by_key: dict[str, list[float]] = {}
+        for _, (_, _, _, numbers) in rows:
+            for key, number in numbers.items():
+                by_key.setdefault(key, []).append(number)
+        for key, numbers in by_key.items():
+            value = spread(numbers)
+            if value is not None:
+                parts.append(
+                    wire.item_field(
+                        wire.key_part([f"wbmerge/spread/{key}"]),
+                        wire.value_part(json.dumps(value)),
+                    )
+                )
+    return wire.history_record(parts, step)
+
+
+def write_merged(rows: Rows, writer: LogWriter, primary: int, skew: bool) -> int:
+    """One merged history record per step of `rows` (sorted by step, then rank), joined
+    into one buffer and written at once; returns how many were written."""
+    count = len(rows)
+    if not count:
+        return 0
+    steps = rows.steps
+    firsts = np.flatnonzero(np.concatenate([[True], steps[1:] != steps[:-1]]))
+    labelled, names, reserved = rows.labelled, rows.names, rows.reserved
+    one_names = len({id(n) for n in names}) == 1  # (names are interned)
+    pieces: list[bytes] = []
+    ends: list[int] = []
+    end = 0
+    for a, b, step, first_rank in zip(
+        firsts.tolist(),
+        [*firsts[1:].tolist(), count],
+        steps[firsts].tolist(),
+        rows.ranks[firsts].tolist(),
+        strict=True,
+    ):
+        if (
+            skew
+            or first_rank != primary
+            or (not one_names and any(n != names[a] for n in names[a + 1 : b]))
+        ):
+            ranks = rows.ranks[a:b].tolist()
+            group = [(rank, rows.row(i)) for i, rank in zip(range(a, b), ranks, strict=True)]
+            record = merged_row(step, group, primary, skew)
+            pieces.append(record)
+            end += len(record)
+        else:  # the common case: the primary's row first, every row with the same own keys
+            parts = labelled[a:b]
+            parts.append(wire.item_field(STEP_KEY, wire.value_part(str(step))))
+            parts.append(reserved[a])
+            record_pieces, length = wire.history_pieces(parts, step)
+            pieces.extend(record_pieces)
+            end += length
+        ends.append(end)
+    writer.write_many(b"".join(pieces), [0, *ends[:-1]], ends)
+    return len(ends)
+
+
+def final_summary(summaries: dict[int, tuple[RankKeys, dict[bytes, bytes]]], primary: int) -> bytes:
+    """Every rank's final values under its labelled keys; W&B's own keys are the primary's.
+    `summaries`: rank -> (its keys, its folded summary)."""
+    parts = []
+    for rank, (keys, summary) in sorted(summaries.items()):
+        reserved = {out for out, name, _ in keys.known.values() if name is not None}
+        for out, value in summary.items():
+            if out in reserved and rank != primary:
+                continue
+            parts.append(wire.item_field(out, value))
+    return wire.summary_record(b"".join(parts))

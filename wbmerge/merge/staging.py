@@ -1,0 +1,77 @@
+"""The entry point of a merge: one planned target written as a new offline run directory
+that `wandb sync` accepts, created exclusively and removed again on any failure."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import safepaths
+from ..errors import WbmergeError
+from ..plan import Target
+from ..stagefiles import stage_files
+from ..streaming import streaming
+from ..txlog import LogWriter
+from .options import MergeOptions
+from .passthrough import write_passthrough
+from .shared import write_shared
+
+
+@dataclass
+class Staged:
+    """One merged offline run, ready for `wandb sync`."""
+
+    target: Target
+    run_dir: Path
+    history_rows: int = 0  # shared targets: merged rows written
+    source_rows: int = 0  # shared targets: source rows read
+    records: int = 0
+    exit_code: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def log_path(self) -> Path:
+        return self.run_dir / f"run-{self.target.id}.wandb"
+
+
+def stage(target: Target, out_dir: Path, options: MergeOptions) -> Staged:
+    """Write `target` under `out_dir` as `offline-run-<time>-<id>/`; returns what was written.
+
+    The run directory is created exclusively: one that exists already is an error naming
+    it, never replaced (it may be a source, or another merge's output). On any failure the
+    directory this call created is removed again, and nothing else.
+    """
+    start = target.sources[0].start_time
+    stamp = time.strftime("%Y%m%d_%H%M%S", time.gmtime(start or time.time()))
+    name = f"offline-run-{stamp}-{safepaths.check_component(target.id, 'run id')}"
+    run_dir = out_dir / name
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir()
+    except FileExistsError:
+        raise WbmergeError(
+            f"{run_dir} exists already; merged runs are never written over an existing "
+            "directory (choose an empty --out, or remove it)"
+        ) from None
+    except OSError as exc:
+        raise WbmergeError(f"{run_dir}: cannot create ({exc.strerror or exc})") from None
+    try:
+        (run_dir / "files").mkdir()
+        staged = Staged(target, run_dir)
+        file_map, refused = stage_files(target, run_dir / "files", staged.warnings)
+        with streaming(), open(staged.log_path, "xb") as stream, LogWriter(stream) as writer:
+            if target.kind == "shared":
+                outcome = write_shared(target, writer, options, file_map, out_dir)
+            else:
+                outcome = write_passthrough(target, writer, options, refused)
+            staged.records = writer.records
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    staged.history_rows = outcome.history_rows
+    staged.source_rows = outcome.source_rows
+    staged.exit_code = outcome.exit_code
+    staged.warnings += outcome.warnings
+    return staged

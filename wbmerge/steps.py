@@ -1,0 +1,61 @@
+"""The step rule shared by the merge, `export` and `report`: which keys are W&B's own, and
+how elastic restarts continue each other's steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .proto import pb
+
+# W&B's own keys: never labelled; in a merged row and summary they are the primary's
+RESERVED = ("_step", "_runtime", "_timestamp", "_wandb")
+
+
+class Steps:
+    """Elastic restarts continue the steps: a restart that repeats steps is moved after them.
+
+    Call `restart()` before each restart's records and `place(step)` for each of its rows
+    (or `place_rows` for a read's rows at once, which also drops a row at or before the
+    last one: never two rows at one step).
+    """
+
+    def __init__(self) -> None:
+        self.last = -1
+        self._shift: int | None = None
+
+    def restart(self) -> None:
+        self._shift = None
+
+    def place(self, step: int) -> int:
+        if self._shift is None:
+            self._shift = max(0, self.last + 1 - step)
+        step += self._shift
+        self.last = max(self.last, step)
+        return step
+
+    def place_rows(self, steps: np.ndarray) -> np.ndarray:
+        """`place` of each step in turn: the placed steps, -1 where a row is dropped (placed
+        at or before the last row placed)."""
+        if not len(steps):
+            return steps
+        if self._shift is None:
+            self._shift = max(0, self.last + 1 - int(steps[0]))
+        placed = steps + self._shift
+        before = np.maximum.accumulate(np.concatenate([[self.last], placed[:-1]]))
+        self.last = max(self.last, int(placed.max()))
+        return np.where(placed > before, placed, -1)
+
+
+def continue_steps(payload: bytes, steps: Steps) -> bytes:
+    """A pass-through history record, re-stepped when its restart repeated earlier steps."""
+    record = pb.Record.FromString(payload)
+    step = record.history.step.num
+    placed = steps.place(step)
+    if placed == step:
+        return payload
+    record.history.step.num = placed
+    for item in record.history.item:
+        if (list(item.nested_key) or [item.key]) == ["_step"]:
+            item.value_json = str(placed)
+    return record.SerializeToString()
