@@ -58,7 +58,7 @@ def main() -> None:
 
         def parsing():
             n = 0
-            for _ in txlog.read_records(path):
+            for _ in records.read_records(path):
                 n += 1
             return n
 

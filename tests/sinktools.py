@@ -18,7 +18,7 @@ from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge import txlog
+from wbmerge import records
 from wbmerge.sink import SinkClient, local_api_key
 
 CONSOLE_PREFIX = re.compile(r"^(ERROR )?\d{4}-\d\d-\d\dT[\d:.]+ ?")
@@ -128,7 +128,7 @@ def expected_from_log(path: Path) -> Expected:
     summary: dict = {}
     run_id = group = job_type = ""
     exit_code = None
-    for record in txlog.read_records(path):
+    for record in records.read_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run_id, group, job_type = (

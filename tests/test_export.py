@@ -16,7 +16,7 @@ from wbmerge.cli import main
 from wbmerge.columns import per_value
 from wbmerge.discover import discover
 from wbmerge.export import export
-from wbmerge.txlog import read_records
+from wbmerge.records import read_records
 
 from .conftest import JOBS, job_dir
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from wbmerge.proto import pb
-from wbmerge.txlog import read_records
+from wbmerge.records import read_records
 
 from .hostile import copy_job, insert_after_run_record, run_cli, run_logs, tree_digest
 

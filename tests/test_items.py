@@ -12,7 +12,8 @@ from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge import items, wire
 from wbmerge.merge.labels import RankKeys, label_row, label_rows
-from wbmerge.txlog import read_payloads, record_kind
+from wbmerge.records import record_kind
+from wbmerge.txlog import read_payloads
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "data"
 

@@ -39,7 +39,7 @@ def check_frames(frames: txlog.Frames) -> int:
     one-record functions give them; returns how many history records were checked."""
     payloads = list(frames.payloads())
     codes = records.kinds(frames)
-    assert [records.KIND_NAMES[c] for c in codes] == [txlog.record_kind(p) for p in payloads]
+    assert [records.KIND_NAMES[c] for c in codes] == [records.record_kind(p) for p in payloads]
     history = np.flatnonzero(codes == records.code("history"))
     rows = records.history_rows(frames, history)
     for row, index in enumerate(history.tolist()):

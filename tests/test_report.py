@@ -110,7 +110,7 @@ def test_report_and_skew_metrics_share_one_spread_with_the_true_median(tmp_path)
     """Four ranks (an even count: the median is the mean of the two middle values), the
     spread recomputed here with `statistics.median` from the source values; `report`'s
     per-step spreads and the merged run's `wbmerge/spread/{key}` must both equal it."""
-    from wbmerge.txlog import read_records
+    from wbmerge.records import read_records
 
     key = "train/loss"
     source = by_rank("one_node_4", key)

@@ -12,8 +12,9 @@ from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.merge import shared
 from wbmerge.pipeline import MergeRequest, merge_jobs
+from wbmerge.records import read_records
 from wbmerge.topology import METADATA_KEY, RankInfo
-from wbmerge.txlog import LogWriter, read_records
+from wbmerge.txlog import LogWriter
 
 # rank -> (steps, first step, metrics, steps after whose row a metric is defined)
 RANKS = {0: (1500, 0, 12, (3, 700)), 1: (900, 40, 4, (41, 899)), 2: (1700, 0, 25, ())}
@@ -31,7 +32,7 @@ def write_rank(root: Path, rank: int) -> dict[int, dict[str, str]]:
         record.run.run_id, record.run.project = f"bat{rank}", "batches"
         item = record.run.config.update.add()
         item.key, item.value_json = METADATA_KEY, json.dumps(info.to_metadata())
-        writer.write_record(record)
+        writer.write(record.SerializeToString())
         for step in range(first, first + steps):
             values = {f"m{m}": repr((rank + 1) * step + m / 7) for m in range(metrics)}
             rows[step] = values
@@ -40,14 +41,14 @@ def write_rank(root: Path, rank: int) -> dict[int, dict[str, str]]:
                 item = record.history.item.add()
                 item.key, item.value_json = key, value
             record.history.step.num = step
-            writer.write_record(record)
+            writer.write(record.SerializeToString())
             if step in defines:
                 record = pb.Record()
                 record.metric.name = f"defined_after_{step}"
-                writer.write_record(record)
+                writer.write(record.SerializeToString())
         record = pb.Record()
         record.exit.exit_code = 0
-        writer.write_record(record)
+        writer.write(record.SerializeToString())
     return rows
 
 

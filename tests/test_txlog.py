@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge import txlog
+from wbmerge import records, txlog
 from wbmerge.errors import NotATransactionLog
 
 from .conftest import FIXTURES, fixture_logs
@@ -65,7 +65,7 @@ def test_fixture_records_parse_and_kind_agrees_with_protobuf():
     for path in LOGS:
         for payload in txlog.read_payloads(path):
             record = pb.Record.FromString(payload)
-            assert txlog.record_kind(payload) == record.WhichOneof("record_type")
+            assert records.record_kind(payload) == record.WhichOneof("record_type")
             seen_spanning |= len(payload) > txlog.BLOCK_SIZE - 7
     # the killed rank's first blocks end inside a record: spanning happens in real files
     killed = [p for p in LOGS if "killed_rank" in p.parts]
@@ -251,21 +251,28 @@ def test_frames_give_each_record_once_in_order_also_across_blocks():
     assert [p for f in frames for p in f.payloads()] == payloads
 
 
-def test_the_walk_reads_intact_blocks_and_leaves_damage_to_the_loop(monkeypatch):
-    walk = txlog._walk_blocks
-    outcomes: list[bool] = []
-    monkeypatch.setattr(
-        txlog, "_walk_blocks", lambda *args: outcomes.append(walk(*args) is not None) or walk(*args)
-    )
+def test_the_block_walk_reads_intact_heads_and_refuses_damaged_ones():
+    """`read_head` is the block walk alone (the fast path of every read): on intact blocks it
+    gives exactly the records the writer put there, on a damaged block it gives up (None),
+    leaving the damage to the chunk-by-chunk loop that accounts for it."""
     payloads = [bytes([i % 251]) * (300 + i * 37 % 2000) for i in range(3000)]
     data = bytearray(write_all(payloads))
-    read_all(bytes(data))
-    # an intact log: every read's whole blocks walked (the last read has none left)
-    assert len(outcomes) > 2 and all(outcomes[:-1])
-    outcomes.clear()
-    data[5 * txlog.BLOCK_SIZE + 100] ^= 0xFF  # a damaged block in the first read
-    got, report = read_all(bytes(data))
-    assert outcomes[0] is False and any(outcomes[1:])
+    ends = [len(write_all(payloads[: k + 1])) for k in range(len(payloads))]
+    for blocks in (1, 2, 5, 9):
+        head = txlog.read_head(io.BytesIO(bytes(data)), blocks)
+        assert head is not None
+        whole = sum(1 for end in ends if end <= blocks * txlog.BLOCK_SIZE)
+        assert head[0] == payloads[:whole]
+        # The next record starts in these blocks unless fewer than a chunk header's 7 bytes
+        # were left after the last whole one (then the writer pads to the block's end).
+        left = blocks * txlog.BLOCK_SIZE - (ends[whole - 1] if whole else 7)
+        spans_on = whole < len(payloads) and left >= txlog.CHUNK_HEADER_SIZE
+        assert (head[1] is not None) == spans_on
+        assert head[1] is None or payloads[whole].startswith(head[1])
+    data[5 * txlog.BLOCK_SIZE + 100] ^= 0xFF  # damage in block 5
+    assert txlog.read_head(io.BytesIO(bytes(data)), 5) is not None
+    assert txlog.read_head(io.BytesIO(bytes(data)), 6) is None
+    got, report = read_all(bytes(data))  # the loop reads past it, counting what it lost
     assert report.dropped_records > 0 and len(got) == len(payloads) - report.dropped_records
 
 

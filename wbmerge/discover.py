@@ -27,16 +27,9 @@ from .errors import InputWarning, NotATransactionLog, WbmergeError
 from .jobs import Hints, RunFacts
 from .plan import Source, run_id_from_file
 from .proto import pb
+from .records import record_kind
 from .topology import METADATA_KEY, RankInfo
-from .txlog import (
-    BLOCK_SIZE,
-    FILE_HEADER,
-    Frames,
-    ReadReport,
-    read_frames,
-    read_tail,
-    record_kind,
-)
+from .txlog import BLOCK_SIZE, FILE_HEADER, Frames, ReadReport, read_frames, read_tail
 
 _STATS_LABEL = re.compile(r"/l:(.+)$")
 _OUTPUT_LABEL = re.compile(r"^output_(.+)\.log$")

@@ -6,20 +6,32 @@ bytes wandb writes (`num` first, then the one record field; a history record's s
 last, which counts as one only when the items before it end exactly where it starts: a
 record without a step field, as wandb 0.16 writes them, may end in a value whose last bytes
 look like one). A record in any other shape is handled by the exact one-record functions
-(`txlog.record_kind`, `wire.history_region`), so the result is always what protobuf says.
+(`record_kind`, `wire.history_region`), so the result is always what protobuf says.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from google.protobuf.message import DecodeError
 
 from . import wire
 from .proto import pb
-from .txlog import RECORD_KINDS, Frames, read_payloads, record_kind
+from .txlog import Frames, ReadReport, iter_payloads, read_payloads
+from .wire import skip_field, varint
+
+# Field number of each member of Record's `record_type` oneof, and back.
+RECORD_KINDS: dict[int, str] = {
+    f.number: f.name for f in pb.Record.DESCRIPTOR.oneofs_by_name["record_type"].fields
+}
+# one-byte tags (fields 1-15, length-delimited) of the record kinds, for the common case
+_KIND_BY_TAG_BYTE: list[str | None] = [
+    RECORD_KINDS.get(byte >> 3) if byte & 7 == 2 else None for byte in range(128)
+]
 
 KIND_NAMES: list[str | None] = [None, *sorted(set(RECORD_KINDS.values()))]
 _CODE = {name: code for code, name in enumerate(KIND_NAMES)}
@@ -28,6 +40,47 @@ _CODE_BY_TAG = np.zeros(256, np.uint8)
 for _tag in range(0x80):  # a byte with the top bit set is not a whole tag
     if _tag & 7 == 2 and _tag >> 3 in RECORD_KINDS:
         _CODE_BY_TAG[_tag] = _CODE[RECORD_KINDS[_tag >> 3]]
+
+
+def record_kind(payload: bytes) -> str | None:
+    """The `record_type` of a serialized Record, found by walking its top-level tags only.
+
+    Lets pass-through code route records without parsing them (about 10x cheaper).
+    """
+    pos, end = 0, len(payload)
+    if end > 2 and payload[0] == 0x08:  # `num` comes first in what wandb writes
+        pos = 1
+        while payload[pos] & 0x80:  # a cut varint raises IndexError: not a record
+            pos += 1
+        pos += 1
+        if pos < end and payload[pos] < 0x80:
+            kind = _KIND_BY_TAG_BYTE[payload[pos]]
+            if kind is not None:
+                return kind
+    while pos < end:
+        tag, pos = varint(payload, pos)
+        field = tag >> 3
+        if field in RECORD_KINDS:
+            return RECORD_KINDS[field]
+        try:
+            pos = skip_field(payload, pos, tag & 7)
+        except ValueError:
+            return None
+    return None
+
+
+def iter_records(stream: BinaryIO, report: ReadReport | None = None) -> Iterator[pb.Record]:
+    """Yield every readable record of `stream` as a parsed `Record`."""
+    for payload in iter_payloads(stream, report):
+        record = pb.Record()
+        record.ParseFromString(payload)
+        yield record
+
+
+def read_records(path: str | Path, report: ReadReport | None = None) -> Iterator[pb.Record]:
+    """`iter_records` over a file path."""
+    with open(path, "rb") as stream:
+        yield from iter_records(stream, report)
 
 
 def code(kind: str) -> int:

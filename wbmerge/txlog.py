@@ -1,7 +1,8 @@
 """Reading and writing W&B's `.wandb` transaction log, byte for byte as wandb-core frames it.
 
 The file is a 7-byte header followed by LevelDB-style 32 KiB blocks of chunks
-(`crc32 | length | type | payload`), each payload a serialized `Record` protobuf.
+(`crc32 | length | type | payload`), each payload a serialized `Record` protobuf. This module is the framing only: it
+never looks inside a payload (`records` says what a payload is).
 The reader is a pure streaming function of bytes: it never holds more than one read
 buffer, verifies every chunk's CRC, and tolerates the damage real runs show (a rank
 killed mid-write, a corrupt block), reporting what it could not read in a `ReadReport`.
@@ -19,8 +20,6 @@ from typing import BinaryIO
 import numpy as np
 
 from .errors import NotATransactionLog
-from .proto import pb
-from .wire import skip_field, varint
 
 FILE_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
 BLOCK_SIZE = 32 * 1024
@@ -40,15 +39,6 @@ _TYPE_CRC = [crc32(bytes([t])) for t in range(5)]
 _TYPE_AT = CHUNK_HEADER_SIZE - 1  # where a chunk's type byte is in it
 _EMPTY_MIDDLE = _CHUNK_HEADER.pack(_TYPE_CRC[MIDDLE], 0, MIDDLE)
 _READ_SIZE = 32 * BLOCK_SIZE  # 1 MiB per read call by default; always whole blocks
-
-# Field number of each member of Record's `record_type` oneof, and back.
-RECORD_KINDS: dict[int, str] = {
-    f.number: f.name for f in pb.Record.DESCRIPTOR.oneofs_by_name["record_type"].fields
-}
-# one-byte tags (fields 1-15, length-delimited) of the record kinds, for the common case
-_KIND_BY_TAG_BYTE: list[str | None] = [
-    RECORD_KINDS.get(byte >> 3) if byte & 7 == 2 else None for byte in range(128)
-]
 
 
 @dataclass
@@ -386,41 +376,6 @@ def _count_chunks_after(block: bytes, pos: int, limit: int) -> int:
     return count
 
 
-def iter_records(stream: BinaryIO, report: ReadReport | None = None) -> Iterator[pb.Record]:
-    """Yield every readable record of `stream` as a parsed `Record`."""
-    for payload in iter_payloads(stream, report):
-        record = pb.Record()
-        record.ParseFromString(payload)
-        yield record
-
-
-def record_kind(payload: bytes) -> str | None:
-    """The `record_type` of a serialized Record, found by walking its top-level tags only.
-
-    Lets pass-through code route records without parsing them (about 10x cheaper).
-    """
-    pos, end = 0, len(payload)
-    if end > 2 and payload[0] == 0x08:  # `num` comes first in what wandb writes
-        pos = 1
-        while payload[pos] & 0x80:
-            pos += 1
-        pos += 1
-        if pos < end and payload[pos] < 0x80:
-            kind = _KIND_BY_TAG_BYTE[payload[pos]]
-            if kind is not None:
-                return kind
-    while pos < end:
-        tag, pos = varint(payload, pos)
-        field = tag >> 3
-        if field in RECORD_KINDS:
-            return RECORD_KINDS[field]
-        try:
-            pos = skip_field(payload, pos, tag & 7)
-        except ValueError:
-            return None
-    return None
-
-
 class LogWriter:
     """Writes records framed exactly as wandb-core does, buffering whole blocks."""
 
@@ -521,9 +476,6 @@ class LogWriter:
         self._block_offset = (end - start) % BLOCK_SIZE
         self.records += records
 
-    def write_record(self, record: pb.Record) -> None:
-        self.write(record.SerializeToString())
-
     def flush(self) -> None:
         if self._buffer:
             self._stream.write(self._buffer)
@@ -574,12 +526,6 @@ def read_payloads(path: str | Path, report: ReadReport | None = None) -> Iterato
     """`iter_payloads` over a file path, closing the file when the iteration ends."""
     with open(path, "rb") as stream:
         yield from iter_payloads(stream, report)
-
-
-def read_records(path: str | Path, report: ReadReport | None = None) -> Iterator[pb.Record]:
-    """`iter_records` over a file path."""
-    with open(path, "rb") as stream:
-        yield from iter_records(stream, report)
 
 
 def write_payloads(path: str | Path, payloads: Iterable[bytes]) -> int:

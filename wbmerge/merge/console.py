@@ -16,7 +16,8 @@ from typing import BinaryIO
 
 from ..plan import Source
 from ..proto import pb
-from ..txlog import LogWriter, record_kind
+from ..records import record_kind
+from ..txlog import LogWriter
 
 # the record kinds pass 2 writes
 PASS_TWO = ("output_raw", "output", "stats")

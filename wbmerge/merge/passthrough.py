@@ -10,18 +10,10 @@ import numpy as np
 
 from .. import records
 from ..plan import Source, Target
-from ..records import KIND_NAMES
+from ..records import KIND_NAMES, record_kind
 from ..stagefiles import files_record
 from ..steps import Steps, continue_steps
-from ..txlog import (
-    BLOCK_SIZE,
-    LogWriter,
-    ReadReport,
-    read_frames,
-    read_head,
-    read_payloads,
-    record_kind,
-)
+from ..txlog import BLOCK_SIZE, LogWriter, ReadReport, read_frames, read_head, read_payloads
 from .console import console_and_stats
 from .options import MergeOptions
 from .outcome import Outcome, damage_warnings, is_record, not_a_record

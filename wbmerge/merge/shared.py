@@ -22,10 +22,10 @@ import numpy as np
 from .. import items, records
 from ..plan import Source, Target
 from ..proto import pb
-from ..records import KIND_NAMES
+from ..records import KIND_NAMES, record_kind
 from ..stagefiles import files_record
 from ..steps import Steps
-from ..txlog import BLOCK_SIZE, LogWriter, ReadReport, read_frames, read_payloads, record_kind
+from ..txlog import BLOCK_SIZE, LogWriter, ReadReport, read_frames, read_payloads
 from .console import PASS_TWO, Spools, SpoolWriter, write_console_and_stats
 from .labels import RankKeys, fold_summaries, label_rows
 from .options import MergeOptions

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..proto import pb
-from ..txlog import read_payloads, record_kind, write_payloads
+from ..records import record_kind
+from ..txlog import read_payloads, write_payloads
 from .server import Held
 
 _CURSOR_MOVES = ("\x1b[A", "\x1b[1A", "\x1b[2K")  # consoles wandb's emulator may fold
