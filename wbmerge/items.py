@@ -127,7 +127,7 @@ class Items:
     def key_codes(self) -> tuple[np.ndarray, list[bytes]]:
         """(each item's index into the distinct key parts, the distinct key parts)."""
         if self._codes is None:
-            self._codes = self._repeating_key_codes()
+            self._codes = self.repeating_key_codes()
         if self._codes is None:
             if self._located is None:
                 keys = self._key
@@ -137,7 +137,7 @@ class Items:
             self._codes = encoded.indices.to_numpy(), encoded.dictionary.to_pylist()
         return self._codes
 
-    def _repeating_key_codes(self) -> tuple[np.ndarray, list[bytes]] | None:
+    def repeating_key_codes(self) -> tuple[np.ndarray, list[bytes]] | None:
         """`key_codes` when the keys repeat, in data order, with a period of a few regions
         (every row logging the same keys; rows and summaries taking turns): proved by each
         key being equal to the key one period before, compared in place, which is cheaper
@@ -154,7 +154,7 @@ class Items:
             if 4 * period > count:
                 break
             repeats = pc.equal(pieces.slice(2 * period), pieces.slice(0, 2 * (count - period)))
-            if not _even_places_true(repeats):
+            if not even_places_true(repeats):
                 continue
             encoded = pc.dictionary_encode(
                 pieces.slice(0, 2 * period).take(np.arange(0, 2 * period, 2))
@@ -211,7 +211,7 @@ class Items:
         return pieces.take(np.arange(0, len(pieces), 2) if pick is None else 2 * pick)
 
 
-def _even_places_true(flags: pa.BooleanArray) -> bool:
+def even_places_true(flags: pa.BooleanArray) -> bool:
     """Whether the flags (no nulls) at places 0, 2, 4, ... are all true, read off the bitmap
     (converting the flags to numpy costs several times more)."""
     if not len(flags):

@@ -215,8 +215,8 @@ def fold_summaries(
     batch: items.Items | None = None,
 ) -> None:
     """Fold the summary records `which`, in order, into the rank's `summary` (output key
-    part -> value part; the last value of a key wins). `batch`: their items, when the caller
-    split them."""
+    part -> value part, in the order the keys were first set; the last value of a key
+    wins). `batch`: their items, when the caller split them."""
     if not len(which):
         return
     if batch is None:
@@ -233,12 +233,24 @@ def fold_summaries(
         for record in which.tolist():
             _fold_summary(frames.payload(record), keys, summary)
         return
+    # As item by item: a key keeps the place where it was first set and takes its last
+    # value, also when two spellings of a key share an output key. (The dictionary may hold
+    # keys of the rows split with these records, which no summary here sets.)
+    positions = np.arange(len(index))
+    first = np.full(len(entries), len(index), np.int64)
     last = np.full(len(entries), -1, np.int64)
-    np.maximum.at(last, index, np.arange(len(index)))
-    order = np.argsort(last)  # keys that share an output key: the later one wins
-    values = batch.values(last[order]).to_pylist()
-    for entry, value in zip(order.tolist(), values, strict=True):
-        summary[entries[entry][0]] = value
+    np.minimum.at(first, index, positions)
+    np.maximum.at(last, index, positions)
+    first_of: dict[bytes, int] = {}
+    last_of: dict[bytes, int] = {}
+    for entry in np.flatnonzero(last >= 0).tolist():
+        out = entries[entry][0]
+        first_of[out] = min(first_of.get(out, len(index)), int(first[entry]))
+        last_of[out] = max(last_of.get(out, -1), int(last[entry]))
+    outs = sorted(first_of, key=first_of.__getitem__)
+    values = batch.values(np.array([last_of[out] for out in outs], np.int64)).to_pylist()
+    for out, value in zip(outs, values, strict=True):
+        summary[out] = value
 
 
 def _fold_summary(payload: bytes, keys: RankKeys, summary: dict[bytes, bytes]) -> None:
