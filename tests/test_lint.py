@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 
@@ -33,3 +34,27 @@ def test_the_framing_knows_nothing_of_records():
     source = (ROOT / "wbmerge" / "txlog.py").read_text()
     imports = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
     assert not [line for line in imports if "proto" in line or "wire" in line or "records" in line]
+
+
+def test_tests_use_public_names_only():
+    """Tests import no `_private` name of wbmerge, so the inside can be rebuilt."""
+    private = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("wbmerge"):
+                private += [f"{path.name}:{node.lineno} {alias.name}" for alias in node.names
+                            if _private(alias.name)]  # fmt: skip
+            if (
+                isinstance(node, ast.Attribute)
+                and _private(node.attr)
+                and (isinstance(node.value, ast.Name) and node.value.id in WBMERGE_MODULES)
+            ):
+                private.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
+    assert private == []
+
+
+WBMERGE_MODULES = {p.stem for p in MODULES} - {"__init__", "__main__"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")

@@ -13,8 +13,9 @@ from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.merge import MergeOptions, stage
 from wbmerge.plan import Source, Target
+from wbmerge.records import record_kind
 from wbmerge.topology import RankInfo
-from wbmerge.txlog import read_payloads, record_kind, write_payloads
+from wbmerge.txlog import read_payloads, write_payloads
 
 from . import reference_merge
 from .test_items import history_records
