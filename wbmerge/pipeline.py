@@ -28,8 +28,10 @@ from .upload import (
     Deliverer,
     Delivery,
     Ledger,
+    OwnerRecord,
     Progress,
     ServerClient,
+    UploadSlots,
     clean_stale,
     find_credentials,
     make_staging,
@@ -251,7 +253,8 @@ def sigterm_raises() -> Iterator[None]:
 
 @dataclass
 class _Session:
-    """What every job of one sync shares: the server, the ledger, staging, the options."""
+    """What every job of one sync shares: the server, the ledger, staging, the options, and
+    the upload slots (`-n` for the whole sync, however many jobs upload at once)."""
 
     credentials: Credentials
     client: ServerClient
@@ -264,7 +267,16 @@ class _Session:
     timeout: float
     progress: Callable[[Staged], None] | None
     upload_progress: Callable[[Progress], None] | None
-    on_wait: Callable[[str], None] | None
+    remove_verified: bool  # a run's staged files go once it is verified
+    slots: UploadSlots = field(init=False)
+    owner: OwnerRecord = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.slots = UploadSlots(self.parallel)
+        self.owner = OwnerRecord(self.staging)
+
+    def entity(self, job: PlannedJob) -> str | None:
+        return job.entity or self.viewer_entity
 
 
 def _sync(
@@ -296,11 +308,18 @@ def _sync(
     staging = make_staging() if own_staging else staging_dir
     ledger = Ledger(state_dir() / "ledger.sqlite3")
     session = _Session(credentials, client, viewer_entity, ledger, staging, report, parallel,
-                       force, timeout, progress, upload_progress, on_wait)  # fmt: skip
-    failures: list[str] = []
+                       force, timeout, progress, _one_at_a_time(upload_progress),
+                       own_staging and not keep_staging)  # fmt: skip
+    keys = [
+        Ledger.key(credentials.base_url, session.entity(job), job.project or "", target)
+        for job in planned
+        for target in job.targets
+    ]
     try:
-        for index, job in enumerate(planned):
-            failures += _sync_job(request, job, session, staging / f"job-{index}")
+        # Every run's lock at once (in one sorted order, so two syncs cannot deadlock): the
+        # next job is staged while the last one uploads.
+        with run_locks(state_dir() / "locks", keys, on_wait):
+            failures = _sync_jobs(request, planned, session)
     finally:
         ledger.close()
         if own_staging and not keep_staging:
@@ -310,56 +329,116 @@ def _sync(
     return report
 
 
-def _sync_job(
+def _one_at_a_time(
+    callback: Callable[[Progress], None] | None,
+) -> Callable[[Progress], None] | None:
+    """The upload progress callback, called by one upload at a time (they run in threads)."""
+    if callback is None:
+        return None
+    lock = threading.Lock()
+
+    def call(progress: Progress) -> None:
+        with lock:
+            callback(progress)
+
+    return call
+
+
+@dataclass
+class _JobUpload:
+    """One job's runs on their way: staged and handed to its deliverer as each was staged."""
+
+    job: PlannedJob
+    entity: str | None
+    url: str
+    deliverer: Deliverer | None = None  # None: nothing to send
+    todo: list[tuple[Target, Delivery]] = field(default_factory=list)
+
+
+def _sync_jobs(request: MergeRequest, planned: list[PlannedJob], session: _Session) -> list[str]:
+    """Stage and upload job after job; the failure lines. A job uploads while the next one is
+    staged, and is finished before the one after is staged: one job ahead at most."""
+    failures: list[str] = []
+    uploading: list[_JobUpload] = []
+    try:
+        for index, job in enumerate(planned):
+            uploading.append(_start_job(request, job, session, session.staging / f"job-{index}"))
+            if len(uploading) == 2:
+                failures += _finish_job(uploading[0], session)
+                uploading.pop(0)
+        while uploading:
+            failures += _finish_job(uploading[0], session)
+            uploading.pop(0)
+    except BaseException:  # Ctrl-C, SIGTERM, bad input in the next job: stop every upload
+        for upload in uploading:
+            if upload.deliverer is not None:
+                upload.deliverer.stop()
+        raise
+    return failures
+
+
+def _start_job(
     request: MergeRequest, job: PlannedJob, session: _Session, workdir: Path
-) -> list[str]:
-    """One job: lock its runs, skip the verified ones, deliver the rest; the failure lines."""
+) -> _JobUpload:
+    """Skip the job's verified runs; stage the others, each uploading as soon as it is staged."""
     assert job.project
     options = job.options(request)
     settings = {"options": options.__dict__, "system_metrics": request.system_metrics}
-    entity = job.entity or session.viewer_entity
     base_url = session.credentials.base_url
-    url = app_url(base_url)
-    keys = {t.id: Ledger.key(base_url, entity, job.project, t) for t in job.targets}
-    with run_locks(state_dir() / "locks", list(keys.values()), session.on_wait):
-        todo: list[tuple[Target, Delivery]] = []
-        for target in job.targets:
-            fingerprint = Ledger.fingerprint(target, settings)
-            entry = None if session.force else session.ledger.synced(keys[target.id], fingerprint)
-            if entry is not None:
-                known = entry["entity"] or entity
-                link = run_url(url, known, job.project, target.id) if known else ""
-                session.report.targets.append(SyncedTarget(target, "already synced", link))
-                continue
+    upload = _JobUpload(job, session.entity(job), app_url(base_url))
+    pending = []
+    for target in job.targets:
+        key = Ledger.key(base_url, upload.entity, job.project, target)
+        fingerprint = Ledger.fingerprint(target, settings)
+        entry = None if session.force else session.ledger.synced(key, fingerprint)
+        if entry is None:
+            pending.append((target, key, fingerprint))
+            continue
+        known = entry["entity"] or upload.entity
+        link = run_url(upload.url, known, job.project, target.id) if known else ""
+        session.report.targets.append(SyncedTarget(target, "already synced", link))
+    if not pending:
+        return upload
+    deliverer = Deliverer(
+        session.client, session.credentials, session.ledger, job.project, upload.entity,
+        session.parallel, workdir / "uploader", session.timeout, session.upload_progress,
+        staging=session.owner, slots=session.slots, expected=len(pending),
+        remove_verified=session.remove_verified,
+    )  # fmt: skip
+    upload.deliverer = deliverer
+    try:
+        for target, key, fingerprint in pending:
+            if deliverer.given_up:
+                break  # no progress for --timeout: the rest is not staged either
             staged = stage(target, workdir / "runs", options)
             session.report.warnings.extend(f"{target.id}: {w}" for w in staged.warnings)
             if session.progress:
                 session.progress(staged)
-            delivery = Delivery(
-                target.id, staged.run_dir, staged.log_path, keys[target.id], fingerprint
-            )
-            todo.append((target, delivery))
-        if not todo:
-            _add_links(session.report, job, url, entity)
-            return []
-        deliverer = Deliverer(
-            session.client, session.credentials, session.ledger, job.project, entity,
-            session.parallel, workdir / "uploader", session.timeout, session.upload_progress,
-            staging=session.staging,
-        )  # fmt: skip
-        try:
-            result = deliverer.deliver([d for _, d in todo])
-        finally:
-            deliverer.stop()
-    entity = entity or result.entity
-    for target, delivery in todo:
+            delivery = Delivery(target.id, staged.run_dir, staged.log_path, key, fingerprint)
+            upload.todo.append((target, delivery))
+            deliverer.submit(delivery)
+    except BaseException:
+        deliverer.stop()
+        raise
+    return upload
+
+
+def _finish_job(upload: _JobUpload, session: _Session) -> list[str]:
+    """Wait for the job's uploads; report its runs and links; the failure lines."""
+    job, url = upload.job, upload.url
+    if upload.deliverer is None:
+        _add_links(session.report, job, url, upload.entity)
+        return []
+    result = upload.deliverer.finish()
+    entity = upload.entity or result.entity
+    for target, delivery in upload.todo:
         if delivery.verified:
             link = run_url(url, entity, job.project, target.id) if entity else ""
             session.report.targets.append(SyncedTarget(target, "uploaded", link))
     _add_links(session.report, job, url, entity)
     lines = [f"run {d.run_id}: {'; '.join(d.problems)}" for d in result.failed]
     if result.timed_out:
-        complete = [d.run_id for _, d in todo if d.verified]
+        complete = [d.run_id for _, d in upload.todo if d.verified]
         lines.append(
             f"no progress for {session.timeout:.0f} s, upload stopped; complete: "
             f"{', '.join(complete) or 'none'} (rerun to send the rest)"

@@ -16,11 +16,11 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 from __future__ import annotations
 
 from .credentials import Credentials, find_credentials, wandb_executable
-from .deliver import Deliverer, Delivery, DeliveryReport, Progress
+from .deliver import Deliverer, Delivery, DeliveryReport, Progress, UploadSlots, batch_size
 from .ledger import Ledger, run_locks, state_dir
 from .remainder import Remainder, StagedContent, read_staged, remainder, shortfall
 from .server import Held, ServerClient, ServerError
-from .staging import clean_stale, make_staging
+from .staging import OwnerRecord, clean_stale, make_staging
 from .uploader import DEFAULT_TIMEOUT
 
 DEFAULT_PARALLEL = 4  # below wandb sync's own default of 5: one job may be many runs
@@ -34,11 +34,14 @@ __all__ = [
     "DeliveryReport",
     "Held",
     "Ledger",
+    "OwnerRecord",
     "Progress",
     "Remainder",
     "ServerClient",
     "ServerError",
     "StagedContent",
+    "UploadSlots",
+    "batch_size",
     "clean_stale",
     "find_credentials",
     "make_staging",

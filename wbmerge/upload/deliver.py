@@ -1,14 +1,27 @@
-"""Exactly once: send a set of staged runs so that the server ends with each of them whole.
+"""Exactly once: send staged runs so that the server ends with each of them whole, uploading
+the first runs while the rest are still being staged.
 
 For every run: ask the server what it holds, send only the remainder through `wandb sync`,
 then read back what it holds and compare with what was staged. A run is recorded in the
 ledger the moment it is verified, so an interruption keeps what completed; a run that is
 short, or whose files failed to upload, is reported and not recorded, and a rerun sends
 what is still missing.
+
+Runs are handed over one at a time (`submit`) as they are staged, and go out in batches:
+each batch is one `wandb sync` process, started as soon as runs are ready and upload slots
+are free. The slots (`-n`) are shared by every deliverer of one sync, so that two jobs
+uploading side by side still send at most `-n` runs at once. A batch is not one process per
+run because every `wandb sync` costs about a second of CPU to start (measured with wandb
+0.31: 0.9 s for one small run), which would cost more than the overlap gains; `batch_size`
+says how the runs are shared out.
 """
 
 from __future__ import annotations
 
+import math
+import shutil
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +38,56 @@ from .remainder import (
     write_remainder,
 )
 from .server import ServerClient, ServerError
+from .staging import OwnerRecord
 from .uploader import DEFAULT_TIMEOUT, Uploader
+
+PATIENCE = 0.5  # seconds a ready run waits for more, to fill the free slots with one process
+_JOIN = 60.0  # seconds to wait for an uploader thread after its process was stopped
+
+
+def batch_size(
+    ready: int, coming: int, uploading: int, free: int, parallel: int, waited: float
+) -> int:
+    """How many of the `ready` runs a new `wandb sync` takes now (0: not now).
+
+    `coming`: runs of this delivery not staged yet; `uploading`: its runs in batches that
+    have not finished them; `free`: upload slots free of `parallel` (the others may be
+    another job's); `waited`: seconds the oldest ready run has waited. A batch starts when it can fill the free slots (or has
+    waited `PATIENCE` for them to fill), and, while other uploads run, only once half the
+    slots are free, so that the processes stay few. It takes its share of the runs left,
+    `free / parallel` of them, so that the batches running side by side end together.
+    """
+    left = ready + coming
+    if not ready or not free:
+        return 0
+    if ready < min(free, left) and waited < PATIENCE:
+        return 0
+    if free < parallel and free < min(math.ceil(parallel / 2), left):
+        return 0
+    share = math.ceil((left + uploading) * free / parallel)
+    return min(ready, max(free, share))
+
+
+class UploadSlots:
+    """The runs one sync may upload at once (`-n`), shared by all of its deliverers.
+
+    Its condition is also what every deliverer waits on: a slot given back, a run ready,
+    a batch ended, all wake the deliverers to look again.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self.busy = 0
+        self.changed = threading.Condition()
+
+    @property
+    def free(self) -> int:
+        return self.limit - self.busy
+
+    def give_back(self, count: int) -> None:
+        with self.changed:
+            self.busy -= count
+            self.changed.notify_all()
 
 
 @dataclass
@@ -60,7 +122,12 @@ class DeliveryReport:
 
 
 class Deliverer:
-    """Delivers the staged runs of one project, exactly once, verified."""
+    """Delivers the staged runs of one project, exactly once, verified, while they come.
+
+    `submit` each run as it is staged (`expected` of them), then `finish()`; `stop()` ends
+    every upload at once (Ctrl-C). With `remove_verified`, a run's staged directory is
+    removed as soon as the run is verified, so staging holds only runs still to send.
+    """
 
     def __init__(
         self,
@@ -73,16 +140,33 @@ class Deliverer:
         workdir: Path,
         timeout: float = DEFAULT_TIMEOUT,
         progress: Callable[[Progress], None] | None = None,
-        staging: Path | None = None,
+        staging: OwnerRecord | None = None,
+        slots: UploadSlots | None = None,
+        expected: int = 0,
+        remove_verified: bool = False,
     ) -> None:
-        self.client, self.ledger = client, ledger
-        self.project, self.entity = project, entity
-        self.uploader = Uploader(
-            credentials, project, entity, parallel, workdir, timeout, staging=staging
-        )
+        self.client, self.ledger_path = client, ledger.path
+        self.credentials, self.project, self.entity = credentials, project, entity
+        self.workdir, self.timeout, self.owner = workdir, timeout, staging
+        self.slots = slots or UploadSlots(parallel)
+        self.expected, self.remove_verified = expected, remove_verified
         self.progress = progress or (lambda p: None)
+        self.lock = self.slots.changed  # one lock for the slots and all state below
+        self.deliveries: list[Delivery] = []
+        self._ready: list[tuple[Delivery, float]] = []  # with the time it became ready
+        self._uploading: dict[str, Delivery] = {}  # in a batch, not yet finished
+        self._uploaders: list[Uploader] = []
+        self._threads: list[threading.Thread] = []
+        self._sealed = self._stopping = self.timed_out = False
+        self._error: BaseException | None = None
+        self._done = 0
+        self._entity_seen: str | None = None
         self._rows: dict[str, int] = {}  # history rows the server holds, per run
         self._counts: dict[str, tuple[int, int, int]] = {}  # all its line counts, per run
+        self._dispatcher = threading.Thread(target=self._dispatch, daemon=True)
+        self._dispatcher.start()
+
+    # -- the producer's side ----------------------------------------------------------------
 
     def prepare(self, delivery: Delivery) -> None:
         """Cut the staged log down to what the server lacks (raises Mismatch, ServerError)."""
@@ -94,67 +178,172 @@ class Deliverer:
             write_remainder(delivery.log, cut, plan)
             cut.replace(delivery.log)
 
-    def deliver(self, deliveries: list[Delivery]) -> DeliveryReport:
-        """Send what the server lacks of each run in one `wandb sync`, verifying each run as
-        the uploader finishes it (and the rest after it exits); failed runs say why."""
-        report = DeliveryReport(self.entity)
-        todo = []
-        for delivery in deliveries:
-            try:
-                self.prepare(delivery)
-                todo.append(delivery)
-            except Mismatch as exc:
-                delivery.problems.append(
-                    f"{exc}: the server's run is not a beginning of this one and is left "
-                    "as it is (delete it on the server, or pick another --base-id)"
-                )
-        by_id = {d.run_id: d for d in todo}
-        done = [0]
+    def submit(self, delivery: Delivery) -> None:
+        """Hand over one staged run: it is prepared here and uploaded when slots allow.
 
-        def finished(run_id: str, errors: list[str] | None = None) -> None:
-            delivery = by_id.get(run_id)
-            if delivery is None or delivery.verified or delivery.problems:
+        A run the server holds other rows of is not sent (a problem of that run); after the
+        upload was given up, nothing more is sent.
+        """
+        with self.lock:
+            self.deliveries.append(delivery)
+            if self.timed_out or self._stopping:
+                delivery.problems.append("not sent: the upload was given up")
                 return
-            assert delivery.content is not None
-            found = self.uploader.errors().get(run_id, []) if errors is None else errors
-            self._verify(delivery, found)
-            done[0] += delivery.verified
-            message = (
-                f"verified {run_id}: {len(delivery.content.history_steps)} rows"
-                if delivery.verified
-                else f"incomplete {run_id}: {'; '.join(delivery.problems)}"
+        try:
+            self.prepare(delivery)
+        except Mismatch as exc:
+            delivery.problems.append(
+                f"{exc}: the server's run is not a beginning of this one and is left "
+                "as it is (delete it on the server, or pick another --base-id)"
             )
-            self.progress(Progress(done[0], len(deliveries), self._total_rows(), message))
+            return
+        with self.lock:
+            self._ready.append((delivery, time.monotonic()))
+            self.lock.notify_all()
 
-        def probe() -> bool:
-            moved = False
-            for delivery in todo:
-                if delivery.verified or delivery.problems:
-                    continue
-                try:
-                    held = self.client.held(self.entity, self.project, delivery.run_id)
-                except ServerError:
-                    continue
-                counts = (held.history_lines, held.events_lines, held.log_lines)
-                moved |= self._counts.get(delivery.run_id) not in (None, counts)
-                self._counts[delivery.run_id] = counts
-                self._rows[delivery.run_id] = held.history_lines
-            self.progress(Progress(done[0], len(deliveries), self._total_rows()))
-            return moved
+    @property
+    def given_up(self) -> bool:
+        """True once an upload made no progress for `timeout` (or `stop()` was called)."""
+        return self.timed_out or self._stopping
 
-        if todo:
-            probe_every = max(2.0, 0.25 * len(todo))  # at most ~4 queries a second
-            outcome = self.uploader.run([d.run_dir for d in todo], finished, probe, probe_every)
-            report.timed_out = outcome.timed_out
-            report.entity = self.entity or outcome.entity
-            for delivery in todo:  # the runs the uploader did not say it finished
-                if outcome.timed_out and not (delivery.verified or delivery.problems):
-                    delivery.problems.append("not complete when the upload was given up")
-                finished(delivery.run_id, outcome.errors.get(delivery.run_id, []))
-        report.failed = [d for d in deliveries if not d.verified]
+    def finish(self) -> DeliveryReport:
+        """Wait until every submitted run is uploaded and verified (or failed)."""
+        with self.lock:
+            self._sealed = True
+            self.lock.notify_all()
+        self._dispatcher.join()
+        for thread in list(self._threads):
+            thread.join()
+        if self._error is not None:
+            raise self._error
+        for delivery in self.deliveries:
+            if self.timed_out and not (delivery.verified or delivery.problems):
+                delivery.problems.append("not complete when the upload was given up")
+        report = DeliveryReport(self.entity or self._entity_seen, self.timed_out)
+        report.failed = [d for d in self.deliveries if not d.verified]
         return report
 
-    def _verify(self, delivery: Delivery, errors: list[str]) -> None:
+    def deliver(self, deliveries: list[Delivery]) -> DeliveryReport:
+        """Send what the server lacks of each of `deliveries`, all staged already."""
+        with self.lock:
+            self.expected = len(self.deliveries) + len(deliveries)
+        for delivery in deliveries:
+            self.submit(delivery)
+        return self.finish()
+
+    def stop(self) -> None:
+        """Stop every upload and wait for them: nothing more is verified or recorded."""
+        with self.lock:
+            self._stopping = self._sealed = True
+            uploaders = list(self._uploaders)
+            self.lock.notify_all()
+        for uploader in uploaders:
+            uploader.stop()
+        self._dispatcher.join(_JOIN)
+        for thread in list(self._threads):
+            thread.join(_JOIN)
+
+    # -- the uploads ------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        """Start batches as runs become ready and slots free; end when all have ended."""
+        with self.lock:
+            while True:
+                batch, lanes = self._next_batch()
+                if batch:
+                    self.slots.busy += lanes
+                    for delivery in batch:
+                        self._uploading[delivery.run_id] = delivery
+                    thread = threading.Thread(
+                        target=self._upload, args=(batch, lanes, len(self._threads)), daemon=True
+                    )
+                    self._threads.append(thread)
+                    thread.start()
+                    continue
+                running = any(t.is_alive() for t in self._threads)
+                if self._sealed and not running and (not self._ready or self.given_up):
+                    return
+                self.lock.wait(0.1)
+
+    def _next_batch(self) -> tuple[list[Delivery], int]:
+        """The runs to start now and the slots they take (called holding the lock)."""
+        if self.given_up or not self._ready:
+            return [], 0
+        coming = 0 if self._sealed else max(0, self.expected - len(self.deliveries))
+        waited = time.monotonic() - self._ready[0][1]
+        count = batch_size(len(self._ready), coming, len(self._uploading), self.slots.free,
+                           self.slots.limit, waited)  # fmt: skip
+        batch = [d for d, _ in self._ready[:count]]
+        del self._ready[:count]
+        return batch, min(count, self.slots.free)
+
+    def _upload(self, batch: list[Delivery], lanes: int, number: int) -> None:
+        """One `wandb sync` of `batch` with `lanes` runs at a time; verifies each as it ends."""
+        uploader = Uploader(self.credentials, self.project, self.entity, lanes,
+                            self.workdir / f"batch-{number}", self.timeout,
+                            owner=self.owner)  # fmt: skip
+        by_id = {d.run_id: d for d in batch}
+        holding = [lanes]
+        ledger: Ledger | None = None
+        try:
+            with self.lock:
+                if self._stopping:
+                    return
+                self._uploaders.append(uploader)
+            ledger = Ledger(self.ledger_path)  # a connection of this thread's own
+
+            def finished(run_id: str, errors: list[str] | None = None) -> None:
+                delivery = by_id.get(run_id)
+                with self.lock:
+                    if delivery is None or self._stopping:
+                        return
+                    if self._uploading.pop(run_id, None) is None:
+                        return  # said twice
+                if not delivery.problems:
+                    found = uploader.errors().get(run_id, []) if errors is None else errors
+                    assert ledger is not None
+                    self._verify(delivery, found, ledger)
+                    self._said(delivery)
+                with self.lock:  # its lanes beyond its runs left are free for other batches
+                    unfinished = sum(d.run_id in self._uploading for d in batch)
+                    if unfinished < holding[0]:
+                        self.slots.busy -= holding[0] - unfinished
+                        holding[0] = unfinished
+                        self.lock.notify_all()
+
+            def probe() -> bool:
+                return self._probe([d for d in batch if d.run_id in self._uploading])
+
+            probe_every = max(2.0, 0.25 * len(batch))  # at most ~4 queries a second
+            outcome = uploader.run([d.run_dir for d in batch], finished, probe, probe_every)
+            with self.lock:
+                self._entity_seen = self._entity_seen or outcome.entity
+                if outcome.timed_out and not self._stopping:
+                    self.timed_out = True
+                    others = [u for u in self._uploaders if u is not uploader]
+                else:
+                    others = []
+            for other in others:  # one upload without progress: the server is stuck
+                other.stop()
+            for delivery in batch:  # the runs the uploader did not say it finished
+                if self.timed_out and delivery.run_id in self._uploading:
+                    delivery.problems.append("not complete when the upload was given up")
+                finished(delivery.run_id, outcome.errors.get(delivery.run_id, []))
+        except BaseException as exc:  # said in finish(), in the thread that waits
+            with self.lock:
+                self._error = self._error or exc
+                self._stopping = True
+        finally:
+            with self.lock:
+                for delivery in batch:
+                    self._uploading.pop(delivery.run_id, None)
+                if uploader in self._uploaders:
+                    self._uploaders.remove(uploader)
+            if ledger is not None:
+                ledger.close()
+            self.slots.give_back(holding[0])
+
+    def _verify(self, delivery: Delivery, errors: list[str], ledger: Ledger) -> None:
         """Read back what the server holds; record the run only when nothing is missing."""
         assert delivery.content is not None
         try:
@@ -162,16 +351,47 @@ class Deliverer:
         except ServerError as exc:
             delivery.problems.append(f"could not be verified: {exc}")
             return
-        self._rows[delivery.run_id] = held.history_lines
+        with self.lock:
+            self._rows[delivery.run_id] = held.history_lines
         problems = shortfall(delivery.content, held) + list(dict.fromkeys(errors))
         if problems:
             delivery.problems.extend(problems)
             return
-        self.ledger.record(delivery.key, delivery.fingerprint, self.entity)
+        ledger.record(delivery.key, delivery.fingerprint, self.entity)
         delivery.verified = True
+        if self.remove_verified:
+            shutil.rmtree(delivery.run_dir, ignore_errors=True)
 
-    def _total_rows(self) -> int:
-        return sum(self._rows.values())
+    def _said(self, delivery: Delivery) -> None:
+        """Tell the progress callback that a run ended, verified or not."""
+        assert delivery.content is not None
+        with self.lock:
+            self._done += delivery.verified
+            done, rows = self._done, sum(self._rows.values())
+        message = (
+            f"verified {delivery.run_id}: {len(delivery.content.history_steps)} rows"
+            if delivery.verified
+            else f"incomplete {delivery.run_id}: {'; '.join(delivery.problems)}"
+        )
+        self.progress(Progress(done, self._total(), rows, message))
 
-    def stop(self) -> None:
-        self.uploader.stop()
+    def _probe(self, deliveries: list[Delivery]) -> bool:
+        """Ask the server how far `deliveries` are; True if any moved since last asked."""
+        moved = False
+        for delivery in deliveries:
+            try:
+                held = self.client.held(self.entity, self.project, delivery.run_id)
+            except ServerError:
+                continue
+            counts = (held.history_lines, held.events_lines, held.log_lines)
+            with self.lock:
+                moved |= self._counts.get(delivery.run_id) not in (None, counts)
+                self._counts[delivery.run_id] = counts
+                self._rows[delivery.run_id] = held.history_lines
+        with self.lock:
+            done, rows = self._done, sum(self._rows.values())
+        self.progress(Progress(done, self._total(), rows))
+        return moved
+
+    def _total(self) -> int:
+        return max(self.expected, len(self.deliveries))

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from pathlib import Path
 
 PREFIX = "wbmerge-staging-"
@@ -55,6 +56,25 @@ def write_owner(path: Path, uploader: list[int] | None = None) -> None:
     tmp = path / (OWNER + ".tmp")
     tmp.write_text(json.dumps(owner))
     tmp.replace(path / OWNER)
+
+
+class OwnerRecord:
+    """This process's owner record of one staging directory, naming the processes of every
+    uploader it runs there at the moment (several upload side by side)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._trees: dict[int, list[int]] = {}
+        self._lock = threading.Lock()
+
+    def uploader(self, key: int, pids: list[int]) -> None:
+        """Say which processes the uploader `key` runs now (none: it ended)."""
+        with self._lock:
+            if pids:
+                self._trees[key] = pids
+            else:
+                self._trees.pop(key, None)
+            write_owner(self.path, [pid for tree in self._trees.values() for pid in tree])
 
 
 def clean_stale(parent: Path | None = None) -> list[Path]:

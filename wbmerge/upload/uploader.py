@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .credentials import Credentials, wandb_executable
-from .staging import _start_time, write_owner
+from .staging import OwnerRecord, _start_time
 
 DEFAULT_TIMEOUT = 300.0  # seconds without progress before an upload is given up
 _FINISHED = re.compile(r"\[[^\]]*?/(?P<run>[^/\]\s]+)\] Finished syncing")
@@ -69,17 +69,18 @@ class Uploader:
         workdir: Path,
         timeout: float = DEFAULT_TIMEOUT,
         env: Mapping[str, str] | None = None,
-        staging: Path | None = None,
+        owner: OwnerRecord | None = None,
     ) -> None:
-        """`staging`: the staging directory whose owner record names the uploader's processes."""
+        """`owner`: the record of the staging directory that names the uploader's processes."""
         self.credentials = credentials
-        self.staging = staging
+        self.owner = owner
         self.project, self.entity, self.parallel = project, entity, max(1, parallel)
         self.workdir, self.timeout = workdir, timeout
         self.env = dict(os.environ if env is None else env)
         self.proc: subprocess.Popen | None = None
         self._lines: list[str] = []
         self._lock = threading.Lock()
+        self._stopped = False  # stop() came first: run() starts nothing
 
     def command(self, run_dirs: Sequence[Path]) -> list[str]:
         cmd = [wandb_executable(), "sync", "-p", self.project, "-n", str(self.parallel)]
@@ -103,17 +104,20 @@ class Uploader:
         env.pop("WANDB_RESUME", None)  # resuming would move the offsets remainder.py relies on
         for quiet in ("WANDB_SILENT", "WANDB_QUIET"):  # its output is how runs are seen ending
             env.pop(quiet, None)
-        self.proc = subprocess.Popen(
-            self.command(run_dirs),
-            cwd=self.workdir,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            start_new_session=True,
-        )
+        with self._lock:  # so that a stop() from another thread cannot miss the process
+            if self._stopped:
+                return UploadOutcome(None, "")
+            self.proc = subprocess.Popen(
+                self.command(run_dirs),
+                cwd=self.workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+                start_new_session=True,
+            )
         self._record_processes()
         reader = threading.Thread(target=self._read, daemon=True)
         reader.start()
@@ -146,6 +150,8 @@ class Uploader:
         reported = {m["entity"] for m in _VIEW_RUN.finditer(output)}
         outcome.entity = next(iter(reported)) if len(reported) == 1 else None
         outcome.errors = self.errors()
+        if self.owner is not None:
+            self.owner.uploader(id(self), [])
         return outcome
 
     def errors(self) -> dict[str, list[str]]:
@@ -162,8 +168,8 @@ class Uploader:
 
     def _record_processes(self) -> None:
         """Name the uploader's processes in the staging's owner record (see `staging`)."""
-        if self.staging is not None and self.proc is not None:
-            write_owner(self.staging, [self.proc.pid, *_descendants(self.proc.pid)])
+        if self.owner is not None and self.proc is not None:
+            self.owner.uploader(id(self), [self.proc.pid, *_descendants(self.proc.pid)])
 
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -202,8 +208,11 @@ class Uploader:
         return failures
 
     def stop(self, grace: float = 5.0) -> None:
-        """End the uploader and everything it started (wandb-core too); wait for them."""
-        proc = self.proc
+        """End the uploader and everything it started (wandb-core too); wait for them.
+        Called before `run`, it keeps `run` from starting anything."""
+        with self._lock:
+            self._stopped = True
+            proc = self.proc
         if proc is None or proc.poll() is not None:
             return
         tree = _descendants(proc.pid)
