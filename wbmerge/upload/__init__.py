@@ -16,7 +16,15 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 from __future__ import annotations
 
 from .credentials import Credentials, find_credentials, wandb_executable
-from .deliver import Deliverer, Delivery, DeliveryReport, Progress, UploadSlots, batch_size
+from .deliver import (
+    PATIENCE,
+    Deliverer,
+    Delivery,
+    DeliveryReport,
+    Progress,
+    UploadSlots,
+    batch_size,
+)
 from .ledger import Ledger, run_locks, state_dir
 from .remainder import Remainder, StagedContent, read_staged, remainder, shortfall
 from .server import Held, ServerClient, ServerError
@@ -28,6 +36,7 @@ DEFAULT_PARALLEL = 4  # below wandb sync's own default of 5: one job may be many
 __all__ = [
     "DEFAULT_PARALLEL",
     "DEFAULT_TIMEOUT",
+    "PATIENCE",
     "Credentials",
     "Deliverer",
     "Delivery",

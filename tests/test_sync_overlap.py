@@ -1,0 +1,209 @@
+"""Staging and upload overlap: runs go up while the rest are still staged, exactly once.
+
+The overlap is shown by order, not by timing: a staging progress callback that waits for
+an upload event (or an upload callback that waits for a staging event) can only see it
+when the two run side by side; run one after the other, the wait runs out and the test
+fails. What arrived is compared by value with the source `.wandb` files.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+
+import pytest
+
+from wbmerge.pipeline import MergeRequest, UploadFailed, sync
+from wbmerge.upload import PATIENCE, batch_size
+
+from .conftest import job_dir
+from .test_sync import assert_shared, sources_of
+from .test_upload_faults import assert_exactly_once, processes_in
+
+WAIT = 60  # seconds a callback waits for the other side; the overlap needs far less
+
+# -- how runs are shared out between `wandb sync` processes (pure) -------------------------
+
+
+def test_a_lone_ready_run_waits_briefly_for_more_to_fill_the_slots():
+    assert batch_size(ready=1, coming=7, uploading=0, free=8, parallel=8, waited=0.0) == 0
+    assert batch_size(ready=1, coming=7, uploading=0, free=8, parallel=8, waited=PATIENCE) == 1
+    assert batch_size(ready=8, coming=56, uploading=0, free=8, parallel=8, waited=0.0) == 8
+
+
+def test_the_last_runs_go_at_once():
+    assert batch_size(ready=3, coming=0, uploading=0, free=8, parallel=8, waited=0.0) == 3
+    assert batch_size(ready=1, coming=0, uploading=5, free=3, parallel=8, waited=0.0) == 1
+
+
+def test_no_batch_without_a_ready_run_or_a_free_slot():
+    assert batch_size(ready=0, coming=9, uploading=0, free=8, parallel=8, waited=9.0) == 0
+    assert batch_size(ready=9, coming=0, uploading=8, free=0, parallel=8, waited=9.0) == 0
+
+
+def test_while_others_upload_a_batch_waits_for_half_the_slots():
+    assert batch_size(ready=50, coming=0, uploading=60, free=3, parallel=8, waited=9.0) == 0
+    # 4 of 8 slots free: its part of the 150 runs left (50 ready, 100 in other batches) is half
+    assert batch_size(ready=50, coming=0, uploading=100, free=4, parallel=8, waited=9.0) == 50
+    assert batch_size(ready=200, coming=0, uploading=100, free=4, parallel=8, waited=9.0) == 150
+
+
+def test_a_batch_takes_at_least_its_free_slots_worth():
+    assert batch_size(ready=9, coming=0, uploading=4, free=4, parallel=8, waited=0.0) == 7
+    assert batch_size(ready=3, coming=0, uploading=4, free=4, parallel=8, waited=0.0) == 3
+
+
+# -- end to end, through `sync` -------------------------------------------------------------
+
+
+def point_at(sink, tmp_path, monkeypatch):
+    """Point wandb at `sink`; staging (and so the uploaders' cwd) under the test's own dir."""
+    for key in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("WANDB_BASE_URL", sink.url)
+    monkeypatch.setenv("WANDB_API_KEY", sink.env["WANDB_API_KEY"])
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "state"))
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    return sink
+
+
+@pytest.fixture
+def env(sink, tmp_path, monkeypatch):
+    return point_at(sink, tmp_path, monkeypatch)
+
+
+class Events:
+    """What the callbacks saw, and waits for what the other side has not done yet."""
+
+    def __init__(self) -> None:
+        self.staged: list = []
+        self.messages: list[str] = []
+        self.verified = threading.Event()
+        self.failed = threading.Event()
+        self.lock = threading.Lock()
+
+    def upload(self, progress) -> None:
+        with self.lock:
+            if progress.message:
+                self.messages.append(progress.message)
+        if progress.message.startswith("verified "):
+            self.verified.set()
+        if progress.message.startswith("incomplete "):
+            self.failed.set()
+
+
+def new_mode(project: str) -> MergeRequest:
+    return MergeRequest([job_dir("one_node_4")], run_mode="new", project=project, entity="local")
+
+
+def ranks_expected() -> dict:
+    return {rank: want for rank, (_, want, _) in sources_of("one_node_4").items()}
+
+
+def test_the_first_run_is_verified_before_the_last_is_staged(env, tmp_path):
+    events = Events()
+    seen_before_last = []
+    removed = []
+
+    def staged(result) -> None:
+        events.staged.append(result)
+        if len(events.staged) == 3:  # of 4: the 4th is staged only after this returns
+            seen_before_last.append(events.verified.wait(WAIT))
+            if not seen_before_last[0]:
+                return
+            verified = events.messages[0].split()[1].rstrip(":")
+            run_dir = next(s.run_dir for s in events.staged if s.target.id == verified)
+            removed.append(not run_dir.exists())
+
+    report = sync(new_mode("first"), parallel=4, progress=staged, upload_progress=events.upload)
+    assert seen_before_last == [True], "no run was verified until every run was staged"
+    assert removed == [True], "a verified run's staged files are removed at once"
+    assert len(events.staged) == 4
+    assert sorted(t.status for t in report.targets) == ["uploaded"] * 4
+    for rank, want in ranks_expected().items():
+        assert_exactly_once(env.client.run("local", "first", f"fx-one-node-4-rank-{rank}"), want)
+    assert not list((tmp_path / "tmp").glob("wbmerge-staging-*"))
+    assert processes_in(tmp_path / "tmp") == []
+
+
+def test_the_next_job_is_merged_while_the_last_one_uploads(env, tmp_path):
+    events = Events()
+    next_staged = threading.Event()
+    waited = []
+
+    def staged(result) -> None:
+        events.staged.append(result)
+        if len(events.staged) == 2:
+            next_staged.set()
+
+    def upload(progress) -> None:
+        events.upload(progress)
+        if progress.message.startswith("verified ") and not waited:
+            waited.append(next_staged.wait(WAIT))  # the first job's run, verified
+
+    request = MergeRequest([job_dir("one_node_4"), job_dir("cadence")], run_mode="shared",
+                           project="jobs", entity="local")  # fmt: skip
+    report = sync(request, parallel=4, progress=staged, upload_progress=upload)
+    assert waited == [True], "the second job was merged only after the first was uploaded"
+    assert sorted(t.target.id for t in report.targets) == ["fx-cadence", "fx-one-node-4"]
+    assert {t.status for t in report.targets} == {"uploaded"}
+    for name in ("one_node_4", "cadence"):
+        got = env.client.run("local", "jobs", f"fx-{name.replace('_', '-')}")
+        assert_shared(got, list(sources_of(name).values()))
+    assert not list((tmp_path / "tmp").glob("wbmerge-staging-*"))
+
+
+def test_failures_while_staging_goes_on_claim_nothing_and_leave_no_staging(
+    make_sink, tmp_path, monkeypatch
+):
+    faulty = point_at(make_sink(["storage=400"]), tmp_path, monkeypatch)  # files refused
+    events = Events()
+    seen_before_last = []
+
+    def staged(result) -> None:
+        events.staged.append(result)
+        if len(events.staged) == 3:
+            seen_before_last.append(events.failed.wait(WAIT))
+
+    with pytest.raises(UploadFailed) as failed:
+        sync(new_mode("fail"), parallel=4, progress=staged, upload_progress=events.upload,
+             timeout=30)  # fmt: skip
+    assert seen_before_last == [True], "no upload failed until every run was staged"
+    assert sorted(line.split(":")[0] for line in failed.value.lines[:-1]) == [
+        f"run fx-one-node-4-rank-{rank}" for rank in range(4)
+    ]
+    assert all("file config.yaml not uploaded" in line for line in failed.value.lines[:-1])
+    assert not list((tmp_path / "tmp").glob("wbmerge-staging-*"))
+    assert processes_in(tmp_path / "tmp") == []
+
+    faulty.client.set_faults([])
+    again = sync(new_mode("fail"), parallel=4)
+    assert sorted(t.status for t in again.targets) == ["uploaded"] * 4, "nothing was claimed"
+    for rank, want in ranks_expected().items():
+        assert_exactly_once(faulty.client.run("local", "fail", f"fx-one-node-4-rank-{rank}"), want)
+
+
+def test_ctrl_c_while_staging_goes_on_stops_the_uploads_and_keeps_the_verified(env, tmp_path):
+    events = Events()
+    first = []
+
+    def staged(result) -> None:
+        events.staged.append(result)
+        if len(events.staged) == 3:
+            assert events.verified.wait(WAIT)
+            first.append(events.messages[0].split()[1].rstrip(":"))
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        sync(new_mode("int"), parallel=4, progress=staged, upload_progress=events.upload)
+    assert not list((tmp_path / "tmp").glob("wbmerge-staging-*")), "staging removed"
+    assert processes_in(tmp_path / "tmp") == [], "every uploader and wandb-core stopped"
+
+    again = sync(new_mode("int"), parallel=4)
+    status = {t.target.id: t.status for t in again.targets}
+    assert status[first[0]] == "already synced"  # verified before Ctrl-C: recorded
+    assert status["fx-one-node-4-rank-3"] == "uploaded"  # never staged the first time
+    for rank, want in ranks_expected().items():
+        assert_exactly_once(env.client.run("local", "int", f"fx-one-node-4-rank-{rank}"), want)
