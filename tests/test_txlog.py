@@ -238,6 +238,27 @@ def test_chunks_in_any_order_read_as_the_loop_reads_them(chunks, blocks):
     assert walked == looped
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(txlog.FULL, txlog.LAST), st.integers(0, 3000), st.integers(1, 4700)),
+        max_size=12,
+    ),
+    st.sampled_from([1, 2]),
+)
+def test_runs_of_empty_chunks_read_as_the_loop_reads_them(chunks, blocks):
+    """Runs of empty chunks (`end_block` fills a block with empty MIDDLE ones after an open
+    record), after a chunk of any type or none: the walk passes a run in one step, and
+    reads exactly what the loop reads, damage included."""
+    expanded = [
+        chunk for kind, size, run in chunks for chunk in [(kind, size)] + [(txlog.MIDDLE, 0)] * run
+    ]
+    walked, looped = read_both(
+        chunked_log(expanded + [(txlog.FULL, 30_000)] * 3), blocks * txlog.BLOCK_SIZE
+    )
+    assert walked == looped
+
+
 def test_read_size_is_whole_blocks():
     with pytest.raises(ValueError, match="multiple"):
         list(txlog.iter_frames(io.BytesIO(txlog.FILE_HEADER), read_size=1000))

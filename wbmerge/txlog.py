@@ -258,8 +258,13 @@ def _walk_blocks(
             if (odd & ~padding).any():
                 return None
             keep = ~padding  # zero fill: the rest of its block is padding
-            at, limit, after = at[keep], limit[keep], after[keep]
+            at, limit, after, kinds = at[keep], limit[keep], after[keep], kinds[keep]
         found.append(at)
+        # A block filled with empty MIDDLE chunks (`end_block` with an open record) would
+        # take a step per chunk, thousands: its run of copies of this chunk is passed in one
+        # (identical bytes, so the same CRC, and a MIDDLE after a MIDDLE continues as it did).
+        for index in np.flatnonzero((kinds == MIDDLE) & (after == at + CHUNK_HEADER_SIZE)):
+            after[index] = _after_copies(data, int(at[index]), int(limit[index]))
         live = after + CHUNK_HEADER_SIZE <= limit
         at, limit = after[live], limit[live]
     if not found:
@@ -297,6 +302,14 @@ def _walk_blocks(
     record_starts = np.concatenate([record_starts, joined_starts])[order]
     record_ends = np.concatenate([record_ends, joined_ends])[order]
     return stop, list(map(bytes, pieces[done:])), records, record_starts, record_ends
+
+
+def _after_copies(data: np.ndarray, start: int, limit: int) -> int:
+    """Where the run of byte-identical copies of the empty chunk at `start` ends (by `limit`)."""
+    count = (limit - start) // CHUNK_HEADER_SIZE
+    rows = data[start : start + count * CHUNK_HEADER_SIZE].reshape(count, CHUNK_HEADER_SIZE)
+    differ = np.flatnonzero((rows != rows[0]).any(axis=1))
+    return start + CHUNK_HEADER_SIZE * (int(differ[0]) if len(differ) else count)
 
 
 def read_head(stream: BinaryIO, blocks: int) -> tuple[list[bytes], bytes | None] | None:
