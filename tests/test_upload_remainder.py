@@ -125,3 +125,47 @@ def test_read_staged_and_write_remainder_on_a_real_log(tmp_path):
     assert rest.history == want.history[12:]
     assert rest.stats == want.stats and rest.console == want.console
     assert rest.summary == want.summary and rest.exit_code == want.exit_code
+
+
+def history_record(items: list[tuple[list[str] | str, str]], step: int | None) -> bytes:
+    """A history record: items as (nested key, or a plain key, JSON value), and a step field."""
+    from wbmerge.proto import pb
+
+    record = pb.Record()
+    for key, value in items:
+        item = record.history.item.add()
+        if isinstance(key, str):
+            item.key = key
+        else:
+            item.nested_key.extend(key)
+        item.value_json = value
+    if step is not None:
+        record.history.step.num = step
+    return record.SerializeToString()
+
+
+# (items, step field) -> the step the server will show: the first `_step` item, else the field
+ODD_ROWS = [
+    ([(["loss"], "0.5"), (["_step"], "7")], 7, 7),
+    ([("_step", "8")], 99, 8),  # a plain `key`, as wandb 0.16 writes it, before the field
+    ([(["a", "_step"], "5")], 9, 9),  # `a._step` is not `_step`
+    ([(["loss"], "1")], 11, 11),
+    ([(["loss"], "1")], None, None),
+    ([(["_step"], "3.0")], None, 3),
+    ([(["_step"], '"x"')], 4, None),
+    ([("ab\x05_step", "4")], 12, 12),  # a key whose bytes end like the `_step` item's
+    ([(["_step"], "20"), (["_step"], "21")], None, 20),
+    ([(["_step"], "not json")], 6, None),
+    ([(["x"], "1")] * 300 + [(["_step"], "1234567")], 1234567, 1234567),  # long lengths
+]
+
+
+def test_read_staged_reads_each_rows_step_as_the_server_will_show_it(tmp_path):
+    from wbmerge.txlog import write_payloads
+
+    log = tmp_path / "odd.wandb"
+    payloads = [history_record(items, step) for items, step, _ in ODD_ROWS]
+    write_payloads(log, payloads * 3)  # three times: the rows span read calls and blocks
+    staged = read_staged(log)
+    assert list(staged.history_steps) == [want for _, _, want in ODD_ROWS] * 3
+    assert staged.events == 0 and staged.console_lines == 0
