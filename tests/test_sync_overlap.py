@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from wbmerge.pipeline import MergeRequest, UploadFailed, sync
-from wbmerge.upload import PATIENCE, batch_size
+from wbmerge.upload import PATIENCE, START_COST, batch_size
 
 from .conftest import job_dir
 from .test_sync import assert_shared, sources_of
@@ -42,8 +42,11 @@ def test_no_batch_without_a_ready_run_or_a_free_slot():
     assert batch_size(ready=9, coming=0, uploading=8, free=0, parallel=8, waited=9.0) == 0
 
 
-def test_while_others_upload_a_batch_waits_for_half_the_slots():
+def test_while_others_upload_a_batch_waits_for_half_the_slots_or_a_starts_worth():
     assert batch_size(ready=50, coming=0, uploading=60, free=3, parallel=8, waited=9.0) == 0
+    slow = dict(ready=50, coming=0, uploading=60, free=3, parallel=8, waited=9.0)
+    assert batch_size(**slow, idle=START_COST - 0.1) == 0
+    assert batch_size(**slow, idle=START_COST) == 42  # 3/8 of the 110 runs left
     # 4 of 8 slots free: its part of the 150 runs left (50 ready, 100 in other batches) is half
     assert batch_size(ready=50, coming=0, uploading=100, free=4, parallel=8, waited=9.0) == 50
     assert batch_size(ready=200, coming=0, uploading=100, free=4, parallel=8, waited=9.0) == 150

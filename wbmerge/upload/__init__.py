@@ -18,6 +18,7 @@ from __future__ import annotations
 from .credentials import Credentials, find_credentials, wandb_executable
 from .deliver import (
     PATIENCE,
+    START_COST,
     Deliverer,
     Delivery,
     DeliveryReport,
@@ -37,6 +38,7 @@ __all__ = [
     "DEFAULT_PARALLEL",
     "DEFAULT_TIMEOUT",
     "PATIENCE",
+    "START_COST",
     "Credentials",
     "Deliverer",
     "Delivery",

@@ -42,27 +42,37 @@ from .staging import OwnerRecord
 from .uploader import DEFAULT_TIMEOUT, Uploader
 
 PATIENCE = 0.5  # seconds a ready run waits for more, to fill the free slots with one process
+START_COST = 2.0  # seconds a `wandb sync` takes to start sending (wandb 0.31, measured)
 _JOIN = 60.0  # seconds to wait for an uploader thread after its process was stopped
 
 
 def batch_size(
-    ready: int, coming: int, uploading: int, free: int, parallel: int, waited: float
+    ready: int,
+    coming: int,
+    uploading: int,
+    free: int,
+    parallel: int,
+    waited: float,
+    idle: float = 0.0,
 ) -> int:
     """How many of the `ready` runs a new `wandb sync` takes now (0: not now).
 
     `coming`: runs of this delivery not staged yet; `uploading`: its runs in batches that
     have not finished them; `free`: upload slots free of `parallel` (the others may be
-    another job's); `waited`: seconds the oldest ready run has waited. A batch starts when it can fill the free slots (or has
-    waited `PATIENCE` for them to fill), and, while other uploads run, only once half the
-    slots are free, so that the processes stay few. It takes its share of the runs left,
-    `free / parallel` of them, so that the batches running side by side end together.
+    another job's); `waited`: seconds the oldest ready run has waited; `idle`: seconds
+    slots have been free. A batch starts when it can fill the free slots (or has waited
+    `PATIENCE` for them to fill), and, while other uploads run, once half the slots are
+    free or slots have been idle for as long as a `wandb sync` takes to start: so the
+    processes stay few, and no slot idles longer than a start would cost. It takes its
+    share of the runs left, `free / parallel` of them, so that batches side by side end
+    together.
     """
     left = ready + coming
     if not ready or not free:
         return 0
     if ready < min(free, left) and waited < PATIENCE:
         return 0
-    if free < parallel and free < min(math.ceil(parallel / 2), left):
+    if free < parallel and free < min(math.ceil(parallel / 2), left) and idle < START_COST:
         return 0
     share = math.ceil((left + uploading) * free / parallel)
     return min(ready, max(free, share))
@@ -79,15 +89,29 @@ class UploadSlots:
         self.limit = max(1, limit)
         self.busy = 0
         self.changed = threading.Condition()
+        self._free_since = time.monotonic()
 
     @property
     def free(self) -> int:
         return self.limit - self.busy
 
+    @property
+    def idle(self) -> float:
+        """Seconds since a slot last became free (0 while none is)."""
+        return time.monotonic() - self._free_since if self.busy < self.limit else 0.0
+
+    def take(self, count: int) -> None:
+        """Take `count` slots (holding `changed`)."""
+        self.busy += count
+        if self.busy >= self.limit:
+            self._free_since = time.monotonic()  # idle counts from the next slot given back
+
     def give_back(self, count: int) -> None:
-        with self.changed:
-            self.busy -= count
-            self.changed.notify_all()
+        """Give back `count` slots (holding `changed`), waking every deliverer."""
+        if count > 0 and self.busy >= self.limit:
+            self._free_since = time.monotonic()
+        self.busy -= count
+        self.changed.notify_all()
 
 
 @dataclass
@@ -251,7 +275,7 @@ class Deliverer:
             while True:
                 batch, lanes = self._next_batch()
                 if batch:
-                    self.slots.busy += lanes
+                    self.slots.take(lanes)
                     for delivery in batch:
                         self._uploading[delivery.run_id] = delivery
                     thread = threading.Thread(
@@ -272,7 +296,7 @@ class Deliverer:
         coming = 0 if self._sealed else max(0, self.expected - len(self.deliveries))
         waited = time.monotonic() - self._ready[0][1]
         count = batch_size(len(self._ready), coming, len(self._uploading), self.slots.free,
-                           self.slots.limit, waited)  # fmt: skip
+                           self.slots.limit, waited, self.slots.idle)  # fmt: skip
         batch = [d for d, _ in self._ready[:count]]
         del self._ready[:count]
         return batch, min(count, self.slots.free)
@@ -307,9 +331,8 @@ class Deliverer:
                 with self.lock:  # its lanes beyond its runs left are free for other batches
                     unfinished = sum(d.run_id in self._uploading for d in batch)
                     if unfinished < holding[0]:
-                        self.slots.busy -= holding[0] - unfinished
+                        self.slots.give_back(holding[0] - unfinished)
                         holding[0] = unfinished
-                        self.lock.notify_all()
 
             def probe() -> bool:
                 return self._probe([d for d in batch if d.run_id in self._uploading])
@@ -341,7 +364,8 @@ class Deliverer:
                     self._uploaders.remove(uploader)
             if ledger is not None:
                 ledger.close()
-            self.slots.give_back(holding[0])
+            with self.lock:
+                self.slots.give_back(holding[0])
 
     def _verify(self, delivery: Delivery, errors: list[str], ledger: Ledger) -> None:
         """Read back what the server holds; record the run only when nothing is missing."""
