@@ -220,9 +220,13 @@ def sync(
 ) -> SyncReport:
     """Merge and upload each run exactly once, verified on the server.
 
-    Fails (WbmergeError) before any work without credentials or when the server does not
-    answer; raises UploadFailed naming each run that is not whole on the server. Runs are
-    recorded in the ledger as each is verified, so an interrupted sync keeps what completed.
+    Each run is uploaded as soon as it is staged, at most `parallel` at once (see
+    `upload.deliver`); the next job is merged while the last one uploads. Fails
+    (WbmergeError) before any work without credentials or when the server does not answer;
+    raises UploadFailed naming each run that is not whole on the server. Runs are recorded
+    in the ledger as each is verified, so an interrupted sync keeps what completed.
+    `progress` is called in this thread as each run is staged, `upload_progress` from the
+    upload threads (one call at a time).
     """
     with sigterm_raises():
         return _sync(request, parallel, force, staging_dir, keep_staging, progress, planned,

@@ -271,6 +271,14 @@ class Deliverer:
 
     def _dispatch(self) -> None:
         """Start batches as runs become ready and slots free; end when all have ended."""
+        try:
+            self._start_batches()
+        except BaseException as exc:  # said in finish(), in the thread that waits
+            with self.lock:
+                self._error = self._error or exc
+                self._stopping = True
+
+    def _start_batches(self) -> None:
         with self.lock:
             while True:
                 batch, lanes = self._next_batch()
@@ -311,7 +319,7 @@ class Deliverer:
         ledger: Ledger | None = None
         try:
             with self.lock:
-                if self._stopping:
+                if self.given_up:  # stopped, or timed out, since the batch was made
                     return
                 self._uploaders.append(uploader)
             ledger = Ledger(self.ledger_path)  # a connection of this thread's own
