@@ -1,0 +1,150 @@
+"""End to end: `wbmerge sync` against plain `wandb sync -n 8` of the raw runs, into the local sink.
+
+    python bench/bench_sync_e2e.py                      # 8, 64, 256 ranks; 32k rows each job
+    python bench/bench_sync_e2e.py --rows 64000 --repeat 5
+    python bench/bench_sync_e2e.py --before /path/to/an/older/checkout   # adds its variants
+
+Three synthetic jobs of 8, 64 and 256 ranks hold the same rows in all (`--rows`, 20 metrics
+a row). Each is uploaded, every repeat, to a fresh project of one local sink by
+
+- `plain`: `wandb sync -p P -n 8 RUN_DIR...` of a fresh copy of the raw rank directories
+  (wandb 0.31's `wandb sync` takes `-n` as the runs it uploads at a time);
+- `new`: `wbmerge sync JOB --run-mode new -n 8` (one run per rank, exactly once, verified);
+- `shared`: `wbmerge sync JOB --run-mode shared -n 8` (all ranks merged into one run);
+
+and, with `--before DIR`, `new@before` and `shared@before`: the same commands run from the
+wbmerge tree in DIR (`PYTHONPATH=DIR`), to compare two versions in one invocation. The
+machine is shared and noisy, so within every repeat the variants run one after the other
+in an order that rotates from repeat to repeat, and the sink (which fills up as the
+repeats go on) is the same for all. Reported: the median seconds of each variant and its
+ratio to the median of `plain`, as a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from wbmerge import synthetic  # noqa: E402
+from wbmerge.sink.client import SinkClient, local_api_key  # noqa: E402
+
+RANKS = (8, 64, 256)
+TIMEOUT = 900  # seconds for one upload before the benchmark gives up
+
+
+def start_sink(data: Path) -> tuple[subprocess.Popen, str]:
+    port_file = data / "port"
+    data.mkdir(parents=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wbmerge.sink", "--port", "0", "--data", str(data),
+         "--port-file", str(port_file)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit("the sink did not start")
+        time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{port_file.read_text()}"
+
+
+def commands(variant: str, job: Path, project: str, work: Path, before: Path | None) -> list:
+    """The command of `variant` for `job` into `project`, and the PYTHONPATH it runs with."""
+    if variant == "plain":
+        copy = work / project
+        shutil.copytree(job, copy)  # wandb sync writes beside the runs it reads
+        wandb = str(Path(sys.executable).with_name("wandb"))
+        dirs = [str(d) for d in sorted((copy / "wandb").glob("offline-run-*"))]
+        return [[wandb, "sync", "-p", project, "-e", "local", "-n", "8", *dirs], str(ROOT)]
+    mode, _, version = variant.partition("@")
+    tree = before if version else ROOT
+    cmd = [sys.executable, "-m", "wbmerge.cli", "sync", str(job), "--run-mode", mode, "-n", "8",
+           "-p", project, "-e", "local"]  # fmt: skip
+    return [cmd, str(tree)]
+
+
+def run_once(variant: str, ranks: int, job: Path, repeat: int, env: dict, work: Path,
+             before: Path | None, client: SinkClient) -> float:  # fmt: skip
+    project = f"{variant.replace('@', '-')}-{ranks}-{repeat}"
+    cmd, pythonpath = commands(variant, job, project, work, before)
+    run_env = {**env, "PYTHONPATH": pythonpath, "WBMERGE_STATE_DIR": str(work / f"state-{project}")}
+    began = time.perf_counter()
+    # in the tree it runs from: `python -m` puts the working directory first on sys.path
+    done = subprocess.run(cmd, env=run_env, cwd=pythonpath, capture_output=True, text=True,
+                          timeout=TIMEOUT)  # fmt: skip
+    seconds = time.perf_counter() - began
+    if done.returncode != 0:
+        raise SystemExit(f"{variant} of {ranks} ranks failed:\n{done.stderr[-2000:]}")
+    runs = len(client.runs(project=project))
+    want = 1 if variant.startswith("shared") else ranks
+    if runs != want:
+        raise SystemExit(f"{variant} of {ranks} ranks: {runs} runs arrived, not {want}")
+    shutil.rmtree(work / project, ignore_errors=True)
+    return seconds
+
+
+def table(times: dict[tuple[str, int], list[float]], variants: list[str]) -> str:
+    lines = ["| ranks | " + " | ".join(f"{v} s" for v in variants) + " | "
+             + " | ".join(f"{v} / plain" for v in variants if v != "plain") + " |"]  # fmt: skip
+    lines.append("|" + " --- |" * (1 + 2 * len(variants) - 1))
+    for ranks in RANKS:
+        medians = {v: statistics.median(times[v, ranks]) for v in variants}
+        cells = [f"{medians[v]:.2f}" for v in variants]
+        cells += [f"{medians[v] / medians['plain']:.2f}" for v in variants if v != "plain"]
+        lines.append(f"| {ranks} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=32_000, help="history rows of each job")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--before", type=Path, help="another wbmerge tree to compare with")
+    args = parser.parse_args()
+    variants = ["plain", "new", "shared"]
+    if args.before:
+        variants += ["new@before", "shared@before"]
+    with tempfile.TemporaryDirectory(prefix="wbmerge-bench-e2e-") as tmp:
+        work = Path(tmp)
+        jobs = {}
+        for ranks in RANKS:
+            jobs[ranks] = work / f"job-{ranks}"
+            synthetic.write_job(jobs[ranks], max(1, ranks // 8), min(ranks, 8), args.rows // ranks,
+                                metrics=20, job_id=f"bench-{ranks}")  # fmt: skip
+            size = sum(p.stat().st_size for p in jobs[ranks].rglob("*.wandb")) / 1e6
+            print(f"{ranks} ranks x {args.rows // ranks} steps: {size:.0f} MB", flush=True)
+        sink, url = start_sink(work / "sink")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+        env.update(WANDB_BASE_URL=url, WANDB_API_KEY=local_api_key(), WANDB_SILENT="true")
+        client = SinkClient(url)
+        times: dict[tuple[str, int], list[float]] = {}
+        try:
+            for repeat in range(args.repeat):
+                for ranks in RANKS:
+                    shift = repeat % len(variants)  # each variant goes first in turn
+                    for variant in variants[shift:] + variants[:shift]:
+                        seconds = run_once(variant, ranks, jobs[ranks], repeat, env, work,
+                                           args.before, client)  # fmt: skip
+                        times.setdefault((variant, ranks), []).append(seconds)
+                        print(f"  repeat {repeat} {ranks:>3} ranks {variant:>13}: {seconds:6.2f} s",
+                              flush=True)  # fmt: skip
+        finally:
+            sink.terminate()
+            sink.wait(timeout=30)
+    print(f"\nmedian of {args.repeat}, {args.rows} rows per job, 20 metrics a row:\n")
+    print(table(times, variants))
+
+
+if __name__ == "__main__":
+    main()
