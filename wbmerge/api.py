@@ -6,6 +6,7 @@
     jobs = api.plan(["./wandb"], run_mode="shared")       # what a sync would create
     staged = api.merge(["./wandb"], "./merged", run_mode="new")  # offline runs, no upload
     result = api.sync(["./wandb"], run_mode="shared")     # upload, verified on the server
+    api.follow(["./wandb"], run_mode="shared")            # live runs while the job trains
     api.export(["./wandb"], "runs.parquet")               # every rank's values as Parquet
     reports = api.report(["./wandb"], metrics=["train/loss"])  # which rank is slow
 
@@ -39,6 +40,7 @@ __all__ = [
     "MergeRequest",
     "discover",
     "export",
+    "follow",
     "inspect",
     "merge",
     "plan",
@@ -135,6 +137,36 @@ def sync(
         upload_progress=upload_progress,
         on_wait=on_wait,
         planned=planned,
+    )
+
+
+def follow(
+    paths: Paths,
+    *,
+    interval: float = 60.0,
+    idle_timeout: float = 600.0,
+    parallel: int = 4,
+    timeout: float = 300.0,
+    on_round: Callable[[Any], None] | None = None,
+    on_wait: Callable[[str], None] | None = None,
+    on_idle: Callable[[list[str]], None] | None = None,
+    **options: Any,
+) -> Any:
+    """`sync --follow`: keep the merged runs of a job that is still training up to date,
+    a round every `interval` seconds, until every rank has finished (or nothing changed
+    for `idle_timeout` seconds; then a one-shot sync finishes the runs). Returns a
+    `follow.FollowReport`; `on_round` is called with each round's report."""
+    from .follow import follow as follow_job
+
+    return follow_job(
+        request(paths, **options),
+        interval,
+        idle_timeout,
+        parallel,
+        timeout,
+        on_round=on_round,
+        on_wait=on_wait,
+        on_idle=on_idle,
     )
 
 

@@ -348,6 +348,28 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
     help="Seconds without upload progress before the upload is given up (exit 1).",
 )
 @click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--follow",
+    is_flag=True,
+    help="Keep the runs of a job that is still training up to date, round after round, "
+    "until every rank has finished (or --idle-timeout).",
+)
+@click.option(
+    "--interval",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="--follow: seconds between rounds.",
+)
+@click.option(
+    "--idle-timeout",
+    default=600.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="--follow: end after this many seconds without a new record, with a warning "
+    "naming the ranks that never finished.",
+)
+@click.option("--quiet", "-q", is_flag=True, help="--follow: no line per round.")
 @_one_line_errors
 def sync(
     parallel: int,
@@ -356,12 +378,24 @@ def sync(
     keep_staging: str | None,
     timeout: float,
     as_json: bool,
+    follow: bool,
+    interval: float,
+    idle_timeout: float,
+    quiet: bool,
     **kw: Any,
 ) -> None:
     """Merge the offline runs under PATHS and upload each exactly once, verified."""
     from . import api
     from .upload import find_credentials
 
+    if follow:
+        for flag, given in (("--dry-run", dry_run), ("--keep-staging", keep_staging),
+                            ("--force", force)):  # fmt: skip
+            if given:
+                raise WbmergeError(f"{flag} cannot be used with --follow")
+        find_credentials()
+        _follow(parallel, timeout, interval, idle_timeout, quiet, as_json, **kw)
+        return
     if not dry_run:
         find_credentials()  # before any work: no credentials, no reading of runs
     planned = api.plan(**kw)
@@ -390,6 +424,47 @@ def sync(
     for t in report.targets:
         click.echo(f"{t.status:>14}: {t.target.id}")
     for link in report.links:
+        click.echo(f"{link['kind']}: {link['url']}")
+
+
+def _follow(
+    parallel: int,
+    timeout: float,
+    interval: float,
+    idle_timeout: float,
+    quiet: bool,
+    as_json: bool,
+    **kw: Any,
+) -> None:
+    """`sync --follow`: a line per round (unless quiet), the links at the end."""
+    from . import api
+    from .follow.lines import idle_warning, round_lines
+
+    def on_round(report: Any) -> None:
+        lines = round_lines(report)
+        for line in lines[1:]:  # failures and what is waited for: always said
+            click.echo(f"wbmerge: warning: {line}", err=True)
+        if not quiet:
+            click.echo(lines[0])
+
+    def on_idle(unfinished: list[str]) -> None:
+        click.echo(f"wbmerge: warning: {idle_warning(idle_timeout, unfinished)}", err=True)
+
+    try:
+        result = api.follow(
+            interval=interval, idle_timeout=idle_timeout, parallel=parallel, timeout=timeout,
+            on_round=on_round, on_wait=_say_waiting, on_idle=on_idle, **kw,
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        click.echo("wbmerge: interrupted; the runs keep what was sent, still running "
+                   "(`wbmerge sync` of the same paths completes them)", err=True)  # fmt: skip
+        sys.exit(130)
+    for warning in result.final_sync.warnings if result.final_sync else []:
+        click.echo(f"wbmerge: warning: {warning}", err=True)
+    if as_json:
+        click.echo(json.dumps({"rounds": result.rounds, "links": result.links}, indent=2))
+        return
+    for link in result.links:
         click.echo(f"{link['kind']}: {link['url']}")
 
 

@@ -101,7 +101,12 @@ def plan_jobs(request: MergeRequest) -> list[PlannedJob]:
     check_key_format(request.key_format)
     hints = make_hints(request.label_pattern, request.ranks_file)
     runs = discover(request.paths, hints=hints)
-    jobs = group_jobs(runs, request.job, request.allow_missing_ranks)
+    return plan_found(request, group_jobs(runs, request.job, request.allow_missing_ranks))
+
+
+def plan_found(request: MergeRequest, jobs: list[Job]) -> list[PlannedJob]:
+    """Plan the targets of jobs already found (`plan_jobs` after discovery; `follow` plans
+    the jobs of a run in progress each round)."""
     if request.base_id and len(jobs) > 1:
         names = ", ".join(j.job_id for j in jobs)
         raise WbmergeError(

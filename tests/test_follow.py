@@ -1,0 +1,175 @@
+"""`sync --follow` on runs that grow between rounds: every run_mode x rank_scope.
+
+Real runs (the fixtures, written by wandb 0.31) are copied into a live directory a slice at
+a time, cut at arbitrary bytes (mid-record), as a rank's file grows while it trains. After
+each round the sink must hold runs that are still running and whose rows are the first rows
+of what a one-shot sync of the whole runs gives; at the end, the same runs as that sync:
+rows, summary, config, console, system metrics, files, state and exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from wbmerge.discover import discover
+from wbmerge.follow import Follower, follow
+from wbmerge.follow.lines import round_lines
+from wbmerge.pipeline import MergeRequest, sync
+
+from .conftest import job_dir
+from .sinktools import console_text
+
+UPLOAD_TIMEOUT = 120.0
+
+
+class GrowingJob:
+    """A fixture job's runs appearing in `live` a slice at a time, as they would in training."""
+
+    def __init__(self, fixture: Path, live: Path) -> None:
+        self.logs = sorted(fixture.glob("wandb/offline-run-*/run-*.wandb"))
+        self.live = live
+
+    def grow(self, fraction: float, only: set[str] | None = None) -> None:
+        for log in self.logs:
+            if only is not None and log.parent.name not in only:
+                continue
+            dest = self.live / log.parent.name / log.name
+            if not dest.parent.exists():
+                shutil.copytree(log.parent, dest.parent, ignore=shutil.ignore_patterns("*.wandb"))
+            data = log.read_bytes()
+            have = dest.stat().st_size if dest.exists() else 0
+            want = max(have, int(len(data) * fraction))
+            if want > have or not dest.exists():
+                with open(dest, "ab") as out:
+                    out.write(data[have:want])
+
+
+def sink_runs(sink) -> dict[str, dict]:
+    client = sink.client
+    return {r["id"]: client.run(r["entity"], r["project"], r["id"]) for r in client.runs()}
+
+
+@pytest.fixture
+def state(tmp_path, monkeypatch):
+    """Point wbmerge's ledger at a directory of the test's own."""
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path / "state"
+
+
+def use_sink(monkeypatch, sink) -> None:
+    for key in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(key)
+    for key, value in sink.env.items():
+        if key.startswith("WANDB_"):
+            monkeypatch.setenv(key, value)
+
+
+def one_shot(monkeypatch, make_sink, fixture: Path, request: MergeRequest, tmp_path) -> dict:
+    """What `wbmerge sync` of the whole runs puts on a fresh sink."""
+    sink = make_sink()
+    use_sink(monkeypatch, sink)
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "one-shot-state"))
+    whole = MergeRequest(paths=[fixture], run_mode=request.run_mode, rank_scope=request.rank_scope)
+    sync(whole, timeout=UPLOAD_TIMEOUT)
+    return sink_runs(sink)
+
+
+def assert_same_run(got: dict, want: dict) -> None:
+    assert got["history"] == want["history"]
+    assert got["summary"] == want["summary"]
+    assert got["config"] == want["config"]
+    assert console_text(got["console"]) == console_text(want["console"])
+    assert [_no_time(r) for r in got["system_metrics"]] == [
+        _no_time(r) for r in want["system_metrics"]
+    ]
+    assert got["files"] == want["files"]
+    assert (got["state"], got["exit_code"]) == (want["state"], want["exit_code"])
+    assert (got["group"], got["display_name"]) == (want["group"], want["display_name"])
+
+
+def _no_time(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in ("_runtime", "_wandb")}
+
+
+MODES = [(m, s) for m in ("auto", "shared", "new") for s in ("global", "worker")]
+
+
+@pytest.mark.parametrize(("run_mode", "rank_scope"), MODES)
+def test_follow_rounds_end_as_one_sync(
+    run_mode, rank_scope, make_sink, monkeypatch, tmp_path, state
+):
+    fixture = job_dir("two_nodes_2x2")
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode=run_mode, rank_scope=rank_scope)
+    want = one_shot(monkeypatch, make_sink, fixture, request, tmp_path)
+    sink = make_sink()
+    use_sink(monkeypatch, sink)
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    job = GrowingJob(fixture, tmp_path / "live")
+    (tmp_path / "live").mkdir()
+    seen: list[dict] = []
+    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
+        assert round_lines(follower.round())[0] == "round 1: no runs yet"
+        for fraction in (0.0003, 0.35, 0.7):  # a header alone, then cut mid-record
+            job.grow(fraction)
+            report = follower.round()
+            assert not report.done
+            assert all(t.status != "failed" for t in report.targets), round_lines(report)
+            seen.append(sink_runs(sink))
+        job.grow(1.0)
+        report = follower.round()
+        assert report.done, round_lines(report)
+        assert follower.round().done  # nothing changed: nothing sent again
+    got = sink_runs(sink)
+    assert sorted(got) == sorted(want)
+    for run_id, run in got.items():
+        assert_same_run(run, want[run_id])
+    grew = [len(snapshot[run_id]["history"]) for snapshot in seen for run_id in snapshot]
+    assert max(grew) > 0
+    for snapshot in seen:  # while training: running, and the first rows of the final run
+        for run_id, run in snapshot.items():
+            assert (run["state"], run["exit_code"]) == ("running", None)
+            rows = run["history"]
+            assert rows == want[run_id]["history"][: len(rows)]
+    # A one-shot sync afterwards finds every run synced by the follow.
+    again = sync(request, timeout=UPLOAD_TIMEOUT)
+    assert {t.status for t in again.targets} == {"already synced"}
+
+
+def test_follow_waits_for_a_late_rank_and_ends_idle_on_a_killed_one(
+    make_sink, monkeypatch, tmp_path, state
+):
+    """Rank 2 of `killed_rank` was killed mid-run (no exit record, the others failed); the
+    follow holds the shared rows back while rank 1 has not started, and ends after the idle
+    timeout with the one-shot sync's result, naming the rank that never finished."""
+    fixture = job_dir("killed_rank")
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
+    want = one_shot(monkeypatch, make_sink, fixture, request, tmp_path)
+    sink = make_sink()
+    use_sink(monkeypatch, sink)
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    job = GrowingJob(fixture, tmp_path / "live")
+    late = next(r.run_dir.name for r in discover([fixture]) if r.rank.rank == 1)
+    early = {log.parent.name for log in job.logs} - {late}
+    job.grow(0.5, only=early)
+    with Follower(request, timeout=UPLOAD_TIMEOUT) as follower:
+        report = follower.round()
+        (target,) = report.targets
+        assert (target.status, target.rows) == ("sent", 0)  # rank 2 holds every row back
+        job.grow(0.5)
+        report = follower.round()
+        assert report.targets[0].rows > 0
+    job.grow(1.0)
+    lines: list[str] = []
+    result = follow(
+        request, interval=0.2, idle_timeout=1.0, timeout=UPLOAD_TIMEOUT,
+        on_round=lambda r: lines.extend(round_lines(r)),
+    )  # fmt: skip
+    assert result.unfinished == ["job fx-killed-rank: rank(s) 2"]
+    got = sink_runs(sink)
+    assert sorted(got) == sorted(want)
+    for run_id, run in got.items():
+        assert_same_run(run, want[run_id])

@@ -1,0 +1,85 @@
+"""Follow a running job: its merged runs kept up to date on the server while the ranks write
+offline, finished when the ranks are.
+
+`follow(request)` is `wbmerge sync --follow`: a round every `interval` seconds (`rounds`),
+until every rank of every job has written its exit record and every run is verified with
+its final state, or until no file changed for `idle_timeout` seconds; then one `wbmerge
+sync` of the same paths gives the runs their final state by the one-shot rules (a rank
+that never finished is a crashed rank) and the runs not found still running are named.
+
+The modules, one job each: `live` (reading runs still being written: which exist, how far
+each rank is, which rows are final), `cut` (a staged run as a round sends it), `rounds`
+(one round: discover, plan, stage, cut, upload exactly once).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..pipeline import MergeRequest, SyncReport, sigterm_raises, sync
+from .rounds import Follower, RoundReport, TargetRound
+
+DEFAULT_INTERVAL = 60.0  # seconds between rounds
+DEFAULT_IDLE_TIMEOUT = 600.0  # seconds without a changed file before the job is taken as over
+
+
+@dataclass
+class FollowReport:
+    rounds: int
+    links: list[dict] = field(default_factory=list)
+    targets: list[TargetRound] = field(default_factory=list)  # the last round's
+    unfinished: list[str] = field(default_factory=list)  # ranks never finished (idle end)
+    final_sync: SyncReport | None = None  # the one-shot sync after an idle end
+
+
+def follow(
+    request: MergeRequest,
+    interval: float = DEFAULT_INTERVAL,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+    parallel: int = 4,
+    timeout: float = 300.0,
+    on_round: Callable[[RoundReport], None] | None = None,
+    on_wait: Callable[[str], None] | None = None,
+    on_idle: Callable[[list[str]], None] | None = None,
+) -> FollowReport:
+    """Keep the merged runs of the jobs under `request.paths` up to date until they end.
+
+    Raises WbmergeError for bad input (exit 2) and, from the last one-shot sync after an
+    idle end, `UploadFailed` (exit 1). KeyboardInterrupt and SIGTERM (`Terminated`) stop
+    the uploader and leave the runs as uploaded so far: running, every row sent once; a
+    later `wbmerge sync` of the same paths completes them.
+    """
+    with sigterm_raises(), Follower(request, parallel, timeout, on_wait) as follower:
+        last_change = time.monotonic()
+        while True:
+            started = time.monotonic()
+            report = follower.round()
+            if report.changed:
+                last_change = started
+            if on_round:
+                on_round(report)
+            if report.done:
+                return FollowReport(report.number, follower.links(), report.targets)
+            if time.monotonic() - last_change >= idle_timeout:
+                break
+            time.sleep(max(0.0, min(interval - (time.monotonic() - started), idle_timeout)))
+        unfinished = follower.unfinished()
+        rounds = report.number
+        follower.release()
+    if on_idle:
+        on_idle(unfinished)
+    final = sync(request, parallel=parallel, timeout=timeout, on_wait=on_wait)
+    return FollowReport(rounds, final.links, report.targets, unfinished, final)
+
+
+__all__ = [
+    "DEFAULT_IDLE_TIMEOUT",
+    "DEFAULT_INTERVAL",
+    "FollowReport",
+    "Follower",
+    "RoundReport",
+    "TargetRound",
+    "follow",
+]

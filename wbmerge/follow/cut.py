@@ -1,0 +1,64 @@
+"""A staged run as a round of a follow sends it: only final rows, and still running.
+
+The merge writes a run as if its ranks were done: every row it could read and, at the end,
+an exit record (the primary's, or exit code 1 when the primary has none yet). While ranks
+still write, two things are changed in the staged log before it is uploaded:
+
+- Rows after the watermark are left out. A merged row of a shared run holds every rank's
+  values of its step; a rank that is behind adds its value later. The server keeps each
+  row as first sent (a later upload continues after the rows it holds), so a row may only
+  go out once every rank that will contribute to it has.
+- The exit record becomes one with `not_complete` set. wandb-core then uploads the
+  summary, config and files and closes the upload without marking the run finished
+  (`FinishWithoutExit` in its sender): the run stays running on the server until the
+  round that sends the real exit record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import records
+from ..proto import pb
+from ..txlog import LogWriter, ReadReport, read_frames
+
+_HISTORY, _EXIT = records.code("history"), records.code("exit")
+
+
+@dataclass(frozen=True)
+class Cut:
+    """What a cut kept of a staged log."""
+
+    rows: int  # history rows kept
+    dropped_rows: int  # history rows after the watermark, left for a later round
+
+
+def running_exit_record() -> bytes:
+    """An exit record that ends an upload and leaves the run running."""
+    record = pb.Record()
+    record.exit.not_complete = True
+    return record.SerializeToString()
+
+
+def cut_live(log: Path, out: Path, last_step: int | None) -> Cut:
+    """Write `log` to `out` without its history rows after `last_step` (None: all kept)
+    and with a `not_complete` exit record in place of its exit record."""
+    rows = dropped = 0
+    with open(out, "xb") as stream, LogWriter(stream) as writer:
+        for frames in read_frames(log, ReadReport()):
+            codes = records.kinds(frames)
+            keep = codes != _EXIT
+            history = np.flatnonzero(codes == _HISTORY)
+            if last_step is not None and len(history):
+                steps = records.history_rows(frames, history).steps
+                late = history[steps > last_step]
+                keep[late] = False
+                dropped += len(late)
+            rows += int(np.count_nonzero(keep[history]))
+            kept = np.flatnonzero(keep)
+            writer.write_many(frames.data, frames.starts[kept].tolist(), frames.ends[kept].tolist())
+        writer.write(running_exit_record())
+    return Cut(rows, dropped)

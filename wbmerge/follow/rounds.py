@@ -1,0 +1,305 @@
+"""One round of a follow: what every rank wrote since the last round, merged and appended to
+the target runs, exactly once.
+
+A round reads the paths again (ranks and restarts that started since join their targets),
+plans the jobs as a one-shot sync does, and for every target whose files changed stages it
+from what is readable now, keeps only its final rows (`cut`), and uploads it with the same
+`Deliverer` as `wbmerge sync`: the server is asked what it holds and only the rest is sent,
+so a row goes out once however many rounds stage it. A target whose ranks have all finished
+is staged whole, with its real exit record: its run gets its final state, and it is recorded
+in the ledger as a one-shot sync records it, so that a `wbmerge sync` afterwards finds it
+synced. Until then the ledger is not touched.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..discover import Job
+from ..errors import WbmergeError
+from ..hints import make_hints
+from ..merge import stage
+from ..pipeline import MergeRequest, PlannedJob, check_key_format, plan_found
+from ..plan import Target, app_url
+from ..upload import (
+    Deliverer,
+    Delivery,
+    Ledger,
+    ServerClient,
+    ServerError,
+    clean_stale,
+    find_credentials,
+    make_staging,
+    run_locks,
+    state_dir,
+)
+from .cut import cut_live
+from .live import Progress, find_live_runs, finished, progress, signature, watermark
+
+
+@dataclass
+class TargetRound:
+    """What one round did for one target run."""
+
+    run_id: str
+    status: str  # "sent" | "unchanged" | "failed"
+    rows: int = 0  # history rows on the server after the round
+    added: int = 0  # of which this round added
+    final: bool = False  # sent with its exit record: the run has its final state
+    exit_code: int | None = None  # the final exit code, when final
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RoundReport:
+    number: int
+    targets: list[TargetRound] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)  # what the round could not read yet
+    warnings: list[str] = field(default_factory=list)  # the merge's, of runs sent final
+    changed: bool = False  # some file changed since the last round
+    done: bool = False  # every rank of every job finished, every run final and verified
+
+
+@dataclass
+class _Known:
+    """What the follower remembers of one target between rounds."""
+
+    key: str
+    signature: tuple | None = None  # of the files last sent whole and verified
+    rows: int | None = None  # history rows on the server
+    final: bool = False  # verified with its exit record
+    exit_code: int | None = None  # the exit code it was finished with
+    finished_seen: tuple | None = None  # the signature when every rank was first seen done
+
+    def unchanged(self, run_id: str) -> TargetRound:
+        return TargetRound(
+            run_id, "unchanged", self.rows or 0, final=self.final, exit_code=self.exit_code
+        )
+
+
+class Follower:
+    """Rounds of a follow over one set of paths; `close()` (or `with`) releases everything."""
+
+    def __init__(
+        self,
+        request: MergeRequest,
+        parallel: int = 4,
+        timeout: float = 300.0,
+        on_wait: Callable[[str], None] | None = None,
+    ) -> None:
+        check_key_format(request.key_format)
+        self.request = request
+        self.hints = make_hints(request.label_pattern, request.ranks_file)
+        self.parallel, self.timeout, self.on_wait = parallel, timeout, on_wait
+        self.credentials = find_credentials()
+        self.client = ServerClient(self.credentials)
+        self.viewer_entity = self.client.viewer_entity()  # fails in seconds, naming the URL
+        clean_stale()
+        self.staging = make_staging()
+        self.ledger = Ledger(state_dir() / "ledger.sqlite3")
+        self._locks = ExitStack()
+        self.known: dict[str, _Known] = {}
+        self._scans: dict[Path, tuple] = {}
+        self._sizes: dict[Path, tuple[int, int]] | None = None
+        self.number = 0
+        self.planned: list[PlannedJob] = []
+
+    def __enter__(self) -> Follower:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the runs' locks, the ledger and the staging directory."""
+        self._locks.close()
+        self.ledger.close()
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def round(self) -> RoundReport:
+        """Read, merge and upload what the ranks wrote since the last round."""
+        self.number += 1
+        report = RoundReport(self.number)
+        live = find_live_runs(self.request.paths, self.hints, self.request.job)
+        report.changed = live.sizes != self._sizes
+        self._sizes = live.sizes
+        report.waiting += [f"{path.parent.name}: nothing on disk yet" for path in live.waiting]
+        workdir = self.staging / f"round-{self.number}"
+        todo: dict[tuple[str, str | None], list[tuple[Target, Delivery, bool, int | None]]] = {}
+        all_done = bool(live.jobs) and not live.waiting
+        planned = []
+        try:
+            for job in live.jobs:
+                try:
+                    (plan,) = plan_found(self.request, [job])
+                except WbmergeError as exc:  # the primary rank has not started
+                    report.waiting.append(f"job {job.job_id}: {exc}")
+                    all_done = False
+                    continue
+                if not plan.project:
+                    raise WbmergeError("no project: pass --project or set WANDB_PROJECT")
+                planned.append(plan)
+                ranks = progress(job, live.sizes, self._scans)
+                all_done &= _job_finished(job, ranks)
+                for target in plan.targets:
+                    entry = self._target_round(plan, target, ranks, workdir, report)
+                    if entry is not None:
+                        entity = plan.entity or self.viewer_entity
+                        todo.setdefault((plan.project, entity), []).append(entry)
+            self.planned = planned
+            for (project, entity), entries in todo.items():
+                self._deliver(project, entity, entries, workdir, report)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        order = {t.id: i for plan in planned for i, t in enumerate(plan.targets)}
+        report.targets.sort(key=lambda t: order.get(t.run_id, len(order)))
+        report.done = all_done and all(
+            self.known[t.id].final for plan in planned for t in plan.targets
+        )
+        return report
+
+    def _target_round(
+        self,
+        plan: PlannedJob,
+        target: Target,
+        ranks: dict[int, Progress],
+        workdir: Path,
+        report: RoundReport,
+    ) -> tuple[Target, Delivery, bool, int | None] | None:
+        """Stage one target if it changed; None when there is nothing to send."""
+        assert plan.project
+        entity = plan.entity or self.viewer_entity
+        known = self.known.get(target.id)
+        if known is None:
+            key = Ledger.key(self.credentials.base_url, entity, plan.project, target)
+            self._locks.enter_context(run_locks(state_dir() / "locks", [key], self.on_wait))
+            known = self.known[target.id] = _Known(key)
+        if known.final:
+            report.targets.append(known.unchanged(target.id))
+            return None
+        now = signature(target, self._sizes or {})
+        done = finished(target, ranks)
+        codes = [ranks[r].exit_code for r in ranks if r in {s.rank.rank for s in target.sources}]
+        if done and any(codes) and known.finished_seen != now:
+            # A rank that failed may be restarted (elastic): wait one quiet round to be sure.
+            known.finished_seen = now
+            done = False
+        fingerprint = Ledger.fingerprint(target, _ledger_settings(self.request, plan))
+        if done and self.ledger.synced(known.key, fingerprint):
+            known.final, known.signature = True, now
+            report.targets.append(known.unchanged(target.id))
+            return None
+        if not done and known.signature == now:
+            report.targets.append(known.unchanged(target.id))
+            return None
+        staged = stage(target, workdir / "runs", plan.options(self.request))
+        if done:  # what a one-shot sync says of these runs (of a live one it would mislead)
+            report.warnings += [f"{target.id}: {w}" for w in staged.warnings]
+        else:
+            cut = staged.log_path.with_name(staged.log_path.name + ".cut")
+            cut_live(staged.log_path, cut, watermark(target, ranks))
+            cut.replace(staged.log_path)
+        delivery = Delivery(target.id, staged.run_dir, staged.log_path, known.key, fingerprint)
+        return target, delivery, done, staged.exit_code if done else None
+
+    def _deliver(
+        self,
+        project: str,
+        entity: str | None,
+        entries: list[tuple[Target, Delivery, bool, int | None]],
+        workdir: Path,
+        report: RoundReport,
+    ) -> None:
+        """Upload one project's staged targets in one `wandb sync`; record the final ones."""
+        for target, _, _, _ in entries:
+            known = self.known[target.id]
+            if known.rows is None:
+                try:
+                    known.rows = self.client.held(entity, project, target.id).history_lines
+                except ServerError:
+                    known.rows = 0
+        final_keys = {d.key for _, d, final, _ in entries if final}
+        deliverer = Deliverer(
+            self.client, self.credentials, _FinalOnly(self.ledger, final_keys), project, entity,
+            self.parallel, workdir / f"uploader-{len(report.targets)}", self.timeout,
+            staging=self.staging,
+        )  # fmt: skip
+        try:
+            deliverer.deliver([d for _, d, _, _ in entries])
+        except ServerError as exc:
+            for _, delivery, _, _ in entries:
+                delivery.problems.append(str(exc))
+        finally:
+            deliverer.stop()
+        for target, delivery, final, code in entries:
+            known = self.known[target.id]
+            if not delivery.verified:
+                report.targets.append(
+                    TargetRound(target.id, "failed", known.rows or 0, problems=delivery.problems)
+                )
+                continue
+            assert delivery.content is not None
+            rows = len(delivery.content.history_steps)
+            added = rows - (known.rows or 0)
+            known.rows, known.final, known.exit_code = rows, final, code
+            known.signature = signature(target, self._sizes or {})
+            report.targets.append(TargetRound(target.id, "sent", rows, added, final, code))
+
+    def links(self) -> list[dict]:
+        """The runs' (or, for `new`, the groups') links, as `sync` gives them."""
+        from ..plan import links
+
+        url = app_url(self.credentials.base_url)
+        found = []
+        for plan in self.planned:
+            entity = plan.entity or self.viewer_entity
+            if entity and plan.project:
+                found += links(plan.targets, url, entity, plan.project, plan.run_mode)
+        return found
+
+    def unfinished(self) -> list[str]:
+        """The ranks that have not finished (or not started), one phrase per job."""
+        phrases = []
+        for plan in self.planned:
+            ranks = progress(plan.job, self._sizes or {}, self._scans)
+            open_ranks = [
+                str(rank)
+                for rank in range(max(plan.job.world_size, max(ranks, default=-1) + 1))
+                if rank not in ranks or not ranks[rank].finished
+            ]
+            if open_ranks:
+                phrases.append(f"job {plan.job.job_id}: rank(s) {', '.join(open_ranks)}")
+        return phrases
+
+    def release(self) -> None:
+        """Let other syncs take the runs' locks (the last, one-shot sync needs them)."""
+        self._locks.close()
+        self._locks = ExitStack()
+
+
+def _job_finished(job: Job, ranks: dict[int, Progress]) -> bool:
+    """Every rank of the job's world has started and written its exit record."""
+    world = max(job.world_size, max(ranks, default=-1) + 1)
+    return all(rank in ranks and ranks[rank].finished for rank in range(world))
+
+
+def _ledger_settings(request: MergeRequest, plan: PlannedJob) -> dict:
+    """What the ledger's fingerprint covers besides the files: as `wbmerge sync` does, so that
+    a run the follower finished is "already synced" for a later `wbmerge sync`."""
+    return {"options": plan.options(request).__dict__, "system_metrics": request.system_metrics}
+
+
+class _FinalOnly:
+    """The ledger as a round's deliverer sees it: only runs sent with their exit record are
+    recorded as synced; the rest are verified, and not recorded, as they are not done."""
+
+    def __init__(self, ledger: Ledger, final_keys: set[str]) -> None:
+        self._ledger, self._final = ledger, final_keys
+
+    def record(self, key: str, fingerprint: str, entity: str | None) -> None:
+        if key in self._final:
+            self._ledger.record(key, fingerprint, entity)
