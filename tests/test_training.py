@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -110,3 +111,56 @@ def test_many_ranks_without_a_shared_job_id_is_an_error():
         resolve_job_id(info)
     assert resolve_job_id(info, "given") == "given"
     assert resolve_job_id(RankInfo(0, 0, 2, 2, 0, job_id="elastic")) == "elastic"
+
+
+def test_flush_every_puts_a_rarely_logging_rank_on_disk_while_it_runs(tmp_path):
+    """wandb writes the file in 32 KiB blocks and every 15 s: a rank logging three rows
+    reaches the disk only at the next flush; with flush_every=0.5 within about a second."""
+    release = tmp_path / "release"
+    script = tmp_path / "rank.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import pathlib, time
+            import wbmerge
+            run = wbmerge.init(project="p", flush_every=0.5)
+            for i in range(3):
+                run.log({{"loss": 1.0 / (i + 1)}})  # each call commits its row
+            print("logged", flush=True)
+            deadline = time.monotonic() + 60
+            while not pathlib.Path({str(release)!r}).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            run.finish()
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "WORLD"))}
+    env.update(WANDB_DIR=str(tmp_path), WANDB_SILENT="true", **TOPOLOGY)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "logged"
+        deadline = time.monotonic() + 8  # well below wandb's own 15 s flush
+        rows = 0
+        while rows < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            runs = [r for r in discover([tmp_path]) if r.has_run_record]
+            rows = scan(runs[0]).history_rows if runs else 0
+        assert rows == 3
+        assert not scan(runs[0]).complete  # read while the rank still runs
+        release.touch()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        release.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("seconds", [0, -1.5, "5", True])
+def test_flush_every_must_be_a_positive_number(seconds):
+    import wbmerge
+
+    with pytest.raises(WbmergeError, match="flush_every must be a positive number"):
+        wbmerge.init(project="p", flush_every=seconds)

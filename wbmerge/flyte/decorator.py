@@ -49,6 +49,7 @@ def wandb_init(
     recorded in the runs as the merge's defaults. `handoff` says how the nodes' runs reach
     the merge task: "blobstore" (each node uploads its own runs to Flyte's raw data store)
     or "shared-volume" (every node mounts one volume at WBMERGE_DIR). Other arguments go to
+    `wbmerge.init` (`flush_every=SECONDS` bounds how late a follower sees a rank) and on to
     `wandb.init`."""
     if handoff not in HANDOFFS:
         raise WbmergeError(f"handoff must be one of {', '.join(HANDOFFS)}, not {handoff!r}")
