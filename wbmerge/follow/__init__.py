@@ -3,7 +3,8 @@ offline, finished when the ranks are.
 
 `follow(request)` is `wbmerge sync --follow`: a round every `interval` seconds (`rounds`),
 until every rank of every job has written its exit record and every run is verified with
-its final state, or until no file changed for `idle_timeout` seconds; then one `wbmerge
+its final state, or until no file changed for `idle_timeout` seconds (counted from the
+first run found: a follow started before the job waits for it); then one `wbmerge
 sync` of the same paths gives the runs their final state by the one-shot rules (a rank
 that never finished is a crashed rank) and the runs not found still running are named.
 
@@ -52,17 +53,19 @@ def follow(
     later `wbmerge sync` of the same paths completes them.
     """
     with sigterm_raises(), Follower(request, parallel, timeout, on_wait) as follower:
-        last_change = time.monotonic()
+        last_change = None  # the idle clock starts with the first run found
         while True:
             started = time.monotonic()
             report = follower.round()
-            if report.changed:
+            if not report.started:
+                last_change = None
+            elif report.changed or last_change is None:
                 last_change = started
             if on_round:
                 on_round(report)
             if report.done:
                 return FollowReport(report.number, follower.links(), report.targets)
-            if time.monotonic() - last_change >= idle_timeout:
+            if last_change is not None and time.monotonic() - last_change >= idle_timeout:
                 break
             time.sleep(max(0.0, min(interval - (time.monotonic() - started), idle_timeout)))
         unfinished = follower.unfinished()

@@ -61,6 +61,7 @@ class RoundReport:
     waiting: list[str] = field(default_factory=list)  # what the round could not read yet
     warnings: list[str] = field(default_factory=list)  # the merge's, of runs sent final
     changed: bool = False  # some file changed since the last round
+    started: bool = False  # some run file exists under the paths
     done: bool = False  # every rank of every job finished, every run final and verified
 
 
@@ -126,6 +127,7 @@ class Follower:
         report = RoundReport(self.number)
         live = find_live_runs(self.request.paths, self.hints, self.request.job)
         report.changed = live.sizes != self._sizes
+        report.started = bool(live.sizes)
         self._sizes = live.sizes
         report.waiting += [f"{path.parent.name}: nothing on disk yet" for path in live.waiting]
         workdir = self.staging / f"round-{self.number}"
