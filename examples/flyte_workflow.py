@@ -3,6 +3,7 @@
     python examples/flyte_workflow.py                          # auto, 1 node x 2 ranks
     NODES=2 NPROC=2 python examples/flyte_workflow.py --run-mode shared
     NODES=2 NPROC=2 python examples/flyte_workflow.py --run-mode new --rank-scope worker
+    python examples/flyte_workflow.py --run-mode shared --follow --steps 400   # live in W&B
 
 Runs in Flyte's local mode (no cluster, no network). Uploads to WANDB_BASE_URL with
 WANDB_API_KEY: start the built-in sink first (`wbmerge sink serve`, see the README).
@@ -50,7 +51,7 @@ HANDOFF = os.environ.get("WBMERGE_HANDOFF", "blobstore")
 
 @wbmerge.flyte.wandb_init(handoff=HANDOFF)  # run_mode, rank_scope, project: from wandb_config
 @train_env.task
-def train(steps: int) -> flyte.io.Dir:
+def train(steps: int, step_seconds: float = 0.0) -> flyte.io.Dir:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     run = wbmerge.flyte.get_wandb_run()
@@ -75,12 +76,14 @@ def train(steps: int) -> flyte.io.Dir:
         )
         if step % 10 == 0:
             print(f"rank {rank} step {step} loss {loss.item():.4f}", flush=True)
+        time.sleep(step_seconds)  # a slower job, to watch it live (--follow)
     runs = wbmerge.flyte.offline_runs()  # every rank: finish, wait for the others
     dist.destroy_process_group()
     return runs
 
 
 wbmerge_sync = wbmerge.flyte.merge_task(workflow_env, train)
+wbmerge_follow = wbmerge.flyte.follow_task(workflow_env, train)  # --follow: runs live in W&B
 
 
 @dataclass
@@ -92,12 +95,17 @@ class Uploaded:
 @workflow_env.task
 async def pipeline(
     steps: int = 20, run_mode: str = "auto", rank_scope: str = "global", project: str = "wbmerge-demo",
-    entity: str = "local",
+    entity: str = "local", follow: bool = False, step_seconds: float = 0.0,
 ) -> Uploaded:  # fmt: skip
     with wbmerge.flyte.wandb_config(
-        project=project, entity=entity, run_mode=run_mode, rank_scope=rank_scope
-    ):
-        runs = await train.aio(steps=steps)
+        project=project, entity=entity, run_mode=run_mode, rank_scope=rank_scope,
+        flush_every=1.0 if follow else None,
+    ):  # fmt: skip
+        training = train.aio(steps=steps, step_seconds=step_seconds)
+        if follow:  # a task beside the training keeps the runs live in W&B
+            runs = await wbmerge.flyte.with_follower(wbmerge_follow, training, interval=2)
+        else:
+            runs = await training
     links = await wbmerge.flyte.sync(wbmerge_sync, runs, project=project, entity=entity)
     return Uploaded(flyte.ctx().action.run_name, links)
 
@@ -111,11 +119,14 @@ def main() -> None:
     parser.add_argument("--entity", default="local")
     parser.add_argument("--raw-data-path", help="Flyte's raw data store (default: Flyte's own)")
     parser.add_argument("--json", action="store_true", help="print the links as JSON")
+    parser.add_argument("--follow", action="store_true", help="keep the runs live while training")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step")
     args = parser.parse_args()
     flyte.init()
     run = flyte.with_runcontext(raw_data_path=args.raw_data_path).run(
         pipeline, steps=args.steps, run_mode=args.run_mode, rank_scope=args.rank_scope,
-        project=args.project, entity=args.entity,
+        project=args.project, entity=args.entity, follow=args.follow,
+        step_seconds=args.step_seconds,
     )  # fmt: skip
     uploaded = run.outputs()[0]
     if args.json:

@@ -24,11 +24,13 @@ action's raw data store and rank 0 returns a Dir of all of them (`handoff.py`).
 The modules, one job each: `decorator` (the training task's decorator and each rank's run),
 `context` (settings, `wandb_config`, job id, directories), `links` (the W&B links in the UI),
 `launcher` (local mode: the ranks of every node on this machine), `handoff` (the nodes' runs
-to the merge task through the blob store), `merge_task` (the final task and `sync`).
+to the merge task through the blob store), `merge_task` (the final task and `sync`),
+`follow_task` (a task beside the training that keeps its runs live in W&B).
 """
 
 from .context import RUNS_DIR_ENV, Settings, runs_root, wandb_config
 from .decorator import get_wandb_run, wandb_init
+from .follow_task import follow_task, with_follower
 from .handoff import MANIFEST, offline_runs
 from .links import RunLink, run_links, training_links
 from .merge_task import merge_task, sync
@@ -38,6 +40,7 @@ __all__ = [
     "RUNS_DIR_ENV",
     "RunLink",
     "Settings",
+    "follow_task",
     "get_wandb_run",
     "merge_task",
     "offline_runs",
@@ -47,4 +50,5 @@ __all__ = [
     "training_links",
     "wandb_config",
     "wandb_init",
+    "with_follower",
 ]

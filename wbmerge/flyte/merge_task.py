@@ -53,7 +53,7 @@ def merge_task(env: flyte.TaskEnvironment, training_task: Any, name: str = "wbme
             "entity": entity or None,
             "worker": node,
         }
-        return await _merge_in_child(request)
+        return await run_in_child("merge", request)
 
     # Flyte finds a task on the cluster as `{func.__module__}.{func.__name__}`: the caller
     # keeps it in a module-level variable called `name`.
@@ -103,28 +103,32 @@ async def sync(
         return await task.aio(runs, **arguments)
 
 
-async def _merge_in_child(request: dict) -> list[str]:
-    """Run `merge_and_upload(request)` in `python -m wbmerge.flyte merge`; its warnings go
+async def run_in_child(kind: str, request: dict) -> list[str]:
+    """Run `python -m wbmerge.flyte KIND` on `request` (a merge, or a follow); its warnings go
     to the task's log, a bad input comes back as the child's one-line error."""
-    with tempfile.TemporaryDirectory(prefix="wbmerge-merge-") as scratch:
+    with tempfile.TemporaryDirectory(prefix=f"wbmerge-{kind}-") as scratch:
         spec = Path(scratch) / "request.json"
         result = Path(scratch) / "result.json"
         spec.write_text(json.dumps(request))
         child = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "wbmerge.flyte", "merge", str(spec), str(result),
+            sys.executable, "-m", "wbmerge.flyte", kind, str(spec), str(result),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
         try:
             output, _ = await child.communicate()
         finally:
-            if child.returncode is None:  # the task was cancelled: so is its merge
-                child.kill()
-                await child.wait()
+            if child.returncode is None:  # the task was cancelled: so is its child, which
+                child.terminate()  # stops its uploader and cleans up on SIGTERM
+                try:
+                    await asyncio.wait_for(child.wait(), 30)
+                except asyncio.TimeoutError:
+                    child.kill()
+                    await child.wait()
         text = output.decode(errors="replace")
         sys.stderr.write(text)
         if not result.exists():
             tail = " | ".join(text.strip().splitlines()[-_CHILD_OUTPUT_LINES:])
-            raise RuntimeError(f"the merge stopped (exit {child.returncode}): {tail}")
+            raise RuntimeError(f"the {kind} stopped (exit {child.returncode}): {tail}")
         answer = json.loads(result.read_text())
     if "error" in answer:
         raise WbmergeError(answer["error"], exit_code=answer.get("exit_code", 2))
@@ -169,8 +173,9 @@ def check_node_complete(job: Any, worker: int) -> None:
         )
 
 
-def merge_main(spec_path: str, result_path: str) -> None:
-    """`python -m wbmerge.flyte merge REQUEST RESULT`: one merge, its answer as JSON."""
+def child_main(kind: str, spec_path: str, result_path: str) -> None:
+    """`python -m wbmerge.flyte merge|follow REQUEST RESULT`: one merge or follow, its
+    answer as JSON."""
     import os
 
     from ..upload import state_dir
@@ -179,7 +184,12 @@ def merge_main(spec_path: str, result_path: str) -> None:
     if request.get("worker") is not None:
         os.environ["WBMERGE_STATE_DIR"] = str(state_dir() / f"worker-{request['worker']}")
     try:
-        answer: dict = merge_and_upload(request)
+        if kind == "follow":
+            from .follow_task import follow_main
+
+            answer: dict = follow_main(request)
+        else:
+            answer = merge_and_upload(request)
     except WbmergeError as exc:
         answer = {"error": str(exc), "exit_code": exc.exit_code}
     for line in answer.get("warnings", []):

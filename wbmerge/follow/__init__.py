@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..pipeline import MergeRequest, SyncReport, sigterm_raises, sync
 from .rounds import Follower, RoundReport, TargetRound
@@ -44,15 +44,18 @@ def follow(
     on_round: Callable[[RoundReport], None] | None = None,
     on_wait: Callable[[str], None] | None = None,
     on_idle: Callable[[list[str]], None] | None = None,
+    job_prefix: str | None = None,
 ) -> FollowReport:
     """Keep the merged runs of the jobs under `request.paths` up to date until they end.
 
     Raises WbmergeError for bad input (exit 2) and, from the last one-shot sync after an
     idle end, `UploadFailed` (exit 1). KeyboardInterrupt and SIGTERM (`Terminated`) stop
     the uploader and leave the runs as uploaded so far: running, every row sent once; a
-    later `wbmerge sync` of the same paths completes them.
+    later `wbmerge sync` of the same paths completes them. `job_prefix` follows only the
+    jobs whose id starts with it (and the last sync syncs only those).
     """
-    with sigterm_raises(), Follower(request, parallel, timeout, on_wait) as follower:
+    follower = Follower(request, parallel, timeout, on_wait, job_prefix)
+    with sigterm_raises(), follower:
         last_change = None  # the idle clock starts with the first run found
         while True:
             started = time.monotonic()
@@ -69,12 +72,20 @@ def follow(
                 break
             time.sleep(max(0.0, min(interval - (time.monotonic() - started), idle_timeout)))
         unfinished = follower.unfinished()
-        rounds = report.number
+        jobs = sorted({plan.job.job_id for plan in follower.planned})
         follower.release()
     if on_idle:
         on_idle(unfinished)
-    final = sync(request, parallel=parallel, timeout=timeout, on_wait=on_wait)
-    return FollowReport(rounds, final.links, report.targets, unfinished, final)
+    if job_prefix is not None and not jobs:
+        return FollowReport(report.number, [], report.targets, unfinished)
+    requests = [replace(request, job=job) for job in jobs] if job_prefix is not None else [request]
+    finals = [sync(r, parallel=parallel, timeout=timeout, on_wait=on_wait) for r in requests]
+    final = finals[0]
+    for more in finals[1:]:
+        final.targets += more.targets
+        final.links += more.links
+        final.warnings += more.warnings
+    return FollowReport(report.number, final.links, report.targets, unfinished, final)
 
 
 __all__ = [

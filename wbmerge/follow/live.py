@@ -46,10 +46,14 @@ class LiveRuns:
 
 
 def find_live_runs(
-    paths: Sequence[str | Path], hints: Hints | None, job: str | None = None
+    paths: Sequence[str | Path],
+    hints: Hints | None,
+    job: str | None = None,
+    job_prefix: str | None = None,
 ) -> LiveRuns:
     """The offline runs under `paths` as they are now, grouped into jobs (missing ranks
-    allowed: they may start later). A path that holds no run yet is not an error."""
+    allowed: they may start later): all, the job `job`, or the jobs whose id starts with
+    `job_prefix`. A path that holds no run yet is not an error."""
     files = _run_files(paths)
     sizes = {path: _size(path) for path in files}
     with warnings.catch_warnings():
@@ -66,6 +70,8 @@ def find_live_runs(
     waiting += [r.path for r in started if r.rank is None]
     if job is not None:
         known = [r for r in known if r.job_id == job]
+    if job_prefix is not None:
+        known = [r for r in known if (r.job_id or "").startswith(job_prefix)]
     return LiveRuns(group_jobs(known, None, allow_missing_ranks=True), waiting, sizes)
 
 

@@ -91,9 +91,12 @@ class Follower:
         parallel: int = 4,
         timeout: float = 300.0,
         on_wait: Callable[[str], None] | None = None,
+        job_prefix: str | None = None,
     ) -> None:
+        """`job_prefix`: follow only the jobs whose id starts with it (those of one Flyte
+        run, whose job ids are `{run name}-{action}`), among others under the paths."""
         check_key_format(request.key_format)
-        self.request = request
+        self.request, self.job_prefix = request, job_prefix
         self.hints = make_hints(request.label_pattern, request.ranks_file)
         self.parallel, self.timeout, self.on_wait = parallel, timeout, on_wait
         self.credentials = find_credentials()
@@ -125,7 +128,7 @@ class Follower:
         """Read, merge and upload what the ranks wrote since the last round."""
         self.number += 1
         report = RoundReport(self.number)
-        live = find_live_runs(self.request.paths, self.hints, self.request.job)
+        live = find_live_runs(self.request.paths, self.hints, self.request.job, self.job_prefix)
         report.changed = live.sizes != self._sizes
         report.started = bool(live.sizes)
         self._sizes = live.sizes
