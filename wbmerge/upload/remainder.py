@@ -27,8 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import records
-from ..items import split_spans
+from .. import items, records, wire
 from ..proto import pb
 from ..records import record_kind
 from ..txlog import Frames, read_frames, read_payloads, write_payloads
@@ -158,85 +157,79 @@ def console_line_count(texts: Sequence[str]) -> int | None:
 
 
 def read_staged(log: Path) -> StagedContent:
-    """Count what a staged log holds: history steps, system-metric rows, console lines.
-
-    Every record's kind, and each history row's `_step`, are found for a read's records at
-    once (`records`, `items`): a sync reads every staged log, which record by record cost
-    about as much CPU as the upload itself.
-    """
+    """Count what a staged log holds: history steps, system-metric rows, console lines."""
     steps: list[int | None] = []
     events = 0
     streams: dict[int, list[str]] = {}
     logger_lines = 0
     for frames in read_frames(log):
         codes = records.kinds(frames)
-        history = np.flatnonzero(codes == _HISTORY)
-        if len(history):
-            steps.extend(_steps(frames, history))
+        steps += history_steps(frames, np.flatnonzero(codes == _HISTORY))
         events += int(np.count_nonzero(codes == _STATS))
-        for index in np.flatnonzero((codes == _OUTPUT_RAW) | (codes == _OUTPUT_LOGGER)).tolist():
-            record = pb.Record.FromString(frames.payload(index))
-            if record.HasField("output_raw"):
-                raw = record.output_raw
-                streams.setdefault(raw.output_type, []).append(raw.line)
-            else:  # wandb writes these lines as they are, one per line
-                logger_lines += len(record.output_logger.line.removesuffix("\n").split("\n"))
+        for index in np.flatnonzero(codes == _OUTPUT_RAW).tolist():
+            output = pb.Record.FromString(frames.payload(index)).output_raw
+            streams.setdefault(output.output_type, []).append(output.line)
+        for index in np.flatnonzero(codes == _OUTPUT_LOGGER).tolist():
+            # wandb writes these lines as they are, one per line
+            text = pb.Record.FromString(frames.payload(index)).output_logger.line
+            logger_lines += len(text.removesuffix("\n").split("\n"))
     counts = [console_line_count(texts) for texts in streams.values()]
     console = None if None in counts else logger_lines + sum(c or 0 for c in counts)
     return StagedContent(tuple(steps), events, console)
 
 
-_HISTORY, _STATS = records.code("history"), records.code("stats")
-_OUTPUT_RAW, _OUTPUT_LOGGER = records.code("output_raw"), records.code("output_logger")
-# An item's key fields when it is `_step`, as wandb writes them: nested_key ["_step"], or key.
-_STEP_KEYS = (b"\x12\x05_step", b"\x0a\x05_step")
+_HISTORY, _STATS, _OUTPUT_RAW, _OUTPUT_LOGGER = (
+    records.code(kind) for kind in ("history", "stats", "output_raw", "output_logger")
+)
+# a `_step` item's key part as wandb writes it: `nested_key: "_step"`, or `key: "_step"`
+_STEP_PARTS = frozenset({wire.key_part(["_step"]), b"\x0a\x05_step"})
 
 
-def _steps(frames: Frames, which: np.ndarray) -> list[int | None]:
-    """`_step_of` of the history records `which`, found for all of them at once: the first
-    `_step` item of each row. A row whose items do not split as wandb writes them, that has
-    no `_step` item, or has any other key naming `_step`, is read record by record."""
+def history_steps(frames: Frames, which: np.ndarray) -> list[int | None]:
+    """`_step_of` of the history records `which` of a read, the items of all of them split
+    at once (`items`): a row's first `_step` item, read as `_step_of` reads it. Rows whose
+    keys mention `_step` in another form, or that have no `_step` item, and reads that do
+    not split, take `_step_of` itself."""
+    if not len(which):
+        return []
     rows = records.history_rows(frames, which)
-    found = split_spans(rows.data, rows.starts, rows.ends)
-    if found is None:
-        return [_step_of(frames.payload(index)) for index in which.tolist()]
-    codes, keys = found.key_codes()
-    step_codes = [code for code, key in enumerate(keys) if key in _STEP_KEYS]
-    odd_codes = [code for code, key in enumerate(keys) if b"_step" in key]
-    step_items = np.flatnonzero(np.isin(codes, step_codes))
-    with_step, first = np.unique(found.row[step_items], return_index=True)
-    steps: list[int | None] = [None] * len(which)
-    exact = np.ones(len(which), bool)  # rows to read record by record
-    exact[with_step] = False
-    exact[found.row[np.isin(codes, odd_codes) & ~np.isin(codes, step_codes)]] = True
+    split = items.split_spans(rows.data, rows.starts, rows.ends)
+    if split is None:
+        return [_step_of(frames.payload(i)) for i in which.tolist()]
+    codes, parts = split.key_codes()
+    step_code = np.array([part in _STEP_PARTS for part in parts], bool)[codes]
+    odd_code = np.array([b"_step" in part and part not in _STEP_PARTS for part in parts], bool)
+    step_items = np.flatnonzero(step_code)
+    found, first = np.unique(split.row[step_items], return_index=True)
     try:
-        texts = found.json(step_items[first]).to_pylist()
-    except ValueError:  # not UTF-8: protobuf says what it is
-        texts = [None] * len(with_step)
-        exact[with_step] = True
-    for row, text in zip(with_step.tolist(), texts, strict=True):
-        if not exact[row]:
-            steps[row] = _step_value(text)
-    for row in np.flatnonzero(exact).tolist():
-        steps[row] = _step_of(frames.payload(int(which[row])))
-    return steps
+        texts = split.json(step_items[first]).to_pylist()
+    except (UnicodeDecodeError, ValueError):
+        return [_step_of(frames.payload(i)) for i in which.tolist()]
+    result: list[int | None] = [None] * len(which)
+    slow = set(range(len(which))) - set(found.tolist())
+    slow |= set(np.unique(split.row[odd_code[codes]]).tolist())
+    for row, text in zip(found.tolist(), texts, strict=True):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            continue  # not JSON: no step, as `_step_of` says
+        if isinstance(value, int | float):
+            result[row] = int(value)
+    for row in slow:
+        result[row] = _step_of(frames.payload(int(which[row])))
+    return result
 
 
 def _step_of(payload: bytes) -> int | None:
     history = pb.Record.FromString(payload).history
     for item in history.item:
         if item.key == "_step" or list(item.nested_key) == ["_step"]:
-            return _step_value(item.value_json)
+            try:
+                value = json.loads(item.value_json)
+            except ValueError:
+                return None
+            return int(value) if isinstance(value, int | float) else None
     return history.step.num if history.HasField("step") else None
-
-
-def _step_value(value_json: str) -> int | None:
-    """A `_step` item's value as a step: a JSON number, else None."""
-    try:
-        value = json.loads(value_json)
-    except ValueError:
-        return None
-    return int(value) if isinstance(value, int | float) else None
 
 
 def write_remainder(log: Path, out: Path, plan: Remainder) -> int:
