@@ -103,9 +103,9 @@ import os, sys, time
 import wbmerge
 pace, steps, flush = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 metrics = int(sys.argv[4])
-run = wbmerge.init(project="follow-lag", **({{"flush_every": float(flush)}} if flush != "-" else {{}}))
+run = wbmerge.init(project="follow-lag", **({"flush_every": float(flush)} if flush != "-" else {}))
 for step in range(steps):
-    values = {{f"m{{i:02d}}": step * i for i in range(metrics - 1)}}
+    values = {f"m{i:02d}": step * i for i in range(metrics - 1)}
     values["t"] = time.time()
     run.log(values)
     time.sleep(pace)
@@ -141,7 +141,12 @@ def bench_lag(pace: float, steps: int, metrics: int, ranks: int, interval: float
             procs.append(subprocess.Popen(cmd, env=rank_env, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL))  # fmt: skip
         logged: dict[int, float] = {}
+        ended = None
         while follower.poll() is None:
+            if ended is None and all(p.poll() is not None for p in procs):
+                ended = time.monotonic()
+            if ended is not None and time.monotonic() - ended > 5 * interval + 60:
+                raise RuntimeError("the follower did not end after the ranks")
             now = time.time()
             for run in sink.client.runs():
                 full = sink.client.run(run["entity"], run["project"], run["id"])
@@ -151,6 +156,8 @@ def bench_lag(pace: float, steps: int, metrics: int, ranks: int, interval: float
                         seen[step] = now
                         logged[step] = max(v for k, v in row.items() if k.startswith("t/"))
             time.sleep(0.25)
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"a rank failed: {[p.returncode for p in procs]}")
         lags = sorted(seen[s] - logged[s] for s in seen)
         return {
             "pace_s": pace, "metrics": metrics, "ranks": ranks, "interval_s": interval,

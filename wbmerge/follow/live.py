@@ -43,6 +43,7 @@ class LiveRuns:
     jobs: list[Job]
     waiting: list[Path] = field(default_factory=list)  # no run record yet, or rank unknown
     sizes: dict[Path, tuple[int, int]] = field(default_factory=dict)  # size, mtime_ns
+    notes: list[str] = field(default_factory=list)  # input left out (a FIFO named like a run)
 
 
 def find_live_runs(
@@ -54,11 +55,12 @@ def find_live_runs(
     """The offline runs under `paths` as they are now, grouped into jobs (missing ranks
     allowed: they may start later): all, the job `job`, or the jobs whose id starts with
     `job_prefix`. A path that holds no run yet is not an error."""
-    files = _run_files(paths)
-    sizes = {path: _size(path) for path in files}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", InputWarning)  # said once, by the final round
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", InputWarning)
+        files = _run_files(paths)
         runs = [read_identity(path) for path in files]
+    notes = [str(w.message) for w in caught if issubclass(w.category, InputWarning)]
+    sizes = {path: _size(path) for path in files}
     started = [r for r in runs if r.has_run_record]
     waiting = [r.path for r in runs if not r.has_run_record]
     if hints is not None and hints.given:  # --ranks may name runs that have not started
@@ -72,7 +74,7 @@ def find_live_runs(
         known = [r for r in known if r.job_id == job]
     if job_prefix is not None:
         known = [r for r in known if (r.job_id or "").startswith(job_prefix)]
-    return LiveRuns(group_jobs(known, None, allow_missing_ranks=True), waiting, sizes)
+    return LiveRuns(group_jobs(known, None, allow_missing_ranks=True), waiting, sizes, notes)
 
 
 def _run_files(paths: Iterable[str | Path]) -> list[Path]:

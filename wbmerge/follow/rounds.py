@@ -59,7 +59,7 @@ class RoundReport:
     number: int
     targets: list[TargetRound] = field(default_factory=list)
     waiting: list[str] = field(default_factory=list)  # what the round could not read yet
-    warnings: list[str] = field(default_factory=list)  # the merge's, of runs sent final
+    warnings: list[str] = field(default_factory=list)  # each said once in a follow
     changed: bool = False  # some file changed since the last round
     started: bool = False  # some run file exists under the paths
     done: bool = False  # every rank of every job finished, every run final and verified
@@ -111,6 +111,7 @@ class Follower:
         self._sizes: dict[Path, tuple[int, int]] | None = None
         self.number = 0
         self.planned: list[PlannedJob] = []
+        self._said: set[str] = set()  # warnings given in earlier rounds
 
     def __enter__(self) -> Follower:
         return self
@@ -133,6 +134,7 @@ class Follower:
         report.started = bool(live.sizes)
         self._sizes = live.sizes
         report.waiting += [f"{path.parent.name}: nothing on disk yet" for path in live.waiting]
+        report.warnings += live.notes
         workdir = self.staging / f"round-{self.number}"
         todo: dict[tuple[str, str | None], list[tuple[Target, Delivery, bool, int | None]]] = {}
         all_done = bool(live.jobs) and not live.waiting
@@ -148,6 +150,7 @@ class Follower:
                 if not plan.project:
                     raise WbmergeError("no project: pass --project or set WANDB_PROJECT")
                 planned.append(plan)
+                report.warnings += plan.warnings  # what was assumed about its ranks
                 ranks = progress(job, live.sizes, self._scans)
                 all_done &= _job_finished(job, ranks)
                 for target in plan.targets:
@@ -160,6 +163,8 @@ class Follower:
                 self._deliver(project, entity, entries, workdir, report)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+        report.warnings = [w for w in dict.fromkeys(report.warnings) if w not in self._said]
+        self._said.update(report.warnings)
         order = {t.id: i for plan in planned for i, t in enumerate(plan.targets)}
         report.targets.sort(key=lambda t: order.get(t.run_id, len(order)))
         report.done = all_done and all(
