@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,3 +176,45 @@ def test_follow_waits_for_a_late_rank_and_ends_idle_on_a_killed_one(
     assert sorted(got) == sorted(want)
     for run_id, run in got.items():
         assert_same_run(run, want[run_id])
+
+
+def test_ctrl_c_leaves_the_runs_running_and_a_later_sync_completes_them(
+    make_sink, monkeypatch, tmp_path, state
+):
+    """SIGINT between rounds: exit 130 with one line, no staging or uploader left behind,
+    the run still running with the rows sent so far; `wbmerge sync` of the finished files
+    then gives the one-shot result."""
+    fixture = job_dir("one_node_4")
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
+    want = one_shot(monkeypatch, make_sink, fixture, request, tmp_path)
+    sink = make_sink()
+    job = GrowingJob(fixture, tmp_path / "live")
+    job.grow(0.6)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(state), "TMPDIR": str(scratch)}
+    cmd = [sys.executable, "-m", "wbmerge.cli", "sync", str(tmp_path / "live"),
+           "--run-mode", "shared", "--follow", "--interval", "60"]  # fmt: skip
+    follower = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)  # fmt: skip
+    try:
+        assert follower.stdout is not None
+        first = follower.stdout.readline()  # the first round's line: then it sleeps
+        assert "running" in first, first
+        follower.send_signal(signal.SIGINT)
+        out, err = follower.communicate(timeout=60)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait(timeout=30)
+    assert follower.returncode == 130
+    assert err.strip().splitlines()[-1].startswith("wbmerge: interrupted; the runs keep")
+    assert list(scratch.glob("wbmerge-staging-*")) == []  # its staging is gone
+    (run,) = sink_runs(sink).values()
+    assert run["state"] == "running" and 0 < len(run["history"]) < len(want[run["id"]]["history"])
+    job.grow(1.0)
+    use_sink(monkeypatch, sink)
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    sync(request, timeout=UPLOAD_TIMEOUT)
+    (run,) = sink_runs(sink).values()
+    assert_same_run(run, want[run["id"]])

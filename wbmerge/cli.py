@@ -445,7 +445,7 @@ def _follow(
         for line in lines[1:]:  # failures and what is waited for: always said
             click.echo(f"wbmerge: warning: {line}", err=True)
         if not quiet:
-            click.echo(lines[0])
+            click.echo(lines[0], err=as_json)  # (stdout is the JSON's, with --json)
 
     def on_idle(unfinished: list[str]) -> None:
         click.echo(f"wbmerge: warning: {idle_warning(idle_timeout, unfinished)}", err=True)
