@@ -206,7 +206,15 @@ class Follower:
         if not done and known.signature == now:
             report.targets.append(known.unchanged(target.id))
             return None
-        staged = stage(target, workdir / "runs", plan.options(self.request))
+        try:
+            staged = stage(target, workdir / "runs", plan.options(self.request))
+        except WbmergeError as exc:
+            if done:
+                raise  # the files are whole: bad input, as for a one-shot sync
+            # a file of a rank's run went away or changed while it was copied: next round
+            report.targets.append(TargetRound(target.id, "failed", known.rows or 0,
+                                              problems=[str(exc)]))  # fmt: skip
+            return None
         if done:  # what a one-shot sync says of these runs (of a live one it would mislead)
             report.warnings += [f"{target.id}: {w}" for w in staged.warnings]
         else:
