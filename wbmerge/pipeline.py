@@ -74,6 +74,11 @@ class PlannedJob:
         """What was assumed about the job's ranks (say once, before merging)."""
         return self.job.warnings
 
+    def ledger_settings(self, request: MergeRequest) -> dict:
+        """What a run's ledger fingerprint covers besides its files: a run synced with other
+        settings is not the same upload (`sync` and `sync --follow` must agree)."""
+        return {"options": self.options(request).__dict__, "system_metrics": request.system_metrics}
+
     def options(self, request: MergeRequest) -> MergeOptions:
         return MergeOptions(
             project=self.project,
@@ -392,7 +397,7 @@ def _start_job(
     """Skip the job's verified runs; stage the others, each uploading as soon as it is staged."""
     assert job.project
     options = job.options(request)
-    settings = {"options": options.__dict__, "system_metrics": request.system_metrics}
+    settings = job.ledger_settings(request)
     base_url = session.credentials.base_url
     upload = _JobUpload(job, session.entity(job), app_url(base_url))
     pending = []

@@ -29,6 +29,7 @@ from ..upload import (
     Deliverer,
     Delivery,
     Ledger,
+    OwnerRecord,
     ServerClient,
     ServerError,
     clean_stale,
@@ -104,6 +105,7 @@ class Follower:
         self.viewer_entity = self.client.viewer_entity()  # fails in seconds, naming the URL
         clean_stale()
         self.staging = make_staging()
+        self.owner = OwnerRecord(self.staging)  # names the uploaders running in staging
         self.ledger = Ledger(state_dir() / "ledger.sqlite3")
         self._locks = ExitStack()
         self.known: dict[str, _Known] = {}
@@ -198,7 +200,7 @@ class Follower:
             # A rank that failed may be restarted (elastic): wait one quiet round to be sure.
             known.finished_seen = now
             done = False
-        fingerprint = Ledger.fingerprint(target, _ledger_settings(self.request, plan))
+        fingerprint = Ledger.fingerprint(target, plan.ledger_settings(self.request))
         if done and self.ledger.synced(known.key, fingerprint):
             known.final, known.signature = True, now
             report.targets.append(known.unchanged(target.id))
@@ -221,7 +223,9 @@ class Follower:
             cut = staged.log_path.with_name(staged.log_path.name + ".cut")
             cut_live(staged.log_path, cut, watermark(target, ranks))
             cut.replace(staged.log_path)
-        delivery = Delivery(target.id, staged.run_dir, staged.log_path, known.key, fingerprint)
+        delivery = Delivery(
+            target.id, staged.run_dir, staged.log_path, known.key, fingerprint, final=done
+        )
         return target, delivery, done, staged.exit_code if done else None
 
     def _deliver(
@@ -240,11 +244,10 @@ class Follower:
                     known.rows = self.client.held(entity, project, target.id).history_lines
                 except ServerError:
                     known.rows = 0
-        final_keys = {d.key for _, d, final, _ in entries if final}
         deliverer = Deliverer(
-            self.client, self.credentials, _FinalOnly(self.ledger, final_keys), project, entity,
+            self.client, self.credentials, self.ledger, project, entity,
             self.parallel, workdir / f"uploader-{len(report.targets)}", self.timeout,
-            staging=self.staging,
+            staging=self.owner,
         )  # fmt: skip
         try:
             deliverer.deliver([d for _, d, _, _ in entries])
@@ -303,21 +306,3 @@ def _job_finished(job: Job, ranks: dict[int, Progress]) -> bool:
     """Every rank of the job's world has started and written its exit record."""
     world = max(job.world_size, max(ranks, default=-1) + 1)
     return all(rank in ranks and ranks[rank].finished for rank in range(world))
-
-
-def _ledger_settings(request: MergeRequest, plan: PlannedJob) -> dict:
-    """What the ledger's fingerprint covers besides the files: as `wbmerge sync` does, so that
-    a run the follower finished is "already synced" for a later `wbmerge sync`."""
-    return {"options": plan.options(request).__dict__, "system_metrics": request.system_metrics}
-
-
-class _FinalOnly:
-    """The ledger as a round's deliverer sees it: only runs sent with their exit record are
-    recorded as synced; the rest are verified, and not recorded, as they are not done."""
-
-    def __init__(self, ledger: Ledger, final_keys: set[str]) -> None:
-        self._ledger, self._final = ledger, final_keys
-
-    def record(self, key: str, fingerprint: str, entity: str | None) -> None:
-        if key in self._final:
-            self._ledger.record(key, fingerprint, entity)

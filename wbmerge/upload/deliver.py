@@ -126,6 +126,9 @@ class Delivery:
     content: StagedContent | None = None
     problems: list[str] = field(default_factory=list)
     verified: bool = False
+    # Recorded in the ledger once verified. A live round of `sync --follow` sends runs that
+    # are not done yet: verified, but not recorded, so that later rounds send the rest.
+    final: bool = True
 
 
 @dataclass
@@ -389,7 +392,8 @@ class Deliverer:
         if problems:
             delivery.problems.extend(problems)
             return
-        ledger.record(delivery.key, delivery.fingerprint, self.entity)
+        if delivery.final:
+            ledger.record(delivery.key, delivery.fingerprint, self.entity)
         delivery.verified = True
         if self.remove_verified:
             shutil.rmtree(delivery.run_dir, ignore_errors=True)
