@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.merge import shared
 from wbmerge.pipeline import MergeRequest, merge_jobs
 from wbmerge.records import read_records
 from wbmerge.topology import METADATA_KEY, RankInfo
-from wbmerge.txlog import LogWriter
+from wbmerge.txlog import BLOCK_SIZE, LogWriter
+
+from .conftest import job_dir
 
 # rank -> (steps, first step, metrics, steps after whose row a metric is defined)
 RANKS = {0: (1500, 0, 12, (3, 700)), 1: (900, 40, 4, (41, 899)), 2: (1700, 0, 25, ())}
@@ -53,7 +56,7 @@ def write_rank(root: Path, rank: int) -> dict[int, dict[str, str]]:
 
 
 def test_rows_and_records_between_them_across_many_reads(tmp_path, monkeypatch):
-    monkeypatch.setattr(shared, "READ_BLOCKS", 1)  # the smallest reads: 8 blocks
+    monkeypatch.setattr(shared, "READ_BUDGET", BLOCK_SIZE)  # the smallest: a block a turn
     sources = {rank: write_rank(tmp_path / "job", rank) for rank in RANKS}
     staged = merge_jobs(MergeRequest([tmp_path / "job"], run_mode="shared"), tmp_path / "out")
     [target] = staged
@@ -82,3 +85,20 @@ def test_rows_and_records_between_them_across_many_reads(tmp_path, monkeypatch):
         for rank, (_, _, _, defines) in RANKS.items()
         for step in defines
     }
+
+
+@pytest.mark.parametrize(
+    "job", ["elastic_restart", "killed_rank", "two_nodes_2x2", "media", "cadence"]
+)
+def test_the_merged_run_does_not_depend_on_how_much_is_read_at_a_time(tmp_path, monkeypatch, job):
+    """A turn of a block of one rank, or every rank's whole log at once: the same bytes, the
+    same counts and warnings (restarts, a killed rank, media, ranks at other cadences)."""
+    request = MergeRequest([job_dir(job)], run_mode="shared", skew_metrics=True)
+    [whole] = merge_jobs(request, tmp_path / "whole")
+    monkeypatch.setattr(shared, "READ_BUDGET", BLOCK_SIZE)
+    [small] = merge_jobs(request, tmp_path / "small")
+    assert small.log_path.read_bytes() == whole.log_path.read_bytes()
+    assert (small.history_rows, small.source_rows, small.warnings) == (
+        whole.history_rows, whole.source_rows, whole.warnings,
+    )  # fmt: skip
+    assert whole.history_rows > 0

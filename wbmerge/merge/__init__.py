@@ -8,8 +8,10 @@ run, in two streaming passes over the ranks' logs (`shared`). The modules, one j
 - `options`: what the user chose (`MergeOptions`); `outcome`: what a merge found;
 - `runrecord`: the merged run's run record (`wbmerge` config block) and exit record;
 - `passthrough`: pass-through and splicing for `new` and `auto`;
-- `shared`: the shared merge, its state, and the k-way merge of the ranks' batches;
-- `labels`: a rank's keys labelled, its rows as columns, its summaries folded;
+- `shared`: the shared merge: its state, and its turns (read the ranks furthest behind,
+  label their rows, write everything every rank has reached);
+- `readers`: many ranks' logs read side by side, all their blocks walked at once;
+- `labels`: the ranks' keys labelled, their rows as columns, their summaries folded;
 - `rows`: merged rows and the final summary;
 - `console`: console lines and system metrics, labelled and merged by time.
 """

@@ -1,6 +1,11 @@
-"""A rank's items as they leave a shared merge: keys labelled with the rank's label, W&B's
+"""The ranks' items as they leave a shared merge: keys labelled with each rank's label, W&B's
 own keys kept; history rows labelled as columns (`items`) where the batch split holds,
-item by item (`wire`) where it does not; summaries folded to each key's last value."""
+item by item (`wire`) where it does not; summaries folded to each key's last value.
+
+The rows of many ranks are labelled at once: a key's output depends on its rank, so every
+(rank, key) pair is learned once (`KeyTable`), and a batch's items find their output key
+parts by array lookups, whatever the number of ranks.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .. import items, records, wire
 from ..steps import RESERVED
@@ -31,8 +37,12 @@ class RankKeys:
         self.key_format = key_format
         self.known: dict[bytes, tuple[bytes, str | None, str | None]] = {}
 
-    def learn(self, raw: bytes) -> tuple[bytes, str | None, str | None]:
-        path = wire.key_path(raw)
+    def learn(
+        self, raw: bytes, path: list[str] | None = None
+    ) -> tuple[bytes, str | None, str | None]:
+        """`raw`'s entry; `path`: its key path, when the caller parsed it already."""
+        if path is None:
+            path = wire.key_path(raw)
         top = path[0]
         if top in RESERVED:
             entry = (wire.key_part(path), top, None)
@@ -42,33 +52,156 @@ class RankKeys:
         self.known[raw] = entry
         return entry
 
+    def entry(self, raw: bytes) -> tuple[bytes, str | None, str | None]:
+        return self.known.get(raw) or self.learn(raw)
+
+
+class KeyTable:
+    """Every rank's `RankKeys` as arrays: a pair id for each (rank, raw key) seen, and per
+    pair its output key part, reserved name and skew key. Ranks are numbered by their place
+    in `keys` (their slot)."""
+
+    def __init__(self, keys: list[RankKeys]) -> None:
+        self.keys = keys
+        self._raw_ids: dict[bytes, int] = {}
+        self._raws: list[bytes] = []
+        self._pair = np.full((len(keys), 8), -1, np.int64)  # slot x raw id -> pair id
+        self._paths: list[list[str] | None] = []  # by raw id, parsed when first needed
+        self.outs: list[bytes] = []
+        self.names: list[str | None] = []
+        self.skews: list[str | None] = []
+        # by pair id: its (rank, output key) in a summary, numbered; two spellings of a key
+        # of one rank share one
+        self._summary_keys: dict[tuple[int, bytes], int] = {}
+        self._summary_key: list[int] = []
+        self._out_lengths = np.empty(0, np.int64)
+        self._pool: pa.Array | None = None
+
+    def pairs(self, slots: np.ndarray, raw_keys: list[bytes], codes: np.ndarray) -> np.ndarray:
+        """The pair id of each item: of rank slot `slots[i]`, raw key `raw_keys[codes[i]]`.
+        Raises ValueError for a raw key that is not a key part."""
+        found = []
+        for raw in raw_keys:
+            raw_id = self._raw_ids.get(raw)
+            if raw_id is None:
+                raw_id = self._raw_ids[raw] = len(self._raws)
+                self._raws.append(raw)
+                self._paths.append(None)
+            found.append(raw_id)
+        ids = np.array(found, np.int64)
+        if len(self._raw_ids) > self._pair.shape[1]:
+            grown = np.full((len(self.keys), 2 * len(self._raw_ids)), -1, np.int64)
+            grown[:, : self._pair.shape[1]] = self._pair
+            self._pair = grown
+        raw_of_item = ids[codes]
+        pair = self._pair[slots, raw_of_item]
+        missing = np.flatnonzero(pair < 0)
+        if len(missing):
+            width = self._pair.shape[1]
+            for combined in np.unique(slots[missing] * width + raw_of_item[missing]).tolist():
+                slot, raw_id = divmod(combined, width)
+                raw, keys = self._raws[raw_id], self.keys[slot]
+                entry = keys.known.get(raw)
+                if entry is None:  # (the key path is the same for every rank: parsed once)
+                    path = self._paths[raw_id]
+                    if path is None:
+                        path = self._paths[raw_id] = wire.key_path(raw)
+                    entry = keys.learn(raw, path)
+                out, name, skew = entry
+                self._pair[slot, raw_id] = len(self.outs)
+                self.outs.append(out)
+                self.names.append(name)
+                self.skews.append(skew)
+                self._summary_key.append(
+                    self._summary_keys.setdefault((slot, out), len(self._summary_keys))
+                )
+            self._pool = None
+            pair = self._pair[slots, raw_of_item]
+        return pair
+
+    def out_parts(self) -> tuple[pa.Array, np.ndarray]:
+        """(every pair's output key part, their lengths), by pair id."""
+        self._arrays()
+        return self._pool, self._out_lengths
+
+    def is_user(self) -> np.ndarray:
+        """By pair id: whether its key is a user key (labelled), not one of W&B's own."""
+        self._arrays()
+        return self._user
+
+    def has_skew(self) -> np.ndarray:
+        """By pair id: whether its key is one whose numbers have a spread."""
+        self._arrays()
+        return self._skew
+
+    def own_names(self) -> tuple[list[str], np.ndarray]:
+        """(W&B's own names a row keeps: all reserved names but `_step`; by pair id, the
+        index of its name among them, -1 for a user key or `_step`)."""
+        self._arrays()
+        return self._own_names, self._own_of_pair
+
+    def summary_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(by pair id: its summary key; by summary key: its rank slot, its output key part)."""
+        self._arrays()
+        return self._summary_key_of, self._summary_slot, self._summary_out
+
+    def _arrays(self) -> None:
+        if self._pool is None:
+            self._summary_key_of = np.array(self._summary_key, np.int64)
+            self._summary_slot = np.array([slot for slot, _ in self._summary_keys], np.int64)
+            self._summary_out = np.empty(len(self._summary_keys), object)
+            self._summary_out[:] = [out for _, out in self._summary_keys]
+            self._pool = pa.array(self.outs, pa.binary())
+            self._out_lengths = np.fromiter(map(len, self.outs), np.int64, len(self.outs))
+            self._user = np.array([name is None for name in self.names], bool)
+            self._skew = np.array([skew is not None for skew in self.skews], bool)
+            self._own_names = sorted({n for n in self.names if n not in (None, "_step")})
+            number = {name: i for i, name in enumerate(self._own_names)}
+            self._own_of_pair = np.array([number.get(n, -1) for n in self.names], np.int64)
+
 
 # A rank's row on its way to the merged row: its labelled items (concatenated item
-# fields), its reserved items (their names, and their fields concatenated), and (with
-# --skew-metrics) its numbers by key.
-Row = tuple[bytes, tuple[str, ...], bytes, Mapping[str, float]]
+# fields), its reserved items (the id of their names, and their fields concatenated), and
+# (with --skew-metrics) its numbers by key.
+Row = tuple[bytes, int, bytes, Mapping[str, float]]
 NO_NUMBERS: Mapping[str, float] = MappingProxyType({})  # a row's numbers without skew
 
 
 class Labelled(NamedTuple):
-    """`Row`s as columns: one list per field."""
+    """`Row`s as columns."""
 
     labelled: list[bytes]
-    names: list[tuple[str, ...]]
+    names: np.ndarray  # int64 ids (`names_of`)
     reserved: list[bytes]
     numbers: list[Mapping[str, float]]
 
 
+_NAMES: list[tuple[str, ...]] = [()]
+_NAME_IDS: dict[tuple[str, ...], int] = {(): 0}
+
+
+def name_id(names: tuple[str, ...]) -> int:
+    """One number for equal tuples of reserved names, so rows can be compared as arrays."""
+    found = _NAME_IDS.get(names)
+    if found is None:
+        found = _NAME_IDS[names] = len(_NAMES)
+        _NAMES.append(names)
+    return found
+
+
+def names_of(names_id: int) -> tuple[str, ...]:
+    return _NAMES[names_id]
+
+
 def label_row(items_of_row: list[bytes], keys: RankKeys, skew: bool) -> Row:
     """One row's `Row`, item by item (its raw item fields)."""
-    known, learn = keys.known, keys.learn
     split, item_field = wire.split_item, wire.item_field
     labelled = []
     reserved = {}
     numbers = {}
     for item in items_of_row:
         raw, value = split(item)
-        out, name, skew_key = known.get(raw) or learn(raw)
+        out, name, skew_key = keys.entry(raw)
         if name is None:
             labelled.append(item_field(out, value))
             if skew and skew_key is not None:
@@ -80,7 +213,7 @@ def label_row(items_of_row: list[bytes], keys: RankKeys, skew: bool) -> Row:
             reserved[name] = item_field(out, value)
     return (
         b"".join(labelled),
-        interned(tuple(reserved)),
+        name_id(tuple(reserved)),
         b"".join(reserved.values()),
         numbers if skew else NO_NUMBERS,
     )
@@ -90,90 +223,119 @@ def label_rows(
     data: bytes,
     starts: np.ndarray,
     ends: np.ndarray,
-    keys: RankKeys,
+    slots: np.ndarray,
+    table: KeyTable,
     skew: bool,
     batch: items.Items | None = None,
 ) -> Labelled:
-    """The `Row` of each history row (its item fields: `data[starts[i]:ends[i]]`), labelled
-    as columns when the batch path applies, else item by item. `batch`: the rows' items,
-    when the caller split them."""
+    """The `Row` of each history row (its item fields: `data[starts[i]:ends[i]]`, of the
+    rank in slot `slots[i]`), labelled as columns when the batch split holds, else item by
+    item. `batch`: the rows' items, when the caller split them."""
     if not len(starts):
-        return Labelled([], [], [], [])
+        return Labelled([], np.empty(0, np.int64), [], [])
     if batch is None:
         batch = items.split_spans(data, starts, ends)
     if batch is not None:
         try:
-            return _label_batch(batch, len(starts), keys, skew)
+            return _label_batch(batch, slots, table, skew)
         except ValueError:
             pass  # a key part that is not one: the split does not hold
     rows = [
-        label_row(wire.region_items(data[start:end]), keys, skew)
-        for start, end in zip(starts.tolist(), ends.tolist(), strict=True)
+        label_row(wire.region_items(data[start:end]), table.keys[slot], skew)
+        for start, end, slot in zip(starts.tolist(), ends.tolist(), slots.tolist(), strict=True)
     ]
-    return Labelled(*map(list, zip(*rows, strict=True)))
+    labelled, names, reserved, numbers = map(list, zip(*rows, strict=True))
+    return Labelled(labelled, np.array(names, np.int64), reserved, numbers)
 
 
-def _label_batch(batch: items.Items, count: int, keys: RankKeys, skew: bool) -> Labelled:
+def _label_batch(batch: items.Items, slots: np.ndarray, table: KeyTable, skew: bool) -> Labelled:
+    count = len(slots)
     index, raw_keys = batch.key_codes()
-    entries = [keys.known.get(raw) or keys.learn(raw) for raw in raw_keys]
-    outs = [out for out, _, _ in entries]
-    names = [name for _, name, _ in entries]
-    mine = np.flatnonzero(np.array([name is None for name in names], bool)[index])
+    pair = table.pairs(slots[batch.row], raw_keys, index)
+    user = table.is_user()
     # W&B's own items (`_runtime`, `_timestamp`; not `_step`, which the merged row sets)
-    kept = {
-        name: i
-        for i, name in enumerate(dict.fromkeys(n for n in names if n not in (None, "_step")))
-    }
-    entry_id = np.array([kept.get(name, -1) for name in names], np.int64)
-    item_id = entry_id[index]
-    own = np.flatnonzero(item_id >= 0)
+    own_names, own_of_pair = table.own_names()
+    mine = np.flatnonzero(user[pair])
+    own = np.flatnonzero(own_of_pair[pair] >= 0)
     both = np.concatenate([mine, own])
-    pieces = batch.rekeyed(both, index[both], outs)  # (one pass for both kinds of item)
-    labelled = items.join_rows(
-        pieces[: 2 * len(mine)], 2 * np.bincount(batch.row[mine], minlength=count)
-    )
-    names_of, blobs = _reserved(
-        batch.row[own], item_id[own], list(kept), pieces[2 * len(mine) :], count
+    fields = _fields(batch, both, pair[both], table)  # (one pass for both kinds of item)
+    labelled = items.join_rows(fields[: len(mine)], np.bincount(batch.row[mine], minlength=count))
+    names_of_rows, blobs = _reserved(
+        batch.row[own], own_of_pair[pair[own]], own_names, fields[len(mine) :], count
     )
     if not skew:
-        return Labelled(labelled, names_of, blobs, [NO_NUMBERS] * count)
+        return Labelled(labelled, names_of_rows, blobs, [NO_NUMBERS] * count)
     numbers: list[dict[str, float]] = [{} for _ in range(count)]
-    skew_keys = [skew_key for _, _, skew_key in entries]
-    where = np.flatnonzero(np.array([k is not None for k in skew_keys], bool)[index])
+    skews = table.skews
+    where = np.flatnonzero(table.has_skew()[pair])
     texts = batch.json(where).to_pylist()
-    for row, entry, text in zip(
-        batch.row[where].tolist(), index[where].tolist(), texts, strict=True
+    for row, pair_id, text in zip(
+        batch.row[where].tolist(), pair[where].tolist(), texts, strict=True
     ):
         try:
-            numbers[row][skew_keys[entry]] = float(text)
+            numbers[row][skews[pair_id]] = float(text)
         except ValueError:
             pass
-    return Labelled(labelled, names_of, blobs, numbers)
+    return Labelled(labelled, names_of_rows, blobs, numbers)
+
+
+def _fields(batch: items.Items, which: np.ndarray, pair: np.ndarray, table: KeyTable) -> pa.Array:
+    """The items `which` as item fields again, item `which[i]` with the output key part of
+    pair `pair[i]`: tag, length, key part, value part, built as arrays."""
+    values = batch.values(which)
+    pool, lengths = table.out_parts()
+    keys = pool.take(pair)
+    total = lengths[pair] + pc.binary_length(values).to_numpy(zero_copy_only=False)
+    return pc.binary_join_element_wise(_heads(total), keys, values, b"")
+
+
+def _heads(sizes: np.ndarray) -> pa.Array:
+    """`0a` and the varint of each size: the head of an item field of that size."""
+    widths = np.ones(len(sizes), np.int64)
+    for bits in range(7, 64, 7):
+        widths += sizes >= (1 << bits)
+    offsets = np.zeros(len(sizes) + 1, np.int64)
+    np.cumsum(widths + 1, out=offsets[1:])
+    data = np.empty(int(offsets[-1]), np.uint8)
+    data[offsets[:-1]] = 0x0A
+    rest = sizes.copy()
+    for byte in range(int(widths.max(initial=1))):
+        here = np.flatnonzero(widths > byte)
+        more = widths[here] > byte + 1
+        data[offsets[:-1][here] + 1 + byte] = (rest[here] & 0x7F) | np.where(more, 0x80, 0)
+        rest >>= 7
+    return pa.Array.from_buffers(
+        pa.large_binary(), len(sizes), [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+    ).cast(pa.binary())
 
 
 def _reserved(
-    rows: np.ndarray, item_id: np.ndarray, by_id: list[str], pieces: pa.Array, count: int
-) -> tuple[list[tuple[str, ...]], list[bytes]]:
-    """Each row's reserved items (`_runtime`, `_timestamp`, ...): their names, and their
-    fields concatenated in row order, as `label_row` gives them. Item i is in row `rows[i]`,
-    named `by_id[item_id[i]]`, its field the two `pieces` from 2 i."""
+    rows: np.ndarray, item_id: np.ndarray, by_id: list[str], fields: pa.Array, count: int
+) -> tuple[np.ndarray, list[bytes]]:
+    """Each row's reserved items (`_runtime`, `_timestamp`, ...): the id of their names, and
+    their fields concatenated in row order, as `label_row` gives them. Item i is in row
+    `rows[i]`, named `by_id[item_id[i]]`, its field `fields[i]`."""
     if not len(rows):
-        return [()] * count, [b""] * count
+        return np.zeros(count, np.int64), [b""] * count
     per_row = np.bincount(rows, minlength=count)
     width = int(per_row[0])
     if width and (per_row == width).all():  # the usual: every row the same names in order
         grid = item_id.reshape(count, width)
         if len(set(grid[0].tolist())) == width and (grid == grid[0]).all():
-            names_tuple = interned(tuple(by_id[i] for i in grid[0].tolist()))
-            return [names_tuple] * count, items.join_rows(pieces, 2 * per_row)
+            names = name_id(tuple(by_id[i] for i in grid[0].tolist()))
+            return np.full(count, names, np.int64), items.join_rows(fields, per_row)
     per_name = np.bincount(rows * len(by_id) + item_id, minlength=count * len(by_id))
     if (per_name > 1).any():  # a name twice in a row: the last one counts, as in `label_row`
         dicts: list[dict[str, bytes]] = [{} for _ in range(count)]
-        fields = items.join_rows(pieces, np.full(len(rows), 2))
-        for row, name_id, field in zip(rows.tolist(), item_id.tolist(), fields, strict=True):
-            dicts[row][by_id[name_id]] = field
-        return [tuple(d) for d in dicts], [b"".join(d.values()) for d in dicts]
-    blobs = items.join_rows(pieces, 2 * per_row)
+        for row, name, field in zip(
+            rows.tolist(), item_id.tolist(), fields.to_pylist(), strict=True
+        ):
+            dicts[row][by_id[name]] = field
+        return (
+            np.array([name_id(tuple(d)) for d in dicts], np.int64),
+            [b"".join(d.values()) for d in dicts],
+        )
+    blobs = items.join_rows(fields, per_row)
     # a row's names in its order, as one number: its items' ids + 1 as digits, in base n + 1
     first = np.ones(len(rows), bool)
     first[1:] = rows[1:] != rows[:-1]
@@ -185,18 +347,9 @@ def _reserved(
     for nth in range(int(position.max()) + 1):
         at = position == nth
         order_key[rows[at]] = order_key[rows[at]] * base + digits[at]
-    spelled = {
-        key: interned(_names_of_key(key, base, by_id)) for key in np.unique(order_key).tolist()
-    }
-    return [spelled[key] for key in order_key.tolist()], blobs
-
-
-_NAMES: dict[tuple[str, ...], tuple[str, ...]] = {}
-
-
-def interned(names: tuple[str, ...]) -> tuple[str, ...]:
-    """One tuple object for equal names, so rows can be compared by identity."""
-    return _NAMES.setdefault(names, names)
+    keys, inverse = np.unique(order_key, return_inverse=True)
+    spelled = np.array([name_id(_names_of_key(key, base, by_id)) for key in keys.tolist()])
+    return spelled[inverse].astype(np.int64), blobs
 
 
 def _names_of_key(key: int, base: int, by_id: list[str]) -> tuple[str, ...]:
@@ -210,56 +363,53 @@ def _names_of_key(key: int, base: int, by_id: list[str]) -> tuple[str, ...]:
 def fold_summaries(
     frames: Frames,
     which: np.ndarray,
-    keys: RankKeys,
-    summary: dict[bytes, bytes],
+    slots: np.ndarray,
+    table: KeyTable,
+    summaries: list[dict[bytes, bytes]],
     batch: items.Items | None = None,
 ) -> None:
-    """Fold the summary records `which`, in order, into the rank's `summary` (output key
-    part -> value part, in the order the keys were first set; the last value of a key
-    wins). `batch`: their items, when the caller split them."""
+    """Fold the summary records `which` (of the ranks in slots `slots`), in order, into
+    each rank's summary (`summaries[slot]`: output key part -> value part, in the order the
+    keys were first set; the last value of a key wins). `batch`: their items, when the
+    caller split them."""
     if not len(which):
         return
     if batch is None:
         starts, ends = records.body_spans(frames, which, 0x1A)
         if (starts >= 0).all():
             batch = items.split_spans(frames.data, starts, ends)
+    pair = None
     if batch is not None:
         try:
             index, raw_keys = batch.key_codes()
-            entries = [keys.known.get(raw) or keys.learn(raw) for raw in raw_keys]
+            pair = table.pairs(slots[batch.row], raw_keys, index)
         except ValueError:
-            batch = None
-    if batch is None:  # (a removed key, say)
-        for record in which.tolist():
-            _fold_summary(frames.payload(record), keys, summary)
+            pair = None
+    if pair is None:  # (a removed key, say)
+        for record, slot in zip(which.tolist(), slots.tolist(), strict=True):
+            _fold_summary(frames.payload(record), table.keys[slot], summaries[slot])
         return
     # As item by item: a key keeps the place where it was first set and takes its last
-    # value, also when two spellings of a key share an output key. (The dictionary may hold
-    # keys of the rows split with these records, which no summary here sets.)
-    positions = np.arange(len(index))
-    first = np.full(len(entries), len(index), np.int64)
-    last = np.full(len(entries), -1, np.int64)
-    np.minimum.at(first, index, positions)
-    np.maximum.at(last, index, positions)
-    first_of: dict[bytes, int] = {}
-    last_of: dict[bytes, int] = {}
-    for entry in np.flatnonzero(last >= 0).tolist():
-        out = entries[entry][0]
-        first_of[out] = min(first_of.get(out, len(index)), int(first[entry]))
-        last_of[out] = max(last_of.get(out, -1), int(last[entry]))
-    outs = sorted(first_of, key=first_of.__getitem__)
-    values = batch.values(np.array([last_of[out] for out in outs], np.int64)).to_pylist()
-    for out, value in zip(outs, values, strict=True):
-        summary[out] = value
+    # value, also when two spellings of a key share an output key.
+    key_of_pair, key_slot, key_out = table.summary_keys()
+    key = key_of_pair[pair]
+    seen, first = np.unique(key, return_index=True)
+    last = np.full(len(key_slot), -1, np.int64)
+    np.maximum.at(last, key, np.arange(len(key)))
+    keys = seen[np.argsort(first)]
+    values = batch.values(last[keys]).to_pylist()
+    for slot, out, value in zip(
+        key_slot[keys].tolist(), key_out[keys].tolist(), values, strict=True
+    ):
+        summaries[slot][out] = value
 
 
 def _fold_summary(payload: bytes, keys: RankKeys, summary: dict[bytes, bytes]) -> None:
-    known, learn = keys.known, keys.learn
     split = wire.split_item
     updates, removes = wire.summary_items(payload)
     for item in updates:
         raw, value = split(item)
-        summary[(known.get(raw) or learn(raw))[0]] = value
+        summary[keys.entry(raw)[0]] = value
     for item in removes:
         raw = split(item)[0]
-        summary.pop((known.get(raw) or learn(raw))[0], None)
+        summary.pop(keys.entry(raw)[0], None)

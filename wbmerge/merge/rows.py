@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from operator import itemgetter
 
 import numpy as np
 
 from .. import wire
 from ..spread import spread
 from ..txlog import LogWriter
-from .labels import RankKeys, Row
+from .labels import Labelled, RankKeys, Row, names_of
 
 STEP_KEY = wire.key_part(["_step"])
 
@@ -20,18 +19,29 @@ STEP_KEY = wire.key_part(["_step"])
 @dataclass
 class Rows:
     """History rows on their way to merged rows, as columns: row i is of rank `ranks[i]` at
-    `steps[i]`, its `Row` the i-th of the other columns."""
+    `steps[i]`, its `Row` the i-th of the other columns (object arrays, so that taking rows
+    is an array operation)."""
 
     steps: np.ndarray  # int64
     ranks: np.ndarray  # int64
-    labelled: list[bytes]
-    names: list[tuple[str, ...]]
-    reserved: list[bytes]
-    numbers: list
+    labelled: np.ndarray  # bytes
+    names: np.ndarray  # int64 ids of the reserved names (`labels.names_of`)
+    reserved: np.ndarray  # bytes
+    numbers: np.ndarray  # mappings
 
     @classmethod
     def empty(cls) -> Rows:
-        return cls(np.empty(0, np.int64), np.empty(0, np.int64), [], [], [], [])
+        empty = np.empty(0, object)
+        return cls(
+            np.empty(0, np.int64), np.empty(0, np.int64), empty, np.empty(0, np.int64), empty, empty
+        )
+
+    @classmethod
+    def of(cls, steps: np.ndarray, ranks: np.ndarray, labelled: Labelled) -> Rows:
+        return cls(
+            steps, ranks, _objects(labelled.labelled), labelled.names,
+            _objects(labelled.reserved), _objects(labelled.numbers),
+        )  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -40,19 +50,10 @@ class Rows:
         return self.labelled[index], self.names[index], self.reserved[index], self.numbers[index]
 
     def take(self, which: slice | np.ndarray) -> Rows:
-        if isinstance(which, slice):
-            pick = itemgetter(which)
-        else:
-            indices = which.tolist()
-            pick = lambda column: [column[i] for i in indices]  # noqa: E731
         return Rows(
-            self.steps[which],
-            self.ranks[which],
-            pick(self.labelled),
-            pick(self.names),
-            pick(self.reserved),
-            pick(self.numbers),
-        )
+            self.steps[which], self.ranks[which], self.labelled[which], self.names[which],
+            self.reserved[which], self.numbers[which],
+        )  # fmt: skip
 
     @staticmethod
     def concat(parts: list[Rows]) -> Rows:
@@ -62,12 +63,7 @@ class Rows:
         if not parts:
             return Rows.empty()
         return Rows(
-            np.concatenate([part.steps for part in parts]),
-            np.concatenate([part.ranks for part in parts]),
-            [x for part in parts for x in part.labelled],
-            [x for part in parts for x in part.names],
-            [x for part in parts for x in part.reserved],
-            [x for part in parts for x in part.numbers],
+            *(np.concatenate(columns) for columns in zip(*map(_columns, parts), strict=True))
         )
 
     def sorted(self) -> Rows:
@@ -77,6 +73,16 @@ class Rows:
             return self
         ordered = (steps[1:] > steps[:-1]) | ((steps[1:] == steps[:-1]) & (ranks[1:] > ranks[:-1]))
         return self if ordered.all() else self.take(np.lexsort((ranks, steps)))
+
+
+def _columns(rows: Rows) -> tuple[np.ndarray, ...]:
+    return rows.steps, rows.ranks, rows.labelled, rows.names, rows.reserved, rows.numbers
+
+
+def _objects(values: list) -> np.ndarray:
+    array = np.empty(len(values), object)
+    array[:] = values
+    return array
 
 
 def merged_row(step: int, rows: list[tuple[int, Row]], primary: int, skew: bool) -> bytes:
@@ -89,8 +95,9 @@ def merged_row(step: int, rows: list[tuple[int, Row]], primary: int, skew: bool)
     _, (_, names, blob, _) = rows[0]
     parts.append(blob)
     if len(rows) > 1:
-        have = set(names)
-        for _, (_, more, blob, _) in rows[1:]:
+        have = set(names_of(names))
+        for _, (_, more_id, blob, _) in rows[1:]:
+            more = names_of(more_id)
             if not have.issuperset(more):  # a reserved key the first row lacks: the next's
                 for name, field in zip(more, wire.region_items(blob), strict=True):
                     if name not in have:
@@ -121,30 +128,32 @@ def write_merged(rows: Rows, writer: LogWriter, primary: int, skew: bool) -> int
         return 0
     steps = rows.steps
     firsts = np.flatnonzero(np.concatenate([[True], steps[1:] != steps[:-1]]))
-    labelled, names, reserved = rows.labelled, rows.names, rows.reserved
-    one_names = len({id(n) for n in names}) == 1  # (names are interned)
+    labelled, reserved = rows.labelled, rows.reserved
+    # the steps whose rows do not all have the first row's reserved names
+    names = rows.names
+    differs = names != np.repeat(names[firsts], np.diff(np.append(firsts, count)))
+    odd = np.zeros(len(firsts), bool)
+    odd[np.searchsorted(firsts, np.flatnonzero(differs), "right") - 1] = True
+    if not skew:
+        odd |= rows.ranks[firsts] != primary
     pieces: list[bytes] = []
     ends: list[int] = []
     end = 0
-    for a, b, step, first_rank in zip(
+    for a, b, step, slow in zip(
         firsts.tolist(),
         [*firsts[1:].tolist(), count],
         steps[firsts].tolist(),
-        rows.ranks[firsts].tolist(),
+        odd.tolist() if not skew else [True] * len(firsts),
         strict=True,
     ):
-        if (
-            skew
-            or first_rank != primary
-            or (not one_names and any(n != names[a] for n in names[a + 1 : b]))
-        ):
+        if slow:
             ranks = rows.ranks[a:b].tolist()
             group = [(rank, rows.row(i)) for i, rank in zip(range(a, b), ranks, strict=True)]
             record = merged_row(step, group, primary, skew)
             pieces.append(record)
             end += len(record)
         else:  # the common case: the primary's row first, every row with the same own keys
-            parts = labelled[a:b]
+            parts = labelled[a:b].tolist()
             parts.append(wire.item_field(STEP_KEY, wire.value_part(str(step))))
             parts.append(reserved[a])
             record_pieces, length = wire.history_pieces(parts, step)

@@ -11,8 +11,6 @@ passes over the ranks' logs, so memory does not grow with the number of steps.
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
@@ -25,32 +23,42 @@ from ..proto import pb
 from ..records import KIND_NAMES, record_kind
 from ..stagefiles import files_record
 from ..steps import Steps
-from ..txlog import BLOCK_SIZE, LogWriter, ReadReport, read_frames, read_payloads
+from ..txlog import BLOCK_SIZE, Frames, LogWriter, read_payloads
 from .console import PASS_TWO, Spools, SpoolWriter, write_console_and_stats
-from .labels import RankKeys, fold_summaries, label_rows
+from .labels import KeyTable, Labelled, RankKeys, fold_summaries, label_rows
 from .options import MergeOptions
 from .outcome import Outcome, damage_warnings, is_record, not_a_record
+from .readers import RankReaders, SourceRead
 from .rows import Rows, final_summary, write_merged
 from .runrecord import exit_code, exit_record, rewrite_run
 
-READ_BLOCKS = 64  # the most a rank's stream reads at once: 2 MiB
+# What all ranks' reads may hold at once: each rank reads this divided by the number of
+# ranks (at least a block, at most 64: 2 MiB), and one turn reads at most this much.
+READ_BUDGET = 16 << 20
+_MAX_BLOCKS = 64
 _HISTORY = records.code("history")
 _SUMMARY = records.code("summary")
+_BEFORE_ALL = (-2, 0)  # a key before every row and record: a rank that has read nothing yet
 
 # The records other than rows that pass 1 writes, keyed (step of the row before, 1, rank, n)
 Events = list[tuple[tuple, bytes]]
-Batch = tuple[Rows, Events]  # what a rank's stream gives per read
 
 
 @dataclass
 class RankState:
-    """What one rank's pass-1 stream accumulates besides its rows: O(keys), not O(steps)."""
+    """What one rank's pass-1 reads accumulate besides its rows: O(keys), not O(steps)."""
 
     source: Source  # first restart (label, rank)
     keys: RankKeys
+    slot: int  # its place in the key table
     summary: dict[bytes, bytes] = field(default_factory=dict)  # output key part -> value part
     exit_payload: bytes | None = None
     complete: bool = False
+    steps: Steps = field(default_factory=Steps)
+    seq: int = 0  # records other than rows so far
+    spool: SpoolWriter | None = None
+    last_key: tuple = _BEFORE_ALL  # the key of the last row or record read
+    last_rows: int = 0  # rows in its last read
 
 
 def write_shared(
@@ -65,7 +73,14 @@ def write_shared(
 
 
 class SharedMerge:
-    """One shared target being merged: what its passes share, and what they found."""
+    """One shared target being merged: what its passes share, and what they found.
+
+    Pass 1 reads the ranks in turns (`RankReaders`): each turn, the ranks whose rows are
+    nearly all written read their next blocks, all together, and their rows are labelled
+    together (`labels`); then everything every rank has read up to the least key any rank
+    has reached is final and written (`_write_ready`). Rows are keyed (step, 0, rank), other
+    records (step of the rank's row before, 1, rank, n), so that each follows its row.
+    """
 
     def __init__(
         self,
@@ -84,10 +99,17 @@ class SharedMerge:
         for source in target.sources:
             self.by_rank.setdefault(source.rank.rank, []).append(source)
         self.states = {
-            rank: RankState(sources[0], RankKeys(sources[0].label, options.key_format))
-            for rank, sources in self.by_rank.items()
+            rank: RankState(sources[0], RankKeys(sources[0].label, options.key_format), slot)
+            for slot, (rank, sources) in enumerate(self.by_rank.items())
         }
+        self.table = KeyTable([state.keys for state in self.states.values()])
+        self.summaries = [state.summary for state in self.states.values()]
+        self.slot_rank = np.array(list(self.by_rank), np.int64)
         self.outcome = Outcome()
+        self.warnings: dict[tuple[int, int], list[str]] = {}  # by (rank, restart index)
+        self.pending = Rows.empty()  # rows read, not yet written
+        self.events: Events = []  # other records read, not yet written
+        self.seen: set[bytes] = set()  # the same definition or file list from several ranks
 
     def run(self, scratch: Path) -> Outcome:
         writer = self.writer
@@ -101,6 +123,9 @@ class SharedMerge:
         with Spools(scratch) as spools:
             self._write_rows(spools)
             write_console_and_stats(self.by_rank, writer, spools)
+        for rank, sources in self.by_rank.items():  # in the order of the sources
+            for index in range(len(sources)):
+                self.outcome.warnings += self.warnings.get((rank, index), [])
         # The end: every rank's final summary, one exit record (the primary's).
         summaries = {rank: (state.keys, state.summary) for rank, state in self.states.items()}
         writer.write(final_summary(summaries, self.primary))
@@ -109,97 +134,172 @@ class SharedMerge:
         return self.outcome
 
     def _write_rows(self, spools: Spools) -> None:
-        """Pass 1: rows by step, with what travels with them. Each rank's log is read a few
-        MiB at a time, whose rows are labelled as columns: together a few tens of MB held."""
-        read_size = BLOCK_SIZE * max(8, min(READ_BLOCKS, 1024 // len(self.by_rank)))
-        streams = [
-            self._rank_batches(sources, self.states[rank], read_size, spools)
-            for rank, sources in self.by_rank.items()
-        ]
-        seen: set[bytes] = set()  # the same definition or file list from several ranks
-        held = Rows.empty()  # the last step's rows: more ranks' rows of it may come next
-        for ready, others in merge_batches(streams):
-            rows = Rows.concat([held, ready]).sorted()
-            done = 0
-            for key, event in others:  # each after the rows up to its step
-                at = int(np.searchsorted(rows.steps, key[0], side="right"))
-                self._write_merged(rows.take(slice(done, at)))
-                done = max(done, at)
-                if event not in seen:
-                    seen.add(event)
-                    self.writer.write(event)
-            keep = int(np.searchsorted(rows.steps, rows.steps[-1])) if len(rows) else done
-            keep = max(keep, done)
-            self._write_merged(rows.take(slice(done, keep)))
-            held = rows.take(slice(keep, None))
-        self._write_merged(held)
+        """Pass 1: rows by step, with what travels with them, a turn at a time."""
+        ranks = len(self.by_rank)
+        blocks = max(1, min(_MAX_BLOCKS, READ_BUDGET // (BLOCK_SIZE * ranks)))
+        per_turn = max(1, READ_BUDGET // (BLOCK_SIZE * blocks))
+        readers = RankReaders(
+            {rank: [s.path for s in sources] for rank, sources in self.by_rank.items()}
+        )
+        try:
+            while live := readers.live():
+                frames, reads = readers.read(self._due(live, per_turn), blocks)
+                self._take_in(frames, reads, spools)
+                left = readers.live()
+                self._write_ready(min(self.states[r].last_key for r in left) if left else None)
+        finally:
+            readers.close()
+        self._write_ready(None)
+
+    def _due(self, live: list[int], most: int) -> list[int]:
+        """The ranks to read next: those whose rows read are written but for half a read,
+        the furthest behind first, at most `most`. (The one furthest behind has none left.)"""
+        counts: dict[int, int] = {}
+        if len(self.pending):
+            found, number = np.unique(self.pending.ranks, return_counts=True)
+            counts = dict(zip(found.tolist(), number.tolist(), strict=True))
+        due = [
+            rank for rank in live
+            if counts.get(rank, 0) <= self.states[rank].last_rows // 2
+        ]  # fmt: skip
+        due.sort(key=lambda rank: self.states[rank].last_key)
+        return due[:most]
+
+    def _take_in(self, frames: Frames, reads: list[SourceRead], spools: Spools) -> None:
+        """Label the rows of a turn's reads, fold their summaries, and set aside the rest."""
+        codes = records.kinds(frames)
+        history = np.flatnonzero(codes == _HISTORY)
+        rows = records.history_rows(frames, history)
+        placed = np.empty(len(history), np.int64)
+        ranges = np.cumsum([0, *(read.records for read in reads)])
+        history_ranges = np.searchsorted(history, ranges)
+        for read, lo, hi, h_lo, h_hi in zip(
+            reads, ranges[:-1].tolist(), ranges[1:].tolist(),
+            history_ranges[:-1].tolist(), history_ranges[1:].tolist(), strict=True,
+        ):  # fmt: skip
+            state = self.states[read.rank]
+            source = self.by_rank[read.rank][read.source]
+            if read.starts:
+                state.steps.restart()
+                state.exit_payload = None
+                state.spool = spools.writer(source)
+            before = state.steps.last
+            placed[h_lo:h_hi] = state.steps.place_rows(rows.steps[h_lo:h_hi])
+            state.last_rows = h_hi - h_lo
+            if h_hi > h_lo and state.steps.last >= 0:
+                state.last_key = max(state.last_key, (state.steps.last, 0, read.rank))
+            others = lo + np.flatnonzero((codes[lo:hi] != _HISTORY) & (codes[lo:hi] != _SUMMARY))
+            if len(others):
+                # the last step placed before each other record: it follows that row
+                last = np.maximum.accumulate(np.concatenate([[before], placed[h_lo:h_hi]]))
+                at_row = np.searchsorted(history[h_lo:h_hi], others)
+                for record, after in zip(others.tolist(), last[at_row].tolist(), strict=True):
+                    event = self._other_event(
+                        frames.payload(record), KIND_NAMES[codes[record]], state, read.source,
+                        source, state.spool,
+                    )  # fmt: skip
+                    if event is not None:
+                        state.seq += 1
+                        key = (after, 1, read.rank, state.seq)
+                        self.events.append((key, event))
+                        state.last_key = max(state.last_key, key)
+            if read.ended:
+                state.complete = state.exit_payload is not None
+                more = read.source < len(self.by_rank[read.rank]) - 1
+                self._warn(read.rank, read.source, damage_warnings(
+                    source, read.report, state.complete or more, self.primary
+                ))  # fmt: skip
+        kept = placed >= 0
+        slot_of_record = np.repeat(
+            np.array([self.states[read.rank].slot for read in reads], np.int64),
+            [read.records for read in reads],
+        )
+        row_slots = slot_of_record[history[kept]]
+        starts, ends = rows.starts[kept], rows.ends[kept]
+        summaries = np.flatnonzero(codes == _SUMMARY)
+        summary_slots = slot_of_record[summaries]
+        summary_starts, summary_ends = records.body_spans(frames, summaries, 0x1A)
+        row_items = summary_items = None
+        if rows.data is frames.data and (summary_starts >= 0).all():
+            # the rows' items and the summaries' in one split: one dictionary of keys
+            both = items.split_spans(
+                frames.data,
+                np.concatenate([starts, summary_starts]),
+                np.concatenate([ends, summary_ends]),
+            )
+            if both is not None:
+                both.key_codes()  # once, for both parts
+                row_items = both.rows(0, len(starts))
+                summary_items = both.rows(len(starts), len(starts) + len(summaries))
+        if row_items is None and len(reads) > 1:  # one odd read: the others still as columns
+            labelled = self._label_by_rank(rows.data, starts, ends, row_slots)
+            self._fold_by_rank(frames, summaries, summary_slots)
+        else:
+            fold_summaries(
+                frames, summaries, summary_slots, self.table, self.summaries, summary_items
+            )
+            labelled = label_rows(
+                rows.data, starts, ends, row_slots, self.table, self.skew, row_items
+            )
+        self.pending = Rows.concat(
+            [self.pending, Rows.of(placed[kept], self.slot_rank[row_slots], labelled)]
+        )
+
+    def _label_by_rank(
+        self, data: bytes, starts: np.ndarray, ends: np.ndarray, slots: np.ndarray
+    ) -> Labelled:
+        """`label_rows` of each rank's rows on their own (rows of a rank are together)."""
+        bounds = np.flatnonzero(np.diff(slots)) + 1
+        parts = [
+            label_rows(data, s, e, k, self.table, self.skew)
+            for s, e, k in zip(
+                np.split(starts, bounds), np.split(ends, bounds), np.split(slots, bounds),
+                strict=True,
+            )
+        ]  # fmt: skip
+        return Labelled(
+            [x for part in parts for x in part.labelled],
+            np.concatenate([part.names for part in parts]),
+            [x for part in parts for x in part.reserved],
+            [x for part in parts for x in part.numbers],
+        )
+
+    def _fold_by_rank(self, frames: Frames, summaries: np.ndarray, slots: np.ndarray) -> None:
+        bounds = np.flatnonzero(np.diff(slots)) + 1
+        for which, own in zip(np.split(summaries, bounds), np.split(slots, bounds), strict=True):
+            fold_summaries(frames, which, own, self.table, self.summaries)
+
+    def _write_ready(self, bound: tuple | None) -> None:
+        """Write every row and record up to `bound`, the least key any live rank has reached
+        (None: all), in key order. Every row at the bound's step is here already: a rank
+        reads in key order, and each has reached the bound."""
+        pending = self.pending
+        ready = np.ones(len(pending), bool) if bound is None else pending.steps <= bound[0]
+        rows = pending.take(np.flatnonzero(ready)).sorted()
+        self.pending = pending.take(np.flatnonzero(~ready))
+        events = self.events
+        if bound is not None:
+            events = [event for event in events if event[0] <= bound]
+            self.events = [event for event in self.events if event[0] > bound]
+        else:
+            self.events = []
+        events.sort(key=itemgetter(0))
+        done = 0
+        for key, event in events:  # each after the rows up to its step
+            at = int(np.searchsorted(rows.steps, key[0], side="right"))
+            self._write_merged(rows.take(slice(done, at)))
+            done = max(done, at)
+            if event not in self.seen:
+                self.seen.add(event)
+                self.writer.write(event)
+        self._write_merged(rows.take(slice(done, None)))
 
     def _write_merged(self, rows: Rows) -> None:
         self.outcome.history_rows += write_merged(rows, self.writer, self.primary, self.skew)
         self.outcome.source_rows += len(rows)
 
-    def _rank_batches(
-        self, sources: list[Source], state: RankState, read_size: int, spools: Spools
-    ) -> Iterator[Batch]:
-        """One rank's pass-1 rows and other events, in batches (a read of its log each),
-        keyed so that a merge of the ranks' streams aligns them by step.
-
-        History rows have key (step, 0, rank); other records (step of the last row, 1, rank,
-        n) so they follow the row they were written after. Restarts are concatenated.
-        """
-        rank = state.source.rank.rank
-        steps = Steps()
-        seq = 0
-        for index, source in enumerate(sources):
-            report = ReadReport()
-            steps.restart()
-            state.exit_payload = None
-            spool = spools.writer(source)
-            for frames in read_frames(source.path, report, read_size):
-                codes = records.kinds(frames)
-                history = np.flatnonzero(codes == _HISTORY)
-                rows = records.history_rows(frames, history)
-                before = steps.last
-                placed = steps.place_rows(rows.steps)
-                kept = placed >= 0
-                starts, ends = rows.starts[kept], rows.ends[kept]
-                summaries = np.flatnonzero(codes == _SUMMARY)
-                summary_starts, summary_ends = records.body_spans(frames, summaries, 0x1A)
-                row_items = summary_items = None
-                if rows.data is frames.data and (summary_starts >= 0).all():
-                    # the rows' items and the summaries' in one split: one dictionary of keys
-                    both = items.split_spans(
-                        frames.data,
-                        np.concatenate([starts, summary_starts]),
-                        np.concatenate([ends, summary_ends]),
-                    )
-                    if both is not None:
-                        both.key_codes()  # once, for both parts
-                        row_items = both.rows(0, len(starts))
-                        summary_items = both.rows(len(starts), len(starts) + len(summaries))
-                fold_summaries(frames, summaries, state.keys, state.summary, summary_items)
-                labelled = label_rows(rows.data, starts, ends, state.keys, self.skew, row_items)
-                placed_rows = Rows(placed[kept], np.full(len(starts), rank, np.int64), *labelled)
-                others_events: Events = []
-                others = np.flatnonzero((codes != _HISTORY) & (codes != _SUMMARY))
-                if len(others):
-                    # the last step placed before each other record: it follows that row
-                    last = np.maximum.accumulate(np.concatenate([[before], placed]))
-                    at_row = np.searchsorted(history, others)
-                    for record, after in zip(others.tolist(), last[at_row].tolist(), strict=True):
-                        event = self._other_event(
-                            frames.payload(record), KIND_NAMES[codes[record]], state, index,
-                            source, spool,
-                        )  # fmt: skip
-                        if event is not None:
-                            seq += 1
-                            others_events.append(((after, 1, rank, seq), event))
-                if len(placed_rows) or others_events:
-                    yield placed_rows, others_events
-            state.complete = state.exit_payload is not None
-            self.outcome.warnings += damage_warnings(
-                source, report, state.complete or index < len(sources) - 1, self.primary
-            )
+    def _warn(self, rank: int, restart: int, warnings: list[str]) -> None:
+        self.warnings.setdefault((rank, restart), []).extend(warnings)
 
     def _other_event(
         self,
@@ -217,22 +317,27 @@ class SharedMerge:
         elif kind == "metric":
             return _labelled_metric(payload, state.source.label, self.options.key_format)
         elif kind == "files":
-            return files_record(payload, source, self.outcome.warnings, staged=self.file_map)
+            warnings: list[str] = []
+            record = files_record(payload, source, warnings, staged=self.file_map)
+            self._warn(state.source.rank.rank, restart, warnings)
+            return record
         elif kind in PASS_TWO:
             spool.write(payload)
         elif kind in ("header", "run"):
             pass  # written once by the caller
         elif state.source.rank.rank == self.primary:
             if restart == 0 or kind not in ("environment", "telemetry"):
-                return self._checked(payload, source)  # (a restart: the same machine again)
+                return self._checked(
+                    payload, source, restart
+                )  # (a restart: the same machine again)
         elif kind in ("artifact", "use_artifact", "alert"):
-            return self._checked(payload, source)
+            return self._checked(payload, source, restart)
         return None
 
-    def _checked(self, payload: bytes, source: Source) -> bytes | None:
+    def _checked(self, payload: bytes, source: Source, restart: int) -> bytes | None:
         if is_record(payload):
             return payload
-        self.outcome.warnings.append(not_a_record(source))
+        self._warn(source.rank.rank, restart, [not_a_record(source)])
         return None
 
 
@@ -246,58 +351,11 @@ def _labelled_metric(payload: bytes, label: str, key_format: str) -> bytes:
     return record.SerializeToString()
 
 
-def merge_batches(streams: list[Iterator[Batch]]) -> Iterator[Batch]:
-    """The rows and other events of every stream in key order, in batches. Each stream
-    gives batches of rows (in step order, keys (step, 0, rank)) and of other events (sorted
-    by key), keys unique across streams, each batch after the stream's last.
-
-    What every stream has up to the smallest of their batches' last keys is final: those
-    rows and those events are given out, and emptied streams read their next batch.
-    """
-    pending: list[Batch] = []
-    live: list[Iterator[Batch]] = []
-    for stream in streams:
-        batch = next(stream, None)
-        if batch is not None:
-            pending.append(batch)
-            live.append(stream)
-    first_key = itemgetter(0)
-    while live:
-        bound = min(map(_last_key, pending))
-        ready_rows: list[Rows] = []
-        ready_others: Events = []
-        for index, (rows, others) in enumerate(pending):
-            through = _rows_through(rows, bound)
-            cut = bisect_right(others, bound, key=first_key)
-            ready_rows.append(rows.take(slice(0, through)))
-            ready_others += others[:cut]
-            pending[index] = rows.take(slice(through, None)), others[cut:]
-        ready_others.sort(key=first_key)
-        yield Rows.concat(ready_rows).sorted(), ready_others
-        for index in reversed(range(len(live))):
-            if not len(pending[index][0]) and not pending[index][1]:
-                batch = next(live[index], None)
-                if batch is None:
-                    del live[index], pending[index]
-                else:
-                    pending[index] = batch
-
-
-def _last_key(batch: Batch) -> tuple:
-    rows, others = batch
-    keys = [others[-1][0]] if others else []
-    if len(rows):
-        keys.append((int(rows.steps[-1]), 0, int(rows.ranks[-1])))
-    return max(keys)
-
-
-def _rows_through(rows: Rows, bound: tuple) -> int:
-    """How many of a rank's rows (in step order) have keys (step, 0, rank) up to `bound`."""
-    through = int(np.searchsorted(rows.steps, bound[0]))
-    if (
-        through < len(rows)
-        and rows.steps[through] == bound[0]
-        and (bound[1] > 0 or rows.ranks[through] <= bound[2])
-    ):
-        through += 1
-    return through
+def _labelled_metric(payload: bytes, label: str, key_format: str) -> bytes:
+    record = pb.Record.FromString(payload)
+    metric = record.metric
+    if metric.name and not metric.name.startswith("_"):
+        metric.name = key_format.format(key=metric.name, label=label)
+    if metric.step_metric and not metric.step_metric.startswith("_"):
+        metric.step_metric = key_format.format(key=metric.step_metric, label=label)
+    return record.SerializeToString()
