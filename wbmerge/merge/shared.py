@@ -33,8 +33,10 @@ from .rows import Rows, final_summary, write_merged
 from .runrecord import exit_code, exit_record, rewrite_run
 
 # What all ranks' reads may hold at once: each rank reads this divided by the number of
-# ranks (at least a block, at most 64: 2 MiB), and one turn reads at most this much.
+# ranks (at least a block, at most 64: 2 MiB). A turn reads at most TURN_BUDGET (or one
+# rank's read): its arrays stay small enough for the processor's caches.
 READ_BUDGET = 16 << 20
+TURN_BUDGET = 4 << 20
 _MAX_BLOCKS = 64
 _HISTORY = records.code("history")
 _SUMMARY = records.code("summary")
@@ -137,7 +139,7 @@ class SharedMerge:
         """Pass 1: rows by step, with what travels with them, a turn at a time."""
         ranks = len(self.by_rank)
         blocks = max(1, min(_MAX_BLOCKS, READ_BUDGET // (BLOCK_SIZE * ranks)))
-        per_turn = max(1, READ_BUDGET // (BLOCK_SIZE * blocks))
+        per_turn = max(1, min(READ_BUDGET, TURN_BUDGET) // (BLOCK_SIZE * blocks))
         readers = RankReaders(
             {rank: [s.path for s in sources] for rank, sources in self.by_rank.items()}
         )
