@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import resource
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from .errors import WbmergeError
 
 # mallopt parameters (malloc.h), what we set, and glibc's defaults
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
@@ -63,3 +66,23 @@ def _set_malloc(settings: dict[int, int]) -> None:
     if _MALLOPT is not None:
         for parameter, value in settings.items():
             _MALLOPT(parameter, value)
+
+
+def allow_open_files(needed: int) -> None:
+    """Let this process hold `needed` more files open than it does now (plus a margin).
+
+    A shared merge keeps every rank's log and console spool open, about two files a rank:
+    2,048 at 1,024 ranks, past the usual soft limit of 1,024. The soft limit is raised
+    up to the hard limit, which any process may do; past the hard limit it says so in one
+    line instead of failing with "Too many open files" midway.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed + 256  # the files already open, the uploader's pipes, and a margin
+    if want <= soft or soft == resource.RLIM_INFINITY:
+        return
+    if hard != resource.RLIM_INFINITY and want > hard:
+        raise WbmergeError(
+            f"this merge keeps {needed} files open, more than this shell allows ({hard}); "
+            f"raise the hard limit to {want} (`ulimit -Hn`, or the limits of the job's container)"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))

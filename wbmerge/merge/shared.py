@@ -23,6 +23,7 @@ from ..proto import pb
 from ..records import KIND_NAMES, record_kind
 from ..stagefiles import files_record
 from ..steps import Steps
+from ..streaming import allow_open_files
 from ..txlog import BLOCK_SIZE, Frames, LogWriter, read_payloads
 from .console import PASS_TWO, Spools, SpoolWriter, write_console_and_stats
 from .labels import KeyTable, Labelled, RankKeys, fold_summaries, label_rows
@@ -71,6 +72,7 @@ def write_shared(
     scratch: Path,
 ) -> Outcome:
     """Write the shared run `target`; `scratch`: where pass 1 may set records aside."""
+    allow_open_files(2 * len(target.sources))  # each source's log and its console spool
     return SharedMerge(target, writer, options, file_map).run(scratch)
 
 
