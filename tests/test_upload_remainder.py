@@ -164,11 +164,13 @@ ODD_ROWS = [
 ]
 
 
-def test_read_staged_reads_each_rows_step_as_the_server_will_show_it(tmp_path):
+@pytest.mark.parametrize("padding", [0, 400])  # 400 more items: wide rows, as a shared run's
+def test_read_staged_reads_each_rows_step_as_the_server_will_show_it(tmp_path, padding):
     from wbmerge.txlog import write_payloads
 
     log = tmp_path / "odd.wandb"
-    payloads = [history_record(items, step) for items, step, _ in ODD_ROWS]
+    pad = [([f"pad/{i}/rank-{i % 8}"], "0.25") for i in range(padding)]
+    payloads = [history_record(items + pad, step) for items, step, _ in ODD_ROWS]
     write_payloads(log, payloads * 3)  # three times: the rows span read calls and blocks
     staged = read_staged(log)
     assert list(staged.history_steps) == [want for _, _, want in ODD_ROWS] * 3

@@ -185,6 +185,12 @@ _HISTORY, _STATS, _OUTPUT_RAW, _OUTPUT_LOGGER = (
 _STEP_PARTS = frozenset({wire.key_part(["_step"]), b"\x0a\x05_step"})
 
 
+# Bytes of a history record (about 150 items) above which protobuf is faster: the array
+# walk takes a numpy step per item of a read's widest row, and a shared run of 256 ranks x
+# 20 metrics has 5,140 items a row (3.4 s to count its staged log, against 0.7 s parsed).
+_WIDE_ROW = 4096
+
+
 def history_steps(frames: Frames, which: np.ndarray) -> list[int | None]:
     """`_step_of` of the history records `which` of a read, the items of all of them split
     at once (`items`): a row's first `_step` item, read as `_step_of` reads it. Rows whose
@@ -192,6 +198,8 @@ def history_steps(frames: Frames, which: np.ndarray) -> list[int | None]:
     not split, take `_step_of` itself."""
     if not len(which):
         return []
+    if (frames.ends[which] - frames.starts[which]).mean() > _WIDE_ROW:
+        return [_step_of(frames.payload(i)) for i in which.tolist()]
     rows = records.history_rows(frames, which)
     split = items.split_spans(rows.data, rows.starts, rows.ends)
     if split is None:
