@@ -353,13 +353,3 @@ def _labelled_metric(payload: bytes, label: str, key_format: str) -> bytes:
     if metric.step_metric and not metric.step_metric.startswith("_"):
         metric.step_metric = key_format.format(key=metric.step_metric, label=label)
     return record.SerializeToString()
-
-
-def _labelled_metric(payload: bytes, label: str, key_format: str) -> bytes:
-    record = pb.Record.FromString(payload)
-    metric = record.metric
-    if metric.name and not metric.name.startswith("_"):
-        metric.name = key_format.format(key=metric.name, label=label)
-    if metric.step_metric and not metric.step_metric.startswith("_"):
-        metric.step_metric = key_format.format(key=metric.step_metric, label=label)
-    return record.SerializeToString()
