@@ -39,6 +39,7 @@ _TYPE_CRC = [crc32(bytes([t])) for t in range(5)]
 _TYPE_AT = CHUNK_HEADER_SIZE - 1  # where a chunk's type byte is in it
 _EMPTY_MIDDLE = _CHUNK_HEADER.pack(_TYPE_CRC[MIDDLE], 0, MIDDLE)
 _READ_SIZE = 32 * BLOCK_SIZE  # 1 MiB per read call by default; always whole blocks
+_WALK_FROM = 2 * BLOCK_SIZE  # whole blocks in a read from which they are walked as arrays
 
 
 @dataclass
@@ -140,7 +141,11 @@ def iter_frames(
         joined: list[bytes] = []  # records that spanned blocks, placed after `buf`
         joined_at = end
         whole = end - end % BLOCK_SIZE  # the blocks all here: walked as arrays
-        walked = _walk_blocks(buf, view, pos, whole, partial, joined_at)
+        # The walk costs a numpy step per chunk of a block, whatever the number of blocks, so
+        # it pays off from a few blocks on; a read of one or two (a run's head) loops faster.
+        walked = None
+        if whole - pos >= _WALK_FROM:
+            walked = _walk_blocks(buf, view, pos, whole, partial, joined_at)
         if walked is not None:
             pos, partial, joined, fast_starts, fast_ends = walked
             joined_at += sum(map(len, joined))
