@@ -191,7 +191,10 @@ def report(
     job: str | None = None,
     label_pattern: str | None = None,
     ranks_file: str | Path | None = None,
+    rank_stats: bool = False,
 ) -> list[JobReport]:
     """Per job under `paths`: each metric's skew across ranks, which rank is slow and by
-    how much; `metrics` narrows the keys (default: the ones that tell most)."""
-    return _report(paths, metrics, job, hints=make_hints(label_pattern, ranks_file))
+    how much; `metrics` narrows the keys (default: the ones that tell most). `rank_stats`
+    adds each history metric's statistics across ranks at its last step."""
+    hints = make_hints(label_pattern, ranks_file)
+    return _report(paths, metrics, job, hints=hints, rank_stats=rank_stats)

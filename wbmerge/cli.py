@@ -505,6 +505,8 @@ def export(
 @click.option("--metric", "-m", "metrics", multiple=True, help="A metric key (repeatable).")
 @click.option("--job", help="Only this job id (default: every job found).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--rank-stats", is_flag=True,
+              help="Add min, median, max, mean across ranks (and their ranks) at the last step.")  # fmt: skip
 @_with_rank_options
 @_one_line_errors
 def report(
@@ -512,6 +514,7 @@ def report(
     metrics: tuple[str, ...],
     job: str | None,
     as_json: bool,
+    rank_stats: bool,
     label_pattern: str | None,
     ranks_file: str | None,
 ) -> None:
@@ -520,8 +523,9 @@ def report(
     from .report_format import format_report
 
     reports = api.report(
-        paths, metrics=metrics, job=job, label_pattern=label_pattern, ranks_file=ranks_file
-    )
+        paths, metrics=metrics, job=job, label_pattern=label_pattern, ranks_file=ranks_file,
+        rank_stats=rank_stats,
+    )  # fmt: skip
     for line in (line for r in reports for line in [*r.warnings, *r.damage]):
         click.echo(f"wbmerge: warning: {line}", err=True)
     if as_json:

@@ -7,6 +7,9 @@ highest and lowest rank by mean and, for metrics whose name says which way is fa
 (throughput, step time), the slowest and fastest; and the outlier ranks: those whose mean
 is far from the median rank's (robust z-score over 3.5, from the median absolute deviation,
 and at least 5 % off). System metrics have no steps, so their spread is that of the means.
+With `rank_stats`, each history metric also gets the statistics across ranks
+(`wbmerge.rankstats`) at its last step: the values the merged run's summary gives the
+`{key}/ranks/...` keys of `--rank-stats`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .columns import HISTORY, rank_columns, rank_sources
 from .discover import Job, discover, group_jobs
 from .errors import WbmergeError
 from .jobs import Hints
+from .rankstats import one_step
 from .spread import spreads
 from .streaming import streaming
 
@@ -57,6 +61,8 @@ class MetricReport:
     slowest: int | None
     fastest: int | None
     outliers: list[int] = field(default_factory=list)
+    # with rank_stats: min, median, max, mean, min_rank, max_rank, count at `step`, the last
+    across_ranks: dict | None = None
 
 
 @dataclass
@@ -76,20 +82,22 @@ def report(
     metrics: Sequence[str] = (),
     job: str | None = None,
     hints: Hints | None = None,
+    rank_stats: bool = False,
 ) -> list[JobReport]:
     """A report per job found under `paths` (or for `job`); `metrics` narrows the keys;
-    `hints` say how to read the ranks of runs written without wbmerge."""
+    `hints` say how to read the ranks of runs written without wbmerge; `rank_stats` adds
+    each history metric's statistics across ranks at its last step."""
     reports = []
     with streaming():
         found_jobs = group_jobs(discover(paths, hints=hints), job, allow_missing_ranks=True)
         for found in found_jobs:
-            made = _job_report(found, metrics)
+            made = _job_report(found, metrics, rank_stats)
             made.warnings = found.warnings
             reports.append(made)
     return reports
 
 
-def _job_report(found: Job, metrics: Sequence[str]) -> JobReport:
+def _job_report(found: Job, metrics: Sequence[str], rank_stats: bool = False) -> JobReport:
     values: dict[tuple[str, str], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
     labels: dict[int, str] = {}
     damage: list[str] = []
@@ -117,7 +125,7 @@ def _job_report(found: Job, metrics: Sequence[str]) -> JobReport:
     return JobReport(
         found.job_id,
         found.world_size,
-        [_metric(kind, key, values[kind, key], labels) for kind, key in chosen],
+        [_metric(kind, key, values[kind, key], labels, rank_stats) for kind, key in chosen],
         damage,
     )
 
@@ -140,7 +148,9 @@ def _choose(values: dict, ranks: int, metrics: Sequence[str]) -> list[tuple[str,
     )
 
 
-def _metric(kind: str, key: str, by_rank: dict, labels: dict[int, str]) -> MetricReport:
+def _metric(
+    kind: str, key: str, by_rank: dict, labels: dict[int, str], rank_stats: bool = False
+) -> MetricReport:
     ranks = []
     for rank, (order, value) in sorted(by_rank.items()):
         finite = value[np.isfinite(value)]
@@ -179,7 +189,24 @@ def _metric(kind: str, key: str, by_rank: dict, labels: dict[int, str]) -> Metri
         slowest=None if faster is None else (lowest if faster == "higher" else highest),
         fastest=None if faster is None else (highest if faster == "higher" else lowest),
         outliers=[ids[i] for i in outliers(means)],
+        across_ranks=_last_step_stats(by_rank) if rank_stats and kind == HISTORY else None,
     )
+
+
+def _last_step_stats(by_rank: dict) -> dict | None:
+    """The statistics across ranks of the values at the last step any rank logged (a rank
+    that logged the key twice at that step: its last value, as in a merged row)."""
+    ends = [int(order.max()) for order, _ in by_rank.values() if len(order)]
+    if not ends:
+        return None
+    step = max(ends)
+    at_step = {}
+    for rank, (order, value) in by_rank.items():
+        where = np.flatnonzero(order == step)
+        if len(where):
+            at_step[rank] = float(value[where[-1]])
+    found = one_step(at_step)
+    return None if found is None else {"step": step, **found}
 
 
 def _direction(key: str) -> str | None:

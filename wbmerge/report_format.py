@@ -40,7 +40,21 @@ def _metric_lines(metric: MetricReport, color: bool) -> list[str]:
         if stats.rank in metric.outliers:
             row = _style(row + "  <- outlier", color, fg="red", bold=True)
         lines.append(row)
+    if metric.across_ranks:
+        lines.append(_across_line(metric))
     return lines
+
+
+def _across_line(metric: MetricReport) -> str:
+    stats = metric.across_ranks or {}
+    return (
+        f"  across {stats['count']} rank{'s' if stats['count'] != 1 else ''} "
+        f"at step {stats['step']}: "
+        f"min {_number(stats['min'])} ({_rank_name(metric, stats['min_rank'])}), "
+        f"median {_number(stats['median'])}, "
+        f"max {_number(stats['max'])} ({_rank_name(metric, stats['max_rank'])}), "
+        f"mean {_number(stats['mean'])}"
+    )
 
 
 def _rank_name(metric: MetricReport, rank: int) -> str:
