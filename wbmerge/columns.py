@@ -28,7 +28,6 @@ from .txlog import ReadReport, read_frames
 
 HISTORY = "history"
 SYSTEM = "system"
-_NUMBER = r"^(-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?|NaN|-?Infinity)$"
 _READ_SIZE = 4 << 20  # a few thousand rows a read: array work pays per read, not per row
 _STATS_WINDOW = 4096
 _HISTORY_CODE = records.code("history")
@@ -97,7 +96,7 @@ def _history(rows: records.HistoryRows, placed: np.ndarray, source: Source) -> C
         except ValueError:
             pass  # a key part that is not one: the split does not hold
     regions = [rows.data[s:e] for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
-    return _history_of(placed[kept], _split_one_by_one(regions), source)
+    return _history_of(placed[kept], items.split_exact(regions), source)
 
 
 def _history_of(step: np.ndarray, batch: items.Items, source: Source) -> Columns:
@@ -113,7 +112,7 @@ def _history_of(step: np.ndarray, batch: items.Items, source: Source) -> Columns
     user = np.flatnonzero(np.array([path[0] not in RESERVED for path in paths], bool)[index])
     stamps, runtimes = _where(index, names, "_timestamp"), _where(index, names, "_runtime")
     # the values and the rows' times cut out and cast together, the values first
-    numbers, texts = _values(batch.json(np.concatenate([user, stamps, runtimes])))
+    numbers, texts = items.json_numbers(batch.json(np.concatenate([user, stamps, runtimes])))
     times = numbers.slice(len(user))
     timestamp = _per_row(len(step), batch.row[stamps], times.slice(0, len(stamps)))
     runtime = _per_row(len(step), batch.row[runtimes], times.slice(len(stamps)))
@@ -229,36 +228,6 @@ def per_value(per_row: np.ndarray, row: np.ndarray) -> pa.Array:
     return pa.array(per_row[row], mask=missing[row])
 
 
-def _values(texts: pa.Array) -> tuple[pa.Array, pa.Array]:
-    """(float64 where the JSON text is a number, the text where it is not)."""
-    try:  # the usual window: all numbers (a JSON string, true or null fails the cast)
-        return pc.cast(texts, pa.float64()), pa.nulls(len(texts), pa.string())
-    except pa.ArrowInvalid:
-        pass
-    numeric = pc.match_substring_regex(texts, _NUMBER)
-    value = pc.cast(pc.if_else(numeric, texts, pa.scalar(None, pa.string())), pa.float64())
-    value_json = pc.if_else(numeric, pa.scalar(None, texts.type), texts)
-    return value, value_json.cast(pa.string())  # (checks the UTF-8)
-
-
-def _split_one_by_one(regions: list[bytes]) -> items.Items:
-    """The exact item-by-item split, for rows the batch path refuses (long values)."""
-    row_of, keys, values = [], [], []
-    for index, region in enumerate(regions):
-        for item in wire.region_items(region):
-            key, value = wire.split_item(item)
-            row_of.append(index)
-            keys.append(key)
-            values.append(value)
-    return items.Items(
-        row=np.array(row_of, np.int64),
-        key=pa.array(keys, pa.binary()),
-        value=pa.array(values, pa.binary()),
-        counts=np.bincount(np.array(row_of, np.int64), minlength=len(regions)),
-        texts=pa.array([wire.value_json(v).decode() for v in values], pa.string()),
-    )
-
-
 def _system(payloads: list[bytes], source: Source) -> Columns:
     """System metrics: keys without the `/l:{label}` suffix (the label has its own column)."""
     timestamps, keys, texts = [], [], []
@@ -272,7 +241,7 @@ def _system(payloads: list[bytes], source: Source) -> Columns:
             timestamps.append(when)
             keys.append(key)
             texts.append(item.value_json)
-    value, value_json = _values(pa.array(texts, pa.string()))
+    value, value_json = items.json_numbers(pa.array(texts, pa.string()))
     count = len(keys)
     return Columns(
         source=source,

@@ -388,3 +388,37 @@ def join_rows(fields: pa.Array, counts: np.ndarray) -> list[bytes]:
     np.cumsum(counts, out=offsets[1:])
     rows = pa.ListArray.from_arrays(pa.array(offsets), fields)
     return pc.binary_join(rows, pa.scalar(b"", fields.type)).to_pylist()
+
+
+# a JSON number, or the NaN and infinities Python's json module (and so wandb) writes
+_JSON_NUMBER = r"^(-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?|NaN|-?Infinity)$"
+
+
+def json_numbers(texts: pa.Array) -> tuple[pa.Array, pa.Array]:
+    """(float64 where the JSON text is a number, the text where it is not)."""
+    try:  # the usual window: all numbers (a JSON string, true or null fails the cast)
+        return pc.cast(texts, pa.float64()), pa.nulls(len(texts), pa.string())
+    except pa.ArrowInvalid:
+        pass
+    numeric = pc.match_substring_regex(texts, _JSON_NUMBER)
+    value = pc.cast(pc.if_else(numeric, texts, pa.scalar(None, pa.string())), pa.float64())
+    value_json = pc.if_else(numeric, pa.scalar(None, texts.type), texts)
+    return value, value_json.cast(pa.string())  # (checks the UTF-8)
+
+
+def split_exact(regions: list[bytes]) -> Items:
+    """The exact item-by-item split, for rows the batch path refuses (long values)."""
+    row_of, keys, values = [], [], []
+    for index, region in enumerate(regions):
+        for item in wire.region_items(region):
+            key, value = wire.split_item(item)
+            row_of.append(index)
+            keys.append(key)
+            values.append(value)
+    return Items(
+        row=np.array(row_of, np.int64),
+        key=pa.array(keys, pa.binary()),
+        value=pa.array(values, pa.binary()),
+        counts=np.bincount(np.array(row_of, np.int64), minlength=len(regions)),
+        texts=pa.array([wire.value_json(v).decode() for v in values], pa.string()),
+    )
