@@ -12,8 +12,8 @@
 
 The merge options (`plan`, `merge`, `sync`) are the fields of `MergeRequest`, given by
 keyword: `run_mode`, `rank_scope`, `base_id`, `job`, `allow_missing_ranks`,
-`system_metrics`, `key_format`, `skew_metrics`, `project`, `entity`, `job_type`,
-`label_pattern`, `ranks_file`. Every function raises `WbmergeError` (one line, with the
+`system_metrics`, `key_format`, `skew_metrics`, `rank_stats`, `per_rank`, `project`,
+`entity`, `job_type`, `label_pattern`, `ranks_file`. Every function raises `WbmergeError` (one line, with the
 exit code the CLI uses) for bad input, and warns with `InputWarning` for input it leaves out.
 """
 

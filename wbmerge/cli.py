@@ -229,6 +229,11 @@ def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="How shared mode labels a rank's metric keys."),
         click.option("--skew-metrics", is_flag=True,
                      help="shared mode: add wbmerge/spread/{key}, (max-min)/median across ranks per step."),
+        click.option("--rank-stats", is_flag=True,
+                     help="shared mode: add {key}/ranks/min, median, max, mean, min_rank, max_rank per step."),
+        click.option("--per-rank", "per_rank", multiple=True, metavar="all|none|KEY",
+                     help="shared mode: which keys keep a series per rank (repeatable; globs "
+                     "like 'train/*'). Default: all, with a warning past 10,000 metrics."),
         click.option("--project", "-p", help="Default: the runs' project, then WANDB_PROJECT."),
         click.option("--entity", "-e", help="Default: WANDB_ENTITY, then the runs' entity."),
         click.option("--job-type", help="Job type of the runs created."),
@@ -267,6 +272,9 @@ class _Progress:
     def __call__(self, staged: Any) -> None:
         if self.bar:
             self.bar.update(1)
+        if staged.bound_notice:  # as soon as it is known: before the upload
+            start = "\n" if self.bar else ""  # (off the progress bar's line)
+            click.echo(f"{start}wbmerge: warning: {staged.bound_notice}", err=True)
 
     def close(self) -> None:
         if self.bar:

@@ -20,6 +20,7 @@ from .errors import Terminated, WbmergeError
 from .hints import make_hints
 from .merge import DEFAULT_KEY_FORMAT, MergeOptions, Staged, stage
 from .plan import Target, app_url, links, plan, run_url
+from .rankstats import PerRank
 from .safepaths import check_out_dir, source_trees
 from .upload import (
     DEFAULT_PARALLEL,
@@ -56,6 +57,8 @@ class MergeRequest:
     entity: str | None = None
     job_type: str | None = None
     skew_metrics: bool = False
+    rank_stats: bool = False  # shared mode: min/median/max/mean across ranks per step
+    per_rank: Sequence[str] | None = None  # shared mode: "all", "none" or keys/globs
     label_pattern: str | None = None  # how the runs spell their rank, e.g. "rank_{rank}"
     ranks_file: str | Path | None = None  # run id -> rank, JSON or CSV
 
@@ -77,7 +80,11 @@ class PlannedJob:
     def ledger_settings(self, request: MergeRequest) -> dict:
         """What a run's ledger fingerprint covers besides its files: a run synced with other
         settings is not the same upload (`sync` and `sync --follow` must agree)."""
-        return {"options": self.options(request).__dict__, "system_metrics": request.system_metrics}
+        options = dict(self.options(request).__dict__)
+        if not options["rank_stats"] and options["per_rank"] == PerRank():
+            # (the defaults: the same fingerprint as before these options existed)
+            del options["rank_stats"], options["per_rank"]
+        return {"options": options, "system_metrics": request.system_metrics}
 
     def options(self, request: MergeRequest) -> MergeOptions:
         return MergeOptions(
@@ -88,6 +95,8 @@ class PlannedJob:
             rank_scope=self.rank_scope,
             job_id=self.job.job_id,
             skew_metrics=request.skew_metrics,
+            rank_stats=request.rank_stats,
+            per_rank=PerRank.parse(request.per_rank),
         )
 
 
@@ -104,6 +113,7 @@ def check_key_format(key_format: str) -> str:
 def plan_jobs(request: MergeRequest) -> list[PlannedJob]:
     """Discover the runs under the paths, group them into jobs, and plan each job's targets."""
     check_key_format(request.key_format)
+    PerRank.parse(request.per_rank)  # (bad values: an error before any work)
     hints = make_hints(request.label_pattern, request.ranks_file)
     runs = discover(request.paths, hints=hints)
     return plan_found(request, group_jobs(runs, request.job, request.allow_missing_ranks))

@@ -18,8 +18,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import items, records, wire
+from ..rankstats import PerRank
 from ..steps import RESERVED
 from ..txlog import Frames
+
+# A raw key's (output key part, reserved name, skew key); the part is None for a user key
+# not kept per rank.
+Entry = tuple[bytes | None, str | None, str | None]
 
 
 class RankKeys:
@@ -32,27 +37,33 @@ class RankKeys:
     key of a one-level user key, whose numbers the spread is computed from.
     """
 
-    def __init__(self, label: str, key_format: str) -> None:
+    def __init__(self, label: str, key_format: str, per_rank: PerRank | None = None) -> None:
         self.label = label
         self.key_format = key_format
-        self.known: dict[bytes, tuple[bytes, str | None, str | None]] = {}
+        self.per_rank = per_rank or PerRank()
+        self.known: dict[bytes, Entry] = {}
+        self.user_keys: set[str] = set()  # top-level user keys seen (for --per-rank's check)
 
-    def learn(
-        self, raw: bytes, path: list[str] | None = None
-    ) -> tuple[bytes, str | None, str | None]:
-        """`raw`'s entry; `path`: its key path, when the caller parsed it already."""
+    def learn(self, raw: bytes, path: list[str] | None = None) -> Entry:
+        """`raw`'s entry; `path`: its key path, when the caller parsed it already. A user
+        key not kept per rank (`--per-rank`) has output key part None: it is left out."""
         if path is None:
             path = wire.key_path(raw)
         top = path[0]
         if top in RESERVED:
-            entry = (wire.key_part(path), top, None)
+            entry: Entry = (wire.key_part(path), top, None)
         else:
-            labelled = [self.key_format.format(key=top, label=self.label), *path[1:]]
-            entry = (wire.key_part(labelled), None, top if len(path) == 1 else None)
+            self.user_keys.add(top)
+            skew_key = top if len(path) == 1 else None
+            if self.per_rank.keeps(top):
+                labelled = [self.key_format.format(key=top, label=self.label), *path[1:]]
+                entry = (wire.key_part(labelled), None, skew_key)
+            else:
+                entry = (None, None, skew_key)
         self.known[raw] = entry
         return entry
 
-    def entry(self, raw: bytes) -> tuple[bytes, str | None, str | None]:
+    def entry(self, raw: bytes) -> Entry:
         return self.known.get(raw) or self.learn(raw)
 
 
@@ -67,7 +78,7 @@ class KeyTable:
         self._raws: list[bytes] = []
         self._pair = np.full((len(keys), 8), -1, np.int64)  # slot x raw id -> pair id
         self._paths: list[list[str] | None] = []  # by raw id, parsed when first needed
-        self.outs: list[bytes] = []
+        self.outs: list[bytes | None] = []
         self.names: list[str | None] = []
         self.skews: list[str | None] = []
         # by pair id: its (rank, output key) in a summary, numbered; two spellings of a key
@@ -125,7 +136,8 @@ class KeyTable:
         return self._pool, self._out_lengths
 
     def is_user(self) -> np.ndarray:
-        """By pair id: whether its key is a user key (labelled), not one of W&B's own."""
+        """By pair id: whether its key is a user key that is labelled (not one of W&B's own,
+        nor one not kept per rank)."""
         self._arrays()
         return self._user
 
@@ -152,8 +164,11 @@ class KeyTable:
             self._summary_out = np.empty(len(self._summary_keys), object)
             self._summary_out[:] = [out for _, out in self._summary_keys]
             self._pool = pa.array(self.outs, pa.binary())
-            self._out_lengths = np.fromiter(map(len, self.outs), np.int64, len(self.outs))
-            self._user = np.array([name is None for name in self.names], bool)
+            lengths = (0 if out is None else len(out) for out in self.outs)
+            self._out_lengths = np.fromiter(lengths, np.int64, len(self.outs))
+            # (a user key not kept per rank has no output key: it is not labelled)
+            kept = zip(self.names, self.outs, strict=True)
+            self._user = np.array([name is None and out is not None for name, out in kept], bool)
             self._skew = np.array([skew is not None for skew in self.skews], bool)
             self._own_names = sorted({n for n in self.names if n not in (None, "_step")})
             number = {name: i for i, name in enumerate(self._own_names)}
@@ -203,7 +218,8 @@ def label_row(items_of_row: list[bytes], keys: RankKeys, skew: bool) -> Row:
         raw, value = split(item)
         out, name, skew_key = keys.entry(raw)
         if name is None:
-            labelled.append(item_field(out, value))
+            if out is not None:  # (None: not kept per rank)
+                labelled.append(item_field(out, value))
             if skew and skew_key is not None:
                 try:
                     numbers[skew_key] = float(wire.value_json(value))

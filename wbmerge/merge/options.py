@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from ..rankstats import PerRank
 
 DEFAULT_KEY_FORMAT = "{key}/{label}"
 
@@ -16,3 +18,5 @@ class MergeOptions:
     rank_scope: str = "global"
     job_id: str = ""
     skew_metrics: bool = False
+    rank_stats: bool = False  # shared mode: per-step statistics across ranks (`rankstats`)
+    per_rank: PerRank = field(default_factory=PerRank)  # shared mode: keys labelled per rank

@@ -20,6 +20,8 @@ class Outcome:
     history_rows: int = 0  # shared targets: merged rows written
     source_rows: int = 0  # shared targets: source rows read
     warnings: list[str] = field(default_factory=list)
+    metrics: int = 0  # shared targets: distinct metric keys written (history and summary)
+    bound_notice: str | None = None  # shared targets: more metrics than W&B recommends
 
 
 def damage_warnings(source: Source, report: ReadReport, complete: bool, primary: int) -> list[str]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import wire
+from ..rankstats_merge import MergedRankStats
 from ..spread import spread
 from ..txlog import LogWriter
 from .labels import Labelled, RankKeys, Row, names_of
@@ -85,9 +86,12 @@ def _objects(values: list) -> np.ndarray:
     return array
 
 
-def merged_row(step: int, rows: list[tuple[int, Row]], primary: int, skew: bool) -> bytes:
+def merged_row(
+    step: int, rows: list[tuple[int, Row]], primary: int, skew: bool, extra: bytes = b""
+) -> bytes:
     """One history record of the rows of every rank at `step`; W&B's own keys (`_runtime`,
-    `_timestamp`) are the primary's, or of the lowest rank when the primary has no row."""
+    `_timestamp`) are the primary's, or of the lowest rank when the primary has no row.
+    `extra`: item fields to add last (the statistics across ranks)."""
     if rows[0][0] != primary:  # (rows come in rank order)
         rows.sort(key=lambda r: (r[0] != primary, r[0]))
     parts = [row[0] for _, row in rows]
@@ -117,12 +121,21 @@ def merged_row(step: int, rows: list[tuple[int, Row]], primary: int, skew: bool)
                         wire.value_part(json.dumps(value)),
                     )
                 )
+    if extra:
+        parts.append(extra)
     return wire.history_record(parts, step)
 
 
-def write_merged(rows: Rows, writer: LogWriter, primary: int, skew: bool) -> int:
+def write_merged(
+    rows: Rows,
+    writer: LogWriter,
+    primary: int,
+    skew: bool,
+    across: MergedRankStats | None = None,
+) -> int:
     """One merged history record per step of `rows` (sorted by step, then rank), joined
-    into one buffer and written at once; returns how many were written."""
+    into one buffer and written at once; returns how many were written. With `across`
+    (`--rank-stats`), each record ends with its step's statistics across ranks."""
     count = len(rows)
     if not count:
         return 0
@@ -136,26 +149,31 @@ def write_merged(rows: Rows, writer: LogWriter, primary: int, skew: bool) -> int
     odd[np.searchsorted(firsts, np.flatnonzero(differs), "right") - 1] = True
     if not skew:
         odd |= rows.ranks[firsts] != primary
+    # the hook of --rank-stats: each step's statistic items, after the ranks' items
+    extras = across.row_fields(steps[firsts]) if across is not None else None
     pieces: list[bytes] = []
     ends: list[int] = []
     end = 0
-    for a, b, step, slow in zip(
+    for index, (a, b, step, slow) in enumerate(zip(
         firsts.tolist(),
         [*firsts[1:].tolist(), count],
         steps[firsts].tolist(),
         odd.tolist() if not skew else [True] * len(firsts),
         strict=True,
-    ):
+    )):  # fmt: skip
         if slow:
             ranks = rows.ranks[a:b].tolist()
             group = [(rank, rows.row(i)) for i, rank in zip(range(a, b), ranks, strict=True)]
-            record = merged_row(step, group, primary, skew)
+            extra = extras[index] if extras is not None else b""
+            record = merged_row(step, group, primary, skew, extra)
             pieces.append(record)
             end += len(record)
         else:  # the common case: the primary's row first, every row with the same own keys
             parts = labelled[a:b].tolist()
             parts.append(wire.item_field(STEP_KEY, wire.value_part(str(step))))
             parts.append(reserved[a])
+            if extras is not None and extras[index]:
+                parts.append(extras[index])
             record_pieces, length = wire.history_pieces(parts, step)
             pieces.extend(record_pieces)
             end += length
@@ -164,14 +182,21 @@ def write_merged(rows: Rows, writer: LogWriter, primary: int, skew: bool) -> int
     return len(ends)
 
 
-def final_summary(summaries: dict[int, tuple[RankKeys, dict[bytes, bytes]]], primary: int) -> bytes:
-    """Every rank's final values under its labelled keys; W&B's own keys are the primary's.
+def final_summary(
+    summaries: dict[int, tuple[RankKeys, dict[bytes | None, bytes]]],
+    primary: int,
+    across: MergedRankStats | None = None,
+) -> bytes:
+    """Every rank's final values under its labelled keys (none for keys not kept per rank);
+    W&B's own keys are the primary's; then, with `across`, each statistic's last value.
     `summaries`: rank -> (its keys, its folded summary)."""
     parts = []
     for rank, (keys, summary) in sorted(summaries.items()):
         reserved = {out for out, name, _ in keys.known.values() if name is not None}
         for out, value in summary.items():
-            if out in reserved and rank != primary:
+            if out is None or (out in reserved and rank != primary):
                 continue
             parts.append(wire.item_field(out, value))
+    if across is not None:
+        parts.append(across.summary_fields())
     return wire.summary_record(b"".join(parts))

@@ -20,9 +20,11 @@ import numpy as np
 from .. import items, records
 from ..plan import Source, Target
 from ..proto import pb
+from ..rankstats import PerRank, bound_notice
+from ..rankstats_merge import MergedRankStats
 from ..records import KIND_NAMES, record_kind
 from ..stagefiles import files_record
-from ..steps import Steps
+from ..steps import RESERVED, Steps
 from ..streaming import allow_open_files
 from ..txlog import BLOCK_SIZE, Frames, LogWriter, read_payloads
 from .console import PASS_TWO, Spools, SpoolWriter, write_console_and_stats
@@ -103,9 +105,13 @@ class SharedMerge:
         for source in target.sources:
             self.by_rank.setdefault(source.rank.rank, []).append(source)
         self.states = {
-            rank: RankState(sources[0], RankKeys(sources[0].label, options.key_format), slot)
+            rank: RankState(
+                sources[0], RankKeys(sources[0].label, options.key_format, options.per_rank), slot
+            )
             for slot, (rank, sources) in enumerate(self.by_rank.items())
         }
+        # --rank-stats: fed each turn's rows, asked for each written step's statistics
+        self.across = MergedRankStats(options.key_format, RESERVED) if options.rank_stats else None
         self.table = KeyTable([state.keys for state in self.states.values()])
         self.summaries = [state.summary for state in self.states.values()]
         self.slot_rank = np.array(list(self.by_rank), np.int64)
@@ -132,7 +138,8 @@ class SharedMerge:
                 self.outcome.warnings += self.warnings.get((rank, index), [])
         # The end: every rank's final summary, one exit record (the primary's).
         summaries = {rank: (state.keys, state.summary) for rank, state in self.states.items()}
-        writer.write(final_summary(summaries, self.primary))
+        writer.write(final_summary(summaries, self.primary, self.across))
+        self._count_metrics()
         self.outcome.exit_code = exit_code(self.states[self.primary].exit_payload)
         writer.write(exit_record(self.outcome.exit_code))
         return self.outcome
@@ -245,9 +252,10 @@ class SharedMerge:
             labelled = label_rows(
                 rows.data, starts, ends, row_slots, self.table, self.skew, row_items
             )
-        self.pending = Rows.concat(
-            [self.pending, Rows.of(placed[kept], self.slot_rank[row_slots], labelled)]
-        )
+        row_ranks = self.slot_rank[row_slots]
+        if self.across is not None:  # the feed of --rank-stats: the turn's numbers
+            self.across.add_rows(row_ranks, placed[kept], rows.data, starts, ends, row_items)
+        self.pending = Rows.concat([self.pending, Rows.of(placed[kept], row_ranks, labelled)])
 
     def _label_by_rank(
         self, data: bytes, starts: np.ndarray, ends: np.ndarray, slots: np.ndarray
@@ -299,8 +307,27 @@ class SharedMerge:
         self._write_merged(rows.take(slice(done, None)))
 
     def _write_merged(self, rows: Rows) -> None:
-        self.outcome.history_rows += write_merged(rows, self.writer, self.primary, self.skew)
+        self.outcome.history_rows += write_merged(
+            rows, self.writer, self.primary, self.skew, self.across
+        )
         self.outcome.source_rows += len(rows)
+
+    def _count_metrics(self) -> None:
+        """The distinct metric keys of the merged run (labelled keys of history and summary,
+        statistics, spreads; not W&B's own), the one line past W&B's bound, and the
+        `--per-rank` patterns that matched no key."""
+        entries = [entry for state in self.states.values() for entry in state.keys.known.values()]
+        labelled = {out for out, name, _ in entries if name is None and out is not None}
+        spreads = {skew for _, _, skew in entries if skew is not None} if self.skew else set()
+        metrics = len(labelled) + len(spreads) + (self.across.metrics if self.across else 0)
+        per_rank: PerRank = self.options.per_rank
+        self.outcome.metrics = metrics
+        self.outcome.bound_notice = bound_notice(
+            self.target.id, metrics, len(self.states), per_rank
+        )
+        user_keys = set().union(*(state.keys.user_keys for state in self.states.values()))
+        for pattern in per_rank.unmatched(user_keys):
+            self.outcome.warnings.append(f"--per-rank {pattern!r} matches no key of the runs")
 
     def _warn(self, rank: int, restart: int, warnings: list[str]) -> None:
         self.warnings.setdefault((rank, restart), []).extend(warnings)
@@ -319,7 +346,7 @@ class SharedMerge:
         if kind == "exit":
             state.exit_payload = payload
         elif kind == "metric":
-            return _labelled_metric(payload, state.source.label, self.options.key_format)
+            return _labelled_metric(payload, state.source.label, self.options)
         elif kind == "files":
             warnings: list[str] = []
             record = files_record(payload, source, warnings, staged=self.file_map)
@@ -345,9 +372,13 @@ class SharedMerge:
         return None
 
 
-def _labelled_metric(payload: bytes, label: str, key_format: str) -> bytes:
+def _labelled_metric(payload: bytes, label: str, options: MergeOptions) -> bytes | None:
+    """The metric definition for a rank's labelled key; None for a key not kept per rank."""
+    key_format = options.key_format
     record = pb.Record.FromString(payload)
     metric = record.metric
+    if metric.name and not metric.name.startswith("_") and not options.per_rank.keeps(metric.name):
+        return None
     if metric.name and not metric.name.startswith("_"):
         metric.name = key_format.format(key=metric.name, label=label)
     if metric.step_metric and not metric.step_metric.startswith("_"):

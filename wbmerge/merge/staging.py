@@ -30,6 +30,8 @@ class Staged:
     records: int = 0
     exit_code: int = 0
     warnings: list[str] = field(default_factory=list)
+    metrics: int = 0  # shared targets: distinct metric keys written (history and summary)
+    bound_notice: str | None = None  # shared targets: more metrics than W&B recommends
 
     @property
     def log_path(self) -> Path:
@@ -73,5 +75,7 @@ def stage(target: Target, out_dir: Path, options: MergeOptions) -> Staged:
     staged.history_rows = outcome.history_rows
     staged.source_rows = outcome.source_rows
     staged.exit_code = outcome.exit_code
+    staged.metrics = outcome.metrics
+    staged.bound_notice = outcome.bound_notice
     staged.warnings += outcome.warnings
     return staged

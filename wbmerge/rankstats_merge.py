@@ -1,0 +1,213 @@
+"""The shared merge's side of `--rank-stats`: each merged row's statistics across ranks.
+
+The shared merge feeds `add_rows` the history rows of each turn, all ranks' rows at once
+(the rows' steps as the merge places them, restarts continued), and asks `row_fields` for
+the statistic items of the steps it writes, in step order: a step is written only once
+every rank's rows of it have been read, so they have all been fed. Values wait here only
+from the read of a row to the writing of its step, so memory follows the merge's
+read-ahead, not the run's length. The statistics are
+`rankstats.across_ranks` of the numbers the ranks logged, one batch of steps at a time;
+the items are built as columns too.
+
+A key's statistics are of the key as logged, a nested key by its full name joined with
+`.` (`eval.loss` gets `eval.loss/ranks/max`). The merged run's summary holds each statistic
+key's last value, the statistics of the last step at which a rank logged a number for the
+key: the last point of its chart.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from . import items, wire
+from .rankstats import STATS, AcrossRanks, across_ranks, stat_key
+
+_FLOAT_STATS = STATS[:4]
+_MAX_TEXT = 64  # longer than any number's JSON text (a float64's is at most 24 characters)
+
+
+class MergedRankStats:
+    """Statistics across the ranks of one shared target, fed while its rows are read."""
+
+    def __init__(self, key_format: str, reserved: Iterable[str]) -> None:
+        self.key_format = key_format
+        self._reserved = frozenset(reserved)
+        self._key_of_raw: dict[bytes, int] = {}  # raw key part -> key id, -1: no statistics
+        self._key_ids: dict[str, int] = {}  # key name -> id
+        self._key_parts: list[list[bytes]] = []  # key id -> the key part of each statistic
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._last: dict[int, tuple] = {}  # key id -> its latest statistics, for the summary
+
+    @property
+    def metrics(self) -> int:
+        """The distinct statistic keys written so far."""
+        return len(STATS) * len(self._last)
+
+    def add_rows(
+        self,
+        ranks: np.ndarray,
+        steps: np.ndarray,
+        data: bytes,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        batch: items.Items | None = None,
+    ) -> None:
+        """Rows of one or many ranks: row i is of rank `ranks[i]`, placed at `steps[i]`,
+        its item fields `data[starts[i]:ends[i]]`; each rank's rows are together, in step
+        order. `batch`: their items, when the caller has split them."""
+        if not len(steps):
+            return
+        if batch is None:
+            batch = items.split_spans(data, starts, ends)
+        if batch is not None:
+            try:
+                self._add(ranks, steps, batch)
+                return
+            except ValueError:
+                pass  # a key part that is not one: the split does not hold
+        # Each rank's rows on their own, so that one rank's odd row (a long value, say)
+        # costs the exact item-by-item split of that rank's rows only.
+        bounds = np.flatnonzero(np.diff(ranks)) + 1
+        for own in np.split(np.arange(len(steps)), bounds):
+            lo, hi = int(own[0]), int(own[-1]) + 1
+            part = items.split_spans(data, starts[lo:hi], ends[lo:hi])
+            if part is not None:
+                try:
+                    self._add(ranks[lo:hi], steps[lo:hi], part)
+                    continue
+                except ValueError:
+                    pass
+            regions = [
+                data[s:e] for s, e in zip(starts[lo:hi].tolist(), ends[lo:hi].tolist(), strict=True)
+            ]
+            self._add(ranks[lo:hi], steps[lo:hi], items.split_exact(regions))
+
+    def _add(self, ranks: np.ndarray, steps: np.ndarray, batch: items.Items) -> None:
+        index, raw_keys = batch.key_codes()
+        ids = np.array([self._key_id(raw) for raw in raw_keys], np.int64)
+        if not len(ids):
+            return
+        key = ids[index]
+        where = np.flatnonzero(key >= 0)
+        if not len(where):
+            return
+        numbers, _ = items.json_numbers(batch.json(where))
+        logged = numbers.is_valid().to_numpy(zero_copy_only=False)
+        values = numbers.to_numpy(zero_copy_only=False)[logged]
+        where = where[logged]
+        row = batch.row[where]
+        step = np.asarray(steps, np.int64)[row]
+        rank = np.asarray(ranks, np.int64)[row]
+        key = key[where]
+        if len(step) > 1 and (step[1:] < step[:-1]).any():
+            # several ranks' rows: by step, so that `row_fields` can cut where steps pass
+            # (stable: a rank's repeated key keeps its order, the last value counts)
+            order = np.argsort(step, kind="stable")
+            step, key, rank, values = step[order], key[order], rank[order], values[order]
+        self._pending.append((step, key, rank, values))
+
+    def _key_id(self, raw: bytes) -> int:
+        found = self._key_of_raw.get(raw)
+        if found is None:
+            path = wire.key_path(raw)
+            if path[0] in self._reserved:
+                found = -1
+            else:
+                name = ".".join(path)
+                found = self._key_ids.setdefault(name, len(self._key_ids))
+                if found == len(self._key_parts):
+                    self._key_parts.append(
+                        [wire.key_part([stat_key(self.key_format, name, s)]) for s in STATS]
+                    )
+            self._key_of_raw[raw] = found
+        return found
+
+    def row_fields(self, steps: np.ndarray) -> list[bytes]:
+        """The statistic item fields of each of `steps` (ascending, the merged rows being
+        written, after those of every earlier call), concatenated per step."""
+        fields = [b""] * len(steps)
+        if not len(steps) or not self._pending:
+            return fields
+        through = int(steps[-1])
+        taken, kept = [], []
+        for chunk in self._pending:  # each chunk's steps ascend: cut it where they pass
+            cut = int(np.searchsorted(chunk[0], through, side="right"))
+            if cut:
+                taken.append(chunk if cut == len(chunk[0]) else tuple(c[:cut] for c in chunk))
+            if cut < len(chunk[0]):
+                kept.append(chunk if not cut else tuple(c[cut:] for c in chunk))
+        self._pending = kept
+        if not taken:
+            return fields
+        stats = across_ranks(*(np.concatenate(column) for column in zip(*taken, strict=True)))
+        self._remember_last(stats)
+        at = np.searchsorted(steps, stats.step)
+        written = (at < len(steps)) & (steps[np.minimum(at, len(steps) - 1)] == stats.step)
+        joined = self._fields(stats, written)
+        for place, text in zip(np.unique(at[written]).tolist(), joined, strict=True):
+            fields[place] = text
+        return fields
+
+    def _fields(self, stats: AcrossRanks, written: np.ndarray) -> list[bytes]:
+        """The item fields of the statistics `written`, joined per step."""
+        rows = np.flatnonzero(written)
+        if not len(rows):
+            return []
+        texts = [_json_texts(stats.column(stat)[rows]) for stat in STATS]
+        # field (group g, statistic s) at g * 6 + s: its head (tag, length, key part,
+        # value tag and length), then its JSON text
+        text = pa.concat_arrays([t.cast(pa.binary()) for t in texts])  # statistic-major
+        order = (np.arange(len(rows))[:, None] + len(rows) * np.arange(len(STATS))).ravel()
+        text = text.take(order)
+        length = pc.binary_length(text).to_numpy().astype(np.int64)
+        code = (stats.key[rows][:, None] * len(STATS) + np.arange(len(STATS))).ravel()
+        pair = code * _MAX_TEXT + length
+        present, head_at = np.unique(pair, return_inverse=True)
+        heads = []
+        for value in present.tolist():
+            code_of, size = divmod(value, _MAX_TEXT)
+            part = self._key_parts[code_of // len(STATS)][code_of % len(STATS)]
+            value_part = b"\x82\x01" + bytes([size])
+            heads.append(b"\x0a" + wire.encode_varint(len(part) + 3 + size) + part + value_part)
+        pool = pa.concat_arrays([pa.array(heads, pa.binary()), text])
+        pieces = np.empty(2 * len(pair), np.int64)
+        pieces[0::2] = head_at.reshape(-1)
+        pieces[1::2] = np.arange(len(pair)) + len(heads)
+        per_step = np.unique(stats.step[rows], return_counts=True)[1]
+        return items.join_rows(pool.take(pieces), 2 * len(STATS) * per_step)
+
+    def _remember_last(self, stats: AcrossRanks) -> None:
+        """Each key's statistics at its latest step so far (rows are sorted by step)."""
+        keys, from_end = np.unique(stats.key[::-1], return_index=True)
+        rows = len(stats) - 1 - from_end
+        columns = [stats.column(stat)[rows].tolist() for stat in STATS]
+        for position, key in enumerate(keys.tolist()):
+            self._last[key] = tuple(column[position] for column in columns)
+
+    def summary_fields(self) -> bytes:
+        """The summary items of every statistic key: its last value."""
+        parts = []
+        for key, values in sorted(self._last.items()):
+            for part, value in zip(self._key_parts[key], values, strict=True):
+                parts.append(wire.item_field(part, wire.value_part(json.dumps(value))))
+        return b"".join(parts)
+
+
+def _json_texts(numbers: np.ndarray) -> pa.Array:
+    """Each number as JSON text, NaN and the infinities as Python's json module writes them."""
+    text = pc.cast(pa.array(numbers), pa.string())
+    if numbers.dtype.kind == "f":
+        for test, word in (
+            (np.isnan, "NaN"),
+            (np.isposinf, "Infinity"),
+            (np.isneginf, "-Infinity"),
+        ):
+            mask = test(numbers)
+            if mask.any():
+                text = pc.if_else(pa.array(mask), pa.scalar(word), text)
+    return text
