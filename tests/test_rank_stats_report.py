@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from wbmerge.cli import main
 from wbmerge.rankstats import STATS
+from wbmerge.records import read_records
 from wbmerge.report import report
-from wbmerge.txlog import read_records
 
 from .conftest import job_dir
 from .test_rank_stats_merge import assert_statistics
