@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -276,3 +278,28 @@ def test_a_per_rank_pattern_that_matches_nothing_is_a_warning(tmp_path):
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "--per-rank 'train/los' matches no key" in result.stderr
+
+
+def test_the_flyte_merge_task_passes_the_options_on(sink, tmp_path):
+    """The merge task's child (`python -m wbmerge.flyte merge`), as the task runs it."""
+    spec, answer = tmp_path / "request.json", tmp_path / "result.json"
+    spec.write_text(json.dumps({
+        "path": str(job_dir("cadence")), "run_mode": "shared", "rank_scope": None,
+        "project": "flytestats", "entity": "local", "worker": None,
+        "rank_stats": True, "per_rank": ["none"],
+    }))  # fmt: skip
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
+    done = subprocess.run(
+        [sys.executable, "-m", "wbmerge.flyte", "merge", str(spec), str(answer)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "error" not in json.loads(answer.read_text())
+    [run] = sink.client.runs(project="flytestats")
+    got = sink.client.run("local", "flytestats", run["id"])
+    logged = {rank: {row["_step"]: row for row in want.history}
+              for rank, (_, want, _) in sources_of("cadence").items()}  # fmt: skip
+    last = max(got["history"], key=lambda row: row["_step"])["_step"]
+    by_rank = {r: float(rows[last]["train/loss"]) for r, rows in logged.items() if last in rows}
+    assert_statistics(got["summary"], "train/loss", by_rank, "summary")
+    assert not [k for row in got["history"] for k in row if "/rank-" in k]

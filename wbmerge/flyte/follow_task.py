@@ -50,6 +50,8 @@ def follow_task(
         rank_scope: str = "",
         project: str = "",
         entity: str = "",
+        rank_stats: bool = False,
+        per_rank: list[str] | None = None,
     ) -> list[str]:
         context = flyte.ctx()
         if context is None:
@@ -65,6 +67,8 @@ def follow_task(
             "rank_scope": rank_scope or None,
             "project": project or None,
             "entity": entity or None,
+            "rank_stats": rank_stats,
+            "per_rank": list(per_rank or []),
         }
         return await run_in_child("follow", request)
 
@@ -102,6 +106,8 @@ def follow_main(request: dict) -> dict:
         rank_scope=request.get("rank_scope"),
         project=request.get("project"),
         entity=request.get("entity"),
+        rank_stats=bool(request.get("rank_stats")),
+        per_rank=request.get("per_rank") or None,
     )
 
     def say(report: Any) -> None:

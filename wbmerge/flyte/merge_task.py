@@ -41,6 +41,8 @@ def merge_task(env: flyte.TaskEnvironment, training_task: Any, name: str = "wbme
         project: str = "",
         entity: str = "",
         worker: int = -1,
+        rank_stats: bool = False,
+        per_rank: list[str] | None = None,
     ) -> list[str]:
         manifest = await read_manifest(runs)
         node = worker if worker >= 0 else None
@@ -52,6 +54,8 @@ def merge_task(env: flyte.TaskEnvironment, training_task: Any, name: str = "wbme
             "project": project or None,
             "entity": entity or None,
             "worker": node,
+            "rank_stats": rank_stats,
+            "per_rank": list(per_rank or []),
         }
         return await run_in_child("merge", request)
 
@@ -70,11 +74,14 @@ async def sync(
     project: str | None = None,
     entity: str | None = None,
     per_node: bool = True,
+    rank_stats: bool = False,
+    per_rank: list[str] | None = None,
 ) -> list[str]:
     """Call the merge task on `runs` (once, or once per node for `rank_scope="worker"` on
     several nodes, in parallel, unless `per_node=False`), with the context its UI links are
     rendered from. Per node pays off where each task gets a machine (a cluster); in local
-    mode the tasks share this machine's cores."""
+    mode the tasks share this machine's cores. `rank_stats` and `per_rank` are those of
+    `wbmerge sync` (shared runs)."""
     manifest = await read_manifest(runs)
     workers = workers_of(manifest)
     scope = rank_scope or manifest.get("rank_scope") or "global"
@@ -87,11 +94,13 @@ async def sync(
     ):
         if value:
             context[f"wbmerge_{key}"] = str(value)
-    arguments = {
+    arguments: dict[str, Any] = {
         "run_mode": run_mode or "",
         "rank_scope": rank_scope or "",
         "project": project or "",
         "entity": entity or "",
+        "rank_stats": rank_stats,
+        "per_rank": list(per_rank or []),
     }
     with flyte.custom_context(**context):
         if per_node and scope == "worker" and len(workers) > 1:
@@ -149,13 +158,22 @@ def merge_and_upload(request: dict) -> dict:
         project=request.get("project"),
         entity=request.get("entity"),
         allow_missing_ranks=worker is not None,  # the other nodes' ranks are merged elsewhere
+        rank_stats=bool(request.get("rank_stats")),
+        per_rank=request.get("per_rank") or None,
     )
     planned = plan_jobs(merge_request)
     if worker is not None:
         for job in planned:
             check_node_complete(job.job, worker)
-    report = sync_runs(merge_request, planned=planned)
+    report = sync_runs(merge_request, planned=planned, progress=say_bound)
     return {"links": [link["url"] for link in report.links], "warnings": report.warnings}
+
+
+def say_bound(staged: Any) -> None:
+    """The one line of a run with more metrics than W&B recommends, in the task's log as
+    soon as the run is merged, before its upload."""
+    if staged.bound_notice:
+        print(f"wbmerge: warning: {staged.bound_notice}", file=sys.stderr, flush=True)
 
 
 def check_node_complete(job: Any, worker: int) -> None:
