@@ -3,6 +3,7 @@ short ones.
 
     python bench/bench_ranks.py                 # 128k rows x 20 metrics as 8, 256, 1024 ranks
     python bench/bench_ranks.py --repeat 5 --rows 32000
+    python bench/bench_ranks.py --ranks 8 256 --merge-args="--rank-stats"   # what it costs
 
 Each job is written with `wbmerge.synthetic`, then `wbmerge merge --run-mode shared` runs in
 a fresh process pinned to one core, `--repeat` times, into a fresh directory each time.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -34,11 +36,13 @@ RANKS = (8, 256, 1024)
 PER_NODE = 8
 
 
-def merge_once(job: Path, out: Path, timeout: float) -> tuple[float, float, float]:
+def merge_once(
+    job: Path, out: Path, timeout: float, extra: list[str] | None = None
+) -> tuple[float, float, float]:
     """(wall seconds, CPU seconds, peak RSS in MB) of one `wbmerge merge --run-mode shared`
-    of `job`."""
+    of `job`, with the options `extra`."""
     command = [sys.executable, "-m", "wbmerge.cli", "merge", str(job), "--run-mode", "shared",
-               "--out", str(out)]  # fmt: skip
+               "--out", str(out), *(extra or [])]  # fmt: skip
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -72,11 +76,14 @@ def main() -> None:
     parser.add_argument("--metrics", type=int, default=20)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
+    parser.add_argument("--merge-args", default="", help="more options of the merge, quoted")
     args = parser.parse_args()
+    extra = shlex.split(args.merge_args)
     results = []
     with tempfile.TemporaryDirectory(prefix="wbmerge-bench-ranks-") as tmp:
         work = Path(tmp)
-        for ranks in RANKS:
+        for ranks in args.ranks:
             steps = args.rows // ranks
             job = work / f"job{ranks}"
             synthetic.write_job(
@@ -85,7 +92,7 @@ def main() -> None:
             runs = []
             for i in range(args.repeat):
                 out = work / f"out{ranks}-{i}"
-                runs.append(merge_once(job, out, args.timeout))
+                runs.append(merge_once(job, out, args.timeout, extra))
                 shutil.rmtree(out)
             results.append({
                 "ranks": ranks, "steps": steps,
@@ -97,9 +104,11 @@ def main() -> None:
             shutil.rmtree(job)
             print(f"  {results[-1]}", file=sys.stderr, flush=True)
     base, base_cpu = results[0]["seconds"], results[0]["cpu_s"]
-    print(f"{args.rows} rows x {args.metrics} metrics, `merge --run-mode shared`, "
+    shown = f" {args.merge_args}" if args.merge_args else ""
+    print(f"{args.rows} rows x {args.metrics} metrics, `merge --run-mode shared{shown}`, "
           f"median of {args.repeat}, one core:\n")  # fmt: skip
-    print("| ranks x steps | time (s) | vs 8 ranks | CPU (s) | vs 8 ranks | peak RSS (MB) |")
+    first = f"vs {results[0]['ranks']} ranks"
+    print(f"| ranks x steps | time (s) | {first} | CPU (s) | {first} | peak RSS (MB) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for row in results:
         row["ratio"] = round(row["seconds"] / base, 2)
