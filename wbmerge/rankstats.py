@@ -162,10 +162,10 @@ def across_ranks(
     if not len(step):
         empty_i, empty_f = np.empty(0, np.int64), np.empty(0, np.float64)
         return AcrossRanks(empty_i, empty_i, empty_i, *[empty_f] * 4, empty_i, empty_i)
-    column, ranks = _dense_ids(rank)
-    step_id, steps = _dense_ids(step)
-    key_id, keys = _dense_ids(key)
-    row, groups = _dense_ids(step_id * len(keys) + key_id)
+    column, ranks = dense_ids(rank)
+    step_id, steps = dense_ids(step)
+    key_id, keys = dense_ids(key)
+    row, groups = dense_ids(step_id * len(keys) + key_id)
     cells = len(groups) * len(ranks)
     cell = row * len(ranks) + column
     grid = cells <= _GRID_FILL * len(cell)
@@ -187,7 +187,7 @@ def across_ranks(
     )  # fmt: skip
 
 
-def _dense_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def dense_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(each value's index among the distinct values, the distinct values ascending): by a
     table of the values' range when it is small (no sort), else by sorting."""
     low, high = int(values.min()), int(values.max())

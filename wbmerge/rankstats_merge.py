@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import items, wire
-from .rankstats import STATS, AcrossRanks, across_ranks, stat_key
+from .rankstats import STATS, AcrossRanks, across_ranks, dense_ids, stat_key
 
 _FLOAT_STATS = STATS[:4]
 _MAX_TEXT = 64  # longer than any number's JSON text (a float64's is at most 24 characters)
@@ -149,7 +149,8 @@ class MergedRankStats:
         at = np.searchsorted(steps, stats.step)
         written = (at < len(steps)) & (steps[np.minimum(at, len(steps) - 1)] == stats.step)
         joined = self._fields(stats, written)
-        for place, text in zip(np.unique(at[written]).tolist(), joined, strict=True):
+        places = at[written]  # (ascending, as the statistics are sorted by step)
+        for place, text in zip(places[_firsts(places)].tolist(), joined, strict=True):
             fields[place] = text
         return fields
 
@@ -167,7 +168,7 @@ class MergedRankStats:
         length = pc.binary_length(text).to_numpy().astype(np.int64)
         code = (stats.key[rows][:, None] * len(STATS) + np.arange(len(STATS))).ravel()
         pair = code * _MAX_TEXT + length
-        present, head_at = np.unique(pair, return_inverse=True)
+        head_at, present = dense_ids(pair)  # (a small range: no sort)
         heads = []
         for value in present.tolist():
             code_of, size = divmod(value, _MAX_TEXT)
@@ -178,7 +179,7 @@ class MergedRankStats:
         pieces = np.empty(2 * len(pair), np.int64)
         pieces[0::2] = head_at.reshape(-1)
         pieces[1::2] = np.arange(len(pair)) + len(heads)
-        per_step = np.unique(stats.step[rows], return_counts=True)[1]
+        per_step = np.diff(np.append(_firsts(stats.step[rows]), len(rows)))
         return items.join_rows(pool.take(pieces), 2 * len(STATS) * per_step)
 
     def _remember_last(self, stats: AcrossRanks) -> None:
@@ -196,6 +197,11 @@ class MergedRankStats:
             for part, value in zip(self._key_parts[key], values, strict=True):
                 parts.append(wire.item_field(part, wire.value_part(json.dumps(value))))
         return b"".join(parts)
+
+
+def _firsts(ascending: np.ndarray) -> np.ndarray:
+    """Where each run of equal values of `ascending` starts."""
+    return np.flatnonzero(np.concatenate([[True], ascending[1:] != ascending[:-1]]))
 
 
 def _json_texts(numbers: np.ndarray) -> pa.Array:
