@@ -23,10 +23,11 @@ from wbmerge.merge import shared
 from wbmerge.pipeline import MergeRequest, merge_jobs
 from wbmerge.rankstats import STATS
 from wbmerge.records import read_records
-from wbmerge.topology import METADATA_KEY, RankInfo
-from wbmerge.txlog import BLOCK_SIZE, LogWriter
+from wbmerge.topology import RankInfo
+from wbmerge.txlog import BLOCK_SIZE
 
 from .conftest import job_dir
+from .ranklogs import rank_log
 from .test_rankstats import _same, reference_one
 from .test_sync import UNLABELLED, cli_sync, sources_of
 
@@ -66,15 +67,8 @@ def write_rank(root: Path, rank: int, keys: tuple[str, ...] = KEYS) -> dict[int,
     `keys`, every row takes the batch split."""
     first, steps = RANKS[rank]
     info = RankInfo(rank, rank, len(RANKS), len(RANKS), 0, job_id="stats")
-    run_dir = root / "wandb" / f"offline-run-20260101_000000-st{rank}"
-    (run_dir / "files").mkdir(parents=True)
     rows: dict[int, dict[str, str]] = {}
-    with open(run_dir / f"run-st{rank}.wandb", "wb") as stream, LogWriter(stream) as writer:
-        record = pb.Record()
-        record.run.run_id, record.run.project = f"st{rank}", "stats"
-        item = record.run.config.update.add()
-        item.key, item.value_json = METADATA_KEY, json.dumps(info.to_metadata())
-        writer.write(record.SerializeToString())
+    with rank_log(root, info, f"st{rank}", "stats") as writer:
         for name in ("train/loss", "eval"):
             record = pb.Record()
             record.metric.name = name

@@ -5,7 +5,6 @@ records, parsed with protobuf."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -14,10 +13,11 @@ from wandb.proto import wandb_internal_pb2 as pb
 from wbmerge.merge import shared
 from wbmerge.pipeline import MergeRequest, merge_jobs
 from wbmerge.records import read_records
-from wbmerge.topology import METADATA_KEY, RankInfo
-from wbmerge.txlog import BLOCK_SIZE, LogWriter
+from wbmerge.topology import RankInfo
+from wbmerge.txlog import BLOCK_SIZE
 
 from .conftest import job_dir
+from .ranklogs import rank_log
 
 # rank -> (steps, first step, metrics, steps after whose row a metric is defined)
 RANKS = {0: (1500, 0, 12, (3, 700)), 1: (900, 40, 4, (41, 899)), 2: (1700, 0, 25, ())}
@@ -27,15 +27,8 @@ def write_rank(root: Path, rank: int) -> dict[int, dict[str, str]]:
     """One rank's log; returns its rows: step -> {key: value_json}."""
     steps, first, metrics, defines = RANKS[rank]
     info = RankInfo(rank, rank, len(RANKS), len(RANKS), 0, job_id="batches")
-    run_dir = root / "wandb" / f"offline-run-20260101_000000-bat{rank}"
-    (run_dir / "files").mkdir(parents=True)
     rows: dict[int, dict[str, str]] = {}
-    with open(run_dir / f"run-bat{rank}.wandb", "wb") as stream, LogWriter(stream) as writer:
-        record = pb.Record()
-        record.run.run_id, record.run.project = f"bat{rank}", "batches"
-        item = record.run.config.update.add()
-        item.key, item.value_json = METADATA_KEY, json.dumps(info.to_metadata())
-        writer.write(record.SerializeToString())
+    with rank_log(root, info, f"bat{rank}", "batches") as writer:
         for step in range(first, first + steps):
             values = {f"m{m}": repr((rank + 1) * step + m / 7) for m in range(metrics)}
             rows[step] = values

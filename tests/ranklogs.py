@@ -1,0 +1,29 @@
+"""Small offline runs written by the tests themselves: a rank's run directory and log, its
+run record carrying the `wbmerge` block, ready for the records each test writes next."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from wandb.proto import wandb_internal_pb2 as pb
+
+from wbmerge.topology import METADATA_KEY, RankInfo
+from wbmerge.txlog import LogWriter
+
+
+@contextmanager
+def rank_log(root: Path, info: RankInfo, run_id: str, project: str) -> Iterator[LogWriter]:
+    """A writer of `root/wandb/offline-run-…-{run_id}/run-{run_id}.wandb`, its run record
+    (with `info` as the `wbmerge` block) written already."""
+    run_dir = root / "wandb" / f"offline-run-20260101_000000-{run_id}"
+    (run_dir / "files").mkdir(parents=True)
+    with open(run_dir / f"run-{run_id}.wandb", "wb") as stream, LogWriter(stream) as writer:
+        record = pb.Record()
+        record.run.run_id, record.run.project = run_id, project
+        item = record.run.config.update.add()
+        item.key, item.value_json = METADATA_KEY, json.dumps(info.to_metadata())
+        writer.write(record.SerializeToString())
+        yield writer
