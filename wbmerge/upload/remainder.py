@@ -21,7 +21,7 @@ its last row); anything else (rows of another merge, duplicates of an older tool
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +29,7 @@ import numpy as np
 
 from .. import items, records, wire
 from ..proto import pb
-from ..records import record_kind
-from ..txlog import Frames, read_frames, read_payloads, write_payloads
+from ..txlog import Frames, LogWriter, read_frames
 from .server import Held
 
 _CURSOR_MOVES = ("\x1b[A", "\x1b[1A", "\x1b[2K")  # consoles wandb's emulator may fold
@@ -103,11 +102,11 @@ def same_value(a: object, b: object) -> bool:
 def history_row(log: Path, index: int) -> dict:
     """History row `index` of a log as wandb-core sends it: nested keys as nested objects."""
     seen = 0
-    for payload in read_payloads(log):
-        if record_kind(payload) != "history":
-            continue
-        if seen == index:
+    for frames in read_frames(log):
+        history = np.flatnonzero(records.kinds(frames) == _HISTORY)
+        if seen + len(history) > index:
             row: dict = {}
+            payload = frames.payload(int(history[index - seen]))
             for item in pb.Record.FromString(payload).history.item:
                 keys = list(item.nested_key) or [item.key]
                 target = row
@@ -118,7 +117,7 @@ def history_row(log: Path, index: int) -> dict:
                 except ValueError:  # not JSON: cannot equal what the server holds
                     target[keys[-1]] = {"unparsed value": item.value_json}
             return row
-        seen += 1
+        seen += len(history)
     raise IndexError(index)
 
 
@@ -241,14 +240,18 @@ def _step_of(payload: bytes) -> int | None:
 
 
 def write_remainder(log: Path, out: Path, plan: Remainder) -> int:
-    """Write `log` without its first `plan.skip_history` history records; returns records."""
+    """Write `log` without its first `plan.skip_history` history records; returns records.
 
-    def kept() -> Iterator[bytes]:
-        skipped = 0
-        for payload in read_payloads(log):
-            if skipped < plan.skip_history and record_kind(payload) == "history":
-                skipped += 1
-                continue
-            yield payload
-
-    return write_payloads(out, kept())
+    A read's records are kept or skipped as spans and framed together (`write_many`
+    frames them as `write` of each would), so the log is not re-framed record by record."""
+    to_skip = plan.skip_history
+    with open(out, "wb") as stream, LogWriter(stream) as writer:
+        for frames in read_frames(log):
+            keep = np.ones(len(frames), bool)
+            if to_skip:
+                skipped = np.flatnonzero(records.kinds(frames) == _HISTORY)[:to_skip]
+                keep[skipped] = False
+                to_skip -= len(skipped)
+            kept = np.flatnonzero(keep)
+            writer.write_many(frames.data, frames.starts[kept].tolist(), frames.ends[kept].tolist())
+        return writer.records
