@@ -16,7 +16,6 @@ still write, two things are changed in the staged log before it is uploaded:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,14 +27,6 @@ from ..txlog import LogWriter, ReadReport, read_frames
 _HISTORY, _EXIT = records.code("history"), records.code("exit")
 
 
-@dataclass(frozen=True)
-class Cut:
-    """What a cut kept of a staged log."""
-
-    rows: int  # history rows kept
-    dropped_rows: int  # history rows after the watermark, left for a later round
-
-
 def running_exit_record() -> bytes:
     """An exit record that ends an upload and leaves the run running."""
     record = pb.Record()
@@ -43,10 +34,9 @@ def running_exit_record() -> bytes:
     return record.SerializeToString()
 
 
-def cut_live(log: Path, out: Path, last_step: int | None) -> Cut:
+def cut_live(log: Path, out: Path, last_step: int | None) -> None:
     """Write `log` to `out` without its history rows after `last_step` (None: all kept)
     and with a `not_complete` exit record in place of its exit record."""
-    rows = dropped = 0
     with open(out, "xb") as stream, LogWriter(stream) as writer:
         for frames in read_frames(log, ReadReport()):
             codes = records.kinds(frames)
@@ -54,11 +44,7 @@ def cut_live(log: Path, out: Path, last_step: int | None) -> Cut:
             history = np.flatnonzero(codes == _HISTORY)
             if last_step is not None and len(history):
                 steps = records.history_rows(frames, history).steps
-                late = history[steps > last_step]
-                keep[late] = False
-                dropped += len(late)
-            rows += int(np.count_nonzero(keep[history]))
+                keep[history[steps > last_step]] = False
             kept = np.flatnonzero(keep)
             writer.write_many(frames.data, frames.starts[kept].tolist(), frames.ends[kept].tolist())
         writer.write(running_exit_record())
-    return Cut(rows, dropped)

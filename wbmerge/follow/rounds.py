@@ -138,7 +138,7 @@ class Follower:
         report.waiting += [f"{path.parent.name}: nothing on disk yet" for path in live.waiting]
         report.warnings += live.notes
         workdir = self.staging / f"round-{self.number}"
-        todo: dict[tuple[str, str | None], list[tuple[Target, Delivery, bool, int | None]]] = {}
+        todo: dict[tuple[str, str | None], list[tuple[Target, Delivery, tuple, int | None]]] = {}
         all_done = bool(live.jobs) and not live.waiting
         planned = []
         try:
@@ -181,7 +181,7 @@ class Follower:
         ranks: dict[int, Progress],
         workdir: Path,
         report: RoundReport,
-    ) -> tuple[Target, Delivery, bool, int | None] | None:
+    ) -> tuple[Target, Delivery, tuple, int | None] | None:
         """Stage one target if it changed; None when there is nothing to send."""
         assert plan.project
         entity = plan.entity or self.viewer_entity
@@ -200,12 +200,12 @@ class Follower:
             # A rank that failed may be restarted (elastic): wait one quiet round to be sure.
             known.finished_seen = now
             done = False
+        if not done and known.signature == now:
+            report.targets.append(known.unchanged(target.id))
+            return None
         fingerprint = Ledger.fingerprint(target, plan.ledger_settings(self.request))
         if done and self.ledger.synced(known.key, fingerprint):
             known.final, known.signature = True, now
-            report.targets.append(known.unchanged(target.id))
-            return None
-        if not done and known.signature == now:
             report.targets.append(known.unchanged(target.id))
             return None
         try:
@@ -226,13 +226,13 @@ class Follower:
         delivery = Delivery(
             target.id, staged.run_dir, staged.log_path, known.key, fingerprint, final=done
         )
-        return target, delivery, done, staged.exit_code if done else None
+        return target, delivery, now, staged.exit_code if done else None
 
     def _deliver(
         self,
         project: str,
         entity: str | None,
-        entries: list[tuple[Target, Delivery, bool, int | None]],
+        entries: list[tuple[Target, Delivery, tuple, int | None]],
         workdir: Path,
         report: RoundReport,
     ) -> None:
@@ -256,7 +256,7 @@ class Follower:
                 delivery.problems.append(str(exc))
         finally:
             deliverer.stop()
-        for target, delivery, final, code in entries:
+        for target, delivery, now, code in entries:
             known = self.known[target.id]
             if not delivery.verified:
                 report.targets.append(
@@ -266,9 +266,9 @@ class Follower:
             assert delivery.content is not None
             rows = len(delivery.content.history_steps)
             added = rows - (known.rows or 0)
-            known.rows, known.final, known.exit_code = rows, final, code
-            known.signature = signature(target, self._sizes or {})
-            report.targets.append(TargetRound(target.id, "sent", rows, added, final, code))
+            known.rows, known.final, known.exit_code = rows, delivery.final, code
+            known.signature = now
+            report.targets.append(TargetRound(target.id, "sent", rows, added, delivery.final, code))
 
     def links(self) -> list[dict]:
         """The runs' (or, for `new`, the groups') links, as `sync` gives them."""
@@ -287,13 +287,9 @@ class Follower:
         phrases = []
         for plan in self.planned:
             ranks = progress(plan.job, self._sizes or {}, self._scans)
-            open_ranks = [
-                str(rank)
-                for rank in range(max(plan.job.world_size, max(ranks, default=-1) + 1))
-                if rank not in ranks or not ranks[rank].finished
-            ]
+            open_ranks = _open_ranks(plan.job, ranks)
             if open_ranks:
-                phrases.append(f"job {plan.job.job_id}: rank(s) {', '.join(open_ranks)}")
+                phrases.append(f"job {plan.job.job_id}: rank(s) {', '.join(map(str, open_ranks))}")
         return phrases
 
     def release(self) -> None:
@@ -304,5 +300,10 @@ class Follower:
 
 def _job_finished(job: Job, ranks: dict[int, Progress]) -> bool:
     """Every rank of the job's world has started and written its exit record."""
+    return not _open_ranks(job, ranks)
+
+
+def _open_ranks(job: Job, ranks: dict[int, Progress]) -> list[int]:
+    """The ranks of the job's world (as recorded, or as found) not started or not finished."""
     world = max(job.world_size, max(ranks, default=-1) + 1)
-    return all(rank in ranks and ranks[rank].finished for rank in range(world))
+    return [rank for rank in range(world) if rank not in ranks or not ranks[rank].finished]
