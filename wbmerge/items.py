@@ -24,7 +24,6 @@ import pyarrow.compute as pc
 
 from . import wire
 
-_ITEM_TAG = b"\x0a"
 _PERIOD_SEARCH = 256  # the longest period of repeating keys looked for, in items
 
 
@@ -71,38 +70,6 @@ class Items:
         if self._located is None:
             return self.value.take(which)
         return self._pieces(_VALUE, _END).take(self._places(which)).cast(pa.binary())
-
-    def rekeyed(self, which: np.ndarray, codes: np.ndarray, key_parts: list[bytes]) -> pa.Array:
-        """The items `which` (indices) as item fields again, item `which[i]` with the key
-        part `key_parts[codes[i]]`: two pieces an item (tag, length and key part; value
-        part), for `join_rows`. The heads are made once per key part and value size."""
-        if self._located is None:
-            pieces, at = self.value, which
-            sizes = pc.binary_length(pieces).to_numpy()[at].astype(np.int64)
-        else:
-            pieces, at = self._pieces(_VALUE, _END), self._places(which)
-            bounds = self._located[1]
-            sizes = bounds[_END, at >> 1] - bounds[_VALUE, at >> 1]  # (`at` >> 1: its column)
-        stride = int(sizes.max(initial=0)) + 1
-        pairs = codes.astype(np.int64) * stride + sizes
-        if len(key_parts) * stride <= 1 << 20:
-            bins = np.bincount(pairs, minlength=len(key_parts) * stride)
-            present = np.flatnonzero(bins)
-            head_of = np.empty(len(bins), np.int64)
-            head_of[present] = np.arange(len(present))
-            head_at = head_of[pairs]
-        else:  # values too long for a table of every (key part, size)
-            present, head_at = np.unique(pairs, return_inverse=True)
-        heads = []
-        for pair in present.tolist():
-            code, size = divmod(pair, stride)
-            part = key_parts[code]
-            heads.append(_ITEM_TAG + wire.encode_varint(len(part) + size) + part)
-        pool = pa.concat_arrays([pa.array(heads, pieces.type), pieces])
-        order = np.empty(2 * len(which), np.int64)
-        order[0::2] = head_at
-        order[1::2] = at + len(heads)
-        return pool.take(order)
 
     def _places(self, which: np.ndarray) -> np.ndarray:
         """Where the items `which` (indices) are in a `_pieces` array."""

@@ -72,12 +72,6 @@ class PerRank:
             raise WbmergeError("--per-rank needs a key or glob, got an empty value")
         return cls(tuple(values))
 
-    @property
-    def chosen(self) -> bool:
-        """Whether the user chose (any `--per-rank` given): no warning past the bound then
-        only when they chose every key."""
-        return self.patterns is not None
-
     def keeps(self, key: str) -> bool:
         """Whether the top-level key `key` (the part a rank's label is added to) keeps a
         series per rank."""

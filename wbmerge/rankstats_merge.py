@@ -27,7 +27,6 @@ import pyarrow.compute as pc
 from . import items, wire
 from .rankstats import STATS, AcrossRanks, across_ranks, dense_ids, stat_key
 
-_FLOAT_STATS = STATS[:4]
 _MAX_TEXT = 64  # longer than any number's JSON text (a float64's is at most 24 characters)
 
 

@@ -11,6 +11,7 @@ import shutil
 import struct
 import tempfile
 from collections.abc import Iterable, Iterator
+from itertools import chain
 from pathlib import Path
 from typing import BinaryIO
 
@@ -84,17 +85,12 @@ def write_console_and_stats(
     """Pass 2: console and system metrics of every rank, by time, from what pass 1 set aside."""
     for record in heapq.merge(
         *(
-            _chain(console_and_stats(spools.read(s), s) for s in sources)
+            chain.from_iterable(console_and_stats(spools.read(s), s) for s in sources)
             for sources in by_rank.values()
         ),
         key=lambda r: (r[0], r[1], r[2]),
     ):
         writer.write(record[3])
-
-
-def _chain(iterators: Iterator[Iterator]) -> Iterator:
-    for iterator in iterators:
-        yield from iterator
 
 
 class Spools:

@@ -4,6 +4,7 @@ every later block copied in the kernel."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from ..plan import Source, Target
 from ..records import KIND_NAMES, record_kind
 from ..stagefiles import files_record
 from ..steps import Steps, continue_steps
-from ..txlog import BLOCK_SIZE, LogWriter, ReadReport, read_frames, read_head, read_payloads
+from ..txlog import BLOCK_SIZE, LogWriter, ReadReport, read_frames, read_head
 from .console import console_and_stats
 from .options import MergeOptions
 from .outcome import Outcome, damage_warnings, is_record, not_a_record
@@ -23,6 +24,7 @@ _PASSTHROUGH_READ = 128 * BLOCK_SIZE
 # records a pass-through does not copy as they are (a history record only when restarts
 # continue each other's steps)
 _RUN, _HEADER, _EXIT, _FILES = (records.code(k) for k in ("run", "header", "exit", "files"))
+_STATS = records.code("stats")
 _UNKNOWN = 0  # the kind code of a record of no known kind (checked before it is copied)
 _SPECIAL = [_RUN, _HEADER, _EXIT, _FILES, _UNKNOWN]
 _SPECIAL_SEVERAL = [*_SPECIAL, records.code("history")]
@@ -78,7 +80,7 @@ def write_passthrough(
             writer.write_many(frames.data, starts[done:], ends[done:])
         warnings += damage_warnings(source, report, exit_payload is not None, target.primary_rank)
     for extra in target.extra_system_sources:
-        stats = console_and_stats(read_payloads(extra.path), extra, stats_only=True)
+        stats = console_and_stats(_stats_payloads(extra.path), extra, stats_only=True)
         for record in stats:
             writer.write(record[3])
     outcome.exit_code = exit_code(exit_payload)
@@ -139,3 +141,11 @@ def write_spliced(
         copied = report.records - len(payloads)  # (the bytes read, should the log grow)
         writer.copy_blocks(stream, blocks * BLOCK_SIZE, report.bytes_read, copied)
     return Outcome(exit_code=exit_code(exit_payload))
+
+
+def _stats_payloads(path: Path) -> Iterator[bytes]:
+    """The system-metric records of a log, picked out a read at a time (`records.kinds`)
+    rather than by walking every record's tags in Python."""
+    for frames in read_frames(path, ReadReport()):
+        for index in np.flatnonzero(records.kinds(frames) == _STATS).tolist():
+            yield frames.payload(index)

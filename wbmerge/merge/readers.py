@@ -30,13 +30,9 @@ from ..txlog import (
     MIDDLE,
     Frames,
     ReadReport,
+    crc32,
     read_frames,
 )
-
-try:  # the CRC-32 txlog uses (ISA-L), zlib's where it is missing
-    from isal.isal_zlib import crc32
-except ImportError:  # pragma: no cover
-    from zlib import crc32
 
 _TYPE_AT = CHUNK_HEADER_SIZE - 1
 

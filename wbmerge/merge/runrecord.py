@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ..plan import Source, Target
+from ..plan import Target
 from ..proto import pb
 from ..topology import METADATA_KEY
 from .options import MergeOptions
@@ -30,7 +30,7 @@ def wbmerge_block(target: Target, options: MergeOptions, rank_block: dict | None
                 "rank": s.rank.rank,
                 "label": s.label,
                 "restart": s.restart,
-                "run_id": source_run_id(s),
+                "run_id": s.run_id,
             }
             for s in (*target.sources, *target.extra_system_sources)
         ],
@@ -38,11 +38,6 @@ def wbmerge_block(target: Target, options: MergeOptions, rank_block: dict | None
     if target.worker is not None:
         block["worker"] = target.worker
     return block
-
-
-def source_run_id(source: Source) -> str:
-    """The run id of a source, from its log's name (`run-<id>.wandb`)."""
-    return source.path.name[len("run-") : -len(".wandb")]
 
 
 def rewrite_run(payload: bytes, target: Target, options: MergeOptions) -> bytes:

@@ -58,7 +58,6 @@ class RankState:
     slot: int  # its place in the key table
     summary: dict[bytes, bytes] = field(default_factory=dict)  # output key part -> value part
     exit_payload: bytes | None = None
-    complete: bool = False
     steps: Steps = field(default_factory=Steps)
     seq: int = 0  # records other than rows so far
     spool: SpoolWriter | None = None
@@ -215,10 +214,10 @@ class SharedMerge:
                         self.events.append((key, event))
                         state.last_key = max(state.last_key, key)
             if read.ended:
-                state.complete = state.exit_payload is not None
+                complete = state.exit_payload is not None
                 more = read.source < len(self.by_rank[read.rank]) - 1
                 self._warn(read.rank, read.source, damage_warnings(
-                    source, read.report, state.complete or more, self.primary
+                    source, read.report, complete or more, self.primary
                 ))  # fmt: skip
         kept = placed >= 0
         slot_of_record = np.repeat(
