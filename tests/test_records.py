@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -38,10 +37,16 @@ def check_frames(frames: txlog.Frames) -> int:
     """Assert every record's kind, and every history record's step and item fields, as the
     one-record functions give them; returns how many history records were checked."""
     payloads = list(frames.payloads())
-    codes = records.kinds(frames)
-    assert [records.KIND_NAMES[c] for c in codes] == [records.record_kind(p) for p in payloads]
-    history = np.flatnonzero(codes == records.code("history"))
-    rows = records.history_rows(frames, history)
+    index_of = records.RecordIndex(frames)
+    kinds = [records.record_kind(p) for p in payloads]
+    assert [index_of.kind(i) for i in range(len(index_of))] == kinds
+    history = index_of.history
+    assert history.tolist() == [i for i, kind in enumerate(kinds) if kind == "history"]
+    assert index_of.of("exit", "stats").tolist() == [
+        i for i, kind in enumerate(kinds) if kind in ("exit", "stats")
+    ]
+    rows = index_of.rows
+    in_place = True
     for row, index in enumerate(history.tolist()):
         step, region = wire.history_region(payloads[index])
         assert rows.steps[row] == step
@@ -49,8 +54,13 @@ def check_frames(frames: txlog.Frames) -> int:
         parsed = pb.Record.FromString(payloads[index]).history  # and both as protobuf says
         assert list(pb.HistoryRecord.FromString(region).item) == list(parsed.item)
         assert step == (parsed.step.num if parsed.HasField("step") else step_item(parsed))
-    summaries = np.flatnonzero(codes == records.code("summary"))
-    starts, ends = records.body_spans(frames, summaries, 0x1A)
+        in_place &= rows.ends[row] <= len(frames.data)  # (an empty region may be at its end)
+    assert rows.in_place == in_place
+    if in_place:  # the spans hold in the read's own buffer
+        assert rows.data == frames.data
+    summaries = index_of.summaries
+    assert summaries.tolist() == [i for i, kind in enumerate(kinds) if kind == "summary"]
+    starts, ends = index_of.summary_spans
     for start, end, index in zip(starts.tolist(), ends.tolist(), summaries.tolist(), strict=True):
         fields = top_level_fields(payloads[index])
         if fields[:1] == [1]:  # `num` first, as wandb writes it

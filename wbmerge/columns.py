@@ -24,14 +24,12 @@ from .discover import Job
 from .plan import Source
 from .proto import pb
 from .steps import RESERVED, Steps
-from .txlog import ReadReport, read_frames
+from .txlog import ReadReport
 
 HISTORY = "history"
 SYSTEM = "system"
 _READ_SIZE = 4 << 20  # a few thousand rows a read: array work pays per read, not per row
 _STATS_WINDOW = 4096
-_HISTORY_CODE = records.code("history")
-_STATS_CODE = records.code("stats")
 
 
 @dataclass
@@ -69,14 +67,12 @@ def rank_columns(sources: list[Source], damage: list[str] | None = None) -> Iter
         steps.restart()
         stats: list[bytes] = []
         report = ReadReport()
-        for frames in read_frames(source.path, report, _READ_SIZE):
-            codes = records.kinds(frames)
-            rows = records.history_rows(frames, np.flatnonzero(codes == _HISTORY_CODE))
+        for index in records.read_indexed(source.path, report, read_size=_READ_SIZE):
+            rows = index.rows
             placed = steps.place_rows(rows.steps)  # as the merge does
             if len(rows):
                 yield _history(rows, placed, source)
-            for index in np.flatnonzero(codes == _STATS_CODE).tolist():
-                stats.append(frames.payload(index))
+            stats += map(index.frames.payload, index.of("stats").tolist())
             if len(stats) >= _STATS_WINDOW:
                 yield _system(stats, source)
                 stats = []

@@ -19,7 +19,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 from google.protobuf.message import DecodeError
 
 from . import jobs, rankclaims, records
@@ -318,21 +317,20 @@ def scan(run: OfflineRun) -> RunStats:
     """One full pass: history rows, steps, exit record, damage. Parses only what it counts."""
     stats = RunStats()
     for frames in _frames(run.path, stats.report):
-        codes = records.kinds(frames)
-        stats.records += len(codes)
-        steps = records.history_rows(frames, np.flatnonzero(codes == _HISTORY)).steps
+        index = records.RecordIndex(frames)
+        stats.records += len(index)
+        steps = index.rows.steps
         if len(steps):
             stats.history_rows += len(steps)
             if stats.first_step is None:
                 stats.first_step = int(steps[0])
             stats.last_step = int(steps[-1])
-        for index in np.flatnonzero(codes == _EXIT).tolist():
+        for record in index.of("exit").tolist():
             stats.complete = True
-            stats.exit_code = pb.Record.FromString(frames.payload(index)).exit.exit_code
+            stats.exit_code = pb.Record.FromString(frames.payload(record)).exit.exit_code
         if run.label is None:
-            for index in np.flatnonzero(codes == _STATS).tolist():
-                run.label = _label_from_stats(pb.Record.FromString(frames.payload(index)).stats)
-                break
+            for record in index.of("stats")[:1].tolist():
+                run.label = _label_from_stats(pb.Record.FromString(frames.payload(record)).stats)
     report = stats.report
     if not stats.complete and not report.truncated:
         # wandb-core writes whole 32 KiB blocks until it closes the log, so a log without
@@ -341,9 +339,6 @@ def scan(run: OfflineRun) -> RunStats:
         report.truncated = size % BLOCK_SIZE == 0 or size == len(FILE_HEADER)
     run.stats = stats
     return stats
-
-
-_HISTORY, _EXIT, _STATS = (records.code(kind) for kind in ("history", "exit", "stats"))
 
 
 def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import BinaryIO
 
@@ -21,7 +22,7 @@ from google.protobuf.message import DecodeError
 
 from . import wire
 from .proto import pb
-from .txlog import Frames, ReadReport, iter_payloads, read_payloads
+from .txlog import Frames, ReadReport, iter_payloads, read_frames, read_payloads
 from .wire import skip_field, varint
 
 # Field number of each member of Record's `record_type` oneof, and back.
@@ -110,9 +111,74 @@ class HistoryRows:
     steps: np.ndarray  # int64
     starts: np.ndarray  # int64
     ends: np.ndarray  # int64
+    # Whether every row's items lie in the read's own buffer; rows of an odd shape have
+    # theirs decoded by protobuf and appended after it.
+    in_place: bool = True
 
     def __len__(self) -> int:
         return len(self.steps)
+
+
+class RecordIndex:
+    """One read's records, indexed once: each record's kind and, when first asked, the
+    steps and item spans of its history records and the item spans of its summaries.
+
+    Every reader of records (the merge, export and report, discovery, the upload's
+    counts, the follower's cut) asks a read's questions here, so a read is classified
+    once and in one way. Example: `index.of("history")` are the indices of the history
+    records, `index.rows.steps[i]` the step of the i-th of them.
+    """
+
+    def __init__(self, frames: Frames) -> None:
+        self.frames = frames
+        self.codes = kinds(frames)  # uint8; KIND_NAMES[code] is the kind's name
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def of(self, *names: str) -> np.ndarray:
+        """The indices of the records of the kinds `names`, in order."""
+        if len(names) == 1:
+            return np.flatnonzero(self.codes == _CODE[names[0]])
+        return np.flatnonzero(np.isin(self.codes, [_CODE[name] for name in names]))
+
+    def kind(self, index: int) -> str | None:
+        """The kind of record `index` (None: not a Record, or of no kind wbmerge knows)."""
+        return KIND_NAMES[self.codes[index]]
+
+    @cached_property
+    def history(self) -> np.ndarray:
+        """The indices of the history records."""
+        return self.of("history")
+
+    @cached_property
+    def rows(self) -> HistoryRows:
+        """The steps and item fields of the history records, in their order."""
+        return history_rows(self.frames, self.history)
+
+    @cached_property
+    def summaries(self) -> np.ndarray:
+        """The indices of the summary records."""
+        return self.of("summary")
+
+    @cached_property
+    def summary_spans(self) -> tuple[np.ndarray, np.ndarray]:
+        """(start, end) of each summary's items in the buffer; (-1, -1) for one written in
+        another shape than wandb's (`body_spans`)."""
+        return summary_spans(self.frames, self.summaries)
+
+
+def read_indexed(
+    path: str | Path, report: ReadReport | None = None, **read
+) -> Iterator[RecordIndex]:
+    """The `RecordIndex` of each read of the log at `path` (`txlog.read_frames`, which
+    takes the `read_size`)."""
+    for frames in read_frames(path, report, **read):
+        yield RecordIndex(frames)
+
+
+# The one-byte tags of Record's `history` and `summary` fields.
+_HISTORY_TAG, _SUMMARY_TAG = 0x12, 0x1A
 
 
 def body_spans(frames: Frames, which: np.ndarray, tag: int) -> tuple[np.ndarray, np.ndarray]:
@@ -126,10 +192,16 @@ def body_spans(frames: Frames, which: np.ndarray, tag: int) -> tuple[np.ndarray,
     return np.where(ok, starts, -1), np.where(ok, ends, -1)
 
 
+def summary_spans(frames: Frames, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) of the items of each summary record `which`; (-1, -1) where the record
+    is not in wandb's shape (`body_spans`)."""
+    return body_spans(frames, which, _SUMMARY_TAG)
+
+
 def history_rows(frames: Frames, which: np.ndarray) -> HistoryRows:
     """The step and item fields of the history records `which` (indices into `frames`)."""
     data = np.frombuffer(frames.data, np.uint8)
-    starts, ends = body_spans(frames, which, 0x12)
+    starts, ends = body_spans(frames, which, _HISTORY_TAG)
     steps = np.zeros(len(which), np.int64)
     fields_end = np.full(len(which), -1, np.int64)
     ok = ends - starts >= 2
@@ -169,7 +241,7 @@ def history_rows(frames: Frames, which: np.ndarray) -> HistoryRows:
             offset += len(region)
             extra.append(region)
         buffer = b"".join([buffer, *extra])
-    return HistoryRows(buffer, steps, starts, fields_end)
+    return HistoryRows(buffer, steps, starts, fields_end, in_place=len(buffer) == len(frames.data))
 
 
 def _items_end_at(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:

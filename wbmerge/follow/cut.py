@@ -22,9 +22,7 @@ import numpy as np
 
 from .. import records
 from ..proto import pb
-from ..txlog import LogWriter, ReadReport, read_frames
-
-_HISTORY, _EXIT = records.code("history"), records.code("exit")
+from ..txlog import LogWriter, ReadReport
 
 
 def running_exit_record() -> bytes:
@@ -38,13 +36,12 @@ def cut_live(log: Path, out: Path, last_step: int | None) -> None:
     """Write `log` to `out` without its history rows after `last_step` (None: all kept)
     and with a `not_complete` exit record in place of its exit record."""
     with open(out, "xb") as stream, LogWriter(stream) as writer:
-        for frames in read_frames(log, ReadReport()):
-            codes = records.kinds(frames)
-            keep = codes != _EXIT
-            history = np.flatnonzero(codes == _HISTORY)
-            if last_step is not None and len(history):
-                steps = records.history_rows(frames, history).steps
-                keep[history[steps > last_step]] = False
+        for index in records.read_indexed(log, ReadReport()):
+            keep = np.ones(len(index), bool)
+            keep[index.of("exit")] = False
+            if last_step is not None and len(index.history):
+                keep[index.history[index.rows.steps > last_step]] = False
             kept = np.flatnonzero(keep)
+            frames = index.frames
             writer.write_many(frames.data, frames.starts[kept].tolist(), frames.ends[kept].tolist())
         writer.write(running_exit_record())

@@ -391,7 +391,7 @@ def fold_summaries(
     if not len(which):
         return
     if batch is None:
-        starts, ends = records.body_spans(frames, which, 0x1A)
+        starts, ends = records.summary_spans(frames, which)
         if (starts >= 0).all():
             batch = items.split_spans(frames.data, starts, ends)
     pair = None

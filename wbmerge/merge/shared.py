@@ -177,9 +177,8 @@ class SharedMerge:
 
     def _take_in(self, frames: Frames, reads: list[SourceRead], spools: Spools) -> None:
         """Label the rows of a turn's reads, fold their summaries, and set aside the rest."""
-        codes = records.kinds(frames)
-        history = np.flatnonzero(codes == _HISTORY)
-        rows = records.history_rows(frames, history)
+        read_index = records.RecordIndex(frames)
+        codes, history, rows = read_index.codes, read_index.history, read_index.rows
         placed = np.empty(len(history), np.int64)
         ranges = np.cumsum([0, *(read.records for read in reads)])
         history_ranges = np.searchsorted(history, ranges)
@@ -226,11 +225,11 @@ class SharedMerge:
         )
         row_slots = slot_of_record[history[kept]]
         starts, ends = rows.starts[kept], rows.ends[kept]
-        summaries = np.flatnonzero(codes == _SUMMARY)
+        summaries = read_index.summaries
         summary_slots = slot_of_record[summaries]
-        summary_starts, summary_ends = records.body_spans(frames, summaries, 0x1A)
+        summary_starts, summary_ends = read_index.summary_spans
         row_items = summary_items = None
-        if rows.data is frames.data and (summary_starts >= 0).all():
+        if rows.in_place and (summary_starts >= 0).all():
             # the rows' items and the summaries' in one split: one dictionary of keys
             both = items.split_spans(
                 frames.data,

@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import items, records, wire
 from ..proto import pb
-from ..txlog import Frames, LogWriter, read_frames
+from ..txlog import LogWriter, read_frames
 from .server import Held
 
 _CURSOR_MOVES = ("\x1b[A", "\x1b[1A", "\x1b[2K")  # consoles wandb's emulator may fold
@@ -102,11 +102,11 @@ def same_value(a: object, b: object) -> bool:
 def history_row(log: Path, index: int) -> dict:
     """History row `index` of a log as wandb-core sends it: nested keys as nested objects."""
     seen = 0
-    for frames in read_frames(log):
-        history = np.flatnonzero(records.kinds(frames) == _HISTORY)
+    for read in records.read_indexed(log):
+        history = read.history
         if seen + len(history) > index:
             row: dict = {}
-            payload = frames.payload(int(history[index - seen]))
+            payload = read.frames.payload(int(history[index - seen]))
             for item in pb.Record.FromString(payload).history.item:
                 keys = list(item.nested_key) or [item.key]
                 target = row
@@ -161,14 +161,14 @@ def read_staged(log: Path) -> StagedContent:
     events = 0
     streams: dict[int, list[str]] = {}
     logger_lines = 0
-    for frames in read_frames(log):
-        codes = records.kinds(frames)
-        steps += history_steps(frames, np.flatnonzero(codes == _HISTORY))
-        events += int(np.count_nonzero(codes == _STATS))
-        for index in np.flatnonzero(codes == _OUTPUT_RAW).tolist():
+    for read in records.read_indexed(log):
+        frames = read.frames
+        steps += history_steps(read)
+        events += len(read.of("stats"))
+        for index in read.of("output_raw").tolist():
             output = pb.Record.FromString(frames.payload(index)).output_raw
             streams.setdefault(output.output_type, []).append(output.line)
-        for index in np.flatnonzero(codes == _OUTPUT_LOGGER).tolist():
+        for index in read.of("output_logger").tolist():
             # wandb writes these lines as they are, one per line
             text = pb.Record.FromString(frames.payload(index)).output_logger.line
             logger_lines += len(text.removesuffix("\n").split("\n"))
@@ -177,9 +177,6 @@ def read_staged(log: Path) -> StagedContent:
     return StagedContent(tuple(steps), events, console)
 
 
-_HISTORY, _STATS, _OUTPUT_RAW, _OUTPUT_LOGGER = (
-    records.code(kind) for kind in ("history", "stats", "output_raw", "output_logger")
-)
 # a `_step` item's key part as wandb writes it: `nested_key: "_step"`, or `key: "_step"`
 _STEP_PARTS = frozenset({wire.key_part(["_step"]), b"\x0a\x05_step"})
 
@@ -190,16 +187,17 @@ _STEP_PARTS = frozenset({wire.key_part(["_step"]), b"\x0a\x05_step"})
 _WIDE_ROW = 4096
 
 
-def history_steps(frames: Frames, which: np.ndarray) -> list[int | None]:
-    """`_step_of` of the history records `which` of a read, the items of all of them split
-    at once (`items`): a row's first `_step` item, read as `_step_of` reads it. Rows whose
-    keys mention `_step` in another form, or that have no `_step` item, and reads that do
-    not split, take `_step_of` itself."""
+def history_steps(read: records.RecordIndex) -> list[int | None]:
+    """`_step_of` of the history records of a read, the items of all of them split at once
+    (`items`): a row's first `_step` item, read as `_step_of` reads it. Rows whose keys
+    mention `_step` in another form, or that have no `_step` item, and reads that do not
+    split, take `_step_of` itself."""
+    frames, which = read.frames, read.history
     if not len(which):
         return []
     if (frames.ends[which] - frames.starts[which]).mean() > _WIDE_ROW:
         return [_step_of(frames.payload(i)) for i in which.tolist()]
-    rows = records.history_rows(frames, which)
+    rows = read.rows
     split = items.split_spans(rows.data, rows.starts, rows.ends)
     if split is None:
         return [_step_of(frames.payload(i)) for i in which.tolist()]
@@ -249,7 +247,7 @@ def write_remainder(log: Path, out: Path, plan: Remainder) -> int:
         for frames in read_frames(log):
             keep = np.ones(len(frames), bool)
             if to_skip:
-                skipped = np.flatnonzero(records.kinds(frames) == _HISTORY)[:to_skip]
+                skipped = records.RecordIndex(frames).history[:to_skip]
                 keep[skipped] = False
                 to_skip -= len(skipped)
             kept = np.flatnonzero(keep)
