@@ -14,6 +14,8 @@ from wbmerge.pipeline import MergeRequest, merge_jobs
 from wbmerge.topology import RankInfo
 from wbmerge.txlog import BLOCK_SIZE, LogWriter, ReadReport, read_payloads
 
+from .ranklogs import rank_log
+
 
 def one_rank_job(root: Path) -> Path:
     return synthetic.write_rank(root, RankInfo(0, 0, 1, 1, 0, job_id="pt"), 300, metrics=8)
@@ -88,3 +90,63 @@ def test_a_run_record_after_the_head_frames_the_whole_log_again(tmp_path):
     assert without_run(got) == without_run([pb.Record.FromString(p) for p in payloads])
     runs = [r.run for r in got if r.HasField("run")]
     assert [run.run_id for run in runs] == ["pt-rank-0", "pt-rank-0"]  # both rewritten
+
+
+def history_of(records: list[pb.Record]) -> list[tuple[int, dict[str, str]]]:
+    """(step field, items by key) of each history record, as protobuf reads them."""
+    return [
+        (
+            r.history.step.num,
+            {"/".join(i.nested_key) or i.key: i.value_json for i in r.history.item},
+        )
+        for r in records
+        if r.HasField("history")
+    ]
+
+
+def test_a_restart_that_repeats_steps_is_moved_after_them(tmp_path):
+    """Restart 1 logs steps 0-19 again after restart 0's 0-29: it goes on at 30-49, its
+    `_step` items too, every other value as written."""
+    root = tmp_path / "job"
+    logs = [
+        synthetic.write_rank(root, RankInfo(0, 0, 1, 1, 0, restart=r, job_id="rs"), steps, 3)
+        for r, steps in ((0, 30), (1, 20))
+    ]
+    staged = stage_new(root, tmp_path / "out")
+    got = history_of(staged_records(staged)[0])
+    sources = [history_of([pb.Record.FromString(p) for p in read_payloads(log)]) for log in logs]
+    assert [step for step, _ in got] == list(range(50))
+    assert [row["_step"] for _, row in got] == [str(s) for s in range(50)]
+    written = [row for _, row in sources[0] + sources[1]]
+    for (_, row), source_row in zip(got, written, strict=True):
+        assert {**row, "_step": None} == {**source_row, "_step": None}
+
+
+def test_old_wandb_rows_without_a_step_field_take_their_step_from_step_items(tmp_path):
+    """wandb 0.16 writes no step field, only a `_step` item: a restart that repeats steps
+    is moved by those, each row to its own step."""
+    root = tmp_path / "job"
+    for restart, steps in ((0, 5), (1, 3)):
+        info = RankInfo(0, 0, 1, 1, 0, restart=restart, job_id="old")
+        with rank_log(root, info, f"old{restart}", "p") as writer:
+            for step in range(steps):
+                record = pb.Record()
+                for key, value in (("loss", f"{restart}.{step}"), ("_step", str(step))):
+                    item = record.history.item.add()
+                    item.key, item.value_json = key, value
+                writer.write(record.SerializeToString())
+            exit_record = pb.Record()
+            exit_record.exit.exit_code = 0
+            writer.write(exit_record.SerializeToString())
+    got = history_of(staged_records(stage_new(root, tmp_path / "out"))[0])
+    assert [row["_step"] for _, row in got] == ["0", "1", "2", "3", "4", "5", "6", "7"]
+    assert [row["loss"] for _, row in got] == [
+        "0.0",
+        "0.1",
+        "0.2",
+        "0.3",
+        "0.4",
+        "1.0",
+        "1.1",
+        "1.2",
+    ]

@@ -35,3 +35,26 @@ def test_a_restart_that_repeats_steps_moves_after_them():
     assert steps.place_rows(np.array([0, 1, 2, 2, 3])).tolist() == [0, 1, 2, -1, 3]
     steps.restart()  # the restart logs from step 1 again
     assert steps.place_rows(np.array([1, 2])).tolist() == [4, 5]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.lists(st.integers(0, 50), max_size=6), max_size=4), max_size=4))
+def test_shifted_is_place_in_turn(restarts):
+    """`shifted` keeps every row (as a pass-through does) and moves it as `place` does."""
+    one, batch = Steps(), Steps()
+    for reads in restarts:
+        one.restart()
+        batch.restart()
+        for steps in reads:
+            want = [one.place(step) for step in steps]
+            assert batch.shifted(np.array(steps, np.int64)).tolist() == want
+            assert batch.last == one.last
+
+
+def test_a_restart_that_repeats_steps_is_shifted_whole():
+    steps = Steps()
+    steps.restart()
+    assert steps.shifted(np.array([0, 1, 2, 2, 3])).tolist() == [0, 1, 2, 2, 3]
+    steps.restart()  # logs from step 1 again: every row of it moves by 3
+    assert steps.shifted(np.array([1, 2])).tolist() == [4, 5]
+    assert steps.shifted(np.array([2, 9])).tolist() == [5, 12]

@@ -16,8 +16,8 @@ class Steps:
     """Elastic restarts continue the steps: a restart that repeats steps is moved after them.
 
     Call `restart()` before each restart's records and `place(step)` for each of its rows
-    (or `place_rows` for a read's rows at once, which also drops a row at or before the
-    last one: never two rows at one step).
+    (or `shifted` for a read's rows at once; or `place_rows`, which also drops a row at or
+    before the last one: never two rows at one step).
     """
 
     def __init__(self) -> None:
@@ -34,26 +34,31 @@ class Steps:
         self.last = max(self.last, step)
         return step
 
-    def place_rows(self, steps: np.ndarray) -> np.ndarray:
-        """`place` of each step in turn: the placed steps, -1 where a row is dropped (placed
-        at or before the last row placed)."""
+    def shifted(self, steps: np.ndarray) -> np.ndarray:
+        """`place` of each step in turn, every row kept (as a pass-through keeps them)."""
         if not len(steps):
             return steps
         if self._shift is None:
             self._shift = max(0, self.last + 1 - int(steps[0]))
         placed = steps + self._shift
-        before = np.maximum.accumulate(np.concatenate([[self.last], placed[:-1]]))
         self.last = max(self.last, int(placed.max()))
+        return placed
+
+    def place_rows(self, steps: np.ndarray) -> np.ndarray:
+        """`place` of each step in turn: the placed steps, -1 where a row is dropped (placed
+        at or before the last row placed)."""
+        last = self.last
+        placed = self.shifted(steps)
+        if not len(placed):
+            return placed
+        before = np.maximum.accumulate(np.concatenate([[last], placed[:-1]]))
         return np.where(placed > before, placed, -1)
 
 
-def continue_steps(payload: bytes, steps: Steps) -> bytes:
-    """A pass-through history record, re-stepped when its restart repeated earlier steps."""
+def restep(payload: bytes, placed: int) -> bytes:
+    """A pass-through history record moved to step `placed` (`Steps.shifted`): its restart
+    repeated earlier steps."""
     record = pb.Record.FromString(payload)
-    step = record.history.step.num
-    placed = steps.place(step)
-    if placed == step:
-        return payload
     record.history.step.num = placed
     for item in record.history.item:
         if (list(item.nested_key) or [item.key]) == ["_step"]:

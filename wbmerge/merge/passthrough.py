@@ -13,21 +13,18 @@ from .. import records
 from ..plan import Source, Target
 from ..records import KIND_NAMES, record_kind
 from ..stagefiles import files_record
-from ..steps import Steps, continue_steps
-from ..txlog import BLOCK_SIZE, LogWriter, ReadReport, read_frames, read_head
+from ..steps import Steps, restep
+from ..txlog import BLOCK_SIZE, LogWriter, ReadReport, read_head
 from .console import console_and_stats
 from .options import MergeOptions
 from .outcome import Outcome, damage_warnings, is_record, not_a_record
 from .runrecord import exit_code, exit_record, rewrite_run
 
 _PASSTHROUGH_READ = 128 * BLOCK_SIZE
-# records a pass-through does not copy as they are (a history record only when restarts
-# continue each other's steps)
+# records a pass-through does not copy as they are (and history records a restart moves)
 _RUN, _HEADER, _EXIT, _FILES = (records.code(k) for k in ("run", "header", "exit", "files"))
-_STATS = records.code("stats")
 _UNKNOWN = 0  # the kind code of a record of no known kind (checked before it is copied)
 _SPECIAL = [_RUN, _HEADER, _EXIT, _FILES, _UNKNOWN]
-_SPECIAL_SEVERAL = [*_SPECIAL, records.code("history")]
 _HEAD_BLOCKS = 64  # how far a log's head may reach: its run record and the records beside it
 
 
@@ -51,9 +48,15 @@ def write_passthrough(
         report = ReadReport()
         steps.restart()
         exit_payload = None
-        for frames in read_frames(source.path, report, _PASSTHROUGH_READ):
-            codes = records.kinds(frames)
-            special = np.isin(codes, _SPECIAL_SEVERAL if several else _SPECIAL)
+        for read in records.read_indexed(source.path, report, read_size=_PASSTHROUGH_READ):
+            frames, codes = read.frames, read.codes
+            special = np.isin(codes, _SPECIAL)
+            moved: dict[int, int] = {}  # history records a restart moves: to their step
+            if several and len(read.history):
+                placed = steps.shifted(read.rows.steps)
+                rows = np.flatnonzero(placed != read.rows.steps)
+                special[read.history[rows]] = True
+                moved = dict(zip(read.history[rows].tolist(), placed[rows].tolist(), strict=True))
             starts, ends = frames.starts.tolist(), frames.ends.tolist()
             done = 0
             for at in np.flatnonzero(special).tolist():
@@ -74,7 +77,7 @@ def write_passthrough(
                     else:
                         warnings.append(not_a_record(source))
                 elif kind == "history":
-                    writer.write(continue_steps(payload, steps))
+                    writer.write(restep(payload, moved[at]))
                 elif index == 0:  # the header: once
                     writer.write(payload)
             writer.write_many(frames.data, starts[done:], ends[done:])
@@ -109,16 +112,16 @@ def write_spliced(
     counts = np.zeros(256, np.int64)
     exit_payload = b""
     copyable = True
-    for frames in read_frames(source.path, report, _PASSTHROUGH_READ):
-        codes = records.kinds(frames)
-        counts += np.bincount(codes, minlength=256)
-        exits = np.flatnonzero(codes == _EXIT)
+    for read in records.read_indexed(source.path, report, read_size=_PASSTHROUGH_READ):
+        frames = read.frames
+        counts += np.bincount(read.codes, minlength=256)
+        exits = read.of("exit")
         if len(exits):
             exit_payload = frames.payload(int(exits[-1]))
-        for index in np.flatnonzero(codes == _FILES).tolist():
+        for index in read.of("files").tolist():
             payload = frames.payload(index)
             copyable = copyable and files_record(payload, source, [], refused=refused) == payload
-        for index in np.flatnonzero(codes == _UNKNOWN).tolist():
+        for index in np.flatnonzero(read.codes == _UNKNOWN).tolist():
             copyable = copyable and is_record(frames.payload(index))
     if report.damaged or counts[_EXIT] != 1 or not copyable:
         return None
@@ -144,8 +147,7 @@ def write_spliced(
 
 
 def _stats_payloads(path: Path) -> Iterator[bytes]:
-    """The system-metric records of a log, picked out a read at a time (`records.kinds`)
+    """The system-metric records of a log, picked out a read at a time (`RecordIndex`)
     rather than by walking every record's tags in Python."""
-    for frames in read_frames(path, ReadReport()):
-        for index in np.flatnonzero(records.kinds(frames) == _STATS).tolist():
-            yield frames.payload(index)
+    for read in records.read_indexed(path, ReadReport()):
+        yield from map(read.frames.payload, read.of("stats").tolist())
