@@ -54,37 +54,23 @@ class MergedRankStats:
         data: bytes,
         starts: np.ndarray,
         ends: np.ndarray,
-        batch: items.Items | None = None,
+        batch: items.Items | None,
     ) -> None:
         """Rows of one or many ranks: row i is of rank `ranks[i]`, placed at `steps[i]`,
         its item fields `data[starts[i]:ends[i]]`; each rank's rows are together, in step
-        order. `batch`: their items, when the caller has split them."""
+        order. `batch`: their items as the caller split them (`items.split_spans`), None
+        where the split was refused: then they are split item by item (the caller gives a
+        rank's rows on their own then, so one rank's long value costs only its rows)."""
         if not len(steps):
             return
-        if batch is None:
-            batch = items.split_spans(data, starts, ends)
         if batch is not None:
             try:
                 self._add(ranks, steps, batch)
                 return
             except ValueError:
                 pass  # a key part that is not one: the split does not hold
-        # Each rank's rows on their own, so that one rank's odd row (a long value, say)
-        # costs the exact item-by-item split of that rank's rows only.
-        bounds = np.flatnonzero(np.diff(ranks)) + 1
-        for own in np.split(np.arange(len(steps)), bounds):
-            lo, hi = int(own[0]), int(own[-1]) + 1
-            part = items.split_spans(data, starts[lo:hi], ends[lo:hi])
-            if part is not None:
-                try:
-                    self._add(ranks[lo:hi], steps[lo:hi], part)
-                    continue
-                except ValueError:
-                    pass
-            regions = [
-                data[s:e] for s, e in zip(starts[lo:hi].tolist(), ends[lo:hi].tolist(), strict=True)
-            ]
-            self._add(ranks[lo:hi], steps[lo:hi], items.split_exact(regions))
+        regions = [data[s:e] for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
+        self._add(ranks, steps, items.split_exact(regions))
 
     def _add(self, ranks: np.ndarray, steps: np.ndarray, batch: items.Items) -> None:
         index, raw_keys = batch.key_codes()

@@ -242,15 +242,14 @@ def label_rows(
     slots: np.ndarray,
     table: KeyTable,
     skew: bool,
-    batch: items.Items | None = None,
+    batch: items.Items | None,
 ) -> Labelled:
     """The `Row` of each history row (its item fields: `data[starts[i]:ends[i]]`, of the
-    rank in slot `slots[i]`), labelled as columns when the batch split holds, else item by
-    item. `batch`: the rows' items, when the caller split them."""
+    rank in slot `slots[i]`), labelled as columns from `batch`, the rows' items as the
+    caller split them (`items.split_spans`); item by item where there is none (the split
+    was refused) or it does not hold."""
     if not len(starts):
         return Labelled([], np.empty(0, np.int64), [], [])
-    if batch is None:
-        batch = items.split_spans(data, starts, ends)
     if batch is not None:
         try:
             return _label_batch(batch, slots, table, skew)

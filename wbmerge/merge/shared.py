@@ -240,33 +240,44 @@ class SharedMerge:
                 both.key_codes()  # once, for both parts
                 row_items = both.rows(0, len(starts))
                 summary_items = both.rows(len(starts), len(starts) + len(summaries))
-        if row_items is None and len(reads) > 1:  # one odd read: the others still as columns
-            labelled = self._label_by_rank(rows.data, starts, ends, row_slots)
-            self._fold_by_rank(frames, summaries, summary_slots)
-        else:
+        row_ranks = self.slot_rank[row_slots]
+        steps = placed[kept]
+        if row_items is not None:
             fold_summaries(
                 frames, summaries, summary_slots, self.table, self.summaries, summary_items
             )
             labelled = label_rows(
                 rows.data, starts, ends, row_slots, self.table, self.skew, row_items
             )
-        row_ranks = self.slot_rank[row_slots]
-        if self.across is not None:  # the feed of --rank-stats: the turn's numbers
-            self.across.add_rows(row_ranks, placed[kept], rows.data, starts, ends, row_items)
-        self.pending = Rows.concat([self.pending, Rows.of(placed[kept], row_ranks, labelled)])
+            if self.across is not None:  # the feed of --rank-stats: the turn's numbers
+                self.across.add_rows(row_ranks, steps, rows.data, starts, ends, row_items)
+        else:  # an odd row or summary: the other ranks' still as columns
+            labelled = self._by_rank(rows.data, starts, ends, row_slots, row_ranks, steps)
+            self._fold_by_rank(frames, summaries, summary_slots)
+        self.pending = Rows.concat([self.pending, Rows.of(steps, row_ranks, labelled)])
 
-    def _label_by_rank(
-        self, data: bytes, starts: np.ndarray, ends: np.ndarray, slots: np.ndarray
+    def _by_rank(
+        self,
+        data: bytes,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        slots: np.ndarray,
+        ranks: np.ndarray,
+        steps: np.ndarray,
     ) -> Labelled:
-        """`label_rows` of each rank's rows on their own (rows of a rank are together)."""
-        bounds = np.flatnonzero(np.diff(slots)) + 1
-        parts = [
-            label_rows(data, s, e, k, self.table, self.skew)
-            for s, e, k in zip(
-                np.split(starts, bounds), np.split(ends, bounds), np.split(slots, bounds),
-                strict=True,
-            )
-        ]  # fmt: skip
+        """Label (and feed `--rank-stats`) each rank's rows on their own, its items split
+        once for both (rows of a rank are together): one rank's long value costs the exact
+        item-by-item path of that rank's rows only."""
+        bounds = [0, *(np.flatnonzero(np.diff(slots)) + 1).tolist(), len(slots)]
+        parts = []
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            own = slice(lo, hi)
+            batch = items.split_spans(data, starts[own], ends[own])
+            parts.append(label_rows(
+                data, starts[own], ends[own], slots[own], self.table, self.skew, batch
+            ))  # fmt: skip
+            if self.across is not None:
+                self.across.add_rows(ranks[own], steps[own], data, starts[own], ends[own], batch)
         return Labelled(
             [x for part in parts for x in part.labelled],
             np.concatenate([part.names for part in parts]),
