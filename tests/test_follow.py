@@ -25,6 +25,7 @@ from wbmerge.pipeline import MergeRequest, sync
 
 from .conftest import job_dir
 from .sinktools import console_text
+from .test_rank_stats_merge import over_the_bound
 
 UPLOAD_TIMEOUT = 120.0
 
@@ -218,3 +219,28 @@ def test_ctrl_c_leaves_the_runs_running_and_a_later_sync_completes_them(
     sync(request, timeout=UPLOAD_TIMEOUT)
     (run,) = sink_runs(sink).values()
     assert_same_run(run, want[run["id"]])
+
+
+def test_a_run_over_the_metric_bound_is_named_once_while_it_grows(
+    make_sink, monkeypatch, tmp_path, state
+):
+    """The line a one-shot sync gives a run past W&B's 10,000 metrics, said by the follower
+    in the first round that stages it so (once, though the run is staged again)."""
+    fixture = over_the_bound(tmp_path / "wide")
+    sink = make_sink()
+    use_sink(monkeypatch, sink)
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
+    job = GrowingJob(fixture, tmp_path / "live")
+    notices = []
+    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
+        for fraction in (0.8, 1.0):
+            job.grow(fraction)
+            report = follower.round()
+            notices.append([w for w in report.warnings if "distinct metrics" in w])
+        assert report.done, round_lines(report)
+    assert sum(map(len, notices)) == 1, notices
+    [notice] = [line for lines in notices for line in lines]
+    assert notice.startswith("run wide has 10,") and "--per-rank none" in notice
+    [run] = sink_runs(sink).values()
+    assert run["id"] == "wide" and len(run["history"][0]) > 10_000

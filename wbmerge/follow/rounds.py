@@ -76,6 +76,7 @@ class _Known:
     final: bool = False  # verified with its exit record
     exit_code: int | None = None  # the exit code it was finished with
     finished_seen: tuple | None = None  # the signature when every rank was first seen done
+    over_bound_said: bool = False  # its metric count passed W&B's bound, and it was said
 
     def unchanged(self, run_id: str) -> TargetRound:
         return TargetRound(
@@ -217,6 +218,9 @@ class Follower:
             report.targets.append(TargetRound(target.id, "failed", known.rows or 0,
                                               problems=[str(exc)]))  # fmt: skip
             return None
+        if staged.bound_notice and not known.over_bound_said:  # once (its count grows)
+            known.over_bound_said = True
+            report.warnings.append(staged.bound_notice)
         if done:  # what a one-shot sync says of these runs (of a live one it would mislead)
             report.warnings += [f"{target.id}: {w}" for w in staged.warnings]
         else:
