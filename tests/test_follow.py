@@ -17,13 +17,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.discover import discover
 from wbmerge.follow import Follower, follow
 from wbmerge.follow.lines import round_lines
 from wbmerge.pipeline import MergeRequest, sync
+from wbmerge.topology import RankInfo
 
 from .conftest import job_dir
+from .ranklogs import rank_log
 from .sinktools import console_text
 from .test_rank_stats_merge import over_the_bound
 
@@ -244,3 +247,31 @@ def test_a_run_over_the_metric_bound_is_named_once_while_it_grows(
     assert notice.startswith("run wide has 10,") and "--per-rank none" in notice
     [run] = sink_runs(sink).values()
     assert run["id"] == "wide" and len(run["history"][0]) > 10_000
+
+
+def test_a_run_synced_before_the_follow_is_final_with_its_exit_code(
+    make_sink, monkeypatch, tmp_path, state
+):
+    """A run the ledger holds already is reported as the one-shot sync left it: final, with
+    the exit code of its exit record (3), not without one."""
+    root = tmp_path / "job"
+    with rank_log(root, RankInfo(0, 0, 1, 1, 0, job_id="three"), "three-0", "p") as writer:
+        for step in range(3):
+            record = pb.Record()
+            item = record.history.item.add()
+            item.key, item.value_json = "loss", str(step)
+            record.history.step.num = step
+            writer.write(record.SerializeToString())
+        record = pb.Record()
+        record.exit.exit_code = 3
+        writer.write(record.SerializeToString())
+    sink = make_sink()
+    use_sink(monkeypatch, sink)
+    request = MergeRequest(paths=[root], run_mode="new")
+    sync(request, timeout=UPLOAD_TIMEOUT)
+    assert sink.client.run("local", "p", "three-rank-0")["exit_code"] == 3
+    with Follower(request, parallel=1, timeout=UPLOAD_TIMEOUT) as follower:
+        report = follower.round()
+    assert report.done
+    [target] = report.targets
+    assert (target.status, target.final, target.exit_code) == ("unchanged", True, 3)

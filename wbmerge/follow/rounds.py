@@ -196,6 +196,12 @@ class Follower:
             return None
         now = signature(target, self._sizes or {})
         done = finished(target, ranks)
+        settings = plan.ledger_settings(self.request)
+        if done and self.ledger.synced(known.key, Ledger.fingerprint(target, settings)):
+            known.final, known.signature = True, now
+            known.exit_code = ranks[target.primary_rank].exit_code  # the staged run's
+            report.targets.append(known.unchanged(target.id))
+            return None
         codes = [ranks[r].exit_code for r in ranks if r in {s.rank.rank for s in target.sources}]
         if done and any(codes) and known.finished_seen != now:
             # A rank that failed may be restarted (elastic): wait one quiet round to be sure.
@@ -204,11 +210,7 @@ class Follower:
         if not done and known.signature == now:
             report.targets.append(known.unchanged(target.id))
             return None
-        fingerprint = Ledger.fingerprint(target, plan.ledger_settings(self.request))
-        if done and self.ledger.synced(known.key, fingerprint):
-            known.final, known.signature = True, now
-            report.targets.append(known.unchanged(target.id))
-            return None
+        fingerprint = Ledger.fingerprint(target, settings)
         try:
             staged = stage(target, workdir / "runs", plan.options(self.request))
         except WbmergeError as exc:
