@@ -339,3 +339,21 @@ def test_even_places_are_read_off_the_bitmap(flags, offset):
     """Whatever the flags at odd places, and wherever the array starts in its bitmap."""
     array = pa.array([False] * offset + flags).slice(offset)
     assert items.even_places_true(array) == all(flags[0::2])
+
+
+NUMBERS = ["1", "-0", "1e5", "1E+2", "0.5", "-12.25e-3", "NaN", "Infinity", "-Infinity"]
+NOT_NUMBERS = ["inf", "+1", ".5", "5.", "01", " 1", "nan", "INF", "1_0", '"1"', "true", "null"]
+
+
+@pytest.mark.parametrize("neighbour", [None, "2.5", '"text"'])
+def test_a_text_is_a_number_or_not_whatever_its_neighbours(neighbour):
+    """JSON's numbers and wandb's NaN/Infinity count, in a window of numbers (arrow's cast
+    alone) as in a mixed one (the grammar); arrow's own extras (`inf`, `+1`) never do."""
+    for text in NUMBERS + NOT_NUMBERS:
+        window = [text] if neighbour is None else [text, neighbour]
+        value, not_number = items.json_numbers(pa.array(window, pa.string()))
+        is_number = value[0].is_valid
+        assert is_number == (text in NUMBERS), text
+        assert not_number[0].as_py() == (None if is_number else text)
+        if is_number:
+            assert repr(value[0].as_py()) == repr(float(text))

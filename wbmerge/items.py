@@ -362,12 +362,12 @@ _JSON_NUMBER = r"^(-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?|NaN|-?Infinity
 
 
 def json_numbers(texts: pa.Array) -> tuple[pa.Array, pa.Array]:
-    """(float64 where the JSON text is a number, the text where it is not)."""
-    try:  # the usual window: all numbers (a JSON string, true or null fails the cast)
-        return pc.cast(texts, pa.float64()), pa.nulls(len(texts), pa.string())
-    except pa.ArrowInvalid:
-        pass
+    """(float64 where the JSON text is a number, the text where it is not). A number is
+    JSON's, or NaN, Infinity or -Infinity as wandb writes them; arrow's cast alone would
+    also take `inf`, `+1` or `.5`, and only when every text of the window casts."""
     numeric = pc.match_substring_regex(texts, _JSON_NUMBER)
+    if pc.all(numeric).as_py() is not False:  # the usual window: all numbers
+        return pc.cast(texts, pa.float64()), pa.nulls(len(texts), pa.string())
     value = pc.cast(pc.if_else(numeric, texts, pa.scalar(None, pa.string())), pa.float64())
     value_json = pc.if_else(numeric, pa.scalar(None, texts.type), texts)
     return value, value_json.cast(pa.string())  # (checks the UTF-8)
