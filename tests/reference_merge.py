@@ -5,7 +5,8 @@ It is the rule written out once, slowly: every rank's rows (a row at or before t
 last row is dropped), one merged row per step with the primary's row first and then the
 others by rank, each user key labelled; W&B's own keys (`_runtime`, `_timestamp`, ...)
 from the first row that has them; `_step` set by the merged row; with `skew`, the spread
-of every one-level numeric key across the step's rows. Metric definitions are labelled and
+of every one-level numeric key across the step's rows (a rank's number is its row's last
+JSON number for the key, counted when finite), in the order of the keys' names. Metric definitions are labelled and
 follow the row they were written after (the same definition once). The summary holds every
 rank's last values under labelled keys, in the order they were first set, W&B's own keys
 the primary's only.
@@ -14,14 +15,18 @@ the primary's only.
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Mapping
 
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge.spread import spread
 from wbmerge.steps import RESERVED
 
 Items = list[tuple[list[str], str]]  # (key path, value JSON) in record order
+
+# JSON's number grammar, and the three words wandb writes for the floats JSON lacks
+JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?|NaN|-?Infinity")
 
 
 def _items(repeated) -> Items:
@@ -98,6 +103,17 @@ def merged_records(
     return written
 
 
+def spread(values: list[float]) -> float | None:
+    """(max - min) / |median| of the finite values, the true median; None for fewer than two
+    values or a median of zero."""
+    finite = sorted(v for v in values if math.isfinite(v))
+    if len(finite) < 2:
+        return None
+    middle = len(finite) // 2
+    median = finite[middle] if len(finite) % 2 else (finite[middle - 1] + finite[middle]) / 2
+    return None if median == 0 else (finite[-1] - finite[0]) / abs(median)
+
+
 def merged_row(
     step: int,
     by_rank: Mapping[int, Items],
@@ -130,14 +146,11 @@ def merged_row(
         for rank in order:
             row: dict[str, float] = {}
             for path, value in by_rank[rank]:
-                if len(path) == 1 and path[0] not in RESERVED:
-                    try:
-                        row[path[0]] = float(value)
-                    except ValueError:
-                        pass
+                if len(path) == 1 and path[0] not in RESERVED and JSON_NUMBER.fullmatch(value):
+                    row[path[0]] = float(value)
             for key, number in row.items():
                 numbers.setdefault(key, []).append(number)
-        for key, values in numbers.items():
+        for key, values in sorted(numbers.items()):
             found = spread(values)
             if found is not None:
                 _add(history.item, [f"wbmerge/spread/{key}"], json.dumps(found))

@@ -168,7 +168,7 @@ def across_ranks(
     else:
         repeated = len(np.unique(cell)) < len(cell)
     if repeated:
-        last = _last_of_each(cell)
+        last = last_of_each(cell)
         cell, row, column, value = cell[last], row[last], column[last], value[last]
     if grid:
         stats = _grid_stats(len(groups), len(ranks), cell, value)
@@ -194,7 +194,7 @@ def dense_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ids.reshape(-1), distinct
 
 
-def _last_of_each(cell: np.ndarray) -> np.ndarray:
+def last_of_each(cell: np.ndarray) -> np.ndarray:
     """Indices of the last entry of each cell, in entry order."""
     _, first_from_end = np.unique(cell[::-1], return_index=True)
     return np.sort(len(cell) - 1 - first_from_end)

@@ -25,13 +25,22 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import items, wire
-from .rankstats import STATS, AcrossRanks, across_ranks, dense_ids, stat_key
+from .rankstats import STATS, AcrossRanks, across_ranks, dense_ids, last_of_each, stat_key
+from .spread import spread_of
 
 _MAX_TEXT = 64  # longer than any number's JSON text (a float64's is at most 24 characters)
 
 
 class MergedRankStats:
-    """Statistics across the ranks of one shared target, fed while its rows are read."""
+    """Statistics across the ranks of one shared target, fed while its rows are read.
+
+    `--rank-stats`: `STATS` of every user key, in the rows and (their last values) the
+    summary. Subclasses choose other statistics of other keys (`MergedSpreads`).
+    """
+
+    statistics: tuple[str, ...] = STATS  # of each key, in the order they are written
+    finite_only = False  # whether NaN and the infinities are left out of the statistics
+    in_summary = True  # whether the summary holds each statistic's last value
 
     def __init__(self, key_format: str, reserved: Iterable[str]) -> None:
         self.key_format = key_format
@@ -39,13 +48,14 @@ class MergedRankStats:
         self._key_of_raw: dict[bytes, int] = {}  # raw key part -> key id, -1: no statistics
         self._key_ids: dict[str, int] = {}  # key name -> id
         self._key_parts: list[list[bytes]] = []  # key id -> the key part of each statistic
+        self._name_places = np.empty(0, np.int64)  # key id -> its place in name order
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self._last: dict[int, tuple] = {}  # key id -> its latest statistics, for the summary
 
     @property
     def metrics(self) -> int:
         """The distinct statistic keys written so far."""
-        return len(STATS) * len(self._last)
+        return len(self.statistics) * len(self._last)
 
     def add_rows(
         self,
@@ -85,6 +95,10 @@ class MergedRankStats:
         logged = numbers.is_valid().to_numpy(zero_copy_only=False)
         values = numbers.to_numpy(zero_copy_only=False)[logged]
         where = where[logged]
+        if self.finite_only:  # a key twice in a row: its last number counts, then if finite
+            last = last_of_each(batch.row[where] * (int(key.max()) + 1) + key[where])
+            finite = last[np.isfinite(values[last])]
+            values, where = values[finite], where[finite]
         row = batch.row[where]
         step = np.asarray(steps, np.int64)[row]
         rank = np.asarray(ranks, np.int64)[row]
@@ -100,17 +114,25 @@ class MergedRankStats:
         found = self._key_of_raw.get(raw)
         if found is None:
             path = wire.key_path(raw)
-            if path[0] in self._reserved:
+            parts = None if path[0] in self._reserved else self._statistic_parts(path)
+            if parts is None:
                 found = -1
-            else:
-                name = ".".join(path)
-                found = self._key_ids.setdefault(name, len(self._key_ids))
+            else:  # (two spellings of a key, `key` and `nested_key`, have one path)
+                found = self._key_ids.setdefault(".".join(path), len(self._key_ids))
                 if found == len(self._key_parts):
-                    self._key_parts.append(
-                        [wire.key_part([stat_key(self.key_format, name, s)]) for s in STATS]
-                    )
+                    self._key_parts.append(parts)
             self._key_of_raw[raw] = found
         return found
+
+    def _statistic_parts(self, path: list[str]) -> list[bytes] | None:
+        """The key part of each statistic of the user key `path` (None: it has none). A
+        nested key is named by its path joined with `.`."""
+        name = ".".join(path)
+        return [wire.key_part([stat_key(self.key_format, name, s)]) for s in self.statistics]
+
+    def _values(self, stats: AcrossRanks) -> tuple[list[np.ndarray], np.ndarray]:
+        """(each statistic's values, whether they are defined) of every entry of `stats`."""
+        return [stats.column(stat) for stat in self.statistics], np.ones(len(stats), bool)
 
     def row_fields(self, steps: np.ndarray) -> list[bytes]:
         """The statistic item fields of each of `steps` (ascending, the merged rows being
@@ -130,34 +152,49 @@ class MergedRankStats:
         if not taken:
             return fields
         stats = across_ranks(*(np.concatenate(column) for column in zip(*taken, strict=True)))
-        self._remember_last(stats)
+        columns, defined = self._values(stats)
+        self._remember_last(stats.key[defined], [column[defined] for column in columns])
         at = np.searchsorted(steps, stats.step)
         written = (at < len(steps)) & (steps[np.minimum(at, len(steps) - 1)] == stats.step)
-        joined = self._fields(stats, written)
-        places = at[written]  # (ascending, as the statistics are sorted by step)
+        rows = np.flatnonzero(written & defined)
+        if not len(rows):
+            return fields
+        # a step's statistics in the order of their keys' names, whatever order reads met them
+        rows = rows[np.lexsort((self._name_place()[stats.key[rows]], stats.step[rows]))]
+        joined = self._fields(stats, columns, rows)
+        places = at[rows]  # (ascending)
         for place, text in zip(places[_firsts(places)].tolist(), joined, strict=True):
             fields[place] = text
         return fields
 
-    def _fields(self, stats: AcrossRanks, written: np.ndarray) -> list[bytes]:
-        """The item fields of the statistics `written`, joined per step."""
-        rows = np.flatnonzero(written)
-        if not len(rows):
-            return []
-        texts = [_json_texts(stats.column(stat)[rows]) for stat in STATS]
-        # field (group g, statistic s) at g * 6 + s: its head (tag, length, key part,
+    def _name_place(self) -> np.ndarray:
+        """By key id: the key's place among all keys' names, sorted."""
+        if len(self._name_places) < len(self._key_ids):
+            order = np.argsort(np.array(list(self._key_ids), str), kind="stable")
+            self._name_places = np.empty(len(order), np.int64)
+            self._name_places[order] = np.arange(len(order))
+        return self._name_places
+
+    def _fields(
+        self, stats: AcrossRanks, columns: list[np.ndarray], rows: np.ndarray
+    ) -> list[bytes]:
+        """The item fields of the statistics (`columns`) of the entries `rows` (by step),
+        joined per step."""
+        count = len(self.statistics)
+        texts = [_json_texts(column[rows]) for column in columns]
+        # field (group g, statistic s) at g * count + s: its head (tag, length, key part,
         # value tag and length), then its JSON text
         text = pa.concat_arrays([t.cast(pa.binary()) for t in texts])  # statistic-major
-        order = (np.arange(len(rows))[:, None] + len(rows) * np.arange(len(STATS))).ravel()
+        order = (np.arange(len(rows))[:, None] + len(rows) * np.arange(count)).ravel()
         text = text.take(order)
         length = pc.binary_length(text).to_numpy().astype(np.int64)
-        code = (stats.key[rows][:, None] * len(STATS) + np.arange(len(STATS))).ravel()
+        code = (stats.key[rows][:, None] * count + np.arange(count)).ravel()
         pair = code * _MAX_TEXT + length
         head_at, present = dense_ids(pair)  # (a small range: no sort)
         heads = []
         for value in present.tolist():
             code_of, size = divmod(value, _MAX_TEXT)
-            part = self._key_parts[code_of // len(STATS)][code_of % len(STATS)]
+            part = self._key_parts[code_of // count][code_of % count]
             value_part = b"\x82\x01" + bytes([size])
             heads.append(b"\x0a" + wire.encode_varint(len(part) + 3 + size) + part + value_part)
         pool = pa.concat_arrays([pa.array(heads, pa.binary()), text])
@@ -165,23 +202,43 @@ class MergedRankStats:
         pieces[0::2] = head_at.reshape(-1)
         pieces[1::2] = np.arange(len(pair)) + len(heads)
         per_step = np.diff(np.append(_firsts(stats.step[rows]), len(rows)))
-        return items.join_rows(pool.take(pieces), 2 * len(STATS) * per_step)
+        return items.join_rows(pool.take(pieces), 2 * count * per_step)
 
-    def _remember_last(self, stats: AcrossRanks) -> None:
-        """Each key's statistics at its latest step so far (rows are sorted by step)."""
-        keys, from_end = np.unique(stats.key[::-1], return_index=True)
-        rows = len(stats) - 1 - from_end
-        columns = [stats.column(stat)[rows].tolist() for stat in STATS]
-        for position, key in enumerate(keys.tolist()):
-            self._last[key] = tuple(column[position] for column in columns)
+    def _remember_last(self, keys: np.ndarray, columns: list[np.ndarray]) -> None:
+        """Each key's statistics at its latest step so far (entries are sorted by step)."""
+        found, from_end = np.unique(keys[::-1], return_index=True)
+        rows = len(keys) - 1 - from_end
+        latest = [column[rows].tolist() for column in columns]
+        for position, key in enumerate(found.tolist()):
+            self._last[key] = tuple(column[position] for column in latest)
 
     def summary_fields(self) -> bytes:
         """The summary items of every statistic key: its last value."""
+        if not self.in_summary:
+            return b""
         parts = []
-        for key, values in sorted(self._last.items()):
+        place = self._name_place()
+        for key, values in sorted(self._last.items(), key=lambda entry: place[entry[0]]):
             for part, value in zip(self._key_parts[key], values, strict=True):
                 parts.append(wire.item_field(part, wire.value_part(json.dumps(value))))
         return b"".join(parts)
+
+
+class MergedSpreads(MergedRankStats):
+    """`--skew-metrics`: `wbmerge/spread/{key}` of every one-level user key at each step,
+    (max - min) / |median| over the ranks' finite values (`spread`), where it is defined
+    (two values or more, a median not zero). Not in the summary."""
+
+    statistics = ("spread",)
+    finite_only = True
+    in_summary = False
+
+    def _statistic_parts(self, path: list[str]) -> list[bytes] | None:
+        return [wire.key_part([f"wbmerge/spread/{path[0]}"])] if len(path) == 1 else None
+
+    def _values(self, stats: AcrossRanks) -> tuple[list[np.ndarray], np.ndarray]:
+        value = spread_of(stats.count, stats.min, stats.median, stats.max)
+        return [value], ~np.isnan(value)
 
 
 def _firsts(ascending: np.ndarray) -> np.ndarray:
@@ -190,9 +247,19 @@ def _firsts(ascending: np.ndarray) -> np.ndarray:
 
 
 def _json_texts(numbers: np.ndarray) -> pa.Array:
-    """Each number as JSON text, NaN and the infinities as Python's json module writes them."""
+    """Each number as JSON text, NaN and the infinities as Python's json module writes them,
+    a float always a float (arrow writes 2.0 as `2`, JSON's integer)."""
     text = pc.cast(pa.array(numbers), pa.string())
     if numbers.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            whole = np.flatnonzero(numbers == np.trunc(numbers))
+        if len(whole):
+            bare = pc.match_substring_regex(text.take(whole), r"^-?[0-9]+$").to_numpy(
+                zero_copy_only=False
+            )
+            mask = np.zeros(len(numbers), bool)
+            mask[whole[bare]] = True
+            text = pc.if_else(pa.array(mask), pc.binary_join_element_wise(text, ".0", ""), text)
         for test, word in (
             (np.isnan, "NaN"),
             (np.isposinf, "Infinity"),

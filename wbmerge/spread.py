@@ -1,43 +1,37 @@
 """The spread of a metric across ranks, one definition for `report` and `--skew-metrics`.
 
 spread = (max - min) / |median| over the ranks' finite values at one step, with the true
-median (the mean of the two middle values when the count is even). It is undefined (None,
-NaN in arrays) for fewer than two values or a median of zero.
+median (the mean of the two middle values when the count is even). It is undefined (NaN)
+for fewer than two values or a median of zero. For example, ranks logging 0.5, 1.0 and 1.5
+have the spread (1.5 - 0.5) / 1.0 = 1.0.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
-
 import numpy as np
 
 
-def spread(values: Iterable[float]) -> float | None:
-    """The spread of one step's values across ranks, or None when undefined."""
-    finite = sorted(v for v in values if math.isfinite(v))
-    count = len(finite)
-    if count < 2:
-        return None
-    middle = count // 2
-    median = finite[middle] if count % 2 else (finite[middle - 1] + finite[middle]) / 2
-    if median == 0:
-        return None
-    return (finite[-1] - finite[0]) / abs(median)
+def spread_of(
+    count: np.ndarray, low: np.ndarray, median: np.ndarray, high: np.ndarray
+) -> np.ndarray:
+    """The spread of each step from the count, min, median and max of its finite values;
+    NaN where undefined."""
+    with np.errstate(all="ignore"):
+        value = (high - low) / np.abs(median)
+    return np.where((count >= 2) & (median != 0), value, np.nan)
 
 
 def spreads(grid: np.ndarray) -> np.ndarray:
-    """`spread` of every column of `grid` (ranks x steps; NaN where a rank has no value),
-    NaN where undefined. The same numbers as `spread`, computed for all steps at once."""
+    """The spread of every column of `grid` (ranks x steps; NaN where a rank has no value)."""
     grid = np.where(np.isfinite(grid), grid, np.nan)
     result = np.full(grid.shape[1], np.nan)
-    counted = np.isfinite(grid).sum(axis=0) >= 2
+    count = np.isfinite(grid).sum(axis=0)
+    counted = count >= 2
     if not counted.any():
         return result
     part = grid[:, counted]
     with np.errstate(all="ignore"):
         median = np.nanmedian(part, axis=0)
-        value = (np.nanmax(part, axis=0) - np.nanmin(part, axis=0)) / np.abs(median)
-    value[median == 0] = np.nan
-    result[counted] = value
+        low, high = np.nanmin(part, axis=0), np.nanmax(part, axis=0)
+    result[counted] = spread_of(count[counted], low, median, high)
     return result

@@ -9,8 +9,6 @@ parts by array lookups, whatever the number of ranks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
@@ -22,19 +20,18 @@ from ..rankstats import PerRank
 from ..steps import RESERVED
 from ..txlog import Frames
 
-# A raw key's (output key part, reserved name, skew key); the part is None for a user key
-# not kept per rank.
-Entry = tuple[bytes | None, str | None, str | None]
+# A raw key's (output key part, reserved name); the part is None for a user key not kept
+# per rank.
+Entry = tuple[bytes | None, str | None]
 
 
 class RankKeys:
     """One rank's item keys as they leave the merge, worked out once per distinct key.
 
-    Maps an item's raw key part to (output key part, reserved name, skew key): user keys
-    are labelled (only the top-level key, so a nested value such as an image stays whole)
-    and have no reserved name; `_step`, `_runtime`, `_timestamp` and `_wandb` keep their key,
-    written in the canonical `nested_key` form, and are named; the skew key is the top-level
-    key of a one-level user key, whose numbers the spread is computed from.
+    Maps an item's raw key part to (output key part, reserved name): user keys are
+    labelled (only the top-level key, so a nested value such as an image stays whole) and
+    have no reserved name; `_step`, `_runtime`, `_timestamp` and `_wandb` keep their key,
+    written in the canonical `nested_key` form, and are named.
     """
 
     def __init__(self, label: str, key_format: str, per_rank: PerRank | None = None) -> None:
@@ -51,15 +48,14 @@ class RankKeys:
             path = wire.key_path(raw)
         top = path[0]
         if top in RESERVED:
-            entry: Entry = (wire.key_part(path), top, None)
+            entry: Entry = (wire.key_part(path), top)
         else:
             self.user_keys.add(top)
-            skew_key = top if len(path) == 1 else None
             if self.per_rank.keeps(top):
                 labelled = [self.key_format.format(key=top, label=self.label), *path[1:]]
-                entry = (wire.key_part(labelled), None, skew_key)
+                entry = (wire.key_part(labelled), None)
             else:
-                entry = (None, None, skew_key)
+                entry = (None, None)
         self.known[raw] = entry
         return entry
 
@@ -69,7 +65,7 @@ class RankKeys:
 
 class KeyTable:
     """Every rank's `RankKeys` as arrays: a pair id for each (rank, raw key) seen, and per
-    pair its output key part, reserved name and skew key. Ranks are numbered by their place
+    pair its output key part and reserved name. Ranks are numbered by their place
     in `keys` (their slot)."""
 
     def __init__(self, keys: list[RankKeys]) -> None:
@@ -80,7 +76,6 @@ class KeyTable:
         self._paths: list[list[str] | None] = []  # by raw id, parsed when first needed
         self.outs: list[bytes | None] = []
         self.names: list[str | None] = []
-        self.skews: list[str | None] = []
         # by pair id: its (rank, output key) in a summary, numbered; two spellings of a key
         # of one rank share one
         self._summary_keys: dict[tuple[int, bytes], int] = {}
@@ -118,11 +113,10 @@ class KeyTable:
                     if path is None:
                         path = self._paths[raw_id] = wire.key_path(raw)
                     entry = keys.learn(raw, path)
-                out, name, skew = entry
+                out, name = entry
                 self._pair[slot, raw_id] = len(self.outs)
                 self.outs.append(out)
                 self.names.append(name)
-                self.skews.append(skew)
                 self._summary_key.append(
                     self._summary_keys.setdefault((slot, out), len(self._summary_keys))
                 )
@@ -140,11 +134,6 @@ class KeyTable:
         nor one not kept per rank)."""
         self._arrays()
         return self._user
-
-    def has_skew(self) -> np.ndarray:
-        """By pair id: whether its key is one whose numbers have a spread."""
-        self._arrays()
-        return self._skew
 
     def own_names(self) -> tuple[list[str], np.ndarray]:
         """(W&B's own names a row keeps: all reserved names but `_step`; by pair id, the
@@ -169,17 +158,14 @@ class KeyTable:
             # (a user key not kept per rank has no output key: it is not labelled)
             kept = zip(self.names, self.outs, strict=True)
             self._user = np.array([name is None and out is not None for name, out in kept], bool)
-            self._skew = np.array([skew is not None for skew in self.skews], bool)
             self._own_names = sorted({n for n in self.names if n not in (None, "_step")})
             number = {name: i for i, name in enumerate(self._own_names)}
             self._own_of_pair = np.array([number.get(n, -1) for n in self.names], np.int64)
 
 
 # A rank's row on its way to the merged row: its labelled items (concatenated item
-# fields), its reserved items (the id of their names, and their fields concatenated), and
-# (with --skew-metrics) its numbers by key.
-Row = tuple[bytes, int, bytes, Mapping[str, float]]
-NO_NUMBERS: Mapping[str, float] = MappingProxyType({})  # a row's numbers without skew
+# fields), and its reserved items (the id of their names, and their fields concatenated).
+Row = tuple[bytes, int, bytes]
 
 
 class Labelled(NamedTuple):
@@ -188,7 +174,6 @@ class Labelled(NamedTuple):
     labelled: list[bytes]
     names: np.ndarray  # int64 ids (`names_of`)
     reserved: list[bytes]
-    numbers: list[Mapping[str, float]]
 
 
 _NAMES: list[tuple[str, ...]] = [()]
@@ -208,31 +193,20 @@ def names_of(names_id: int) -> tuple[str, ...]:
     return _NAMES[names_id]
 
 
-def label_row(items_of_row: list[bytes], keys: RankKeys, skew: bool) -> Row:
+def label_row(items_of_row: list[bytes], keys: RankKeys) -> Row:
     """One row's `Row`, item by item (its raw item fields)."""
     split, item_field = wire.split_item, wire.item_field
     labelled = []
     reserved = {}
-    numbers = {}
     for item in items_of_row:
         raw, value = split(item)
-        out, name, skew_key = keys.entry(raw)
+        out, name = keys.entry(raw)
         if name is None:
             if out is not None:  # (None: not kept per rank)
                 labelled.append(item_field(out, value))
-            if skew and skew_key is not None:
-                try:
-                    numbers[skew_key] = float(wire.value_json(value))
-                except ValueError:
-                    pass
         elif name != "_step":
             reserved[name] = item_field(out, value)
-    return (
-        b"".join(labelled),
-        name_id(tuple(reserved)),
-        b"".join(reserved.values()),
-        numbers if skew else NO_NUMBERS,
-    )
+    return b"".join(labelled), name_id(tuple(reserved)), b"".join(reserved.values())
 
 
 def label_rows(
@@ -241,7 +215,6 @@ def label_rows(
     ends: np.ndarray,
     slots: np.ndarray,
     table: KeyTable,
-    skew: bool,
     batch: items.Items | None,
 ) -> Labelled:
     """The `Row` of each history row (its item fields: `data[starts[i]:ends[i]]`, of the
@@ -249,21 +222,21 @@ def label_rows(
     caller split them (`items.split_spans`); item by item where there is none (the split
     was refused) or it does not hold."""
     if not len(starts):
-        return Labelled([], np.empty(0, np.int64), [], [])
+        return Labelled([], np.empty(0, np.int64), [])
     if batch is not None:
         try:
-            return _label_batch(batch, slots, table, skew)
+            return _label_batch(batch, slots, table)
         except ValueError:
             pass  # a key part that is not one: the split does not hold
     rows = [
-        label_row(wire.region_items(data[start:end]), table.keys[slot], skew)
+        label_row(wire.region_items(data[start:end]), table.keys[slot])
         for start, end, slot in zip(starts.tolist(), ends.tolist(), slots.tolist(), strict=True)
     ]
-    labelled, names, reserved, numbers = map(list, zip(*rows, strict=True))
-    return Labelled(labelled, np.array(names, np.int64), reserved, numbers)
+    labelled, names, reserved = map(list, zip(*rows, strict=True))
+    return Labelled(labelled, np.array(names, np.int64), reserved)
 
 
-def _label_batch(batch: items.Items, slots: np.ndarray, table: KeyTable, skew: bool) -> Labelled:
+def _label_batch(batch: items.Items, slots: np.ndarray, table: KeyTable) -> Labelled:
     count = len(slots)
     index, raw_keys = batch.key_codes()
     pair = table.pairs(slots[batch.row], raw_keys, index)
@@ -278,20 +251,7 @@ def _label_batch(batch: items.Items, slots: np.ndarray, table: KeyTable, skew: b
     names_of_rows, blobs = _reserved(
         batch.row[own], own_of_pair[pair[own]], own_names, fields[len(mine) :], count
     )
-    if not skew:
-        return Labelled(labelled, names_of_rows, blobs, [NO_NUMBERS] * count)
-    numbers: list[dict[str, float]] = [{} for _ in range(count)]
-    skews = table.skews
-    where = np.flatnonzero(table.has_skew()[pair])
-    texts = batch.json(where).to_pylist()
-    for row, pair_id, text in zip(
-        batch.row[where].tolist(), pair[where].tolist(), texts, strict=True
-    ):
-        try:
-            numbers[row][skews[pair_id]] = float(text)
-        except ValueError:
-            pass
-    return Labelled(labelled, names_of_rows, blobs, numbers)
+    return Labelled(labelled, names_of_rows, blobs)
 
 
 def _fields(batch: items.Items, which: np.ndarray, pair: np.ndarray, table: KeyTable) -> pa.Array:

@@ -3,14 +3,13 @@ rank's final summary one summary record."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from .. import wire
 from ..rankstats_merge import MergedRankStats
-from ..spread import spread
 from ..txlog import LogWriter
 from .labels import Labelled, RankKeys, Row, names_of
 
@@ -28,33 +27,26 @@ class Rows:
     labelled: np.ndarray  # bytes
     names: np.ndarray  # int64 ids of the reserved names (`labels.names_of`)
     reserved: np.ndarray  # bytes
-    numbers: np.ndarray  # mappings
 
     @classmethod
     def empty(cls) -> Rows:
-        empty = np.empty(0, object)
-        return cls(
-            np.empty(0, np.int64), np.empty(0, np.int64), empty, np.empty(0, np.int64), empty, empty
-        )
+        empty = np.empty(0, np.int64)
+        return cls(empty, empty, np.empty(0, object), empty, np.empty(0, object))
 
     @classmethod
     def of(cls, steps: np.ndarray, ranks: np.ndarray, labelled: Labelled) -> Rows:
         return cls(
-            steps, ranks, _objects(labelled.labelled), labelled.names,
-            _objects(labelled.reserved), _objects(labelled.numbers),
-        )  # fmt: skip
+            steps, ranks, _objects(labelled.labelled), labelled.names, _objects(labelled.reserved)
+        )
 
     def __len__(self) -> int:
         return len(self.steps)
 
     def row(self, index: int) -> Row:
-        return self.labelled[index], self.names[index], self.reserved[index], self.numbers[index]
+        return self.labelled[index], self.names[index], self.reserved[index]
 
     def take(self, which: slice | np.ndarray) -> Rows:
-        return Rows(
-            self.steps[which], self.ranks[which], self.labelled[which], self.names[which],
-            self.reserved[which], self.numbers[which],
-        )  # fmt: skip
+        return Rows(*(column[which] for column in _columns(self)))
 
     @staticmethod
     def concat(parts: list[Rows]) -> Rows:
@@ -77,7 +69,7 @@ class Rows:
 
 
 def _columns(rows: Rows) -> tuple[np.ndarray, ...]:
-    return rows.steps, rows.ranks, rows.labelled, rows.names, rows.reserved, rows.numbers
+    return rows.steps, rows.ranks, rows.labelled, rows.names, rows.reserved
 
 
 def _objects(values: list) -> np.ndarray:
@@ -86,9 +78,7 @@ def _objects(values: list) -> np.ndarray:
     return array
 
 
-def merged_row(
-    step: int, rows: list[tuple[int, Row]], primary: int, skew: bool, extra: bytes = b""
-) -> bytes:
+def merged_row(step: int, rows: list[tuple[int, Row]], primary: int, extra: bytes = b"") -> bytes:
     """One history record of the rows of every rank at `step`; W&B's own keys (`_runtime`,
     `_timestamp`) are the primary's, or of the lowest rank when the primary has no row.
     `extra`: item fields to add last (the statistics across ranks)."""
@@ -96,46 +86,29 @@ def merged_row(
         rows.sort(key=lambda r: (r[0] != primary, r[0]))
     parts = [row[0] for _, row in rows]
     parts.append(wire.item_field(STEP_KEY, wire.value_part(str(step))))
-    _, (_, names, blob, _) = rows[0]
+    _, (_, names, blob) = rows[0]
     parts.append(blob)
     if len(rows) > 1:
         have = set(names_of(names))
-        for _, (_, more_id, blob, _) in rows[1:]:
+        for _, (_, more_id, blob) in rows[1:]:
             more = names_of(more_id)
             if not have.issuperset(more):  # a reserved key the first row lacks: the next's
                 for name, field in zip(more, wire.region_items(blob), strict=True):
                     if name not in have:
                         have.add(name)
                         parts.append(wire.item_field(*wire.split_item(field)))
-    if skew:
-        by_key: dict[str, list[float]] = {}
-        for _, (_, _, _, numbers) in rows:
-            for key, number in numbers.items():
-                by_key.setdefault(key, []).append(number)
-        for key, numbers in by_key.items():
-            value = spread(numbers)
-            if value is not None:
-                parts.append(
-                    wire.item_field(
-                        wire.key_part([f"wbmerge/spread/{key}"]),
-                        wire.value_part(json.dumps(value)),
-                    )
-                )
     if extra:
         parts.append(extra)
     return wire.history_record(parts, step)
 
 
 def write_merged(
-    rows: Rows,
-    writer: LogWriter,
-    primary: int,
-    skew: bool,
-    across: MergedRankStats | None = None,
+    rows: Rows, writer: LogWriter, primary: int, across: Sequence[MergedRankStats] = ()
 ) -> int:
     """One merged history record per step of `rows` (sorted by step, then rank), joined
-    into one buffer and written at once; returns how many were written. With `across`
-    (`--rank-stats`), each record ends with its step's statistics across ranks."""
+    into one buffer and written at once; returns how many were written. Each record ends
+    with its step's statistics across ranks of each of `across` (`--skew-metrics`,
+    `--rank-stats`), in that order."""
     count = len(rows)
     if not count:
         return 0
@@ -147,10 +120,14 @@ def write_merged(
     differs = names != np.repeat(names[firsts], np.diff(np.append(firsts, count)))
     odd = np.zeros(len(firsts), bool)
     odd[np.searchsorted(firsts, np.flatnonzero(differs), "right") - 1] = True
-    if not skew:
-        odd |= rows.ranks[firsts] != primary
-    # the hook of --rank-stats: each step's statistic items, after the ranks' items
-    extras = across.row_fields(steps[firsts]) if across is not None else None
+    odd |= rows.ranks[firsts] != primary
+    # each step's statistic items, after the ranks' items
+    extras = None
+    if across:
+        extras = [
+            b"".join(fields)
+            for fields in zip(*(a.row_fields(steps[firsts]) for a in across), strict=True)
+        ]
     pieces: list[bytes] = []
     ends: list[int] = []
     end = 0
@@ -158,14 +135,14 @@ def write_merged(
         firsts.tolist(),
         [*firsts[1:].tolist(), count],
         steps[firsts].tolist(),
-        odd.tolist() if not skew else [True] * len(firsts),
+        odd.tolist(),
         strict=True,
     )):  # fmt: skip
         if slow:
             ranks = rows.ranks[a:b].tolist()
             group = [(rank, rows.row(i)) for i, rank in zip(range(a, b), ranks, strict=True)]
             extra = extras[index] if extras is not None else b""
-            record = merged_row(step, group, primary, skew, extra)
+            record = merged_row(step, group, primary, extra)
             pieces.append(record)
             end += len(record)
         else:  # the common case: the primary's row first, every row with the same own keys
@@ -185,18 +162,18 @@ def write_merged(
 def final_summary(
     summaries: dict[int, tuple[RankKeys, dict[bytes | None, bytes]]],
     primary: int,
-    across: MergedRankStats | None = None,
+    across: Sequence[MergedRankStats] = (),
 ) -> bytes:
     """Every rank's final values under its labelled keys (none for keys not kept per rank);
-    W&B's own keys are the primary's; then, with `across`, each statistic's last value.
+    W&B's own keys are the primary's; then each statistic's last value (of those of
+    `across` that the summary holds).
     `summaries`: rank -> (its keys, its folded summary)."""
     parts = []
     for rank, (keys, summary) in sorted(summaries.items()):
-        reserved = {out for out, name, _ in keys.known.values() if name is not None}
+        reserved = {out for out, name in keys.known.values() if name is not None}
         for out, value in summary.items():
             if out is None or (out in reserved and rank != primary):
                 continue
             parts.append(wire.item_field(out, value))
-    if across is not None:
-        parts.append(across.summary_fields())
+    parts += [statistics.summary_fields() for statistics in across]
     return wire.summary_record(b"".join(parts))

@@ -21,7 +21,7 @@ from .. import items, records
 from ..plan import Source, Target
 from ..proto import pb
 from ..rankstats import PerRank, bound_notice
-from ..rankstats_merge import MergedRankStats
+from ..rankstats_merge import MergedRankStats, MergedSpreads
 from ..records import KIND_NAMES, record_kind
 from ..stagefiles import files_record
 from ..steps import RESERVED, Steps
@@ -99,7 +99,6 @@ class SharedMerge:
         self.options = options
         self.file_map = file_map
         self.primary = target.primary_rank
-        self.skew = options.skew_metrics
         self.by_rank: dict[int, list[Source]] = {}
         for source in target.sources:
             self.by_rank.setdefault(source.rank.rank, []).append(source)
@@ -109,8 +108,14 @@ class SharedMerge:
             )
             for slot, (rank, sources) in enumerate(self.by_rank.items())
         }
-        # --rank-stats: fed each turn's rows, asked for each written step's statistics
-        self.across = MergedRankStats(options.key_format, RESERVED) if options.rank_stats else None
+        # --skew-metrics, --rank-stats: fed each turn's rows, asked for each written step's
+        # statistics across ranks
+        self.across = [
+            kind(options.key_format, RESERVED)
+            for kind, chosen in ((MergedSpreads, options.skew_metrics),
+                                 (MergedRankStats, options.rank_stats))
+            if chosen
+        ]  # fmt: skip
         self.table = KeyTable([state.keys for state in self.states.values()])
         self.summaries = [state.summary for state in self.states.values()]
         self.slot_rank = np.array(list(self.by_rank), np.int64)
@@ -246,11 +251,9 @@ class SharedMerge:
             fold_summaries(
                 frames, summaries, summary_slots, self.table, self.summaries, summary_items
             )
-            labelled = label_rows(
-                rows.data, starts, ends, row_slots, self.table, self.skew, row_items
-            )
-            if self.across is not None:  # the feed of --rank-stats: the turn's numbers
-                self.across.add_rows(row_ranks, steps, rows.data, starts, ends, row_items)
+            labelled = label_rows(rows.data, starts, ends, row_slots, self.table, row_items)
+            for statistics in self.across:  # the turn's numbers
+                statistics.add_rows(row_ranks, steps, rows.data, starts, ends, row_items)
         else:  # an odd row or summary: the other ranks' still as columns
             labelled = self._by_rank(rows.data, starts, ends, row_slots, row_ranks, steps)
             self._fold_by_rank(frames, summaries, summary_slots)
@@ -265,24 +268,21 @@ class SharedMerge:
         ranks: np.ndarray,
         steps: np.ndarray,
     ) -> Labelled:
-        """Label (and feed `--rank-stats`) each rank's rows on their own, its items split
-        once for both (rows of a rank are together): one rank's long value costs the exact
-        item-by-item path of that rank's rows only."""
+        """Label (and feed the statistics across ranks) each rank's rows on their own, its
+        items split once for both (rows of a rank are together): one rank's long value
+        costs the exact item-by-item path of that rank's rows only."""
         bounds = [0, *(np.flatnonzero(np.diff(slots)) + 1).tolist(), len(slots)]
         parts = []
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             own = slice(lo, hi)
             batch = items.split_spans(data, starts[own], ends[own])
-            parts.append(label_rows(
-                data, starts[own], ends[own], slots[own], self.table, self.skew, batch
-            ))  # fmt: skip
-            if self.across is not None:
-                self.across.add_rows(ranks[own], steps[own], data, starts[own], ends[own], batch)
+            parts.append(label_rows(data, starts[own], ends[own], slots[own], self.table, batch))
+            for statistics in self.across:
+                statistics.add_rows(ranks[own], steps[own], data, starts[own], ends[own], batch)
         return Labelled(
             [x for part in parts for x in part.labelled],
             np.concatenate([part.names for part in parts]),
             [x for part in parts for x in part.reserved],
-            [x for part in parts for x in part.numbers],
         )
 
     def _fold_by_rank(self, frames: Frames, summaries: np.ndarray, slots: np.ndarray) -> None:
@@ -316,9 +316,7 @@ class SharedMerge:
         self._write_merged(rows.take(slice(done, None)))
 
     def _write_merged(self, rows: Rows) -> None:
-        self.outcome.history_rows += write_merged(
-            rows, self.writer, self.primary, self.skew, self.across
-        )
+        self.outcome.history_rows += write_merged(rows, self.writer, self.primary, self.across)
         self.outcome.source_rows += len(rows)
 
     def _count_metrics(self) -> None:
@@ -326,9 +324,8 @@ class SharedMerge:
         statistics, spreads; not W&B's own), the one line past W&B's bound, and the
         `--per-rank` patterns that matched no key."""
         entries = [entry for state in self.states.values() for entry in state.keys.known.values()]
-        labelled = {out for out, name, _ in entries if name is None and out is not None}
-        spreads = {skew for _, _, skew in entries if skew is not None} if self.skew else set()
-        metrics = len(labelled) + len(spreads) + (self.across.metrics if self.across else 0)
+        labelled = {out for out, name in entries if name is None and out is not None}
+        metrics = len(labelled) + sum(statistics.metrics for statistics in self.across)
         per_rank: PerRank = self.options.per_rank
         self.outcome.metrics = metrics
         self.outcome.bound_notice = bound_notice(
