@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -143,13 +143,11 @@ def iter_frames(
         whole = end - end % BLOCK_SIZE  # the blocks all here: walked as arrays
         # The walk costs a numpy step per chunk of a block, whatever the number of blocks, so
         # it pays off from a few blocks on; a read of one or two (a run's head) loops faster.
-        walked = None
-        if whole - pos >= _WALK_FROM:
-            walked = _walk_blocks(buf, view, pos, whole, partial, joined_at)
+        walked = _walk_blocks(buf, pos, whole, partial) if whole - pos >= _WALK_FROM else None
         if walked is not None:
-            pos, partial, joined, fast_starts, fast_ends = walked
-            joined_at += sum(map(len, joined))
-            orphans = False
+            pos, partial, orphans = whole, walked.partials[0], False
+            joined = [walked.joined] if walked.joined else []
+            joined_at += len(walked.joined)
         while True:
             block_end = pos - pos % BLOCK_SIZE + BLOCK_SIZE
             if block_end - pos < CHUNK_HEADER_SIZE:
@@ -210,11 +208,9 @@ def iter_frames(
                 orphans = kind == MIDDLE
             pos = chunk_end
         view.release()
-        if walked is not None:
-            starts_array = np.concatenate([fast_starts, np.array(starts, np.int64)])
-            ends_array = np.concatenate([fast_ends, np.array(ends, np.int64)])
-        else:
-            starts_array, ends_array = np.array(starts, np.int64), np.array(ends, np.int64)
+        fast = [walked.starts, walked.ends] if walked is not None else [np.empty(0, np.int64)] * 2
+        starts_array = np.concatenate([fast[0], np.array(starts, np.int64)])
+        ends_array = np.concatenate([fast[1], np.array(ends, np.int64)])
         if len(starts_array):
             report.records += len(starts_array)
             yield Frames(b"".join([buf, *joined]) if joined else buf, starts_array, ends_array)
@@ -224,89 +220,140 @@ def iter_frames(
         report.truncated_bytes = tail + sum(map(len, partial))
 
 
-def _walk_blocks(
-    buf: bytes,
-    view: memoryview,
-    pos: int,
-    stop: int,
-    partial: list[bytes],
-    joined_at: int,
-) -> tuple[int, list[bytes], list[bytes], np.ndarray, np.ndarray] | None:
-    """The records of the whole blocks `buf[pos:stop]`, found by walking every block at once.
+@dataclass
+class Walked:
+    """What `walk_segments` found: record i is `(buf + joined)[starts[i]:ends[i]]`, those of
+    a record in one chunk in the buffer, those of one that spanned blocks in `joined`."""
 
-    Blocks are independent (each starts with a chunk), so the walk advances one chunk in
-    all of them per numpy step. Only for intact blocks: a zero-length padding header ends a
-    block; an impossible chunk, a bad CRC or a broken FIRST..LAST sequence returns None, and
-    the caller's chunk-by-chunk loop, which accounts for damage, reads these blocks instead.
-    Returns (new position, partial record, the bytes of the records that spanned blocks
-    (back to back, in one piece or none), record starts, record ends); the spanning records
-    are numbered as if placed at `joined_at` on.
+    joined: bytes  # the records that spanned blocks, back to back
+    starts: np.ndarray  # int64, each segment's records together, in order
+    ends: np.ndarray
+    counts: np.ndarray  # how many records each segment has (none for one not intact)
+    ok: np.ndarray  # bool: whether each segment is intact
+    partials: list[list[bytes]]  # each intact segment's record that goes on past its end
+
+
+def walk_segments(
+    buf: bytes,
+    starts: Sequence[int],
+    ends: Sequence[int],
+    partials: Sequence[list[bytes]],
+    ended: Sequence[bool] | None = None,
+) -> Walked:
+    """The records of segments of logs laid out in `buf`, all their blocks walked at once.
+
+    Segment i is `buf[starts[i]:ends[i]]`, a log's chunks from `starts[i]` (after the file
+    header, or where an earlier read stopped) on; `partials[i]` is the record that read left
+    open. `buf`'s blocks are the logs' blocks; segments are in order and share no block. A
+    segment ends on a block boundary unless `ended[i]` (it ends its log: a last chunk cut
+    short or a record left open is damage). Blocks are independent (each starts with a
+    chunk), so each numpy step advances a chunk in every block, whatever their number; a run
+    of empty MIDDLE chunks (`LogWriter.end_block` after an open record) takes one step. Only
+    intact segments are read: an impossible chunk, a bad CRC or a broken FIRST..LAST order
+    makes a segment not `ok`, with no records; its caller reads it with a loop that
+    accounts for the damage (as `iter_frames` does).
     """
-    if stop <= pos:
-        return None
-    data = np.frombuffer(buf, np.uint8, count=stop)
+    starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+    ok = np.ones(len(starts), bool)
+    ended = np.zeros(len(starts), bool) if ended is None else np.asarray(ended, bool)
+    data = np.frombuffer(buf, np.uint8)
     # the little-endian u16 and u32 at every byte offset, without copying
-    u16 = np.ndarray((stop - 1,), "<u2", buf, 0, (1,))
-    u32 = np.ndarray((stop - 3,), "<u4", buf, 0, (1,))
-    block_ends = np.arange(pos - pos % BLOCK_SIZE + BLOCK_SIZE, stop + 1, BLOCK_SIZE)
-    at = block_ends - BLOCK_SIZE
-    at[0] = pos
-    live = at + CHUNK_HEADER_SIZE <= block_ends
-    at, limit = at[live], block_ends[live]
+    u16 = np.ndarray((max(len(buf) - 1, 0),), "<u2", buf, 0, (1,))
+    u32 = np.ndarray((max(len(buf) - 3, 0),), "<u4", buf, 0, (1,))
+    # every block of every segment: where its chunks start, and where its bytes end
+    nblocks = np.where(ends > starts, -(-ends // BLOCK_SIZE) - starts // BLOCK_SIZE, 0)
+    firsts = np.cumsum(nblocks) - nblocks
+    seg_of_block = np.repeat(np.arange(len(starts)), nblocks)
+    block_starts = BLOCK_SIZE * (
+        np.repeat(starts // BLOCK_SIZE - firsts, nblocks) + np.arange(len(seg_of_block))
+    )
+    at = np.maximum(block_starts, starts[seg_of_block])
+    limits = np.minimum(block_starts + BLOCK_SIZE, ends[seg_of_block])
+    walk_end = at.copy()  # where each block's walk stopped (-1: at padding)
+    block = np.flatnonzero(at + CHUNK_HEADER_SIZE <= limits)
+    at = at[block]
     found: list[np.ndarray] = []
     while len(at):
+        limit = limits[block]
         after = at + CHUNK_HEADER_SIZE + u16[at + 4]
         kinds = data[at + _TYPE_AT]
         odd = ((kinds - np.uint8(FULL)) > LAST - FULL) | (after > limit)
         if odd.any():
             padding = (kinds == 0) & (after == at + CHUNK_HEADER_SIZE) & (u32[at] == 0)
-            if (odd & ~padding).any():
-                return None
-            keep = ~padding  # zero fill: the rest of its block is padding
-            at, limit, after, kinds = at[keep], limit[keep], after[keep], kinds[keep]
+            ok[seg_of_block[block[odd & ~padding]]] = False
+            walk_end[block[padding]] = -1
+            keep = ~odd & ok[seg_of_block[block]]  # (a segment not intact is walked no more)
+            at, block, limit, after, kinds = (a[keep] for a in (at, block, limit, after, kinds))
         found.append(at)
-        # A block filled with empty MIDDLE chunks (`end_block` with an open record) would
-        # take a step per chunk, thousands: its run of copies of this chunk is passed in one
-        # (identical bytes, so the same CRC, and a MIDDLE after a MIDDLE continues as it did).
+        # a run of copies of an empty MIDDLE chunk is passed in one step, not thousands (the
+        # same bytes: the same CRC, and a MIDDLE after a MIDDLE continues as it did)
         for index in np.flatnonzero((kinds == MIDDLE) & (after == at + CHUNK_HEADER_SIZE)):
             after[index] = _after_copies(data, int(at[index]), int(limit[index]))
-        live = after + CHUNK_HEADER_SIZE <= limit
-        at, limit = after[live], limit[live]
-    if not found:
-        return stop, partial, [], np.empty(0, np.int64), np.empty(0, np.int64)
-    chunks = np.sort(np.concatenate(found))
+        walk_end[block] = after
+        going = after + CHUNK_HEADER_SIZE <= limit
+        at, block = after[going], block[going]
+    # a log that ends inside a block: its last chunk must end there
+    short = np.flatnonzero(ended & (ends % BLOCK_SIZE > 0) & (nblocks > 0))
+    ok[short[walk_end[(firsts + nblocks - 1)[short]] != ends[short]]] = False
+    chunks = np.sort(np.concatenate(found)) if found else np.empty(0, np.int64)
+    seg = seg_of_block[np.searchsorted(block_starts, chunks, "right") - 1]
+    chunks, seg = chunks[ok[seg]], seg[ok[seg]]
     begins = chunks + CHUNK_HEADER_SIZE
-    ends = begins + u16[chunks + 4]
+    stops = begins + u16[chunks + 4]
     kinds = data[chunks + _TYPE_AT]
-    typed = map(view.__getitem__, map(slice, (chunks + _TYPE_AT).tolist(), ends.tolist()))
-    if (np.fromiter(map(crc32, typed), np.uint32, len(chunks)) != u32[chunks]).any():
-        return None
-    full = kinds == FULL
+    view = memoryview(buf)
+    typed = map(view.__getitem__, map(slice, (chunks + _TYPE_AT).tolist(), stops.tolist()))
+    ok[seg[np.fromiter(map(crc32, typed), np.uint32, len(chunks)) != u32[chunks]]] = False
     # each chunk continues a record (MIDDLE, LAST) exactly when one is open before it
-    opened = np.empty(len(kinds), bool)
-    opened[0] = bool(partial)
+    opened = np.empty(len(chunks), bool)
     opened[1:] = (kinds[:-1] == FIRST) | (kinds[:-1] == MIDDLE)
-    if (((kinds == MIDDLE) | (kinds == LAST)) != opened).any():
-        return None  # a continuation without its start, or a record cut short by another
-    record_starts, record_ends = begins[full], ends[full]
-    spanning = np.flatnonzero(~full)  # the chunks of records that span blocks, in order
-    pieces = list(
-        map(view.__getitem__, map(slice, begins[spanning].tolist(), ends[spanning].tolist()))
+    heads = np.flatnonzero(np.diff(seg, prepend=-1))  # each segment's first chunk
+    opened[heads] = [bool(partials[i]) for i in seg[heads].tolist()]
+    ok[seg[((kinds == MIDDLE) | (kinds == LAST)) != opened]] = False
+    # a piece of a record that spans blocks completes here when a LAST of its segment follows
+    full = kinds == FULL
+    spanning = np.flatnonzero(~full & ok[seg])
+    span_seg = seg[spanning]
+    lasts = np.flatnonzero(np.append(kinds[spanning] == LAST, True))  # (and one past them)
+    following = lasts[np.searchsorted(lasts, np.arange(len(spanning)))]
+    done = np.append(span_seg, -1)[following] == span_seg
+    sizes = stops[spanning] - begins[spanning]
+    piece_at, piece_end = begins[spanning].tolist(), stops[spanning].tolist()
+    pieces = list(map(view.__getitem__, map(slice, piece_at, piece_end)))
+    new_partials = list(partials)
+    parts: list[bytes | memoryview] = []  # the joined records' pieces, in order
+    bounds = [*np.flatnonzero(np.diff(span_seg, prepend=-1)).tolist(), len(spanning)]
+    for first, last in zip(bounds[:-1], bounds[1:], strict=True):  # a segment's pieces
+        where = int(span_seg[first])
+        completes = first + int(done[first:last].sum())  # (its completed records' lead)
+        carried = list(partials[where])
+        if completes > first:  # the record left open completes here (and perhaps others)
+            sizes[first] += sum(map(len, carried))
+            parts += [*carried, *pieces[first:completes]]
+            carried = []
+        new_partials[where] = carried + list(map(bytes, pieces[completes:last]))
+    ok[[i for i in np.flatnonzero(ended).tolist() if new_partials[i]]] = False  # cut short
+    joined = b"".join(parts)
+    closing = spanning[done][kinds[spanning[done]] == LAST]  # the last chunk of each record
+    joined_ends = len(buf) + np.cumsum(sizes[done])[kinds[spanning[done]] == LAST]
+    joined_starts = np.concatenate([[len(buf)], joined_ends])[:-1]  # (back to back)
+    order = np.argsort(np.concatenate([np.flatnonzero(full), closing]))  # by their last chunk
+    record_seg = np.concatenate([seg[full], seg[closing]])[order]
+    keep = ok[record_seg]
+    return Walked(
+        joined,
+        np.concatenate([begins[full], joined_starts])[order][keep],
+        np.concatenate([stops[full], joined_ends])[order][keep],
+        np.bincount(record_seg[keep], minlength=len(starts)),
+        ok,
+        new_partials,
     )
-    lasts = np.flatnonzero(kinds[spanning] == LAST)
-    if not len(lasts):  # no record completed here: all of it is carried on
-        return stop, [*partial, *map(bytes, pieces)], [], record_starts, record_ends
-    done = int(lasts[-1]) + 1  # the pieces of the records completed here
-    records = [b"".join([*partial, *pieces[:done]])]  # back to back, placed at `joined_at`
-    sizes = (ends - begins)[spanning[:done]]
-    sizes[0] += sum(map(len, partial))
-    joined_ends = joined_at + np.cumsum(sizes)[lasts]
-    joined_starts = np.concatenate([[joined_at], joined_ends[:-1]])
-    # records that spanned blocks go in the place of their last chunk
-    order = np.argsort(np.concatenate([np.flatnonzero(full), spanning[lasts]]), kind="stable")
-    record_starts = np.concatenate([record_starts, joined_starts])[order]
-    record_ends = np.concatenate([record_ends, joined_ends])[order]
-    return stop, list(map(bytes, pieces[done:])), records, record_starts, record_ends
+
+
+def _walk_blocks(buf: bytes, pos: int, stop: int, partial: list[bytes]) -> Walked | None:
+    """`walk_segments` of one read's whole blocks `buf[pos:stop]`; None unless intact."""
+    walked = walk_segments(buf, [pos], [stop], [partial])
+    return walked if walked.ok[0] else None
 
 
 def _after_copies(data: np.ndarray, start: int, limit: int) -> int:
@@ -324,14 +371,12 @@ def read_head(stream: BinaryIO, blocks: int) -> tuple[list[bytes], bytes | None]
     rewritten and the rest copied as it is."""
     stream.seek(0)
     data = stream.read(blocks * BLOCK_SIZE)
-    if len(data) < blocks * BLOCK_SIZE or not data.startswith(FILE_HEADER):
-        return None
-    with memoryview(data) as view:
-        walked = _walk_blocks(data, view, len(FILE_HEADER), len(data), [], len(data))
+    whole = len(data) == blocks * BLOCK_SIZE and data.startswith(FILE_HEADER)
+    walked = _walk_blocks(data, len(FILE_HEADER), len(data), []) if whole else None
     if walked is None:
         return None
-    _, partial, joined, starts, ends = walked
-    frames = Frames(b"".join([data, *joined]), starts, ends)
+    frames = Frames(data + walked.joined, walked.starts, walked.ends)
+    partial = walked.partials[0]
     return list(frames.payloads()), b"".join(partial) if partial else None
 
 

@@ -3,7 +3,7 @@
 `txlog.iter_frames` walks the blocks of one read of one log as arrays; its cost is per read,
 so a job of a thousand short ranks read a block or two at a time would pay it a thousand
 times per step window. Here one call reads the next blocks of every rank asked for and walks
-all of their chunks at once (`_walk`): one array step per chunk of a block, whatever the
+all of their chunks at once (`txlog.walk_segments`): one array step per chunk of a block, whatever the
 number of ranks, and one `Frames` of all their records.
 
 Only the intact case is walked so: a log whose bytes are anything else (a bad header, CRC
@@ -22,19 +22,13 @@ import numpy as np
 
 from ..txlog import (
     BLOCK_SIZE,
-    CHUNK_HEADER_SIZE,
     FILE_HEADER,
-    FIRST,
-    FULL,
-    LAST,
-    MIDDLE,
     Frames,
     ReadReport,
-    crc32,
+    Walked,
     read_frames,
+    walk_segments,
 )
-
-_TYPE_AT = CHUNK_HEADER_SIZE - 1
 
 
 @dataclass
@@ -87,7 +81,8 @@ class RankReaders:
         """The next `blocks` blocks' records of each of `ranks` (live ones), as one `Frames`
         (each rank's records together, in the order of the parts), and what each rank's part
         is. A rank whose source ends in its part goes on with its next source next time."""
-        segments: list[tuple[int, bytes, bool, bool]] = []  # (rank, data, at file start, eof)
+        want = blocks * BLOCK_SIZE
+        segments: list[tuple[int, bytes, bool]] = []  # (rank, its next bytes, at file start)
         for rank in ranks:
             log = self._logs[rank]
             if log.fallback is not None:
@@ -97,26 +92,25 @@ class RankReaders:
                 log.offset, log.partial, log.given = 0, [], 0
                 log.report = ReadReport()
                 log.started = True
-            want = blocks * BLOCK_SIZE
-            data = log.stream.read(want)
-            segments.append((rank, data, log.offset == 0, len(data) < want))
-            log.offset += len(data)
-        walked = _walk(segments, [self._logs[rank].partial for rank, *_ in segments])
+            segments.append((rank, log.stream.read(want), log.offset == 0))
+            log.offset += len(segments[-1][1])
+        buf, walked = _walk(segments, [self._logs[rank].partial for rank, *_ in segments], want)
         reads = []
-        for i, (rank, _, _, eof) in enumerate(segments):
+        for i, (rank, data, _) in enumerate(segments):
             log = self._logs[rank]
             if not walked.ok[i]:  # not the intact case: txlog reads it again, from its start
                 _close(log)
                 log.report = ReadReport()
-                log.fallback = read_frames(log.paths[log.source], log.report, blocks * BLOCK_SIZE)
+                log.fallback = read_frames(log.paths[log.source], log.report, want)
                 continue
             log.partial = walked.partials[i]
             log.given += int(walked.counts[i])
-            if eof:
+            if len(data) < want:
                 _close(log)
             reads.append(self._part(rank, log.stream is None, int(walked.counts[i])))
-        pieces, starts, ends = [walked.data], [walked.starts], [walked.ends]
-        at = len(walked.data)
+        pieces = [buf + walked.joined if walked.joined else buf]
+        starts, ends = [walked.starts], [walked.ends]
+        at = len(pieces[0])
         for rank in ranks:
             log = self._logs[rank]
             if log.fallback is None:
@@ -159,118 +153,26 @@ def _from_fallback(log: _Log) -> tuple[bytes, np.ndarray, np.ndarray, bool]:
     return b"", empty, empty, True
 
 
-@dataclass
-class _Walked:
-    """The records of the intact segments of a read, segment by segment."""
-
-    data: bytes  # the segments at block boundaries, then the records that spanned blocks
-    starts: np.ndarray
-    ends: np.ndarray
-    counts: np.ndarray  # records of each segment (none for one not intact)
-    ok: np.ndarray  # whether each segment is intact
-    partials: list[list[bytes]]  # each segment's record that goes on into its next read
-
-
-def _walk(segments: list[tuple[int, bytes, bool, bool]], partials: list[list[bytes]]) -> _Walked:
-    """The records of each segment (rank, data, at the log's start, at its end); a segment
-    not in the intact case has none and `ok` false. The chunks of all segments' blocks are
-    walked together: each segment is placed at a block boundary of one buffer."""
-    count = len(segments)
-    sizes = np.array([len(data) for _, data, _, _ in segments], np.int64)
-    padded = -(-sizes // BLOCK_SIZE) * BLOCK_SIZE
-    seg_starts = np.cumsum(padded) - padded
+def _walk(
+    segments: list[tuple[int, bytes, bool]], partials: list[list[bytes]], want: int
+) -> tuple[bytes, Walked]:
+    """Each segment (rank, its next bytes, whether they start its log) placed at a block
+    boundary of one buffer, and all walked at once (`txlog.walk_segments`): the buffer and
+    what the walk found. A log's first bytes must be its file header (then passed over);
+    bytes short of `want` end their log."""
+    sizes = np.array([len(data) for _, data, _ in segments], np.int64)
+    rooms = -(-sizes // BLOCK_SIZE) * BLOCK_SIZE
+    places = np.cumsum(rooms) - rooms
+    headed = np.array(
+        [not first or data.startswith(FILE_HEADER) for _, data, first in segments], bool
+    )
+    firsts = np.array([first for *_, first in segments], bool)
+    starts = places + np.where(firsts & headed, len(FILE_HEADER), 0)
+    ends = np.where(headed, places + sizes, starts)  # (a log with a bad header: none of it)
     pieces = []
-    for (_, data, _, _), size, room in zip(segments, sizes.tolist(), padded.tolist(), strict=True):
+    for (_, data, _), size, room in zip(segments, sizes.tolist(), rooms.tolist(), strict=True):
         pieces += [data, bytes(room - size)]
-    buf = b"".join(pieces) + bytes(8)  # (room for the 4-byte reads at the very end)
-    ok = np.array(
-        [not first or data.startswith(FILE_HEADER) for _, data, first, _ in segments], bool
-    )
-    data8 = np.frombuffer(buf, np.uint8)
-    u16 = np.ndarray((len(buf) - 1,), "<u2", buf, 0, (1,))
-    u32 = np.ndarray((len(buf) - 3,), "<u4", buf, 0, (1,))
-    # every block of every segment: where its chunks start, and where its bytes end
-    nblocks = padded // BLOCK_SIZE
-    seg_of_block = np.repeat(np.arange(count), nblocks)
-    block_starts = np.arange(len(seg_of_block), dtype=np.int64) * BLOCK_SIZE
-    data_ends = seg_starts + sizes
-    limits = np.minimum(block_starts + BLOCK_SIZE, data_ends[seg_of_block])
-    at = block_starts.copy()
-    firsts = np.array([first for _, _, first, _ in segments], bool)
-    at[firsts[seg_of_block] & (block_starts == seg_starts[seg_of_block])] += len(FILE_HEADER)
-    walk_end = at.copy()  # where each block's walk stopped
-    block = np.arange(len(at))
-    live = at + CHUNK_HEADER_SIZE <= limits
-    at, block = at[live], block[live]
-    found: list[np.ndarray] = []
-    while len(at):
-        after = at + CHUNK_HEADER_SIZE + u16[at + 4]
-        kinds = data8[at + _TYPE_AT]
-        odd = ((kinds - np.uint8(FULL)) > LAST - FULL) | (after > limits[block])
-        if odd.any():
-            padding = (kinds == 0) & (after == at + CHUNK_HEADER_SIZE) & (u32[at] == 0)
-            ok[seg_of_block[block[odd & ~padding]]] = False
-            walk_end[block[padding]] = -1  # padding: the block ends here, as it may
-            keep = ~odd
-            at, block, after = at[keep], block[keep], after[keep]
-        found.append(at)
-        walk_end[block] = after
-        going = after + CHUNK_HEADER_SIZE <= limits[block]
-        at, block = after[going], block[going]
-    # a log that ends inside a block: its last chunk must end exactly there
-    ends_inside = np.array([eof for *_, eof in segments], bool) & (sizes % BLOCK_SIZE > 0)
-    last_blocks = np.cumsum(nblocks) - 1
-    short = np.flatnonzero(ends_inside)
-    ok[short[walk_end[last_blocks[short]] != data_ends[short]]] = False
-    chunks = np.sort(np.concatenate(found)) if found else np.empty(0, np.int64)
-    begins = chunks + CHUNK_HEADER_SIZE
-    ends = begins + u16[chunks + 4]
-    kinds = data8[chunks + _TYPE_AT]
-    seg = np.searchsorted(seg_starts, chunks, "right") - 1
-    view = memoryview(buf)
-    typed = map(view.__getitem__, map(slice, (chunks + _TYPE_AT).tolist(), ends.tolist()))
-    crcs = np.fromiter(map(crc32, typed), np.uint32, len(chunks))
-    ok[seg[crcs != u32[chunks]]] = False
-    # each chunk continues a record (MIDDLE, LAST) exactly when one is open before it
-    first_of_seg = np.ones(len(chunks), bool)
-    first_of_seg[1:] = seg[1:] != seg[:-1]
-    carried = np.array([bool(partial) for partial in partials], bool)
-    opened = np.empty(len(chunks), bool)
-    opened[1:] = (kinds[:-1] == FIRST) | (kinds[:-1] == MIDDLE)
-    opened[first_of_seg] = carried[seg[first_of_seg]]
-    ok[seg[((kinds == MIDDLE) | (kinds == LAST)) != opened]] = False
-    # records that span blocks: joined after the buffer, placed where their last chunk is
-    full = kinds == FULL
-    open_records: dict[int, list[bytes]] = {}
-    joined: list[bytes] = []
-    places: list[int] = []
-    for index in np.flatnonzero(~full).tolist():
-        where = int(seg[index])
-        record = open_records.setdefault(where, list(partials[where]))
-        record.append(bytes(view[int(begins[index]) : int(ends[index])]))
-        if kinds[index] == LAST:
-            joined.append(b"".join(record))
-            places.append(index)
-            record.clear()
-    view.release()
-    new_partials = [open_records.get(i, partials[i]) for i in range(count)]
-    for i, (_, _, _, eof) in enumerate(segments):
-        if eof and new_partials[i]:
-            ok[i] = False  # a record cut short by the log's end
-    sizes_joined = np.fromiter(map(len, joined), np.int64, len(joined))
-    joined_ends = len(buf) + np.cumsum(sizes_joined)
-    places_array = np.array(places, np.int64)
-    positions = np.concatenate([chunks[full], chunks[places_array]])
-    starts = np.concatenate([begins[full], joined_ends - sizes_joined])
-    stops = np.concatenate([ends[full], joined_ends])
-    order = np.argsort(positions, kind="stable")
-    record_seg = np.concatenate([seg[full], seg[places_array]])[order]
-    keep = ok[record_seg]
-    return _Walked(
-        b"".join([buf, *joined]) if joined else buf,
-        starts[order][keep],
-        stops[order][keep],
-        np.bincount(record_seg[keep], minlength=count),
-        ok,
-        new_partials,
-    )
+    buf = b"".join(pieces)
+    walked = walk_segments(buf, starts, ends, partials, (sizes < want).tolist())
+    walked.ok &= headed
+    return buf, walked
