@@ -222,10 +222,9 @@ def iter_frames(
 
 @dataclass
 class Walked:
-    """What `walk_segments` found: record i is `(buf + joined)[starts[i]:ends[i]]`, those of
-    a record in one chunk in the buffer, those of one that spanned blocks in `joined`."""
+    """What `walk_segments` found: record i is `(buf + joined)[starts[i]:ends[i]]`."""
 
-    joined: bytes  # the records that spanned blocks, back to back
+    joined: bytes  # the records that spanned blocks, back to back (the rest are in `buf`)
     starts: np.ndarray  # int64, each segment's records together, in order
     ends: np.ndarray
     counts: np.ndarray  # how many records each segment has (none for one not intact)
@@ -243,60 +242,63 @@ def walk_segments(
     """The records of segments of logs laid out in `buf`, all their blocks walked at once.
 
     Segment i is `buf[starts[i]:ends[i]]`, a log's chunks from `starts[i]` (after the file
-    header, or where an earlier read stopped) on; `partials[i]` is the record that read left
-    open. `buf`'s blocks are the logs' blocks; segments are in order and share no block. A
-    segment ends on a block boundary unless `ended[i]` (it ends its log: a last chunk cut
-    short or a record left open is damage). Blocks are independent (each starts with a
-    chunk), so each numpy step advances a chunk in every block, whatever their number; a run
-    of empty MIDDLE chunks (`LogWriter.end_block` after an open record) takes one step. Only
-    intact segments are read: an impossible chunk, a bad CRC or a broken FIRST..LAST order
-    makes a segment not `ok`, with no records; its caller reads it with a loop that
-    accounts for the damage (as `iter_frames` does).
-    """
+    header, or where an earlier read stopped) on; `partials[i]`, the record that read left
+    open. `buf`'s blocks are the logs' blocks; segments are in order and share no block; one
+    ends on a block boundary unless `ended[i]` (it ends its log: a last chunk cut short or
+    a record left open is damage). Each numpy step advances a chunk in every block (blocks
+    are independent), whatever their number; a run of empty MIDDLE chunks (`end_block` after
+    an open record) takes one. A segment with an impossible chunk, a bad CRC or a broken
+    FIRST..LAST order is not `ok` and has no records: its caller's loop reads it, and
+    accounts for the damage (as `iter_frames` does)."""
     starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
     ok = np.ones(len(starts), bool)
     ended = np.zeros(len(starts), bool) if ended is None else np.asarray(ended, bool)
     data = np.frombuffer(buf, np.uint8)
-    # the little-endian u16 and u32 at every byte offset, without copying
-    u16 = np.ndarray((max(len(buf) - 1, 0),), "<u2", buf, 0, (1,))
+    u16 = np.ndarray((max(len(buf) - 1, 0),), "<u2", buf, 0, (1,))  # at every byte, no copy
     u32 = np.ndarray((max(len(buf) - 3, 0),), "<u4", buf, 0, (1,))
     # every block of every segment: where its chunks start, and where its bytes end
-    nblocks = np.where(ends > starts, -(-ends // BLOCK_SIZE) - starts // BLOCK_SIZE, 0)
+    nblocks = -(-ends // BLOCK_SIZE) - starts // BLOCK_SIZE  # (an empty one: one block or none)
     firsts = np.cumsum(nblocks) - nblocks
     seg_of_block = np.repeat(np.arange(len(starts)), nblocks)
-    block_starts = BLOCK_SIZE * (
-        np.repeat(starts // BLOCK_SIZE - firsts, nblocks) + np.arange(len(seg_of_block))
-    )
-    at = np.maximum(block_starts, starts[seg_of_block])
-    limits = np.minimum(block_starts + BLOCK_SIZE, ends[seg_of_block])
-    walk_end = at.copy()  # where each block's walk stopped (-1: at padding)
-    block = np.flatnonzero(at + CHUNK_HEADER_SIZE <= limits)
-    at = at[block]
+    numbers = np.repeat(starts // BLOCK_SIZE - firsts, nblocks) + np.arange(len(seg_of_block))
+    block_of = np.zeros(len(buf) // BLOCK_SIZE + 1, np.int64)  # a block's index by its number
+    block_of[numbers] = np.arange(len(numbers))
+    at = np.maximum(BLOCK_SIZE * numbers, starts[seg_of_block])
+    limits = np.minimum(BLOCK_SIZE * (numbers + 1), ends[seg_of_block])
+    walk_end, tracked = at.copy(), ended.any()  # where each block's walk stopped (-1: padding)
+    live = at + CHUNK_HEADER_SIZE <= limits
+    at, limit = at[live], limits[live]
     found: list[np.ndarray] = []
     while len(at):
-        limit = limits[block]
-        after = at + CHUNK_HEADER_SIZE + u16[at + 4]
+        length = u16[at + 4]
+        after = at + CHUNK_HEADER_SIZE + length
         kinds = data[at + _TYPE_AT]
         odd = ((kinds - np.uint8(FULL)) > LAST - FULL) | (after > limit)
         if odd.any():
-            padding = (kinds == 0) & (after == at + CHUNK_HEADER_SIZE) & (u32[at] == 0)
+            padding = (kinds == 0) & (length == 0) & (u32[at] == 0)
+            block = block_of[at // BLOCK_SIZE]
             ok[seg_of_block[block[odd & ~padding]]] = False
             walk_end[block[padding]] = -1
             keep = ~odd & ok[seg_of_block[block]]  # (a segment not intact is walked no more)
-            at, block, limit, after, kinds = (a[keep] for a in (at, block, limit, after, kinds))
+            at, limit, after, kinds, length = (a[keep] for a in (at, limit, after, kinds, length))
         found.append(at)
         # a run of copies of an empty MIDDLE chunk is passed in one step, not thousands (the
         # same bytes: the same CRC, and a MIDDLE after a MIDDLE continues as it did)
-        for index in np.flatnonzero((kinds == MIDDLE) & (after == at + CHUNK_HEADER_SIZE)):
-            after[index] = _after_copies(data, int(at[index]), int(limit[index]))
-        walk_end[block] = after
-        going = after + CHUNK_HEADER_SIZE <= limit
-        at, block = after[going], block[going]
+        empty = [] if length.all() else np.flatnonzero((kinds == MIDDLE) & (length == 0))
+        for index in empty:
+            start, room = int(at[index]), int(limit[index] - at[index]) // CHUNK_HEADER_SIZE
+            rows = data[start : start + room * CHUNK_HEADER_SIZE].reshape(room, CHUNK_HEADER_SIZE)
+            differ = np.flatnonzero((rows != rows[0]).any(axis=1))  # where the run ends
+            after[index] = start + CHUNK_HEADER_SIZE * (int(differ[0]) if len(differ) else room)
+        if tracked:
+            walk_end[block_of[at // BLOCK_SIZE]] = after
+        live = after + CHUNK_HEADER_SIZE <= limit
+        at, limit = after[live], limit[live]
     # a log that ends inside a block: its last chunk must end there
     short = np.flatnonzero(ended & (ends % BLOCK_SIZE > 0) & (nblocks > 0))
     ok[short[walk_end[(firsts + nblocks - 1)[short]] != ends[short]]] = False
     chunks = np.sort(np.concatenate(found)) if found else np.empty(0, np.int64)
-    seg = seg_of_block[np.searchsorted(block_starts, chunks, "right") - 1]
+    seg = seg_of_block[block_of[chunks // BLOCK_SIZE]]
     chunks, seg = chunks[ok[seg]], seg[ok[seg]]
     begins = chunks + CHUNK_HEADER_SIZE
     stops = begins + u16[chunks + 4]
@@ -307,22 +309,20 @@ def walk_segments(
     # each chunk continues a record (MIDDLE, LAST) exactly when one is open before it
     opened = np.empty(len(chunks), bool)
     opened[1:] = (kinds[:-1] == FIRST) | (kinds[:-1] == MIDDLE)
-    heads = np.flatnonzero(np.diff(seg, prepend=-1))  # each segment's first chunk
+    heads = _run_starts(seg)  # each segment's first chunk
     opened[heads] = [bool(partials[i]) for i in seg[heads].tolist()]
     ok[seg[((kinds == MIDDLE) | (kinds == LAST)) != opened]] = False
     # a piece of a record that spans blocks completes here when a LAST of its segment follows
     full = kinds == FULL
-    spanning = np.flatnonzero(~full & ok[seg])
-    span_seg = seg[spanning]
-    lasts = np.flatnonzero(np.append(kinds[spanning] == LAST, True))  # (and one past them)
-    following = lasts[np.searchsorted(lasts, np.arange(len(spanning)))]
+    spans = np.flatnonzero(~full & ok[seg])
+    span_seg = seg[spans]
+    lasts = np.flatnonzero(np.append(kinds[spans] == LAST, True))  # (and one past them)
+    following = lasts[np.searchsorted(lasts, np.arange(len(spans)))]
     done = np.append(span_seg, -1)[following] == span_seg
-    sizes = stops[spanning] - begins[spanning]
-    piece_at, piece_end = begins[spanning].tolist(), stops[spanning].tolist()
-    pieces = list(map(view.__getitem__, map(slice, piece_at, piece_end)))
-    new_partials = list(partials)
-    parts: list[bytes | memoryview] = []  # the joined records' pieces, in order
-    bounds = [*np.flatnonzero(np.diff(span_seg, prepend=-1)).tolist(), len(spanning)]
+    sizes = stops[spans] - begins[spans]
+    pieces = list(map(view.__getitem__, map(slice, begins[spans].tolist(), stops[spans].tolist())))
+    new_partials, parts = list(partials), []  # (parts: the joined records' pieces, in order)
+    bounds = [*_run_starts(span_seg), len(spans)]
     for first, last in zip(bounds[:-1], bounds[1:], strict=True):  # a segment's pieces
         where = int(span_seg[first])
         completes = first + int(done[first:last].sum())  # (its completed records' lead)
@@ -334,8 +334,9 @@ def walk_segments(
         new_partials[where] = carried + list(map(bytes, pieces[completes:last]))
     ok[[i for i in np.flatnonzero(ended).tolist() if new_partials[i]]] = False  # cut short
     joined = b"".join(parts)
-    closing = spanning[done][kinds[spanning[done]] == LAST]  # the last chunk of each record
-    joined_ends = len(buf) + np.cumsum(sizes[done])[kinds[spanning[done]] == LAST]
+    closes = kinds[spans[done]] == LAST
+    closing = spans[done][closes]  # the last chunk of each record
+    joined_ends = len(buf) + np.cumsum(sizes[done])[closes]
     joined_starts = np.concatenate([[len(buf)], joined_ends])[:-1]  # (back to back)
     order = np.argsort(np.concatenate([np.flatnonzero(full), closing]))  # by their last chunk
     record_seg = np.concatenate([seg[full], seg[closing]])[order]
@@ -350,18 +351,18 @@ def walk_segments(
     )
 
 
+def _run_starts(values: np.ndarray) -> list[int]:
+    """Where each run of equal values in the sorted `values` starts."""
+    if len(values) and values[0] == values[-1]:  # one run (always so for one log)
+        return [0]
+    changes = np.concatenate([[True], values[1:] != values[:-1]])[: len(values)]
+    return np.flatnonzero(changes).tolist()
+
+
 def _walk_blocks(buf: bytes, pos: int, stop: int, partial: list[bytes]) -> Walked | None:
     """`walk_segments` of one read's whole blocks `buf[pos:stop]`; None unless intact."""
     walked = walk_segments(buf, [pos], [stop], [partial])
     return walked if walked.ok[0] else None
-
-
-def _after_copies(data: np.ndarray, start: int, limit: int) -> int:
-    """Where the run of byte-identical copies of the empty chunk at `start` ends (by `limit`)."""
-    count = (limit - start) // CHUNK_HEADER_SIZE
-    rows = data[start : start + count * CHUNK_HEADER_SIZE].reshape(count, CHUNK_HEADER_SIZE)
-    differ = np.flatnonzero((rows != rows[0]).any(axis=1))
-    return start + CHUNK_HEADER_SIZE * (int(differ[0]) if len(differ) else count)
 
 
 def read_head(stream: BinaryIO, blocks: int) -> tuple[list[bytes], bytes | None] | None:
