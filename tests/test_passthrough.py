@@ -7,9 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge import synthetic
+from wbmerge.cli import main
 from wbmerge.pipeline import MergeRequest, merge_jobs
 from wbmerge.topology import RankInfo
 from wbmerge.txlog import BLOCK_SIZE, LogWriter, ReadReport, read_payloads
@@ -150,3 +152,31 @@ def test_old_wandb_rows_without_a_step_field_take_their_step_from_step_items(tmp
         "1.1",
         "1.2",
     ]
+
+
+@pytest.mark.parametrize("run_mode", ["new", "shared"])
+def test_a_restart_moved_past_the_largest_step_is_one_line_and_exit_2(tmp_path, run_mode):
+    """Restart 1 logs steps 0 and 2**63 - 1 after restart 0's step 5: moved by 6, the last
+    would pass the largest step a record holds. It used to wrap to a negative step, staged
+    in silence; it is bad input, and nothing is left staged."""
+    root = tmp_path / "job"
+    for restart, steps in ((0, [5]), (1, [0, 2**63 - 1])):
+        info = RankInfo(0, 0, 1, 1, 0, restart=restart, job_id="far")
+        with rank_log(root, info, f"far{restart}", "p") as writer:
+            for step in steps:
+                record = pb.Record()
+                item = record.history.item.add()
+                item.key, item.value_json = "loss", "1.5"
+                record.history.step.num = step
+                writer.write(record.SerializeToString())
+            record = pb.Record()
+            record.exit.exit_code = 0
+            writer.write(record.SerializeToString())
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        main, ["merge", str(root), "--run-mode", run_mode, "--out", str(out)]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("wbmerge: error: a restart's step 9223372036854775807")
+    assert not list(out.glob("*/*.wandb"))

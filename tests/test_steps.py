@@ -1,9 +1,11 @@
 """Steps continue across elastic restarts the same way row by row and a read at a time."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from wbmerge.errors import WbmergeError
 from wbmerge.steps import Steps
 
 
@@ -43,3 +45,30 @@ def test_a_restart_that_repeats_steps_is_shifted_whole():
     steps.restart()  # logs from step 1 again: every row of it moves by 3
     assert steps.shifted(np.array([1, 2])).tolist() == [4, 5]
     assert steps.shifted(np.array([2, 9])).tolist() == [5, 12]
+
+
+LARGEST = 2**63 - 1  # a W&B step is a 64-bit integer
+
+
+def test_a_restart_moved_past_the_largest_step_is_an_error_not_a_wrap():
+    """Restart 1 logs steps 0 and 2**63 - 1 after step 5: moved by 6, its last row would
+    pass the largest step; numpy's int64 would wrap it to a negative step in silence."""
+    for place in (Steps.shifted, Steps.place_rows):
+        steps = Steps()
+        steps.restart()
+        place(steps, np.array([5]))
+        steps.restart()
+        with pytest.raises(WbmergeError, match="64-bit"):
+            place(steps, np.array([0, LARGEST]))
+
+
+def test_a_restart_from_far_below_zero_is_moved_exactly():
+    """A restart whose first step is -2**63 moves by 2**63 or more, more than an int64
+    holds, though every step it moves to fits: after step 7 it goes on at 8, as the first
+    restart at 0."""
+    for before, want in (([7], [8, 12]), ([], [0, 4])):
+        steps = Steps()
+        steps.restart()
+        steps.shifted(np.array(before, np.int64))
+        steps.restart()
+        assert steps.shifted(np.array([-(2**63), -(2**63) + 4])).tolist() == want

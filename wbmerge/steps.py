@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import WbmergeError
 from .proto import pb
 
 # W&B's own keys: never labelled; in a merged row and summary they are the primary's
 RESERVED = ("_step", "_runtime", "_timestamp", "_wandb")
+# A record's step is a 64-bit integer: a moved step past this would wrap around in numpy.
+_LARGEST_STEP = 2**63 - 1
 
 
 class Steps:
@@ -35,12 +38,23 @@ class Steps:
         return step
 
     def shifted(self, steps: np.ndarray) -> np.ndarray:
-        """`place` of each step in turn, every row kept (as a pass-through keeps them)."""
+        """`place` of each step in turn, every row kept (as a pass-through keeps them). A
+        row moved past the largest step a record holds is bad input (`WbmergeError`), not a
+        step wrapped around to a negative one."""
         if not len(steps):
             return steps
         if self._shift is None:
             self._shift = max(0, self.last + 1 - int(steps[0]))
-        placed = steps + self._shift
+        shift = self._shift
+        if int(steps.max()) + shift > _LARGEST_STEP:
+            raise WbmergeError(
+                f"a restart's step {int(steps.max())}, moved by {shift} to go on after the "
+                "restarts before it, leaves the 64-bit range of W&B's steps"
+            )
+        if shift > _LARGEST_STEP:  # (a first step far below zero) exact in Python's integers
+            placed = np.array([step + shift for step in steps.tolist()], np.int64)
+        else:
+            placed = steps + shift
         self.last = max(self.last, int(placed.max()))
         return placed
 
