@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 
 import numpy as np
 import pytest
@@ -152,6 +153,19 @@ def test_sparse_and_full_batches_agree_with_the_reference():
     sparse = [(s, r, r, float(rng.normal())) for s in range(0, 600, 7) for r in range(16)]
     for entries in (full, sparse, full + sparse):
         assert_matches(computed(entries), reference(entries))
+
+
+def test_numbers_whose_sum_overflows_warn_nothing():
+    """Two ranks logging 1e308 overflow the sum behind the mean: numpy's RuntimeWarning
+    would print two stray lines on the user's stderr (with --skew-metrics too, whose spread
+    comes from these statistics). In a full grid and in a sparse batch (the sorted way)."""
+    full = [(0, 0, rank, 1e308) for rank in range(2)]
+    sparse = full + [(step, 0, step, 1.0) for step in range(2, 12)]  # a grid mostly empty
+    for entries in (full, sparse):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            stats = across_ranks(*(np.array(column) for column in zip(*entries, strict=True)))
+        assert (stats.count[0], stats.min[0], stats.max[0]) == (2, 1e308, 1e308)
 
 
 # -- properties ----------------------------------------------------------------------------

@@ -212,7 +212,7 @@ def _grid_stats(rows: int, cols: int, cell: np.ndarray, value: np.ndarray) -> tu
     numbers = number.sum(1)
     any_nan = nan.any(1)
     first_nan = np.argmax(nan, 1)
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):  # (a sum past 1.8e308 is infinite)
         low = np.where(number, grid, np.inf).min(1)
         high = np.where(number, grid, -np.inf).max(1)
         total = np.where(present, grid, 0.0).sum(1)
@@ -239,7 +239,7 @@ def _sorted_stats(row: np.ndarray, column: np.ndarray, value: np.ndarray) -> tup
     run_start = np.maximum.accumulate(
         np.where(np.concatenate([[False], same]), 0, np.arange(len(row)))
     )
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):  # (a sum past 1.8e308 is infinite)
         mean = np.add.reduceat(value, starts) / count
     median = _middle(value, starts, count)
     top = run_start[ends - 1]
