@@ -226,7 +226,7 @@ class MergedRankStats:
 
 class MergedSpreads(MergedRankStats):
     """`--skew-metrics`: `wbmerge/spread/{key}` of every one-level user key at each step,
-    (max - min) / |median| over the ranks' finite values (`spread`), where it is defined
+    (max - min) / |median| over the ranks' finite values (`spread.spread_of`), where it is defined
     (two values or more, a median not zero). Not in the summary."""
 
     statistics = ("spread",)

@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import records
 from ..plan import Source, Target
-from ..records import KIND_NAMES, record_kind
+from ..records import record_kind
 from ..stagefiles import files_record
 from ..steps import Steps, restep
 from ..txlog import BLOCK_SIZE, LogWriter, ReadReport, read_head
@@ -63,7 +63,7 @@ def write_passthrough(
                 writer.write_many(frames.data, starts[done:at], ends[done:at])
                 done = at + 1
                 payload = frames.payload(at)
-                kind = KIND_NAMES[codes[at]]
+                kind = read.kind(at)
                 if kind == "run":
                     if index == 0:
                         writer.write(rewrite_run(payload, target, options))

@@ -22,7 +22,7 @@ from ..plan import Source, Target
 from ..proto import pb
 from ..rankstats import PerRank, bound_notice
 from ..rankstats_merge import MergedRankStats, MergedSpreads
-from ..records import KIND_NAMES, record_kind
+from ..records import record_kind
 from ..stagefiles import files_record
 from ..steps import RESERVED, Steps
 from ..streaming import allow_open_files
@@ -209,7 +209,7 @@ class SharedMerge:
                 at_row = np.searchsorted(history[h_lo:h_hi], others)
                 for record, after in zip(others.tolist(), last[at_row].tolist(), strict=True):
                     event = self._other_event(
-                        frames.payload(record), KIND_NAMES[codes[record]], state, read.source,
+                        frames.payload(record), read_index.kind(record), state, read.source,
                         source, state.spool,
                     )  # fmt: skip
                     if event is not None:
