@@ -297,9 +297,8 @@ def walk_segments(
     # a log that ends inside a block: its last chunk must end there
     short = np.flatnonzero(ended & (ends % BLOCK_SIZE > 0) & (nblocks > 0))
     ok[short[walk_end[(firsts + nblocks - 1)[short]] != ends[short]]] = False
-    chunks = np.sort(np.concatenate(found)) if found else np.empty(0, np.int64)
+    chunks = np.sort(np.concatenate(found), kind="stable") if found else np.empty(0, np.int64)
     seg = seg_of_block[block_of[chunks // BLOCK_SIZE]]
-    chunks, seg = chunks[ok[seg]], seg[ok[seg]]
     begins = chunks + CHUNK_HEADER_SIZE
     stops = begins + u16[chunks + 4]
     kinds = data[chunks + _TYPE_AT]
@@ -338,9 +337,9 @@ def walk_segments(
     closing = spans[done][closes]  # the last chunk of each record
     joined_ends = len(buf) + np.cumsum(sizes[done])[closes]
     joined_starts = np.concatenate([[len(buf)], joined_ends])[:-1]  # (back to back)
-    order = np.argsort(np.concatenate([np.flatnonzero(full), closing]))  # by their last chunk
+    order = np.argsort(np.concatenate([np.flatnonzero(full), closing]), kind="stable")
     record_seg = np.concatenate([seg[full], seg[closing]])[order]
-    keep = ok[record_seg]
+    keep = slice(None) if ok.all() else ok[record_seg]  # (the records of intact segments)
     return Walked(
         joined,
         np.concatenate([begins[full], joined_starts])[order][keep],
