@@ -3,6 +3,7 @@
     python bench/bench_sync_e2e.py                      # 8, 64, 256 ranks; 32k rows each job
     python bench/bench_sync_e2e.py --rows 64000 --repeat 5
     python bench/bench_sync_e2e.py --before /path/to/an/older/checkout   # adds its variants
+    python bench/bench_sync_e2e.py --ranks 64 --repeat 1 --modes new     # a quick look
 
 Three synthetic jobs of 8, 64 and 256 ranks hold the same rows in all (`--rows`, 20 metrics
 a row). Each is uploaded, every repeat, to a fresh project of one local sink by
@@ -94,11 +95,13 @@ def run_once(variant: str, ranks: int, job: Path, repeat: int, env: dict, work: 
     return seconds
 
 
-def table(times: dict[tuple[str, int], list[float]], variants: list[str]) -> str:
+def table(
+    times: dict[tuple[str, int], list[float]], variants: list[str], ranks_of: list[int]
+) -> str:
     lines = ["| ranks | " + " | ".join(f"{v} s" for v in variants) + " | "
              + " | ".join(f"{v} / plain" for v in variants if v != "plain") + " |"]  # fmt: skip
     lines.append("|" + " --- |" * (1 + 2 * len(variants) - 1))
-    for ranks in RANKS:
+    for ranks in ranks_of:
         medians = {v: statistics.median(times[v, ranks]) for v in variants}
         cells = [f"{medians[v]:.2f}" for v in variants]
         cells += [f"{medians[v] / medians['plain']:.2f}" for v in variants if v != "plain"]
@@ -111,14 +114,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32_000, help="history rows of each job")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--before", type=Path, help="another wbmerge tree to compare with")
+    parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS),
+                        help="the jobs' rank counts (default: 8 64 256)")  # fmt: skip
+    parser.add_argument("--modes", nargs="+", default=["new", "shared"], choices=["new", "shared"],
+                        help="the wbmerge run modes to run beside plain")  # fmt: skip
     args = parser.parse_args()
-    variants = ["plain", "new", "shared"]
+    variants = ["plain", *args.modes]
     if args.before:
-        variants += ["new@before", "shared@before"]
+        variants += [f"{mode}@before" for mode in args.modes]
     with tempfile.TemporaryDirectory(prefix="wbmerge-bench-e2e-") as tmp:
         work = Path(tmp)
         jobs = {}
-        for ranks in RANKS:
+        for ranks in args.ranks:
             jobs[ranks] = work / f"job-{ranks}"
             synthetic.write_job(jobs[ranks], max(1, ranks // 8), min(ranks, 8), args.rows // ranks,
                                 metrics=20, job_id=f"bench-{ranks}")  # fmt: skip
@@ -131,7 +138,7 @@ def main() -> None:
         times: dict[tuple[str, int], list[float]] = {}
         try:
             for repeat in range(args.repeat):
-                for ranks in RANKS:
+                for ranks in args.ranks:
                     shift = repeat % len(variants)  # each variant goes first in turn
                     for variant in variants[shift:] + variants[:shift]:
                         seconds = run_once(variant, ranks, jobs[ranks], repeat, env, work,
@@ -143,7 +150,7 @@ def main() -> None:
             sink.terminate()
             sink.wait(timeout=30)
     print(f"\nmedian of {args.repeat}, {args.rows} rows per job, 20 metrics a row:\n")
-    print(table(times, variants))
+    print(table(times, variants, args.ranks))
 
 
 if __name__ == "__main__":
