@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from wbmerge.pipeline import MergeRequest, UploadFailed, sync
-from wbmerge.upload import PATIENCE, START_COST, batch_size
+from wbmerge.upload import PATIENCE, START_COST, batch_lanes, batch_size
 
 from .conftest import job_dir
 from .test_sync import assert_shared, sources_of
@@ -26,10 +26,12 @@ WAIT = 60  # seconds a callback waits for the other side; the overlap needs far 
 # -- how runs are shared out between `wandb sync` processes (pure) -------------------------
 
 
-def test_a_lone_ready_run_waits_briefly_for_more_to_fill_the_slots():
+def test_ready_runs_wait_while_staging_keeps_up_and_go_once_it_stalls():
     assert batch_size(ready=1, coming=7, uploading=0, free=8, parallel=8, waited=0.0) == 0
     assert batch_size(ready=1, coming=7, uploading=0, free=8, parallel=8, waited=PATIENCE) == 1
-    assert batch_size(ready=8, coming=56, uploading=0, free=8, parallel=8, waited=0.0) == 8
+    # enough to fill the slots, but more are still coming fast: one process for more of them
+    assert batch_size(ready=8, coming=56, uploading=0, free=8, parallel=8, waited=0.0) == 0
+    assert batch_size(ready=8, coming=56, uploading=0, free=8, parallel=8, waited=PATIENCE) == 8
 
 
 def test_the_last_runs_go_at_once():
@@ -42,19 +44,40 @@ def test_no_batch_without_a_ready_run_or_a_free_slot():
     assert batch_size(ready=9, coming=0, uploading=8, free=0, parallel=8, waited=9.0) == 0
 
 
-def test_while_others_upload_a_batch_waits_for_half_the_slots_or_a_starts_worth():
-    assert batch_size(ready=50, coming=0, uploading=60, free=3, parallel=8, waited=9.0) == 0
-    slow = dict(ready=50, coming=0, uploading=60, free=3, parallel=8, waited=9.0)
+def test_while_others_upload_a_batch_waits_for_its_part_half_the_slots_or_a_starts_worth():
+    # 50 of the 60 runs left are ready: their part is 8 * 50 // 60 = 6 slots, 3 are free
+    slow = dict(ready=50, coming=0, uploading=10, free=3, parallel=8, waited=9.0)
+    assert batch_size(**slow) == 0
     assert batch_size(**slow, idle=START_COST - 0.1) == 0
-    assert batch_size(**slow, idle=START_COST) == 42  # 3/8 of the 110 runs left
+    assert batch_size(**slow, idle=START_COST) == 23  # 3/8 of the 60 runs left, rounded up
+    # 50 of 110 left: their part, 8 * 50 // 110 = 3 slots, is free: 3/8 of 110, rounded up
+    assert batch_size(ready=50, coming=0, uploading=60, free=3, parallel=8, waited=9.0) == 42
     # 4 of 8 slots free: its part of the 150 runs left (50 ready, 100 in other batches) is half
     assert batch_size(ready=50, coming=0, uploading=100, free=4, parallel=8, waited=9.0) == 50
     assert batch_size(ready=200, coming=0, uploading=100, free=4, parallel=8, waited=9.0) == 150
 
 
+def test_the_slots_an_early_batch_left_free_are_taken_at_once():
+    # an early batch took 6 slots for its 48 runs; the last 16 have their 8 * 16 // 64 = 2
+    assert batch_size(ready=16, coming=0, uploading=48, free=2, parallel=8, waited=0.0) == 16
+
+
 def test_a_batch_takes_at_least_its_free_slots_worth():
     assert batch_size(ready=9, coming=0, uploading=4, free=4, parallel=8, waited=0.0) == 7
     assert batch_size(ready=3, coming=0, uploading=4, free=4, parallel=8, waited=0.0) == 3
+
+
+def test_a_batch_takes_every_free_slot_it_can_use_when_nothing_more_is_coming():
+    assert batch_lanes(runs=64, coming=0, uploading=0, free=8, parallel=8) == 8
+    assert batch_lanes(runs=3, coming=0, uploading=0, free=8, parallel=8) == 3
+    assert batch_lanes(runs=16, coming=0, uploading=48, free=2, parallel=8) == 2
+
+
+def test_an_early_batch_takes_only_its_part_of_the_slots():
+    assert batch_lanes(runs=48, coming=16, uploading=0, free=8, parallel=8) == 6  # 8 * 48 // 64
+    assert batch_lanes(runs=3, coming=1, uploading=0, free=4, parallel=4) == 3  # 4 * 3 // 4
+    assert batch_lanes(runs=1, coming=63, uploading=0, free=8, parallel=8) == 1  # at least one
+    assert batch_lanes(runs=8, coming=8, uploading=16, free=3, parallel=8) == 2  # 8 * 8 // 32
 
 
 # -- end to end, through `sync` -------------------------------------------------------------

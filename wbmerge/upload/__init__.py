@@ -24,6 +24,7 @@ from .deliver import (
     DeliveryReport,
     Progress,
     UploadSlots,
+    batch_lanes,
     batch_size,
 )
 from .ledger import Ledger, run_locks, state_dir
@@ -52,6 +53,7 @@ __all__ = [
     "ServerError",
     "StagedContent",
     "UploadSlots",
+    "batch_lanes",
     "batch_size",
     "clean_stale",
     "find_credentials",

@@ -59,23 +59,40 @@ def batch_size(
 
     `coming`: runs of this delivery not staged yet; `uploading`: its runs in batches that
     have not finished them; `free`: upload slots free of `parallel` (the others may be
-    another job's); `waited`: seconds the oldest ready run has waited; `idle`: seconds
-    slots have been free. A batch starts when it can fill the free slots (or has waited
-    `PATIENCE` for them to fill), and, while other uploads run, once half the slots are
-    free or slots have been idle for as long as a `wandb sync` takes to start: so the
-    processes stay few, and no slot idles longer than a start would cost. It takes its
-    share of the runs left, `free / parallel` of them, so that batches side by side end
-    together.
+    another job's); `waited`: seconds since the last run became ready; `idle`: seconds
+    slots have been free. Every process costs a start (`START_COST`) and CPU, so runs are
+    gathered: while more are coming, a batch starts only once staging has stalled, no run
+    having become ready for `PATIENCE` (staging that keeps up goes out in one process, and
+    staging that is slow still has its first runs sent meanwhile). While other uploads run, a batch
+    starts once it has its part of the slots (in proportion to the runs left), half the
+    slots, or slots have idled for as long as a start takes. It takes its share of the
+    runs left, `free / parallel` of them, so that batches side by side end together.
     """
     left = ready + coming
     if not ready or not free:
         return 0
-    if ready < min(free, left) and waited < PATIENCE:
+    if coming and waited < PATIENCE:
         return 0
-    if free < parallel and free < min(math.ceil(parallel / 2), left) and idle < START_COST:
+    part = parallel * left // (left + uploading)  # its slots in proportion to the runs left
+    if free < parallel and free < min(math.ceil(parallel / 2), left, part) and idle < START_COST:
         return 0
     share = math.ceil((left + uploading) * free / parallel)
     return min(ready, max(free, share))
+
+
+def batch_lanes(runs: int, coming: int, uploading: int, free: int, parallel: int) -> int:
+    """How many of the `free` slots a new batch of `runs` takes (its `wandb sync -n`).
+
+    With nothing more coming, every free slot it can use. While runs are still coming, an
+    early batch takes only its part, in proportion to its runs among all not yet finished
+    (at least one): the slots left are there for the batch of the runs still being staged,
+    which then starts at once instead of waiting for this one to end.
+    """
+    lanes = min(runs, free)
+    if coming:
+        part = parallel * runs // (runs + coming + uploading)
+        lanes = min(lanes, max(1, part))
+    return lanes
 
 
 class UploadSlots:
@@ -305,12 +322,13 @@ class Deliverer:
         if self.given_up or not self._ready:
             return [], 0
         coming = 0 if self._sealed else max(0, self.expected - len(self.deliveries))
-        waited = time.monotonic() - self._ready[0][1]
+        waited = time.monotonic() - self._ready[-1][1]
         count = batch_size(len(self._ready), coming, len(self._uploading), self.slots.free,
                            self.slots.limit, waited, self.slots.idle)  # fmt: skip
         batch = [d for d, _ in self._ready[:count]]
         del self._ready[:count]
-        return batch, min(count, self.slots.free)
+        lanes = batch_lanes(count, coming, len(self._uploading), self.slots.free, self.slots.limit)
+        return batch, lanes
 
     def _upload(self, batch: list[Delivery], lanes: int, number: int) -> None:
         """One `wandb sync` of `batch` with `lanes` runs at a time; verifies each as it ends."""
