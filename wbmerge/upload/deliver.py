@@ -196,6 +196,7 @@ class Deliverer:
         self.expected, self.remove_verified = expected, remove_verified
         self.progress = progress or (lambda p: None)
         self.lock = self.slots.changed  # one lock for the slots and all state below
+        self._counting = threading.Lock()  # one thread at a time counts a staged log
         self.deliveries: list[Delivery] = []
         self._ready: list[tuple[Delivery, float]] = []  # with the time it became ready
         self._uploading: dict[str, Delivery] = {}  # in a batch, not yet finished
@@ -213,10 +214,16 @@ class Deliverer:
     # -- the producer's side ----------------------------------------------------------------
 
     def prepare(self, delivery: Delivery) -> None:
-        """Cut the staged log down to what the server lacks (raises Mismatch, ServerError)."""
-        delivery.content = read_staged(delivery.log)
+        """Cut the staged log down to what the server lacks (raises Mismatch, ServerError).
+
+        What the staged log holds is counted here only when the server holds rows of the
+        run already (to cut them off); otherwise the whole log goes, and it is counted
+        while its upload starts (`_read_contents`), for the check after it."""
         held = self.client.held(self.entity, self.project, delivery.run_id)
-        plan = remainder(delivery.content, held, lambda index: history_row(delivery.log, index))
+        if not (held.exists and held.history_lines):
+            return
+        content = self._content(delivery)
+        plan = remainder(content, held, lambda index: history_row(delivery.log, index))
         if plan.resends:
             cut = delivery.log.with_name(delivery.log.name + ".remainder")
             write_remainder(delivery.log, cut, plan)
@@ -367,6 +374,7 @@ class Deliverer:
                 return self._probe([d for d in batch if d.run_id in self._uploading])
 
             probe_every = max(2.0, 0.25 * len(batch))  # at most ~4 queries a second
+            threading.Thread(target=self._read_contents, args=(batch,), daemon=True).start()
             outcome = uploader.run([d.run_dir for d in batch], finished, probe, probe_every)
             with self.lock:
                 self._entity_seen = self._entity_seen or outcome.entity
@@ -396,9 +404,27 @@ class Deliverer:
             with self.lock:
                 self.slots.give_back(holding[0])
 
+    def _content(self, delivery: Delivery) -> StagedContent:
+        """What the staged log of `delivery` holds, counted once (by whichever thread asks first)."""
+        with self._counting:
+            if delivery.content is None:
+                delivery.content = read_staged(delivery.log)
+            return delivery.content
+
+    def _read_contents(self, batch: list[Delivery]) -> None:
+        """Count the staged logs of a batch while its `wandb sync` starts (a start is mostly
+        waiting here), so that each run is checked as soon as it is sent."""
+        for delivery in batch:
+            if self.given_up:
+                return
+            try:
+                self._content(delivery)
+            except OSError:
+                return  # (said by `_verify`, which counts again in the thread that reports)
+
     def _verify(self, delivery: Delivery, errors: list[str], ledger: Ledger) -> None:
         """Read back what the server holds; record the run only when nothing is missing."""
-        assert delivery.content is not None
+        content = self._content(delivery)
         try:
             held = self.client.held(self.entity, self.project, delivery.run_id)
         except ServerError as exc:
@@ -406,7 +432,7 @@ class Deliverer:
             return
         with self.lock:
             self._rows[delivery.run_id] = held.history_lines
-        problems = shortfall(delivery.content, held) + list(dict.fromkeys(errors))
+        problems = shortfall(content, held) + list(dict.fromkeys(errors))
         if problems:
             delivery.problems.extend(problems)
             return
@@ -418,12 +444,11 @@ class Deliverer:
 
     def _said(self, delivery: Delivery) -> None:
         """Tell the progress callback that a run ended, verified or not."""
-        assert delivery.content is not None
         with self.lock:
             self._done += delivery.verified
             done, rows = self._done, sum(self._rows.values())
         message = (
-            f"verified {delivery.run_id}: {len(delivery.content.history_steps)} rows"
+            f"verified {delivery.run_id}: {len(self._content(delivery).history_steps)} rows"
             if delivery.verified
             else f"incomplete {delivery.run_id}: {'; '.join(delivery.problems)}"
         )
