@@ -21,18 +21,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .discover import OfflineRun
 from .discover import discover as _discover_runs
-from .export import ExportResult
-from .export import export as _export
 from .hints import make_hints
-from .inspect import inspect_runs
 from .pipeline import MergeRequest, PlannedJob, SyncReport, merge_jobs, plan_jobs
 from .pipeline import sync as _sync
-from .report import JobReport
-from .report import report as _report
+
+if TYPE_CHECKING:  # (imported where used: `sync` starts faster without them)
+    from .export import ExportResult
+    from .report import JobReport
 
 Paths = Sequence[str | Path]
 
@@ -78,6 +77,8 @@ def inspect(
     paths: Paths, *, label_pattern: str | None = None, ranks_file: str | Path | None = None
 ) -> list[dict[str, Any]]:
     """What `wbmerge inspect --json` prints: a dict per run, after a full read of each."""
+    from .inspect import inspect_runs
+
     return inspect_runs(paths, make_hints(label_pattern, ranks_file))
 
 
@@ -181,6 +182,8 @@ def export(
 ) -> ExportResult:
     """Write every rank's history and system metrics under `paths` to the Parquet file `out`:
     a value per row (long), or with `wide` a row per rank and step."""
+    from .export import export as _export
+
     return _export(paths, out, job=job, wide=wide, hints=make_hints(label_pattern, ranks_file))
 
 
@@ -197,4 +200,6 @@ def report(
     how much; `metrics` narrows the keys (default: the ones that tell most). `rank_stats`
     adds each history metric's statistics across ranks at its last step."""
     hints = make_hints(label_pattern, ranks_file)
+    from .report import report as _report
+
     return _report(paths, metrics, job, hints=hints, rank_stats=rank_stats)
