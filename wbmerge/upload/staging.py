@@ -15,6 +15,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 PREFIX = "wbmerge-staging-"
@@ -89,13 +90,51 @@ def clean_stale(parent: Path | None = None) -> list[Path]:
             continue  # not ours to judge: no owner file we wrote
         if _alive(pid, owner.get("started")):
             continue
+        orphans = set(_working_in(path))  # wandb-core too, if it started after the record
         for entry in owner.get("uploader") or []:
             pid, started = entry if isinstance(entry, list) and len(entry) == 2 else (0, None)
             if isinstance(pid, int) and pid > 1 and started and _start_time(pid) == started:
-                try:
-                    os.kill(pid, signal.SIGKILL)  # an orphan of the dead owner, still sending
-                except (ProcessLookupError, PermissionError):
-                    pass
+                orphans.add(pid)
+        for pid in orphans:
+            try:
+                os.kill(pid, signal.SIGKILL)  # an orphan of the dead owner, still sending
+            except (ProcessLookupError, PermissionError):
+                pass
+        _wait_gone(orphans)
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
+
+
+def _working_in(path: Path) -> list[int]:
+    """Processes (other than this one) whose working directory lies in `path`: a dead
+    owner's uploaders, which run there, with the wandb-core each started."""
+    found = []
+    root = path.resolve()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cwd = proc.joinpath("cwd").readlink()
+        except OSError:
+            continue  # gone, or not ours to look at
+        if int(proc.name) != os.getpid() and cwd.is_relative_to(root):
+            found.append(int(proc.name))
+    return found
+
+
+def _wait_gone(pids: set[int], patience: float = 5.0) -> None:
+    """Wait (at most `patience` seconds) until killed processes are gone, so that nothing
+    they were sending can arrive after the next sync asked the server what it holds."""
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if (_start_time(pid) or "").isdigit()]
+        if not alive or all(_state(pid) == "Z" for pid in alive):
+            return
+        time.sleep(0.02)
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (Linux), None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
