@@ -23,6 +23,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,9 @@ from .uploader import DEFAULT_TIMEOUT, Uploader
 
 PATIENCE = 0.5  # seconds a ready run waits for more, to fill the free slots with one process
 START_COST = 2.0  # seconds a `wandb sync` takes to start sending (wandb 0.31, measured)
+# Runs of one batch checked at once after their upload: one at a time, the checks of 256
+# small runs fell 2 s behind the upload (each waits on a server busy with the upload).
+VERIFIERS = 4
 _JOIN = 60.0  # seconds to wait for an uploader thread after its process was stopped
 
 
@@ -146,6 +150,8 @@ class Delivery:
     # Recorded in the ledger once verified. A live round of `sync --follow` sends runs that
     # are not done yet: verified, but not recorded, so that later rounds send the rest.
     final: bool = True
+    # held by the thread counting what the staged log holds (`content`), so it is counted once
+    counting: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
 
 @dataclass
@@ -196,7 +202,6 @@ class Deliverer:
         self.expected, self.remove_verified = expected, remove_verified
         self.progress = progress or (lambda p: None)
         self.lock = self.slots.changed  # one lock for the slots and all state below
-        self._counting = threading.Lock()  # one thread at a time counts a staged log
         self.deliveries: list[Delivery] = []
         self._ready: list[tuple[Delivery, float]] = []  # with the time it became ready
         self._uploading: dict[str, Delivery] = {}  # in a batch, not yet finished
@@ -344,13 +349,23 @@ class Deliverer:
                             owner=self.owner)  # fmt: skip
         by_id = {d.run_id: d for d in batch}
         holding = [lanes]
-        ledger: Ledger | None = None
+        ledgers: list[Ledger] = []
+        own = threading.local()
+        checks: list[Future] = []
+        checkers = ThreadPoolExecutor(VERIFIERS, thread_name_prefix="wbmerge-verify")
         try:
             with self.lock:
                 if self.given_up:  # stopped, or timed out, since the batch was made
                     return
                 self._uploaders.append(uploader)
-            ledger = Ledger(self.ledger_path)  # a connection of this thread's own
+
+            def check(delivery: Delivery, errors: list[str]) -> None:
+                if not hasattr(own, "ledger"):
+                    own.ledger = Ledger(self.ledger_path)  # a connection of this thread's own
+                    with self.lock:
+                        ledgers.append(own.ledger)
+                self._verify(delivery, errors, own.ledger)
+                self._said(delivery)
 
             def finished(run_id: str, errors: list[str] | None = None) -> None:
                 delivery = by_id.get(run_id)
@@ -359,16 +374,13 @@ class Deliverer:
                         return
                     if self._uploading.pop(run_id, None) is None:
                         return  # said twice
-                if not delivery.problems:
-                    found = uploader.errors().get(run_id, []) if errors is None else errors
-                    assert ledger is not None
-                    self._verify(delivery, found, ledger)
-                    self._said(delivery)
-                with self.lock:  # its lanes beyond its runs left are free for other batches
                     unfinished = sum(d.run_id in self._uploading for d in batch)
-                    if unfinished < holding[0]:
+                    if unfinished < holding[0]:  # lanes beyond its runs left: for other batches
                         self.slots.give_back(holding[0] - unfinished)
                         holding[0] = unfinished
+                if not delivery.problems:
+                    found = uploader.errors().get(run_id, []) if errors is None else errors
+                    checks.append(checkers.submit(check, delivery, found))
 
             def probe() -> bool:
                 return self._probe([d for d in batch if d.run_id in self._uploading])
@@ -389,6 +401,8 @@ class Deliverer:
                 if self.timed_out and delivery.run_id in self._uploading:
                     delivery.problems.append("not complete when the upload was given up")
                 finished(delivery.run_id, outcome.errors.get(delivery.run_id, []))
+            for done in checks:
+                done.result()  # (an error of a check is raised here)
         except BaseException as exc:  # said in finish(), in the thread that waits
             with self.lock:
                 self._error = self._error or exc
@@ -399,14 +413,15 @@ class Deliverer:
                     self._uploading.pop(delivery.run_id, None)
                 if uploader in self._uploaders:
                     self._uploaders.remove(uploader)
-            if ledger is not None:
+            checkers.shutdown(wait=True)
+            for ledger in ledgers:
                 ledger.close()
             with self.lock:
                 self.slots.give_back(holding[0])
 
     def _content(self, delivery: Delivery) -> StagedContent:
         """What the staged log of `delivery` holds, counted once (by whichever thread asks first)."""
-        with self._counting:
+        with delivery.counting:
             if delivery.content is None:
                 delivery.content = read_staged(delivery.log)
             return delivery.content

@@ -42,7 +42,9 @@ class Ledger:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._db = sqlite3.connect(path, timeout=60, isolation_level=None)
+        # used by one thread at a time, but may be closed by another (a batch closes the
+        # connections of its checking threads when they are done)
+        self._db = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA busy_timeout = 60000")
         self._db.execute(_SCHEMA)
 
