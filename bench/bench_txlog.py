@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from wbmerge import synthetic, txlog
+from wbmerge import records, synthetic, txlog
 from wbmerge.topology import RankInfo
 
 
@@ -63,14 +63,14 @@ def main() -> None:
             return n
 
         t_raw, _ = timed(raw_read, args.repeat)
-        t_frame, records = timed(framing, args.repeat)
+        t_frame, count = timed(framing, args.repeat)
         t_parse, _ = timed(parsing, args.repeat)
         result = {
             "file_mb": round(size / 1e6, 1),
-            "records": records,
+            "records": count,
             "raw_read_mb_s": round(size / 1e6 / t_raw),
             "framing_crc_mb_s": round(size / 1e6 / t_frame),
-            "framing_parse_records_s": round(records / t_parse),
+            "framing_parse_records_s": round(count / t_parse),
             "framing_vs_raw_read": round(t_frame / t_raw, 2),
             "repeat": args.repeat,
         }
