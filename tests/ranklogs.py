@@ -1,5 +1,6 @@
 """Small offline runs written by the tests themselves: a rank's run directory and log, its
-run record carrying the `wbmerge` block, ready for the records each test writes next."""
+run record carrying the `wbmerge` block, ready for the records each test writes next; and
+the history and exit records they write."""
 
 from __future__ import annotations
 
@@ -27,3 +28,28 @@ def rank_log(root: Path, info: RankInfo, run_id: str, project: str) -> Iterator[
         item.key, item.value_json = METADATA_KEY, json.dumps(info.to_metadata())
         writer.write(record.SerializeToString())
         yield writer
+
+
+def history_record(
+    items: list[tuple[list[str] | str, str]], step: int | None, num: int = 0
+) -> bytes:
+    """A history record: items as (nested key, or a plain key, JSON value), and a step
+    field unless `step` is None (wandb 0.16 writes none); `num` as wandb numbers records."""
+    record = pb.Record(num=num)
+    for key, value in items:
+        item = record.history.item.add()
+        if isinstance(key, str):
+            item.key = key
+        else:
+            item.nested_key.extend(key)
+        item.value_json = value
+    if step is not None:
+        record.history.step.num = step
+    return record.SerializeToString()
+
+
+def exit_record(code: int) -> bytes:
+    """The exit record wandb writes when a run ends with exit code `code`."""
+    record = pb.Record()
+    record.exit.exit_code = code
+    return record.SerializeToString()

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.discover import discover
 from wbmerge.follow import Follower, follow
@@ -26,7 +25,7 @@ from wbmerge.pipeline import MergeRequest, sync
 from wbmerge.topology import RankInfo
 
 from .conftest import job_dir
-from .ranklogs import rank_log
+from .ranklogs import exit_record, history_record, rank_log
 from .sinktools import console_text
 from .test_rank_stats_merge import over_the_bound
 
@@ -257,14 +256,8 @@ def test_a_run_synced_before_the_follow_is_final_with_its_exit_code(
     root = tmp_path / "job"
     with rank_log(root, RankInfo(0, 0, 1, 1, 0, job_id="three"), "three-0", "p") as writer:
         for step in range(3):
-            record = pb.Record()
-            item = record.history.item.add()
-            item.key, item.value_json = "loss", str(step)
-            record.history.step.num = step
-            writer.write(record.SerializeToString())
-        record = pb.Record()
-        record.exit.exit_code = 3
-        writer.write(record.SerializeToString())
+            writer.write(history_record([("loss", str(step))], step))
+        writer.write(exit_record(3))
     sink = make_sink()
     use_sink(monkeypatch, sink)
     request = MergeRequest(paths=[root], run_mode="new")

@@ -14,6 +14,8 @@ from wbmerge import items, wire
 from wbmerge.records import record_kind
 from wbmerge.txlog import read_payloads
 
+from .ranklogs import history_record
+
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "data"
 
 
@@ -247,13 +249,7 @@ def test_damaged_regions_split_exactly_or_refuse():
 
 
 def history_payload(pairs: list[tuple[str, str]], step: int) -> bytes:
-    record = pb.Record(num=step)
-    for key, value in pairs:
-        item = record.history.item.add()
-        item.nested_key.append(key)
-        item.value_json = value
-    record.history.step.num = step
-    return record.SerializeToString()
+    return history_record([([key], value) for key, value in pairs], step, num=step)
 
 
 def keys_by_code(batch: items.Items) -> list[bytes]:

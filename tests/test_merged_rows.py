@@ -18,6 +18,7 @@ from wbmerge.topology import RankInfo
 from wbmerge.txlog import read_payloads, write_payloads
 
 from . import reference_merge
+from .ranklogs import history_record
 from .test_items import history_records
 
 MERGED_KINDS = ("history", "metric", "summary")
@@ -151,13 +152,7 @@ def test_rows_of_any_items_are_labelled_as_the_reference_says(tmp_path_factory, 
 
 
 def history_payload(step: int, pairs: list[tuple[list[str], str]]) -> bytes:
-    record = pb.Record()
-    for path, value in pairs:
-        item = record.history.item.add()
-        item.nested_key.extend(path)
-        item.value_json = value
-    record.history.step.num = step
-    return record.SerializeToString()
+    return history_record(list(pairs), step)
 
 
 def test_labelled_row_decodes_to_the_labelled_keys(tmp_path):

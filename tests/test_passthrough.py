@@ -16,7 +16,7 @@ from wbmerge.pipeline import MergeRequest, merge_jobs
 from wbmerge.topology import RankInfo
 from wbmerge.txlog import BLOCK_SIZE, LogWriter, ReadReport, read_payloads
 
-from .ranklogs import rank_log
+from .ranklogs import exit_record, history_record, rank_log
 
 
 def one_rank_job(root: Path) -> Path:
@@ -132,26 +132,13 @@ def test_old_wandb_rows_without_a_step_field_take_their_step_from_step_items(tmp
         info = RankInfo(0, 0, 1, 1, 0, restart=restart, job_id="old")
         with rank_log(root, info, f"old{restart}", "p") as writer:
             for step in range(steps):
-                record = pb.Record()
-                for key, value in (("loss", f"{restart}.{step}"), ("_step", str(step))):
-                    item = record.history.item.add()
-                    item.key, item.value_json = key, value
-                writer.write(record.SerializeToString())
-            exit_record = pb.Record()
-            exit_record.exit.exit_code = 0
-            writer.write(exit_record.SerializeToString())
+                items = [("loss", f"{restart}.{step}"), ("_step", str(step))]
+                writer.write(history_record(items, step=None))
+            writer.write(exit_record(0))
     got = history_of(staged_records(stage_new(root, tmp_path / "out"))[0])
     assert [row["_step"] for _, row in got] == ["0", "1", "2", "3", "4", "5", "6", "7"]
-    assert [row["loss"] for _, row in got] == [
-        "0.0",
-        "0.1",
-        "0.2",
-        "0.3",
-        "0.4",
-        "1.0",
-        "1.1",
-        "1.2",
-    ]
+    written = ["0.0", "0.1", "0.2", "0.3", "0.4", "1.0", "1.1", "1.2"]  # restart.step
+    assert [row["loss"] for _, row in got] == written
 
 
 @pytest.mark.parametrize("run_mode", ["new", "shared"])
@@ -164,14 +151,8 @@ def test_a_restart_moved_past_the_largest_step_is_one_line_and_exit_2(tmp_path, 
         info = RankInfo(0, 0, 1, 1, 0, restart=restart, job_id="far")
         with rank_log(root, info, f"far{restart}", "p") as writer:
             for step in steps:
-                record = pb.Record()
-                item = record.history.item.add()
-                item.key, item.value_json = "loss", "1.5"
-                record.history.step.num = step
-                writer.write(record.SerializeToString())
-            record = pb.Record()
-            record.exit.exit_code = 0
-            writer.write(record.SerializeToString())
+                writer.write(history_record([("loss", "1.5")], step))
+            writer.write(exit_record(0))
     out = tmp_path / "out"
     result = CliRunner().invoke(
         main, ["merge", str(root), "--run-mode", run_mode, "--out", str(out)]

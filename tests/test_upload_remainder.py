@@ -19,6 +19,7 @@ from wbmerge.upload.remainder import (
 )
 
 from .conftest import fixture_logs, job_dir
+from .ranklogs import history_record
 from .sinktools import expected_from_log
 
 STAGED = StagedContent(history_steps=(0, 1, 2, 5, 9), events=3, console_lines=4)
@@ -129,23 +130,6 @@ def test_read_staged_and_write_remainder_on_a_real_log(tmp_path):
     assert rest.history == want.history[12:]
     assert rest.stats == want.stats and rest.console == want.console
     assert rest.summary == want.summary and rest.exit_code == want.exit_code
-
-
-def history_record(items: list[tuple[list[str] | str, str]], step: int | None) -> bytes:
-    """A history record: items as (nested key, or a plain key, JSON value), and a step field."""
-    from wbmerge.proto import pb
-
-    record = pb.Record()
-    for key, value in items:
-        item = record.history.item.add()
-        if isinstance(key, str):
-            item.key = key
-        else:
-            item.nested_key.extend(key)
-        item.value_json = value
-    if step is not None:
-        record.history.step.num = step
-    return record.SerializeToString()
 
 
 # (items, step field) -> the step the server will show: the first `_step` item, else the field
