@@ -163,22 +163,18 @@ def test_empty_and_header_only_files():
     assert got == [] and not report.damaged
 
 
-# -- the walk over whole blocks (`_walk_blocks`) reads exactly as the chunk-by-chunk loop --
+# -- the walk over whole blocks reads exactly as the chunk-by-chunk loop (`walk=False`) --
 
 
 def read_both(data: bytes, read_size: int) -> tuple:
     """(records, report) read with the array walk, and with the loop alone."""
 
-    def read(report: txlog.ReadReport) -> list[bytes]:
-        frames = txlog.iter_frames(io.BytesIO(data), report, read_size)
+    def read(report: txlog.ReadReport, walk: bool) -> list[bytes]:
+        frames = txlog.iter_frames(io.BytesIO(data), report, read_size, walk=walk)
         return [payload for f in frames for payload in f.payloads()]
 
-    walked = txlog.ReadReport()
-    got = read(walked)
-    with pytest.MonkeyPatch.context() as patched:
-        patched.setattr(txlog, "_walk_blocks", lambda *args: None)
-        looped = txlog.ReadReport()
-        want = read(looped)
+    walked, looped = txlog.ReadReport(), txlog.ReadReport()
+    got, want = read(walked, True), read(looped, False)
     return (got, walked), (want, looped)
 
 

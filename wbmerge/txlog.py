@@ -100,13 +100,17 @@ def iter_payloads(stream: BinaryIO, report: ReadReport | None = None) -> Iterato
 
 
 def iter_frames(
-    stream: BinaryIO, report: ReadReport | None = None, read_size: int = _READ_SIZE
+    stream: BinaryIO,
+    report: ReadReport | None = None,
+    read_size: int = _READ_SIZE,
+    walk: bool = True,
 ) -> Iterator[Frames]:
     """Yield every complete, CRC-valid record in `stream`, in order, a read call at a time.
 
     A corrupt chunk makes the reader skip to the next block (LevelDB semantics), dropping
     the records it interrupts; a tail that ends mid-record is reported as truncated.
     Raises `NotATransactionLog` when the stream does not start with the W&B header.
+    `walk=False`: the chunk-by-chunk loop alone, the reference the walk is tested against.
     """
     if read_size <= 0 or read_size % BLOCK_SIZE:
         raise ValueError(f"read_size must be a positive multiple of {BLOCK_SIZE}")
@@ -143,7 +147,10 @@ def iter_frames(
         whole = end - end % BLOCK_SIZE  # the blocks all here: walked as arrays
         # The walk costs a numpy step per chunk of a block, whatever the number of blocks, so
         # it pays off from a few blocks on; a read of one or two (a run's head) loops faster.
-        walked = _walk_blocks(buf, pos, whole, partial) if whole - pos >= _WALK_FROM else None
+        walked = None
+        if walk and whole - pos >= _WALK_FROM:
+            walked = walk_segments(buf, [pos], [whole], [partial])
+            walked = walked if walked.ok[0] else None  # damage: the loop below accounts for it
         if walked is not None:
             pos, partial, orphans = whole, walked.partials[0], False
             joined = [walked.joined] if walked.joined else []
@@ -358,12 +365,6 @@ def _run_starts(values: np.ndarray) -> list[int]:
     return np.flatnonzero(changes).tolist()
 
 
-def _walk_blocks(buf: bytes, pos: int, stop: int, partial: list[bytes]) -> Walked | None:
-    """`walk_segments` of one read's whole blocks `buf[pos:stop]`; None unless intact."""
-    walked = walk_segments(buf, [pos], [stop], [partial])
-    return walked if walked.ok[0] else None
-
-
 def read_head(stream: BinaryIO, blocks: int) -> tuple[list[bytes], bytes | None] | None:
     """The first `blocks` blocks of a log: their records, and the start of the record that
     goes on into the next block (None if none does). None if the log is shorter or those
@@ -372,8 +373,8 @@ def read_head(stream: BinaryIO, blocks: int) -> tuple[list[bytes], bytes | None]
     stream.seek(0)
     data = stream.read(blocks * BLOCK_SIZE)
     whole = len(data) == blocks * BLOCK_SIZE and data.startswith(FILE_HEADER)
-    walked = _walk_blocks(data, len(FILE_HEADER), len(data), []) if whole else None
-    if walked is None:
+    walked = walk_segments(data, [len(FILE_HEADER)], [len(data)], [[]]) if whole else None
+    if walked is None or not walked.ok[0]:
         return None
     frames = Frames(data + walked.joined, walked.starts, walked.ends)
     partial = walked.partials[0]
