@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
+import time
 
 import flyte.io
 import pytest
@@ -86,6 +88,35 @@ def test_a_node_hands_on_each_runs_log_and_files_once(tmp_path):
         "wandb/offline-run-1-abc/files/output.log": 2,
         "wandb/offline-run-1-abc/run-abc.wandb": 7,
     }
+
+
+def test_a_node_sizes_a_log_once_wandbs_service_has_closed_it(tmp_path):
+    """`run.finish()` returns before wandb's service writes the log's last block and closes
+    it: the size handed on is the size after that, not the one while it is still open."""
+    log = tmp_path / "wandb" / "offline-run-1-abc" / "run-abc.wandb"
+    log.parent.mkdir(parents=True)
+    log.write_bytes(b"x" * 7)
+    writer = os.open(log, os.O_WRONLY | os.O_APPEND)
+
+    def close_later():
+        time.sleep(0.5)
+        os.write(writer, b"y" * 32761)  # the last block, written on close
+        os.close(writer)
+
+    closer = threading.Thread(target=close_later)
+    closer.start()
+    try:
+        assert node_files(tmp_path) == {"wandb/offline-run-1-abc/run-abc.wandb": 32768}
+    finally:
+        closer.join()
+
+
+def test_a_node_stops_waiting_for_a_log_that_stays_open(tmp_path):
+    log = tmp_path / "wandb" / "offline-run-1-abc" / "run-abc.wandb"
+    log.parent.mkdir(parents=True)
+    log.write_bytes(b"x" * 7)
+    with open(log, "ab"):
+        assert node_files(tmp_path, patience=0.5) == {"wandb/offline-run-1-abc/run-abc.wandb": 7}
 
 
 def manifest_dir(tmp_path, manifest) -> flyte.io.Dir:

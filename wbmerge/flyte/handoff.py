@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -44,6 +45,8 @@ MANIFEST_FORMAT = 1
 RUN_FILES = "files"  # a run's folder that `wandb sync` uploads beside its log
 # How long the ranks wait for each other in the hand-off (the slowest node's upload included).
 HANDOFF_TIMEOUT = timedelta(hours=1)
+# How long a node waits for wandb's service to close the files of its finished runs.
+CLOSE_PATIENCE = 60.0
 
 
 def offline_runs() -> flyte.io.Dir:
@@ -144,16 +147,65 @@ def _all_gather(value: Any, group: Any, info: RankInfo) -> list[Any]:
     return gathered
 
 
-def node_files(runs_dir: Path) -> dict[str, int]:
+def node_files(runs_dir: Path, patience: float = CLOSE_PATIENCE) -> dict[str, int]:
     """The files of a node's runs that the merge reads, relative to the node's folder, with
     their sizes: each run's `run-*.wandb` log and its `files/` folder. Not its `logs/`, which
     wandb's service goes on writing until the process ends, nor wandb's `latest-run` link,
-    which would hand every latest run on twice."""
-    files: dict[str, int] = {}
-    for run_dir in _run_dirs(runs_dir):
-        for path in _handed_on(run_dir):
-            files[path.relative_to(runs_dir).as_posix()] = path.stat().st_size
-    return files
+    which would hand every latest run on twice.
+
+    The sizes are taken once wandb's service has closed the files (see `wait_closed`)."""
+    paths = [path for run_dir in _run_dirs(runs_dir) for path in _handed_on(run_dir)]
+    wait_closed(paths, patience)
+    return {path.relative_to(runs_dir).as_posix(): path.stat().st_size for path in paths}
+
+
+def wait_closed(paths: list[Path], patience: float = CLOSE_PATIENCE) -> None:
+    """Wait (at most `patience` seconds) until no process holds any of `paths` open for
+    writing and their sizes stand still.
+
+    `run.finish()` returns before wandb's service has closed the run's log, and the service
+    writes the log's last buffered block when it closes it: a size taken before that is not
+    the size that arrives. Open files are seen in `/proc` (Linux); elsewhere only the sizes
+    are watched."""
+    wanted = {_identity(path) for path in paths} - {None}
+    deadline = time.monotonic() + patience
+    sizes = None
+    while time.monotonic() < deadline:
+        now = [_size(path) for path in paths]
+        if now == sizes and not _open_for_writing(wanted):
+            return
+        sizes = now
+        time.sleep(0.1)
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def _open_for_writing(files: set[tuple[int, int]]) -> bool:
+    """Whether a process (that this one may look at) has one of `files` open for writing."""
+    for fd in Path("/proc").glob("[0-9]*/fd/[0-9]*"):
+        try:
+            if _identity(fd) not in files:  # stat() of an fd link is the open file's
+                continue
+            flags = fd.parent.parent.joinpath("fdinfo", fd.name).read_text()
+        except OSError:
+            continue  # gone meanwhile, or not ours to look at
+        mode = int(flags.split("flags:", 1)[1].split()[0], 8) & os.O_ACCMODE
+        if mode in (os.O_WRONLY, os.O_RDWR):
+            return True
+    return False
 
 
 def _run_dirs(runs_dir: Path) -> list[Path]:
