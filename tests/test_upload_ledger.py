@@ -1,16 +1,36 @@
-"""The ledger under concurrent writers, the per-run locks, and stale staging of dead syncs."""
+"""The ledger under concurrent writers, the per-run locks, stale staging of dead syncs, and
+the wait after a stopped upload."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from wbmerge.upload import Ledger, clean_stale, make_staging, run_locks
+import pytest
+
+from wbmerge.upload import (
+    SETTLE,
+    Ledger,
+    clean_stale,
+    last_stop,
+    make_staging,
+    note_stopped,
+    run_locks,
+    wait_settled,
+)
+
+
+@pytest.fixture(autouse=True)
+def state(tmp_path, monkeypatch):
+    """wbmerge's state directory of each test, so that stops it notes stay its own."""
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path / "state"
 
 
 def _record_many(path: str, writer: int) -> None:
@@ -68,8 +88,13 @@ def test_stale_staging_of_dead_owners_is_removed(tmp_path):
     alive = make_staging(tmp_path)  # ours, and we are alive
     foreign = tmp_path / "wbmerge-staging-not-ours"  # no owner record: not ours to judge
     foreign.mkdir()
+    written = time.time() - 3600
+    os.utime(dead / "runs", (written, written))
+    os.utime(dead / "owner.json", (written, written))
     assert clean_stale(tmp_path) == [dead]
     assert not dead.exists() and alive.exists() and foreign.exists()
+    # it died an hour ago, as its files say: nothing it sent can still be landing
+    assert abs(last_stop() - written) < 1 and wait_settled() == 0
 
 
 def test_an_orphaned_uploader_of_a_dead_owner_is_stopped(tmp_path):
@@ -81,6 +106,7 @@ def test_an_orphaned_uploader_of_a_dead_owner_is_stopped(tmp_path):
         (staging / "owner.json").write_text(json.dumps(owner))
         assert clean_stale(tmp_path) == [staging]
         assert orphan.wait(timeout=10) == -9
+        assert time.time() - last_stop() < 5  # stopped just now: the next sync waits
     finally:
         orphan.kill()
         orphan.wait(timeout=10)
@@ -108,3 +134,33 @@ def test_a_process_the_dead_owner_did_not_record_but_that_works_in_its_staging_i
         for proc in (unrecorded, elsewhere):
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_no_stop_noted_means_no_wait(state):
+    assert last_stop() == 0 and wait_settled() == 0
+
+
+def test_counts_are_read_only_once_a_stopped_uploads_requests_could_land():
+    note_stopped(time.time() - SETTLE + 0.4)
+    start = time.monotonic()
+    waited = wait_settled()
+    assert 0.2 < waited <= 0.4
+    assert time.monotonic() - start >= waited
+    assert wait_settled() == 0  # settled now
+
+
+def test_an_earlier_stop_does_not_replace_a_later_one():
+    now = time.time()
+    note_stopped(now)
+    note_stopped(now - 100)
+    assert last_stop() == now
+
+
+def test_a_stop_noted_in_the_future_waits_no_longer_than_settle(monkeypatch):
+    import wbmerge.upload.settle as settle
+
+    monkeypatch.setattr(settle, "SETTLE", 0.3)
+    note_stopped(time.time() + 3600)  # the clock was set back since
+    start = time.monotonic()
+    assert wait_settled() == 0.3
+    assert 0.3 <= time.monotonic() - start < 2

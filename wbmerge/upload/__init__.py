@@ -10,6 +10,7 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 | `uploader` | `wandb sync` under supervision: progress, timeout, stopping its process tree |
 | `ledger` | runs verified complete (SQLite) and per-run locks |
 | `staging` | staging directories that name their owner; leftovers of killed syncs removed |
+| `settle` | stopped uploads noted, so that no sync reads counts while their last requests land |
 | `deliver` | the exactly-once flow over one project's staged runs |
 """
 
@@ -30,6 +31,7 @@ from .deliver import (
 from .ledger import Ledger, run_locks, state_dir
 from .remainder import Remainder, StagedContent, read_staged, remainder, shortfall
 from .server import Held, ServerClient, ServerError
+from .settle import SETTLE, last_stop, note_stopped, wait_settled
 from .staging import OwnerRecord, clean_stale, make_staging
 from .uploader import DEFAULT_TIMEOUT
 
@@ -39,6 +41,7 @@ __all__ = [
     "DEFAULT_PARALLEL",
     "DEFAULT_TIMEOUT",
     "PATIENCE",
+    "SETTLE",
     "START_COST",
     "Credentials",
     "Deliverer",
@@ -57,11 +60,14 @@ __all__ = [
     "batch_size",
     "clean_stale",
     "find_credentials",
+    "last_stop",
     "make_staging",
+    "note_stopped",
     "read_staged",
     "remainder",
     "run_locks",
     "shortfall",
     "state_dir",
+    "wait_settled",
     "wandb_executable",
 ]

@@ -39,6 +39,7 @@ from .remainder import (
     write_remainder,
 )
 from .server import ServerClient, ServerError
+from .settle import wait_settled
 from .staging import OwnerRecord
 from .uploader import DEFAULT_TIMEOUT, Uploader
 
@@ -223,7 +224,9 @@ class Deliverer:
 
         What the staged log holds is counted here only when the server holds rows of the
         run already (to cut them off); otherwise the whole log goes, and it is counted
-        while its upload starts (`_read_contents`), for the check after it."""
+        while its upload starts (`_read_contents`), for the check after it. Counts are read
+        only once a stopped upload's last requests have landed (see `settle`)."""
+        wait_settled()
         held = self.client.held(self.entity, self.project, delivery.run_id)
         if not (held.exists and held.history_lines):
             return

@@ -4,7 +4,7 @@ A sync stages merged runs under `wbmerge-staging-*` in the temp dir, with an `ow
 naming its process (pid and start time, so that a reused pid is not taken for the owner)
 and the uploader processes it runs. A later sync removes the staging of owners
 that are gone (SIGKILL, reboot) and stops their uploader first, so that no orphaned
-`wandb sync` keeps sending while a new one starts.
+`wandb sync` keeps sending while a new one starts, and notes the stop (see `settle`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from .settle import note_stopped
 
 PREFIX = "wbmerge-staging-"
 OWNER = "owner.json"
@@ -101,9 +103,24 @@ def clean_stale(parent: Path | None = None) -> list[Path]:
             except (ProcessLookupError, PermissionError):
                 pass
         _wait_gone(orphans)
+        # What the dead sync's uploader sent last may still be landing on the server.
+        note_stopped(None if orphans else _last_written(path))
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
+
+
+def _last_written(path: Path) -> float:
+    """When anything under `path` was last written: the uploader's logs there are written
+    as it sends, so this is about when a dead sync's uploader stopped."""
+    latest = 0.0
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            try:
+                latest = max(latest, os.lstat(os.path.join(dirpath, name)).st_mtime)
+            except OSError:
+                continue
+    return latest
 
 
 def _working_in(path: Path) -> list[int]:

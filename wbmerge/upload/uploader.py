@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .credentials import Credentials, wandb_executable
+from .settle import note_stopped
 from .staging import OwnerRecord, _start_time
 
 DEFAULT_TIMEOUT = 300.0  # seconds without progress before an upload is given up
@@ -146,6 +147,8 @@ class Uploader:
                 self.stop()
             time.sleep(0.1 if done else 0.25)
         output = "".join(self._lines)
+        if self.proc.returncode < 0 and not timed_out:  # killed by a signal, not by us
+            note_stopped()
         outcome = UploadOutcome(None if timed_out else self.proc.returncode, output, timed_out)
         reported = {m["entity"] for m in _VIEW_RUN.finditer(output)}
         outcome.entity = next(iter(reported)) if len(reported) == 1 else None
@@ -215,23 +218,31 @@ class Uploader:
             proc = self.proc
         if proc is None or proc.poll() is not None:
             return
-        tree = _descendants(proc.pid)
-        groups = {proc.pid}
-        for pid in tree:
+        try:
+            _end_tree(proc, grace)
+        finally:
+            note_stopped()  # what it sent last may still be landing (see `settle`)
+
+
+def _end_tree(proc: subprocess.Popen, grace: float) -> None:
+    """End `proc` and every process it started, politely first; wait until they are gone."""
+    tree = _descendants(proc.pid)
+    groups = {proc.pid}
+    for pid in tree:
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for group in groups:
             try:
-                groups.add(os.getpgid(pid))
-            except ProcessLookupError:
+                os.killpg(group, sig)
+            except (ProcessLookupError, PermissionError):
                 pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for group in groups:
-                try:
-                    os.killpg(group, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            try:
-                proc.wait(timeout=grace)
-                if all(_start_time(pid) is None for pid in tree):
-                    return
-                time.sleep(0.2)
-            except subprocess.TimeoutExpired:
-                continue
+        try:
+            proc.wait(timeout=grace)
+            if all(_start_time(pid) is None for pid in tree):
+                return
+            time.sleep(0.2)
+        except subprocess.TimeoutExpired:
+            continue

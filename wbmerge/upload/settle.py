@@ -1,0 +1,57 @@
+"""Stopped uploads, and the wait before the next sync asks the server what it holds.
+
+A request that an uploader sent just before it was stopped (Ctrl-C, a timeout, a sync
+killed with SIGKILL) is still applied by the server after the uploader is gone. The next
+sync cuts each run down to what the server lacks from the line counts it reads, and
+wandb's uploader then continues the run at the counts it reads itself, a second or two
+later. A request that lands between those two readings is sent twice: once by the stopped
+uploader, and again at the offsets after it. In a test with a sink that applies each
+request one second after it arrives, 2,758 history rows landed 0.08 s after a rerun had
+read the count of 2,760 and before its uploader started, and the run ended with 8,758
+rows of 6,000.
+
+So every stop is noted in wbmerge's state directory, and no sync reads counts until
+`SETTLE` seconds after the last one. Whatever lands later still cannot be claimed: the
+check after each upload compares every count with the staged run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .ledger import state_dir
+
+# Seconds a server may take to apply a request it received before its sender stopped.
+SETTLE = 5.0
+_MARK = "uploads-stopped-at"
+
+
+def note_stopped(at: float | None = None) -> None:
+    """Say that an upload stopped before its end at `at` (a wall-clock time; now if None)."""
+    at = time.time() if at is None else at
+    if at <= last_stop():
+        return
+    path = state_dir() / _MARK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{_MARK}.{os.getpid()}.tmp")
+    tmp.write_text(repr(at))
+    tmp.replace(path)
+
+
+def last_stop() -> float:
+    """When the last upload stopped before its end (0 if none did, or it is unreadable)."""
+    try:
+        return float((state_dir() / _MARK).read_text())
+    except (OSError, ValueError):
+        return 0.0
+
+
+def wait_settled() -> float:
+    """Wait until `SETTLE` seconds have passed since the last stop; the seconds waited."""
+    wait = last_stop() + SETTLE - time.time()
+    if wait <= 0:
+        return 0.0
+    wait = min(wait, SETTLE)  # a mark in the future (the clock set back) waits no longer
+    time.sleep(wait)
+    return wait
