@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge import export as export_module
 from wbmerge.cli import main
 from wbmerge.columns import per_value
 from wbmerge.discover import discover
+from wbmerge.errors import WbmergeError
 from wbmerge.export import export
 from wbmerge.records import read_records
 
@@ -130,12 +130,13 @@ def _identities_of_runs(job: str) -> set[tuple]:
     }
 
 
-def test_row_groups_cut_across_ranks_keep_each_rows_identity(tmp_path, monkeypatch):
+def test_row_groups_cut_across_ranks_keep_each_rows_identity(tmp_path):
     """Row groups smaller than a rank's values: the identity columns are made once a row
     group, for parts of several ranks and kinds; every row must still say whose it is."""
-    monkeypatch.setattr(export_module, "_ROW_GROUP", 150)
     out = tmp_path / "values.parquet"
-    export([job_dir("two_nodes_2x2")], out)
+    export([job_dir("two_nodes_2x2")], out, row_group=150)
+    with pytest.raises(WbmergeError, match="row_group must be at least 1"):
+        export([job_dir("two_nodes_2x2")], out, row_group=0)
     parquet = pq.ParquetFile(out)
     groups = [parquet.read_row_group(i).to_pylist() for i in range(parquet.num_row_groups)]
     mixed = [g for g in groups if len({(r["rank"], r["kind"]) for r in g}) > 1]

@@ -28,7 +28,7 @@ from wbmerge.txlog import BLOCK_SIZE
 
 from .conftest import job_dir
 from .ranklogs import rank_log
-from .test_rankstats import _same, reference_one
+from .test_rankstats import reference_one, same_value
 from .test_sync import UNLABELLED, cli_sync, sources_of
 
 LONG = "x" * 300  # a value too long for the batch split: its rows take the exact path
@@ -125,7 +125,7 @@ def assert_statistics(row: dict, key: str, by_rank: dict, where: object) -> None
         elif stat == "mean" and math.isfinite(want["mean"]):
             assert got == pytest.approx(want["mean"], rel=1e-12), (where, key, stat)
         else:
-            assert _same(got, want[stat]), (where, key, stat, got, want[stat])
+            assert same_value(got, want[stat]), (where, key, stat, got, want[stat])
 
 
 # what all ranks' reads may hold at once: a block a turn, one rank at a time; a block of

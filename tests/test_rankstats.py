@@ -35,7 +35,7 @@ def _order(item: tuple[int, float]) -> tuple:
     return (math.isnan(value), 0.0 if math.isnan(value) else value, rank)
 
 
-def _same(a: float, b: float) -> bool:
+def same_value(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or a == b
 
 
@@ -45,7 +45,7 @@ def reference_one(by_rank: dict[int, float]) -> dict:
     count = len(values)
     low_rank, low = ranked[0]
     high = ranked[-1][1]
-    high_rank = min(rank for rank, value in ranked if _same(value, high))
+    high_rank = min(rank for rank, value in ranked if same_value(value, high))
     if any(math.isnan(v) for v in values):
         middle = values[(count - 1) // 2], values[count // 2]
         median = middle[0] if count % 2 else (middle[0] + middle[1]) / 2
@@ -86,9 +86,9 @@ def assert_matches(got: dict, want: dict) -> None:
         for exact in ("count", "min_rank", "max_rank"):
             assert row[exact] == expected[exact], (group, exact)
         for stat in ("min", "max", "median"):
-            assert _same(row[stat], expected[stat]), (group, stat, row[stat], expected[stat])
+            assert same_value(row[stat], expected[stat]), (group, stat, row[stat], expected[stat])
         if math.isnan(expected["mean"]) or math.isinf(expected["mean"]):
-            assert _same(row["mean"], expected["mean"]), (group, row["mean"])
+            assert same_value(row["mean"], expected["mean"]), (group, row["mean"])
         else:
             scale = max(abs(v) for v in (row["min"], row["max"]) if not math.isnan(v))
             assert row["mean"] == pytest.approx(expected["mean"], rel=1e-12, abs=1e-12 * scale)
@@ -117,7 +117,7 @@ def test_one_step_table(values, expected):
     got = one_step(values)
     assert got["count"] == len(values)
     for stat, want in expected.items():
-        assert _same(got[stat], want), (stat, got[stat], want)
+        assert same_value(got[stat], want), (stat, got[stat], want)
 
 
 def test_no_values_no_statistics():

@@ -12,8 +12,8 @@ from wbmerge.streaming import streaming
 @pytest.fixture
 def mallopt_calls(monkeypatch):
     calls = []
-    real = module._MALLOPT
-    monkeypatch.setattr(module, "_MALLOPT", lambda p, v: calls.append((p, v)) or real(p, v))
+    real = module.MALLOPT
+    monkeypatch.setattr(module, "MALLOPT", lambda p, v: calls.append((p, v)) or real(p, v))
     return calls
 
 
@@ -21,9 +21,9 @@ def test_settings_hold_during_the_pass_and_are_put_back(mallopt_calls):
     before = gc.get_threshold()
     with streaming():
         assert gc.get_threshold()[0] == 100_000
-        assert sorted(mallopt_calls) == sorted(module._KEEP.items())
+        assert sorted(mallopt_calls) == sorted(module.MALLOC_KEEP.items())
     assert gc.get_threshold() == before
-    assert sorted(mallopt_calls[3:]) == sorted(module._DEFAULTS.items())
+    assert sorted(mallopt_calls[3:]) == sorted(module.MALLOC_DEFAULTS.items())
 
 
 def test_a_pass_within_a_pass_leaves_the_outer_settings_alone(mallopt_calls):
@@ -40,13 +40,14 @@ def test_settings_are_put_back_when_the_pass_fails(mallopt_calls):
     with pytest.raises(RuntimeError), streaming():
         raise RuntimeError("the merge failed")
     assert gc.get_threshold() == before
-    assert module._depth == 0
-    assert sorted(mallopt_calls[3:]) == sorted(module._DEFAULTS.items())
+    assert sorted(mallopt_calls[3:]) == sorted(module.MALLOC_DEFAULTS.items())
+    with streaming():  # the failed pass is over: the next one is the outermost again
+        assert sorted(mallopt_calls[6:]) == sorted(module.MALLOC_KEEP.items())
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_glibc_takes_the_settings():
-    for parameter, value in module._KEEP.items():
-        assert module._MALLOPT(parameter, value) == 1  # mallopt returns 1 on success
-    for parameter, value in module._DEFAULTS.items():
-        assert module._MALLOPT(parameter, value) == 1
+    for parameter, value in module.MALLOC_KEEP.items():
+        assert module.MALLOPT(parameter, value) == 1  # mallopt returns 1 on success
+    for parameter, value in module.MALLOC_DEFAULTS.items():
+        assert module.MALLOPT(parameter, value) == 1

@@ -56,7 +56,8 @@ WIDE_FIXED = [
     for f in LONG_SCHEMA
     if f.name not in ("kind", "key", "value", "value_json")
 ]
-_ROW_GROUP = 1 << 20
+# Values per row group of the long table: about 40 MB in memory while a group is gathered.
+ROW_GROUP = 1 << 20
 
 
 @dataclass
@@ -76,9 +77,13 @@ def export(
     job: str | None = None,
     wide: bool = False,
     hints: Hints | None = None,
+    row_group: int = ROW_GROUP,
 ) -> ExportResult:
     """Write the values of the jobs found under `paths` (or of `job`) to `out`; `hints` say
-    how to read the ranks of runs written without wbmerge."""
+    how to read the ranks of runs written without wbmerge. The long table is written in row
+    groups of `row_group` values (readers load a row group at a time)."""
+    if row_group < 1:
+        raise WbmergeError(f"row_group must be at least 1, not {row_group}")
     out = Path(out)
     if out.is_dir():
         raise WbmergeError(f"{out} is a directory; give a file name such as {out}/runs.parquet")
@@ -93,14 +98,14 @@ def export(
             if wide:
                 _write_wide(jobs, scratch, result)
             else:
-                _write_long(jobs, scratch, result)
+                _write_long(jobs, scratch, result, row_group)
         os.replace(scratch, out)
     finally:
         scratch.unlink(missing_ok=True)
     return result
 
 
-def _write_long(jobs: list[Job], scratch: Path, result: ExportResult) -> None:
+def _write_long(jobs: list[Job], scratch: Path, result: ExportResult, row_group: int) -> None:
     with _writer(scratch, LONG_SCHEMA) as writer:
         group: list[tuple[str, Columns]] = []  # (job id, values) of the next row group
         size = 0
@@ -111,7 +116,7 @@ def _write_long(jobs: list[Job], scratch: Path, result: ExportResult) -> None:
                     group.append((job.job_id, columns))
                     size += len(columns)
                     result.rows += len(columns)
-                    if size >= _ROW_GROUP:
+                    if size >= row_group:
                         _write_group(writer, group)
                         group, size = [], 0
         if group:

@@ -22,10 +22,15 @@ from contextlib import contextmanager
 
 from .errors import WbmergeError
 
-# mallopt parameters (malloc.h), what we set, and glibc's defaults
+# mallopt parameters (malloc.h); what a pass sets (MALLOC_KEEP) and what it puts back after
+# (MALLOC_DEFAULTS, glibc's documented defaults)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_KEEP = {_M_MMAP_THRESHOLD: 64 << 20, _M_TRIM_THRESHOLD: 512 << 20, _M_TOP_PAD: 16 << 20}
-_DEFAULTS = {_M_MMAP_THRESHOLD: 128 << 10, _M_TRIM_THRESHOLD: 128 << 10, _M_TOP_PAD: 128 << 10}
+MALLOC_KEEP = {_M_MMAP_THRESHOLD: 64 << 20, _M_TRIM_THRESHOLD: 512 << 20, _M_TOP_PAD: 16 << 20}
+MALLOC_DEFAULTS = {
+    _M_MMAP_THRESHOLD: 128 << 10,
+    _M_TRIM_THRESHOLD: 128 << 10,
+    _M_TOP_PAD: 128 << 10,
+}
 
 
 def _mallopt() -> ctypes._CFuncPtr | None:
@@ -38,7 +43,9 @@ def _mallopt() -> ctypes._CFuncPtr | None:
     return mallopt
 
 
-_MALLOPT = _mallopt()
+# glibc's `mallopt(parameter, value)` (1 on success), None where there is none: the one
+# call through which a pass changes malloc's settings.
+MALLOPT = _mallopt()
 
 
 _depth = 0  # passes under way (a merge may report, say): the outermost one restores
@@ -51,21 +58,21 @@ def streaming(threshold: int = 100_000) -> Iterator[None]:
     old = gc.get_threshold()
     gc.set_threshold(threshold, old[1], old[2])
     if not _depth:
-        _set_malloc(_KEEP)
+        _set_malloc(MALLOC_KEEP)
     _depth += 1
     try:
         yield
     finally:
         _depth -= 1
         if not _depth:
-            _set_malloc(_DEFAULTS)
+            _set_malloc(MALLOC_DEFAULTS)
         gc.set_threshold(*old)
 
 
 def _set_malloc(settings: dict[int, int]) -> None:
-    if _MALLOPT is not None:
+    if MALLOPT is not None:
         for parameter, value in settings.items():
-            _MALLOPT(parameter, value)
+            MALLOPT(parameter, value)
 
 
 def allow_open_files(needed: int) -> None:
