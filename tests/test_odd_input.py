@@ -18,6 +18,7 @@ from wbmerge.proto import pb
 from wbmerge.txlog import read_payloads
 
 from .hostile import copy_job, insert_after_run_record, one_error_line, run_cli, run_logs
+from .ranklogs import history_record
 
 _NO_DAC = "-dac_override,-dac_read_search"
 
@@ -97,6 +98,20 @@ def test_a_record_with_a_valid_crc_but_invalid_protobuf_is_one_line(
     line = one_error_line(run_cli(command, job / "wandb", *extra))
     assert str(log) in line and "invalid protobuf" in line
     assert not list(out.glob("offline-run-*"))  # no half-written run left behind
+
+
+@pytest.mark.parametrize("shape", ["long", "wide"])
+def test_a_value_that_is_not_utf8_is_one_line_not_a_broken_parquet_file(job, tmp_path, shape):
+    # protobuf refuses such a record; the export's batch reader cuts texts out of the bytes
+    # unchecked and once wrote them into the Parquet file, which readers then failed on
+    log = run_logs(job)[1]
+    hostile = history_record([("note", '"AA"')] * 3, 10**6).replace(b"AA", b"\xff\xfe")
+    insert_after_run_record(log, [hostile] * 40)
+    out = tmp_path / "values.parquet"
+    wide = ("--wide",) if shape == "wide" else ()
+    line = one_error_line(run_cli("export", job / "wandb", "--out", out, *wide))
+    assert str(log) in line and "invalid protobuf" in line
+    assert not out.exists()
 
 
 def test_an_unreadable_run_directory_is_named_not_a_missing_rank(job):

@@ -369,8 +369,12 @@ def json_numbers(texts: pa.Array) -> tuple[pa.Array, pa.Array]:
     if pc.all(numeric).as_py() is not False:  # the usual window: all numbers
         return pc.cast(texts, pa.float64()), pa.nulls(len(texts), pa.string())
     value = pc.cast(pc.if_else(numeric, texts, pa.scalar(None, pa.string())), pa.float64())
-    value_json = pc.if_else(numeric, pa.scalar(None, texts.type), texts)
-    return value, value_json.cast(pa.string())  # (checks the UTF-8)
+    value_json = pc.if_else(numeric, pa.scalar(None, texts.type), texts).cast(pa.string())
+    try:
+        value_json.validate(full=True)  # cut out of a record's bytes, not decoded yet
+    except pa.ArrowInvalid as exc:  # a hostile record: protobuf would refuse it too
+        raise UnicodeError(f"a value's JSON text is not valid UTF-8 ({exc})") from None
+    return value, value_json
 
 
 def split_exact(regions: list[bytes]) -> Items:
