@@ -27,7 +27,7 @@ This module is pure: the statistics are computed with numpy over a batch of step
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -223,7 +223,10 @@ def _grid_stats(rows: int, cols: int, cell: np.ndarray, value: np.ndarray) -> tu
     high = np.where(any_nan, np.nan, high)
     ordered = np.sort(np.where(number, grid, np.nan), 1)  # numbers first, ascending
     median = _middle(ordered.reshape(-1), np.arange(rows) * cols, count)
-    return count, low, median, high, total / count, low_col, high_col
+    mean = _mean(
+        total, count, low, high, lambda scale: np.where(present, grid / scale[:, None], 0.0).sum(1)
+    )
+    return count, low, median, high, mean, low_col, high_col
 
 
 def _sorted_stats(row: np.ndarray, column: np.ndarray, value: np.ndarray) -> tuple:
@@ -240,10 +243,37 @@ def _sorted_stats(row: np.ndarray, column: np.ndarray, value: np.ndarray) -> tup
         np.where(np.concatenate([[False], same]), 0, np.arange(len(row)))
     )
     with np.errstate(invalid="ignore", over="ignore"):  # (a sum past 1.8e308 is infinite)
-        mean = np.add.reduceat(value, starts) / count
+        total = np.add.reduceat(value, starts)
+    low, high = value[starts], value[ends - 1]
+    mean = _mean(
+        total,
+        count,
+        low,
+        high,
+        lambda scale: np.add.reduceat(value / np.repeat(scale, count), starts),
+    )
     median = _middle(value, starts, count)
     top = run_start[ends - 1]
-    return count, value[starts], median, value[ends - 1], mean, column[starts], column[top]
+    return count, low, median, high, mean, column[starts], column[top]
+
+
+def _mean(
+    total: np.ndarray,
+    count: np.ndarray,
+    low: np.ndarray,
+    high: np.ndarray,
+    scaled_total: Callable[[np.ndarray], np.ndarray],
+) -> np.ndarray:
+    """Each group's mean from its sum; where finite numbers summed past 1.8e308 (two ranks
+    logging 1e308), from the sum of the values divided by the group's largest magnitude
+    (`scaled_total(scale)`), which cannot overflow: the mean of [1e308, 1e308] is 1e308."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        mean = total / count
+        spilled = np.isinf(mean) & np.isfinite(low) & np.isfinite(high)
+        if not spilled.any():
+            return mean
+        scale = np.maximum(np.abs(low), np.abs(high))
+        return np.where(spilled, scaled_total(scale) / count * scale, mean)
 
 
 def _middle(ordered: np.ndarray, starts: np.ndarray, count: np.ndarray) -> np.ndarray:
@@ -252,7 +282,10 @@ def _middle(ordered: np.ndarray, starts: np.ndarray, count: np.ndarray) -> np.nd
     low = ordered[starts + (count - 1) // 2]
     high = ordered[starts + count // 2]
     with np.errstate(invalid="ignore", over="ignore"):
-        return np.where(count % 2 == 1, low, (low + high) / 2)
+        halfway = (low + high) / 2
+        spilled = np.isinf(halfway) & np.isfinite(low) & np.isfinite(high)  # 1e308 twice
+        halfway = np.where(spilled, low / 2 + high / 2, halfway)
+        return np.where(count % 2 == 1, low, halfway)
 
 
 def one_step(values: Mapping[int, float]) -> dict[str, float | int] | None:
