@@ -164,3 +164,35 @@ def test_a_stop_noted_in_the_future_waits_no_longer_than_settle(monkeypatch):
     start = time.monotonic()
     assert wait_settled() == 0.3
     assert 0.3 <= time.monotonic() - start < 2
+
+
+def test_stops_noted_by_threads_at_once_are_all_noted_and_the_latest_kept():
+    """An upload's thread notes its uploader's death while another thread stops the next
+    uploader: no note may fail (a failed note would keep the rest from being stopped)."""
+    noted: list[float] = []
+    failures: list[BaseException] = []
+
+    def note() -> None:
+        for _ in range(300):
+            at = time.time()
+            try:
+                note_stopped(at)
+            except BaseException as exc:  # every failure is the finding
+                failures.append(exc)
+            noted.append(at)
+
+    threads = [threading.Thread(target=note) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert failures == []
+    assert last_stop() == max(noted)
+
+
+def test_a_state_dir_that_cannot_be_written_loses_the_note_but_stops_nothing(monkeypatch, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(blocker / "state"))
+    note_stopped()  # must not raise: it is called while uploads are being stopped
+    assert last_stop() == 0 and wait_settled() == 0

@@ -17,6 +17,7 @@ check after each upload compares every count with the staged run.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 
@@ -28,15 +29,26 @@ _MARK = "uploads-stopped-at"
 
 
 def note_stopped(at: float | None = None) -> None:
-    """Say that an upload stopped before its end at `at` (a wall-clock time; now if None)."""
+    """Say that an upload stopped before its end at `at` (a wall-clock time; now if None).
+
+    Threads of one sync and other syncs note at once (an upload's thread sees its uploader
+    killed while the main thread stops the next one), so the mark is read and replaced
+    under a lock, and a later stop is never replaced by an earlier one. It is called while
+    uploads are being stopped, so it never raises: a state directory that cannot be written
+    loses the note, and the check after each upload still catches rows sent twice."""
     at = time.time() if at is None else at
-    if at <= last_stop():
-        return
     path = state_dir() / _MARK
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{_MARK}.{os.getpid()}.tmp")
-    tmp.write_text(repr(at))
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(_MARK + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # also between threads: each opens its own
+            if at <= last_stop():
+                return
+            tmp = path.with_name(f"{_MARK}.{os.getpid()}.tmp")
+            tmp.write_text(repr(at))
+            tmp.replace(path)
+    except OSError:
+        return
 
 
 def last_stop() -> float:
