@@ -194,17 +194,31 @@ def _size(path: Path) -> int | None:
 
 
 def _open_for_writing(files: set[tuple[int, int]]) -> bool:
-    """Whether a process (that this one may look at) has one of `files` open for writing."""
-    for fd in Path("/proc").glob("[0-9]*/fd/[0-9]*"):
+    """Whether a process (that this one may look at) has one of `files` open for writing.
+
+    Processes end while they are looked at (ranks, data loaders and wandb's services end
+    together): one that is gone, or not ours to look at, is passed over at every step."""
+    if not files:
+        return False
+    try:
+        pids = [entry.name for entry in os.scandir("/proc") if entry.name.isdigit()]
+    except OSError:
+        return False  # no /proc (not Linux): only the sizes are watched
+    for pid in pids:
         try:
-            if _identity(fd) not in files:  # stat() of an fd link is the open file's
-                continue
-            flags = fd.parent.parent.joinpath("fdinfo", fd.name).read_text()
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
-            continue  # gone meanwhile, or not ours to look at
-        mode = int(flags.split("flags:", 1)[1].split()[0], 8) & os.O_ACCMODE
-        if mode in (os.O_WRONLY, os.O_RDWR):
-            return True
+            continue
+        for fd in fds:
+            try:
+                if _identity(Path(f"/proc/{pid}/fd/{fd}")) not in files:  # the open file's
+                    continue
+                flags = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
+            except OSError:
+                continue
+            mode = int(flags.split("flags:", 1)[1].split()[0], 8) & os.O_ACCMODE
+            if mode in (os.O_WRONLY, os.O_RDWR):
+                return True
     return False
 
 
