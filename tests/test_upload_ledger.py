@@ -141,11 +141,12 @@ def test_no_stop_noted_means_no_wait(state):
 
 
 def test_counts_are_read_only_once_a_stopped_uploads_requests_could_land():
-    note_stopped(time.time() - SETTLE + 0.4)
+    note_stopped(time.time() - SETTLE + 1)
     start = time.monotonic()
     waited = wait_settled()
-    assert 0.2 < waited <= 0.4
+    assert 0 < waited <= 1  # (however long this machine took between the two calls)
     assert time.monotonic() - start >= waited
+    assert time.time() >= last_stop() + SETTLE - 0.001  # no earlier than SETTLE after it
     assert wait_settled() == 0  # settled now
 
 
