@@ -167,6 +167,22 @@ def test_a_stop_noted_in_the_future_waits_no_longer_than_settle(monkeypatch):
     assert 0.3 <= time.monotonic() - start < 2
 
 
+def test_a_stop_noted_in_the_future_is_waited_for_once_not_before_every_run(monkeypatch):
+    """Each run's counts are read after `wait_settled`: a mark an hour ahead (a clock set
+    back since) must not make every run of every sync wait for the next hour."""
+    import wbmerge.upload.settle as settle
+
+    monkeypatch.setattr(settle, "SETTLE", 0.3)
+    note_stopped(time.time() + 3600)
+    assert wait_settled() == 0.3
+    start = time.monotonic()
+    assert [wait_settled() for _ in range(3)] == [0, 0, 0]
+    assert time.monotonic() - start < 0.3
+    now = time.time()
+    note_stopped(now)  # a stop after it is noted again
+    assert last_stop() == now
+
+
 def test_stops_noted_by_threads_at_once_are_all_noted_and_the_latest_kept():
     """An upload's thread notes its uploader's death while another thread stops the next
     uploader: no note may fail (a failed note would keep the rest from being stopped)."""

@@ -18,6 +18,7 @@ check after each upload compares every count with the staged run.
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import time
 
@@ -33,16 +34,17 @@ def note_stopped(at: float | None = None) -> None:
 
     Threads of one sync and other syncs note at once (an upload's thread sees its uploader
     killed while the main thread stops the next one), so the mark is read and replaced
-    under a lock, and a later stop is never replaced by an earlier one. It is called while
-    uploads are being stopped, so it never raises: a state directory that cannot be written
-    loses the note, and the check after each upload still catches rows sent twice."""
+    under a lock, and a later stop is never replaced by an earlier one (a mark in the future
+    is no later stop: it is replaced). It is called while uploads are being stopped, so it
+    never raises: a state directory that cannot be written loses the note, and the check
+    after each upload still catches rows sent twice."""
     at = time.time() if at is None else at
     path = state_dir() / _MARK
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_name(_MARK + ".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # also between threads: each opens its own
-            if at <= last_stop():
+            if at <= last_stop() <= time.time():
                 return
             tmp = path.with_name(f"{_MARK}.{os.getpid()}.tmp")
             tmp.write_text(repr(at))
@@ -54,16 +56,24 @@ def note_stopped(at: float | None = None) -> None:
 def last_stop() -> float:
     """When the last upload stopped before its end (0 if none did, or it is unreadable)."""
     try:
-        return float((state_dir() / _MARK).read_text())
+        at = float((state_dir() / _MARK).read_text())
     except (OSError, ValueError):
         return 0.0
+    return at if math.isfinite(at) else 0.0
 
 
 def wait_settled() -> float:
-    """Wait until `SETTLE` seconds have passed since the last stop; the seconds waited."""
-    wait = last_stop() + SETTLE - time.time()
+    """Wait until `SETTLE` seconds have passed since the last stop; the seconds waited.
+
+    A stop noted in the future (the clock was set back since, or a dead sync's files carry
+    a time ahead of this clock) is taken as a stop now: it is waited for once, not before
+    every run until the clock has caught up with it."""
+    now = time.time()
+    last = last_stop()
+    if last > now:
+        note_stopped(now)
+    wait = SETTLE if last > now else last + SETTLE - now
     if wait <= 0:
         return 0.0
-    wait = min(wait, SETTLE)  # a mark in the future (the clock set back) waits no longer
     time.sleep(wait)
     return wait
