@@ -278,6 +278,35 @@ def test_interrupted_upload_then_rerun_is_exactly_once(make_sink, tmp_path, long
     assert tree_digest(source) == before
 
 
+def test_a_sync_that_waited_for_a_killed_sync_stops_its_uploader_first(
+    make_sink, tmp_path, long_job
+):
+    """A second sync of the same run waits for the first one's lock. SIGKILL frees the lock
+    while the first sync's uploader goes on sending: the second stops it (and removes its
+    staging) before it reads any count, although the first was alive when it started."""
+    source, want = long_job
+    sink = make_sink(["file_stream=delay:1"])
+    first = spawn(sink, tmp_path, sync_args("wait", source=source))
+    second = None
+    try:
+        wait_for_rows(sink, "wait", "long")
+        second = spawn(sink, tmp_path, sync_args("wait", source=source))
+        said = second.stderr.readline()  # (it says so before anything else)
+        assert "another sync is uploading run long; waiting for it" in said, said
+        first.kill()
+        first.wait(timeout=30)
+        out, err = second.communicate(timeout=180)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    assert not list((tmp_path / "tmp").glob("wbmerge-staging-*")), "the killed sync's staging"
+    assert processes_in(tmp_path / "tmp") == []
+    assert second.returncode == 0, err
+    assert_exactly_once(sink.client.run("local", "wait", "long"), want)
+
+
 def test_concurrent_syncs_deliver_exactly_once(make_sink, tmp_path, long_job):
     source, want = long_job
     sink = make_sink()

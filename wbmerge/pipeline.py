@@ -342,7 +342,9 @@ def _sync(
     try:
         # Every run's lock at once (in one sorted order, so two syncs cannot deadlock): the
         # next job is staged while the last one uploads.
-        with run_locks(state_dir() / "locks", keys, on_wait):
+        with run_locks(state_dir() / "locks", keys, on_wait) as waited:
+            if waited:  # for a sync that may have been killed since: its uploader first
+                clean_stale()
             failures = _sync_jobs(request, planned, session)
     finally:
         ledger.close()

@@ -189,7 +189,8 @@ class Follower:
         known = self.known.get(target.id)
         if known is None:
             key = Ledger.key(self.credentials.base_url, entity, plan.project, target)
-            self._locks.enter_context(run_locks(state_dir() / "locks", [key], self.on_wait))
+            if self._locks.enter_context(run_locks(state_dir() / "locks", [key], self.on_wait)):
+                clean_stale()  # the sync waited for may have been killed: its uploader first
             known = self.known[target.id] = _Known(key)
         if known.final:
             report.targets.append(known.unchanged(target.id))

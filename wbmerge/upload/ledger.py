@@ -83,13 +83,16 @@ class Ledger:
 @contextmanager
 def run_locks(
     lock_dir: Path, keys: list[str], on_wait: Callable[[str], None] | None = None
-) -> Iterator[None]:
+) -> Iterator[bool]:
     """Hold an exclusive lock per run key (taken in sorted order, so two syncs cannot deadlock).
 
     A lock held by another sync is waited for; `on_wait(key)` is told once per such lock.
+    It yields whether it waited: the sync waited for may have been killed (which frees its
+    locks), and its uploader may still be sending (see `staging.clean_stale`).
     """
     lock_dir.mkdir(parents=True, exist_ok=True)
     handles = []
+    waited = False
     try:
         for key in sorted(set(keys)):
             name = hashlib.sha256(key.encode()).hexdigest()[:32] + ".lock"
@@ -98,10 +101,11 @@ def run_locks(
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                waited = True
                 if on_wait:
                     on_wait(key)
                 fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
+        yield waited
     finally:
         for handle in handles:
             handle.close()  # closing releases the flock

@@ -34,8 +34,10 @@ def _start_time(pid: int) -> str | None:
 
 
 def _alive(pid: int, started: str | None) -> bool:
+    """Whether the owner still runs. A killed owner not yet reaped by its parent is not:
+    its locks are freed already, and it stops nothing any more."""
     if started is not None and Path("/proc").is_dir():
-        return _start_time(pid) == started
+        return _start_time(pid) == started and _state(pid) != "Z"
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
