@@ -60,8 +60,8 @@ def reference_one(by_rank: dict[int, float]) -> dict:
         mean = NAN
     elif all(math.isfinite(v) for v in values):
         mean = float(sum(map(Fraction, values)) / count)  # exact, even past 1.8e308
-    else:
-        mean = sum(values) / count
+    else:  # the mean of numbers with an infinity is that infinity; with both, NaN
+        mean = NAN if INF in values and -INF in values else (INF if INF in values else -INF)
     return dict(count=count, min=low, median=median, max=high, mean=mean,
                 min_rank=low_rank, max_rank=high_rank)  # fmt: skip
 
@@ -117,6 +117,10 @@ ONE_STEP = [
     ({0: INF, 1: 1.0, 2: -INF}, dict(min=-INF, median=1.0, max=INF, mean=NAN, min_rank=2, max_rank=0)),
     ({3: INF, 1: NAN}, dict(min=INF, median=NAN, max=NAN, mean=NAN, min_rank=3, max_rank=1)),
     ({7: 0.5}, dict(min=0.5, median=0.5, max=0.5, mean=0.5, min_rank=7, max_rank=7)),
+    ({0: INF, 1: -1e308, 2: -1e308},  # summed from the least: -inf, then inf - inf
+     dict(min=-1e308, median=-1e308, max=INF, mean=INF, min_rank=1, max_rank=0)),
+    ({0: 1e308, 1: 1e308},  # a sum past 1.8e308
+     dict(min=1e308, median=1e308, max=1e308, mean=1e308, min_rank=0, max_rank=0)),
 ]  # fmt: skip
 
 

@@ -264,11 +264,17 @@ def _mean(
     high: np.ndarray,
     scaled_total: Callable[[np.ndarray], np.ndarray],
 ) -> np.ndarray:
-    """Each group's mean from its sum; where finite numbers summed past 1.8e308 (two ranks
-    logging 1e308), from the sum of the values divided by the group's largest magnitude
-    (`scaled_total(scale)`), which cannot overflow: the mean of [1e308, 1e308] is 1e308."""
+    """Each group's mean from its sum. A sum of finite numbers may pass 1.8e308 on its way
+    (-1e308 twice, then inf: NaN in that order, inf in another), so: with NaN (the group's
+    `high` is NaN then) the mean is NaN; with an infinity it is that infinity (NaN with
+    both); where finite numbers summed past 1.8e308 it is the sum of the values divided by
+    the group's largest magnitude (`scaled_total(scale)`), which cannot overflow, times
+    that magnitude: the mean of [1e308, 1e308] is 1e308."""
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         mean = total / count
+        up, down = high == np.inf, low == -np.inf
+        infinite = np.where(up & down, np.nan, np.where(up, np.inf, -np.inf))
+        mean = np.where(~np.isnan(high) & (up | down), infinite, mean)
         spilled = np.isinf(mean) & np.isfinite(low) & np.isfinite(high)
         if not spilled.any():
             return mean
