@@ -1,7 +1,7 @@
 """A shared merge of 1,024 ranks in one command, within the open-file limit most shells set.
 
-The merge keeps each rank's log and console spool open (2,048 files at 1,024 ranks), past
-the usual soft limit of 1,024: it raises the soft limit to what it needs, and says in one
+The merge keeps each rank's log open (1,024 files at 1,024 ranks, and one console spool
+for all), past the usual soft limit of 1,024: it raises the soft limit to what it needs, and says in one
 line when the hard limit is too low. The merged values are checked against the sources,
 read with protobuf.
 """
@@ -69,6 +69,6 @@ def test_a_hard_limit_too_low_is_one_line_before_any_work(job):
     done = merge_under_limit(job, "-n", "out-low")
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith("wbmerge: error: this merge keeps 2048 files open")
+    assert line.startswith("wbmerge: error: this merge keeps 1025 files open")
     assert "1024" in line
     assert not list((job / "out-low").glob("offline-run-*"))

@@ -78,8 +78,8 @@ def _set_malloc(settings: dict[int, int]) -> None:
 def allow_open_files(needed: int) -> None:
     """Let this process hold `needed` more files open than it does now (plus a margin).
 
-    A shared merge keeps every rank's log and console spool open, about two files a rank:
-    2,048 at 1,024 ranks, past the usual soft limit of 1,024. The soft limit is raised
+    A shared merge keeps every rank's log open: 1,024 files at 1,024 ranks, plus its own,
+    past the usual soft limit of 1,024. The soft limit is raised
     up to the hard limit, which any process may do; past the hard limit it says so in one
     line instead of failing with "Too many open files" midway.
     """

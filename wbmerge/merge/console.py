@@ -7,13 +7,13 @@ their rows; pass 2 (`write_console_and_stats`) merges them by timestamp.
 from __future__ import annotations
 
 import heapq
-import shutil
+import os
 import struct
 import tempfile
-from collections.abc import Iterable, Iterator
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 from pathlib import Path
-from typing import BinaryIO
 
 from ..plan import Source
 from ..proto import pb
@@ -94,12 +94,28 @@ def write_console_and_stats(
 
 
 class Spools:
-    """Console and system-metric records of each source, set aside by pass 1 in a scratch
-    file (length-prefixed payloads) so that pass 2 need not read the logs again."""
+    """Console and system-metric records of each source, set aside by pass 1 so that pass 2
+    need not read the logs again.
 
-    def __init__(self, scratch: Path) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix=".wbmerge-spool-", dir=scratch))
-        self._files: dict[Path, BinaryIO] = {}
+    All sources share one scratch file, so a merge of 1,024 ranks holds one spool open, not
+    1,024. Each source gathers its records (length-prefixed payloads) in a buffer of its
+    own and appends the buffer to the file as a segment once it holds `SEGMENT` bytes; pass
+    2 reads a source's segments back in order, then what its buffer still holds. Memory is
+    one buffer per source and two numbers per segment.
+
+    For example, with ranks 0 and 1 writing in turns, the file may hold a segment of rank
+    0, two of rank 1, then another of rank 0; rank 0's records are read from its first and
+    fourth segment, in that order.
+    """
+
+    SEGMENT = 8192  # bytes a source gathers before they go to the file (a write buffer's size)
+
+    def __init__(self, scratch: Path, segment: int = SEGMENT) -> None:
+        self.segment = segment
+        # (unbuffered: every write is one segment, appended where `_end` says)
+        self._file = tempfile.TemporaryFile(prefix=".wbmerge-spool-", dir=scratch, buffering=0)
+        self._end = 0
+        self._writers: dict[Path, SpoolWriter] = {}
 
     def __enter__(self) -> Spools:
         return self
@@ -108,32 +124,58 @@ class Spools:
         self.close()
 
     def writer(self, source: Source) -> SpoolWriter:
-        stream = self._files[source.path] = open(self._dir / f"{len(self._files)}.spool", "w+b")
-        return SpoolWriter(stream)
+        writer = self._writers[source.path] = SpoolWriter(self._append, self.segment)
+        return writer
+
+    def _append(self, segment: bytes | bytearray) -> int:
+        """Write `segment` at the end of the file; returns where it starts."""
+        offset = self._end
+        view = memoryview(segment)
+        while view:
+            written = os.pwrite(self._file.fileno(), view, self._end)
+            self._end += written
+            view = view[written:]
+        return offset
 
     def read(self, source: Source) -> Iterator[bytes]:
-        stream = self._files[source.path]
-        stream.flush()
-        stream.seek(0)
+        """The payloads `source`'s writer was given, in order."""
+        writer = self._writers[source.path]
         header = _SPOOL_LENGTH
-        while chunk := stream.read(header.size):
-            (length,) = header.unpack(chunk)
-            yield stream.read(length)
+        fd = self._file.fileno()
+        for offset, size in zip(writer.offsets, writer.sizes, strict=True):
+            yield from _payloads(os.pread(fd, size, offset), header)
+        yield from _payloads(bytes(writer.pending), header)
 
     def close(self) -> None:
-        for stream in self._files.values():
-            stream.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._file.close()
 
 
 _SPOOL_LENGTH = struct.Struct("<I")
 
 
-class SpoolWriter:
-    """Appends one source's records to its spool."""
+def _payloads(data: bytes, header: struct.Struct) -> Iterator[bytes]:
+    at = 0
+    while at < len(data):
+        (length,) = header.unpack_from(data, at)
+        at += header.size
+        yield data[at : at + length]
+        at += length
 
-    def __init__(self, stream: BinaryIO) -> None:
-        self._stream = stream
+
+class SpoolWriter:
+    """Appends one source's records to its spool: to its buffer, and the buffer to the
+    shared file as a segment once it is full."""
+
+    def __init__(self, append: Callable[[bytearray], int], segment: int) -> None:
+        self._append, self._segment = append, segment
+        self.pending = bytearray()
+        self.offsets = array("q")  # where each of its segments starts in the file
+        self.sizes = array("q")
 
     def write(self, payload: bytes) -> None:
-        self._stream.write(_SPOOL_LENGTH.pack(len(payload)) + payload)
+        self.pending += _SPOOL_LENGTH.pack(len(payload))
+        self.pending += payload
+        if len(self.pending) >= self._segment:
+            self.offsets.append(self._append(self.pending))
+            self.sizes.append(len(self.pending))
+            self.pending = bytearray()

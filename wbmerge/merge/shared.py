@@ -73,7 +73,7 @@ def write_shared(
     scratch: Path,
 ) -> Outcome:
     """Write the shared run `target`; `scratch`: where pass 1 may set records aside."""
-    allow_open_files(2 * len(target.sources))  # each source's log and its console spool
+    allow_open_files(len(target.sources) + 1)  # each source's log, and the console spool
     return SharedMerge(target, writer, options, file_map).run(scratch)
 
 
