@@ -7,16 +7,11 @@ import json
 
 import pytest
 
+from wbmerge.content import console_line_count
 from wbmerge.errors import NotATransactionLog
 from wbmerge.records import read_records
 from wbmerge.upload import Held, StagedContent, read_staged, remainder, shortfall
-from wbmerge.upload.remainder import (
-    Mismatch,
-    console_line_count,
-    history_row,
-    same_value,
-    write_remainder,
-)
+from wbmerge.upload.remainder import Mismatch, history_row, same_value, write_remainder
 
 from .conftest import fixture_logs, job_dir
 from .ranklogs import history_record
@@ -195,3 +190,20 @@ def test_read_staged_steps_are_protobufs_on_every_fixture_and_a_merged_log(tmp_p
         assert read_staged(log).history_steps == want, log
         checked += bool(want)
     assert checked > 40
+
+
+def test_what_a_splice_counts_is_what_the_staged_log_holds(tmp_path):
+    """A `new` merge counts a spliced log while it checks the source, and the upload checks
+    the server against that count without reading the staged log: the count must be what
+    reading the staged log gives. (Logs of less than a block are framed again, not spliced:
+    the synthetic ranks are long enough to be spliced.)"""
+    from wbmerge import api, synthetic
+
+    synthetic.write_job(tmp_path / "job", 1, 3, 2000, job_id="spliced")
+    staged = api.merge([tmp_path / "job"], tmp_path / "out", run_mode="new", project="p")
+    assert len(staged) == 3
+    for one in staged:
+        assert one.content is not None, one.log_path
+        assert one.content == read_staged(one.log_path), one.log_path
+        assert len(one.content.history_steps) == 2000
+        assert one.content.events > 0 and one.content.console_lines

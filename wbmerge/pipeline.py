@@ -440,7 +440,8 @@ def _start_job(
             session.report.warnings.extend(f"{target.id}: {w}" for w in staged.warnings)
             if session.progress:
                 session.progress(staged)
-            delivery = Delivery(target.id, staged.run_dir, staged.log_path, key, fingerprint)
+            delivery = Delivery(target.id, staged.run_dir, staged.log_path, key, fingerprint,
+                                content=staged.content)  # fmt: skip
             upload.todo.append((target, delivery))
             deliverer.submit(delivery)
     except BaseException:

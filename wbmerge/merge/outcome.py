@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 
+from ..content import StagedContent
 from ..plan import Source
 from ..proto import pb
 from ..txlog import ReadReport
@@ -22,6 +23,8 @@ class Outcome:
     warnings: list[str] = field(default_factory=list)
     metrics: int = 0  # shared targets: distinct metric keys written (history and summary)
     bound_notice: str | None = None  # shared targets: more metrics than W&B recommends
+    # what the staged log will put on the server, when the merge counted it on the way
+    content: StagedContent | None = None
 
 
 def damage_warnings(source: Source, report: ReadReport, complete: bool, primary: int) -> list[str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import records
+from ..content import ContentCounter
 from ..plan import Source, Target
 from ..records import record_kind
 from ..stagefiles import files_record
@@ -103,6 +104,10 @@ def write_spliced(
     is, in the kernel. The common case of `new` and `auto`: copying costs a fraction of
     framing every record again.
 
+    The check that the log can be copied reads every record anyway; it also counts what
+    the staged log will put on the server (`Outcome.content`: the head's rewritten run
+    record changes none of it), so that the upload need not read the staged log again.
+
     Returns None, having written nothing, for any other log: damaged or truncated, without
     exactly one exit record, with a run or header record after the head, with a `files`
     record that must be changed or a record of no known kind that is not valid protobuf,
@@ -112,8 +117,10 @@ def write_spliced(
     counts = np.zeros(256, np.int64)
     exit_payload = b""
     copyable = True
+    content = ContentCounter()
     for read in records.read_indexed(source.path, report, read_size=_PASSTHROUGH_READ):
         frames = read.frames
+        content.add(read)
         counts += np.bincount(read.codes, minlength=256)
         exits = read.of("exit")
         if len(exits):
@@ -143,7 +150,7 @@ def write_spliced(
         writer.end_block(open_record)
         copied = report.records - len(payloads)  # (the bytes read, should the log grow)
         writer.copy_blocks(stream, blocks * BLOCK_SIZE, report.bytes_read, copied)
-    return Outcome(exit_code=exit_code(exit_payload))
+    return Outcome(exit_code=exit_code(exit_payload), content=content.content())
 
 
 def _stats_payloads(path: Path) -> Iterator[bytes]:

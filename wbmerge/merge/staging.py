@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import safepaths
+from ..content import StagedContent
 from ..errors import WbmergeError
 from ..plan import Target
 from ..stagefiles import stage_files
@@ -32,6 +33,10 @@ class Staged:
     warnings: list[str] = field(default_factory=list)
     metrics: int = 0  # shared targets: distinct metric keys written (history and summary)
     bound_notice: str | None = None  # shared targets: more metrics than W&B recommends
+    # What the staged log will put on the server (`content.read_staged` of it), when the
+    # merge counted it on the way: a spliced log, whose source was read anyway. None: count
+    # the staged log when it is needed.
+    content: StagedContent | None = None
 
     @property
     def log_path(self) -> Path:
@@ -77,5 +82,6 @@ def stage(target: Target, out_dir: Path, options: MergeOptions) -> Staged:
     staged.exit_code = outcome.exit_code
     staged.metrics = outcome.metrics
     staged.bound_notice = outcome.bound_notice
+    staged.content = outcome.content
     staged.warnings += outcome.warnings
     return staged

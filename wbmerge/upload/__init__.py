@@ -16,6 +16,7 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 
 from __future__ import annotations
 
+from ..content import StagedContent, read_staged
 from .credentials import Credentials, find_credentials, wandb_executable
 from .deliver import (
     PATIENCE,
@@ -29,7 +30,7 @@ from .deliver import (
     batch_size,
 )
 from .ledger import Ledger, run_locks, state_dir
-from .remainder import Remainder, StagedContent, read_staged, remainder, shortfall
+from .remainder import Remainder, remainder, shortfall
 from .server import Held, ServerClient, ServerError
 from .settle import SETTLE, last_stop, note_stopped, wait_settled
 from .staging import OwnerRecord, clean_stale, make_staging

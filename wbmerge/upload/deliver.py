@@ -27,17 +27,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..content import StagedContent, read_staged
 from .credentials import Credentials
 from .ledger import Ledger
-from .remainder import (
-    Mismatch,
-    StagedContent,
-    history_row,
-    read_staged,
-    remainder,
-    shortfall,
-    write_remainder,
-)
+from .remainder import Mismatch, history_row, remainder, shortfall, write_remainder
 from .server import ServerClient, ServerError
 from .settle import wait_settled
 from .staging import OwnerRecord

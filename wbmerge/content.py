@@ -1,0 +1,140 @@
+"""What a log will put on the server when `wandb sync` sends it whole: its history rows'
+steps, its system-metric rows and its console lines. An upload is verified against this.
+
+The counts are taken a read at a time (`ContentCounter.add`), so that a step that reads a
+log for its own purpose anyway, such as the check before a log is spliced into staging,
+counts it on the way instead of reading it again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import items, records, wire
+from .proto import pb
+
+_CURSOR_MOVES = ("\x1b[A", "\x1b[1A", "\x1b[2K")  # consoles wandb's emulator may fold
+
+
+@dataclass(frozen=True)
+class StagedContent:
+    """What one staged log will put on the server when sent whole."""
+
+    history_steps: tuple[int | None, ...]  # `_step` of each history row, in order
+    events: int  # system-metric rows
+    console_lines: int | None  # output.log lines; None when the console cannot be foretold
+
+
+def console_line_count(texts: Sequence[str]) -> int | None:
+    """Lines wandb's console emulator makes of one stream's text (None if not foreseeable).
+
+    Every `\\n` ends a line; a last line without one is still a line; `\\r` rewrites the
+    line it is on. Cursor movement (progress bars) folds lines in ways only the emulator
+    knows, so such a console is not counted.
+    """
+    text = "".join(texts)
+    if any(move in text for move in _CURSOR_MOVES):
+        return None
+    if not text:
+        return 0
+    return text.count("\n") + (0 if text.endswith("\n") else 1)
+
+
+class ContentCounter:
+    """Counts what a log holds, one `records.read_indexed` read after another, in order."""
+
+    def __init__(self) -> None:
+        self.steps: list[int | None] = []
+        self.events = 0
+        self.streams: dict[int, list[str]] = {}  # output type -> console text, in order
+        self.logger_lines = 0
+
+    def add(self, read: records.RecordIndex) -> None:
+        frames = read.frames
+        self.steps += history_steps(read)
+        self.events += len(read.of("stats"))
+        for index in read.of("output_raw").tolist():
+            output = pb.Record.FromString(frames.payload(index)).output_raw
+            self.streams.setdefault(output.output_type, []).append(output.line)
+        for index in read.of("output_logger").tolist():
+            # wandb writes these lines as they are, one per line
+            text = pb.Record.FromString(frames.payload(index)).output_logger.line
+            self.logger_lines += len(text.removesuffix("\n").split("\n"))
+
+    def content(self) -> StagedContent:
+        counts = [console_line_count(texts) for texts in self.streams.values()]
+        console = None if None in counts else self.logger_lines + sum(c or 0 for c in counts)
+        return StagedContent(tuple(self.steps), self.events, console)
+
+
+def read_staged(log: Path) -> StagedContent:
+    """Count what a staged log holds: history steps, system-metric rows, console lines."""
+    counter = ContentCounter()
+    for read in records.read_indexed(log):
+        counter.add(read)
+    return counter.content()
+
+
+# a `_step` item's key part as wandb writes it: `nested_key: "_step"`, or `key: "_step"`
+_STEP_PARTS = frozenset({wire.key_part(["_step"]), b"\x0a\x05_step"})
+
+
+# Bytes of a history record (about 150 items) above which protobuf is faster: the array
+# walk takes a numpy step per item of a read's widest row, and a shared run of 256 ranks x
+# 20 metrics has 5,140 items a row (3.4 s to count its staged log, against 0.7 s parsed).
+_WIDE_ROW = 4096
+
+
+def history_steps(read: records.RecordIndex) -> list[int | None]:
+    """`_step_of` of the history records of a read, the items of all of them split at once
+    (`items`): a row's first `_step` item, read as `_step_of` reads it. Rows whose keys
+    mention `_step` in another form, or that have no `_step` item, and reads that do not
+    split, take `_step_of` itself."""
+    frames, which = read.frames, read.history
+    if not len(which):
+        return []
+    if (frames.ends[which] - frames.starts[which]).mean() > _WIDE_ROW:
+        return [_step_of(frames.payload(i)) for i in which.tolist()]
+    rows = read.rows
+    split = items.split_spans(rows.data, rows.starts, rows.ends)
+    if split is None:
+        return [_step_of(frames.payload(i)) for i in which.tolist()]
+    codes, parts = split.key_codes()
+    step_code = np.array([part in _STEP_PARTS for part in parts], bool)[codes]
+    odd_code = np.array([b"_step" in part and part not in _STEP_PARTS for part in parts], bool)
+    step_items = np.flatnonzero(step_code)
+    found, first = np.unique(split.row[step_items], return_index=True)
+    try:
+        texts = split.json(step_items[first]).to_pylist()
+    except (UnicodeDecodeError, ValueError):
+        return [_step_of(frames.payload(i)) for i in which.tolist()]
+    result: list[int | None] = [None] * len(which)
+    slow = set(range(len(which))) - set(found.tolist())
+    slow |= set(np.unique(split.row[odd_code[codes]]).tolist())
+    for row, text in zip(found.tolist(), texts, strict=True):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            continue  # not JSON: no step, as `_step_of` says
+        if isinstance(value, int | float):
+            result[row] = int(value)
+    for row in slow:
+        result[row] = _step_of(frames.payload(int(which[row])))
+    return result
+
+
+def _step_of(payload: bytes) -> int | None:
+    history = pb.Record.FromString(payload).history
+    for item in history.item:
+        if item.key == "_step" or list(item.nested_key) == ["_step"]:
+            try:
+                value = json.loads(item.value_json)
+            except ValueError:
+                return None
+            return int(value) if isinstance(value, int | float) else None
+    return history.step.num if history.HasField("step") else None
