@@ -4,6 +4,7 @@ server's counts (the base of exactly-once uploads and of a later live mode)."""
 from __future__ import annotations
 
 import json
+from math import inf
 
 import pytest
 
@@ -140,6 +141,11 @@ ODD_ROWS = [
     ([(["_step"], "20"), (["_step"], "21")], None, 20),
     ([(["_step"], "not json")], 6, None),
     ([(["x"], "1")] * 300 + [(["_step"], "1234567")], 1234567, 1234567),  # long lengths
+    ([(["_step"], "NaN")], 5, None),  # not a step: NaN and the infinities
+    ([(["_step"], "-Infinity")], 5, None),
+    ([(["_step"], "007")], 5, None),  # not JSON
+    ([(["_step"], "-3")], None, -3),
+    ([(["_step"], "12345678901234567890")], None, 12345678901234567890),  # past int64
 ]
 
 
@@ -156,11 +162,26 @@ def test_read_staged_reads_each_rows_step_as_the_server_will_show_it(tmp_path, p
     assert staged.events == 0 and staged.console_lines == 0
 
 
+def test_steps_that_are_all_plain_integers_are_read_as_protobuf_reads_them(tmp_path):
+    """Rows whose `_step` texts are all plain integers are read at once, not one by one:
+    the same values, negative and 18-digit ones included."""
+    from wbmerge.txlog import write_payloads
+
+    steps = [0, 1, -7, 10**17 + 3, 999_999_999_999_999_999, 42] * 50
+    log = tmp_path / "plain.wandb"
+    write_payloads(log, [history_record([(["_step"], str(s)), (["loss"], "0.5")], None)
+                         for s in steps])  # fmt: skip
+    assert list(read_staged(log).history_steps) == steps
+    assert [_protobuf_step(r) for r in read_records(log)] == steps
+
+
 def _protobuf_step(record) -> int | None:
     """A history record's `_step` as W&B receives it, read with protobuf alone."""
     for item in record.history.item:
         if item.key == "_step" or list(item.nested_key) == ["_step"]:
             value = json.loads(item.value_json)
+            if isinstance(value, float) and value != value or value in (inf, -inf):
+                return None  # NaN and the infinities are no step
             return int(value) if isinstance(value, int | float) else None
     return record.history.step.num if record.history.HasField("step") else None
 
