@@ -154,3 +154,17 @@ def test_an_invalid_record_of_no_known_kind_is_not_handed_to_the_uploader(job, t
     for log in staged:
         for payload in read_payloads(log):
             pb.Record.FromString(payload)  # raises on the hostile record
+
+
+def test_a_history_record_of_invalid_protobuf_in_a_spliced_rank_is_one_line(tmp_path):
+    # A clean rank log of `new` mode is copied block by block, not record by record; its
+    # history rows are still read (to count them) and a cut one is refused, not copied.
+    from wbmerge import synthetic
+
+    synthetic.write_job(tmp_path / "job", 1, 2, 2000, job_id="cut")
+    log = run_logs(tmp_path / "job")[1]  # staged after rank 0's
+    insert_after_run_record(log, [b"\x12\t\n\x07\n\x01x\x82"])
+    out = tmp_path / "out"
+    line = one_error_line(run_cli("merge", tmp_path / "job", "--run-mode", "new", "--out", out))
+    assert str(log) in line and "invalid protobuf" in line
+    assert not list(out.glob("offline-run-*-cut-rank-1"))  # no half-written run left behind
