@@ -168,3 +168,19 @@ def test_a_history_record_of_invalid_protobuf_in_a_spliced_rank_is_one_line(tmp_
     line = one_error_line(run_cli("merge", tmp_path / "job", "--run-mode", "new", "--out", out))
     assert str(log) in line and "invalid protobuf" in line
     assert not list(out.glob("offline-run-*-cut-rank-1"))  # no half-written run left behind
+
+
+def test_a_step_nested_past_the_recursion_limit_in_a_spliced_rank_is_merged(tmp_path):
+    # Counting a spliced log reads each row's `_step` as JSON; a hostile value nested
+    # deeper than Python's recursion limit is no step, not an internal error.
+    from wbmerge import synthetic
+
+    synthetic.write_job(tmp_path / "job", 1, 1, 2000, job_id="deep")
+    (log,) = run_logs(tmp_path / "job")
+    insert_after_run_record(log, [history_record([(["_step"], "[" * 5000)], 3)])
+    out = tmp_path / "out"
+    result = run_cli("merge", tmp_path / "job", "--run-mode", "new", "--out", out)
+    assert result.returncode == 0, result.stderr
+    (staged,) = out.glob("offline-run-*-deep-rank-0/run-deep-rank-0.wandb")
+    assert list(read_payloads(staged))[-1] == list(read_payloads(log))[-1]
+    assert len(list(read_payloads(staged))) == len(list(read_payloads(log)))

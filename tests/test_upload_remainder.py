@@ -146,6 +146,7 @@ ODD_ROWS = [
     ([(["_step"], "007")], 5, None),  # not JSON
     ([(["_step"], "-3")], None, -3),
     ([(["_step"], "12345678901234567890")], None, 12345678901234567890),  # past int64
+    ([(["_step"], "[" * 5000)], 6, None),  # nested past json's recursion limit: not a step
 ]
 
 

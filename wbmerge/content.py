@@ -140,7 +140,7 @@ def _json_steps(texts: pa.Array) -> list[int | None]:
     for text in texts.to_pylist():
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested past the limit: not a number either)
             value = None  # not JSON: no step, as `_step_of` says
         steps.append(_as_step(value))
     return steps
@@ -160,7 +160,7 @@ def _step_of(payload: bytes) -> int | None:
         if item.key == "_step" or list(item.nested_key) == ["_step"]:
             try:
                 value = json.loads(item.value_json)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested past the limit
                 return None
             return _as_step(value)
     return history.step.num if history.HasField("step") else None
