@@ -22,12 +22,13 @@ class GraphQLDouble(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     close_after: int | None = None
     status = 200
+    last_step: object = 6  # `_step` of the last history line
 
     def do_POST(self):  # (the name http.server calls)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.seen.append((self.client_address[1], body["variables"].get("name")))
         bucket = {"historyLineCount": 7, "eventsLineCount": 2, "logLineCount": 3,
-                  "historyTail": json.dumps([json.dumps({"_step": 6})])}  # fmt: skip
+                  "historyTail": json.dumps([json.dumps({"_step": self.last_step})])}  # fmt: skip
         data = json.dumps({"data": {"model": {"bucket": bucket}}}).encode()
         self.send_response(self.status)
         self.send_header("Content-Type", "application/json")
@@ -110,3 +111,16 @@ def test_an_unreachable_server_is_one_error():
     client = ServerClient(Credentials("http://127.0.0.1:9", "local-" + "0" * 40))
     with pytest.raises(ServerError, match=r"cannot reach W&B at http://127.0.0.1:9/graphql: "):
         client.held("me", "p", "run")
+
+
+@pytest.mark.parametrize(
+    "server", [{"last_step": v} for v in (float("nan"), float("inf"), -float("inf"))],
+    indirect=True,
+)  # fmt: skip
+def test_a_last_row_whose_step_is_not_finite_has_no_step(server):
+    # json writes and reads these as NaN, Infinity and -Infinity; a staged row's `_step`
+    # of that kind is no step (`content.read_staged`), so the server's is none either
+    held = client_of(server).held("me", "p", "run")
+    assert held.exists and held.history_lines == 7
+    assert held.last_step is None
+    assert set(held.last_row) == {"_step"}

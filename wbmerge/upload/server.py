@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import math
 import ssl
 import threading
 import urllib.error
@@ -185,5 +186,9 @@ def _last_row(history_tail: object) -> dict | None:
 
 
 def _step(row: dict | None) -> int | None:
+    """The row's `_step` as a step: a number, made an int; None for anything else, NaN and
+    the infinities included (as a staged row's is read, `content.read_staged`)."""
     step = (row or {}).get("_step")
+    if isinstance(step, float) and not math.isfinite(step):
+        return None
     return int(step) if isinstance(step, int | float) and not isinstance(step, bool) else None
