@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from wbmerge.errors import WbmergeError
 from wbmerge.upload.credentials import Credentials
 from wbmerge.upload.server import ServerClient, ServerError
 
@@ -124,3 +125,19 @@ def test_a_last_row_whose_step_is_not_finite_has_no_step(server):
     assert held.exists and held.history_lines == 7
     assert held.last_step is None
     assert set(held.last_row) == {"_step"}
+
+
+@pytest.mark.parametrize("server", [{}], indirect=True)
+def test_a_base_url_of_another_scheme_is_refused_before_the_key_is_sent(server):
+    # A typo such as `htps://` must not send the key in the clear to the host named
+    port = server.server_address[1]
+    for url in (f"htps://127.0.0.1:{port}", f"ftp://127.0.0.1:{port}", f"127.0.0.1:{port}"):
+        with pytest.raises(WbmergeError, match=r"WANDB_BASE_URL .* is not an http\(s\) URL"):
+            ServerClient(Credentials(url, "local-" + "0" * 40)).held("me", "p", "run")
+    assert server.seen == []
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:port", "http://[::1"])
+def test_a_base_url_that_does_not_parse_is_one_error(url):
+    with pytest.raises(WbmergeError, match=r"WANDB_BASE_URL .* is not an http\(s\) URL"):
+        ServerClient(Credentials(url, "local-" + "0" * 40)).held("me", "p", "run")

@@ -73,11 +73,10 @@ class ServerClient:
         token = base64.b64encode(f"api:{credentials.api_key}".encode()).decode()
         self._headers = {"Authorization": f"Basic {token}", "Content-Type": "application/json"}
         self.timeout = timeout
-        parts = urllib.parse.urlsplit(self.url)
-        self._https = parts.scheme == "https"
-        self._host, self._port, self._path = parts.hostname or "", parts.port, parts.path
+        scheme, self._host, self._port, self._path = _http_url(credentials.base_url, self.url)
+        self._https = scheme == "https"
         proxies = urllib.request.getproxies()
-        self._proxied = parts.scheme in proxies and not urllib.request.proxy_bypass(self._host)
+        self._proxied = scheme in proxies and not urllib.request.proxy_bypass(self._host)
         self._local = threading.local()  # each thread's connection
 
     def _query(self, query: str, variables: dict[str, Any], name: str) -> dict[str, Any]:
@@ -173,6 +172,27 @@ class ServerClient:
             last_step=_step(last_row),
             last_row=last_row,
         )
+
+
+def _http_url(base_url: str, url: str) -> tuple[str, str, int | None, str]:
+    """(scheme, host, port, path) of `url` (below `base_url`), if it is an http or https
+    URL with a host and a valid port.
+
+    Requests go out on a connection of our own, plain unless the scheme is https: a URL of
+    another scheme (a typo such as `htps://`) would send the key in the clear, and one that
+    does not parse would fail in each request with a ValueError.
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+        place = (parts.scheme, parts.hostname or "", parts.port, parts.path)
+    except ValueError:  # a port that is not a number of 0-65535, a bracket left open
+        place = ("", "", None, "")
+    if place[0] not in ("http", "https") or not place[1]:
+        raise WbmergeError(
+            f"WANDB_BASE_URL {base_url} is not an http(s) URL "
+            "(such as https://api.wandb.ai or http://127.0.0.1:8765)"
+        )
+    return place
 
 
 def _last_row(history_tail: object) -> dict | None:
