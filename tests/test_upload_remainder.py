@@ -7,6 +7,8 @@ import json
 from math import inf
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from wbmerge.content import console_line_count
 from wbmerge.errors import NotATransactionLog
@@ -229,3 +231,43 @@ def test_what_a_splice_counts_is_what_the_staged_log_holds(tmp_path):
         assert one.content == read_staged(one.log_path), one.log_path
         assert len(one.content.history_steps) == 2000
         assert one.content.events > 0 and one.content.console_lines
+
+
+def _joined_line_count(texts: list[str]) -> int | None:
+    """The console rule on the whole text at once (`console_line_count`'s docstring)."""
+    text = "".join(texts)
+    if any(move in text for move in ("\x1b[A", "\x1b[1A", "\x1b[2K")):
+        return None
+    return text.count("\n") + (1 if text and not text.endswith("\n") else 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(alphabet="ab\n\r\x1b[12AK", max_size=6), max_size=12))
+def test_console_lines_counted_piece_by_piece_are_those_of_the_whole_text(texts):
+    # pieces are short, so that a cursor movement is often split between two of them
+    assert console_line_count(texts) == _joined_line_count(texts)
+
+
+def test_counting_a_console_does_not_hold_its_text(tmp_path):
+    """A log's console may be larger than memory: its lines are counted as they are read,
+    not gathered first (20 MB of console text here)."""
+    import tracemalloc
+
+    from wbmerge.proto import pb
+    from wbmerge.txlog import write_payloads
+
+    def line(i: int) -> bytes:
+        record = pb.Record()
+        record.output_raw.line = f"line {i:08d} " + "x" * 86 + "\n"
+        return record.SerializeToString()
+
+    log = tmp_path / "console.wandb"
+    write_payloads(log, map(line, range(200_000)))
+    tracemalloc.start()
+    try:
+        staged = read_staged(log)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert staged.console_lines == 200_000
+    assert peak < 15_000_000, peak  # the reads' buffers, not the 20 MB of text

@@ -40,12 +40,40 @@ def console_line_count(texts: Sequence[str]) -> int | None:
     line it is on. Cursor movement (progress bars) folds lines in ways only the emulator
     knows, so such a console is not counted.
     """
-    text = "".join(texts)
-    if any(move in text for move in _CURSOR_MOVES):
-        return None
-    if not text:
-        return 0
-    return text.count("\n") + (0 if text.endswith("\n") else 1)
+    lines = ConsoleLines()
+    for text in texts:
+        lines.add(text)
+    return lines.count()
+
+
+class ConsoleLines:
+    """`console_line_count` of one stream's text, taken a piece at a time without keeping
+    the text: a log's console may be far larger than memory should hold for a count."""
+
+    _KEEP = max(map(len, _CURSOR_MOVES)) - 1  # text kept to find a move split between pieces
+
+    def __init__(self) -> None:
+        self.newlines = 0
+        self.written = False  # any text at all
+        self.ends_line = False  # the text so far ends with `\n`
+        self.folded = False  # a cursor movement was seen: not foreseeable
+        self._tail = ""
+
+    def add(self, text: str) -> None:
+        if self.folded or not text:
+            return
+        joined = self._tail + text
+        if any(move in joined for move in _CURSOR_MOVES):
+            self.folded = True
+            return
+        self.newlines += text.count("\n")
+        self.written, self.ends_line = True, text.endswith("\n")
+        self._tail = joined[-self._KEEP :]
+
+    def count(self) -> int | None:
+        if self.folded:
+            return None
+        return self.newlines + (0 if not self.written or self.ends_line else 1)
 
 
 class ContentCounter:
@@ -54,7 +82,7 @@ class ContentCounter:
     def __init__(self) -> None:
         self.steps: list[int | None] = []
         self.events = 0
-        self.streams: dict[int, list[str]] = {}  # output type -> console text, in order
+        self.streams: dict[int, ConsoleLines] = {}  # output type -> its console's lines
         self.logger_lines = 0
 
     def add(self, read: records.RecordIndex) -> None:
@@ -63,14 +91,14 @@ class ContentCounter:
         self.events += len(read.of("stats"))
         for index in read.of("output_raw").tolist():
             output = pb.Record.FromString(frames.payload(index)).output_raw
-            self.streams.setdefault(output.output_type, []).append(output.line)
+            self.streams.setdefault(output.output_type, ConsoleLines()).add(output.line)
         for index in read.of("output_logger").tolist():
             # wandb writes these lines as they are, one per line
             text = pb.Record.FromString(frames.payload(index)).output_logger.line
             self.logger_lines += len(text.removesuffix("\n").split("\n"))
 
     def content(self) -> StagedContent:
-        counts = [console_line_count(texts) for texts in self.streams.values()]
+        counts = [stream.count() for stream in self.streams.values()]
         console = None if None in counts else self.logger_lines + sum(c or 0 for c in counts)
         return StagedContent(tuple(self.steps), self.events, console)
 
