@@ -141,3 +141,15 @@ def test_a_base_url_of_another_scheme_is_refused_before_the_key_is_sent(server):
 def test_a_base_url_that_does_not_parse_is_one_error(url):
     with pytest.raises(WbmergeError, match=r"WANDB_BASE_URL .* is not an http\(s\) URL"):
         ServerClient(Credentials(url, "local-" + "0" * 40)).held("me", "p", "run")
+
+
+@pytest.mark.parametrize("server", [{}], indirect=True)
+def test_a_connection_idle_too_long_is_not_used_again(server, monkeypatch):
+    # a connection dropped unsaid (a NAT's idle timeout) would hang a question until the
+    # timeout: one idle longer than KEEP_IDLE is replaced before it is used
+    from wbmerge.upload import server as server_module
+
+    monkeypatch.setattr(server_module, "KEEP_IDLE", 0.0)
+    client = client_of(server)
+    assert [client.held("me", "p", f"run-{i}").history_lines for i in range(3)] == [7] * 3
+    assert len({port for port, _ in server.seen}) == 3

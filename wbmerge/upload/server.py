@@ -14,6 +14,7 @@ import json
 import math
 import ssl
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -24,6 +25,10 @@ from ..errors import WbmergeError
 from .credentials import Credentials
 
 PREFLIGHT_TIMEOUT = 10.0  # seconds: an unreachable server fails within this, in one line
+# Seconds a kept connection may idle and still be used. A connection a firewall dropped
+# without closing it would only fail after PREFLIGHT_TIMEOUT; load balancers commonly close
+# idle ones after 60 s, which the retry on a closed connection already covers.
+KEEP_IDLE = 30.0
 
 VIEWER = "query Viewer { viewer { id entity username } }"
 
@@ -114,6 +119,9 @@ class ServerClient:
                 return exc.code, b""
         kept = getattr(self._local, "connection", None)
         self._local.connection = None  # (kept again only after a whole exchange)
+        if kept is not None and time.monotonic() - self._local.used > KEEP_IDLE:
+            kept.close()  # idle so long that a NAT or proxy may have dropped it unsaid
+            kept = None
         if kept is not None:
             try:
                 answer = self._exchange(kept, body)
@@ -123,7 +131,7 @@ class ServerClient:
                 kept.close()
                 raise
             else:
-                self._local.connection = kept
+                self._local.connection, self._local.used = kept, time.monotonic()
                 return answer
         connection = self._connect()
         try:
@@ -131,7 +139,7 @@ class ServerClient:
         except BaseException:
             connection.close()
             raise
-        self._local.connection = connection
+        self._local.connection, self._local.used = connection, time.monotonic()
         return answer
 
     def _connect(self) -> http.client.HTTPConnection:
@@ -174,7 +182,7 @@ class ServerClient:
         )
 
 
-def _http_url(base_url: str, url: str) -> tuple[str, str, int | None, str]:
+def _http_url(base_url: str, url: str) -> tuple[str, str, int, str]:
     """(scheme, host, port, path) of `url` (below `base_url`), if it is an http or https
     URL with a host and a valid port.
 
@@ -184,7 +192,9 @@ def _http_url(base_url: str, url: str) -> tuple[str, str, int | None, str]:
     """
     try:
         parts = urllib.parse.urlsplit(url)
-        place = (parts.scheme, parts.hostname or "", parts.port, parts.path)
+        # (the port always given: http.client reads a bare IPv6 host `::1` as `::`, port 1)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        place = (parts.scheme, parts.hostname or "", port, parts.path)
     except ValueError:  # a port that is not a number of 0-65535, a bracket left open
         place = ("", "", None, "")
     if place[0] not in ("http", "https") or not place[1]:
