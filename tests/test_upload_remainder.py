@@ -221,10 +221,15 @@ def test_what_a_splice_counts_is_what_the_staged_log_holds(tmp_path):
     the server against that count without reading the staged log: the count must be what
     reading the staged log gives. (Logs of less than a block are framed again, not spliced:
     the synthetic ranks are long enough to be spliced.)"""
-    from wbmerge import api, synthetic
+    from wbmerge import synthetic
+    from wbmerge.merge import stage
+    from wbmerge.pipeline import MergeRequest, plan_jobs
 
     synthetic.write_job(tmp_path / "job", 1, 3, 2000, job_id="spliced")
-    staged = api.merge([tmp_path / "job"], tmp_path / "out", run_mode="new", project="p")
+    request = MergeRequest([tmp_path / "job"], run_mode="new", project="p")
+    (planned,) = plan_jobs(request)
+    options = planned.options(request)
+    staged = [stage(t, tmp_path / "out", options, count_content=True) for t in planned.targets]
     assert len(staged) == 3
     for one in staged:
         assert one.content is not None, one.log_path

@@ -436,7 +436,7 @@ def _start_job(
         for target, key, fingerprint in pending:
             if deliverer.given_up:
                 break  # no progress for --timeout: the rest is not staged either
-            staged = stage(target, workdir / "runs", options)
+            staged = stage(target, workdir / "runs", options, count_content=True)
             session.report.warnings.extend(f"{target.id}: {w}" for w in staged.warnings)
             if session.progress:
                 session.progress(staged)

@@ -30,14 +30,18 @@ _HEAD_BLOCKS = 64  # how far a log's head may reach: its run record and the reco
 
 
 def write_passthrough(
-    target: Target, writer: LogWriter, options: MergeOptions, refused: set[tuple[Path, str]]
+    target: Target,
+    writer: LogWriter,
+    options: MergeOptions,
+    refused: set[tuple[Path, str]],
+    count_content: bool = False,
 ) -> Outcome:
     """A rank's records as they are (restarts concatenated), the run record rewritten and
     `files` records without the paths that would lead the uploader out of the run's files
     (`stagefiles.files_record`): one clean log by copying its blocks (`write_spliced`),
     anything else record by record."""
     if len(target.sources) == 1 and not target.extra_system_sources:
-        spliced = write_spliced(target.sources[0], target, writer, options, refused)
+        spliced = write_spliced(target.sources[0], target, writer, options, refused, count_content)
         if spliced is not None:
             return spliced
     outcome = Outcome()
@@ -98,15 +102,17 @@ def write_spliced(
     writer: LogWriter,
     options: MergeOptions,
     refused: set[tuple[Path, str]],
+    count_content: bool = False,
 ) -> Outcome | None:
     """One clean log without re-framing it: its head (the blocks up to the end of the run
     record) re-framed with the run record rewritten, then every later block copied as it
     is, in the kernel. The common case of `new` and `auto`: copying costs a fraction of
     framing every record again.
 
-    The check that the log can be copied reads every record anyway; it also counts what
-    the staged log will put on the server (`Outcome.content`: the head's rewritten run
-    record changes none of it), so that the upload need not read the staged log again.
+    The check that the log can be copied reads every record anyway; with `count_content`
+    it also counts what the staged log will put on the server (`Outcome.content`: the
+    head's rewritten run record changes none of it), so that the upload need not read the
+    staged log again.
 
     Returns None, having written nothing, for any other log: damaged or truncated, without
     exactly one exit record, with a run or header record after the head, with a `files`
@@ -117,10 +123,11 @@ def write_spliced(
     counts = np.zeros(256, np.int64)
     exit_payload = b""
     copyable = True
-    content = ContentCounter()
+    content = ContentCounter() if count_content else None
     for read in records.read_indexed(source.path, report, read_size=_PASSTHROUGH_READ):
         frames = read.frames
-        content.add(read)
+        if content is not None:
+            content.add(read)
         counts += np.bincount(read.codes, minlength=256)
         exits = read.of("exit")
         if len(exits):
@@ -150,7 +157,8 @@ def write_spliced(
         writer.end_block(open_record)
         copied = report.records - len(payloads)  # (the bytes read, should the log grow)
         writer.copy_blocks(stream, blocks * BLOCK_SIZE, report.bytes_read, copied)
-    return Outcome(exit_code=exit_code(exit_payload), content=content.content())
+    counted = content.content() if content is not None else None
+    return Outcome(exit_code=exit_code(exit_payload), content=counted)
 
 
 def _stats_payloads(path: Path) -> Iterator[bytes]:

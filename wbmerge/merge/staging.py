@@ -43,8 +43,14 @@ class Staged:
         return self.run_dir / f"run-{self.target.id}.wandb"
 
 
-def stage(target: Target, out_dir: Path, options: MergeOptions) -> Staged:
+def stage(
+    target: Target, out_dir: Path, options: MergeOptions, count_content: bool = False
+) -> Staged:
     """Write `target` under `out_dir` as `offline-run-<time>-<id>/`; returns what was written.
+
+    With `count_content` (a sync, which verifies the upload against it), a log that is
+    spliced is also counted while it is checked (`Staged.content`); a merge alone does not
+    need the count, which halves the pass-through's speed.
 
     The run directory is created exclusively: one that exists already is an error naming
     it, never replaced (it may be a source, or another merge's output). On any failure the
@@ -72,7 +78,7 @@ def stage(target: Target, out_dir: Path, options: MergeOptions) -> Staged:
             if target.kind == "shared":
                 outcome = write_shared(target, writer, options, file_map, out_dir)
             else:
-                outcome = write_passthrough(target, writer, options, refused)
+                outcome = write_passthrough(target, writer, options, refused, count_content)
             staged.records = writer.records
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)
