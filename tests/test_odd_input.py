@@ -173,3 +173,29 @@ def test_a_history_record_of_invalid_protobuf_in_a_spliced_rank_is_one_line(
     line = one_error_line(result)
     assert str(log) in line and "invalid protobuf" in line
     assert "cut-rank-1" not in {run["id"] for run in sink.client.runs(project="cut")}
+
+
+def test_a_step_nested_past_the_recursion_limit_in_a_spliced_rank_is_merged(tmp_path):
+    # Counting a spliced log (as a sync does) reads each row's `_step` as JSON; a hostile
+    # value nested deeper than Python's recursion limit is no step, not an internal error.
+    from wbmerge import synthetic
+    from wbmerge.merge import stage
+    from wbmerge.pipeline import MergeRequest, plan_jobs
+
+    synthetic.write_job(tmp_path / "job", 1, 1, 2000, job_id="deep")
+    (log,) = run_logs(tmp_path / "job")
+    insert_after_run_record(log, [history_record([(["_step"], "[" * 5000)], 3)])
+    out = tmp_path / "out"
+    result = run_cli("merge", tmp_path / "job", "--run-mode", "new", "--out", out)
+    assert result.returncode == 0, result.stderr
+    (staged,) = out.glob("offline-run-*-deep-rank-0/run-deep-rank-0.wandb")
+    assert list(read_payloads(staged))[-1] == list(read_payloads(log))[-1]
+    assert len(list(read_payloads(staged))) == len(list(read_payloads(log)))
+
+    request = MergeRequest([tmp_path / "job"], run_mode="new", project="p")
+    (planned,) = plan_jobs(request)
+    (target,) = planned.targets
+    counted = stage(target, tmp_path / "counted", planned.options(request), count_content=True)
+    assert counted.content is not None
+    assert counted.content.history_steps[0] is None  # the hostile row, first after the run
+    assert len(counted.content.history_steps) == 2001
