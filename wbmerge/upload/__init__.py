@@ -4,10 +4,10 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 
 | module | job |
 | --- | --- |
-| `credentials` | the server URL and API key; the `wandb` command |
+| `credentials` | the server URL and API key |
 | `server` | what the server holds (the read-only queries wandb itself makes) |
 | `remainder` | pure: staged run x what the server holds -> what is left to send, what is missing |
-| `uploader` | `wandb sync` under supervision: progress, timeout, stopping its process tree |
+| `uploader` | `wandb sync` under supervision, started ahead of its runs: progress, timeout, stopping its process tree |
 | `ledger` | runs verified complete (SQLite) and per-run locks |
 | `staging` | staging directories that name their owner; leftovers of killed syncs removed |
 | `settle` | stopped uploads noted, so that no sync reads counts while their last requests land |
@@ -17,7 +17,7 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 from __future__ import annotations
 
 from ..content import StagedContent, read_staged
-from .credentials import Credentials, find_credentials, wandb_executable
+from .credentials import Credentials, find_credentials
 from .deliver import (
     PATIENCE,
     START_COST,
@@ -70,5 +70,4 @@ __all__ = [
     "shortfall",
     "state_dir",
     "wait_settled",
-    "wandb_executable",
 ]

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import netrc
 import os
-import shutil
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urlparse
 
 from ..errors import WbmergeError
@@ -40,12 +37,3 @@ def find_credentials(env: Mapping[str, str] | None = None) -> Credentials:
             "(for the local sink: WANDB_BASE_URL=http://127.0.0.1:8765 and any 40+ character key)"
         )
     return Credentials(base_url, key)
-
-
-def wandb_executable() -> str:
-    """The `wandb` command of this Python environment, else the one on PATH."""
-    beside = Path(sys.executable).with_name("wandb")
-    found = str(beside) if beside.exists() else shutil.which("wandb")
-    if not found:
-        raise WbmergeError("the `wandb` command is not installed (pip install wandb)")
-    return found

@@ -200,6 +200,9 @@ class Deliverer:
         self._ready: list[tuple[Delivery, float]] = []  # with the time it became ready
         self._uploading: dict[str, Delivery] = {}  # in a batch, not yet finished
         self._uploaders: list[Uploader] = []
+        # The next batch's uploader, started ahead so that the batch skips wandb's start.
+        self._standby: Uploader | None = None
+        self._uploaders_made = 0
         self._threads: list[threading.Thread] = []
         self._sealed = self._stopping = self.timed_out = False
         self._error: BaseException | None = None
@@ -209,6 +212,7 @@ class Deliverer:
         self._counts: dict[str, tuple[int, int, int]] = {}  # all its line counts, per run
         self._dispatcher = threading.Thread(target=self._dispatch, daemon=True)
         self._dispatcher.start()
+        self._stand_by()
 
     # -- the producer's side ----------------------------------------------------------------
 
@@ -266,6 +270,7 @@ class Deliverer:
         self._dispatcher.join()
         for thread in list(self._threads):
             thread.join()
+        self._end_standby()
         if self._error is not None:
             raise self._error
         for delivery in self.deliveries:
@@ -289,6 +294,7 @@ class Deliverer:
             self._stopping = self._sealed = True
             uploaders = list(self._uploaders)
             self.lock.notify_all()
+        self._end_standby()
         for uploader in uploaders:
             uploader.stop()
         self._dispatcher.join(_JOIN)
@@ -296,6 +302,38 @@ class Deliverer:
             thread.join(_JOIN)
 
     # -- the uploads ------------------------------------------------------------------------
+
+    def _make_uploader(self) -> Uploader:
+        """A new uploader, working in a directory of its own (called holding the lock)."""
+        number = self._uploaders_made
+        self._uploaders_made += 1
+        return Uploader(self.credentials, self.project, self.entity,
+                        self.workdir / f"batch-{number}", self.timeout,
+                        owner=self.owner)  # fmt: skip
+
+    def _stand_by(self) -> None:
+        """Start the next batch's uploader now, unless one waits already or all is sent.
+
+        Its start (wandb's imports and wandb-core, about 0.8 s of CPU) then overlaps the
+        staging of the runs it will be given, instead of delaying their upload."""
+        with self.lock:
+            if self._standby is not None or self.given_up:
+                return
+            if self._sealed and not self._ready:
+                return
+            self._standby = standby = self._make_uploader()
+        standby.start()  # outside the lock: a stop() meanwhile keeps it from starting
+
+    def _take_uploader(self) -> Uploader:
+        """The waiting uploader, else a new one (called holding the lock)."""
+        uploader, self._standby = self._standby, None
+        return uploader or self._make_uploader()
+
+    def _end_standby(self) -> None:
+        with self.lock:
+            standby, self._standby = self._standby, None
+        if standby is not None:
+            standby.stop()
 
     def _dispatch(self) -> None:
         """Start batches as runs become ready and slots free; end when all have ended."""
@@ -314,8 +352,10 @@ class Deliverer:
                     self.slots.take(lanes)
                     for delivery in batch:
                         self._uploading[delivery.run_id] = delivery
+                    uploader = self._take_uploader()
+                    self._uploaders.append(uploader)
                     thread = threading.Thread(
-                        target=self._upload, args=(batch, lanes, len(self._threads)), daemon=True
+                        target=self._upload, args=(batch, lanes, uploader), daemon=True
                     )
                     self._threads.append(thread)
                     thread.start()
@@ -338,11 +378,9 @@ class Deliverer:
         lanes = batch_lanes(count, coming, len(self._uploading), self.slots.free, self.slots.limit)
         return batch, lanes
 
-    def _upload(self, batch: list[Delivery], lanes: int, number: int) -> None:
-        """One `wandb sync` of `batch` with `lanes` runs at a time; verifies each as it ends."""
-        uploader = Uploader(self.credentials, self.project, self.entity, lanes,
-                            self.workdir / f"batch-{number}", self.timeout,
-                            owner=self.owner)  # fmt: skip
+    def _upload(self, batch: list[Delivery], lanes: int, uploader: Uploader) -> None:
+        """One `wandb sync` of `batch` with `lanes` runs at a time; verifies each as it ends.
+        While more runs are coming, the next batch's uploader starts beside it."""
         by_id = {d.run_id: d for d in batch}
         holding = [lanes]
         ledgers: list[Ledger] = []
@@ -353,7 +391,9 @@ class Deliverer:
             with self.lock:
                 if self.given_up:  # stopped, or timed out, since the batch was made
                     return
-                self._uploaders.append(uploader)
+                more = not self._sealed and len(self.deliveries) < self.expected
+            if more or self._ready:
+                self._stand_by()
 
             def check(delivery: Delivery, errors: list[str]) -> None:
                 if not hasattr(own, "ledger"):
@@ -383,7 +423,7 @@ class Deliverer:
 
             probe_every = max(2.0, 0.25 * len(batch))  # at most ~4 queries a second
             threading.Thread(target=self._read_contents, args=(batch,), daemon=True).start()
-            outcome = uploader.run([d.run_dir for d in batch], finished, probe, probe_every)
+            outcome = uploader.run([d.run_dir for d in batch], lanes, finished, probe, probe_every)
             with self.lock:
                 self._entity_seen = self._entity_seen or outcome.entity
                 if outcome.timed_out and not self._stopping:
@@ -404,6 +444,7 @@ class Deliverer:
                 self._error = self._error or exc
                 self._stopping = True
         finally:
+            uploader.stop()  # (an uploader that ran has ended: this only waits for it)
             with self.lock:
                 for delivery in batch:
                     self._uploading.pop(delivery.run_id, None)
