@@ -139,9 +139,10 @@ class Uploader:
                 errors="replace",
                 start_new_session=True,
             )
+            # (started under the lock too: a `run` in another thread may take it over now)
+            self._reader = threading.Thread(target=self._read, daemon=True)
+            self._reader.start()
         self._record_processes()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
 
     def run(
         self,
@@ -158,7 +159,7 @@ class Uploader:
                 return UploadOutcome(None, "")
             self._sent = True
             proc, reader = self.proc, self._reader
-        assert proc.stdin is not None and reader is not None
+        assert proc.stdin is not None and reader is not None  # (set together by `start`)
         try:
             proc.stdin.write(json.dumps(self.arguments(run_dirs, parallel)) + "\n")
             proc.stdin.close()
