@@ -24,13 +24,14 @@ class GraphQLDouble(BaseHTTPRequestHandler):
     close_after: int | None = None
     status = 200
     last_step: object = 6  # `_step` of the last history line
+    answer: bytes | None = None  # the whole answer instead, as it is
 
     def do_POST(self):  # (the name http.server calls)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.seen.append((self.client_address[1], body["variables"].get("name")))
         bucket = {"historyLineCount": 7, "eventsLineCount": 2, "logLineCount": 3,
                   "historyTail": json.dumps([json.dumps({"_step": self.last_step})])}  # fmt: skip
-        data = json.dumps({"data": {"model": {"bucket": bucket}}}).encode()
+        data = self.answer or json.dumps({"data": {"model": {"bucket": bucket}}}).encode()
         self.send_response(self.status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -153,3 +154,51 @@ def test_a_connection_idle_too_long_is_not_used_again(server, monkeypatch):
     client = client_of(server)
     assert [client.held("me", "p", f"run-{i}").history_lines for i in range(3)] == [7] * 3
     assert len({port for port, _ in server.seen}) == 3
+
+
+def bucket_answer(**fields) -> bytes:
+    return json.dumps({"data": {"model": {"bucket": fields}}}).encode()
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # past json's recursion limit
+HOSTILE_ANSWERS = {
+    "data-a-list": b'{"data": [1, 2]}',
+    "model-a-string": b'{"data": {"model": "x"}}',
+    "bucket-a-list": b'{"data": {"model": {"bucket": [1]}}}',
+    "count-a-word": bucket_answer(historyLineCount="many"),
+    "count-negative": bucket_answer(historyLineCount=-3),
+    "count-a-fraction": bucket_answer(logLineCount=2.5),
+    "count-infinite": b'{"data": {"model": {"bucket": {"eventsLineCount": 1e400}}}}',
+    "count-true": bucket_answer(historyLineCount=True),
+    "count-a-list": bucket_answer(historyLineCount=[7]),
+    "answer-nested-deep": DEEP.encode(),
+}
+
+
+@pytest.mark.parametrize(
+    "server", [{"answer": a} for a in HOSTILE_ANSWERS.values()], indirect=True,
+    ids=HOSTILE_ANSWERS.keys(),
+)  # fmt: skip
+def test_an_answer_that_is_not_what_wandb_expects_is_one_error(server):
+    # the server's answer is untrusted input: a line naming the server, never a traceback
+    with pytest.raises(ServerError, match=r"^http://127\.0\.0\.1:\d+/graphql answered "):
+        client_of(server).held("me", "p", "run")
+
+
+UNREADABLE_TAILS = {
+    "tail-nested-deep": DEEP,
+    "tail-an-object": json.dumps({"_step": 6}),
+    "tail-line-nested-deep": json.dumps([DEEP]),
+    "tail-line-a-list": json.dumps([json.dumps([6])]),
+}
+
+
+@pytest.mark.parametrize(
+    "server", [{"answer": bucket_answer(historyLineCount=7, historyTail=t)}
+               for t in UNREADABLE_TAILS.values()],
+    indirect=True, ids=UNREADABLE_TAILS.keys(),
+)  # fmt: skip
+def test_a_history_tail_that_cannot_be_read_is_no_last_row(server):
+    held = client_of(server).held("me", "p", "run")
+    assert held.exists and held.history_lines == 7
+    assert held.last_row is None and held.last_step is None

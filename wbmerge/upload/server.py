@@ -97,11 +97,13 @@ class ServerClient:
             raise ServerError(f"{self.url} answered HTTP {status} to {name}")
         try:
             answer = json.loads(data or b"{}")
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested past json's limit: not JSON to us)
             raise ServerError(f"{self.url} answered {name} with something not JSON") from None
         if not isinstance(answer, dict) or answer.get("errors") or "data" not in answer:
             errors = answer.get("errors") if isinstance(answer, dict) else answer
             raise ServerError(f"{self.url} refused {name}: {str(errors)[:200]}")
+        if not isinstance(answer["data"] or {}, dict):
+            raise ServerError(f"{self.url} answered {name} with data that is not an object")
         return answer["data"] or {}
 
     def _post(self, body: bytes) -> tuple[int, bytes]:
@@ -168,17 +170,34 @@ class ServerClient:
         """RunResumeStatus of one run, as counts and the last step."""
         variables = {"project": project, "entity": entity, "name": run_id}
         data = self._query(RUN_RESUME_STATUS, variables, "RunResumeStatus")
-        bucket = (data.get("model") or {}).get("bucket")
+        model = data.get("model")
+        bucket = model.get("bucket") if isinstance(model, dict) else model
         if not bucket:
             return Held()
+        if not isinstance(bucket, dict):
+            raise ServerError(f"{self.url} answered RunResumeStatus of {run_id} with no run object")
         last_row = _last_row(bucket.get("historyTail"))
         return Held(
             exists=True,
-            history_lines=int(bucket.get("historyLineCount") or 0),
-            events_lines=int(bucket.get("eventsLineCount") or 0),
-            log_lines=int(bucket.get("logLineCount") or 0),
+            history_lines=self._line_count(bucket, "historyLineCount", run_id),
+            events_lines=self._line_count(bucket, "eventsLineCount", run_id),
+            log_lines=self._line_count(bucket, "logLineCount", run_id),
             last_step=_step(last_row),
             last_row=last_row,
+        )
+
+    def _line_count(self, bucket: dict, name: str, run_id: str) -> int:
+        """A line count of the server's answer: a whole number of 0 or more (none: 0). What
+        the counts say decides which rows are sent, so anything else is an error."""
+        count = bucket.get(name)
+        if count is None:
+            return 0
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            return count
+        shown = json.dumps(count)[:40] if isinstance(count, int | float | str) else "an object"
+        raise ServerError(
+            f"{self.url} answered RunResumeStatus of {run_id} with {name} {shown}, "
+            "not a count of lines"
         )
 
 
@@ -208,9 +227,11 @@ def _http_url(base_url: str, url: str) -> tuple[str, str, int, str]:
 def _last_row(history_tail: object) -> dict | None:
     """The last line of `historyTail` (a JSON list of JSON lines), as a dict."""
     try:
-        lines = json.loads(history_tail) if isinstance(history_tail, str) else []
-        last = json.loads(lines[-1]) if lines else None
-    except (ValueError, TypeError, IndexError):
+        lines = json.loads(history_tail) if isinstance(history_tail, str) else None
+        if not (isinstance(lines, list) and lines and isinstance(lines[-1], str)):
+            return None
+        last = json.loads(lines[-1])
+    except (ValueError, RecursionError):  # (nested past json's limit: not a row to us)
         return None
     return last if isinstance(last, dict) else None
 
