@@ -5,6 +5,7 @@ any run is handed to it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -97,41 +98,41 @@ def test_an_uploader_stopped_before_its_runs_sends_nothing_and_leaves_nothing(
     assert sink.client.runs(project="never") == []
 
 
-def test_a_deliverer_starts_its_first_uploader_before_any_run_is_staged(sink, state, tmp_path):
-    run_dir, log = copy_run(tmp_path)
+@contextlib.contextmanager
+def deliverer_into(sink, state: Path, project: str, workdir: Path, expected: int):
+    """A deliverer of `expected` runs into `project` of the sink, stopped afterwards."""
     creds = credentials(sink)
     ledger = Ledger(state / "ledger.sqlite3")
-    workdir = tmp_path / "staging" / "uploader"
-    deliverer = Deliverer(ServerClient(creds), creds, ledger, "first", "local", 4, workdir,
-                          expected=1)  # fmt: skip
+    deliverer = Deliverer(ServerClient(creds), creds, ledger, project, "local", 4, workdir,
+                          expected=expected)  # fmt: skip
     try:
+        yield deliverer
+    finally:
+        deliverer.stop()
+        ledger.close()
+
+
+def test_a_deliverer_starts_its_first_uploader_before_any_run_is_staged(sink, state, tmp_path):
+    run_dir, log = copy_run(tmp_path)
+    workdir = tmp_path / "staging" / "uploader"
+    with deliverer_into(sink, state, "first", workdir, expected=1) as deliverer:
         wait_for(lambda: len(working_in(workdir)) >= 2)  # started with no run submitted
         run_id = log.stem.removeprefix("run-")
         delivery = Delivery(run_id, run_dir, log, "key", "fingerprint")
         deliverer.submit(delivery)
         report = deliverer.finish()
-    finally:
-        deliverer.stop()
-        ledger.close()
     assert report.failed == [] and delivery.verified, delivery.problems
     assert_arrived_whole(sink, "first", log)
     wait_for(lambda: not working_in(workdir), seconds=30)
 
 
 def test_a_deliverer_with_nothing_to_send_stops_its_waiting_uploader(sink, state, tmp_path):
-    creds = credentials(sink)
-    ledger = Ledger(state / "ledger.sqlite3")
     workdir = tmp_path / "staging" / "uploader"
-    deliverer = Deliverer(ServerClient(creds), creds, ledger, "none", "local", 4, workdir,
-                          expected=0)  # fmt: skip
-    try:
+    with deliverer_into(sink, state, "none", workdir, expected=0) as deliverer:
         wait_for(lambda: len(working_in(workdir)) >= 1)
         ended = threading.Event()
         threading.Thread(target=lambda: (deliverer.finish(), ended.set()), daemon=True).start()
         assert ended.wait(60)
-    finally:
-        deliverer.stop()
-        ledger.close()
     wait_for(lambda: not working_in(workdir), seconds=30)
     assert last_stop() == 0
     assert sink.client.runs(project="none") == []
