@@ -13,7 +13,7 @@ import pytest
 from wbmerge import synthetic
 from wbmerge.merge.readers import RankReaders
 from wbmerge.topology import RankInfo
-from wbmerge.txlog import ReadReport, read_payloads
+from wbmerge.txlog import BLOCK_SIZE, CHUNK_HEADER_SIZE, ReadReport, read_payloads
 
 from .conftest import fixture_logs
 
@@ -52,6 +52,24 @@ def logs(tmp_path_factory) -> list[Path]:
     return [*real, *written, *copies]
 
 
+def read_all(paths: dict[int, list[Path]], blocks: int, rnd: random.Random) -> tuple:
+    """Every rank's payloads per source, and each source's report, read in random turns."""
+    readers = RankReaders(paths)
+    got = {k: [[] for _ in ps] for k, ps in paths.items()}
+    reports = {}
+    while live := readers.live():
+        rnd.shuffle(live)
+        frames, reads = readers.read(live[: rnd.randint(1, len(live))], blocks)
+        at = 0
+        for read in reads:
+            got[read.rank][read.source] += [frames.payload(i) for i in range(at, at + read.records)]
+            at += read.records
+            if read.ended:
+                reports[read.rank, read.source] = read.report
+        assert at == len(frames)
+    return got, reports
+
+
 @pytest.mark.parametrize("blocks", [1, 2, 3, 8])
 def test_each_rank_reads_as_the_transaction_log_reader(logs, blocks):
     rnd = random.Random(blocks)
@@ -69,21 +87,7 @@ def test_each_rank_reads_as_the_transaction_log_reader(logs, blocks):
             assert type(caught.value).__name__ in errors
             readers.close()
             continue
-        readers = RankReaders(paths)
-        got = {k: [[] for _ in ps] for k, ps in paths.items()}
-        reports = {}
-        while live := readers.live():
-            rnd.shuffle(live)
-            frames, reads = readers.read(live[: rnd.randint(1, len(live))], blocks)
-            at = 0
-            for read in reads:
-                got[read.rank][read.source] += [
-                    frames.payload(i) for i in range(at, at + read.records)
-                ]
-                at += read.records
-                if read.ended:
-                    reports[read.rank, read.source] = read.report
-            assert at == len(frames)
+        got, reports = read_all(paths, blocks, rnd)
         for k, ps in paths.items():
             for index, path in enumerate(ps):
                 want, report = wanted[k][index]
@@ -93,3 +97,29 @@ def test_each_rank_reads_as_the_transaction_log_reader(logs, blocks):
                 checked += 1
                 fallen_back += report.damaged
     assert checked > 40 and fallen_back > 20  # intact logs and damaged ones both
+
+
+def test_a_log_ending_in_a_cut_chunk_header_or_zeros_reads_as_the_transaction_log_reader(
+    logs, tmp_path
+):
+    # A rank killed while its last chunk's header was being written leaves fewer than seven
+    # bytes after its last whole chunk; a file system may leave zeros after the last write.
+    # Either must be read as damage, exactly as the transaction-log reader reports it.
+    data = logs[7].read_bytes()  # a synthetic log, several blocks long
+    assert len(data) % BLOCK_SIZE > 64
+    variants = [data[:-cut] for cut in range(1, 40)] + [data + bytes(n) for n in (1, 6, 7, 100)]
+    paths = {}
+    for i, variant in enumerate(variants):
+        paths[i] = [tmp_path / f"variant-{i}.wandb"]
+        paths[i][0].write_bytes(variant)
+    got, reports = read_all(paths, 2, random.Random(3))
+    tails = set()
+    for k, (path,) in paths.items():
+        want, report = expected(path)
+        assert got[k][0] == want, path
+        assert (reports[k, 0].damaged, reports[k, 0].describe()) == (
+            report.damaged, report.describe()
+        )  # fmt: skip
+        tails.add(report.truncated_bytes)
+    # (one cut ends on a chunk boundary: that copy is intact, a log without its exit record)
+    assert set(range(1, CHUNK_HEADER_SIZE)) <= tails  # cut inside a chunk header, or zeros

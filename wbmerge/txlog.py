@@ -19,6 +19,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from . import _walk
 from .errors import NotATransactionLog
 
 FILE_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
@@ -39,7 +40,6 @@ _TYPE_CRC = [crc32(bytes([t])) for t in range(5)]
 _TYPE_AT = CHUNK_HEADER_SIZE - 1  # where a chunk's type byte is in it
 _EMPTY_MIDDLE = _CHUNK_HEADER.pack(_TYPE_CRC[MIDDLE], 0, MIDDLE)
 _READ_SIZE = 32 * BLOCK_SIZE  # 1 MiB per read call by default; always whole blocks
-_WALK_FROM = 2 * BLOCK_SIZE  # whole blocks in a read from which they are walked as arrays
 
 
 @dataclass
@@ -144,11 +144,9 @@ def iter_frames(
         ends: list[int] = []
         joined: list[bytes] = []  # records that spanned blocks, placed after `buf`
         joined_at = end
-        whole = end - end % BLOCK_SIZE  # the blocks all here: walked as arrays
-        # The walk costs a numpy step per chunk of a block, whatever the number of blocks, so
-        # it pays off from a few blocks on; a read of one or two (a run's head) loops faster.
+        whole = end - end % BLOCK_SIZE  # the blocks all here: walked in one compiled pass
         walked = None
-        if walk and whole - pos >= _WALK_FROM:
+        if walk and whole > pos:
             walked = walk_segments(buf, [pos], [whole], [partial])
             walked = walked if walked.ok[0] else None  # damage: the loop below accounts for it
         if walked is not None:
@@ -246,123 +244,35 @@ def walk_segments(
     partials: Sequence[list[bytes]],
     ended: Sequence[bool] | None = None,
 ) -> Walked:
-    """The records of segments of logs laid out in `buf`, all their blocks walked at once.
+    """The records of segments of logs laid out in `buf`, all their blocks walked in one
+    compiled pass (`wbmerge/_walk.c`).
 
     Segment i is `buf[starts[i]:ends[i]]`, a log's chunks from `starts[i]` (after the file
     header, or where an earlier read stopped) on; `partials[i]`, the record that read left
     open. `buf`'s blocks are the logs' blocks; segments are in order and share no block; one
     ends on a block boundary unless `ended[i]` (it ends its log: a last chunk cut short or
-    a record left open is damage). Each numpy step advances a chunk in every block (blocks
-    are independent), whatever their number; a run of empty MIDDLE chunks (`end_block` after
-    an open record) takes one. A segment with an impossible chunk, a bad CRC or a broken
+    a record left open is damage). A segment with an impossible chunk, a bad CRC or a broken
     FIRST..LAST order is not `ok` and has no records: its caller's loop reads it, and
-    accounts for the damage (as `iter_frames` does)."""
-    starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
-    ok = np.ones(len(starts), bool)
-    ended = np.zeros(len(starts), bool) if ended is None else np.asarray(ended, bool)
-    data = np.frombuffer(buf, np.uint8)
-    u16 = np.ndarray((max(len(buf) - 1, 0),), "<u2", buf, 0, (1,))  # at every byte, no copy
-    u32 = np.ndarray((max(len(buf) - 3, 0),), "<u4", buf, 0, (1,))
-    # every block of every segment: where its chunks start, and where its bytes end
-    nblocks = -(-ends // BLOCK_SIZE) - starts // BLOCK_SIZE  # (an empty one: one block or none)
-    firsts = np.cumsum(nblocks) - nblocks
-    seg_of_block = np.repeat(np.arange(len(starts)), nblocks)
-    numbers = np.repeat(starts // BLOCK_SIZE - firsts, nblocks) + np.arange(len(seg_of_block))
-    block_of = np.zeros(len(buf) // BLOCK_SIZE + 1, np.int64)  # a block's index by its number
-    block_of[numbers] = np.arange(len(numbers))
-    at = np.maximum(BLOCK_SIZE * numbers, starts[seg_of_block])
-    limits = np.minimum(BLOCK_SIZE * (numbers + 1), ends[seg_of_block])
-    walk_end, tracked = at.copy(), ended.any()  # where each block's walk stopped (-1: padding)
-    live = at + CHUNK_HEADER_SIZE <= limits
-    at, limit = at[live], limits[live]
-    found: list[np.ndarray] = []
-    while len(at):
-        length = u16[at + 4]
-        after = at + CHUNK_HEADER_SIZE + length
-        kinds = data[at + _TYPE_AT]
-        odd = ((kinds - np.uint8(FULL)) > LAST - FULL) | (after > limit)
-        if odd.any():
-            padding = (kinds == 0) & (length == 0) & (u32[at] == 0)
-            block = block_of[at // BLOCK_SIZE]
-            ok[seg_of_block[block[odd & ~padding]]] = False
-            walk_end[block[padding]] = -1
-            keep = ~odd & ok[seg_of_block[block]]  # (a segment not intact is walked no more)
-            at, limit, after, kinds, length = (a[keep] for a in (at, limit, after, kinds, length))
-        found.append(at)
-        # a run of copies of an empty MIDDLE chunk is passed in one step, not thousands (the
-        # same bytes: the same CRC, and a MIDDLE after a MIDDLE continues as it did)
-        empty = [] if length.all() else np.flatnonzero((kinds == MIDDLE) & (length == 0))
-        for index in empty:
-            start, room = int(at[index]), int(limit[index] - at[index]) // CHUNK_HEADER_SIZE
-            rows = data[start : start + room * CHUNK_HEADER_SIZE].reshape(room, CHUNK_HEADER_SIZE)
-            differ = np.flatnonzero((rows != rows[0]).any(axis=1))  # where the run ends
-            after[index] = start + CHUNK_HEADER_SIZE * (int(differ[0]) if len(differ) else room)
-        if tracked:
-            walk_end[block_of[at // BLOCK_SIZE]] = after
-        live = after + CHUNK_HEADER_SIZE <= limit
-        at, limit = after[live], limit[live]
-    # a log that ends inside a block: its last chunk must end there
-    short = np.flatnonzero(ended & (ends % BLOCK_SIZE > 0) & (nblocks > 0))
-    ok[short[walk_end[(firsts + nblocks - 1)[short]] != ends[short]]] = False
-    chunks = np.sort(np.concatenate(found), kind="stable") if found else np.empty(0, np.int64)
-    seg = seg_of_block[block_of[chunks // BLOCK_SIZE]]
-    begins = chunks + CHUNK_HEADER_SIZE
-    stops = begins + u16[chunks + 4]
-    kinds = data[chunks + _TYPE_AT]
-    view = memoryview(buf)
-    typed = map(view.__getitem__, map(slice, (chunks + _TYPE_AT).tolist(), stops.tolist()))
-    ok[seg[np.fromiter(map(crc32, typed), np.uint32, len(chunks)) != u32[chunks]]] = False
-    # each chunk continues a record (MIDDLE, LAST) exactly when one is open before it
-    opened = np.empty(len(chunks), bool)
-    opened[1:] = (kinds[:-1] == FIRST) | (kinds[:-1] == MIDDLE)
-    heads = _run_starts(seg)  # each segment's first chunk
-    opened[heads] = [bool(partials[i]) for i in seg[heads].tolist()]
-    ok[seg[((kinds == MIDDLE) | (kinds == LAST)) != opened]] = False
-    # a piece of a record that spans blocks completes here when a LAST of its segment follows
-    full = kinds == FULL
-    spans = np.flatnonzero(~full & ok[seg])
-    span_seg = seg[spans]
-    lasts = np.flatnonzero(np.append(kinds[spans] == LAST, True))  # (and one past them)
-    following = lasts[np.searchsorted(lasts, np.arange(len(spans)))]
-    done = np.append(span_seg, -1)[following] == span_seg
-    sizes = stops[spans] - begins[spans]
-    pieces = list(map(view.__getitem__, map(slice, begins[spans].tolist(), stops[spans].tolist())))
-    new_partials, parts = list(partials), []  # (parts: the joined records' pieces, in order)
-    bounds = [*_run_starts(span_seg), len(spans)]
-    for first, last in zip(bounds[:-1], bounds[1:], strict=True):  # a segment's pieces
-        where = int(span_seg[first])
-        completes = first + int(done[first:last].sum())  # (its completed records' lead)
-        carried = list(partials[where])
-        if completes > first:  # the record left open completes here (and perhaps others)
-            sizes[first] += sum(map(len, carried))
-            parts += [*carried, *pieces[first:completes]]
-            carried = []
-        new_partials[where] = carried + list(map(bytes, pieces[completes:last]))
-    ok[[i for i in np.flatnonzero(ended).tolist() if new_partials[i]]] = False  # cut short
-    joined = b"".join(parts)
-    closes = kinds[spans[done]] == LAST
-    closing = spans[done][closes]  # the last chunk of each record
-    joined_ends = len(buf) + np.cumsum(sizes[done])[closes]
-    joined_starts = np.concatenate([[len(buf)], joined_ends])[:-1]  # (back to back)
-    order = np.argsort(np.concatenate([np.flatnonzero(full), closing]), kind="stable")
-    record_seg = np.concatenate([seg[full], seg[closing]])[order]
-    keep = slice(None) if ok.all() else ok[record_seg]  # (the records of intact segments)
+    accounts for the damage (as `iter_frames` does). The chunk loop of `iter_frames`
+    (`walk=False`) is the reference this is tested against.
+    """
+    count = len(partials)
+    flags = bytes(count) if ended is None else np.asarray(ended, bool).tobytes()
+    joined, record_starts, record_ends, counts, ok, open_records = _walk.walk(
+        buf,
+        np.asarray(starts, np.int64).tobytes(),
+        np.asarray(ends, np.int64).tobytes(),
+        flags,
+        [list(partial) for partial in partials],
+    )
     return Walked(
         joined,
-        np.concatenate([begins[full], joined_starts])[order][keep],
-        np.concatenate([stops[full], joined_ends])[order][keep],
-        np.bincount(record_seg[keep], minlength=len(starts)),
-        ok,
-        new_partials,
+        np.frombuffer(record_starts, np.int64),
+        np.frombuffer(record_ends, np.int64),
+        np.frombuffer(counts, np.int64),
+        np.frombuffer(ok, np.bool_),
+        open_records,
     )
-
-
-def _run_starts(values: np.ndarray) -> list[int]:
-    """Where each run of equal values in the sorted `values` starts."""
-    if len(values) and values[0] == values[-1]:  # one run (always so for one log)
-        return [0]
-    changes = np.concatenate([[True], values[1:] != values[:-1]])[: len(values)]
-    return np.flatnonzero(changes).tolist()
 
 
 def read_head(stream: BinaryIO, blocks: int) -> tuple[list[bytes], bytes | None] | None:

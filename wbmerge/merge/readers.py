@@ -1,11 +1,10 @@
 """Many ranks' logs read side by side, a few blocks of each at a time, for the shared merge.
 
-`txlog.iter_frames` walks the blocks of one read of one log as arrays; its cost is per read,
-so a job of a thousand short ranks read a block or two at a time would pay it a thousand
-times per step window. Here one call reads the next blocks of every rank asked for and walks
-all of their chunks at once (`txlog.walk_segments`, the walk `iter_frames` uses too): one
-array step per chunk of a block, whatever the number of ranks, and one `Frames` of all
-their records.
+`txlog.iter_frames` walks the blocks of one read of one log; a walk has a fixed cost per
+call, so a job of a thousand short ranks read a block or two at a time would pay it a
+thousand times per step window. Here one call reads the next blocks of every rank asked for
+and walks all of their chunks at once (`txlog.walk_segments`, the compiled walk
+`iter_frames` uses too), giving one `Frames` of all their records.
 
 Only the intact case is walked so: a log whose bytes are anything else (a bad header, CRC
 or chunk, a record cut short, a tail that ends mid-chunk) is read again from its start by
