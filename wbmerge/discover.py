@@ -34,7 +34,6 @@ _STATS_LABEL = re.compile(r"/l:(.+)$")
 _OUTPUT_LABEL = re.compile(r"^output_(.+)\.log$")
 _HEADER_SCAN_LIMIT = 2000  # records read for identity before giving up on a long run
 
-UNKNOWN_RANK_HINT = jobs.RESOLVE_HINT
 _CLAIM_KEYS = {key for keys in rankclaims.CONFIG_KEYS.values() for key in keys}
 
 
