@@ -176,15 +176,16 @@ def test_a_history_record_of_invalid_protobuf_in_a_spliced_rank_is_one_line(
 
 
 def test_a_step_nested_past_the_recursion_limit_in_a_spliced_rank_is_merged(tmp_path):
-    # Counting a spliced log (as a sync does) reads each row's `_step` as JSON; a hostile
-    # value nested deeper than Python's recursion limit is no step, not an internal error.
+    # Counting a spliced log (as a sync does) reads the `_step` item of a row without a step
+    # field as JSON; a hostile value nested deeper than Python's recursion limit is no
+    # step, not an internal error.
     from wbmerge import synthetic
     from wbmerge.merge import stage
     from wbmerge.pipeline import MergeRequest, plan_jobs
 
     synthetic.write_job(tmp_path / "job", 1, 1, 2000, job_id="deep")
     (log,) = run_logs(tmp_path / "job")
-    insert_after_run_record(log, [history_record([(["_step"], "[" * 5000)], 3)])
+    insert_after_run_record(log, [history_record([(["_step"], "[" * 5000)], None)])
     out = tmp_path / "out"
     result = run_cli("merge", tmp_path / "job", "--run-mode", "new", "--out", out)
     assert result.returncode == 0, result.stderr
@@ -199,3 +200,44 @@ def test_a_step_nested_past_the_recursion_limit_in_a_spliced_rank_is_merged(tmp_
     assert counted.content is not None
     assert counted.content.history_steps[0] is None  # the hostile row, first after the run
     assert len(counted.content.history_steps) == 2001
+
+
+def _set_last_step_item(log: Path, value_json: str) -> None:
+    """Make the `_step` item of the last history row of `log` say `value_json`, leaving the
+    row's step field as it is."""
+    payloads = list(read_payloads(log))
+    last = max(i for i, p in enumerate(payloads) if pb.Record.FromString(p).HasField("history"))
+    record = pb.Record.FromString(payloads[last])
+    (item,) = [i for i in record.history.item if list(i.nested_key) == ["_step"]]
+    item.value_json = value_json
+    payloads[last] = record.SerializeToString()
+    from wbmerge.txlog import write_payloads
+
+    write_payloads(log, payloads)
+
+
+@pytest.mark.parametrize("value_json", ["true", "5"])
+def test_a_step_item_that_contradicts_its_step_field_is_verified_as_sent(
+    job, tmp_path, sink, monkeypatch, value_json
+):
+    # wandb-core sends a row's step field as its `_step`, whatever the row's `_step` item
+    # says; the check after the upload must expect that, not report the run incomplete.
+    log = run_logs(job)[0]
+    _set_last_step_item(log, value_json)
+    for name, value in {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}.items():
+        monkeypatch.setenv(name, value)
+    result = run_cli("sync", job, "--run-mode", "new", "-p", "steps")
+    assert result.returncode == 0, result.stderr
+    runs = sink.client.runs(project="steps")
+    assert len(runs) == 4
+    last_rows = []
+    for run in runs:
+        history = sink.client.run("local", "steps", run["id"])["history"]
+        assert [row["_step"] for row in history] == list(range(30)), run["id"]
+        last_rows.append(history[-1])
+    # A rerun after a cut upload compares the server's last row with the staged one: the
+    # staged row must read as the one the server holds.
+    from wbmerge.upload import history_row, same_value
+
+    assert history_row(log, 29)["_step"] == 29
+    assert sum(same_value(history_row(log, 29), row) for row in last_rows) == 1

@@ -130,25 +130,35 @@ def test_read_staged_and_write_remainder_on_a_real_log(tmp_path):
     assert rest.summary == want.summary and rest.exit_code == want.exit_code
 
 
-# (items, step field) -> the step the server will show: the first `_step` item, else the field
+# (items, step field) -> the step the server will show. Measured with wandb 0.31's
+# `wandb sync` into the sink: a record's step field is the row's `_step`, whatever its
+# `_step` item says (`5`, `true`, a plain `key`); without the field, its `_step` item.
 ODD_ROWS = [
     ([(["loss"], "0.5"), (["_step"], "7")], 7, 7),
-    ([("_step", "8")], 99, 8),  # a plain `key`, as wandb 0.16 writes it, before the field
+    ([("_step", "8")], 99, 99),  # a plain `key`, as wandb 0.16 writes it: the field wins
+    ([("_step", "8")], None, 8),  # wandb 0.16 writes no field: the item is the step
+    ([(["_step"], "5")], 29, 29),
+    ([(["_step"], "true")], 29, 29),
+    ([(["_step"], "true")], None, None),  # a bool is no step, as the server's row is read
     ([(["a", "_step"], "5")], 9, 9),  # `a._step` is not `_step`
     ([(["loss"], "1")], 11, 11),
     ([(["loss"], "1")], None, None),
     ([(["_step"], "3.0")], None, 3),
-    ([(["_step"], '"x"')], 4, None),
+    ([(["_step"], '"x"')], 4, 4),
+    ([(["_step"], '"x"')], None, None),
     ([("ab\x05_step", "4")], 12, 12),  # a key whose bytes end like the `_step` item's
     ([(["_step"], "20"), (["_step"], "21")], None, 20),
-    ([(["_step"], "not json")], 6, None),
+    ([(["_step"], "not json")], 6, 6),
+    ([(["_step"], "not json")], None, None),
     ([(["x"], "1")] * 300 + [(["_step"], "1234567")], 1234567, 1234567),  # long lengths
-    ([(["_step"], "NaN")], 5, None),  # not a step: NaN and the infinities
-    ([(["_step"], "-Infinity")], 5, None),
-    ([(["_step"], "007")], 5, None),  # not JSON
+    ([(["_step"], "NaN")], None, None),  # not a step: NaN and the infinities
+    ([(["_step"], "-Infinity")], None, None),
+    ([(["_step"], "-Infinity")], 5, 5),
+    ([(["_step"], "007")], None, None),  # not JSON
     ([(["_step"], "-3")], None, -3),
     ([(["_step"], "12345678901234567890")], None, 12345678901234567890),  # past int64
-    ([(["_step"], "[" * 5000)], 6, None),  # nested past json's recursion limit: not a step
+    ([(["_step"], "[" * 5000)], None, None),  # nested past json's recursion limit
+    ([(["_step"], "[" * 5000)], 6, 6),
 ]
 
 
@@ -179,14 +189,19 @@ def test_steps_that_are_all_plain_integers_are_read_as_protobuf_reads_them(tmp_p
 
 
 def _protobuf_step(record) -> int | None:
-    """A history record's `_step` as W&B receives it, read with protobuf alone."""
+    """A history record's `_step` as W&B receives it, read with protobuf alone: its step
+    field, else its first `_step` item."""
+    if record.history.HasField("step"):
+        return record.history.step.num
     for item in record.history.item:
         if item.key == "_step" or list(item.nested_key) == ["_step"]:
             value = json.loads(item.value_json)
             if isinstance(value, float) and value != value or value in (inf, -inf):
                 return None  # NaN and the infinities are no step
+            if isinstance(value, bool):
+                return None
             return int(value) if isinstance(value, int | float) else None
-    return record.history.step.num if record.history.HasField("step") else None
+    return None
 
 
 def test_read_staged_steps_are_protobufs_on_every_fixture_and_a_merged_log(tmp_path):

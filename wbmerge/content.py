@@ -123,9 +123,10 @@ _WIDE_ROW = 4096
 
 def history_steps(read: records.RecordIndex) -> list[int | None]:
     """`_step_of` of the history records of a read, the items of all of them split at once
-    (`items`): a row's first `_step` item, read as `_step_of` reads it. Rows whose keys
-    mention `_step` in another form, or that have no `_step` item, and reads that do not
-    split, take `_step_of` itself."""
+    (`items`): a row's first `_step` item, where it says the row's step (`RecordIndex.rows`,
+    its step field when it has one), as wandb writes every row. Rows whose `_step` item
+    says another step, whose keys mention `_step` in another form, or that have no `_step`
+    item, and reads that do not split, take `_step_of` itself."""
     frames, which = read.frames, read.history
     if not len(which):
         return []
@@ -147,8 +148,11 @@ def history_steps(read: records.RecordIndex) -> list[int | None]:
     result: list[int | None] = [None] * len(which)
     slow = set(range(len(which))) - set(found.tolist())
     slow |= set(np.unique(split.row[odd_code[codes]]).tolist())
-    for row, step in zip(found.tolist(), steps, strict=True):
-        result[row] = step
+    for row, step, said in zip(found.tolist(), steps, rows.steps[found].tolist(), strict=True):
+        if step == said:
+            result[row] = step
+        else:
+            slow.add(row)
     for row in slow:
         result[row] = _step_of(frames.payload(int(which[row])))
     return result
@@ -175,15 +179,19 @@ def _json_steps(texts: pa.Array) -> list[int | None]:
 
 
 def _as_step(value: object) -> int | None:
-    """A JSON value as a step: a number, made an int (a bool is one, as in Python); None
-    for anything else, NaN and the infinities included."""
-    if isinstance(value, float) and not math.isfinite(value):
+    """A JSON value as a step: a number, made an int; None for anything else, `true`, NaN
+    and the infinities included (as the server's last row is read, `upload.server`)."""
+    if isinstance(value, float) and not math.isfinite(value) or isinstance(value, bool):
         return None
     return int(value) if isinstance(value, int | float) else None
 
 
 def _step_of(payload: bytes) -> int | None:
+    """The `_step` the server shows for a history record: its step field when it has one
+    (wandb-core sends that in place of any `_step` item), else its first `_step` item."""
     history = pb.Record.FromString(payload).history
+    if history.HasField("step"):
+        return history.step.num
     for item in history.item:
         if item.key == "_step" or list(item.nested_key) == ["_step"]:
             try:
@@ -191,4 +199,4 @@ def _step_of(payload: bytes) -> int | None:
             except (ValueError, RecursionError):  # not JSON, or nested past the limit
                 return None
             return _as_step(value)
-    return history.step.num if history.HasField("step") else None
+    return None

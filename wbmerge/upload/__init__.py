@@ -30,7 +30,7 @@ from .deliver import (
     batch_size,
 )
 from .ledger import Ledger, run_locks, state_dir
-from .remainder import Remainder, remainder, shortfall
+from .remainder import Remainder, history_row, remainder, same_value, shortfall
 from .server import Held, ServerClient, ServerError
 from .settle import SETTLE, last_stop, note_stopped, wait_settled
 from .staging import OwnerRecord, clean_stale, make_staging
@@ -61,12 +61,14 @@ __all__ = [
     "batch_size",
     "clean_stale",
     "find_credentials",
+    "history_row",
     "last_stop",
     "make_staging",
     "note_stopped",
     "read_staged",
     "remainder",
     "run_locks",
+    "same_value",
     "shortfall",
     "state_dir",
     "wait_settled",

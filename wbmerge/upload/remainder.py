@@ -90,22 +90,26 @@ def same_value(a: object, b: object) -> bool:
 
 
 def history_row(log: Path, index: int) -> dict:
-    """History row `index` of a log as wandb-core sends it: nested keys as nested objects."""
+    """History row `index` of a log as wandb-core sends it: nested keys as nested objects,
+    and `_step` the record's step field when it has one (sent in place of any item's)."""
     seen = 0
     for read in records.read_indexed(log):
         history = read.history
         if seen + len(history) > index:
             row: dict = {}
             payload = read.frames.payload(int(history[index - seen]))
-            for item in pb.Record.FromString(payload).history.item:
+            record = pb.Record.FromString(payload).history
+            for item in record.item:
                 keys = list(item.nested_key) or [item.key]
                 target = row
                 for key in keys[:-1]:
                     target = target.setdefault(key, {})
                 try:
                     target[keys[-1]] = json.loads(item.value_json)
-                except ValueError:  # not JSON: cannot equal what the server holds
+                except (ValueError, RecursionError):  # not JSON to us: cannot equal the server's
                     target[keys[-1]] = {"unparsed value": item.value_json}
+            if record.HasField("step"):
+                row["_step"] = record.step.num
             return row
         seen += len(history)
     raise IndexError(index)
