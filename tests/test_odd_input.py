@@ -241,3 +241,24 @@ def test_a_step_item_that_contradicts_its_step_field_is_verified_as_sent(
 
     assert history_row(log, 29)["_step"] == 29
     assert sum(same_value(history_row(log, 29), row) for row in last_rows) == 1
+
+
+def test_config_values_nested_past_the_recursion_limit_are_no_values(job, tmp_path):
+    # Discovery reads config items as JSON for rank claims and wbmerge's own block; a
+    # value nested deeper than Python's recursion limit is no value, not an internal error.
+    log = run_logs(job)[0]
+    payloads = list(read_payloads(log))
+    first = next(i for i, p in enumerate(payloads) if pb.Record.FromString(p).HasField("run"))
+    record = pb.Record.FromString(payloads[first])
+    for key in ("rank", "wbmerge", "local_rank"):
+        record.run.config.update.add(key=key, value_json="[" * 5000)
+    payloads[first] = record.SerializeToString()
+    from wbmerge.txlog import write_payloads
+
+    write_payloads(log, payloads)
+    for args in (["inspect", job], ["report", job],
+                 ["merge", job, "--run-mode", "shared", "--out", tmp_path / "out"]):  # fmt: skip
+        result = run_cli(*args)
+        assert result.returncode == 0, (args, result.stderr)
+        if args[0] == "inspect":  # the ranks still come from wbmerge's block, intact
+            assert result.stdout.count(" wbmerge ") == 4, result.stdout

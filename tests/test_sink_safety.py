@@ -451,3 +451,27 @@ def test_serve_refuses_a_planted_secret_symlink_in_one_line(tmp_path):
     assert result.stderr.startswith("wbmerge: error: cannot serve from ")
     assert len(result.stderr.splitlines()) == 1 and "upload secret" in result.stderr
     assert outside.read_bytes() == b"keep"
+
+
+def test_json_nested_past_pythons_limit_is_a_bad_request_not_a_server_error(site):
+    """A body, a config or a history line nested 100,000 deep is refused (400) where it is
+    read; the sink goes on answering, and the run it did store is still readable."""
+    deep = "[" * 100_000
+    headers = {"Authorization": AUTH, "Content-Type": "application/json"}
+    for path in ("/graphql", "/files/local/p/r/file_stream"):
+        status, answer = site.request("POST", path, deep.encode(), headers)
+        assert status == 400, (path, status, answer)
+    status, answer = site.graphql(
+        "mutation UpsertBucket($name: String, $project: String, $entity: String, "
+        "$config: JSONString) { x }",
+        {"entity": "local", "project": "p", "name": "r", "config": deep},
+    )
+    assert status == 400, (status, answer)
+    body = json.dumps({"files": {"wandb-history.jsonl": {"offset": 0, "content": [deep]}}})
+    status, _ = site.request("POST", "/files/local/p/r2/file_stream", body.encode(), headers)
+    assert status == 200  # history lines are stored as the text they are
+    status, answer = site.request("GET", "/api/runs/local/p/r2")
+    assert status == 400 and b"nested too deeply" in answer, (status, answer)
+    status, answer = site.graphql(UPSERT, {"entity": "local", "project": "p", "name": "ok"})
+    assert status == 200, answer
+    assert sorted(run["id"] for run in site.sink.client.runs(project="p")) == ["ok", "r2"]

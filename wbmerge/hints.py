@@ -49,7 +49,7 @@ def load_ranks(path: Path) -> dict[str, GivenRank]:
     if stripped.startswith(("{", "[")):
         try:
             rows = _json_rows(json.loads(text))
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise WbmergeError(f"--ranks {path}: not valid JSON ({exc})") from None
     else:
         rows = [

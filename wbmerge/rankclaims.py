@@ -178,7 +178,7 @@ def config_value(value_json: str) -> object:
     """A config item's value: wandb stores some values as `{"value": ..., "desc": ...}`."""
     try:
         value = json.loads(value_json)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past json's limit: no value to us)
         return None
     if isinstance(value, dict) and "value" in value and set(value) <= {"value", "desc"}:
         return value["value"]

@@ -144,7 +144,7 @@ def _step_item(history_items: Iterable[pb.HistoryItem]) -> int:
         if (list(item.nested_key) or [item.key]) == ["_step"]:
             try:
                 number = json.loads(item.value_json)
-            except ValueError:
+            except (ValueError, RecursionError):  # (nested past json's limit)
                 continue
             if type(number) is int and 0 <= number < 1 << 63:
                 step = number

@@ -52,7 +52,7 @@ def rewrite_run(payload: bytes, target: Target, options: MergeOptions) -> bytes:
         if key == METADATA_KEY:
             try:
                 rank_block = json.loads(item.value_json)
-            except ValueError:
+            except (ValueError, RecursionError):
                 rank_block = None
             continue
         kept.append(item)

@@ -41,7 +41,10 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
     raw_path = request.rel_url.raw_path.lower()
     if any(encoded in raw_path for encoded in ENCODED_SEPARATORS):
         return _refuse(400, "percent-encoded path separators are not allowed")
-    return await handler(request)
+    try:
+        return await handler(request)
+    except RecursionError:  # a JSON value given (or stored from a request) nested too deeply
+        return _refuse(400, "a JSON value is nested too deeply to read")
 
 
 def _kind(request: web.Request, body: bytes) -> str:

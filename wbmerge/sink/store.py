@@ -92,6 +92,7 @@ class Store:
     def upsert_run(self, entity: str, project: str, name: str, fields: dict[str, Any]) -> dict:
         """Create or update a run from UpsertBucket variables; returns the stored run."""
         now = time.time()
+        config = _config_update(fields.get("config"))  # read first: bad input writes nothing
         with self._lock, self._db:
             pk = self._run_pk(entity, project, name, create=True, now=now)
             sets, values = ["updated = ?"], [now]
@@ -102,9 +103,9 @@ class Store:
             if fields.get("tags") is not None:
                 sets.append("tags = ?")
                 values.append(json.dumps(list(fields["tags"])))
-            if fields.get("config"):
+            if config:
                 merged = json.loads(self._one("SELECT config FROM runs WHERE pk = ?", pk))
-                merged.update(json.loads(fields["config"]))
+                merged.update(config)
                 sets.append("config = ?")
                 values.append(json.dumps(merged))
             if fields.get("summaryMetrics"):
@@ -322,3 +323,18 @@ def plain_config(config: dict[str, Any]) -> dict[str, Any]:
             continue
         plain[key] = entry["value"] if isinstance(entry, dict) and "value" in entry else entry
     return plain
+
+
+def _config_update(text: str | None) -> dict[str, Any]:
+    """The config keys an UpsertBucket sets. It is read before the run is touched, so that a
+    config that is not a JSON object (or is nested past Python's limit) refuses the whole
+    request instead of leaving a run created without it."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError("the config is nested too deeply") from None
+    if not isinstance(value, dict):
+        raise ValueError("the config is not a JSON object")
+    return value
