@@ -54,6 +54,8 @@ def check_frames(frames: txlog.Frames) -> int:
         parsed = pb.Record.FromString(payloads[index]).history  # and both as protobuf says
         assert list(pb.HistoryRecord.FromString(region).item) == list(parsed.item)
         assert step == (parsed.step.num if parsed.HasField("step") else step_item(parsed))
+        if row not in rows.decoded:  # read in place: wandb's shape, the step field last
+            assert parsed.HasField("step") and rows.steps[row] == parsed.step.num
         in_place &= rows.ends[row] <= len(frames.data)  # (an empty region may be at its end)
     assert rows.in_place == in_place
     if in_place:  # the spans hold in the read's own buffer

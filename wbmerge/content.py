@@ -14,11 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-
-from . import items, records, wire
+from . import records
 from .proto import pb
 
 _CURSOR_MOVES = ("\x1b[A", "\x1b[1A", "\x1b[2K")  # consoles wandb's emulator may fold
@@ -111,70 +107,27 @@ def read_staged(log: Path) -> StagedContent:
     return counter.content()
 
 
-# a `_step` item's key part as wandb writes it: `nested_key: "_step"`, or `key: "_step"`
-_STEP_PARTS = frozenset({wire.key_part(["_step"]), b"\x0a\x05_step"})
-
-
-# Bytes of a history record (about 150 items) above which protobuf is faster: the array
-# walk takes a numpy step per item of a read's widest row, and a shared run of 256 ranks x
-# 20 metrics has 5,140 items a row (3.4 s to count its staged log, against 0.7 s parsed).
+# Bytes of a history record (about 150 items) above which protobuf is faster: finding a
+# row's step field walks its items, a numpy step per item of a read's widest row, and a
+# shared run of 256 ranks x 20 metrics has 5,140 items a row (3.4 s to count its staged
+# log, against 0.7 s parsed).
 _WIDE_ROW = 4096
 
 
 def history_steps(read: records.RecordIndex) -> list[int | None]:
-    """`_step_of` of the history records of a read, the items of all of them split at once
-    (`items`): a row's first `_step` item, where it says the row's step (`RecordIndex.rows`,
-    its step field when it has one), as wandb writes every row. Rows whose `_step` item
-    says another step, whose keys mention `_step` in another form, or that have no `_step`
-    item, and reads that do not split, take `_step_of` itself."""
+    """`_step_of` of the history records of a read. A row in wandb's shape ends with its
+    step field, which `RecordIndex.rows` reads for all rows at once, and that field is the
+    `_step` the server shows; rows in another shape (no step field, as wandb 0.16 writes
+    them) and reads of wide rows take `_step_of` itself."""
     frames, which = read.frames, read.history
     if not len(which):
         return []
     if (frames.ends[which] - frames.starts[which]).mean() > _WIDE_ROW:
         return [_step_of(frames.payload(i)) for i in which.tolist()]
     rows = read.rows
-    split = items.split_spans(rows.data, rows.starts, rows.ends)
-    if split is None:
-        return [_step_of(frames.payload(i)) for i in which.tolist()]
-    codes, parts = split.key_codes()
-    step_code = np.array([part in _STEP_PARTS for part in parts], bool)[codes]
-    odd_code = np.array([b"_step" in part and part not in _STEP_PARTS for part in parts], bool)
-    step_items = np.flatnonzero(step_code)
-    found, first = np.unique(split.row[step_items], return_index=True)
-    try:
-        steps = _json_steps(split.json(step_items[first]))
-    except (UnicodeDecodeError, ValueError):
-        return [_step_of(frames.payload(i)) for i in which.tolist()]
-    result: list[int | None] = [None] * len(which)
-    slow = set(range(len(which))) - set(found.tolist())
-    slow |= set(np.unique(split.row[odd_code[codes]]).tolist())
-    for row, step, said in zip(found.tolist(), steps, rows.steps[found].tolist(), strict=True):
-        if step == said:
-            result[row] = step
-        else:
-            slow.add(row)
-    for row in slow:
-        result[row] = _step_of(frames.payload(int(which[row])))
-    return result
-
-
-# JSON's spelling of an integer that fits int64: what wandb writes for `_step`
-_PLAIN_INT = r"^-?(0|[1-9][0-9]{0,17})$"
-
-
-def _json_steps(texts: pa.Array) -> list[int | None]:
-    """The step each JSON text says, as `_step_of` reads it: a number, made an int; None
-    for anything else. Texts that are all plain integers (the usual case) are cast at
-    once; json.loads of each took most of the time to count a log of short rows."""
-    if len(texts) and pc.all(pc.match_substring_regex(texts, _PLAIN_INT)).as_py():
-        return pc.cast(texts, pa.int64()).to_pylist()
-    steps: list[int | None] = []
-    for text in texts.to_pylist():
-        try:
-            value = json.loads(text)
-        except (ValueError, RecursionError):  # (nested past the limit: not a number either)
-            value = None  # not JSON: no step, as `_step_of` says
-        steps.append(_as_step(value))
+    steps: list[int | None] = rows.steps.tolist()
+    for row in rows.decoded.tolist():
+        steps[row] = _step_of(frames.payload(int(which[row])))
     return steps
 
 

@@ -111,9 +111,11 @@ class HistoryRows:
     steps: np.ndarray  # int64
     starts: np.ndarray  # int64
     ends: np.ndarray  # int64
-    # Whether every row's items lie in the read's own buffer; rows of an odd shape have
-    # theirs decoded by protobuf and appended after it.
-    in_place: bool = True
+    # The rows in another shape than wandb's, decoded by protobuf: their items are appended
+    # after the read's buffer, and their step is the step field, else the last `_step` item.
+    decoded: np.ndarray  # int64 row indices
+    # Whether every row's items lie in the read's own buffer (no decoded row has items).
+    in_place: bool
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -241,7 +243,8 @@ def history_rows(frames: Frames, which: np.ndarray) -> HistoryRows:
             offset += len(region)
             extra.append(region)
         buffer = b"".join([buffer, *extra])
-    return HistoryRows(buffer, steps, starts, fields_end, in_place=len(buffer) == len(frames.data))
+    in_place = len(buffer) == len(frames.data)
+    return HistoryRows(buffer, steps, starts, fields_end, decoded=odd, in_place=in_place)
 
 
 def _items_end_at(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
