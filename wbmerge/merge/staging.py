@@ -17,7 +17,6 @@ from ..streaming import streaming
 from ..txlog import LogWriter
 from .options import MergeOptions
 from .passthrough import write_passthrough
-from .shared import write_shared
 
 
 @dataclass
@@ -76,6 +75,10 @@ def stage(
         file_map, refused = stage_files(target, run_dir / "files", staged.warnings)
         with streaming(), open(staged.log_path, "xb") as stream, LogWriter(stream) as writer:
             if target.kind == "shared":
+                # Imported here: the shared merge brings in pyarrow (85 ms of every start),
+                # which a pass-through (`new`, `auto`) never uses.
+                from .shared import write_shared
+
                 outcome = write_shared(target, writer, options, file_map, out_dir)
             else:
                 outcome = write_passthrough(target, writer, options, refused, count_content)
