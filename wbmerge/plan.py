@@ -130,14 +130,11 @@ def plan(
     multi_node = first.multi_node
     per_worker = rank_scope == "worker" and multi_node
 
-    def ranks(predicate: object) -> tuple[Source, ...]:
-        return tuple(s for s in ordered if predicate(s.rank))  # type: ignore[operator]
-
     targets: list[Target] = []
     if run_mode in ("auto", "shared"):
         workers = sorted({s.rank.worker for s in ordered}) if per_worker else [None]
         for worker in workers:
-            in_scope = ordered if worker is None else ranks(lambda r, w=worker: r.worker == w)
+            in_scope = tuple(s for s in ordered if worker is None or s.rank.worker == worker)
             primary = _primary(in_scope, worker)
             run_id = base if worker is None else f"{base}-worker-{worker}"
             if run_mode == "shared":
@@ -157,9 +154,11 @@ def plan(
         return targets
 
     # new: every rank its own run
-    for rank in sorted({s.rank.rank for s in ordered}):
-        chosen = ranks(lambda r, n=rank: r.rank == n)
-        info = chosen[0].rank
+    by_rank: dict[int, list[Source]] = {}
+    for source in ordered:
+        by_rank.setdefault(source.rank.rank, []).append(source)
+    for rank, sources in sorted(by_rank.items()):
+        chosen, info = tuple(sources), sources[0].rank
         if per_worker:
             run_id, group = (
                 f"{base}-worker-{info.worker}-rank-{info.local_rank}",

@@ -383,6 +383,7 @@ class Deliverer:
         While more runs are coming, the next batch's uploader starts beside it."""
         by_id = {d.run_id: d for d in batch}
         holding = [lanes]
+        unfinished = [len(batch)]  # the batch's runs not finished yet
         ledgers: list[Ledger] = []
         own = threading.local()
         checks: list[Future] = []
@@ -410,10 +411,10 @@ class Deliverer:
                         return
                     if self._uploading.pop(run_id, None) is None:
                         return  # said twice
-                    unfinished = sum(d.run_id in self._uploading for d in batch)
-                    if unfinished < holding[0]:  # lanes beyond its runs left: for other batches
-                        self.slots.give_back(holding[0] - unfinished)
-                        holding[0] = unfinished
+                    unfinished[0] -= 1
+                    if unfinished[0] < holding[0]:  # lanes beyond its runs left: for others
+                        self.slots.give_back(holding[0] - unfinished[0])
+                        holding[0] = unfinished[0]
                 if not delivery.problems:
                     found = uploader.errors().get(run_id, []) if errors is None else errors
                     checks.append(checkers.submit(check, delivery, found))
