@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from google.protobuf.message import DecodeError
 
 from wbmerge.proto import pb
 from wbmerge.txlog import read_payloads
@@ -156,17 +157,44 @@ def test_an_invalid_record_of_no_known_kind_is_not_handed_to_the_uploader(job, t
             pb.Record.FromString(payload)  # raises on the hostile record
 
 
+def _history_bytes(items: list[tuple[bytes, bytes]], step: int) -> bytes:
+    """A history record in wandb's shape, written byte by byte: `num`, then the items (each a
+    `nested_key` and a `value_json`, as given, valid UTF-8 or not) and the step field last."""
+
+    def field(tag: bytes, value: bytes) -> bytes:
+        return tag + bytes([len(value)]) + value
+
+    body = b"".join(field(b"\x0a", field(b"\x12", key) + field(b"\x82\x01", value))
+                    for key, value in items)  # fmt: skip
+    body += field(b"\x12", b"\x08" + bytes([step]))
+    return b"\x08\x01" + field(b"\x12", body)
+
+
+# History records protobuf (and so wandb-core) refuses, which a spliced copy must not pass on
+INVALID_HISTORY = {
+    "cut": b"\x12\t\n\x07\n\x01x\x82",
+    "key not UTF-8": _history_bytes([(b"\xff\xfe", b"1")], 5),
+    "value overlong, beside a good _step": _history_bytes(
+        [(b"_step", b"5"), (b"loss", b'"\xc0\xaf"')], 5
+    ),
+    "key a surrogate": _history_bytes([(b"_step", b"5"), (b"\xed\xa0\x80", b"1")], 5),
+}
+
+
+@pytest.mark.parametrize("record", INVALID_HISTORY.values(), ids=INVALID_HISTORY.keys())
 def test_a_history_record_of_invalid_protobuf_in_a_spliced_rank_is_one_line(
-    tmp_path, sink, monkeypatch
+    tmp_path, sink, monkeypatch, record
 ):
     # A clean rank log of `new` mode is copied block by block, not record by record; a sync
-    # still reads its history rows (to count what the server must end with) and refuses a
-    # cut one instead of handing it to the uploader.
+    # still reads its history rows (to count what the server must end with) and refuses an
+    # invalid one instead of handing it to the uploader, which would leave a run cut short.
     from wbmerge import synthetic
 
+    with pytest.raises(DecodeError):
+        pb.Record.FromString(record)
     synthetic.write_job(tmp_path / "job", 1, 2, 2000, job_id="cut")
     log = run_logs(tmp_path / "job")[1]  # staged after rank 0's
-    insert_after_run_record(log, [b"\x12\t\n\x07\n\x01x\x82"])
+    insert_after_run_record(log, [record])
     for name, value in {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}.items():
         monkeypatch.setenv(name, value)
     result = run_cli("sync", tmp_path / "job", "--run-mode", "new", "-p", "cut")

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from . import records
 from .proto import pb
 
@@ -117,8 +119,10 @@ _WIDE_ROW = 4096
 def history_steps(read: records.RecordIndex) -> list[int | None]:
     """`_step_of` of the history records of a read. A row in wandb's shape ends with its
     step field, which `RecordIndex.rows` reads for all rows at once, and that field is the
-    `_step` the server shows; rows in another shape (no step field, as wandb 0.16 writes
-    them) and reads of wide rows take `_step_of` itself."""
+    `_step` the server shows; such a row is taken so once `records.proven_history` proves
+    it valid protobuf. Rows in another shape (no step field, as wandb 0.16 writes them),
+    rows not proven (protobuf raises DecodeError on an invalid one, which a sync reports
+    as a record that cannot be read) and reads of wide rows take `_step_of` itself."""
     frames, which = read.frames, read.history
     if not len(which):
         return []
@@ -126,7 +130,9 @@ def history_steps(read: records.RecordIndex) -> list[int | None]:
         return [_step_of(frames.payload(i)) for i in which.tolist()]
     rows = read.rows
     steps: list[int | None] = rows.steps.tolist()
-    for row in rows.decoded.tolist():
+    parse = ~records.proven_history(frames, which)
+    parse[rows.decoded] = True
+    for row in np.flatnonzero(parse).tolist():
         steps[row] = _step_of(frames.payload(int(which[row])))
     return steps
 

@@ -1,0 +1,206 @@
+/* The proof that history records are valid protobuf, compiled: `records.proven_history`.
+ *
+ * A row's step and items are read from a history record's bytes without protobuf (the
+ * array walk of `records.history_rows`). That walk finds where the fields are, but it does
+ * not look inside an item, so a record protobuf refuses (an item with bad UTF-8, or fields
+ * that are not a HistoryItem's) would be read as a row. This pass proves, for each record,
+ * that it is a `Record` in the shape wandb writes a history record, which protobuf parses:
+ *
+ *   Record        := (num: field 1, varint | history: field 2, bytes of History)*
+ *   History       := (item: field 1, bytes of HistoryItem | step: field 2, bytes of Step)*
+ *   HistoryItem   := (key: 1 | nested_key: 2 | value_json: 16, each bytes of valid UTF-8)*
+ *   Step          := (num: field 1, varint)*
+ *
+ * Varints are at most 10 bytes, the 10th at most 1; a length must fit in what is left.
+ * UTF-8 is checked strictly, as protobuf does for proto3 strings: no overlong forms, no
+ * surrogates, nothing past U+10FFFF. Any other field, wire type or byte is not proven
+ * (False), and the caller parses that record with protobuf, which decides. So a record
+ * this says is valid is one protobuf parses; the tests check that on random and damaged
+ * records, and that wandb's own records are proven. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+/* The varint at p[at:end): its value in *value and where it ends, or -1. */
+static Py_ssize_t varint(const uint8_t *p, Py_ssize_t at, Py_ssize_t end, uint64_t *value)
+{
+    uint64_t result = 0;
+    for (int i = 0; i < 10; i++) {
+        if (at >= end)
+            return -1;
+        uint8_t byte = p[at++];
+        if (i == 9 && byte > 1)
+            return -1;
+        result |= (uint64_t)(byte & 0x7F) << (7 * i);
+        if (!(byte & 0x80)) {
+            *value = result;
+            return at;
+        }
+    }
+    return -1;
+}
+
+/* Whether s[0:n] is valid UTF-8 (RFC 3629: the byte ranges of its table 3-7). */
+static int valid_utf8(const uint8_t *s, Py_ssize_t n)
+{
+    Py_ssize_t i = 0;
+    while (i < n) {
+        uint8_t c = s[i];
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        int more;
+        uint8_t lo = 0x80, hi = 0xBF; /* the range of the byte after the lead */
+        if (c >= 0xC2 && c <= 0xDF)
+            more = 1;
+        else if (c == 0xE0)
+            more = 2, lo = 0xA0;
+        else if (c >= 0xE1 && c <= 0xEC)
+            more = 2;
+        else if (c == 0xED)
+            more = 2, hi = 0x9F; /* not the surrogates D800-DFFF */
+        else if (c >= 0xEE && c <= 0xEF)
+            more = 2;
+        else if (c == 0xF0)
+            more = 3, lo = 0x90;
+        else if (c >= 0xF1 && c <= 0xF3)
+            more = 3;
+        else if (c == 0xF4)
+            more = 3, hi = 0x8F; /* nothing past U+10FFFF */
+        else
+            return 0;
+        if (i + more >= n) /* its continuation bytes run past the end */
+            return 0;
+        if (s[i + 1] < lo || s[i + 1] > hi)
+            return 0;
+        for (int k = 2; k <= more; k++)
+            if (s[i + k] < 0x80 || s[i + k] > 0xBF)
+                return 0;
+        i += more + 1;
+    }
+    return 1;
+}
+
+/* A length-delimited field's value: its bytes p[*start:*stop) after the length at `at`. */
+static int delimited(const uint8_t *p, Py_ssize_t at, Py_ssize_t end, Py_ssize_t *start,
+                     Py_ssize_t *stop)
+{
+    uint64_t length;
+    at = varint(p, at, end, &length);
+    if (at < 0 || length > (uint64_t)(end - at))
+        return 0;
+    *start = at;
+    *stop = at + (Py_ssize_t)length;
+    return 1;
+}
+
+static int valid_item(const uint8_t *p, Py_ssize_t at, Py_ssize_t end)
+{
+    while (at < end) {
+        uint64_t tag;
+        Py_ssize_t start, stop;
+        at = varint(p, at, end, &tag);
+        if (at < 0)
+            return 0;
+        uint64_t field = tag >> 3;
+        if ((tag & 7) != 2 || !(field == 1 || field == 2 || field == 16))
+            return 0;
+        if (!delimited(p, at, end, &start, &stop) || !valid_utf8(p + start, stop - start))
+            return 0;
+        at = stop;
+    }
+    return 1;
+}
+
+static int valid_step(const uint8_t *p, Py_ssize_t at, Py_ssize_t end)
+{
+    while (at < end) {
+        uint64_t tag, value;
+        at = varint(p, at, end, &tag);
+        if (at < 0 || tag != 0x08) /* num: field 1, a varint */
+            return 0;
+        at = varint(p, at, end, &value);
+        if (at < 0)
+            return 0;
+    }
+    return 1;
+}
+
+static int valid_history(const uint8_t *p, Py_ssize_t at, Py_ssize_t end)
+{
+    while (at < end) {
+        uint64_t tag;
+        Py_ssize_t start, stop;
+        at = varint(p, at, end, &tag);
+        if (at < 0 || (tag != 0x0A && tag != 0x12) || !delimited(p, at, end, &start, &stop))
+            return 0;
+        if (!(tag == 0x0A ? valid_item(p, start, stop) : valid_step(p, start, stop)))
+            return 0;
+        at = stop;
+    }
+    return 1;
+}
+
+static int valid_record(const uint8_t *p, Py_ssize_t at, Py_ssize_t end)
+{
+    while (at < end) {
+        uint64_t tag, value;
+        Py_ssize_t start, stop;
+        at = varint(p, at, end, &tag);
+        if (at < 0)
+            return 0;
+        if (tag == 0x08) { /* num */
+            at = varint(p, at, end, &value);
+            if (at < 0)
+                return 0;
+        } else if (tag == 0x12) { /* history */
+            if (!delimited(p, at, end, &start, &stop) || !valid_history(p, start, stop))
+                return 0;
+            at = stop;
+        } else {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* proven(data, starts, ends) -> bytes: 1 for each record data[starts[i]:ends[i]] proven. */
+static PyObject *proven(PyObject *self, PyObject *args)
+{
+    Py_buffer data, starts, ends;
+    if (!PyArg_ParseTuple(args, "y*y*y*", &data, &starts, &ends))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = starts.len / (Py_ssize_t)sizeof(int64_t);
+    if (ends.len != starts.len || starts.len % (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "starts and ends must be int64 arrays of one size");
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize(NULL, n);
+    if (result == NULL)
+        goto done;
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    const int64_t *s = starts.buf, *e = ends.buf;
+    const uint8_t *p = data.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        out[i] = 0 <= s[i] && s[i] <= e[i] && e[i] <= data.len && valid_record(p, s[i], e[i]);
+done:
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&starts);
+    PyBuffer_Release(&ends);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"proven", proven, METH_VARARGS, "Which history records are proven valid (see the C)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_records", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__records(void)
+{
+    return PyModule_Create(&module);
+}
