@@ -210,9 +210,9 @@ class Uploader:
 
     def errors(self) -> dict[str, list[str]]:
         """What failed so far, per run id: the uploader's ERROR lines and failed files."""
-        with self._lock:
-            lines = self._lines[self._lines_seen :]
-        with self._failures_lock:
+        with self._failures_lock:  # (then `_lock`: `_read` takes only that one)
+            with self._lock:
+                lines = self._lines[self._lines_seen :]
             self._lines_seen += len(lines)
             for match in map(_RUN_ERROR.match, lines):
                 if match:
