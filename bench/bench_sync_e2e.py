@@ -44,12 +44,16 @@ RANKS = (8, 64, 256)
 TIMEOUT = 900  # seconds for one upload before the benchmark gives up
 
 
-def start_sink(data: Path) -> tuple[subprocess.Popen, str]:
+def start_sink(data: Path, latency: float = 0.0) -> tuple[subprocess.Popen, str]:
+    """The local sink; with `latency`, every upload request waits that long before its answer,
+    as a server a network away would make it (the sink's own delay fault, which waits without
+    holding the sink up)."""
     port_file = data / "port"
     data.mkdir(parents=True)
+    delay = ["--fault", f"*=delay:{latency}"] if latency > 0 else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "wbmerge.sink", "--port", "0", "--data", str(data),
-         "--port-file", str(port_file)],
+         "--port-file", str(port_file), *delay],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
     )  # fmt: skip
     deadline = time.monotonic() + 60
@@ -119,6 +123,8 @@ def main() -> None:
                         help="the jobs' rank counts (default: 8 64 256)")  # fmt: skip
     parser.add_argument("--modes", nargs="+", default=["new", "shared"], choices=["new", "shared"],
                         help="the wbmerge run modes to run beside plain")  # fmt: skip
+    parser.add_argument("--latency", type=float, default=0.0,
+                        help="seconds every request to the sink waits, as over a network")  # fmt: skip
     args = parser.parse_args()
     variants = ["plain", *args.modes]
     if args.before:
@@ -136,7 +142,7 @@ def main() -> None:
                                 metrics=20, job_id=f"bench-{ranks}")  # fmt: skip
             size = sum(p.stat().st_size for p in jobs[ranks].rglob("*.wandb")) / 1e6
             print(f"{ranks} ranks x {args.rows // ranks} steps: {size:.0f} MB", flush=True)
-        sink, url = start_sink(work / "sink")
+        sink, url = start_sink(work / "sink", args.latency)
         env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
         env.update(WANDB_BASE_URL=url, WANDB_API_KEY=local_api_key(), WANDB_SILENT="true")
         client = SinkClient(url)
@@ -154,7 +160,8 @@ def main() -> None:
         finally:
             sink.terminate()
             sink.wait(timeout=30)
-    print(f"\nmedian of {args.repeat}, {args.rows} rows per job, 20 metrics a row:\n")
+    latency = f", {args.latency * 1000:.0f} ms a request" if args.latency else ""
+    print(f"\nmedian of {args.repeat}, {args.rows} rows per job, 20 metrics a row{latency}:\n")
     print(table(times, variants, args.ranks))
 
 
