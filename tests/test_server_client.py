@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -26,9 +27,19 @@ class GraphQLDouble(BaseHTTPRequestHandler):
     last_step: object = 6  # `_step` of the last history line
     answer: bytes | None = None  # the whole answer instead, as it is
 
+    busy: tuple[int, ...] = ()  # statuses answered (in turn) before the real answers
+    retry_after: str | None = None  # the Retry-After header of those answers
+
     def do_POST(self):  # (the name http.server calls)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.seen.append((self.client_address[1], body["variables"].get("name")))
+        if len(self.server.seen) <= len(self.busy):
+            self.send_response(self.busy[len(self.server.seen) - 1])
+            if self.retry_after is not None:
+                self.send_header("Retry-After", self.retry_after)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         bucket = {"historyLineCount": 7, "eventsLineCount": 2, "logLineCount": 3,
                   "historyTail": json.dumps([json.dumps({"_step": self.last_step})])}  # fmt: skip
         data = self.answer or json.dumps({"data": {"model": {"bucket": bucket}}}).encode()
@@ -57,9 +68,9 @@ def server(request):
     httpd.server_close()
 
 
-def client_of(httpd) -> ServerClient:
+def client_of(httpd, **options) -> ServerClient:
     port = httpd.server_address[1]
-    return ServerClient(Credentials(f"http://127.0.0.1:{port}", "local-" + "0" * 40))
+    return ServerClient(Credentials(f"http://127.0.0.1:{port}", "local-" + "0" * 40), **options)
 
 
 @pytest.mark.parametrize("server", [{}], indirect=True)
@@ -202,3 +213,52 @@ def test_a_history_tail_that_cannot_be_read_is_no_last_row(server):
     held = client_of(server).held("me", "p", "run")
     assert held.exists and held.history_lines == 7
     assert held.last_row is None and held.last_step is None
+
+
+@pytest.mark.parametrize(
+    "server",
+    [{"busy": (429, 503, 502, 504), "retry_after": "0"}, {"busy": (429,), "retry_after": "1"}],
+    indirect=True,
+)
+def test_a_busy_or_rate_limited_server_is_asked_again_as_it_says(server):
+    client = client_of(server)
+    began = time.monotonic()
+    held = client.held("me", "p", "run-0")
+    took = time.monotonic() - began
+    assert held.history_lines == 7
+    assert [name for _, name in server.seen] == ["run-0"] * (
+        len(server.RequestHandlerClass.busy) + 1
+    )
+    if server.RequestHandlerClass.retry_after == "1":
+        assert took >= 1.0  # it waited as asked
+
+
+@pytest.mark.parametrize("server", [{"busy": (429,) * 100, "retry_after": "1"}], indirect=True)
+def test_a_server_that_stays_rate_limited_fails_after_the_retry_budget(server):
+    client = client_of(server, retry_budget=2.5)
+    began = time.monotonic()
+    with pytest.raises(ServerError, match=r"answered HTTP 429 to RunResumeStatus"):
+        client.held("me", "p", "run-0")
+    assert 2.0 <= time.monotonic() - began < 5.0
+    assert len(server.seen) == 3  # asked at 0, 1 and 2 s; a third wait would pass the budget
+
+
+@pytest.mark.parametrize("server", [{"busy": (500,)}], indirect=True)
+def test_a_server_error_is_not_asked_again(server):
+    with pytest.raises(ServerError, match=r"answered HTTP 500 to RunResumeStatus"):
+        client_of(server).held("me", "p", "run-0")
+    assert len(server.seen) == 1
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        {"busy": (429,), "retry_after": value}
+        for value in ("Wed, 21 Oct 2015 07:28:00 GMT", "²", "-5")
+    ],
+    indirect=True,
+)
+def test_a_retry_after_that_is_not_whole_seconds_falls_back_to_backing_off(server):
+    began = time.monotonic()
+    assert client_of(server).held("me", "p", "run-0").history_lines == 7
+    assert 1.0 <= time.monotonic() - began < 3.0  # the first backoff: 1 s

@@ -131,6 +131,17 @@ def test_new_mode_with_one_run_failed_resends_nothing_twice(make_sink, tmp_path)
         assert_exactly_once(sink.client.run("local", "one", f"fx-one-node-4-rank-{rank}"), want)
 
 
+def test_a_rate_limited_question_before_upload_is_asked_again(make_sink, tmp_path):
+    sink = make_sink(["graphql:RunResumeStatus=429x3"])
+    result = cli(sink, tmp_path, *sync_args("rl", "--run-mode", "new"))
+    assert result.exit_code == 0, result.stderr
+    assert sink.client.faults()["faults"][0]["fired"] == 3
+    for log in PRIMARY:
+        want = expected_from_log(log)
+        rank = want.config["wbmerge"]["rank"]
+        assert_exactly_once(sink.client.run("local", "rl", f"fx-one-node-4-rank-{rank}"), want)
+
+
 def run_bounded(env, args, timeout):
     """`wbmerge` in its own process group, killed with the group when it overstays."""
     proc = subprocess.Popen([sys.executable, "-m", "wbmerge.cli", *args], env=env, text=True,

@@ -12,6 +12,7 @@ import base64
 import http.client
 import json
 import math
+import re
 import ssl
 import threading
 import time
@@ -29,6 +30,13 @@ PREFLIGHT_TIMEOUT = 10.0  # seconds: an unreachable server fails within this, in
 # without closing it would only fail after PREFLIGHT_TIMEOUT; load balancers commonly close
 # idle ones after 60 s, which the retry on a closed connection already covers.
 KEEP_IDLE = 30.0
+# Answers that say "ask again later": rate limited (429), or a gateway between us and the
+# server busy or restarting (502, 503, 504). wandb retries these too. A sync asks about
+# several runs at once, so it may meet W&B's rate limit; it waits as the answer's
+# Retry-After says (else 1, 2, 4, ... s) for up to `RETRY_BUDGET` seconds in all per
+# question, and only then fails.
+RETRIED = frozenset({429, 502, 503, 504})
+RETRY_BUDGET = 60.0
 
 VIEWER = "query Viewer { viewer { id entity username } }"
 
@@ -73,11 +81,16 @@ class ServerClient:
     proxy (`HTTPS_PROXY`, ...), requests go through urllib, which honours it.
     """
 
-    def __init__(self, credentials: Credentials, timeout: float = PREFLIGHT_TIMEOUT) -> None:
+    def __init__(
+        self,
+        credentials: Credentials,
+        timeout: float = PREFLIGHT_TIMEOUT,
+        retry_budget: float = RETRY_BUDGET,
+    ) -> None:
         self.url = credentials.base_url.rstrip("/") + "/graphql"
         token = base64.b64encode(f"api:{credentials.api_key}".encode()).decode()
         self._headers = {"Authorization": f"Basic {token}", "Content-Type": "application/json"}
-        self.timeout = timeout
+        self.timeout, self.retry_budget = timeout, retry_budget
         scheme, self._host, self._port, self._path = _http_url(credentials.base_url, self.url)
         self._https = scheme == "https"
         proxies = urllib.request.getproxies()
@@ -86,11 +99,20 @@ class ServerClient:
 
     def _query(self, query: str, variables: dict[str, Any], name: str) -> dict[str, Any]:
         body = json.dumps({"query": query, "variables": variables, "operationName": name})
-        try:
-            status, data = self._post(body.encode())
-        except (OSError, http.client.HTTPException) as exc:
-            reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
-            raise ServerError(f"cannot reach W&B at {self.url}: {reason}") from None
+        waited, attempt = 0.0, 0
+        while True:
+            try:
+                status, data, retry_after = self._post(body.encode())
+            except (OSError, http.client.HTTPException) as exc:
+                reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
+                raise ServerError(f"cannot reach W&B at {self.url}: {reason}") from None
+            if status not in RETRIED:
+                break
+            pause = min(2.0**attempt if retry_after is None else retry_after, 30.0)
+            if waited + pause > self.retry_budget:
+                break  # (said below, as any other answer that is not an answer)
+            time.sleep(pause)
+            waited, attempt = waited + pause, attempt + 1
         if status in (401, 403):
             raise ServerError(f"{self.url} refused the API key (HTTP {status})")
         if status >= 300:
@@ -106,8 +128,8 @@ class ServerClient:
             raise ServerError(f"{self.url} answered {name} with data that is not an object")
         return answer["data"] or {}
 
-    def _post(self, body: bytes) -> tuple[int, bytes]:
-        """POST `body` to the GraphQL endpoint: (HTTP status, answer).
+    def _post(self, body: bytes) -> tuple[int, bytes, float | None]:
+        """POST `body` to the GraphQL endpoint: (HTTP status, answer, its Retry-After).
 
         A kept connection the server has closed meanwhile fails on its next request; the
         request is then sent once more on a new connection (these queries only read).
@@ -116,9 +138,9 @@ class ServerClient:
             request = urllib.request.Request(self.url, body, self._headers, method="POST")
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return response.status, response.read()
+                    return response.status, response.read(), None
             except urllib.error.HTTPError as exc:
-                return exc.code, b""
+                return exc.code, b"", _seconds(exc.headers.get("Retry-After"))
         kept = getattr(self._local, "connection", None)
         self._local.connection = None  # (kept again only after a whole exchange)
         if kept is not None and time.monotonic() - self._local.used > KEEP_IDLE:
@@ -152,13 +174,15 @@ class ServerClient:
             )  # fmt: skip
         return http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
 
-    def _exchange(self, connection: http.client.HTTPConnection, body: bytes) -> tuple[int, bytes]:
+    def _exchange(
+        self, connection: http.client.HTTPConnection, body: bytes
+    ) -> tuple[int, bytes, float | None]:
         connection.request("POST", self._path, body, self._headers)
         response = connection.getresponse()
         data = response.read()
         if response.will_close:
             connection.close()  # (the next request opens it again)
-        return response.status, data
+        return response.status, data, _seconds(response.getheader("Retry-After"))
 
     def viewer_entity(self) -> str | None:
         """Check that the server answers and takes the key; returns the key's default entity."""
@@ -243,3 +267,11 @@ def _step(row: dict | None) -> int | None:
     if isinstance(step, float) and not math.isfinite(step):
         return None
     return int(step) if isinstance(step, int | float) and not isinstance(step, bool) else None
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    """A Retry-After of whole seconds, as a number (None when absent or another form, such
+    as an HTTP date: then the usual backoff applies)."""
+    if retry_after is None or not re.fullmatch(r"[0-9]{1,9}", retry_after.strip()):
+        return None
+    return float(retry_after.strip())
