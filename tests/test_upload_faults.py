@@ -131,6 +131,28 @@ def test_new_mode_with_one_run_failed_resends_nothing_twice(make_sink, tmp_path)
         assert_exactly_once(sink.client.run("local", "one", f"fx-one-node-4-rank-{rank}"), want)
 
 
+@pytest.mark.parametrize("asked", ["1", "2", "4"])
+def test_a_server_that_fails_a_question_before_upload_stops_the_sync(make_sink, tmp_path, asked):
+    """The server is asked what it holds of each run as the run is staged (several at once);
+    when one of those questions fails, the sync stops in one line, claims nothing, and a
+    rerun delivers every rank exactly once."""
+    sink = make_sink([f"graphql:RunResumeStatus=500@{asked}"])
+    env = {**local_env(tmp_path), **sink.env}
+    code, out, err = run_bounded(env, sync_args("q", "--run-mode", "new"), timeout=120)
+    assert code == 1, err
+    [line] = err.strip().splitlines()
+    assert line == f"wbmerge: error: {sink.url}/graphql answered HTTP 500 to RunResumeStatus"
+    assert out == ""  # no report of runs: nothing is claimed
+    sink.client.set_faults([])
+    second = cli(sink, tmp_path, *sync_args("q", "--run-mode", "new"))
+    assert second.exit_code == 0, second.stderr
+    assert {r["status"] for r in json.loads(second.stdout)["runs"]} == {"uploaded"}
+    for log in PRIMARY:
+        want = expected_from_log(log)
+        rank = want.config["wbmerge"]["rank"]
+        assert_exactly_once(sink.client.run("local", "q", f"fx-one-node-4-rank-{rank}"), want)
+
+
 def test_a_rate_limited_question_before_upload_is_asked_again(make_sink, tmp_path):
     sink = make_sink(["graphql:RunResumeStatus=429x3"])
     result = cli(sink, tmp_path, *sync_args("rl", "--run-mode", "new"))

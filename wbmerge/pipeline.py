@@ -388,7 +388,9 @@ def _sync_jobs(request: MergeRequest, planned: list[PlannedJob], session: _Sessi
     uploading: list[_JobUpload] = []
     try:
         for index, job in enumerate(planned):
-            uploading.append(_start_job(request, job, session, session.staging / f"job-{index}"))
+            ahead = [u.deliverer for u in uploading if u.deliverer is not None]
+            workdir = session.staging / f"job-{index}"
+            uploading.append(_start_job(request, job, session, workdir, ahead))
             if len(uploading) == 2:
                 failures += _finish_job(uploading[0], session)
                 uploading.pop(0)
@@ -404,9 +406,14 @@ def _sync_jobs(request: MergeRequest, planned: list[PlannedJob], session: _Sessi
 
 
 def _start_job(
-    request: MergeRequest, job: PlannedJob, session: _Session, workdir: Path
+    request: MergeRequest,
+    job: PlannedJob,
+    session: _Session,
+    workdir: Path,
+    ahead: Sequence[Deliverer] = (),
 ) -> _JobUpload:
-    """Skip the job's verified runs; stage the others, each uploading as soon as it is staged."""
+    """Skip the job's verified runs; stage the others, each uploading as soon as it is staged.
+    A failure of this job's upload or of one `ahead` (a job still uploading) stops the staging."""
     assert job.project
     options = job.options(request)
     settings = job.ledger_settings(request)
@@ -434,6 +441,9 @@ def _start_job(
     upload.deliverer = deliverer
     try:
         for target, key, fingerprint in pending:
+            for failed in (d.failure for d in (deliverer, *ahead)):
+                if failed is not None:
+                    raise failed  # the server could not be asked: stop staging
             if deliverer.given_up:
                 break  # no progress for --timeout: the rest is not staged either
             staged = stage(target, workdir / "runs", options, count_content=True)

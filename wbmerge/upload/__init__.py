@@ -11,24 +11,16 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 | `ledger` | runs verified complete (SQLite) and per-run locks |
 | `staging` | staging directories that name their owner; leftovers of killed syncs removed |
 | `settle` | stopped uploads noted, so that no sync reads counts while their last requests land |
+| `batches` | pure: how many ready runs a new `wandb sync` takes, and its lanes |
 | `deliver` | the exactly-once flow over one project's staged runs |
 """
 
 from __future__ import annotations
 
 from ..content import StagedContent, read_staged
+from .batches import PATIENCE, START_COST, UploadSlots, batch_lanes, batch_size
 from .credentials import Credentials, find_credentials
-from .deliver import (
-    PATIENCE,
-    START_COST,
-    Deliverer,
-    Delivery,
-    DeliveryReport,
-    Progress,
-    UploadSlots,
-    batch_lanes,
-    batch_size,
-)
+from .deliver import Deliverer, Delivery, DeliveryReport, Progress
 from .ledger import Ledger, run_locks, state_dir
 from .remainder import Remainder, history_row, remainder, same_value, shortfall
 from .server import Held, ServerClient, ServerError

@@ -7,18 +7,16 @@ ledger the moment it is verified, so an interruption keeps what completed; a run
 short, or whose files failed to upload, is reported and not recorded, and a rerun sends
 what is still missing.
 
-Runs are handed over one at a time (`submit`) as they are staged, and go out in batches:
-each batch is one `wandb sync` process, started as soon as runs are ready and upload slots
-are free. The slots (`-n`) are shared by every deliverer of one sync, so that two jobs
-uploading side by side still send at most `-n` runs at once. A batch is not one process per
-run because every `wandb sync` costs about a second of CPU to start (measured with wandb
-0.31: 0.9 s for one small run), which would cost more than the overlap gains; `batch_size`
-says how the runs are shared out.
+Runs are handed over one at a time (`submit`) as they are staged; the server is asked
+about each in a few threads of their own, while the next runs are staged; and ready runs go
+out in batches, each one `wandb sync` process, started as soon as upload slots are free
+(`batches` says how many runs each takes).
 """
 
 from __future__ import annotations
 
 import math
+import queue
 import shutil
 import threading
 import time
@@ -28,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..content import StagedContent, read_staged
+from .batches import UploadSlots, batch_lanes, batch_size
 from .credentials import Credentials
 from .ledger import Ledger
 from .remainder import Mismatch, history_row, remainder, shortfall, write_remainder
@@ -36,97 +35,23 @@ from .settle import wait_settled
 from .staging import OwnerRecord
 from .uploader import DEFAULT_TIMEOUT, Uploader
 
-PATIENCE = 0.5  # seconds a ready run waits for more, to fill the free slots with one process
-START_COST = 2.0  # seconds a `wandb sync` takes to start sending (wandb 0.31, measured)
 # Runs of one batch checked at once after their upload: one at a time, the checks of 256
 # small runs fell 2 s behind the upload (each waits on a server busy with the upload).
 VERIFIERS = 4
+# Runs whose server state is asked at once before their upload. Asked one after another in
+# the staging thread, 256 runs waited 256 round trips before any was sent: 12.8 s of a 27 s
+# sync against a server 50 ms away (bench_sync_e2e.py --latency 0.05), where plain
+# `wandb sync` took 13.5 s.
+PREPARERS = 8
+# While a batch uploads, the `PROBED` of its unfinished runs asked longest ago are asked how
+# far they are, every `PROBE_EVERY` seconds: 4 questions a second at most, however large the
+# batch, and each run of n unfinished asked every n/4 seconds (wandb-core does not send the
+# runs in the order it is given them, so none can be preferred). An upload counts as stuck
+# only after --timeout (300 s) in which neither its output nor any answer moved.
+PROBED = 4
+PROBE_EVERY = 1.0
+STOP_WAIT = 2.0  # seconds stop() waits for runs being asked about before it returns
 _JOIN = 60.0  # seconds to wait for an uploader thread after its process was stopped
-
-
-def batch_size(
-    ready: int,
-    coming: int,
-    uploading: int,
-    free: int,
-    parallel: int,
-    waited: float,
-    idle: float = 0.0,
-) -> int:
-    """How many of the `ready` runs a new `wandb sync` takes now (0: not now).
-
-    `coming`: runs of this delivery not staged yet; `uploading`: its runs in batches that
-    have not finished them; `free`: upload slots free of `parallel` (the others may be
-    another job's); `waited`: seconds since the last run became ready; `idle`: seconds
-    slots have been free. Every process costs a start (`START_COST`) and CPU, so runs are
-    gathered: while more are coming, a batch starts only once staging has stalled, no run
-    having become ready for `PATIENCE` (staging that keeps up goes out in one process, and
-    staging that is slow still has its first runs sent meanwhile). While other uploads run, a batch
-    starts once it has its part of the slots (in proportion to the runs left), half the
-    slots, or slots have idled for as long as a start takes. It takes its share of the
-    runs left, `free / parallel` of them, so that batches side by side end together.
-    """
-    left = ready + coming
-    if not ready or not free:
-        return 0
-    if coming and waited < PATIENCE:
-        return 0
-    part = parallel * left // (left + uploading)  # its slots in proportion to the runs left
-    if free < parallel and free < min(math.ceil(parallel / 2), left, part) and idle < START_COST:
-        return 0
-    share = math.ceil((left + uploading) * free / parallel)
-    return min(ready, max(free, share))
-
-
-def batch_lanes(runs: int, coming: int, uploading: int, free: int, parallel: int) -> int:
-    """How many of the `free` slots a new batch of `runs` takes (its `wandb sync -n`).
-
-    With nothing more coming, every free slot it can use. While runs are still coming, an
-    early batch takes only its part, in proportion to its runs among all not yet finished
-    (at least one): the slots left are there for the batch of the runs still being staged,
-    which then starts at once instead of waiting for this one to end.
-    """
-    lanes = min(runs, free)
-    if coming:
-        part = parallel * runs // (runs + coming + uploading)
-        lanes = min(lanes, max(1, part))
-    return lanes
-
-
-class UploadSlots:
-    """The runs one sync may upload at once (`-n`), shared by all of its deliverers.
-
-    Its condition is also what every deliverer waits on: a slot given back, a run ready,
-    a batch ended, all wake the deliverers to look again.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = max(1, limit)
-        self.busy = 0
-        self.changed = threading.Condition()
-        self._free_since = time.monotonic()
-
-    @property
-    def free(self) -> int:
-        return self.limit - self.busy
-
-    @property
-    def idle(self) -> float:
-        """Seconds since a slot last became free (0 while none is)."""
-        return time.monotonic() - self._free_since if self.busy < self.limit else 0.0
-
-    def take(self, count: int) -> None:
-        """Take `count` slots (holding `changed`)."""
-        self.busy += count
-        if self.busy >= self.limit:
-            self._free_since = time.monotonic()  # idle counts from the next slot given back
-
-    def give_back(self, count: int) -> None:
-        """Give back `count` slots (holding `changed`), waking every deliverer."""
-        if count > 0 and self.busy >= self.limit:
-            self._free_since = time.monotonic()
-        self.busy -= count
-        self.changed.notify_all()
 
 
 @dataclass
@@ -169,7 +94,8 @@ class Deliverer:
     """Delivers the staged runs of one project, exactly once, verified, while they come.
 
     `submit` each run as it is staged (`expected` of them), then `finish()`; `stop()` ends
-    every upload at once (Ctrl-C). With `remove_verified`, a run's staged directory is
+    every upload at once (Ctrl-C). One of the two ends every deliverer: its threads wait
+    for them. With `remove_verified`, a run's staged directory is
     removed as soon as the run is verified, so staging holds only runs still to send.
     """
 
@@ -199,6 +125,9 @@ class Deliverer:
         self.deliveries: list[Delivery] = []
         self._ready: list[tuple[Delivery, float]] = []  # with the time it became ready
         self._uploading: dict[str, Delivery] = {}  # in a batch, not yet finished
+        self._preparing = 0  # handed over, the server still being asked what it holds
+        self._to_prepare: queue.SimpleQueue[Delivery | None] = queue.SimpleQueue()
+        self._stop_asked = threading.Event()  # ends the preparers' waits at once
         self._uploaders: list[Uploader] = []
         # The next batch's uploader, started ahead so that the batch skips wandb's start.
         self._standby: Uploader | None = None
@@ -210,6 +139,11 @@ class Deliverer:
         self._entity_seen: str | None = None
         self._rows: dict[str, int] = {}  # history rows the server holds, per run
         self._counts: dict[str, tuple[int, int, int]] = {}  # all its line counts, per run
+        self._asked_at: dict[str, float] = {}  # when each run was last asked how far it is
+        # Daemon threads: a Ctrl-C does not wait for a question to the server to end.
+        for number in range(PREPARERS):
+            threading.Thread(target=self._prepare_each, name=f"wbmerge-prepare-{number}",
+                             daemon=True).start()  # fmt: skip
         self._dispatcher = threading.Thread(target=self._dispatch, daemon=True)
         self._dispatcher.start()
         self._stand_by()
@@ -223,39 +157,78 @@ class Deliverer:
         run already (to cut them off); otherwise the whole log goes, and it is counted
         while its upload starts (`_read_contents`), for the check after it. Counts are read
         only once a stopped upload's last requests have landed (see `settle`)."""
-        wait_settled()
+        wait_settled(self._stop_asked)
+        if self.given_up:
+            return
         held = self.client.held(self.entity, self.project, delivery.run_id)
         if not (held.exists and held.history_lines):
             return
         content = self._content(delivery)
         plan = remainder(content, held, lambda index: history_row(delivery.log, index))
-        if plan.resends:
+        if plan.resends and not self.given_up:  # (after a stop, staging is being removed)
             cut = delivery.log.with_name(delivery.log.name + ".remainder")
             write_remainder(delivery.log, cut, plan)
             cut.replace(delivery.log)
 
     def submit(self, delivery: Delivery) -> None:
-        """Hand over one staged run: it is prepared here and uploaded when slots allow.
+        """Hand over one staged run: it is prepared in a thread of its own while the next runs
+        are staged, and uploaded when slots allow.
 
         A run the server holds other rows of is not sent (a problem of that run); after the
-        upload was given up, nothing more is sent.
+        upload was given up, nothing more is sent. An error in preparing a run (the server
+        could not be asked) stops the delivery: `failure` says it to the stager at once, and
+        `finish()` raises it.
         """
         with self.lock:
             self.deliveries.append(delivery)
-            if self.timed_out or self._stopping:
+            if self.given_up:
                 delivery.problems.append("not sent: the upload was given up")
                 return
-        try:
-            self.prepare(delivery)
-        except Mismatch as exc:
-            delivery.problems.append(
-                f"{exc}: the server's run is not a beginning of this one and is left "
-                "as it is (delete it on the server, or pick another --base-id)"
-            )
-            return
+            self._preparing += 1
+        self._to_prepare.put(delivery)
+
+    def _prepare_each(self) -> None:
+        """A preparer thread: `prepare` handed-over runs and make them ready, until told to end."""
+        while (delivery := self._to_prepare.get()) is not None:
+            ready = False
+            try:
+                if self.given_up:
+                    delivery.problems.append("not sent: the upload was given up")
+                else:
+                    self.prepare(delivery)
+                    ready = not self.given_up
+            except Mismatch as exc:
+                delivery.problems.append(
+                    f"{exc}: the server's run is not a beginning of this one and is left "
+                    "as it is (delete it on the server, or pick another --base-id)"
+                )
+            except BaseException as exc:  # said by `failure`, and raised by finish()
+                with self.lock:
+                    self._error = self._error or exc
+                    self._stopping = True
+                # The uploads are stopped now, not when the stager next looks (a run's
+                # staging may take minutes); from another thread, as stopping waits.
+                threading.Thread(target=self._stop_uploads, daemon=True).start()
+            finally:
+                with self.lock:
+                    self._preparing -= 1
+                    if ready:
+                        self._ready.append((delivery, time.monotonic()))
+                    self.lock.notify_all()
+
+    def _end_preparers(self, wait: float | None) -> None:
+        """Tell the preparer threads to end once the runs handed over are prepared (or, after
+        a stop, passed over); wait up to `wait` seconds (None: without a bound) for them."""
+        for _ in range(PREPARERS):
+            self._to_prepare.put(None)
         with self.lock:
-            self._ready.append((delivery, time.monotonic()))
-            self.lock.notify_all()
+            self.lock.wait_for(lambda: self._preparing == 0, wait)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that stopped the delivery in one of its threads, if one did."""
+        with self.lock:
+            return self._error
 
     @property
     def given_up(self) -> bool:
@@ -267,6 +240,10 @@ class Deliverer:
         with self.lock:
             self._sealed = True
             self.lock.notify_all()
+        self._end_preparers(wait=None)  # every run is ready now, or has failed
+        if self.failure is not None:  # the server could not be asked: end the uploads too
+            self.stop()
+            raise self.failure
         self._dispatcher.join()
         for thread in list(self._threads):
             thread.join()
@@ -291,15 +268,25 @@ class Deliverer:
     def stop(self) -> None:
         """Stop every upload and wait for them: nothing more is verified or recorded."""
         with self.lock:
-            self._stopping = self._sealed = True
-            uploaders = list(self._uploaders)
-            self.lock.notify_all()
-        self._end_standby()
-        for uploader in uploaders:
-            uploader.stop()
+            self._sealed = True
+        self._stop_uploads()
+        # Runs not yet asked about are passed over; a question under way ends within the
+        # client's timeout and its run is not sent, so a Ctrl-C waits for it only briefly.
+        self._end_preparers(wait=STOP_WAIT)
         self._dispatcher.join(_JOIN)
         for thread in list(self._threads):
             thread.join(_JOIN)
+
+    def _stop_uploads(self) -> None:
+        """Give up: end every uploader (waiting for each), and start nothing more."""
+        with self.lock:
+            self._stopping = True
+            uploaders = list(self._uploaders)
+            self.lock.notify_all()
+        self._stop_asked.set()
+        self._end_standby()
+        for uploader in uploaders:
+            uploader.stop()
 
     # -- the uploads ------------------------------------------------------------------------
 
@@ -319,7 +306,7 @@ class Deliverer:
         with self.lock:
             if self._standby is not None or self.given_up:
                 return
-            if self._sealed and not self._ready:
+            if self._sealed and not self._ready and not self._preparing:
                 return
             self._standby = standby = self._make_uploader()
         standby.start()  # outside the lock: a stop() meanwhile keeps it from starting
@@ -361,7 +348,8 @@ class Deliverer:
                     thread.start()
                     continue
                 running = any(t.is_alive() for t in self._threads)
-                if self._sealed and not running and (not self._ready or self.given_up):
+                nothing_left = not self._ready and not self._preparing
+                if self._sealed and not running and (nothing_left or self.given_up):
                     return
                 self.lock.wait(0.1)
 
@@ -369,7 +357,7 @@ class Deliverer:
         """The runs to start now and the slots they take (called holding the lock)."""
         if self.given_up or not self._ready:
             return [], 0
-        coming = 0 if self._sealed else max(0, self.expected - len(self.deliveries))
+        coming = self._preparing + self._unsubmitted()
         waited = time.monotonic() - self._ready[-1][1]
         count = batch_size(len(self._ready), coming, len(self._uploading), self.slots.free,
                            self.slots.limit, waited, self.slots.idle)  # fmt: skip
@@ -392,7 +380,7 @@ class Deliverer:
             with self.lock:
                 if self.given_up:  # stopped, or timed out, since the batch was made
                     return
-                more = not self._sealed and len(self.deliveries) < self.expected
+                more = self._preparing + self._unsubmitted() > 0
             if more or self._ready:
                 self._stand_by()
 
@@ -422,9 +410,8 @@ class Deliverer:
             def probe() -> bool:
                 return self._probe([d for d in batch if d.run_id in self._uploading])
 
-            probe_every = max(2.0, 0.25 * len(batch))  # at most ~4 queries a second
             threading.Thread(target=self._read_contents, args=(batch,), daemon=True).start()
-            outcome = uploader.run([d.run_dir for d in batch], lanes, finished, probe, probe_every)
+            outcome = uploader.run([d.run_dir for d in batch], lanes, finished, probe, PROBE_EVERY)
             with self.lock:
                 self._entity_seen = self._entity_seen or outcome.entity
                 if outcome.timed_out and not self._stopping:
@@ -508,9 +495,15 @@ class Deliverer:
         self.progress(Progress(done, self._total(), rows, message))
 
     def _probe(self, deliveries: list[Delivery]) -> bool:
-        """Ask the server how far `deliveries` are; True if any moved since last asked."""
+        """Ask the server how far the `PROBED` of `deliveries` asked longest ago are (those
+        never asked first); True if any moved since it was last asked."""
+        with self.lock:
+            asked = sorted(deliveries, key=lambda d: self._asked_at.get(d.run_id, -math.inf))
+            asked = asked[:PROBED]
+            for delivery in asked:
+                self._asked_at[delivery.run_id] = time.monotonic()
         moved = False
-        for delivery in deliveries:
+        for delivery in asked:
             try:
                 held = self.client.held(self.entity, self.project, delivery.run_id)
             except ServerError:
@@ -527,3 +520,7 @@ class Deliverer:
 
     def _total(self) -> int:
         return max(self.expected, len(self.deliveries))
+
+    def _unsubmitted(self) -> int:
+        """Runs still to be handed over (called holding the lock)."""
+        return 0 if self._sealed else max(0, self.expected - len(self.deliveries))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import math
 import os
+import threading
 import time
 
 from .ledger import state_dir
@@ -62,8 +63,9 @@ def last_stop() -> float:
     return at if math.isfinite(at) else 0.0
 
 
-def wait_settled() -> float:
-    """Wait until `SETTLE` seconds have passed since the last stop; the seconds waited.
+def wait_settled(stop: threading.Event | None = None) -> float:
+    """Wait until `SETTLE` seconds have passed since the last stop, or `stop` is set; the
+    seconds waited.
 
     A stop noted in the future (the clock was set back since, or a dead sync's files carry
     a time ahead of this clock) is taken as a stop now: it is waited for once, not before
@@ -75,5 +77,8 @@ def wait_settled() -> float:
     wait = SETTLE if last > now else last + SETTLE - now
     if wait <= 0:
         return 0.0
-    time.sleep(wait)
+    if stop is None:
+        time.sleep(wait)
+    else:
+        stop.wait(wait)
     return wait

@@ -104,6 +104,7 @@ class Uploader:
         self.proc: subprocess.Popen | None = None
         self._lines: list[str] = []
         self._lock = threading.Lock()
+        self._line_came = threading.Condition(self._lock)  # `_read` appended an output line
         self._reader: threading.Thread | None = None
         self._stopped = False  # stop() came first: nothing more is started
         self._sent = False  # its runs were handed to the process: it may have sent some
@@ -173,30 +174,56 @@ class Uploader:
         except OSError:
             pass  # it ended before it was given its runs: its output and exit code say why
         self._record_processes()
-        seen, last_progress, last_probe = 0, time.monotonic(), time.monotonic()
+        # The server is asked how far the runs are in a thread of its own, so that its
+        # questions (a round trip each) never hold up the reading of the output, where each
+        # run's end is seen: asked in this loop, they put a batch's last check up to 0.4 s
+        # late against a server 50 ms away.
+        moved_at = [time.monotonic()]  # when the server was last seen to move
+        ending = threading.Event()
+        probe_failed: list[BaseException] = []  # raised here once the prober has ended
+
+        def probing() -> None:
+            try:
+                while not ending.wait(probe_every):
+                    if probe():
+                        moved_at[0] = time.monotonic()
+            except BaseException as exc:  # (not a failed question: those answer False)
+                probe_failed.append(exc)
+                self.stop()  # the upload cannot be watched any more: end it now
+
+        prober = threading.Thread(target=probing, name="wbmerge-probe", daemon=True)
+        prober.start()
+        seen, last_progress, last_record = 0, time.monotonic(), time.monotonic()
         timed_out = False
-        while True:
-            done = proc.poll() is not None
-            with self._lock:
-                new = self._lines[seen:]
-            for line in new:
-                seen += 1
-                last_progress = time.monotonic()
-                match = _FINISHED.search(line)
-                if match:
-                    on_finished(match["run"])
-            if done and not reader.is_alive():
-                break
-            now = time.monotonic()
-            if not done and now - last_probe >= probe_every:
-                last_probe = now
-                if probe():
-                    last_progress = now
-                self._record_processes()
-            if not done and now - last_progress > self.timeout:
-                timed_out = True
-                self.stop()
-            time.sleep(0.1 if done else 0.25)
+        try:
+            while True:
+                done = proc.poll() is not None
+                with self._lock:
+                    new = self._lines[seen:]
+                for line in new:
+                    seen += 1
+                    last_progress = time.monotonic()
+                    match = _FINISHED.search(line)
+                    if match:
+                        on_finished(match["run"])
+                if done and not reader.is_alive():
+                    break
+                now = time.monotonic()
+                last_progress = max(last_progress, moved_at[0])
+                if not done and now - last_record >= probe_every:
+                    last_record = now
+                    self._record_processes()
+                if not done and now - last_progress > self.timeout:
+                    timed_out = True
+                    self.stop()
+                with self._lock:  # until the next line comes (`_read` says so), or a while
+                    if len(self._lines) == seen:
+                        self._line_came.wait(0.1 if done else 0.25)
+        finally:
+            ending.set()
+            prober.join()
+        if probe_failed:
+            raise probe_failed[0]
         output = "".join(self._lines)
         if proc.returncode < 0 and not timed_out:  # killed by a signal, not by us
             note_stopped()
@@ -232,6 +259,9 @@ class Uploader:
         for line in self.proc.stdout:
             with self._lock:
                 self._lines.append(line)
+                self._line_came.notify_all()
+        with self._lock:  # (the end of the output: `run` looks at the process again)
+            self._line_came.notify_all()
 
     def file_failures(self) -> dict[str, list[str]]:
         """Failed file transfers per run id, from the uploader's debug logs.

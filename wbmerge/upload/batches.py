@@ -1,0 +1,104 @@
+"""When staged runs go out: how many runs a new `wandb sync` takes, and with how many lanes.
+
+The deliverers of one sync share its upload slots (`-n`, `UploadSlots`), so that two jobs
+uploading side by side still send at most `-n` runs at once. A batch is one `wandb sync`
+process, not one per run, because every `wandb sync` costs about a second of CPU to start
+(measured with wandb 0.31: 0.9 s for one small run), which would cost more than the
+overlap gains. The rules are pure functions of counts, so that they can be read and
+tested as a table.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+PATIENCE = 0.5  # seconds a ready run waits for more, to fill the free slots with one process
+START_COST = 2.0  # seconds a `wandb sync` takes to start sending (wandb 0.31, measured)
+
+
+def batch_size(
+    ready: int,
+    coming: int,
+    uploading: int,
+    free: int,
+    parallel: int,
+    waited: float,
+    idle: float = 0.0,
+) -> int:
+    """How many of the `ready` runs a new `wandb sync` takes now (0: not now).
+
+    `coming`: runs of this delivery not ready yet (being staged, or the server being
+    asked about them); `uploading`: its runs in batches that
+    have not finished them; `free`: upload slots free of `parallel` (the others may be
+    another job's); `waited`: seconds since the last run became ready; `idle`: seconds
+    slots have been free. Every process costs a start (`START_COST`) and CPU, so runs are
+    gathered: while more are coming, a batch starts only once staging has stalled, no run
+    having become ready for `PATIENCE` (staging that keeps up goes out in one process, and
+    staging that is slow still has its first runs sent meanwhile). While other uploads run, a batch
+    starts once it has its part of the slots (in proportion to the runs left), half the
+    slots, or slots have idled for as long as a start takes. It takes its share of the
+    runs left, `free / parallel` of them, so that batches side by side end together.
+    """
+    left = ready + coming
+    if not ready or not free:
+        return 0
+    if coming and waited < PATIENCE:
+        return 0
+    part = parallel * left // (left + uploading)  # its slots in proportion to the runs left
+    if free < parallel and free < min(math.ceil(parallel / 2), left, part) and idle < START_COST:
+        return 0
+    share = math.ceil((left + uploading) * free / parallel)
+    return min(ready, max(free, share))
+
+
+def batch_lanes(runs: int, coming: int, uploading: int, free: int, parallel: int) -> int:
+    """How many of the `free` slots a new batch of `runs` takes (its `wandb sync -n`).
+
+    With nothing more coming, every free slot it can use. While runs are still coming, an
+    early batch takes only its part, in proportion to its runs among all not yet finished
+    (at least one): the slots left are there for the batch of the runs still being staged,
+    which then starts at once instead of waiting for this one to end.
+    """
+    lanes = min(runs, free)
+    if coming:
+        part = parallel * runs // (runs + coming + uploading)
+        lanes = min(lanes, max(1, part))
+    return lanes
+
+
+class UploadSlots:
+    """The runs one sync may upload at once (`-n`), shared by all of its deliverers.
+
+    Its condition is also what every deliverer waits on: a slot given back, a run ready,
+    a batch ended, all wake the deliverers to look again.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self.busy = 0
+        self.changed = threading.Condition()
+        self._free_since = time.monotonic()
+
+    @property
+    def free(self) -> int:
+        return self.limit - self.busy
+
+    @property
+    def idle(self) -> float:
+        """Seconds since a slot last became free (0 while none is)."""
+        return time.monotonic() - self._free_since if self.busy < self.limit else 0.0
+
+    def take(self, count: int) -> None:
+        """Take `count` slots (holding `changed`)."""
+        self.busy += count
+        if self.busy >= self.limit:
+            self._free_since = time.monotonic()  # idle counts from the next slot given back
+
+    def give_back(self, count: int) -> None:
+        """Give back `count` slots (holding `changed`), waking every deliverer."""
+        if count > 0 and self.busy >= self.limit:
+            self._free_since = time.monotonic()
+        self.busy -= count
+        self.changed.notify_all()
