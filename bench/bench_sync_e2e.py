@@ -4,6 +4,7 @@
     python bench/bench_sync_e2e.py --rows 64000 --repeat 5
     python bench/bench_sync_e2e.py --before /path/to/an/older/checkout   # adds its variants
     python bench/bench_sync_e2e.py --ranks 64 --repeat 1 --modes new     # a quick look
+    python bench/bench_sync_e2e.py --latency 0.05   # every sink answer 50 ms late, as over a network
 
 Three synthetic jobs of 8, 64 and 256 ranks hold the same rows in all (`--rows`, 20 metrics
 a row). Each is uploaded, every repeat, to a fresh project of one local sink by
