@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from itertools import pairwise
 
 import pytest
 
 from wbmerge.pipeline import MergeRequest, UploadFailed, sync
-from wbmerge.upload import PATIENCE, START_COST, batch_lanes, batch_size
+from wbmerge.upload import PATIENCE, START_COST, batch_lanes, batch_size, runs_to_ask
 
 from .conftest import job_dir
 from .test_sync import assert_shared, sources_of
@@ -78,6 +79,56 @@ def test_an_early_batch_takes_only_its_part_of_the_slots():
     assert batch_lanes(runs=3, coming=1, uploading=0, free=4, parallel=4) == 3  # 4 * 3 // 4
     assert batch_lanes(runs=1, coming=63, uploading=0, free=8, parallel=8) == 1  # at least one
     assert batch_lanes(runs=8, coming=8, uploading=16, free=3, parallel=8) == 2  # 8 * 8 // 32
+
+
+# -- which runs of an uploading batch the server is asked about (pure) ----------------------
+
+RUNS = [f"r{n}" for n in range(10)]
+NEVER: dict[str, float] = {}
+
+
+@pytest.mark.parametrize(
+    "unfinished, asked_at, started, want",
+    [
+        (RUNS, NEVER, set(), ["r0", "r1", "r2", "r3"]),  # none asked yet: in the batch's order
+        (RUNS, {r: 1.0 for r in RUNS}, set(), ["r0", "r1", "r2", "r3"]),
+        (RUNS, {"r0": 5.0, "r1": 5.0}, set(), ["r2", "r3", "r4", "r5"]),  # never asked first
+        # runs being sent are asked each time, however recently, with two others in turn
+        (RUNS, {"r7": 9.0, "r9": 9.0}, {"r7", "r9"}, ["r7", "r9", "r0", "r1"]),
+        (RUNS, {"r1": 3.0, "r2": 1.0, "r3": 2.0}, {"r1", "r2", "r3"}, ["r2", "r3", "r0", "r4"]),
+        (RUNS, NEVER, {"r5"}, ["r5", "r0", "r1", "r2"]),  # one sent: the others take the rest
+        (["r0", "r1", "r2", "r3", "r4"], NEVER, {"r0", "r1", "r2", "r3"}, ["r0", "r1", "r2", "r4"]),
+        (["r0", "r1", "r2", "r3", "r4"], NEVER, set(RUNS), ["r0", "r1", "r2", "r3"]),  # all sent
+        (["r3", "r1"], NEVER, {"r1"}, ["r1", "r3"]),  # fewer than four: all of them
+        ([], NEVER, set(), []),
+    ],
+)
+def test_runs_to_ask_puts_half_the_questions_on_the_runs_being_sent(
+    unfinished, asked_at, started, want
+):
+    assert runs_to_ask(unfinished, asked_at, started, 4) == want
+
+
+def test_every_run_of_two_batches_side_by_side_is_asked_in_bounded_turns():
+    """Two batches of one deliverer ask in alternation and share one record of when each
+    run was asked. Each of the 8 runs being sent is asked at least every 4 rounds of its
+    batch, and each waiting run at least every 46 (92 of them, 2 a round), whatever the
+    other batch does (a turn counter shared by the batches once skipped runs for ever)."""
+    first = [f"a{n}" for n in range(100)]
+    second = [f"b{n}" for n in range(6)]
+    started = {f"a{n}" for n in range(0, 80, 10)} | {"b0"}
+    asked_at: dict[str, float] = {}
+    rounds_of: dict[str, list[int]] = {run: [] for run in first + second}
+    for turn in range(400):
+        for number, batch in enumerate((first, second)):
+            for run in runs_to_ask(batch, asked_at, started, 4):
+                asked_at[run] = turn * 2 + number
+                rounds_of[run].append(turn)
+    for run in first:
+        gaps = [later - earlier for earlier, later in pairwise(rounds_of[run])]
+        bound = 4 if run in started else 46
+        assert rounds_of[run][0] < bound and max(gaps) <= bound, (run, rounds_of[run][:5])
+    assert all(len(rounds_of[run]) >= 200 for run in second)  # 6 runs, 4 a round
 
 
 # -- end to end, through `sync` -------------------------------------------------------------

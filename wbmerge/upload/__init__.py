@@ -11,14 +11,14 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 | `ledger` | runs verified complete (SQLite) and per-run locks |
 | `staging` | staging directories that name their owner; leftovers of killed syncs removed |
 | `settle` | stopped uploads noted, so that no sync reads counts while their last requests land |
-| `batches` | pure: how many ready runs a new `wandb sync` takes, and its lanes |
+| `batches` | pure: how many ready runs a new `wandb sync` takes, its lanes, and which runs to ask about |
 | `deliver` | the exactly-once flow over one project's staged runs |
 """
 
 from __future__ import annotations
 
 from ..content import StagedContent, read_staged
-from .batches import PATIENCE, START_COST, UploadSlots, batch_lanes, batch_size
+from .batches import PATIENCE, START_COST, UploadSlots, batch_lanes, batch_size, runs_to_ask
 from .credentials import Credentials, find_credentials
 from .deliver import Deliverer, Delivery, DeliveryReport, Progress
 from .ledger import Ledger, run_locks, state_dir
@@ -60,6 +60,7 @@ __all__ = [
     "read_staged",
     "remainder",
     "run_locks",
+    "runs_to_ask",
     "same_value",
     "shortfall",
     "state_dir",

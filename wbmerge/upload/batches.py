@@ -1,4 +1,5 @@
-"""When staged runs go out: how many runs a new `wandb sync` takes, and with how many lanes.
+"""When staged runs go out: how many runs a new `wandb sync` takes, and with how many lanes;
+and which of a batch's runs the server is asked about while it uploads.
 
 The deliverers of one sync share its upload slots (`-n`, `UploadSlots`), so that two jobs
 uploading side by side still send at most `-n` runs at once. A batch is one `wandb sync`
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Mapping, Sequence
 
 PATIENCE = 0.5  # seconds a ready run waits for more, to fill the free slots with one process
 START_COST = 2.0  # seconds a `wandb sync` takes to start sending (wandb 0.31, measured)
@@ -102,3 +104,30 @@ class UploadSlots:
             self._free_since = time.monotonic()
         self.busy -= count
         self.changed.notify_all()
+
+
+def runs_to_ask(
+    unfinished: Sequence[str], asked_at: Mapping[str, float], started: set[str], count: int
+) -> list[str]:
+    """Which `count` of a batch's `unfinished` runs to ask the server about now, to see
+    whether the upload moves.
+
+    `asked_at`: when each run was last asked (never: first); `started`: runs the server
+    was seen to hold something of, that is runs being sent. Half the questions go to the
+    started runs, the ones asked longest ago first, and half to the others in the same way
+    (either half takes what the other does not need). wandb-core sends the runs of a batch
+    in an order of its own, so the runs being sent are found by asking; once found, each is
+    asked every few seconds however many runs wait, so that an upload of large runs, which
+    says nothing until a run ends, is not taken for stuck.
+
+    Example, `count` 4: of 100 unfinished runs with `r7` and `r9` started, `r7` and `r9`
+    are asked each time, and two of the other 98, in turn, each every 49 times.
+    """
+
+    def oldest(runs: list[str]) -> list[str]:
+        return sorted(runs, key=lambda run: asked_at.get(run, -math.inf))
+
+    sending = oldest([run for run in unfinished if run in started])
+    waiting = oldest([run for run in unfinished if run not in started])
+    to_sending = min(len(sending), max(count // 2, count - len(waiting)))
+    return sending[:to_sending] + waiting[: count - to_sending]

@@ -15,7 +15,6 @@ out in batches, each one `wandb sync` process, started as soon as upload slots a
 
 from __future__ import annotations
 
-import math
 import queue
 import shutil
 import threading
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..content import StagedContent, read_staged
-from .batches import UploadSlots, batch_lanes, batch_size
+from .batches import UploadSlots, batch_lanes, batch_size, runs_to_ask
 from .credentials import Credentials
 from .ledger import Ledger
 from .remainder import Mismatch, history_row, remainder, shortfall, write_remainder
@@ -43,11 +42,10 @@ VERIFIERS = 4
 # sync against a server 50 ms away (bench_sync_e2e.py --latency 0.05), where plain
 # `wandb sync` took 13.5 s.
 PREPARERS = 8
-# While a batch uploads, the `PROBED` of its unfinished runs asked longest ago are asked how
-# far they are, every `PROBE_EVERY` seconds: 4 questions a second at most, however large the
-# batch, and each run of n unfinished asked every n/4 seconds (wandb-core does not send the
-# runs in the order it is given them, so none can be preferred). An upload counts as stuck
-# only after --timeout (300 s) in which neither its output nor any answer moved.
+# While a batch uploads, `PROBED` of its unfinished runs (`runs_to_ask`) are asked how far
+# they are every `PROBE_EVERY` seconds: 4 questions a second at most, however large the
+# batch. An upload counts as stuck only after --timeout (300 s) in which neither its output
+# nor any answer moved.
 PROBED = 4
 PROBE_EVERY = 1.0
 STOP_WAIT = 2.0  # seconds stop() waits for runs being asked about before it returns
@@ -495,11 +493,12 @@ class Deliverer:
         self.progress(Progress(done, self._total(), rows, message))
 
     def _probe(self, deliveries: list[Delivery]) -> bool:
-        """Ask the server how far the `PROBED` of `deliveries` asked longest ago are (those
-        never asked first); True if any moved since it was last asked."""
+        """Ask the server how far `PROBED` of `deliveries` are (`runs_to_ask`); True if any
+        moved since it was last asked."""
         with self.lock:
-            asked = sorted(deliveries, key=lambda d: self._asked_at.get(d.run_id, -math.inf))
-            asked = asked[:PROBED]
+            started = {run for run, counts in self._counts.items() if any(counts)}
+            chosen = runs_to_ask([d.run_id for d in deliveries], self._asked_at, started, PROBED)
+            asked = [d for d in deliveries if d.run_id in chosen]
             for delivery in asked:
                 self._asked_at[delivery.run_id] = time.monotonic()
         moved = False
