@@ -130,12 +130,15 @@ def test_read_staged_and_write_remainder_on_a_real_log(tmp_path):
     assert rest.summary == want.summary and rest.exit_code == want.exit_code
 
 
-# (items, step field) -> the step the server will show. Measured with wandb 0.31's
-# `wandb sync` into the sink: a record's step field is the row's `_step`, whatever its
-# `_step` item says (`5`, `true`, a plain `key`); without the field, its `_step` item.
+# (items, step field) -> the step the count takes: the record's step field, else its first
+# `_step` item. In rows wandb writes, field and item agree and rise, and this is the `_step`
+# wandb-core 0.31 sends. It does not read the field: it sends the last `_step` item when that
+# is an integer above the previous row's `_step`, else the previous + 1 (measured with
+# `wandb sync` into the sink), so for rows below whose field and item disagree the server
+# shows another step, and a sync of them may report a whole run incomplete (ARCHITECTURE.md).
 ODD_ROWS = [
     ([(["loss"], "0.5"), (["_step"], "7")], 7, 7),
-    ([("_step", "8")], 99, 99),  # a plain `key`, as wandb 0.16 writes it: the field wins
+    ([("_step", "8")], 99, 99),  # a plain `key`, as wandb 0.16 writes it: the field
     ([("_step", "8")], None, 8),  # wandb 0.16 writes no field: the item is the step
     ([(["_step"], "5")], 29, 29),
     ([(["_step"], "true")], 29, 29),
@@ -163,7 +166,7 @@ ODD_ROWS = [
 
 
 @pytest.mark.parametrize("padding", [0, 400])  # 400 more items: wide rows, as a shared run's
-def test_read_staged_reads_each_rows_step_as_the_server_will_show_it(tmp_path, padding):
+def test_read_staged_reads_each_rows_step_by_its_field_else_its_first_item(tmp_path, padding):
     from wbmerge.txlog import write_payloads
 
     log = tmp_path / "odd.wandb"

@@ -118,9 +118,9 @@ _WIDE_ROW = 4096
 
 def history_steps(read: records.RecordIndex) -> list[int | None]:
     """`_step_of` of the history records of a read. A row in wandb's shape ends with its
-    step field, which `RecordIndex.rows` reads for all rows at once, and that field is the
-    `_step` the server shows; such a row is taken so once `records.proven_history` proves
-    it valid protobuf. Rows in another shape (no step field, as wandb 0.16 writes them),
+    step field, which `RecordIndex.rows` reads for all rows at once, and in rows wandb
+    writes that field is the `_step` the server shows (`_step_of` says when it is not); such
+    a row is taken so once `records.proven_history` proves it valid protobuf. Rows in another shape (no step field, as wandb 0.16 writes them),
     rows not proven (protobuf raises DecodeError on an invalid one, which a sync reports
     as a record that cannot be read) and reads of wide rows take `_step_of` itself."""
     frames, which = read.frames, read.history
@@ -146,8 +146,11 @@ def _as_step(value: object) -> int | None:
 
 
 def _step_of(payload: bytes) -> int | None:
-    """The `_step` the server shows for a history record: its step field when it has one
-    (wandb-core sends that in place of any `_step` item), else its first `_step` item."""
+    """The `_step` the count expects for a history record: its step field when it has one,
+    else its first `_step` item. wandb-core sends the last `_step` item when that is an
+    integer above the previous row's `_step`, else the previous + 1, whatever the field
+    says: the same step for every row wandb writes (field and item agree, and rise), but
+    not for a row whose field and item disagree (see ARCHITECTURE.md)."""
     history = pb.Record.FromString(payload).history
     if history.HasField("step"):
         return history.step.num

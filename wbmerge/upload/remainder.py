@@ -91,7 +91,8 @@ def same_value(a: object, b: object) -> bool:
 
 def history_row(log: Path, index: int) -> dict:
     """History row `index` of a log as wandb-core sends it: nested keys as nested objects,
-    and `_step` the record's step field when it has one (sent in place of any item's)."""
+    and `_step` the record's step field when it has one (in rows wandb writes, the `_step`
+    wandb-core sends; see `content._step_of`)."""
     seen = 0
     for read in records.read_indexed(log):
         history = read.history
