@@ -121,6 +121,9 @@ ONE_STEP = [
      dict(min=-1e308, median=-1e308, max=INF, mean=INF, min_rank=1, max_rank=0)),
     ({0: 1e308, 1: 1e308},  # a sum past 1.8e308
      dict(min=1e308, median=1e308, max=1e308, mean=1e308, min_rank=0, max_rank=0)),
+    # summed in pairs: -inf in one half, inf in the other, NaN together (found by Hypothesis)
+    ({0: -1e308, 1: -1e308, 2: 0.0, 3: 0.0, 4: 0.0, 5: 0.0, 6: 1e308, 7: 1e308},
+     dict(min=-1e308, median=0.0, max=1e308, mean=0.0, min_rank=0, max_rank=6)),
 ]  # fmt: skip
 
 

@@ -264,18 +264,20 @@ def _mean(
     high: np.ndarray,
     scaled_total: Callable[[np.ndarray], np.ndarray],
 ) -> np.ndarray:
-    """Each group's mean from its sum. A sum of finite numbers may pass 1.8e308 on its way
-    (-1e308 twice, then inf: NaN in that order, inf in another), so: with NaN (the group's
-    `high` is NaN then) the mean is NaN; with an infinity it is that infinity (NaN with
-    both); where finite numbers summed past 1.8e308 it is the sum of the values divided by
-    the group's largest magnitude (`scaled_total(scale)`), which cannot overflow, times
-    that magnitude: the mean of [1e308, 1e308] is 1e308."""
+    """Each group's mean from its sum. A sum of finite numbers may pass 1.8e308 on its way:
+    to an infinity, or to NaN where numpy's pairwise summation adds one half's -inf to the
+    other's inf (8 values or more: -1e308, -1e308, 0 x 4, 1e308, 1e308). So: with NaN
+    among the values (the group's `high` is NaN then) the mean is NaN; with an infinity it
+    is that infinity (NaN with both); where only finite numbers were summed and the sum is
+    not finite, it is the sum of the values divided by the group's largest magnitude
+    (`scaled_total(scale)`), which cannot overflow, times that magnitude: the mean of
+    [1e308, 1e308] is 1e308."""
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         mean = total / count
         up, down = high == np.inf, low == -np.inf
         infinite = np.where(up & down, np.nan, np.where(up, np.inf, -np.inf))
         mean = np.where(~np.isnan(high) & (up | down), infinite, mean)
-        spilled = np.isinf(mean) & np.isfinite(low) & np.isfinite(high)
+        spilled = ~np.isfinite(mean) & np.isfinite(low) & np.isfinite(high)
         if not spilled.any():
             return mean
         scale = np.maximum(np.abs(low), np.abs(high))
