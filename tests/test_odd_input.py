@@ -248,8 +248,10 @@ def _set_last_step_item(log: Path, value_json: str) -> None:
 def test_a_step_item_that_contradicts_its_step_field_is_verified_as_sent(
     job, tmp_path, sink, monkeypatch, value_json
 ):
-    # wandb-core sends a row's step field as its `_step`, whatever the row's `_step` item
-    # says; the check after the upload must expect that, not report the run incomplete.
+    # wandb-core sends a row's last `_step` item when that is an integer above the previous
+    # row's `_step`, else the previous + 1: here, the step field's 29, whatever the item
+    # says (`true`; `5`). The check after the upload must expect that, not report the run
+    # incomplete.
     log = run_logs(job)[0]
     _set_last_step_item(log, value_json)
     for name, value in {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}.items():

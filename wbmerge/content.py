@@ -119,10 +119,11 @@ _WIDE_ROW = 4096
 def history_steps(read: records.RecordIndex) -> list[int | None]:
     """`_step_of` of the history records of a read. A row in wandb's shape ends with its
     step field, which `RecordIndex.rows` reads for all rows at once, and in rows wandb
-    writes that field is the `_step` the server shows (`_step_of` says when it is not); such
-    a row is taken so once `records.proven_history` proves it valid protobuf. Rows in another shape (no step field, as wandb 0.16 writes them),
-    rows not proven (protobuf raises DecodeError on an invalid one, which a sync reports
-    as a record that cannot be read) and reads of wide rows take `_step_of` itself."""
+    writes that field is the `_step` the server shows (`_step_of` says when it is not);
+    such a row is taken so once `records.proven_history` proves it valid protobuf. Rows in
+    another shape (no step field, as wandb 0.16 writes them), rows not proven (protobuf
+    raises DecodeError on an invalid one, which a sync reports as a record that cannot be
+    read) and reads of wide rows take `_step_of` itself."""
     frames, which = read.frames, read.history
     if not len(which):
         return []
