@@ -101,12 +101,26 @@ NEVER: dict[str, float] = {}
         (["r0", "r1", "r2", "r3", "r4"], NEVER, set(RUNS), ["r0", "r1", "r2", "r3"]),  # all sent
         (["r3", "r1"], NEVER, {"r1"}, ["r1", "r3"]),  # fewer than four: all of them
         ([], NEVER, set(), []),
+        (["r1", "r1", "r2", "r2", "r3"], NEVER, {"r2"}, ["r2", "r1", "r3"]),  # each run once
     ],
 )
 def test_runs_to_ask_puts_half_the_questions_on_the_runs_being_sent(
     unfinished, asked_at, started, want
 ):
     assert runs_to_ask(unfinished, asked_at, started, 4) == want
+
+
+@pytest.mark.parametrize(
+    "asked_at, want",
+    [
+        (NEVER, ["r0"]),
+        ({r: 1.0 for r in RUNS} | {"r0": 2.0, "r5": 0.5}, ["r5"]),  # started or not
+        ({r: 1.0 for r in RUNS} | {"r0": 2.0, "r7": 0.5}, ["r7"]),
+    ],
+)
+def test_one_question_goes_to_the_run_asked_longest_ago(asked_at, want):
+    assert runs_to_ask(RUNS, asked_at, {"r5"}, 1) == want
+    assert runs_to_ask(RUNS, asked_at, {"r5"}, 0) == []
 
 
 def test_every_run_of_two_batches_side_by_side_is_asked_in_bounded_turns():

@@ -113,7 +113,7 @@ def runs_to_ask(
     whether the upload moves.
 
     `asked_at`: when each run was last asked (never: first); `started`: runs the server
-    was seen to hold something of, that is runs being sent. Half the questions go to the
+    was seen to hold more of than before their upload, that is runs being sent. Half the questions go to the
     started runs, the ones asked longest ago first, and half to the others in the same way
     (either half takes what the other does not need). wandb-core sends the runs of a batch
     in an order of its own, so the runs being sent are found by asking; once found, each is
@@ -121,13 +121,17 @@ def runs_to_ask(
     says nothing until a run ends, is not taken for stuck.
 
     Example, `count` 4: of 100 unfinished runs with `r7` and `r9` started, `r7` and `r9`
-    are asked each time, and two of the other 98, in turn, each every 49 times.
+    are asked each time, and two of the other 98, in turn, each every 49 times. A `count`
+    of 1 cannot be halved: it goes to the run asked longest ago of all.
     """
 
     def oldest(runs: list[str]) -> list[str]:
         return sorted(runs, key=lambda run: asked_at.get(run, -math.inf))
 
-    sending = oldest([run for run in unfinished if run in started])
-    waiting = oldest([run for run in unfinished if run not in started])
+    runs = list(dict.fromkeys(unfinished))  # (each run once)
+    if count < 2:
+        return oldest(runs)[: max(count, 0)]
+    sending = oldest([run for run in runs if run in started])
+    waiting = oldest([run for run in runs if run not in started])
     to_sending = min(len(sending), max(count // 2, count - len(waiting)))
     return sending[:to_sending] + waiting[: count - to_sending]

@@ -137,6 +137,8 @@ class Deliverer:
         self._entity_seen: str | None = None
         self._rows: dict[str, int] = {}  # history rows the server holds, per run
         self._counts: dict[str, tuple[int, int, int]] = {}  # all its line counts, per run
+        # The line counts each run had before its upload: a run being sent holds more.
+        self._before: dict[str, tuple[int, int, int]] = {}
         self._asked_at: dict[str, float] = {}  # when each run was last asked how far it is
         # Daemon threads: a Ctrl-C does not wait for a question to the server to end.
         for number in range(PREPARERS):
@@ -159,6 +161,9 @@ class Deliverer:
         if self.given_up:
             return
         held = self.client.held(self.entity, self.project, delivery.run_id)
+        counts = (held.history_lines, held.events_lines, held.log_lines)
+        with self.lock:  # (so the first question during the upload can see it move)
+            self._before[delivery.run_id] = self._counts[delivery.run_id] = counts
         if not (held.exists and held.history_lines):
             return
         content = self._content(delivery)
@@ -496,7 +501,9 @@ class Deliverer:
         """Ask the server how far `PROBED` of `deliveries` are (`runs_to_ask`); True if any
         moved since it was last asked."""
         with self.lock:
-            started = {run for run, counts in self._counts.items() if any(counts)}
+            started = {
+                run for run, counts in self._counts.items() if counts != self._before.get(run)
+            }
             chosen = runs_to_ask([d.run_id for d in deliveries], self._asked_at, started, PROBED)
             asked = [d for d in deliveries if d.run_id in chosen]
             for delivery in asked:
