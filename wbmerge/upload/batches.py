@@ -32,16 +32,16 @@ def batch_size(
     """How many of the `ready` runs a new `wandb sync` takes now (0: not now).
 
     `coming`: runs of this delivery not ready yet (being staged, or the server being
-    asked about them); `uploading`: its runs in batches that
-    have not finished them; `free`: upload slots free of `parallel` (the others may be
-    another job's); `waited`: seconds since the last run became ready; `idle`: seconds
-    slots have been free. Every process costs a start (`START_COST`) and CPU, so runs are
-    gathered: while more are coming, a batch starts only once staging has stalled, no run
-    having become ready for `PATIENCE` (staging that keeps up goes out in one process, and
-    staging that is slow still has its first runs sent meanwhile). While other uploads run, a batch
-    starts once it has its part of the slots (in proportion to the runs left), half the
-    slots, or slots have idled for as long as a start takes. It takes its share of the
-    runs left, `free / parallel` of them, so that batches side by side end together.
+    asked about them); `uploading`: its runs in batches that have not finished them;
+    `free`: upload slots free of `parallel` (the others may be another job's); `waited`:
+    seconds since the last run became ready; `idle`: seconds slots have been free. Every
+    process costs a start (`START_COST`) and CPU, so runs are gathered: while more are
+    coming, a batch starts only once staging has stalled, no run having become ready for
+    `PATIENCE` (staging that keeps up goes out in one process, and staging that is slow
+    still has its first runs sent meanwhile). While other uploads run, a batch starts
+    once it has its part of the slots (in proportion to the runs left), half the slots,
+    or slots have idled for as long as a start takes. It takes its share of the runs
+    left, `free / parallel` of them, so that batches side by side end together.
     """
     left = ready + coming
     if not ready or not free:
@@ -113,12 +113,12 @@ def runs_to_ask(
     whether the upload moves.
 
     `asked_at`: when each run was last asked (never: first); `started`: runs the server
-    was seen to hold more of than before their upload, that is runs being sent. Half the questions go to the
-    started runs, the ones asked longest ago first, and half to the others in the same way
-    (either half takes what the other does not need). wandb-core sends the runs of a batch
-    in an order of its own, so the runs being sent are found by asking; once found, each is
-    asked every few seconds however many runs wait, so that an upload of large runs, which
-    says nothing until a run ends, is not taken for stuck.
+    was seen to hold more of than before their upload, that is runs being sent. Half the
+    questions go to the started runs, the ones asked longest ago first, and half to the
+    others in the same way (either half takes what the other does not need). wandb-core
+    sends the runs of a batch in an order of its own, so the runs being sent are found by
+    asking; once found, each is asked every few seconds however many runs wait, so that an
+    upload of large runs, which says nothing until a run ends, is not taken for stuck.
 
     Example, `count` 4: of 100 unfinished runs with `r7` and `r9` started, `r7` and `r9`
     are asked each time, and two of the other 98, in turn, each every 49 times. A `count`

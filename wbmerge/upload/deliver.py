@@ -93,8 +93,8 @@ class Deliverer:
 
     `submit` each run as it is staged (`expected` of them), then `finish()`; `stop()` ends
     every upload at once (Ctrl-C). One of the two ends every deliverer: its threads wait
-    for them. With `remove_verified`, a run's staged directory is
-    removed as soon as the run is verified, so staging holds only runs still to send.
+    for them. With `remove_verified`, a run's staged directory is removed as soon as the
+    run is verified, so staging holds only runs still to send.
     """
 
     def __init__(

@@ -34,6 +34,10 @@ from .settle import note_stopped
 from .staging import OwnerRecord, _start_time
 
 DEFAULT_TIMEOUT = 300.0  # seconds without progress before an upload is given up
+# Seconds between two recordings of an uploader's process tree in the staging's owner
+# record (a walk of /proc and a file written): often enough to name wandb-core soon after
+# it starts, and apart from how often the server is asked how far the runs are.
+RECORD_EVERY = 2.0
 _FINISHED = re.compile(r"\[[^\]]*?/(?P<run>[^/\]\s]+)\] Finished syncing")
 _VIEW_RUN = re.compile(r"View run \S+ at (?P<url>\S+/(?P<entity>[^/\s]+)/[^/\s]+/runs/\S+)")
 _RUN_ERROR = re.compile(r"^wandb: ERROR \[[^\]]*?/(?P<run>[^/\]\s]+)\] (?P<message>.*)$")
@@ -210,7 +214,7 @@ class Uploader:
                     break
                 now = time.monotonic()
                 last_progress = max(last_progress, moved_at[0])
-                if not done and now - last_record >= probe_every:
+                if not done and now - last_record >= RECORD_EVERY:
                     last_record = now
                     self._record_processes()
                 if not done and now - last_progress > self.timeout:
