@@ -226,7 +226,11 @@ def test_a_step_nested_past_the_recursion_limit_in_a_spliced_rank_is_merged(tmp_
     (target,) = planned.targets
     counted = stage(target, tmp_path / "counted", planned.options(request), count_content=True)
     assert counted.content is not None
-    assert counted.content.history_steps[0] is None  # the hostile row, first after the run
+    assert counted.content.step_items[0] is None  # the hostile row, first after the run
+    assert counted.content.step_items[1:4] == (0, 1, 2)
+    # sent one above the row before: the hostile row at 0, then each row one after its own
+    assert counted.content.history_steps[:4] == (0, 1, 2, 3)
+    assert counted.content.history_steps[-1] == 2000
     assert len(counted.content.history_steps) == 2001
 
 
@@ -266,11 +270,88 @@ def test_a_step_item_that_contradicts_its_step_field_is_verified_as_sent(
         assert [row["_step"] for row in history] == list(range(30)), run["id"]
         last_rows.append(history[-1])
     # A rerun after a cut upload compares the server's last row with the staged one: the
-    # staged row must read as the one the server holds.
+    # staged row, at the `_step` it was sent at, must read as the one the server holds.
+    from wbmerge.upload import Held, history_row, read_staged, remainder
+    from wbmerge.upload.remainder import Mismatch
+
+    staged = read_staged(log)
+    assert staged.history_steps[-1] == 29
+
+    def taken_as_sent(row: dict) -> bool:
+        try:
+            held = Held(True, 30, 0, 0, 29, row)
+            return remainder(staged, held, lambda i: history_row(log, i)).skip_history == 30
+        except Mismatch:  # (the last row of another rank)
+            return False
+
+    assert sum(map(taken_as_sent, last_rows)) == 1
+
+
+def odd_steps_job(root: Path, rows: list[tuple[list, int | None]], job_id: str) -> Path:
+    """A one-rank job whose history rows are `rows` (items, step field), then an exit."""
+    from wbmerge.topology import RankInfo
+
+    from .ranklogs import exit_record, rank_log
+
+    with rank_log(root, RankInfo(0, 0, 1, 1, 0, job_id=job_id), f"{job_id}-0", "p") as writer:
+        for items, field in rows:
+            writer.write(history_record(items, field))
+        writer.write(exit_record(0))
+    return root
+
+
+def server_steps(sink, project: str) -> list[int]:
+    (run,) = sink.client.runs(project=project)
+    return [row["_step"] for row in sink.client.run("local", project, run["id"])["history"]]
+
+
+def test_odd_steps_arrive_where_the_count_expects_them(sink, tmp_path, monkeypatch):
+    # The rows of tests/steprows.py: plain `wandb sync` shows that the table is the real
+    # uploader's, and `wbmerge sync` verifies each run at the steps it arrives at.
+    from .sinktools import wandb_sync
+    from .steprows import ODD_ROWS
+
+    job = odd_steps_job(tmp_path / "job", [(i, f) for i, f, _, _ in ODD_ROWS], "odd")
+    plain = shutil.copytree(job / "wandb", tmp_path / "plain")
+    assert wandb_sync(sink, list(plain.glob("offline-run-*")), "-p", "plain").returncode == 0
+    sent = [sent for *_, sent in ODD_ROWS]
+    assert server_steps(sink, "plain") == sent
+    # and each row arrives as `history_row` builds it from the items, at its `_step`
     from wbmerge.upload import history_row, same_value
 
-    assert history_row(log, 29)["_step"] == 29
-    assert sum(same_value(history_row(log, 29), row) for row in last_rows) == 1
+    (log,) = plain.glob("offline-run-*/run-*.wandb")
+    rows = sink.client.run("local", "plain", "odd-0")["history"]
+    built = [{**history_row(log, i), "_step": step} for i, step in enumerate(sent)]
+    assert [same_value(a, b) for a, b in zip(built, rows, strict=True)] == [True] * len(sent)
+    for name, value in {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}.items():
+        monkeypatch.setenv(name, value)
+    result = run_cli("sync", job, "--run-mode", "new", "-p", "steps")
+    assert result.returncode == 0, result.stderr
+    assert "verified" in result.stderr
+    assert server_steps(sink, "steps") == sent
+
+
+def test_a_continued_upload_of_rows_without_steps_ends_as_a_whole_one(sink, tmp_path, monkeypatch):
+    # The server holds the first 10 rows of a run; the 5 rows after them have no `_step`
+    # item. Continuing the run, wandb-core would number them from 0 again (0-4, and the
+    # check after the upload would fail); wbmerge sends them at 10-14, as a whole upload.
+    rows = [([(["_step"], str(s)), (["loss"], str(s / 2))], s) for s in range(10)]
+    rows += [([(["loss"], str(s / 2))], None) for s in range(10, 15)]
+    for name, value in sink.env.items():
+        monkeypatch.setenv(name, value)
+    head = odd_steps_job(tmp_path / "head", rows[:10], "cont")
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "state-1"))
+    first = run_cli("sync", head, "--run-mode", "new", "-p", "cont")
+    assert first.returncode == 0, first.stderr
+    assert server_steps(sink, "cont") == list(range(10))
+    whole = odd_steps_job(tmp_path / "whole", rows, "cont")
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "state-2"))  # (another machine)
+    second = run_cli("sync", whole, "--run-mode", "new", "-p", "cont")
+    assert second.returncode == 0, second.stderr
+    (run,) = sink.client.runs(project="cont")
+    history = sink.client.run("local", "cont", run["id"])["history"]
+    assert [row["_step"] for row in history] == list(range(15))
+    assert [row["loss"] for row in history] == [s / 2 for s in range(15)]
 
 
 def test_config_values_nested_past_the_recursion_limit_are_no_values(job, tmp_path):

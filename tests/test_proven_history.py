@@ -1,6 +1,7 @@
 """`records.proven_history` proves history records valid without protobuf; protobuf's parse
 is its reference. A record it proves must parse; wandb's own records must be proven (else the
-fast path would be a slow path); a string is proven exactly when it is valid UTF-8."""
+fast path would be a slow path); a string is proven exactly when it is valid UTF-8. The
+`_step` it reads on the way must be `sentrows.item_step`'s, where it reads one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from hypothesis import strategies as st
 
 from wbmerge import records, txlog
 from wbmerge.proto import pb
+from wbmerge.sentrows import item_step
 
+from .ranklogs import history_record
+from .steprows import ODD_ROWS
 from .test_records import LOGS, any_record
 
 
@@ -23,7 +27,7 @@ def frames_of(payloads: list[bytes]) -> txlog.Frames:
 
 def proven(payloads: list[bytes]) -> list[bool]:
     frames = frames_of(payloads)
-    return records.proven_history(frames, np.arange(len(payloads))).tolist()
+    return records.proven_history(frames, np.arange(len(payloads))).proven.tolist()
 
 
 def parses(payload: bytes) -> bool:
@@ -41,7 +45,7 @@ def test_every_history_record_of_the_fixtures_is_proven_if_and_only_if_it_parses
             which = read.history
             if not len(which):
                 continue
-            found = records.proven_history(read.frames, which).tolist()
+            found = records.proven_history(read.frames, which).proven.tolist()
             for index, ok in zip(which.tolist(), found, strict=True):
                 assert ok == parses(read.frames.payload(index)), (path, index)
                 checked += 1
@@ -144,3 +148,65 @@ def test_damage_is_refused_often_enough_to_check_the_proof():
         if ok:
             assert parses(hurt)
     assert outcomes["proven"] > 50 and outcomes["refused"] > 100, outcomes
+
+
+def steps_read(payloads: list[bytes]) -> list[int | None | str]:
+    """The `_step` the proof reads of each record: an integer, None for none, or "unknown"
+    where it leaves the record to the reference (`sentrows.item_step`)."""
+    proof = records.proven_history(frames_of(payloads), np.arange(len(payloads)))
+    return [
+        (step if has else None) if known else "unknown"
+        for known, has, step in zip(
+            proof.step_known.tolist(), proof.has_step.tolist(), proof.steps.tolist(), strict=True
+        )
+    ]
+
+
+def test_the_proof_reads_the_step_of_every_row_wandb_wrote_as_the_reference():
+    checked = 0
+    for path in LOGS:
+        for read in records.read_indexed(path):
+            payloads = list(map(read.frames.payload, read.history.tolist()))
+            if payloads:
+                assert steps_read(payloads) == list(map(item_step, payloads)), path
+                checked += len(payloads)
+    assert checked > 500
+
+
+def test_the_proof_leaves_each_odd_step_that_is_no_plain_integer_to_the_reference():
+    payloads = [history_record(items, field) for items, field, _, _ in ODD_ROWS]
+    found = steps_read(payloads)
+    # The rows whose last `_step` item is not a plain integer (see tests/steprows.py):
+    # `40.0`, `true`, `_step.x`, `not json`, `"x"`, `+360`, `1e3`, 20 digits, two lists,
+    # `-NaN`, `NaN`; then objects, lists and `-nan` after an integer.
+    unknown = [4, 9, 12, 14, 15, 16, 17, 18, 20, 21, 22, 23, *range(32, 41)]
+    assert [i for i, step in enumerate(found) if step == "unknown"] == unknown
+    for step, (_, _, item, _) in zip(found, ODD_ROWS, strict=True):
+        assert step in ("unknown", item)
+
+
+STEP_TEXTS = st.one_of(
+    st.integers(-(2**64), 2**64).map(str),
+    st.text(alphabet=" \t\n-+.0123456789eEIN", max_size=22),
+    st.sampled_from(["true", "null", '"7"', "[7]", "{}", "NaN", "-Infinity", "7.0"]),
+)
+STEP_PATHS = st.sampled_from([["_step"], "_step", ["_step", "x"], ["x", "_step"], ["loss"]])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(STEP_PATHS, STEP_TEXTS), max_size=4))
+def test_a_step_the_proof_reads_is_the_references(items):
+    payload = history_record(items, None)
+    (found,) = steps_read([payload])
+    assert found in ("unknown", item_step(payload))
+
+
+def test_the_proof_reads_most_random_steps_itself_and_leaves_some():
+    # The property above would pass trivially if the proof never read a step: count both
+    # outcomes over a fixed sample of single `_step` items.
+    rng = np.random.default_rng(11)
+    texts = [str(int(v)) for v in rng.integers(-(2**62), 2**62, 300)]
+    texts += [f"{v}.5" for v in rng.integers(0, 1000, 100)]
+    found = steps_read([history_record([(["_step"], t)], None) for t in texts])
+    assert found[:300] == [int(t) for t in texts[:300]]
+    assert found[300:] == ["unknown"] * 100

@@ -131,8 +131,9 @@ def test_an_unreachable_server_is_one_error():
     indirect=True,
 )  # fmt: skip
 def test_a_last_row_whose_step_is_not_finite_has_no_step(server):
-    # json writes and reads these as NaN, Infinity and -Infinity; a staged row's `_step`
-    # of that kind is no step (`content.read_staged`), so the server's is none either
+    # json writes and reads these as NaN, Infinity and -Infinity. wandb-core never sends
+    # such a `_step` (it sends a row without an integer one after the row before:
+    # `sentrows`), so a server's row that says one has no step, which no count equals
     held = client_of(server).held("me", "p", "run")
     assert held.exists and held.history_lines == 7
     assert held.last_step is None

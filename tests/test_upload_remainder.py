@@ -4,7 +4,6 @@ server's counts (the base of exactly-once uploads and of a later live mode)."""
 from __future__ import annotations
 
 import json
-from math import inf
 
 import pytest
 from hypothesis import given, settings
@@ -12,6 +11,7 @@ from hypothesis import strategies as st
 
 from wbmerge.content import console_line_count
 from wbmerge.errors import NotATransactionLog
+from wbmerge.proto import pb
 from wbmerge.records import read_records
 from wbmerge.upload import Held, StagedContent, read_staged, remainder, shortfall
 from wbmerge.upload.remainder import Mismatch, history_row, same_value, write_remainder
@@ -19,8 +19,9 @@ from wbmerge.upload.remainder import Mismatch, history_row, same_value, write_re
 from .conftest import fixture_logs, job_dir
 from .ranklogs import history_record
 from .sinktools import expected_from_log
+from .steprows import ODD_ROWS
 
-STAGED = StagedContent(history_steps=(0, 1, 2, 5, 9), events=3, console_lines=4)
+STAGED = StagedContent(step_items=(0, 1, 2, 5, 9), events=3, console_lines=4)
 
 
 @pytest.mark.parametrize(
@@ -130,81 +131,117 @@ def test_read_staged_and_write_remainder_on_a_real_log(tmp_path):
     assert rest.summary == want.summary and rest.exit_code == want.exit_code
 
 
-# (items, step field) -> the step the count takes: the record's step field, else its first
-# `_step` item. In rows wandb writes, field and item agree and rise, and this is the `_step`
-# wandb-core 0.31 sends. It does not read the field: it sends the last `_step` item when that
-# is an integer above the previous row's `_step`, else the previous + 1 (measured with
-# `wandb sync` into the sink), so for rows below whose field and item disagree the server
-# shows another step, and a sync of them may report a whole run incomplete (ARCHITECTURE.md).
-ODD_ROWS = [
-    ([(["loss"], "0.5"), (["_step"], "7")], 7, 7),
-    ([("_step", "8")], 99, 99),  # a plain `key`, as wandb 0.16 writes it: the field
-    ([("_step", "8")], None, 8),  # wandb 0.16 writes no field: the item is the step
-    ([(["_step"], "5")], 29, 29),
-    ([(["_step"], "true")], 29, 29),
-    ([(["_step"], "true")], None, None),  # a bool is no step, as the server's row is read
-    ([(["a", "_step"], "5")], 9, 9),  # `a._step` is not `_step`
-    ([(["loss"], "1")], 11, 11),
-    ([(["loss"], "1")], None, None),
-    ([(["_step"], "3.0")], None, 3),
-    ([(["_step"], '"x"')], 4, 4),
-    ([(["_step"], '"x"')], None, None),
-    ([("ab\x05_step", "4")], 12, 12),  # a key whose bytes end like the `_step` item's
-    ([(["_step"], "20"), (["_step"], "21")], None, 20),
-    ([(["_step"], "not json")], 6, 6),
-    ([(["_step"], "not json")], None, None),
-    ([(["x"], "1")] * 300 + [(["_step"], "1234567")], 1234567, 1234567),  # long lengths
-    ([(["_step"], "NaN")], None, None),  # not a step: NaN and the infinities
-    ([(["_step"], "-Infinity")], None, None),
-    ([(["_step"], "-Infinity")], 5, 5),
-    ([(["_step"], "007")], None, None),  # not JSON
-    ([(["_step"], "-3")], None, -3),
-    ([(["_step"], "12345678901234567890")], None, 12345678901234567890),  # past int64
-    ([(["_step"], "[" * 5000)], None, None),  # nested past json's recursion limit
-    ([(["_step"], "[" * 5000)], 6, 6),
-]
+def test_remainder_moves_the_rows_a_continued_upload_would_number_otherwise():
+    # Rows without a `_step` item follow the row before in a whole upload (3, 4), but an
+    # upload that continues the run numbers them from the starting step again (0, 1).
+    staged = StagedContent((0, 1, 2, None, None), 0, None)
+    assert remainder(staged, Held(True, 3, 0, 0, 2)).resteps == {3: 3, 4: 4}
+    assert remainder(staged, Held(True, 4, 0, 0, 3)).resteps == {4: 4}
+    assert remainder(staged, Held(True, 5, 0, 0, 4)).resteps == {}
+    assert remainder(STAGED, Held(True, 2, 0, 0, 1)).resteps == {}  # as wandb writes rows
 
 
-@pytest.mark.parametrize("padding", [0, 400])  # 400 more items: wide rows, as a shared run's
-def test_read_staged_reads_each_rows_step_by_its_field_else_its_first_item(tmp_path, padding):
+def test_rising_steps_are_told_without_a_difference_that_wraps():
+    # 2**63 - 10 then -20: -20 is behind, though their difference wraps to a positive int64
+    big = 2**63 - 10
+    assert StagedContent((big, -20), 0, None).history_steps == (big, big + 1)
+    assert StagedContent((3, 5, 9), 0, None).history_steps == (3, 5, 9)
+    assert StagedContent((3, 5, 9), 0, None, 4).history_steps == (4, 5, 9)
+
+
+def test_remainder_refuses_rows_a_continued_upload_cannot_send_where_they_belong():
+    # From a starting step of 2**63 - 2, a whole upload wraps around to 12, 13; continued
+    # from row 3, the starting step is above anything the row could say.
+    start = 2**63 - 2
+    staged = StagedContent((-(2**63), None, 12, 2), 0, None, start)
+    assert staged.history_steps == (start, start + 1, 12, 13)
+    with pytest.raises(Mismatch, match="cannot be sent at their steps again"):
+        remainder(staged, Held(True, 3, 0, 0, 12))
+
+
+def test_a_cut_log_is_sent_at_the_steps_of_the_whole_log(tmp_path):
+    from wbmerge.txlog import write_payloads
+
+    log = tmp_path / "odd.wandb"
+    write_payloads(log, [history_record(items, field) for items, field, _, _ in ODD_ROWS])
+    whole = read_staged(log)
+    sent = [sent for *_, sent in ODD_ROWS]
+    assert list(whole.history_steps) == sent
+    cuts = [have for have in range(1, len(ODD_ROWS)) if sent[have] >= 0]
+    # (A continued upload numbers from the starting step, 0: it cannot send a row below it,
+    # as the rows after int64's largest step wrapped around are sent in a whole upload.)
+    assert len(cuts) == len(ODD_ROWS) - 1 - 5
+    for have in cuts:
+        plan = remainder(whole, Held(True, have, 0, 0, sent[have - 1]))
+        cut = tmp_path / f"cut-{have}.wandb"
+        write_remainder(log, cut, plan)
+        assert list(read_staged(cut).history_steps) == sent[have:], have
+
+
+@pytest.mark.parametrize("padding", [0, 2000])  # 2,000 more items: rows over 2 MiB of reads
+def test_read_staged_counts_each_row_at_the_step_wandb_core_sends(tmp_path, padding):
     from wbmerge.txlog import write_payloads
 
     log = tmp_path / "odd.wandb"
     pad = [([f"pad/{i}/rank-{i % 8}"], "0.25") for i in range(padding)]
-    payloads = [history_record(items + pad, step) for items, step, _ in ODD_ROWS]
-    write_payloads(log, payloads * 3)  # three times: the rows span read calls and blocks
+    write_payloads(log, [history_record(items + pad, field) for items, field, _, _ in ODD_ROWS])
     staged = read_staged(log)
-    assert list(staged.history_steps) == [want for _, _, want in ODD_ROWS] * 3
+    assert list(staged.step_items) == [item for _, _, item, _ in ODD_ROWS]
+    assert list(staged.history_steps) == [sent for *_, sent in ODD_ROWS]
     assert staged.events == 0 and staged.console_lines == 0
 
 
 def test_steps_that_are_all_plain_integers_are_read_as_protobuf_reads_them(tmp_path):
     """Rows whose `_step` texts are all plain integers are read at once, not one by one:
-    the same values, negative and 18-digit ones included."""
+    the same values, negative and 18-digit ones included; each row is then sent one above
+    the row before where its own step is behind it."""
     from wbmerge.txlog import write_payloads
 
     steps = [0, 1, -7, 10**17 + 3, 999_999_999_999_999_999, 42] * 50
     log = tmp_path / "plain.wandb"
     write_payloads(log, [history_record([(["_step"], str(s)), (["loss"], "0.5")], None)
                          for s in steps])  # fmt: skip
-    assert list(read_staged(log).history_steps) == steps
-    assert [_protobuf_step(r) for r in read_records(log)] == steps
+    staged = read_staged(log)
+    assert list(staged.step_items) == steps
+    after = 999_999_999_999_999_999 + 1  # every later step is behind this one
+    assert list(staged.history_steps) == [0, 1, 2, 10**17 + 3, after - 1] + [
+        after + i for i in range(len(steps) - 5)
+    ]
+    assert _sent_by_protobuf(log) == staged.history_steps
 
 
-def _protobuf_step(record) -> int | None:
-    """A history record's `_step` as W&B receives it, read with protobuf alone: its step
-    field, else its first `_step` item."""
-    if record.history.HasField("step"):
-        return record.history.step.num
-    for item in record.history.item:
-        if item.key == "_step" or list(item.nested_key) == ["_step"]:
-            value = json.loads(item.value_json)
-            if isinstance(value, float) and value != value or value in (inf, -inf):
-                return None  # NaN and the infinities are no step
-            if isinstance(value, bool):
-                return None
-            return int(value) if isinstance(value, int | float) else None
-    return None
+def test_a_run_records_starting_step_moves_the_rows_behind_it(tmp_path):
+    from wbmerge.txlog import write_payloads
+
+    run = pb.Record()
+    run.run.run_id, run.run.starting_step = "started", 10
+    rows = [history_record([(["_step"], str(s))], s) for s in (0, 1, 12, 13)]
+    write_payloads(tmp_path / "started.wandb", [run.SerializeToString(), *rows])
+    assert read_staged(tmp_path / "started.wandb").history_steps == (10, 11, 12, 13)
+
+
+def _sent_by_protobuf(log) -> tuple[int, ...]:
+    """The `_step` each history row of `log` arrives at, read with protobuf alone: its last
+    `_step` item when that is a JSON integer at least one above the row before (from the run
+    record's starting step), else one above the row before. (Enough for the logs these tests
+    give it, whose `_step` items are plain JSON.)"""
+    steps: list[int] = []
+    next_step = None
+    for record in read_records(log):
+        kind = record.WhichOneof("record_type")
+        if kind == "run" and next_step is None:
+            next_step = record.run.starting_step
+        if kind != "history":
+            continue
+        next_step = next_step or 0
+        value = None
+        for item in record.history.item:
+            if (list(item.nested_key) or [item.key]) == ["_step"]:
+                value = json.loads(item.value_json)
+        own = isinstance(value, int) and not isinstance(value, bool) and value >= next_step
+        steps.append(value if own else next_step)
+        next_step = steps[-1] + 1
+    return tuple(steps)
 
 
 def test_read_staged_steps_are_protobufs_on_every_fixture_and_a_merged_log(tmp_path):
@@ -222,11 +259,7 @@ def test_read_staged_steps_are_protobufs_on_every_fixture_and_a_merged_log(tmp_p
     checked = 0
     for log in logs:
         try:
-            want = tuple(
-                _protobuf_step(r)
-                for r in read_records(log)
-                if r.WhichOneof("record_type") == "history"
-            )
+            want = _sent_by_protobuf(log)
         except NotATransactionLog:
             continue
         assert read_staged(log).history_steps == want, log

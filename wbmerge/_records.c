@@ -16,11 +16,18 @@
  * surrogates, nothing past U+10FFFF. Any other field, wire type or byte is not proven
  * (False), and the caller parses that record with protobuf, which decides. So a record
  * this says is valid is one protobuf parses; the tests check that on random and damaged
- * records, and that wandb's own records are proven. */
+ * records, and that wandb's own records are proven.
+ *
+ * On the way it reads the row's `_step` as wandb-core will (`sentrows.item_step` is the
+ * reference): the last item at the path `_step` decides. When that item's value is a
+ * plain JSON integer (`json_int` below), that is the step; a row with no such item has
+ * none; any other last `_step` item (a value that is not an integer, perhaps not even
+ * JSON, or a path below `_step`) is left to the reference. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 /* The varint at p[at:end): its value in *value and where it ends, or -1. */
 static Py_ssize_t varint(const uint8_t *p, Py_ssize_t at, Py_ssize_t end, uint64_t *value)
@@ -96,8 +103,52 @@ static int delimited(const uint8_t *p, Py_ssize_t at, Py_ssize_t end, Py_ssize_t
     return 1;
 }
 
-static int valid_item(const uint8_t *p, Py_ssize_t at, Py_ssize_t end)
+/* What an item does to the row's `_step`. */
+enum { NOT_STEP, STEP_INT, STEP_OTHER };
+
+static int is_space(uint8_t c)
 {
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r';
+}
+
+/* Whether p[at:end) is a JSON integer as wandb-core's parser reads one, and its value.
+ * That parser takes the longest run of number characters (digits, `-`, and `.+eEIinfatyN`,
+ * which make it a float), between blanks: `0100` is 100, ` 7 ` is 7, `+7` and `7.0` are
+ * floats. A run longer than int64's text (leading zeros count) or above it is a float too.
+ * Anything else (`1-2`, `-`, `7x`) is not an integer; whether it is JSON at all is for the
+ * reference. */
+static int json_int(const uint8_t *p, Py_ssize_t at, Py_ssize_t end, int64_t *value)
+{
+    while (at < end && is_space(p[at]))
+        at++;
+    while (end > at && is_space(p[end - 1]))
+        end--;
+    int negative = at < end && p[at] == '-';
+    Py_ssize_t digits = at + negative;
+    if (digits >= end)
+        return 0;
+    for (Py_ssize_t i = digits; i < end; i++)
+        if (p[i] < '0' || p[i] > '9')
+            return 0;
+    const char *limit = negative ? "9223372036854775808" : "9223372036854775807";
+    Py_ssize_t length = end - digits;
+    if (length > 19 || (length == 19 && memcmp(p + digits, limit, 19) > 0))
+        return 0;
+    uint64_t magnitude = 0;
+    for (Py_ssize_t i = digits; i < end; i++)
+        magnitude = magnitude * 10 + (uint64_t)(p[i] - '0');
+    *value = negative ? (int64_t)(0 - magnitude) : (int64_t)magnitude;
+    return 1;
+}
+
+/* A HistoryItem at p[at:end): whether it is valid, and in *effect what it does to `_step`
+ * (its path is its nested_key when it has one, else its key; strings set twice keep the
+ * last, as protobuf reads them). */
+static int valid_item(const uint8_t *p, Py_ssize_t at, Py_ssize_t end, int *effect,
+                      int64_t *step)
+{
+    Py_ssize_t key = -1, key_end = -1, value = -1, value_end = -1, first = -1, first_end = -1;
+    int nested = 0;
     while (at < end) {
         uint64_t tag;
         Py_ssize_t start, stop;
@@ -109,8 +160,21 @@ static int valid_item(const uint8_t *p, Py_ssize_t at, Py_ssize_t end)
             return 0;
         if (!delimited(p, at, end, &start, &stop) || !valid_utf8(p + start, stop - start))
             return 0;
+        if (field == 1)
+            key = start, key_end = stop;
+        else if (field == 16)
+            value = start, value_end = stop;
+        else if (nested++ == 0)
+            first = start, first_end = stop;
         at = stop;
     }
+    Py_ssize_t name = nested ? first : key, name_end = nested ? first_end : key_end;
+    if (name < 0 || name_end - name != 5 || memcmp(p + name, "_step", 5) != 0)
+        *effect = NOT_STEP;
+    else if (nested <= 1 && value >= 0 && json_int(p, value, value_end, step))
+        *effect = STEP_INT;
+    else
+        *effect = STEP_OTHER;
     return 1;
 }
 
@@ -128,7 +192,11 @@ static int valid_step(const uint8_t *p, Py_ssize_t at, Py_ssize_t end)
     return 1;
 }
 
-static int valid_history(const uint8_t *p, Py_ssize_t at, Py_ssize_t end)
+/* The row's `_step` as its items leave it (see the top), in *outcome. */
+enum { PROVEN_NO_STEP = 1, PROVEN_STEP = 2, PROVEN_STEP_UNKNOWN = 3 };
+
+static int valid_history(const uint8_t *p, Py_ssize_t at, Py_ssize_t end, int *outcome,
+                         int64_t *step)
 {
     while (at < end) {
         uint64_t tag;
@@ -136,15 +204,27 @@ static int valid_history(const uint8_t *p, Py_ssize_t at, Py_ssize_t end)
         at = varint(p, at, end, &tag);
         if (at < 0 || (tag != 0x0A && tag != 0x12) || !delimited(p, at, end, &start, &stop))
             return 0;
-        if (!(tag == 0x0A ? valid_item(p, start, stop) : valid_step(p, start, stop)))
+        if (tag == 0x0A) {
+            int effect;
+            int64_t value = 0;
+            if (!valid_item(p, start, stop, &effect, &value))
+                return 0;
+            if (effect == STEP_INT)
+                *outcome = PROVEN_STEP, *step = value;
+            else if (effect == STEP_OTHER)
+                *outcome = PROVEN_STEP_UNKNOWN;
+        } else if (!valid_step(p, start, stop)) {
             return 0;
+        }
         at = stop;
     }
     return 1;
 }
 
-static int valid_record(const uint8_t *p, Py_ssize_t at, Py_ssize_t end)
+/* The outcome for the record at p[at:end): 0 when not proven, else PROVEN_*. */
+static int prove_record(const uint8_t *p, Py_ssize_t at, Py_ssize_t end, int64_t *step)
 {
+    int outcome = PROVEN_NO_STEP;
     while (at < end) {
         uint64_t tag, value;
         Py_ssize_t start, stop;
@@ -156,37 +236,47 @@ static int valid_record(const uint8_t *p, Py_ssize_t at, Py_ssize_t end)
             if (at < 0)
                 return 0;
         } else if (tag == 0x12) { /* history */
-            if (!delimited(p, at, end, &start, &stop) || !valid_history(p, start, stop))
+            if (!delimited(p, at, end, &start, &stop) ||
+                !valid_history(p, start, stop, &outcome, step))
                 return 0;
             at = stop;
         } else {
             return 0;
         }
     }
-    return 1;
+    return outcome;
 }
 
-/* proven(data, starts, ends) -> bytes: 1 for each record data[starts[i]:ends[i]] proven. */
+/* proven(data, starts, ends) -> (outcomes, steps): for each record data[starts[i]:ends[i]],
+ * a byte (0: not proven; else PROVEN_*) and an int64 (the step, for PROVEN_STEP). */
 static PyObject *proven(PyObject *self, PyObject *args)
 {
     Py_buffer data, starts, ends;
     if (!PyArg_ParseTuple(args, "y*y*y*", &data, &starts, &ends))
         return NULL;
-    PyObject *result = NULL;
+    PyObject *outcomes = NULL, *steps = NULL, *result = NULL;
     Py_ssize_t n = starts.len / (Py_ssize_t)sizeof(int64_t);
     if (ends.len != starts.len || starts.len % (Py_ssize_t)sizeof(int64_t)) {
         PyErr_SetString(PyExc_ValueError, "starts and ends must be int64 arrays of one size");
         goto done;
     }
-    result = PyBytes_FromStringAndSize(NULL, n);
-    if (result == NULL)
+    outcomes = PyBytes_FromStringAndSize(NULL, n);
+    steps = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    if (outcomes == NULL || steps == NULL)
         goto done;
-    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(outcomes);
+    int64_t *step = (int64_t *)PyBytes_AS_STRING(steps);
     const int64_t *s = starts.buf, *e = ends.buf;
     const uint8_t *p = data.buf;
-    for (Py_ssize_t i = 0; i < n; i++)
-        out[i] = 0 <= s[i] && s[i] <= e[i] && e[i] <= data.len && valid_record(p, s[i], e[i]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        step[i] = 0;
+        int ok = 0 <= s[i] && s[i] <= e[i] && e[i] <= data.len;
+        out[i] = (uint8_t)(ok ? prove_record(p, s[i], e[i], &step[i]) : 0);
+    }
+    result = PyTuple_Pack(2, outcomes, steps);
 done:
+    Py_XDECREF(outcomes);
+    Py_XDECREF(steps);
     PyBuffer_Release(&data);
     PyBuffer_Release(&starts);
     PyBuffer_Release(&ends);
@@ -194,7 +284,7 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"proven", proven, METH_VARARGS, "Which history records are proven valid (see the C)."},
+    {"proven", proven, METH_VARARGS, "Which history records are proven valid, and their `_step` (see the C)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,15 +8,14 @@ counts it on the way instead of reading it again.
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
-from . import records
+from . import records, sentrows
 from .proto import pb
 
 _CURSOR_MOVES = ("\x1b[A", "\x1b[1A", "\x1b[2K")  # consoles wandb's emulator may fold
@@ -26,9 +25,33 @@ _CURSOR_MOVES = ("\x1b[A", "\x1b[1A", "\x1b[2K")  # consoles wandb's emulator ma
 class StagedContent:
     """What one staged log will put on the server when sent whole."""
 
-    history_steps: tuple[int | None, ...]  # `_step` of each history row, in order
+    step_items: tuple[int | None, ...]  # each history row's `_step` item (`sentrows.item_step`)
     events: int  # system-metric rows
     console_lines: int | None  # output.log lines; None when the console cannot be foretold
+    starting_step: int = 0  # the staged run record's, where wandb-core starts numbering rows
+
+    @cached_property
+    def history_steps(self) -> tuple[int, ...]:
+        """The `_step` of each history row on the server once the whole log is sent."""
+        return self.steps_sent_from(0)
+
+    def steps_sent_from(self, row: int) -> tuple[int, ...]:
+        """The `_step` of history rows `row`, `row + 1`, ... when an upload sends the log from
+        that row on (the rows before it cut, as the server holds them): numbered again from
+        the starting step (see `sentrows`)."""
+        items = self.step_items[row:]
+        if _rising_from(items, self.starting_step):
+            return items  # (every row at its own item: the same tuple, not a copy)
+        return tuple(sentrows.sent_steps(items, self.starting_step))
+
+
+def _rising_from(items: tuple[int | None, ...], start: int) -> bool:
+    """Whether every item is an integer, the first at least `start` and each above the one
+    before: then each row is sent at its own item (as in every log wandb writes)."""
+    if not items or None in items:
+        return not items
+    steps = np.array(items, np.int64)
+    return bool(steps[0] >= start and (steps[1:] > steps[:-1]).all())  # (no difference wraps)
 
 
 def console_line_count(texts: Sequence[str]) -> int | None:
@@ -78,15 +101,20 @@ class ContentCounter:
     """Counts what a log holds, one `records.read_indexed` read after another, in order."""
 
     def __init__(self) -> None:
-        self.steps: list[int | None] = []
+        self.step_items: list[int | None] = []
+        self.starting_step: int | None = None  # from the log's first run record
         self.events = 0
         self.streams: dict[int, ConsoleLines] = {}  # output type -> its console's lines
         self.logger_lines = 0
 
     def add(self, read: records.RecordIndex) -> None:
         frames = read.frames
-        self.steps += history_steps(read)
+        self.step_items += step_items(read)
         self.events += len(read.of("stats"))
+        runs = read.of("run")
+        if self.starting_step is None and len(runs):
+            run = pb.Record.FromString(frames.payload(int(runs[0]))).run
+            self.starting_step = run.starting_step
         for index in read.of("output_raw").tolist():
             output = pb.Record.FromString(frames.payload(index)).output_raw
             self.streams.setdefault(output.output_type, ConsoleLines()).add(output.line)
@@ -98,7 +126,7 @@ class ContentCounter:
     def content(self) -> StagedContent:
         counts = [stream.count() for stream in self.streams.values()]
         console = None if None in counts else self.logger_lines + sum(c or 0 for c in counts)
-        return StagedContent(tuple(self.steps), self.events, console)
+        return StagedContent(tuple(self.step_items), self.events, console, self.starting_step or 0)
 
 
 def read_staged(log: Path) -> StagedContent:
@@ -109,57 +137,18 @@ def read_staged(log: Path) -> StagedContent:
     return counter.content()
 
 
-# Bytes of a history record (about 150 items) above which protobuf is faster: finding a
-# row's step field walks its items, a numpy step per item of a read's widest row, and a
-# shared run of 256 ranks x 20 metrics has 5,140 items a row (3.4 s to count its staged
-# log, against 0.7 s parsed).
-_WIDE_ROW = 4096
-
-
-def history_steps(read: records.RecordIndex) -> list[int | None]:
-    """`_step_of` of the history records of a read. A row in wandb's shape ends with its
-    step field, which `RecordIndex.rows` reads for all rows at once, and in rows wandb
-    writes that field is the `_step` the server shows (`_step_of` says when it is not);
-    such a row is taken so once `records.proven_history` proves it valid protobuf. Rows in
-    another shape (no step field, as wandb 0.16 writes them), rows not proven (protobuf
-    raises DecodeError on an invalid one, which a sync reports as a record that cannot be
-    read) and reads of wide rows take `_step_of` itself."""
+def step_items(read: records.RecordIndex) -> list[int | None]:
+    """`sentrows.item_step` of each history record of a read. The compiled proof of the
+    records (`records.proven_history`) reads the `_step` item of every row wandb writes;
+    the rows it leaves (not proven valid, or whose last `_step` item is not a plain
+    integer) are parsed with protobuf, which raises DecodeError on an invalid one: a sync
+    reports that as a record that cannot be read."""
     frames, which = read.frames, read.history
     if not len(which):
         return []
-    if (frames.ends[which] - frames.starts[which]).mean() > _WIDE_ROW:
-        return [_step_of(frames.payload(i)) for i in which.tolist()]
-    rows = read.rows
-    steps: list[int | None] = rows.steps.tolist()
-    parse = ~records.proven_history(frames, which)
-    parse[rows.decoded] = True
-    for row in np.flatnonzero(parse).tolist():
-        steps[row] = _step_of(frames.payload(int(which[row])))
-    return steps
-
-
-def _as_step(value: object) -> int | None:
-    """A JSON value as a step: a number, made an int; None for anything else, `true`, NaN
-    and the infinities included (as the server's last row is read, `upload.server`)."""
-    if isinstance(value, float) and not math.isfinite(value) or isinstance(value, bool):
-        return None
-    return int(value) if isinstance(value, int | float) else None
-
-
-def _step_of(payload: bytes) -> int | None:
-    """The `_step` the count expects for a history record: its step field when it has one,
-    else its first `_step` item. wandb-core sends the last `_step` item when that is an
-    integer above the previous row's `_step`, else the previous + 1, whatever the field
-    says: the same step for every row wandb writes (field and item agree, and rise), but
-    not for a row whose field and item disagree (see ARCHITECTURE.md)."""
-    history = pb.Record.FromString(payload).history
-    if history.HasField("step"):
-        return history.step.num
-    for item in history.item:
-        if item.key == "_step" or list(item.nested_key) == ["_step"]:
-            try:
-                value = json.loads(item.value_json)
-            except (ValueError, RecursionError):  # not JSON, or nested past the limit
-                return None
-            return _as_step(value)
-    return None
+    proof = records.proven_history(frames, which)
+    items: list[int | None] = np.where(proof.has_step, proof.steps, 0).tolist()
+    for row in np.flatnonzero(~proof.has_step).tolist():
+        known = proof.step_known[row]
+        items[row] = None if known else sentrows.item_step(frames.payload(int(which[row])))
+    return items

@@ -170,15 +170,44 @@ class RecordIndex:
         return summary_spans(self.frames, self.summaries)
 
 
-def proven_history(frames: Frames, which: np.ndarray) -> np.ndarray:
-    """Whether each record `which` is certainly a history record protobuf parses, in the shape
-    wandb writes them (`num`, then `history` of items and a step; every key and value valid
-    UTF-8), proven in one compiled pass (`wbmerge/_records.c`). False where not proven: that
-    record's validity is for protobuf to decide. `history_rows` reads where a record's fields
-    are, not whether they are valid; this is the proof for a reader that trusts its rows."""
+@dataclass(frozen=True)
+class ProvenHistory:
+    """What one compiled pass (`wbmerge/_records.c`) proves of history records.
+
+    `proven[i]`: record i is certainly a history record protobuf parses, in the shape wandb
+    writes them (`num`, then `history` of items and a step; every key and value valid
+    UTF-8). Where False, that record's validity is for protobuf to decide.
+
+    `step_known[i]`: record i is proven, and the `_step` wandb-core reads from its items is
+    known: `steps[i]` where `has_step[i]`, else none (`sentrows.item_step` says what it is
+    elsewhere, and is the reference for this).
+    """
+
+    proven: np.ndarray  # bool
+    step_known: np.ndarray  # bool
+    has_step: np.ndarray  # bool
+    steps: np.ndarray  # int64
+
+
+# The outcomes of `_records.proven` (see its C).
+_PROVEN_NO_STEP, _PROVEN_STEP = 1, 2
+
+
+def proven_history(frames: Frames, which: np.ndarray) -> ProvenHistory:
+    """Prove the records `which` valid history records and read their `_step` items, in one
+    compiled pass (`ProvenHistory`). `history_rows` reads where a record's fields are, not
+    whether they are valid; this is the proof for a reader that trusts its rows."""
     starts = np.ascontiguousarray(frames.starts[which], np.int64)
     ends = np.ascontiguousarray(frames.ends[which], np.int64)
-    return np.frombuffer(_records.proven(frames.data, starts, ends), np.bool_)
+    outcomes, steps = _records.proven(frames.data, starts, ends)
+    outcome = np.frombuffer(outcomes, np.uint8)
+    has_step = outcome == _PROVEN_STEP
+    return ProvenHistory(
+        proven=outcome > 0,
+        step_known=has_step | (outcome == _PROVEN_NO_STEP),
+        has_step=has_step,
+        steps=np.frombuffer(steps, np.int64),
+    )
 
 
 def read_indexed(

@@ -271,7 +271,7 @@ class Follower:
                 )
                 continue
             assert delivery.content is not None
-            rows = len(delivery.content.history_steps)
+            rows = len(delivery.content.step_items)
             added = rows - (known.rows or 0)
             known.rows, known.final, known.exit_code = rows, delivery.final, code
             known.signature = now

@@ -491,7 +491,7 @@ class Deliverer:
             self._done += delivery.verified
             done, rows = self._done, sum(self._rows.values())
         message = (
-            f"verified {delivery.run_id}: {len(self._content(delivery).history_steps)} rows"
+            f"verified {delivery.run_id}: {len(self._content(delivery).step_items)} rows"
             if delivery.verified
             else f"incomplete {delivery.run_id}: {'; '.join(delivery.problems)}"
         )

@@ -5,29 +5,30 @@ How `wandb sync` (wandb-core 0.31) continues a run that already exists, which th
 - The first UpsertBucket answer carries the run's `historyLineCount`; wandb-core sends the
   log's history lines from that offset on. So if the server holds the first H rows of a
   staged run, dropping the first H history records from the log sends exactly the rest,
-  each at its own line number and with its own `_step` (sync sends history records as they
-  are stored; it renumbers no step unless told to resume, which wbmerge never asks).
+  each at its own line number. It numbers their `_step` from the run's starting step again
+  (`sentrows`). For rows wandb writes, that is each row's own `_step` item, as in a whole
+  upload; a row it would number otherwise (in an edited log) is given the `_step` of a
+  whole upload before it is sent, so that a cut upload ends as a whole one would.
 - System-metric ("events") lines and console (`output.log`) lines start at offset 0 again.
   W&B and the sink keep file_stream lines by offset, so sending all of them again rewrites
   the same lines in place: once, not twice. They are therefore always sent whole.
 - Files are put again by name (the same name replaces the file); config is merged and the
   summary replaced; the exit record sends the final state.
 
-The server is checked to hold a prefix of the staged run (its row count and the `_step` of
-its last row); anything else (rows of another merge, duplicates of an older tool) is a
+The server is checked to hold a prefix of the staged run (its row count, and the `_step` and
+values of its last row); anything else (rows of another merge, duplicates of an older tool) is a
 `Mismatch`, refused rather than "repaired".
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .. import records
+from .. import records, sentrows
 from ..content import StagedContent
 from ..proto import pb
 from ..txlog import LogWriter, read_frames
@@ -36,9 +37,11 @@ from .server import Held
 
 @dataclass(frozen=True)
 class Remainder:
-    """What to send of a staged log: all of it but the first `skip_history` history rows."""
+    """What to send of a staged log: all of it but the first `skip_history` history rows,
+    with the rows `resteps` names (by their index in the log) moved to the `_step` given."""
 
     skip_history: int
+    resteps: dict[int, int] = field(default_factory=dict)
 
     @property
     def resends(self) -> bool:
@@ -56,22 +59,35 @@ def remainder(
 
     `staged_row(i)` gives the staged history row i; with it, the server's last row must
     equal the staged row at its place (same keys and values), not only have its `_step`.
+
+    The server's rows are expected at the `_step` a whole upload gives them; the rows the
+    upload that continues the run would number otherwise are moved there (`resteps`).
     """
     have = held.history_lines if held.exists else 0
     if have == 0:
         return Remainder(0)
-    rows = len(staged.history_steps)
+    rows = len(staged.step_items)
     if have > rows:
         raise Mismatch(f"the server holds {have} history rows, more than the {rows} staged")
     expected = staged.history_steps[have - 1]
-    if expected is not None and held.last_step != expected:
+    if held.last_step != expected:
         raise Mismatch(
             f"the server's row {have} has _step {held.last_step}, the staged row {expected}"
         )
     if staged_row is not None and held.last_row is not None:
-        if not same_value(staged_row(have - 1), held.last_row):
+        row = {**staged_row(have - 1), "_step": expected}  # (the `_step` it was sent at)
+        if not same_value(row, held.last_row):
             raise Mismatch(f"the server's row {have} differs from the staged row {have}")
-    return Remainder(have)
+    whole = staged.history_steps[have:]
+    cut = staged.steps_sent_from(have)
+    resteps = {have + i: s for i, (s, c) in enumerate(zip(whole, cut, strict=True)) if s != c}
+    if resteps:  # (only in an edited log) the moved rows must then be sent where they belong
+        items = [resteps.get(have + i, item) for i, item in enumerate(staged.step_items[have:])]
+        if tuple(sentrows.sent_steps(items, staged.starting_step)) != whole:
+            raise Mismatch(  # (only past int64's largest step, below the starting step)
+                f"rows after the server's row {have} cannot be sent at their steps again"
+            )
+    return Remainder(have, resteps)
 
 
 def same_value(a: object, b: object) -> bool:
@@ -90,27 +106,19 @@ def same_value(a: object, b: object) -> bool:
 
 
 def history_row(log: Path, index: int) -> dict:
-    """History row `index` of a log as wandb-core sends it: nested keys as nested objects,
-    and `_step` the record's step field when it has one (in rows wandb writes, the `_step`
-    wandb-core sends; see `content._step_of`)."""
+    """History row `index` of a log as wandb-core builds it from the items (`sentrows`):
+    nested keys as nested objects, items its parser refuses left out. Its `_step` is what
+    its items say; the `_step` it is sent at is `StagedContent.history_steps`."""
     seen = 0
     for read in records.read_indexed(log):
         history = read.history
         if seen + len(history) > index:
             row: dict = {}
             payload = read.frames.payload(int(history[index - seen]))
-            record = pb.Record.FromString(payload).history
-            for item in record.item:
-                keys = list(item.nested_key) or [item.key]
-                target = row
-                for key in keys[:-1]:
-                    target = target.setdefault(key, {})
-                try:
-                    target[keys[-1]] = json.loads(item.value_json)
-                except (ValueError, RecursionError):  # not JSON to us: cannot equal the server's
-                    target[keys[-1]] = {"unparsed value": item.value_json}
-            if record.HasField("step"):
-                row["_step"] = record.step.num
+            for item in pb.Record.FromString(payload).history.item:
+                value = sentrows.json_value(item.value_json)
+                if value is not sentrows.NOT_JSON:
+                    sentrows.set_item(row, list(item.nested_key) or [item.key], value)
             return row
         seen += len(history)
     raise IndexError(index)
@@ -121,12 +129,10 @@ def shortfall(staged: StagedContent, held: Held) -> list[str]:
     if not held.exists:
         return ["the run is not on the server"]
     problems = []
-    rows = len(staged.history_steps)
+    rows = len(staged.step_items)
     if held.history_lines != rows:
         problems.append(f"history rows {held.history_lines} of {rows}")
-    elif (
-        rows and staged.history_steps[-1] is not None and held.last_step != staged.history_steps[-1]
-    ):
+    elif rows and held.last_step != staged.history_steps[-1]:
         problems.append(f"last _step {held.last_step}, staged {staged.history_steps[-1]}")
     if held.events_lines < staged.events:
         problems.append(f"system-metric rows {held.events_lines} of {staged.events}")
@@ -136,18 +142,32 @@ def shortfall(staged: StagedContent, held: Held) -> list[str]:
 
 
 def write_remainder(log: Path, out: Path, plan: Remainder) -> int:
-    """Write `log` without its first `plan.skip_history` history records; returns records.
+    """Write `log` without its first `plan.skip_history` history records, the rows of
+    `plan.resteps` moved to their step (`sentrows.with_step`); returns records written.
 
     A read's records are kept or skipped as spans and framed together (`write_many`
     frames them as `write` of each would), so the log is not re-framed record by record."""
     to_skip = plan.skip_history
+    row = 0  # the index in the log of the read's first history record
+    moved_rows = np.array(sorted(plan.resteps), np.int64)
     with open(out, "wb") as stream, LogWriter(stream) as writer:
         for frames in read_frames(log):
+            history = records.RecordIndex(frames).history
             keep = np.ones(len(frames), bool)
-            if to_skip:
-                skipped = records.RecordIndex(frames).history[:to_skip]
-                keep[skipped] = False
-                to_skip -= len(skipped)
-            kept = np.flatnonzero(keep)
-            writer.write_many(frames.data, frames.starts[kept].tolist(), frames.ends[kept].tolist())
+            skipped = history[:to_skip]
+            keep[skipped] = False
+            to_skip -= len(skipped)
+            lo, hi = np.searchsorted(moved_rows, [row, row + len(history)])
+            moved = {int(history[r - row]): plan.resteps[r] for r in moved_rows[lo:hi].tolist()}
+            keep[list(moved)] = False
+            done = 0
+            for at in [*moved, len(frames)]:  # (in order: rows are in the log's order)
+                kept = np.flatnonzero(keep[done:at]) + done
+                writer.write_many(
+                    frames.data, frames.starts[kept].tolist(), frames.ends[kept].tolist()
+                )
+                if at < len(frames):
+                    writer.write(sentrows.with_step(frames.payload(at), moved[at]))
+                done = at + 1
+            row += len(history)
         return writer.records
