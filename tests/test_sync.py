@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from wbmerge import synthetic
 from wbmerge.cli import main
+from wbmerge.records import read_records
 from wbmerge.txlog import BLOCK_SIZE, LogWriter, read_payloads
 
 from .conftest import MANIFEST, job_dir
@@ -309,3 +310,44 @@ def test_wandb_core_skips_blocks_ended_early_with_zeros(sink, tmp_path):
     assert console_text(got["console"]) == want.console
     assert system_metric_values(got["system_metrics"]) == want.stats
     assert got["exit_code"] == want.exit_code == 0
+
+
+@pytest.mark.parametrize("run_mode", ["new", "auto"])
+def test_a_restart_written_with_typed_values_is_moved_in_both_forms(sink, tmp_path, run_mode):
+    # With `x_history_value_encoding="json,typed"`, wandb writes each value twice: as JSON
+    # text and typed, and wandb-core sends the typed one. A restart that repeats steps 0,
+    # 10, 20 goes on at 21, 31, 41 only if both forms of its `_step` are moved.
+    from .test_training import run_rank
+
+    code = """
+    import os, wbmerge
+    run = wbmerge.init(project="p")
+    for step in (0, 10, 20):
+        run.log({"loss": step / 10 + int(os.environ["RANK"])}, step=step)
+    run.finish()
+    """
+    (tmp_path / "job").mkdir()
+    for restart in ("0", "1"):
+        for rank in ("0", "1"):
+            result = run_rank(
+                tmp_path / "job",
+                code,
+                RANK=rank,
+                WORLD_SIZE="2",
+                TORCHELASTIC_RUN_ID="typed",
+                TORCHELASTIC_RESTART_COUNT=restart,
+                WANDB_X_HISTORY_VALUE_ENCODING="json,typed",
+            )
+            assert result.returncode == 0, result.stderr
+    logs = sorted((tmp_path / "job" / "wandb").glob("offline-run-*/run-*.wandb"))
+    first_row = next(r for r in read_records(logs[0]) if r.WhichOneof("record_type") == "history")
+    assert first_row.history.item[0].WhichOneof("value") is not None  # written typed
+    result = cli_sync(sink, tmp_path, tmp_path / "job", "--run-mode", run_mode, "-p", "typed")
+    assert result.exit_code == 0, result.stderr
+    runs = {run["id"]: run for run in sink.client.runs(project="typed")}
+    ids = ["typed-rank-0", "typed-rank-1"] if run_mode == "new" else ["typed"]
+    assert sorted(runs) == ids
+    for rank, run_id in enumerate(ids):
+        history = sink.client.run("local", "typed", run_id)["history"]
+        assert [row["_step"] for row in history] == [0, 10, 20, 21, 31, 41]
+        assert [row["loss"] for row in history] == [rank, rank + 1, rank + 2] * 2

@@ -71,10 +71,14 @@ class Steps:
 
 def restep(payload: bytes, placed: int) -> bytes:
     """A pass-through history record moved to step `placed` (`Steps.shifted`): its restart
-    repeated earlier steps."""
+    repeated earlier steps. Its `_step` items say `placed` in each form they have: the JSON
+    text, and the typed value wandb writes beside it when told to (wandb-core reads that
+    one first)."""
     record = pb.Record.FromString(payload)
     record.history.step.num = placed
     for item in record.history.item:
         if (list(item.nested_key) or [item.key]) == ["_step"]:
             item.value_json = str(placed)
+            if item.WhichOneof("value") is not None:
+                item.integer = placed
     return record.SerializeToString()
