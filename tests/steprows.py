@@ -8,9 +8,12 @@ one above the row before, else one above the row before.
 
 from __future__ import annotations
 
+from wandb.proto import wandb_internal_pb2 as pb
+
 INT64_MAX, INT64_MIN = 2**63 - 1, -(2**63)
 
-# (items as (nested key, or a plain key, JSON text), step field or None, item step, sent at)
+# (items, step field or None, item step, sent at). An item is (nested key, or a plain key,
+# JSON text), and may end with its typed value as {field: value} (`record_of`).
 ODD_ROWS = [
     ([(["loss"], "0.5"), (["_step"], "0")], 0, 0, 0),  # as wandb writes a row
     ([(["_step"], "1")], 1, 1, 1),
@@ -54,4 +57,33 @@ ODD_ROWS = [
     ([(["_step"], "80"), (["_step"], "-nan")], None, 80, 80),
     ([(["_step"], "90"), (["_step"], "[Inf]")], None, None, 81),
     ([(["a"], "1"), (["a", "b"], "2"), (["_step"], "95")], None, 95, 95),  # `a` made an object
+    # wandb writes a typed value beside the JSON text when told to; wandb-core reads it first
+    ([(["_step"], "", {"integer": 200})], None, 200, 200),
+    ([(["_step"], "600", {"integer": 300})], None, 300, 300),
+    ([(["_step"], "700", {"number": 800.0})], None, None, 301),
+    ([(["_step"], "700", {"text": "900"})], None, None, 302),
+    ([(["_step"], "700", {"boolean": True})], None, None, 303),
+    ([(["_step"], "700", {"none": 0})], None, None, 304),
+    ([(["_step"], "700", {"json": "1000"})], None, 1000, 1000),
+    ([(["_step"], "1100"), (["_step"], "", {"json": "{}"})], None, 1100, 1100),
+    ([("", "1"), (["loss"], "2"), (["_step"], "1200")], None, 1200, 1200),  # no key: dropped
+    ([(["s"], '"\\ud800\\u0041"'), (["_step"], "1300")], None, 1300, 1300),  # half a pair
+    ([(["o"], '{"\\ud800": 1, "\\udc00": 2}'), (["_step"], "1400")], None, 1400, 1400),
 ]
+
+
+def record_of(items: list[tuple], step: int | None) -> bytes:
+    """A history record of `items` (see ODD_ROWS), with a step field unless `step` is None."""
+    record = pb.Record()
+    for key, text, *typed in items:
+        item = record.history.item.add()
+        if isinstance(key, str):
+            item.key = key
+        else:
+            item.nested_key.extend(key)
+        item.value_json = text
+        for field, value in (typed[0] if typed else {}).items():
+            setattr(item, field, value)
+    if step is not None:
+        record.history.step.num = step
+    return record.SerializeToString()

@@ -9,6 +9,7 @@ mode of 000 stops it as it stops any user.
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -292,10 +293,11 @@ def odd_steps_job(root: Path, rows: list[tuple[list, int | None]], job_id: str) 
     from wbmerge.topology import RankInfo
 
     from .ranklogs import exit_record, rank_log
+    from .steprows import record_of
 
     with rank_log(root, RankInfo(0, 0, 1, 1, 0, job_id=job_id), f"{job_id}-0", "p") as writer:
         for items, field in rows:
-            writer.write(history_record(items, field))
+            writer.write(record_of(items, field))
         writer.write(exit_record(0))
     return root
 
@@ -373,3 +375,53 @@ def test_config_values_nested_past_the_recursion_limit_are_no_values(job, tmp_pa
         assert result.returncode == 0, (args, result.stderr)
         if args[0] == "inspect":  # the ranks still come from wbmerge's block, intact
             assert result.stdout.count(" wbmerge ") == 4, result.stdout
+
+
+def _run_record(run_id: str, starting_step: int = 0, fork: tuple | None = None) -> bytes:
+    record = pb.Record()
+    record.run.run_id, record.run.project, record.run.starting_step = run_id, "p", starting_step
+    if fork:
+        point = record.run.branch_point
+        point.run, point.value, point.metric = fork
+    return record.SerializeToString()
+
+
+# Run records and rows without a `_step` item (None), and the steps wandb-core sends them at
+# (measured): it numbers from the last run record before the first row that sets a step.
+RUN_RECORDS = {
+    "two": ([(0,), (100,), None, None], [100, 101]),
+    "one": ([(50,), None, None], [50, 51]),
+    "after": ([(0,), None, (100,), None], [0, 1]),  # a run record after the first row
+    "fork": ([(0, ("other", 40.0, "_step")), None, None], [41, 42]),  # one after the fork
+    "unset": ([(50,), (0,), None, None], [50, 51]),
+    "fraction": ([(0, ("other", 40.9, "_step")), None, None], [41, 42]),  # cut toward 0
+    "negative": ([(0, ("other", -7.9, "_step")), None, None], [-6, -5]),
+}
+if platform.machine() in ("x86_64", "AMD64"):  # (measured there; other CPUs convert otherwise)
+    # Go's int64 of NaN or of a float past its range is int64's least, on x86-64
+    RUN_RECORDS["nan"] = ([(0, ("other", float("nan"), "_step")), None], [-(2**63) + 1])
+    RUN_RECORDS["far"] = ([(0, ("other", 1e30, "_step")), None], [-(2**63) + 1])
+
+
+def test_the_run_records_before_the_first_row_say_where_steps_start(sink, tmp_path):
+    from wbmerge.txlog import LogWriter
+    from wbmerge.upload import read_staged
+
+    from .ranklogs import exit_record
+    from .sinktools import wandb_sync
+
+    logs = {}
+    for name, (records, _) in RUN_RECORDS.items():
+        run_dir = tmp_path / f"offline-run-20260101_000000-{name}"
+        run_dir.mkdir()
+        logs[name] = run_dir / f"run-{name}.wandb"
+        with open(logs[name], "wb") as stream, LogWriter(stream) as writer:
+            for record in records:
+                row = history_record([(["loss"], "1")], None)
+                writer.write(row if record is None else _run_record(name, *record))
+            writer.write(exit_record(0))
+    assert wandb_sync(sink, [log.parent for log in logs.values()], "-p", "runs").returncode == 0
+    for name, (_, sent) in RUN_RECORDS.items():
+        history = sink.client.run("local", "runs", name)["history"]
+        assert [row["_step"] for row in history] == sent, name
+        assert list(read_staged(logs[name]).history_steps) == sent, name

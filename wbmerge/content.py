@@ -28,7 +28,7 @@ class StagedContent:
     step_items: tuple[int | None, ...]  # each history row's `_step` item (`sentrows.item_step`)
     events: int  # system-metric rows
     console_lines: int | None  # output.log lines; None when the console cannot be foretold
-    starting_step: int = 0  # the staged run record's, where wandb-core starts numbering rows
+    starting_step: int = 0  # where wandb-core numbers the rows from (`sentrows.starting_step`)
 
     @cached_property
     def history_steps(self) -> tuple[int, ...]:
@@ -102,19 +102,20 @@ class ContentCounter:
 
     def __init__(self) -> None:
         self.step_items: list[int | None] = []
-        self.starting_step: int | None = None  # from the log's first run record
+        self.runs: list[pb.RunRecord] = []  # the run records before the first history row
         self.events = 0
         self.streams: dict[int, ConsoleLines] = {}  # output type -> its console's lines
         self.logger_lines = 0
 
     def add(self, read: records.RecordIndex) -> None:
         frames = read.frames
+        if not self.step_items:  # (no history row yet)
+            runs = read.of("run")
+            if len(read.history):
+                runs = runs[runs < read.history[0]]
+            self.runs += [pb.Record.FromString(frames.payload(i)).run for i in runs.tolist()]
         self.step_items += step_items(read)
         self.events += len(read.of("stats"))
-        runs = read.of("run")
-        if self.starting_step is None and len(runs):
-            run = pb.Record.FromString(frames.payload(int(runs[0]))).run
-            self.starting_step = run.starting_step
         for index in read.of("output_raw").tolist():
             output = pb.Record.FromString(frames.payload(index)).output_raw
             self.streams.setdefault(output.output_type, ConsoleLines()).add(output.line)
@@ -126,7 +127,8 @@ class ContentCounter:
     def content(self) -> StagedContent:
         counts = [stream.count() for stream in self.streams.values()]
         console = None if None in counts else self.logger_lines + sum(c or 0 for c in counts)
-        return StagedContent(tuple(self.step_items), self.events, console, self.starting_step or 0)
+        start = sentrows.starting_step(self.runs)
+        return StagedContent(tuple(self.step_items), self.events, console, start)
 
 
 def read_staged(log: Path) -> StagedContent:

@@ -1,13 +1,14 @@
 """The history rows wandb-core sends, as it reads them from a log: pure functions.
 
 Measured with wandb 0.31's `wandb sync` into the sink, and as wandb-core's source says.
-wandb-core reads a history record's items in order into a row (`set_item`). It parses each
-value with its own JSON parser (github.com/wandb/simplejsonext, `json_value`) and drops an
-item the parser refuses. It takes an object apart into its leaves. It ignores the record's
-step field: the row's own step is its `_step` when that is an integer (`item_step`). Then
-it numbers the rows (`sent_steps`):
+wandb-core reads a history record's items in order into a row (`row_of`). It takes each
+item's typed value when wandb wrote one (`item_value`), else parses its JSON text with its
+own parser (github.com/wandb/simplejsonext, `json_value`), and drops an item the parser
+refuses or that has no key. It takes an object apart into its leaves. It ignores the
+record's step field: the row's own step is its `_step` when that is an integer
+(`item_step`). Then it numbers the rows (`sent_steps`):
 
-    next = the run record's `starting_step` (0 unless set)
+    next = where the run starts (`starting_step`: 0 unless a run record sets it)
     each row: step = its own step if that is an integer >= next, else next
               next = step + 1 (in int64: after 2**63 - 1 comes -2**63)
 
@@ -25,6 +26,7 @@ row is sent at its own item, whichever rows are cut.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from json.decoder import scanstring
@@ -40,6 +42,7 @@ _MAX_DEPTH = 501  # a value inside more arrays and objects than 500 is refused
 _NUMBER = re.compile(r"[-0-9IN][-0-9.+eEIinfatyN]*")
 _INTEGER = re.compile(r"-?[0-9]+")
 _WORDS = {"null": None, "true": True, "false": False}
+_LONE_HALF = re.compile("[\ud800-\udfff]")  # (Python joins the halves of a pair)
 
 
 class _Refused(Exception):
@@ -97,7 +100,7 @@ def _parse(text: str) -> tuple[object, int]:
                 continue
             value, at = container, at + 1
         elif char == '"':
-            value, at = scanstring(text, at + 1, True)
+            value, at = _string(text, at)
         elif (word := next((w for w in _WORDS if text.startswith(w, at)), None)) is not None:
             value, at = _WORDS[word], at + len(word)
         elif match := _NUMBER.match(text, at):
@@ -129,11 +132,18 @@ def _key(text: str, at: int) -> tuple[str, int]:
     at = _skip(text, at)
     if text[at] != '"':
         raise _Refused
-    key, at = scanstring(text, at + 1, True)
+    key, at = _string(text, at)
     at = _skip(text, at)
     if text[at] != ":":
         raise _Refused
     return key, at + 1
+
+
+def _string(text: str, at: int) -> tuple[str, int]:
+    """The string whose quote is at `at`, and where it ends. A `\\u` escape of half a
+    UTF-16 pair with no other half reads as U+FFFD, as in Go (Python keeps the half)."""
+    value, at = scanstring(text, at + 1, True)
+    return _LONE_HALF.sub("\ufffd", value), at
 
 
 def _number(token: str) -> int | float:
@@ -146,6 +156,38 @@ def _number(token: str) -> int | float:
     elif token.startswith("-") and token[1:2] in ("n", "N"):
         raise _Refused  # Go's float parser takes no sign before NaN (Python's does)
     return float(token)  # (raises ValueError where Go's parser refuses it too)
+
+
+def item_value(item: pb.HistoryItem) -> object:
+    """A history item's value as wandb-core reads it (`NOT_JSON` where it drops the item):
+    its typed value when it has one (wandb writes one beside the JSON text when told to,
+    with `x_history_value_encoding="json,typed"`), else its JSON text (`json_value`)."""
+    typed = item.WhichOneof("value")
+    if typed is None:
+        return json_value(item.value_json)
+    if typed == "json":
+        return json_value(item.json)
+    return None if typed == "none" else getattr(item, typed)
+
+
+def item_path(item: pb.HistoryItem) -> list[str]:
+    """A history item's path: its nested key, else its key ([""] for neither, which
+    wandb-core drops: `row_of`)."""
+    return list(item.nested_key) or [item.key]
+
+
+def row_of(history: pb.HistoryRecord, top: str | None = None) -> dict:
+    """The row wandb-core builds from a history record's items, in order (only the items
+    under the name `top`, when given): each value put at its path (`set_item`); an item
+    without a key, or whose value it refuses, left out."""
+    row: dict = {}
+    for item in history.item:
+        path = item_path(item)
+        if path == [""] and not item.nested_key or top is not None and path[0] != top:
+            continue
+        if (value := item_value(item)) is not NOT_JSON:
+            set_item(row, path, value)
+    return row
 
 
 def set_item(row: dict, path: list[str], value: object) -> None:
@@ -168,13 +210,28 @@ def item_step(payload: bytes) -> int | None:
     (the last items at or below the path `_step` decide). None for anything else: no such
     item, a float, a string, or an object (an item below `_step`). Raises protobuf's
     DecodeError for a record that is not valid protobuf."""
-    row: dict = {}
-    for item in pb.Record.FromString(payload).history.item:
-        path = list(item.nested_key) or [item.key]
-        if path[0] == "_step" and (value := json_value(item.value_json)) is not NOT_JSON:
-            set_item(row, path, value)
-    step = row.get("_step")
+    step = row_of(pb.Record.FromString(payload).history, "_step").get("_step")
     return step if type(step) is int else None
+
+
+def starting_step(runs: Sequence[pb.RunRecord]) -> int:
+    """The step wandb-core numbers a log's rows from, given the run records before its
+    first history row: the last that sets one, by a fork's branch point on `_step` (one
+    after it) or by its `starting_step`; else 0."""
+    step = 0
+    for run in runs:
+        point = run.branch_point
+        if point.run and point.run != run.run_id and point.metric == "_step":
+            step = _go_int64(point.value) + 1
+        elif run.starting_step:
+            step = run.starting_step
+    return step
+
+
+def _go_int64(value: float) -> int:
+    """Go's int64(value) on x86-64: truncated toward zero; NaN and values out of int64's
+    range give int64's least."""
+    return int(value) if math.isfinite(value) and -(2.0**63) <= value < 2.0**63 else INT64_MIN
 
 
 def sent_steps(items: Sequence[int | None], starting_step: int = 0) -> list[int]:

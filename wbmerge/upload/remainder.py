@@ -106,20 +106,15 @@ def same_value(a: object, b: object) -> bool:
 
 
 def history_row(log: Path, index: int) -> dict:
-    """History row `index` of a log as wandb-core builds it from the items (`sentrows`):
-    nested keys as nested objects, items its parser refuses left out. Its `_step` is what
-    its items say; the `_step` it is sent at is `StagedContent.history_steps`."""
+    """History row `index` of a log as wandb-core builds it from the items (`sentrows.row_of`):
+    nested keys as nested objects, items it drops left out. Its `_step` is what its items
+    say; the `_step` it is sent at is `StagedContent.history_steps`."""
     seen = 0
     for read in records.read_indexed(log):
         history = read.history
         if seen + len(history) > index:
-            row: dict = {}
             payload = read.frames.payload(int(history[index - seen]))
-            for item in pb.Record.FromString(payload).history.item:
-                value = sentrows.json_value(item.value_json)
-                if value is not sentrows.NOT_JSON:
-                    sentrows.set_item(row, list(item.nested_key) or [item.key], value)
-            return row
+            return sentrows.row_of(pb.Record.FromString(payload).history)
         seen += len(history)
     raise IndexError(index)
 
