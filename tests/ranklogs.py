@@ -30,19 +30,21 @@ def rank_log(root: Path, info: RankInfo, run_id: str, project: str) -> Iterator[
         yield writer
 
 
-def history_record(
-    items: list[tuple[list[str] | str, str]], step: int | None, num: int = 0
-) -> bytes:
-    """A history record: items as (nested key, or a plain key, JSON value), and a step
-    field unless `step` is None (wandb 0.16 writes none); `num` as wandb numbers records."""
+def history_record(items: list[tuple], step: int | None, num: int = 0) -> bytes:
+    """A history record: items as (nested key, or a plain key, JSON value), each maybe
+    followed by its typed value as {field: value} (wandb writes one beside the JSON when
+    told to), and a step field unless `step` is None (wandb 0.16 writes none); `num` as
+    wandb numbers records."""
     record = pb.Record(num=num)
-    for key, value in items:
+    for key, value, *typed in items:
         item = record.history.item.add()
         if isinstance(key, str):
             item.key = key
         else:
             item.nested_key.extend(key)
         item.value_json = value
+        for field, typed_value in (typed[0] if typed else {}).items():
+            setattr(item, field, typed_value)
     if step is not None:
         record.history.step.num = step
     return record.SerializeToString()

@@ -8,12 +8,10 @@ one above the row before, else one above the row before.
 
 from __future__ import annotations
 
-from wandb.proto import wandb_internal_pb2 as pb
-
 INT64_MAX, INT64_MIN = 2**63 - 1, -(2**63)
 
 # (items, step field or None, item step, sent at). An item is (nested key, or a plain key,
-# JSON text), and may end with its typed value as {field: value} (`record_of`).
+# JSON text), and may end with its typed value as {field: value} (`ranklogs.history_record`).
 ODD_ROWS = [
     ([(["loss"], "0.5"), (["_step"], "0")], 0, 0, 0),  # as wandb writes a row
     ([(["_step"], "1")], 1, 1, 1),
@@ -70,20 +68,3 @@ ODD_ROWS = [
     ([(["s"], '"\\ud800\\u0041"'), (["_step"], "1300")], None, 1300, 1300),  # half a pair
     ([(["o"], '{"\\ud800": 1, "\\udc00": 2}'), (["_step"], "1400")], None, 1400, 1400),
 ]
-
-
-def record_of(items: list[tuple], step: int | None) -> bytes:
-    """A history record of `items` (see ODD_ROWS), with a step field unless `step` is None."""
-    record = pb.Record()
-    for key, text, *typed in items:
-        item = record.history.item.add()
-        if isinstance(key, str):
-            item.key = key
-        else:
-            item.nested_key.extend(key)
-        item.value_json = text
-        for field, value in (typed[0] if typed else {}).items():
-            setattr(item, field, value)
-    if step is not None:
-        record.history.step.num = step
-    return record.SerializeToString()

@@ -293,11 +293,10 @@ def odd_steps_job(root: Path, rows: list[tuple[list, int | None]], job_id: str) 
     from wbmerge.topology import RankInfo
 
     from .ranklogs import exit_record, rank_log
-    from .steprows import record_of
 
     with rank_log(root, RankInfo(0, 0, 1, 1, 0, job_id=job_id), f"{job_id}-0", "p") as writer:
         for items, field in rows:
-            writer.write(record_of(items, field))
+            writer.write(history_record(items, field))
         writer.write(exit_record(0))
     return root
 

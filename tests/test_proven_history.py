@@ -15,7 +15,7 @@ from wbmerge.proto import pb
 from wbmerge.sentrows import item_step
 
 from .ranklogs import history_record
-from .steprows import ODD_ROWS, record_of
+from .steprows import ODD_ROWS
 from .test_records import LOGS, any_record
 
 
@@ -174,7 +174,7 @@ def test_the_proof_reads_the_step_of_every_row_wandb_wrote_as_the_reference():
 
 
 def test_the_proof_leaves_each_odd_step_that_is_no_plain_integer_to_the_reference():
-    payloads = [record_of(items, field) for items, field, _, _ in ODD_ROWS]
+    payloads = [history_record(items, field) for items, field, _, _ in ODD_ROWS]
     found = steps_read(payloads)
     # The rows whose last `_step` item is not a plain integer (see tests/steprows.py):
     # `40.0`, `true`, `_step.x`, `not json`, `"x"`, `+360`, `1e3`, 20 digits, two lists,

@@ -14,7 +14,7 @@ from wbmerge.proto import pb
 from wbmerge.sentrows import NOT_JSON, item_step, json_int, json_value, sent_steps, with_step
 
 from .ranklogs import history_record
-from .steprows import INT64_MAX, INT64_MIN, ODD_ROWS, record_of
+from .steprows import INT64_MAX, INT64_MIN, ODD_ROWS
 
 
 @pytest.mark.parametrize(
@@ -51,7 +51,7 @@ def test_json_int_reads_integers_as_wandb_cores_parser(text, value):
 
 
 def test_item_step_and_sent_steps_follow_the_measured_rows():
-    payloads = [record_of(items, field) for items, field, _, _ in ODD_ROWS]
+    payloads = [history_record(items, field) for items, field, _, _ in ODD_ROWS]
     items = [item_step(payload) for payload in payloads]
     assert items == [item for _, _, item, _ in ODD_ROWS]
     assert sent_steps(items) == [sent for *_, sent in ODD_ROWS]

@@ -19,7 +19,7 @@ from wbmerge.upload.remainder import Mismatch, history_row, same_value, write_re
 from .conftest import fixture_logs, job_dir
 from .ranklogs import history_record
 from .sinktools import expected_from_log
-from .steprows import ODD_ROWS, record_of
+from .steprows import ODD_ROWS
 
 STAGED = StagedContent(step_items=(0, 1, 2, 5, 9), events=3, console_lines=4)
 
@@ -163,7 +163,7 @@ def test_a_cut_log_is_sent_at_the_steps_of_the_whole_log(tmp_path):
     from wbmerge.txlog import write_payloads
 
     log = tmp_path / "odd.wandb"
-    write_payloads(log, [record_of(items, field) for items, field, _, _ in ODD_ROWS])
+    write_payloads(log, [history_record(items, field) for items, field, _, _ in ODD_ROWS])
     whole = read_staged(log)
     sent = [sent for *_, sent in ODD_ROWS]
     assert list(whole.history_steps) == sent
@@ -184,7 +184,7 @@ def test_read_staged_counts_each_row_at_the_step_wandb_core_sends(tmp_path, padd
 
     log = tmp_path / "odd.wandb"
     pad = [([f"pad/{i}/rank-{i % 8}"], "0.25") for i in range(padding)]
-    write_payloads(log, [record_of(items + pad, field) for items, field, _, _ in ODD_ROWS])
+    write_payloads(log, [history_record(items + pad, field) for items, field, _, _ in ODD_ROWS])
     staged = read_staged(log)
     assert list(staged.step_items) == [item for _, _, item, _ in ODD_ROWS]
     assert list(staged.history_steps) == [sent for *_, sent in ODD_ROWS]
