@@ -5,6 +5,8 @@
 Reports the median of --repeat runs, on one core, of:
   framing + CRC only (raw payloads, no protobuf): target >= 200 MB/s
   framing + protobuf parse of every record:        target >= 150k records/s
+  the count an upload is verified against (`content.read_staged`: every row's `_step`,
+  system-metric rows, console lines), as a ratio to framing alone
 and, as a baseline measured in the same invocation, a plain `read()` of the file.
 """
 
@@ -20,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from wbmerge import records, synthetic, txlog
+from wbmerge import content, records, synthetic, txlog
 from wbmerge.topology import RankInfo
 
 
@@ -62,9 +64,13 @@ def main() -> None:
                 n += 1
             return n
 
+        def counting():
+            return len(content.read_staged(path).history_steps)
+
         t_raw, _ = timed(raw_read, args.repeat)
         t_frame, count = timed(framing, args.repeat)
         t_parse, _ = timed(parsing, args.repeat)
+        t_count, _ = timed(counting, args.repeat)
         result = {
             "file_mb": round(size / 1e6, 1),
             "records": count,
@@ -72,6 +78,8 @@ def main() -> None:
             "framing_crc_mb_s": round(size / 1e6 / t_frame),
             "framing_parse_records_s": round(count / t_parse),
             "framing_vs_raw_read": round(t_frame / t_raw, 2),
+            "count_mb_s": round(size / 1e6 / t_count),
+            "count_vs_framing": round(t_count / t_frame, 2),
             "repeat": args.repeat,
         }
         print(json.dumps(result, indent=2))
