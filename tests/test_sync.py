@@ -312,11 +312,12 @@ def test_wandb_core_skips_blocks_ended_early_with_zeros(sink, tmp_path):
     assert got["exit_code"] == want.exit_code == 0
 
 
-@pytest.mark.parametrize("run_mode", ["new", "auto"])
+@pytest.mark.parametrize("run_mode", ["new", "auto", "shared"])
 def test_a_restart_written_with_typed_values_is_moved_in_both_forms(sink, tmp_path, run_mode):
     # With `x_history_value_encoding="json,typed"`, wandb writes each value twice: as JSON
     # text and typed, and wandb-core sends the typed one. A restart that repeats steps 0,
-    # 10, 20 goes on at 21, 31, 41 only if both forms of its `_step` are moved.
+    # 10, 20 goes on at 21, 31, 41 only if both forms of its `_step` are moved. (A shared
+    # merge writes rows of its own, from the values of both ranks.)
     from .test_training import run_rank
 
     code = """
@@ -350,4 +351,9 @@ def test_a_restart_written_with_typed_values_is_moved_in_both_forms(sink, tmp_pa
     for rank, run_id in enumerate(ids):
         history = sink.client.run("local", "typed", run_id)["history"]
         assert [row["_step"] for row in history] == [0, 10, 20, 21, 31, 41]
-        assert [row["loss"] for row in history] == [rank, rank + 1, rank + 2] * 2
+        if run_mode == "shared":
+            for label in (0, 1):
+                values = [row[f"loss/rank-{label}"] for row in history]
+                assert values == [label, label + 1, label + 2] * 2
+        else:
+            assert [row["loss"] for row in history] == [rank, rank + 1, rank + 2] * 2
