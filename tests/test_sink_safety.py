@@ -8,14 +8,17 @@ hash) and that the secret's bytes never came back in a response.
 from __future__ import annotations
 
 import base64
+import gzip
 import hashlib
 import http.client
 import json
 import os
 import subprocess
 import sys
+import tracemalloc
 import urllib.parse
 import uuid
+import zlib
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ import pytest
 from wbmerge.sink import Store, local_api_key
 from wbmerge.sink.access import UploadTokens, is_loopback_host
 from wbmerge.sink.names import BadName, check_file_name, check_run_id, check_run_path
+from wbmerge.sink.protocol import ProtocolError, decode_body
 
 from .sinktools import SinkProcess
 
@@ -475,3 +479,51 @@ def test_json_nested_past_pythons_limit_is_a_bad_request_not_a_server_error(site
     status, answer = site.graphql(UPSERT, {"entity": "local", "project": "p", "name": "ok"})
     assert status == 200, answer
     assert sorted(run["id"] for run in site.sink.client.runs(project="p")) == ["ok", "r2"]
+
+
+def _gzip_of_zeros(size: int) -> bytes:
+    """`size` zero bytes gzipped, a mebibyte at a time (the bytes are never all held)."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+    chunk = bytes(1 << 20)
+    parts = [packer.compress(chunk) for _ in range(size >> 20)]
+    return b"".join([*parts, packer.flush()])
+
+
+def test_a_gzip_bomb_is_refused_without_unzipping_it_whole():
+    # 256 MiB of zeros gzip to a quarter of a mebibyte; unzipping stops past the limit.
+    bomb = _gzip_of_zeros(256 << 20)
+    assert len(bomb) < 300_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError, match="larger than 1048576 bytes unzipped") as refused:
+            decode_body(bomb, limit=1 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert refused.value.status == 413
+    assert peak < 8 << 20, peak  # about the limit, not the 256 MiB
+    assert decode_body(gzip.compress(b" " * 1000 + b"[1]"), limit=1003) == [1]
+
+
+@pytest.mark.parametrize("path", ["/graphql", "/files/local/p/r/file_stream"])
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_gzip_body_is_read_declared_or_not_and_a_broken_one_is_a_400(site, path, declared):
+    # aiohttp undoes a declared Content-Encoding itself; wandb-core's file_stream bodies
+    # come gzipped without one. Either way a good body is read and a broken one is a 400.
+    if path == "/graphql":
+        good = {"query": "query Viewer { viewer { id } }", "variables": {}}
+    else:
+        good = {"files": {"wandb-history.jsonl": {"offset": 0, "content": ['{"_step": 0}']}}}
+    whole = gzip.compress(json.dumps(good).encode())
+    headers = {"Authorization": AUTH, **({"Content-Encoding": "gzip"} if declared else {})}
+    status, answer = site.request("POST", path, whole, headers)
+    assert status == 200, answer
+    broken = [whole + b"trailing", b"\x1f\x8b" + bytes(20)]
+    broken += (
+        [] if declared else [whole[:-5], whole[:12]]
+    )  # (aiohttp reads a cut one as far as it goes)
+    for body in broken:
+        status, answer = site.request("POST", path, body, headers)
+        assert status == 400, (body, answer)
+        assert b"bad gzip body" in answer or b"bad request body" in answer
+    assert site.request("GET", "/api/runs")[0] == 200  # still serving

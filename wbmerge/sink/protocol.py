@@ -7,10 +7,10 @@ fields the uploader reads. Unknown operations get a GraphQL error, never a guess
 from __future__ import annotations
 
 import base64
-import gzip
 import json
 import re
 import urllib.parse
+import zlib
 from typing import Any
 
 from .names import BadName, check_file_name, check_run_path
@@ -19,6 +19,9 @@ from .store import Store
 DEFAULT_ENTITY = "local"
 MIN_API_KEY_LENGTH = 40  # what wandb itself requires of a key
 FEATURES = ["FILESTREAM_GZIP"]  # so the tests exercise gzip-encoded file_stream bodies
+# The most bytes a request body may hold, as sent (the server's limit) and once gunzipped: a
+# few kilobytes of gzip can stand for gigabytes.
+MAX_BODY = 1 << 30
 
 _OPERATION = re.compile(r"\b(?:query|mutation)\s+(\w+)")
 
@@ -62,13 +65,38 @@ def checked_file_names(names: object) -> list[str]:
         raise ProtocolError(str(exc)) from None
 
 
-def decode_body(data: bytes, encoding: str | None) -> Any:
-    if encoding == "gzip" or data[:2] == b"\x1f\x8b":
-        data = gzip.decompress(data)
+def decode_body(data: bytes, limit: int = MAX_BODY) -> Any:
+    """A request's JSON body, gunzipped first where it is gzip: ValueError when it is not
+    valid, ProtocolError(413) when it would be larger than `limit` bytes unzipped.
+
+    The server has undone a `Content-Encoding: gzip` the request declared already (up to
+    `MAX_BODY`); wandb-core sends file_stream bodies gzipped without declaring it, so a
+    body is known by gzip's first two bytes."""
+    if data[:2] == b"\x1f\x8b":
+        data = gunzip(data, limit)
     try:
         return json.loads(data or b"{}")
     except RecursionError:  # nested past Python's limit: bad input, not the sink's fault
         raise ValueError("JSON nested too deeply") from None
+
+
+def gunzip(data: bytes, limit: int) -> bytes:
+    """The bytes of gzip `data` (one member or several, as `gzip.decompress` reads it), never
+    more than `limit` of them held: ProtocolError(413) past it, ValueError for bad gzip."""
+    out = bytearray()
+    while True:
+        inflater = zlib.decompressobj(wbits=31)  # (31: gzip's header and trailer)
+        try:
+            out += inflater.decompress(data, limit + 1 - len(out))
+        except zlib.error as exc:
+            raise ValueError(f"bad gzip body: {exc}") from None
+        if len(out) > limit:
+            raise ProtocolError(f"request body larger than {limit} bytes unzipped", 413)
+        if not inflater.eof:
+            raise ValueError("bad gzip body: it ends inside its data")
+        data = inflater.unused_data
+        if not data:
+            return bytes(out)
 
 
 def operation_name(payload: dict[str, Any]) -> str:

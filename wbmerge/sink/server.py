@@ -45,15 +45,17 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         return await handler(request)
     except RecursionError:  # a JSON value given (or stored from a request) nested too deeply
         return _refuse(400, "a JSON value is nested too deeply to read")
+    except web.RequestPayloadError as exc:  # a declared Content-Encoding that does not decode
+        return _refuse(400, f"bad request body: {str(exc).strip()}")
 
 
 def _kind(request: web.Request, body: bytes) -> str:
     path = request.path
     if path == "/graphql":
         try:
-            payload = protocol.decode_body(body, request.headers.get("Content-Encoding"))
+            payload = protocol.decode_body(body)
             return f"graphql:{protocol.operation_name(payload)}"
-        except (ValueError, OSError):
+        except (ValueError, OSError, protocol.ProtocolError):
             return "graphql:?"
     if path.endswith("/file_stream"):
         return "file_stream"
@@ -87,9 +89,7 @@ async def fault_injection(request: web.Request, handler: Any) -> web.StreamRespo
 async def graphql(request: web.Request) -> web.Response:
     try:
         protocol.check_auth(request.headers.get("Authorization"))
-        payload = protocol.decode_body(
-            await request.read(), request.headers.get("Content-Encoding")
-        )
+        payload = protocol.decode_body(await request.read())
         answer = protocol.graphql(request.app[STORE], payload, _base_url(request))
     except protocol.ProtocolError as exc:
         return web.json_response({"errors": [{"message": str(exc)}]}, status=exc.status)
@@ -102,7 +102,7 @@ async def file_stream(request: web.Request) -> web.Response:
     m = request.match_info
     try:
         protocol.check_auth(request.headers.get("Authorization"))
-        body = protocol.decode_body(await request.read(), request.headers.get("Content-Encoding"))
+        body = protocol.decode_body(await request.read())
         answer = protocol.file_stream(request.app[STORE], m["entity"], m["project"], m["run"], body)
     except protocol.ProtocolError as exc:
         return _refuse(exc.status, str(exc))
@@ -195,7 +195,7 @@ def make_app(
     data_dir: str | Path, faults: list[str] | None = None, allow_faults: bool = False
 ) -> web.Application:
     """The sink's application; faults can be set later only if `allow_faults` or `faults`."""
-    app = web.Application(middlewares=[guard, fault_injection], client_max_size=1 << 30)
+    app = web.Application(middlewares=[guard, fault_injection], client_max_size=protocol.MAX_BODY)
     app[STORE] = Store(data_dir)
     app[FAULTS] = FaultPlan([parse_fault(s) for s in faults or []])
     app[FAULTS_ALLOWED] = allow_faults or bool(faults)
