@@ -8,7 +8,9 @@
  *
  *   Record        := (num: field 1, varint | history: field 2, bytes of History)*
  *   History       := (item: field 1, bytes of HistoryItem | step: field 2, bytes of Step)*
- *   HistoryItem   := (key: 1 | nested_key: 2 | value_json: 16, each bytes of valid UTF-8)*
+ *   HistoryItem   := (key: 1 | nested_key: 2 | text: 7 | json: 8 | value_json: 16, each
+ *                      bytes of valid UTF-8 | none: 3 | boolean: 4 | integer: 5, varints
+ *                      | number: 6, 8 bytes)*
  *   Step          := (num: field 1, varint)*
  *
  * Varints are at most 10 bytes, the 10th at most 1; a length must fit in what is left.
@@ -19,10 +21,11 @@
  * records, and that wandb's own records are proven.
  *
  * On the way it reads the row's `_step` as wandb-core will (`sentrows.item_step` is the
- * reference): the last item at the path `_step` decides. When that item's value is a
- * plain JSON integer (`json_int` below), that is the step; a row with no such item has
- * none; any other last `_step` item (a value that is not an integer, perhaps not even
- * JSON, or a path below `_step`) is left to the reference. */
+ * reference): the last item at the path `_step` decides. When that item's typed value is
+ * an integer, or it has none and its JSON text is a plain integer (`json_int` below), that
+ * is the step; a row with no such item has none; any other last `_step` item (a value
+ * that is not an integer, perhaps not even JSON, or a path below `_step`) is left to the
+ * reference. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -141,6 +144,11 @@ static int json_int(const uint8_t *p, Py_ssize_t at, Py_ssize_t end, int64_t *va
     return 1;
 }
 
+/* A HistoryItem's typed value, one of these fields (the last set wins; wandb writes one
+ * beside value_json when told to, and wandb-core reads it first): none 3 (an enum),
+ * boolean 4, integer 5 (a zigzag varint, sint64), number 6 (a double), text 7, json 8. */
+enum { UNTYPED = 0, TYPED_INTEGER = 5 };
+
 /* A HistoryItem at p[at:end): whether it is valid, and in *effect what it does to `_step`
  * (its path is its nested_key when it has one, else its key; strings set twice keep the
  * last, as protobuf reads them). */
@@ -148,15 +156,29 @@ static int valid_item(const uint8_t *p, Py_ssize_t at, Py_ssize_t end, int *effe
                       int64_t *step)
 {
     Py_ssize_t key = -1, key_end = -1, value = -1, value_end = -1, first = -1, first_end = -1;
-    int nested = 0;
+    int nested = 0, typed = UNTYPED;
+    uint64_t integer = 0;
     while (at < end) {
-        uint64_t tag;
+        uint64_t tag, number;
         Py_ssize_t start, stop;
         at = varint(p, at, end, &tag);
         if (at < 0)
             return 0;
-        uint64_t field = tag >> 3;
-        if ((tag & 7) != 2 || !(field == 1 || field == 2 || field == 16))
+        uint64_t field = tag >> 3, wire = tag & 7;
+        if (field >= 3 && field <= 5 && wire == 0) { /* none, boolean, integer */
+            at = varint(p, at, end, &number);
+            if (at < 0)
+                return 0;
+            typed = (int)field, integer = number;
+            continue;
+        }
+        if (field == 6 && wire == 1) { /* number: the 8 bytes of a double */
+            if (end - at < 8)
+                return 0;
+            typed = 6, at += 8;
+            continue;
+        }
+        if (wire != 2 || !(field == 1 || field == 2 || field == 7 || field == 8 || field == 16))
             return 0;
         if (!delimited(p, at, end, &start, &stop) || !valid_utf8(p + start, stop - start))
             return 0;
@@ -164,14 +186,18 @@ static int valid_item(const uint8_t *p, Py_ssize_t at, Py_ssize_t end, int *effe
             key = start, key_end = stop;
         else if (field == 16)
             value = start, value_end = stop;
-        else if (nested++ == 0)
+        else if (field == 2 && nested++ == 0)
             first = start, first_end = stop;
+        else if (field == 7 || field == 8)
+            typed = (int)field;
         at = stop;
     }
     Py_ssize_t name = nested ? first : key, name_end = nested ? first_end : key_end;
     if (name < 0 || name_end - name != 5 || memcmp(p + name, "_step", 5) != 0)
         *effect = NOT_STEP;
-    else if (nested <= 1 && value >= 0 && json_int(p, value, value_end, step))
+    else if (nested <= 1 && typed == TYPED_INTEGER)
+        *effect = STEP_INT, *step = (int64_t)(integer >> 1) ^ -(int64_t)(integer & 1);
+    else if (nested <= 1 && typed == UNTYPED && value >= 0 && json_int(p, value, value_end, step))
         *effect = STEP_INT;
     else
         *effect = STEP_OTHER;
