@@ -227,6 +227,11 @@ def test_another_merge_under_the_same_id_is_refused_not_mixed_in(sink, tmp_path)
     assert other.exit_code == 1
     assert "run fx-one-node-4: the server's row 30 differs from the staged row 30" in other.stderr
     assert sink.client.run("local", "mix", "fx-one-node-4")["history"] == before["history"]
+    # A rerun would refuse the run again: the way out is another id, not a rerun.
+    assert "rerun" not in other.stderr and "--base-id ID" in other.stderr
+    again = cli(sink, tmp_path, *args, "--key-format", "{label}/{key}", "--base-id", "mix-2")
+    assert again.exit_code == 0, again.stderr
+    assert sink.client.run("local", "mix", "mix-2")["history"] != before["history"]
 
 
 def test_force_checks_with_the_server_and_sends_no_duplicates(sink, tmp_path):

@@ -480,8 +480,13 @@ def _finish_job(upload: _JobUpload, session: _Session) -> list[str]:
             f"no progress for {session.timeout:.0f} s, upload stopped; complete: "
             f"{', '.join(complete) or 'none'} (rerun to send the rest)"
         )
-    if lines:
+    if any(not d.refused for d in result.failed) or result.timed_out:
         lines.append("nothing missing was recorded as synced; rerun `wbmerge sync` to send it")
+    elif lines:  # (every run refused: a rerun would refuse them again)
+        lines.append(
+            "nothing was sent to these runs: upload under other run ids with --base-id ID, "
+            "or delete the runs on the server first"
+        )
     return lines
 
 

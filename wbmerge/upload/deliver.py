@@ -64,6 +64,8 @@ class Delivery:
     content: StagedContent | None = None
     problems: list[str] = field(default_factory=list)
     verified: bool = False
+    # The server holds rows of this run that are not a beginning of it: a rerun refuses too.
+    refused: bool = False
     # Recorded in the ledger once verified. A live round of `sync --follow` sends runs that
     # are not done yet: verified, but not recorded, so that later rounds send the rest.
     final: bool = True
@@ -201,9 +203,10 @@ class Deliverer:
                     self.prepare(delivery)
                     ready = not self.given_up
             except Mismatch as exc:
+                delivery.refused = True
                 delivery.problems.append(
-                    f"{exc}: the server's run is not a beginning of this one and is left "
-                    "as it is (delete it on the server, or pick another --base-id)"
+                    f"{exc}: the server's run is not a beginning of this one (an upload of "
+                    "another run mode or other options?) and is left as it is"
                 )
             except BaseException as exc:  # said by `failure`, and raised by finish()
                 with self.lock:
