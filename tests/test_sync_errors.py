@@ -133,3 +133,31 @@ def test_bad_options(args, fragment):
 
 def test_nothing_there(tmp_path):
     assert_one_line_error(run("merge", tmp_path, "--out", tmp_path / "o"), "no offline W&B run")
+
+
+@pytest.mark.parametrize("parallel", ["0", "-3"])
+def test_no_runs_at_once_is_refused_before_any_work(tmp_path, parallel):
+    result = run("sync", str(job_dir("one_node_4")), "-n", parallel)
+    assert result.exit_code == 2
+    assert f"Invalid value for '--parallel' / '-n': {parallel} is not in the range x>=1" in (
+        result.output + result.stderr
+    )
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
+    # `wbmerge inspect ... | head -1`: the pipe closes before wbmerge writes its table.
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "wbmerge.cli", "inspect", str(job_dir("one_node_4"))],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141, result.stderr
+    assert result.stderr == ""

@@ -38,6 +38,9 @@ def _one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt:
             click.echo("wbmerge: interrupted; runs verified so far stay recorded", err=True)
             sys.exit(130)
+        except BrokenPipeError:  # the reader of stdout went away (`wbmerge ... | head -1`)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (for the exit)
+            sys.exit(141)  # as a tool stopped by SIGPIPE exits
         except Terminated:
             click.echo("wbmerge: terminated; runs verified so far stay recorded", err=True)
             sys.exit(143)
@@ -339,7 +342,10 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
 
 @main.command()
 @merge_options
-@click.option("--parallel", "-n", default=4, show_default=True, help="Runs uploaded at once.")
+@click.option(
+    "--parallel", "-n", default=4, show_default=True, type=click.IntRange(min=1),
+    help="Runs uploaded at once.",
+)  # fmt: skip
 @click.option(
     "--force",
     is_flag=True,
