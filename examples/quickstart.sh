@@ -6,10 +6,16 @@
 #   4. wbmerge sync --run-mode shared: all ranks merged into one run, uploaded by `wandb sync`
 #   5. the links, which open on the sink's own pages
 set -euo pipefail
-out="${1:-./wbmerge-demo}"
+out="${1:-./wbmerge-demo}"  # the demo's own folder: its runs are replaced on every run
 port="${WBMERGE_SINK_PORT:-8765}"
-rm -rf "$out/wandb"
+if [ -e "$out/wandb" ] && [ ! -e "$out/.wbmerge-demo" ]; then
+    echo "quickstart: $out/wandb was not made by this script and is left as it is;" \
+        "name an empty folder: bash $0 FOLDER" >&2
+    exit 2
+fi
 mkdir -p "$out"
+touch "$out/.wbmerge-demo"
+rm -rf "$out/wandb"
 
 sink_up() { python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/api/runs', timeout=2)" 2>/dev/null; }
 sink_pid=""

@@ -28,3 +28,19 @@ def test_main_job_script_exists():
     first = setup_commands()[0]
     script = re.search(r"bash (\S+)", first)[1]
     assert (ROOT / script).is_file()
+
+
+def test_the_quickstart_leaves_runs_it_did_not_make(tmp_path):
+    # `bash examples/quickstart.sh .` in a training project must not wipe its ./wandb.
+    import subprocess
+
+    project = tmp_path / "project"
+    (project / "wandb" / "offline-run-1").mkdir(parents=True)
+    (project / "wandb" / "offline-run-1" / "run-1.wandb").write_bytes(b"mine")
+    script = ROOT / "examples" / "quickstart.sh"
+    result = subprocess.run(
+        ["bash", str(script), str(project)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "was not made by this script and is left as it is" in result.stderr
+    assert (project / "wandb" / "offline-run-1" / "run-1.wandb").read_bytes() == b"mine"
