@@ -6,9 +6,9 @@
 #   4. wbmerge sync --run-mode shared: all ranks merged into one run, uploaded by `wandb sync`
 #   5. the links, which open on the sink's own pages
 set -euo pipefail
-out="${1:-./wbmerge-demo}"  # the demo's own folder: its runs are replaced on every run
+out="${1:-./wbmerge-demo}"  # the demo's own folder (or one it marked): its runs are replaced
 port="${WBMERGE_SINK_PORT:-8765}"
-if [ -e "$out/wandb" ] && [ ! -e "$out/.wbmerge-demo" ]; then
+if [ $# -gt 0 ] && [ -e "$out/wandb" ] && [ ! -e "$out/.wbmerge-demo" ]; then
     echo "quickstart: $out/wandb was not made by this script and is left as it is;" \
         "name an empty folder: bash $0 FOLDER" >&2
     exit 2
