@@ -171,6 +171,9 @@ def test_sink_show_cli(sink, tmp_path):
 
     from wbmerge.cli import main
 
+    empty = CliRunner().invoke(main, ["sink", "show", "--url", sink.url])
+    assert empty.exit_code == 0 and empty.stdout == ""
+    assert empty.stderr == f"no runs on the sink at {sink.url} yet\n"
     [log] = synthetic_runs(tmp_path, 1, steps=5)
     assert wandb_sync(sink, [log.parent], "-p", "show").returncode == 0
     run_id = expected_from_log(log).run_id

@@ -126,7 +126,9 @@ def inspect(
 
 @main.group()
 def sink() -> None:
-    """The local W&B-compatible sink: default upload target and test backend."""
+    """The local W&B-compatible sink: the quickstart's upload target and the tests' server.
+
+    A sync goes to it when WANDB_BASE_URL names it (otherwise to W&B itself)."""
 
 
 @sink.command("serve")
@@ -180,6 +182,8 @@ def sink_show(run_path: str | None, url: str, as_json: bool) -> None:
             runs = client.runs()
             if as_json:
                 click.echo(json.dumps(runs, indent=2))
+            if not runs and not as_json:
+                click.echo(f"no runs on the sink at {url} yet", err=True)
             for r in [] if as_json else runs:
                 click.echo(
                     f"{r['entity']}/{r['project']}/{r['id']}  group={r['group'] or '-'}  "

@@ -1,4 +1,4 @@
-"""A local W&B-compatible sink: the built-in default upload target and the test backend."""
+"""A local W&B-compatible sink: the quickstart's upload target and the tests' server."""
 
 from .client import SinkClient, local_api_key
 from .store import Store
