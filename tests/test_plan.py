@@ -128,3 +128,42 @@ def test_a_missing_primary_is_named_in_shared_and_auto(mode, scope):
     with pytest.raises(WbmergeError, match="primary rank 0 has no offline run"):
         plan(sources, mode, scope)
     assert len(plan(sources, "new", scope)) == 3
+
+
+@pytest.mark.parametrize(
+    "asked, run_modes, said",
+    [
+        ({}, {"new"}, []),
+        ({"rank_stats": True}, {"shared"}, []),
+        ({"rank_stats": True}, {"auto", "shared"}, []),  # (used by one of the jobs)
+        (
+            {"rank_stats": True},
+            {"new"},
+            ["--rank-stats applies to shared runs only; ignored for --run-mode new"],
+        ),
+        (
+            {"skew_metrics": True, "per_rank": ["train/*"], "key_format": "{label}/{key}"},
+            {"auto", "new"},
+            [
+                "--skew-metrics, --per-rank, --key-format apply to shared runs only; ignored for "
+                "--run-mode auto/new"
+            ],
+        ),  # fmt: skip
+        ({"per_rank": ()}, {"new"}, []),  # (what the CLI passes when --per-rank is not given)
+        ({"system_metrics": "all"}, {"auto"}, []),
+        ({"system_metrics": "all"}, {"shared"}, []),
+        (
+            {"system_metrics": "all"},
+            {"new"},
+            [
+                "--system-metrics all applies to auto and shared runs (a run of its own keeps "
+                "each rank's); ignored for --run-mode new"
+            ],
+        ),  # fmt: skip
+        ({"rank_stats": True}, set(), []),  # no job: nothing to say
+    ],
+)
+def test_options_no_planned_run_mode_uses_are_said(asked, run_modes, said):
+    from wbmerge.pipeline import MergeRequest, ignored_options
+
+    assert ignored_options(MergeRequest(["."], **asked), run_modes) == said

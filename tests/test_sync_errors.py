@@ -161,3 +161,12 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
         os.close(write_end)
     assert result.returncode == 141, result.stderr
     assert result.stderr == ""
+
+
+def test_an_option_the_run_mode_does_not_use_is_said_once(tmp_path):
+    result = run("merge", job_dir("one_node_4"), "--run-mode", "new", "--rank-stats",
+                 "--out", tmp_path / "out")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    said = "wbmerge: warning: --rank-stats applies to shared runs only; ignored for --run-mode new"
+    assert result.stderr.splitlines().count(said) == 1
+    assert len(list((tmp_path / "out").glob("offline-run-*"))) == 4  # merged as asked

@@ -10,13 +10,14 @@ import os
 import shutil
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .discover import Job, discover, group_jobs
-from .errors import Terminated, WbmergeError
+from .errors import InputWarning, Terminated, WbmergeError
 from .hints import make_hints
 from .merge import DEFAULT_KEY_FORMAT, MergeOptions, Staged, stage
 from .plan import Target, app_url, links, plan, run_url
@@ -116,7 +117,34 @@ def plan_jobs(request: MergeRequest) -> list[PlannedJob]:
     PerRank.parse(request.per_rank)  # (bad values: an error before any work)
     hints = make_hints(request.label_pattern, request.ranks_file)
     runs = discover(request.paths, hints=hints)
-    return plan_found(request, group_jobs(runs, request.job, request.allow_missing_ranks))
+    planned = plan_found(request, group_jobs(runs, request.job, request.allow_missing_ranks))
+    for line in ignored_options(request, {job.run_mode for job in planned}):
+        warnings.warn(line, InputWarning, stacklevel=2)
+    return planned
+
+
+def ignored_options(request: MergeRequest, run_modes: set[str]) -> list[str]:
+    """The options the request gives that none of `run_modes` uses, as a line each (said as
+    warnings: a user who asks for statistics in `new` mode should hear that none come)."""
+    given = [
+        ("--rank-stats", request.rank_stats),
+        ("--skew-metrics", request.skew_metrics),
+        ("--per-rank", bool(request.per_rank)),
+        ("--key-format", request.key_format != DEFAULT_KEY_FORMAT),
+    ]
+    shared_only = [name for name, asked in given if asked]
+    modes = "/".join(sorted(run_modes))
+    lines = []
+    if shared_only and run_modes and "shared" not in run_modes:
+        verb = "applies" if len(shared_only) == 1 else "apply"
+        names = ", ".join(shared_only)
+        lines.append(f"{names} {verb} to shared runs only; ignored for --run-mode {modes}")
+    if request.system_metrics == "all" and run_modes == {"new"}:
+        lines.append(
+            "--system-metrics all applies to auto and shared runs (a run of its own keeps each "
+            "rank's); ignored for --run-mode new"
+        )
+    return lines
 
 
 def plan_found(request: MergeRequest, jobs: list[Job]) -> list[PlannedJob]:
