@@ -251,7 +251,7 @@ def with_step(payload: bytes, step: int) -> bytes:
     step field set to it. (A whole upload replaces what those items say by the step it
     numbers the row at, so the row arrives as it would then.)"""
     record = pb.Record.FromString(payload)
-    items = [i for i in record.history.item if (list(i.nested_key) or [i.key])[0] != "_step"]
+    items = [item for item in record.history.item if item_path(item)[0] != "_step"]
     del record.history.item[:]
     record.history.item.extend(items)
     item = record.history.item.add()

@@ -8,6 +8,7 @@ import numpy as np
 
 from .errors import WbmergeError
 from .proto import pb
+from .sentrows import item_path
 
 # W&B's own keys: never labelled; in a merged row and summary they are the primary's
 RESERVED = ("_step", "_runtime", "_timestamp", "_wandb")
@@ -77,7 +78,7 @@ def restep(payload: bytes, placed: int) -> bytes:
     record = pb.Record.FromString(payload)
     record.history.step.num = placed
     for item in record.history.item:
-        if (list(item.nested_key) or [item.key]) == ["_step"]:
+        if item_path(item) == ["_step"]:
             item.value_json = str(placed)
             if item.WhichOneof("value") is not None:
                 item.integer = placed

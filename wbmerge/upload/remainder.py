@@ -147,6 +147,10 @@ def write_remainder(log: Path, out: Path, plan: Remainder) -> int:
     moved_rows = np.array(sorted(plan.resteps), np.int64)
     with open(out, "wb") as stream, LogWriter(stream) as writer:
         for frames in read_frames(log):
+            if not to_skip and (not len(moved_rows) or moved_rows[-1] < row):
+                # (nothing left to cut or move: the read goes as it is, not indexed)
+                writer.write_many(frames.data, frames.starts.tolist(), frames.ends.tolist())
+                continue
             history = records.RecordIndex(frames).history
             keep = np.ones(len(frames), bool)
             skipped = history[:to_skip]
