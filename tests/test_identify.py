@@ -543,3 +543,35 @@ def test_a_run_killed_before_it_wrote_a_run_record_is_left_out_with_a_warning(tm
     assert "k1lled00" in result.stderr and "no run record" in result.stderr
     [target] = json.loads(result.stdout)
     assert len(target["sources"]) == 3
+
+
+def test_a_ranks_file_that_names_a_job_in_part_leaves_the_rest_a_problem():
+    # Two runs of one job (the same group) and one of another: naming only "a" would cut
+    # the first job in two, each half uploaded; naming all of a job, or none, is fine.
+    runs = [facts("a", group="g"), facts("b", group="g"), facts("c", group="other")]
+    found = identify(runs, Hints(given={"a": GivenRank(0)}))
+    assert [runs[i].run_id for i in found.identities] == ["a", "c"]
+    [problem] = found.problems
+    assert problem.runs == (1,)
+    assert "names run(s) a but not b of the same job" in problem.message
+    named_whole = places(runs, Hints(given={"a": GivenRank(1), "b": GivenRank(0)}))
+    assert {k: v[0] for k, v in named_whole.items()} == {"a": 1, "b": 0, "c": 0}
+    many = [facts(f"r{n}", group="g") for n in range(10)]
+    [problem] = identify(many, Hints(given={"r0": GivenRank(0)})).problems
+    assert "not r1, r2, r3, r4 and 5 more of the same job" in problem.message
+
+
+def test_a_ranks_file_naming_one_of_two_real_ranks_stops_the_sync(tmp_path):
+    ids = [r["run_id"] for r in inspect_json(job_dir("no_metadata"))]
+    (tmp_path / "ranks.json").write_text(json.dumps({ids[1]: 0}))
+    args = ["sync", str(job_dir("no_metadata")), "--dry-run", "--json"]
+    args += ["--ranks", str(tmp_path / "ranks.json")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert f"names run(s) {ids[1]} but not {ids[0]}" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    # With --job the user picks the named run's job and nothing else is uploaded.
+    result = CliRunner().invoke(main, [*args, "--job", ids[1]])
+    assert result.exit_code == 0, result.output
+    [target] = json.loads(result.stdout)
+    assert target["id"] == ids[1] and [s["path"][-8:] for s in target["sources"]] == [ids[1]]

@@ -17,7 +17,9 @@ The rules, most explicit first:
    apart by what they share: the same group (and project), or, without a group, the same
    project and the same spelling of their labels (or names), and for runs that say nothing
    of their rank, the same config; in every case only runs that overlap in time are one
-   job. Two groups are two jobs, whatever their directory.
+   job. Two groups are two jobs, whatever their directory. A `--ranks FILE` names every
+   run of such a job or none of them; the runs it leaves out of a job it names in part
+   are a problem (else the job would be cut in two, and both halves uploaded).
 3. A label's number after a node (`node1_rank0`) is a local rank when every node counts
    from 0, else a global rank when the numbers are distinct. For example
    `node0_rank0, node0_rank1, node1_rank0, node1_rank1` is two nodes of local ranks 0-1
@@ -122,6 +124,8 @@ def identify(runs: Sequence[RunFacts], hints: Hints | None = None) -> Identifica
             label = run.metadata_label or run.label or run.metadata.label
             result.identities[i] = Identity(run.metadata, "wbmerge", label)
     rest = [i for i in range(len(runs)) if i not in result.identities]
+    if hints.given:
+        rest = _refuse_jobs_named_in_part(runs, rest, hints, result)
     first = {i: candidates[i][0] for i in rest}
     for job_id, members in split_jobs(runs, first, rest, hints):
         _identify_job(runs, candidates, members, result, job_id)
@@ -187,6 +191,38 @@ def split_jobs(
     for found in buckets.values():
         jobs.extend((None, job) for job in overlapping(runs, found))
     return jobs
+
+
+def _refuse_jobs_named_in_part(
+    runs: Sequence[RunFacts], rest: list[int], hints: Hints, out: Identification
+) -> list[int]:
+    """`rest` without the runs a `--ranks` file leaves out of a job it names in part.
+
+    Such a file would cut one job in two: the named runs would be one job and the others
+    another, ranked by start order, and both would be uploaded. So the runs that would be
+    one job without the file must be named all or none; the unnamed ones become a problem.
+    """
+    plain = Hints(label_pattern=hints.label_pattern)
+    first = {i: claims_of(runs[i], plain)[0] for i in rest}
+    refused: set[int] = set()
+    for _, members in split_jobs(runs, first, rest, plain):
+        named = [runs[i].run_id for i in members if runs[i].run_id in hints.given]
+        unnamed = [i for i in members if runs[i].run_id not in hints.given]
+        if named and unnamed:
+            left_out = _few([runs[i].run_id for i in unnamed])
+            message = (
+                f"--ranks names run(s) {_few(named)} but not {left_out} of the same job; "
+                "name every run of the job in the file (or --job JOB to merge the named ones)"
+            )
+            out.problems.append(Notice(tuple(unnamed), message))
+            refused.update(unnamed)
+    return [i for i in rest if i not in refused]
+
+
+def _few(run_ids: Sequence[str], shown: int = 4) -> str:
+    """`a, b, c, d and 12 more`: a list short enough for one line at 1024 ranks."""
+    head = ", ".join(run_ids[:shown])
+    return head if len(run_ids) <= shown else f"{head} and {len(run_ids) - shown} more"
 
 
 def overlapping(runs: Sequence[RunFacts], members: Sequence[int]) -> list[list[int]]:
