@@ -160,6 +160,26 @@ def test_bad_input_is_one_line_and_exit_2(path, message):
     assert "Traceback" not in result.output
 
 
+def test_one_unreadable_file_is_listed_beside_the_runs_that_can_be_read():
+    result = CliRunner().invoke(main, ["inspect", "--json", str(FIXTURES / "damaged")])
+    assert result.exit_code == 2
+    assert "notalog" in result.stderr and "not a W&B transaction log" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    rows = {r["path"].rsplit("/", 3)[-3]: r for r in json.loads(result.stdout)}
+    assert set(rows) == {"corrupt_block", "not_a_log", "truncated_mid_chunk"}
+    bad = rows["not_a_log"]
+    assert bad["run_id"] == "notalog" and bad["rank"] is None and bad["size"] == 40
+    assert bad["unreadable"].endswith("not a W&B transaction log (bad file header)")
+    assert rows["corrupt_block"]["rank"] == 0 and rows["corrupt_block"]["unreadable"] is None
+    assert rows["corrupt_block"]["history_rows"] == 98
+    # The table marks it, and says why under the runs of unknown rank.
+    table = CliRunner().invoke(main, ["inspect", str(FIXTURES / "damaged")]).stdout
+    assert "unreadable" in table and "note: " in table and "truncated (62 B tail)" in table
+    # A sync still stops before anything is written.
+    sync = CliRunner().invoke(main, ["sync", "--dry-run", str(FIXTURES / "damaged")])
+    assert sync.exit_code == 2 and "not a W&B transaction log" in sync.stderr
+
+
 def test_directory_without_runs_is_exit_2(tmp_path):
     (tmp_path / "wandb").mkdir()
     result = CliRunner().invoke(main, ["inspect", str(tmp_path)])

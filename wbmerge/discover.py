@@ -73,6 +73,7 @@ class OfflineRun:
     rank: RankInfo | None = None
     rank_source: str | None = None  # one of rankclaims.SOURCES, None when unknown
     problem: str | None = None  # why the rank is unknown
+    unreadable: str | None = None  # why the file could not be read (discover's keep_unreadable)
     warnings: list[str] = field(default_factory=list)  # about its job, shown once per job
     defaults: dict = field(default_factory=dict)  # run_mode etc. recorded at training time
     stats: RunStats | None = None
@@ -349,6 +350,9 @@ def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
     """
     empty = [r for r in runs if not r.has_run_record]
     for run in empty:
+        if run.unreadable:
+            run.problem = run.unreadable
+            continue
         run.problem = "no run record (killed before wandb wrote one): nothing to merge"
         warnings.warn(f"{run.run_dir}: {run.problem}; left out", InputWarning, stacklevel=2)
     runs = [r for r in runs if r.has_run_record]
@@ -389,15 +393,42 @@ def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
 
 
 def discover(
-    paths: Iterable[str | Path], full_scan: bool = False, hints: Hints | None = None
+    paths: Iterable[str | Path],
+    full_scan: bool = False,
+    hints: Hints | None = None,
+    keep_unreadable: bool = False,
 ) -> list[OfflineRun]:
-    """Every offline run under `paths`, identified, in a stable order (job, rank, restart)."""
-    runs = [read_identity(p) for p in find_run_files(paths)]
+    """Every offline run under `paths`, identified, in a stable order (job, rank, restart).
+
+    A file that is not a transaction log, or cannot be read, raises WbmergeError (one
+    line), unless `keep_unreadable`: then it is a run of unknown rank whose `unreadable`
+    says why, so that a diagnosis can list it beside the others.
+    """
+    runs = [_read_identity_or_why(p, keep_unreadable) for p in find_run_files(paths)]
     identify(runs, hints)
     if full_scan:
         for run in runs:
-            scan(run)
+            if run.unreadable is None:
+                _scan_or_why(run, keep_unreadable)
     return sorted(runs, key=_order)
+
+
+def _read_identity_or_why(path: Path, keep_unreadable: bool) -> OfflineRun:
+    try:
+        return read_identity(path)
+    except WbmergeError as exc:
+        if not keep_unreadable:
+            raise
+        return OfflineRun(path=path, run_id=run_id_from_file(path), unreadable=str(exc))
+
+
+def _scan_or_why(run: OfflineRun, keep_unreadable: bool) -> None:
+    try:
+        scan(run)
+    except WbmergeError as exc:
+        if not keep_unreadable:
+            raise
+        run.unreadable = str(exc)
 
 
 def _order(run: OfflineRun) -> tuple:

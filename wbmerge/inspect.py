@@ -1,4 +1,8 @@
-"""`wbmerge inspect`: what offline runs are there, which rank wrote each, and are they whole."""
+"""`wbmerge inspect`: what offline runs are there, which rank wrote each, and are they whole.
+
+A file that cannot be read is listed too (its `unreadable` says why), so that one bad
+file among a thousand does not hide the others; the CLI then exits non-zero.
+"""
 
 from __future__ import annotations
 
@@ -34,19 +38,37 @@ def describe(run: OfflineRun) -> dict[str, Any]:
         "host": run.host or None,
         "history_rows": stats.history_rows if stats else None,
         "last_step": stats.last_step if stats else None,
-        "size": run.size,
+        "size": _size(run),
         "complete": stats.complete if stats else None,
         "exit_code": stats.exit_code if stats else None,
         "truncated": report.truncated if report else None,
         "dropped_records": report.dropped_records if report else None,
         "dropped_bytes": report.dropped_bytes if report else None,
         "damage": (report.describe() or None) if report else None,
+        "unreadable": run.unreadable,
     }
+
+
+def _size(run: OfflineRun) -> int | None:
+    try:
+        return run.size
+    except OSError:
+        return None  # removed since it was found
 
 
 def inspect_runs(paths: Iterable[str | Path], hints: Hints | None = None) -> list[dict[str, Any]]:
     """Describe every offline run under `paths` after a full read of each."""
-    return [describe(run) for run in discover(paths, full_scan=True, hints=hints)]
+    found = discover(paths, full_scan=True, hints=hints, keep_unreadable=True)
+    return [describe(run) for run in found]
+
+
+def unreadable_summary(rows: list[dict[str, Any]]) -> str | None:
+    """One line about the runs that could not be read, or None when every run was read."""
+    reasons = [row["unreadable"] for row in rows if row["unreadable"]]
+    if not reasons:
+        return None
+    more = f" (and {len(reasons) - 1} more unreadable run(s))" if len(reasons) > 1 else ""
+    return f"{reasons[0]}{more}"
 
 
 COLUMNS = [
@@ -85,11 +107,11 @@ def format_report(rows: list[dict[str, Any]]) -> str:
 def _cell(row: dict[str, Any], key: str) -> str:
     value = row[key]
     if key == "size":
-        return _human_size(value)
+        return "-" if value is None else _human_size(value)
     if key == "complete":
         return "yes" if value else ("no" if value is not None else "-")
     if key == "damage":
-        return value or "-"
+        return "unreadable" if row["unreadable"] else (value or "-")
     return "-" if value is None else str(value)
 
 
