@@ -73,6 +73,11 @@ def test_killed_rank_is_truncated_and_incomplete_without_failing():
     for rank in (0, 1, 3):  # survivors fail on the lost peer: exit record with code 1
         assert rows[rank]["complete"] and rows[rank]["exit_code"] == 1
         assert rows[rank]["last_step"] >= 150 and rows[rank]["last_step"] < job["steps"]
+    # The table says how the killed rank ended, not a "0 B tail", and every exit code.
+    table = CliRunner().invoke(main, ["inspect", str(job_dir("killed_rank"))]).output
+    lines = {line.split()[0]: line for line in table.splitlines()[2:] if line.strip()}
+    assert lines[killed["run_id"]].endswith("no        -     cut off (no exit record)")
+    assert lines[rows[0]["run_id"]].endswith("yes       1     -")
 
 
 def test_elastic_restart_continues_steps():

@@ -84,6 +84,7 @@ COLUMNS = [
     ("last step", "last_step"),
     ("size", "size"),
     ("complete", "complete"),
+    ("exit", "exit_code"),
     ("damage", "damage"),
 ]
 

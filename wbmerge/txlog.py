@@ -60,8 +60,10 @@ class ReadReport:
     def describe(self) -> str:
         """A short human summary, empty for an intact file."""
         parts = []
-        if self.truncated:
+        if self.truncated and self.truncated_bytes:
             parts.append(f"truncated ({self.truncated_bytes} B tail)")
+        elif self.truncated:  # whole records, then nothing: its writer was stopped
+            parts.append("cut off (no exit record)")
         if self.dropped_bytes:
             parts.append(
                 f"corrupt: {self.dropped_records} records / {self.dropped_bytes} B dropped"
