@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from wbmerge.errors import WbmergeError
-from wbmerge.plan import Source, app_url, check_run_id, links, plan
+from wbmerge.plan import MergedBy, Source, app_url, check_run_id, links, merged_by, plan
 from wbmerge.topology import RankInfo
 
 
@@ -167,3 +167,35 @@ def test_options_no_planned_run_mode_uses_are_said(asked, run_modes, said):
     from wbmerge.pipeline import MergeRequest, ignored_options
 
     assert ignored_options(MergeRequest(["."], **asked), run_modes) == said
+
+
+MERGED_BLOCK = {
+    "job_id": "J",
+    "run_mode": "shared",
+    "rank_scope": "worker",
+    "world_size": 4,
+    "local_world_size": 2,
+    "primary_rank": 2,
+    "sources": [{"rank": 2, "label": "worker-1-rank-0", "restart": 0, "run_id": "abc"}],
+}
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({}, MergedBy("J", "shared", "worker", 2, 4, 2)),
+        ({"sources": None}, None),  # a rank's own block: no sources
+        ({"primary_rank": 4}, None),  # no rank 4 in a world of 4
+        ({"primary_rank": True}, None),
+        ({"world_size": -1}, None),
+        ({"local_world_size": 0}, None),
+        ({"run_mode": "mixed"}, None),
+        ({"rank_scope": "node"}, None),
+        ({"job_id": "a/b"}, None),  # no run id: a merge never writes one
+        ({"job_id": None}, None),
+    ],
+)
+def test_a_merged_runs_block_is_read_or_refused_whole(change, expected):
+    block = {k: v for k, v in {**MERGED_BLOCK, **change}.items() if v is not None}
+    assert merged_by(block) == expected
+    assert merged_by([block]) is None and merged_by("J") is None

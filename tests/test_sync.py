@@ -357,3 +357,86 @@ def test_a_restart_written_with_typed_values_is_moved_in_both_forms(sink, tmp_pa
                 assert values == [label, label + 1, label + 2] * 2
         else:
             assert [row["loss"] for row in history] == [rank, rank + 1, rank + 2] * 2
+
+
+def arrived(sink, project, run_id):
+    """What a run holds on the sink, without the parts that differ by upload time."""
+    got = sink.client.run("local", project, run_id)
+    summary = {k: v for k, v in got["summary"].items() if k not in ("_wandb", "_runtime")}
+    # Files wandb-core writes as it uploads (config.yaml, output.log, ...) differ by upload;
+    # the rest are the run's own files, byte for byte.
+    made_by_upload = {"wandb-metadata.json", "output.log", "config.yaml", "wandb-summary.json"}
+    files = {
+        name: sink.client.file("local", project, run_id, name)
+        for name in got["files"]
+        if name not in made_by_upload
+    }
+    return {
+        "group": got["group"],
+        "display_name": got.get("display_name"),
+        "history": got["history"],
+        "summary": summary,
+        "config": got["config"],
+        "console": console_text(got["console"]),
+        "system": system_metric_values(got["system_metrics"]),
+        "files": files,
+        "exit_code": got["exit_code"],
+    }
+
+
+@pytest.mark.parametrize(
+    "name, mode, scope",
+    [
+        ("two_nodes_2x2", "shared", "worker"),
+        ("one_node_4", "new", "global"),
+        ("media", "shared", "global"),
+        ("killed_rank", "auto", "global"),
+    ],
+)
+def test_a_merge_directory_syncs_as_its_runs_were_merged(sink, tmp_path, name, mode, scope):
+    """`merge --out DIR` then `sync DIR` gives the runs a direct sync gives, verified, once."""
+    options = ["--run-mode", mode, "--rank-scope", scope, "-e", "local"]
+    out = tmp_path / "merged"
+    merged = CliRunner().invoke(main, ["merge", str(job_dir(name)), *options, "--out", str(out)])
+    assert merged.exit_code == 0, merged.stderr
+    before = tree_digest(out)
+    later = cli_sync(sink, tmp_path, out, "-p", f"later-{mode}", "-e", "local")
+    assert later.exit_code == 0, later.output + later.stderr
+    assert tree_digest(out) == before, "a merge directory is a source: never written"
+    direct = cli_sync(sink, tmp_path, job_dir(name), *options, "-p", f"direct-{mode}")
+    assert direct.exit_code == 0, direct.output + direct.stderr
+    ids = sorted(r["id"] for r in json.loads(direct.stdout)["runs"])
+    assert sorted(r["id"] for r in json.loads(later.stdout)["runs"]) == ids
+    assert {r["status"] for r in json.loads(later.stdout)["runs"]} == {"uploaded"}
+    assert sorted(r["id"] for r in sink.client.runs(project=f"later-{mode}")) == ids
+    for run_id in ids:
+        want = arrived(sink, f"direct-{mode}", run_id)
+        assert want["history"] and want["console"] and "requirements.txt" in want["files"]
+        assert arrived(sink, f"later-{mode}", run_id) == want, run_id
+    if name == "media":
+        assert any(n.startswith("media/") for n in want["files"])
+    # The ledger knows them now, and the server: nothing is sent twice.
+    again = cli_sync(sink, tmp_path, out, "-p", f"later-{mode}", "-e", "local", "--force")
+    assert again.exit_code == 0, again.output + again.stderr
+    for run_id in ids:
+        got = sink.client.run("local", f"later-{mode}", run_id)["history"]
+        assert got == arrived(sink, f"direct-{mode}", run_id)["history"]
+
+
+def test_a_merge_directory_refuses_merge_options_and_runs_of_ranks(tmp_path):
+    out = tmp_path / "merged"
+    CliRunner().invoke(main, ["merge", str(job_dir("one_node_4")), "--run-mode", "new",
+                              "--out", str(out)])  # fmt: skip
+    plan = CliRunner().invoke(main, ["sync", "--dry-run", "--json", str(out)])
+    assert plan.exit_code == 0, plan.stderr
+    assert {t["kind"] for t in json.loads(plan.stdout)} == {"merged"}
+    for args, message in [
+        (["--run-mode", "shared"], "--run-mode does not apply to runs that wbmerge merged"),
+        (["--base-id", "X"], "--base-id does not apply"),
+        ([str(job_dir("two_nodes_2x2"))], "sync merged runs and the runs of ranks apart"),
+    ]:
+        result = CliRunner().invoke(main, ["sync", "--dry-run", str(out), *args])
+        assert result.exit_code == 2 and message in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    export = CliRunner().invoke(main, ["export", str(out), "-o", str(tmp_path / "x.parquet")])
+    assert export.exit_code == 2 and "is a run that wbmerge merged" in export.stderr

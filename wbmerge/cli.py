@@ -266,6 +266,8 @@ def _print_plan(planned: list, as_json: bool) -> None:
             labels = ", ".join(
                 s.label + (f" (restart {s.restart})" if s.restart else "") for s in t.sources
             )
+            if t.kind == "merged":
+                labels = f"merged already, uploaded as it is ({t.sources[0].path.parent})"
             group = f" group={t.group}" if t.group else ""
             click.echo(f"  {t.id}{group} primary=rank {t.primary_rank}: {labels}")
 
@@ -344,7 +346,7 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
     for s in staged:
         rows = f"{s.history_rows} merged rows, " if s.target.kind == "shared" else ""
         click.echo(f"{s.run_dir}  ({rows}exit code {s.exit_code})")
-    click.echo(f"upload later with: wandb sync {' '.join(str(s.run_dir) for s in staged)}")
+    click.echo(f"upload later, verified and once, with: wbmerge sync {out_dir}")
 
 
 @main.command()

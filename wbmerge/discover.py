@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from . import jobs, rankclaims, records
 from .errors import InputWarning, NotATransactionLog, WbmergeError
 from .jobs import Hints, RunFacts
-from .plan import Source, run_id_from_file
+from .plan import MergedBy, Source, Target, merged_by, merged_target, run_id_from_file
 from .proto import pb
 from .records import record_kind
 from .topology import METADATA_KEY, RankInfo
@@ -69,6 +69,7 @@ class OfflineRun:
     settings: dict = field(default_factory=dict)  # the rest of the config, key -> JSON
     has_run_record: bool = False  # a run killed at once may have written nothing
     metadata: RankInfo | None = None  # the `wbmerge` block, if any
+    merged: MergedBy | None = None  # a merge wrote this run (its block says how)
     metadata_label: str | None = None
     rank: RankInfo | None = None
     rank_source: str | None = None  # one of rankclaims.SOURCES, None when unknown
@@ -89,6 +90,14 @@ class OfflineRun:
     @property
     def size(self) -> int:
         return self.path.stat().st_size
+
+    def merged_target(self) -> Target:
+        """This run, which a merge wrote, as the target that uploads it unchanged."""
+        assert self.merged is not None, "only a merge's output is a merged target"
+        return merged_target(
+            self.path, self.run_id, self.merged, self.group, self.display_name, self.job_type,
+            self.start_time,
+        )  # fmt: skip
 
     def source(self) -> Source:
         """This run as a source of the runs a merge makes (after `identify` gave its rank)."""
@@ -281,10 +290,13 @@ def _apply_config(run: OfflineRun, updates: Iterable[pb.ConfigItem]) -> None:
         elif key not in (METADATA_KEY, "_wandb"):
             path = item.key or "/".join(item.nested_key)
             run.settings[path] = item.value_json
-        if key != METADATA_KEY or run.metadata is not None:
+        if key != METADATA_KEY or run.metadata is not None or run.merged is not None:
             continue
+        block = rankclaims.config_value(item.value_json)
+        run.merged = merged_by(block)
+        if run.merged is not None:
+            continue  # a merge's output: not a rank of a job, but a run to upload as it is
         try:
-            block = rankclaims.config_value(item.value_json)
             run.metadata = RankInfo.from_metadata(block)  # type: ignore[arg-type]
         except (ValueError, TypeError, AttributeError):
             continue  # a block that is not ours: the run is read like any other
@@ -346,8 +358,12 @@ def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
 
     A run that cannot be identified keeps `rank` None and says why in `problem`. A run
     without a run record (its rank killed before wandb wrote one) holds nothing to merge:
-    it is left out of every job, with a warning.
+    it is left out of every job, with a warning. A run that a merge wrote is no rank: it
+    keeps `rank` None, with `rank_source` "merged".
     """
+    for run in runs:
+        if run.merged is not None:
+            run.rank_source, run.label = "merged", run.display_name or run.run_id
     empty = [r for r in runs if not r.has_run_record]
     for run in empty:
         if run.unreadable:
@@ -355,7 +371,7 @@ def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
             continue
         run.problem = "no run record (killed before wandb wrote one): nothing to merge"
         warnings.warn(f"{run.run_dir}: {run.problem}; left out", InputWarning, stacklevel=2)
-    runs = [r for r in runs if r.has_run_record]
+    runs = [r for r in runs if r.has_run_record and r.merged is None]
     facts = [
         RunFacts(
             run_id=r.run_id,
@@ -464,10 +480,17 @@ def group_jobs(
 ) -> list[Job]:
     """Group identified runs by job id and check each job can be merged.
 
-    Errors (WbmergeError, one line): runs of unknown rank among the inputs (unless `job`
+    Errors (WbmergeError, one line): a run that a merge wrote (it is no rank's), runs of
+    unknown rank among the inputs (unless `job`
     selects another job), `job` not found, two runs claiming the same rank and restart,
     a world size that changes within a job, and ranks missing (unless allowed).
     """
+    merged = [r for r in runs if r.merged is not None]
+    if merged:
+        raise WbmergeError(
+            f"{merged[0].run_dir} is a run that wbmerge merged, not a rank's run; upload "
+            "merged runs with `wbmerge sync`, apart from the runs of ranks"
+        )
     unknown = [r for r in runs if r.rank is None and r.has_run_record]
     by_id: dict[str, list[OfflineRun]] = defaultdict(list)
     for run in runs:

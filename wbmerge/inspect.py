@@ -21,7 +21,7 @@ def describe(run: OfflineRun) -> dict[str, Any]:
     return {
         "path": str(run.run_dir),
         "run_id": run.run_id,
-        "job_id": run.job_id,
+        "job_id": run.merged.job_id if run.merged else run.job_id,
         "rank": rank.rank if rank else None,
         "local_rank": rank.local_rank if rank else None,
         "worker": rank.worker if rank else None,
@@ -92,12 +92,15 @@ COLUMNS = [
 def format_report(rows: list[dict[str, Any]]) -> str:
     """Human tables, one per job, each followed by what was assumed about the job; then
     the runs of unknown rank, with why."""
-    jobs: dict[str | None, list[dict[str, Any]]] = {}
+    jobs: dict[tuple[str | None, bool], list[dict[str, Any]]] = {}
     for row in rows:
-        jobs.setdefault(row["job_id"], []).append(row)
+        jobs.setdefault((row["job_id"], row["source"] == "merged"), []).append(row)
     out = []
-    for job_id, members in jobs.items():
-        out.append(f"job {job_id}" if job_id else "runs of unknown rank")
+    for (job_id, merged), members in jobs.items():
+        if merged:
+            out.append(f"runs merged from job {job_id} (`wbmerge sync` uploads them as they are)")
+        else:
+            out.append(f"job {job_id}" if job_id else "runs of unknown rank")
         out.append(_table([[_cell(m, key) for _, key in COLUMNS] for m in members]))
         notes = [*(w for m in members for w in m["warnings"]), *(m["problem"] for m in members)]
         out.extend(f"  note: {note}" for note in dict.fromkeys(n for n in notes if n))

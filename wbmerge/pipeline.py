@@ -16,10 +16,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .discover import Job, discover, group_jobs
+from .discover import Job, OfflineRun, discover, group_jobs
 from .errors import InputWarning, Terminated, WbmergeError
 from .hints import make_hints
 from .merge import DEFAULT_KEY_FORMAT, MergeOptions, Staged, stage
+from .merged import merge_options_given, merged_jobs
 from .plan import Target, app_url, links, plan, run_url
 from .rankstats import PerRank
 from .safepaths import check_out_dir, source_trees
@@ -117,6 +118,8 @@ def plan_jobs(request: MergeRequest) -> list[PlannedJob]:
     PerRank.parse(request.per_rank)  # (bad values: an error before any work)
     hints = make_hints(request.label_pattern, request.ranks_file)
     runs = discover(request.paths, hints=hints)
+    if any(run.merged is not None for run in runs):
+        return plan_merged(request, runs)
     planned = plan_found(request, group_jobs(runs, request.job, request.allow_missing_ranks))
     for line in ignored_options(request, {job.run_mode for job in planned}):
         warnings.warn(line, InputWarning, stacklevel=2)
@@ -169,16 +172,36 @@ def plan_found(request: MergeRequest, jobs: list[Job]) -> list[PlannedJob]:
             system_metrics=request.system_metrics,
             job_type=request.job_type,
         )
-        project = (
-            request.project
-            or _common(r.project for r in job.runs)
-            or os.environ.get("WANDB_PROJECT")
-        )
-        entity = (
-            request.entity or os.environ.get("WANDB_ENTITY") or _common(r.entity for r in job.runs)
-        )
-        planned.append(PlannedJob(job, targets, run_mode, rank_scope, project, entity))
+        planned.append(PlannedJob(job, targets, run_mode, rank_scope, *_where(request, job)))
     return planned
+
+
+def plan_merged(request: MergeRequest, runs: list[OfflineRun]) -> list[PlannedJob]:
+    """Plan runs that a merge wrote already (`merge --out`): each is uploaded as it is.
+    The options that shape a merge are refused (one line), as are runs of ranks beside them."""
+    given = merge_options_given(request)
+    if given:
+        raise WbmergeError(
+            f"{given[0]} does not apply to runs that wbmerge merged already: they are "
+            "uploaded as they were merged"
+        )
+    planned = []
+    for job in merged_jobs(runs, request.job):
+        merged = job.runs[0].merged
+        assert merged is not None
+        targets = [run.merged_target() for run in job.runs]
+        where = _where(request, job)
+        planned.append(PlannedJob(job, targets, merged.run_mode, merged.rank_scope, *where))
+    return planned
+
+
+def _where(request: MergeRequest, job: Job) -> tuple[str | None, str | None]:
+    """The project and entity a job's runs go to."""
+    project = (
+        request.project or _common(r.project for r in job.runs) or os.environ.get("WANDB_PROJECT")
+    )
+    entity = request.entity or os.environ.get("WANDB_ENTITY") or _common(r.entity for r in job.runs)
+    return project, entity
 
 
 def _recorded_defaults(job: Job) -> dict:

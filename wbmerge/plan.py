@@ -63,7 +63,9 @@ class Target:
     display_name: str
     job_type: str | None
     primary_rank: int
-    kind: str  # "passthrough" (one rank as is), "shared" (ranks merged), "auto+system"
+    # "passthrough" (one rank as is), "shared" (ranks merged), "auto+system", or "merged"
+    # (a run a merge wrote already, uploaded unchanged)
+    kind: str
     sources: tuple[Source, ...]  # ordered by rank, then restart
     worker: int | None = None
     extra_system_sources: tuple[Source, ...] = field(default=())  # auto --system-metrics all
@@ -94,6 +96,79 @@ class Target:
                 for s in self.extra_system_sources
             ],
         }
+
+
+@dataclass(frozen=True)
+class MergedBy:
+    """How a run that a merge wrote (`merge --out`) was merged, as its `wbmerge` block says.
+    Such a run is uploaded as it is: under its own id, group and name."""
+
+    job_id: str
+    run_mode: str
+    rank_scope: str
+    primary_rank: int
+    world_size: int
+    local_world_size: int
+
+
+def merged_by(block: object) -> MergedBy | None:
+    """What a `wbmerge` config block says of the merge that wrote its run; None for a block
+    that no merge wrote (a rank's own block has no `sources`) or one that does not parse."""
+    if not isinstance(block, dict) or not isinstance(block.get("sources"), list):
+        return None
+    try:
+        found = MergedBy(
+            job_id=check_run_id(str(block["job_id"])),
+            run_mode=str(block["run_mode"]),
+            rank_scope=str(block["rank_scope"]),
+            primary_rank=_whole(block["primary_rank"]),
+            world_size=_whole(block["world_size"]),
+            local_world_size=_whole(block["local_world_size"]),
+        )
+    except (KeyError, TypeError, ValueError, WbmergeError):
+        return None
+    fits = found.primary_rank < found.world_size and found.local_world_size >= 1
+    modes_known = found.run_mode in RUN_MODES and found.rank_scope in RANK_SCOPES
+    return found if fits and modes_known else None
+
+
+def _whole(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"not a whole number: {value!r}")
+    return value
+
+
+def merged_target(
+    path: Path,
+    run_id: str,
+    merged: MergedBy,
+    group: str | None,
+    display_name: str,
+    job_type: str | None,
+    start_time: float = 0.0,
+) -> Target:
+    """A run that a merge wrote, as the target that uploads it unchanged (kind "merged").
+    `run_id` is its run record's (the id wandb uploads it under)."""
+    primary = merged.primary_rank
+    rank = RankInfo(
+        rank=primary,
+        local_rank=primary % merged.local_world_size,
+        world_size=merged.world_size,
+        local_world_size=merged.local_world_size,
+        worker=primary // merged.local_world_size,
+        job_id=merged.job_id,
+    )
+    check_run_id(run_id)
+    source = Source(path, rank, display_name or run_id, start_time=start_time)
+    return Target(
+        id=run_id,
+        group=group or None,
+        display_name=display_name or run_id,
+        job_type=job_type or None,
+        primary_rank=primary,
+        kind="merged",
+        sources=(source,),
+    )
 
 
 def check_run_id(run_id: str) -> str:

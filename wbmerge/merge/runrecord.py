@@ -45,6 +45,9 @@ def rewrite_run(payload: bytes, target: Target, options: MergeOptions) -> bytes:
     entity, and the `wbmerge` block in place of the rank's own."""
     record = pb.Record.FromString(payload)
     run = record.run
+    if target.kind == "merged":  # a merge wrote it: its block says where it came from
+        _set_names(run, target, options)
+        return record.SerializeToString()
     rank_block = None
     kept = []
     for item in run.config.update:
@@ -61,6 +64,11 @@ def rewrite_run(payload: bytes, target: Target, options: MergeOptions) -> bytes:
     block = run.config.update.add()
     block.key = METADATA_KEY
     block.value_json = json.dumps(wbmerge_block(target, options, rank_block))
+    _set_names(run, target, options)
+    return record.SerializeToString()
+
+
+def _set_names(run: pb.RunRecord, target: Target, options: MergeOptions) -> None:
     run.run_id = target.id
     run.display_name = target.display_name
     if target.group is not None:
@@ -71,7 +79,6 @@ def rewrite_run(payload: bytes, target: Target, options: MergeOptions) -> bytes:
         run.project = options.project
     if options.entity:
         run.entity = options.entity
-    return record.SerializeToString()
 
 
 def exit_record(code: int) -> bytes:
