@@ -1,4 +1,5 @@
-"""`merge --out` never writes into the runs it reads, and never replaces a directory."""
+"""`merge --out` and `export -o` never write into the runs they read; `merge --out` never
+replaces a directory."""
 
 from __future__ import annotations
 
@@ -72,3 +73,30 @@ def test_an_existing_run_directory_in_out_is_an_error_never_removed(plain, tmp_p
     line = one_error_line(run_cli("merge", plain / "wandb", "--out", out))
     assert str(staged) in line and "exists" in line
     assert tree_digest(out) == before
+
+
+@pytest.mark.parametrize(
+    "out_of",
+    [
+        lambda job: run_logs(job)[0],  # a source log itself
+        lambda job: run_logs(job)[1].parent / "files" / "requirements.txt",  # a run's file
+        lambda job: run_logs(job)[0].parent / "runs.parquet",  # beside a log
+    ],
+    ids=["log", "run-file", "run-dir"],
+)
+def test_export_into_a_run_directory_is_refused_and_sources_are_untouched(plain, out_of):
+    before = tree_digest(plain)
+    out = out_of(plain)
+    line = one_error_line(run_cli("export", plain / "wandb", "-o", out))
+    assert f"-o {out} is inside the run directory" in line
+    assert tree_digest(plain) == before
+
+
+def test_export_beside_the_runs_is_fine(plain):
+    # Next to the run directories (not inside one) nothing of a run can be replaced.
+    before = tree_digest(plain / "wandb")
+    result = run_cli("export", plain / "wandb", "-o", plain / "wandb" / "runs.parquet")
+    assert result.returncode == 0, result.stderr
+    after = tree_digest(plain / "wandb")
+    assert set(after) - set(before) == {"runs.parquet"}
+    assert all(after[name] == digest for name, digest in before.items())

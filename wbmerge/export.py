@@ -23,6 +23,7 @@ from .discover import Job, discover, group_jobs
 from .errors import WbmergeError
 from .jobs import Hints
 from .plan import Source
+from .safepaths import is_within
 from .streaming import streaming
 
 _TEXT = pa.dictionary(pa.int32(), pa.string())
@@ -87,7 +88,15 @@ def export(
     out = Path(out)
     if out.is_dir():
         raise WbmergeError(f"{out} is a directory; give a file name such as {out}/runs.parquet")
-    jobs = group_jobs(discover(paths, hints=hints), job, allow_missing_ranks=True)
+    runs = discover(paths, hints=hints)
+    where = out.resolve().parent
+    for run_dir in {run.run_dir.resolve() for run in runs}:
+        if is_within(where, run_dir):  # it could replace a run's log or one of its files
+            raise WbmergeError(
+                f"-o {out} is inside the run directory {run_dir}; write the export "
+                "outside the runs (sources are never written)"
+            )
+    jobs = group_jobs(runs, job, allow_missing_ranks=True)
     result = ExportResult(out, jobs=[j.job_id for j in jobs])
     result.warnings = [w for j in jobs for w in j.warnings]
     result.missing = {j.job_id: j.missing_ranks for j in jobs if j.missing_ranks}
