@@ -100,3 +100,19 @@ def test_export_beside_the_runs_is_fine(plain):
     after = tree_digest(plain / "wandb")
     assert set(after) - set(before) == {"runs.parquet"}
     assert all(after[name] == digest for name, digest in before.items())
+
+
+def test_export_over_a_log_of_a_run_it_does_not_read_is_refused(plain, tmp_path):
+    # Only one run is read; the file named is another run's log, beside it.
+    reads, other = run_logs(plain)[:2]
+    before = tree_digest(plain)
+    line = one_error_line(run_cli("export", reads.parent, "-o", other))
+    assert f"is inside the run directory {other.parent}" in line
+    assert tree_digest(plain) == before
+
+
+def test_export_to_a_link_loop_is_one_line(plain, tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    line = one_error_line(run_cli("export", plain / "wandb", "-o", tmp_path / "a"))
+    assert "cannot be resolved" in line

@@ -23,7 +23,6 @@ from .discover import Job, discover, group_jobs
 from .errors import WbmergeError
 from .jobs import Hints
 from .plan import Source
-from .safepaths import is_within
 from .streaming import streaming
 
 _TEXT = pa.dictionary(pa.int32(), pa.string())
@@ -89,13 +88,12 @@ def export(
     if out.is_dir():
         raise WbmergeError(f"{out} is a directory; give a file name such as {out}/runs.parquet")
     runs = discover(paths, hints=hints)
-    where = out.resolve().parent
-    for run_dir in {run.run_dir.resolve() for run in runs}:
-        if is_within(where, run_dir):  # it could replace a run's log or one of its files
-            raise WbmergeError(
-                f"-o {out} is inside the run directory {run_dir}; write the export "
-                "outside the runs (sources are never written)"
-            )
+    run_dir = _run_directory_holding(out)
+    if run_dir is not None:  # it could replace a run's log or one of its files
+        raise WbmergeError(
+            f"-o {out} is inside the run directory {run_dir}; write the export outside "
+            "the runs (sources are never written)"
+        )
     jobs = group_jobs(runs, job, allow_missing_ranks=True)
     result = ExportResult(out, jobs=[j.job_id for j in jobs])
     result.warnings = [w for j in jobs for w in j.warnings]
@@ -112,6 +110,23 @@ def export(
     finally:
         scratch.unlink(missing_ok=True)
     return result
+
+
+def _run_directory_holding(out: Path) -> Path | None:
+    """The offline run directory `out` would be written in, if any: the nearest directory
+    above it (links resolved) that holds a `run-*.wandb` log, whether or not the export
+    reads that run (a neighbour's log can be replaced as easily as a source's)."""
+    try:
+        where = out.resolve().parent
+    except (OSError, RuntimeError) as exc:  # a link loop
+        raise WbmergeError(f"-o {out}: cannot be resolved ({exc})") from None
+    for directory in (where, *where.parents):
+        try:
+            if any(directory.glob("run-*.wandb")):
+                return directory
+        except OSError:
+            continue  # (a directory we may not list holds nothing we would replace)
+    return None
 
 
 def _write_long(jobs: list[Job], scratch: Path, result: ExportResult, row_group: int) -> None:
