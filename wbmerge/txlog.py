@@ -62,8 +62,8 @@ class ReadReport:
         parts = []
         if self.truncated and self.truncated_bytes:
             parts.append(f"truncated ({self.truncated_bytes} B tail)")
-        elif self.truncated:  # whole records, then nothing: its writer was stopped
-            parts.append("cut off (no exit record)")
+        elif self.truncated:  # whole records, then nothing: its writer stopped, or goes on
+            parts.append("no exit record (killed, or still writing)")
         if self.dropped_bytes:
             parts.append(
                 f"corrupt: {self.dropped_records} records / {self.dropped_bytes} B dropped"
