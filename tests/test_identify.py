@@ -561,6 +561,25 @@ def test_a_ranks_file_that_names_a_job_in_part_leaves_the_rest_a_problem():
     assert "not r1, r2, r3, r4 and 5 more of the same job" in problem.message
 
 
+def test_a_ranks_file_that_names_one_run_of_a_wbmerge_job_leaves_the_rest_a_problem():
+    # Runs with a wbmerge block are one job by its id: naming one of them in the file
+    # would make it a job of its own, and the others a job without it.
+    runs = [
+        facts(f"r{r}", metadata=RankInfo(r, r, 3, 3, 0, job_id="J"), label=f"rank-{r}")
+        for r in range(3)
+    ]
+    found = identify(runs, Hints(given={"r1": GivenRank(0)}))
+    assert [runs[i].run_id for i in found.identities] == ["r1"]
+    [problem] = found.problems
+    assert problem.runs == (0, 2) and "names run(s) r1 but not r0, r2" in problem.message
+    whole = places(runs, Hints(given={f"r{r}": GivenRank(2 - r) for r in range(3)}))
+    assert {k: (v[0], v[5]) for k, v in whole.items()} == {
+        "r0": (2, "given"),
+        "r1": (1, "given"),
+        "r2": (0, "given"),
+    }
+
+
 def test_a_ranks_file_naming_one_of_two_real_ranks_stops_the_sync(tmp_path):
     ids = [r["run_id"] for r in inspect_json(job_dir("no_metadata"))]
     (tmp_path / "ranks.json").write_text(json.dumps({ids[1]: 0}))

@@ -119,13 +119,14 @@ def identify(runs: Sequence[RunFacts], hints: Hints | None = None) -> Identifica
     hints = hints or Hints()
     result = Identification()
     candidates = {i: claims_of(run, hints) for i, run in enumerate(runs)}
+    refused = _refuse_jobs_named_in_part(runs, hints, result) if hints.given else set()
     for i, run in enumerate(runs):
+        if i in refused:
+            continue
         if run.metadata is not None and candidates[i][0].source == "wbmerge":
             label = run.metadata_label or run.label or run.metadata.label
             result.identities[i] = Identity(run.metadata, "wbmerge", label)
-    rest = [i for i in range(len(runs)) if i not in result.identities]
-    if hints.given:
-        rest = _refuse_jobs_named_in_part(runs, rest, hints, result)
+    rest = [i for i in range(len(runs)) if i not in result.identities and i not in refused]
     first = {i: candidates[i][0] for i in rest}
     for job_id, members in split_jobs(runs, first, rest, hints):
         _identify_job(runs, candidates, members, result, job_id)
@@ -194,29 +195,40 @@ def split_jobs(
 
 
 def _refuse_jobs_named_in_part(
-    runs: Sequence[RunFacts], rest: list[int], hints: Hints, out: Identification
-) -> list[int]:
-    """`rest` without the runs a `--ranks` file leaves out of a job it names in part.
+    runs: Sequence[RunFacts], hints: Hints, out: Identification
+) -> set[int]:
+    """The runs a `--ranks` file leaves out of a job it names in part, each a problem.
 
     Such a file would cut one job in two: the named runs would be one job and the others
-    another, ranked by start order, and both would be uploaded. So the runs that would be
-    one job without the file must be named all or none; the unnamed ones become a problem.
+    another (ranked by their `wbmerge` block, or by start order), and both would be
+    uploaded. So the runs that would be one job without the file must be named all or
+    none. Those jobs are found as without the file: runs with a `wbmerge` block by its job
+    id, the others by `split_jobs`.
     """
     plain = Hints(label_pattern=hints.label_pattern)
-    first = {i: claims_of(runs[i], plain)[0] for i in rest}
+    by_block: dict[str | None, list[int]] = defaultdict(list)
+    others = []
+    for i, run in enumerate(runs):
+        if run.metadata is not None:
+            by_block[run.metadata.job_id].append(i)
+        else:
+            others.append(i)
+    first = {i: claims_of(runs[i], plain)[0] for i in others}
+    natural = [*by_block.values(), *(m for _, m in split_jobs(runs, first, others, plain))]
     refused: set[int] = set()
-    for _, members in split_jobs(runs, first, rest, plain):
+    for members in natural:
         named = [runs[i].run_id for i in members if runs[i].run_id in hints.given]
         unnamed = [i for i in members if runs[i].run_id not in hints.given]
         if named and unnamed:
             left_out = _few([runs[i].run_id for i in unnamed])
             message = (
                 f"--ranks names run(s) {_few(named)} but not {left_out} of the same job; "
-                "name every run of the job in the file (or --job JOB to merge the named ones)"
+                "name every run of the job in the file (or pass --job with the named runs' "
+                "job id, which `wbmerge inspect --ranks FILE` shows, to merge only them)"
             )
             out.problems.append(Notice(tuple(unnamed), message))
             refused.update(unnamed)
-    return [i for i in rest if i not in refused]
+    return refused
 
 
 def _few(run_ids: Sequence[str], shown: int = 4) -> str:
