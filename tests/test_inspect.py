@@ -193,3 +193,12 @@ def test_directory_without_runs_is_exit_2(tmp_path):
     (tmp_path / "wandb").mkdir()
     result = CliRunner().invoke(main, ["inspect", str(tmp_path)])
     assert result.exit_code == 2 and "no offline W&B run" in result.stderr
+
+
+def test_an_unreadable_run_named_in_a_ranks_file_is_listed_not_missing(tmp_path):
+    (tmp_path / "ranks.json").write_text(json.dumps({"notalog": 0}))
+    args = ["inspect", "--json", str(FIXTURES / "damaged" / "not_a_log")]
+    result = CliRunner().invoke(main, [*args, "--ranks", str(tmp_path / "ranks.json")])
+    assert result.exit_code == 2 and "not found" not in result.stderr
+    [row] = json.loads(result.stdout)
+    assert row["run_id"] == "notalog" and "not a W&B transaction log" in row["unreadable"]

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from wbmerge.errors import WbmergeError
-from wbmerge.plan import MergedBy, Source, app_url, check_run_id, links, merged_by, plan
+from wbmerge.merged import MergedBy, merged_by
+from wbmerge.plan import Source, app_url, check_run_id, links, plan
 from wbmerge.topology import RankInfo
 
 

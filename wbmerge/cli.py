@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import warnings
 from collections.abc import Callable
@@ -346,7 +347,7 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
     for s in staged:
         rows = f"{s.history_rows} merged rows, " if s.target.kind == "shared" else ""
         click.echo(f"{s.run_dir}  ({rows}exit code {s.exit_code})")
-    click.echo(f"upload later, verified and once, with: wbmerge sync {out_dir}")
+    click.echo(f"upload later, verified and once, with: wbmerge sync {shlex.quote(out_dir)}")
 
 
 @main.command()

@@ -24,7 +24,8 @@ from google.protobuf.message import DecodeError
 from . import jobs, rankclaims, records
 from .errors import InputWarning, NotATransactionLog, WbmergeError
 from .jobs import Hints, RunFacts
-from .plan import MergedBy, Source, Target, merged_by, merged_target, run_id_from_file
+from .merged import MergedBy, is_merge_block, merged_by, merged_target
+from .plan import Source, Target, run_id_from_file
 from .proto import pb
 from .records import record_kind
 from .topology import METADATA_KEY, RankInfo
@@ -293,9 +294,14 @@ def _apply_config(run: OfflineRun, updates: Iterable[pb.ConfigItem]) -> None:
         if key != METADATA_KEY or run.metadata is not None or run.merged is not None:
             continue
         block = rankclaims.config_value(item.value_json)
-        run.merged = merged_by(block)
-        if run.merged is not None:
-            continue  # a merge's output: not a rank of a job, but a run to upload as it is
+        if is_merge_block(block):  # a merge's output: no rank of a job, a run to upload
+            run.merged = merged_by(block)
+            if run.merged is None:
+                run.unreadable = (
+                    f"{run.path}: its wbmerge block lists the sources of a merge but not how "
+                    "they were merged; it is neither a merged run nor a rank's"
+                )
+            continue
         try:
             run.metadata = RankInfo.from_metadata(block)  # type: ignore[arg-type]
         except (ValueError, TypeError, AttributeError):
@@ -364,14 +370,14 @@ def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
     for run in runs:
         if run.merged is not None:
             run.rank_source, run.label = "merged", run.display_name or run.run_id
-    empty = [r for r in runs if not r.has_run_record]
-    for run in empty:
+    found_ids = {r.run_id for r in runs}
+    for run in runs:
         if run.unreadable:
             run.problem = run.unreadable
-            continue
-        run.problem = "no run record (killed before wandb wrote one): nothing to merge"
-        warnings.warn(f"{run.run_dir}: {run.problem}; left out", InputWarning, stacklevel=2)
-    runs = [r for r in runs if r.has_run_record and r.merged is None]
+        elif not run.has_run_record:
+            run.problem = "no run record (killed before wandb wrote one): nothing to merge"
+            warnings.warn(f"{run.run_dir}: {run.problem}; left out", InputWarning, stacklevel=2)
+    runs = [r for r in runs if r.has_run_record and r.merged is None and not r.unreadable]
     facts = [
         RunFacts(
             run_id=r.run_id,
@@ -401,7 +407,7 @@ def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
     for warning in found.warnings:
         for index in warning.runs:
             runs[index].warnings.append(warning.message)
-    unknown = set(hints.given) - {r.run_id for r in runs} if hints else set()
+    unknown = set(hints.given) - found_ids if hints else set()
     if unknown:
         raise WbmergeError(
             f"--ranks names run(s) not found under the paths given: {', '.join(sorted(unknown))}"
@@ -448,8 +454,10 @@ def _scan_or_why(run: OfflineRun, keep_unreadable: bool) -> None:
 
 
 def _order(run: OfflineRun) -> tuple:
+    if run.merged is not None:  # after the ranks' runs, by job and id
+        return (1, run.merged.job_id, 0, 0, run.run_id, str(run.path))
     if run.rank is None:
-        return (1, "", 0, 0, run.start_time, str(run.path))
+        return (2, "", 0, 0, run.start_time, str(run.path))
     return (0, run.job_id or "", run.rank.rank, run.rank.restart, run.start_time, str(run.path))
 
 
@@ -485,13 +493,13 @@ def group_jobs(
     selects another job), `job` not found, two runs claiming the same rank and restart,
     a world size that changes within a job, and ranks missing (unless allowed).
     """
-    merged = [r for r in runs if r.merged is not None]
+    merged = [r for r in runs if r.merged is not None and job in (None, r.merged.job_id)]
     if merged:
         raise WbmergeError(
-            f"{merged[0].run_dir} is a run that wbmerge merged, not a rank's run; upload "
-            "merged runs with `wbmerge sync`, apart from the runs of ranks"
+            f"{merged[0].run_dir} is a run that wbmerge merged, not a rank's run; only "
+            "`wbmerge sync` (without --follow) and `inspect` take merged runs"
         )
-    unknown = [r for r in runs if r.rank is None and r.has_run_record]
+    unknown = [r for r in runs if r.rank is None and r.has_run_record and r.merged is None]
     by_id: dict[str, list[OfflineRun]] = defaultdict(list)
     for run in runs:
         if run.rank is not None:

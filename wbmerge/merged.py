@@ -1,69 +1,143 @@
-"""Runs that wbmerge merged already (a `merge --out` directory), ready to upload as they are.
+"""Runs that wbmerge merged already (a `merge --out` directory), to upload as they are.
 
 `wbmerge merge --out DIR` writes offline runs that plain `wandb sync` can send; `wbmerge
 sync DIR` sends them too, verified and recorded like any other sync. Such a run is told
 apart by its `wbmerge` config block, which lists the `sources` it was merged from (a rank's
-own block never does). It is no rank of a job: it is uploaded under its own id, group and
-name, so the options that shape a merge do not apply to it, and runs of ranks beside it
-are refused (the two would be uploaded by different rules).
+own block never does) and how they were merged. It is no rank of a job: it is uploaded
+under its own id, group and name, so the options that shape a merge do not apply to it,
+and runs of ranks given beside it are refused (the two would be uploaded by different
+rules), unless `--job` picks one job of them.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .discover import Job, OfflineRun
 from .errors import WbmergeError
-from .merge import DEFAULT_KEY_FORMAT
+from .plan import RANK_SCOPES, RUN_MODES, Source, Target, check_run_id
+from .topology import RankInfo
+
+if TYPE_CHECKING:
+    from .discover import OfflineRun
 
 
-def merge_options_given(request: object) -> list[str]:
-    """The options of `request` (a `MergeRequest`) that shape a merge, as the CLI spells
-    them; none of them applies to runs merged already."""
-    given = [
-        ("--run-mode", getattr(request, "run_mode", None)),
-        ("--rank-scope", getattr(request, "rank_scope", None)),
-        ("--base-id", getattr(request, "base_id", None)),
-        ("--allow-missing-ranks", getattr(request, "allow_missing_ranks", False)),
-        ("--system-metrics", getattr(request, "system_metrics", "primary") != "primary"),
-        ("--key-format", getattr(request, "key_format", DEFAULT_KEY_FORMAT) != DEFAULT_KEY_FORMAT),
-        ("--skew-metrics", getattr(request, "skew_metrics", False)),
-        ("--rank-stats", getattr(request, "rank_stats", False)),
-        ("--per-rank", bool(getattr(request, "per_rank", None))),
-        ("--job-type", getattr(request, "job_type", None)),
-        ("--label-pattern", getattr(request, "label_pattern", None)),
-        ("--ranks", getattr(request, "ranks_file", None)),
-    ]
-    return [name for name, value in given if value]
+@dataclass(frozen=True)
+class MergedBy:
+    """How a run that a merge wrote was merged, as its `wbmerge` block says."""
+
+    job_id: str
+    run_mode: str
+    rank_scope: str
+    primary_rank: int
+    world_size: int
+    local_world_size: int
 
 
-def merged_jobs(runs: Sequence[OfflineRun], job: str | None = None) -> list[Job]:
-    """The merged runs among `runs` as jobs (by the job id their blocks name), each run
-    once; WbmergeError (one line) for runs of ranks among them, a run id found twice, or
-    a `job` that is not there."""
+def is_merge_block(block: object) -> bool:
+    """Whether a `wbmerge` config block was written by a merge: it lists its sources."""
+    return isinstance(block, dict) and "sources" in block
+
+
+def merged_by(block: object) -> MergedBy | None:
+    """What a merge's `wbmerge` block says of how it merged, or None when the block is not
+    a merge's or does not parse (a newer wbmerge's run mode, or a crafted block)."""
+    if not is_merge_block(block) or not isinstance(block.get("sources"), list):  # type: ignore[union-attr]
+        return None
+    assert isinstance(block, dict)
+    try:
+        found = MergedBy(
+            job_id=check_run_id(str(block["job_id"])),
+            run_mode=str(block["run_mode"]),
+            rank_scope=str(block["rank_scope"]),
+            primary_rank=_whole(block["primary_rank"]),
+            world_size=_whole(block["world_size"]),
+            local_world_size=_whole(block["local_world_size"]),
+        )
+    except (KeyError, TypeError, ValueError, WbmergeError):
+        return None
+    fits = found.primary_rank < found.world_size and found.local_world_size >= 1
+    modes_known = found.run_mode in RUN_MODES and found.rank_scope in RANK_SCOPES
+    return found if fits and modes_known else None
+
+
+def _whole(value: object) -> int:
+    """`value` if it is a whole number (not a bool), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"not a whole number: {value!r}")
+    return value
+
+
+def merged_target(
+    path: Path,
+    run_id: str,
+    merged: MergedBy,
+    group: str | None,
+    display_name: str,
+    job_type: str | None,
+    start_time: float = 0.0,
+) -> Target:
+    """A run that a merge wrote, as the target that uploads it unchanged (kind "merged").
+    `run_id` is its run record's: the id wandb uploads it under."""
+    try:
+        check_run_id(run_id)
+    except WbmergeError:
+        raise WbmergeError(f"{path}: its run record's id {run_id!r} is not a W&B run id") from None
+    primary = merged.primary_rank
+    rank = RankInfo(
+        rank=primary,
+        local_rank=primary % merged.local_world_size,
+        world_size=merged.world_size,
+        local_world_size=merged.local_world_size,
+        worker=primary // merged.local_world_size,
+        job_id=merged.job_id,
+    )
+    source = Source(path, rank, display_name or run_id, start_time=start_time)
+    return Target(
+        id=run_id,
+        group=group or None,
+        display_name=display_name or run_id,
+        job_type=job_type or None,
+        primary_rank=primary,
+        kind="merged",
+        sources=(source,),
+    )
+
+
+def selects_merged(runs: Sequence[OfflineRun], job: str | None) -> bool:
+    """Whether the runs to upload are merged ones: any is, and `job` (if given) is theirs."""
+    return any(r.merged is not None and job in (None, r.merged.job_id) for r in runs)
+
+
+def merged_jobs(runs: Sequence[OfflineRun], job: str | None = None) -> list[list[OfflineRun]]:
+    """The merged runs among `runs` (of `job`, if given), one list per merge that wrote them
+    (job id, run mode and rank scope), each ordered by run id.
+
+    WbmergeError (one line) for runs of ranks beside merged ones when no `job` picks one
+    of them, for a run id found twice, and for a `job` no merged run belongs to.
+    """
+    merged = [r for r in runs if r.merged is not None and job in (None, r.merged.job_id)]
     ranks = [r for r in runs if r.merged is None and r.has_run_record]
-    merged = [r for r in runs if r.merged is not None]
-    if ranks:
+    if job is None and merged and ranks:
         raise WbmergeError(
             f"{merged[0].run_dir} is a run that wbmerge merged, but {ranks[0].run_dir} is "
-            "a rank's run; sync merged runs and the runs of ranks apart"
+            "a rank's run; sync merged runs and the runs of ranks apart (or pick one job "
+            "with --job)"
         )
-    by_job: dict[str, list[OfflineRun]] = defaultdict(list)
+    if not merged:
+        raise WbmergeError(f"no run that wbmerge merged belongs to job {job!r}")
     seen: dict[str, OfflineRun] = {}
+    by_merge: dict[tuple[str, str, str], list[OfflineRun]] = defaultdict(list)
     for run in merged:
         if run.run_id in seen:
             raise WbmergeError(
                 f"run {run.run_id} found twice: {seen[run.run_id].run_dir} and {run.run_dir}"
             )
         seen[run.run_id] = run
-        by_job[run.merged.job_id].append(run)  # type: ignore[union-attr]
-    if job is not None:
-        if job not in by_job:
-            known = ", ".join(sorted(by_job))
-            raise WbmergeError(f"no job {job!r} among the runs found (jobs: {known})")
-        by_job = {job: by_job[job]}
-    return [
-        Job(job_id, sorted(members, key=lambda r: r.run_id))
-        for job_id, members in sorted(by_job.items())
-    ]
+        how = run.merged
+        assert how is not None
+        by_merge[(how.job_id, how.run_mode, how.rank_scope)].append(run)
+    return [sorted(members, key=lambda r: r.run_id) for _, members in sorted(by_merge.items())]

@@ -20,7 +20,7 @@ from .discover import Job, OfflineRun, discover, group_jobs
 from .errors import InputWarning, Terminated, WbmergeError
 from .hints import make_hints
 from .merge import DEFAULT_KEY_FORMAT, MergeOptions, Staged, stage
-from .merged import merge_options_given, merged_jobs
+from .merged import merged_jobs, selects_merged
 from .plan import Target, app_url, links, plan, run_url
 from .rankstats import PerRank
 from .safepaths import check_out_dir, source_trees
@@ -118,7 +118,7 @@ def plan_jobs(request: MergeRequest) -> list[PlannedJob]:
     PerRank.parse(request.per_rank)  # (bad values: an error before any work)
     hints = make_hints(request.label_pattern, request.ranks_file)
     runs = discover(request.paths, hints=hints)
-    if any(run.merged is not None for run in runs):
+    if selects_merged(runs, request.job):
         return plan_merged(request, runs)
     planned = plan_found(request, group_jobs(runs, request.job, request.allow_missing_ranks))
     for line in ignored_options(request, {job.run_mode for job in planned}):
@@ -179,6 +179,7 @@ def plan_found(request: MergeRequest, jobs: list[Job]) -> list[PlannedJob]:
 def plan_merged(request: MergeRequest, runs: list[OfflineRun]) -> list[PlannedJob]:
     """Plan runs that a merge wrote already (`merge --out`): each is uploaded as it is.
     The options that shape a merge are refused (one line), as are runs of ranks beside them."""
+    found = merged_jobs(runs, request.job)  # (runs of ranks beside them: refused first)
     given = merge_options_given(request)
     if given:
         raise WbmergeError(
@@ -186,13 +187,34 @@ def plan_merged(request: MergeRequest, runs: list[OfflineRun]) -> list[PlannedJo
             "uploaded as they were merged"
         )
     planned = []
-    for job in merged_jobs(runs, request.job):
-        merged = job.runs[0].merged
+    for members in found:
+        merged = members[0].merged
         assert merged is not None
-        targets = [run.merged_target() for run in job.runs]
+        job = Job(merged.job_id, members)
+        targets = [run.merged_target() for run in members]
         where = _where(request, job)
         planned.append(PlannedJob(job, targets, merged.run_mode, merged.rank_scope, *where))
     return planned
+
+
+def merge_options_given(request: MergeRequest) -> list[str]:
+    """The options `request` gives that shape a merge, as the CLI spells them: none of them
+    applies to runs merged already."""
+    given = [
+        ("--run-mode", request.run_mode),
+        ("--rank-scope", request.rank_scope),
+        ("--base-id", request.base_id),
+        ("--allow-missing-ranks", request.allow_missing_ranks),
+        ("--system-metrics", request.system_metrics != "primary"),
+        ("--key-format", request.key_format != DEFAULT_KEY_FORMAT),
+        ("--skew-metrics", request.skew_metrics),
+        ("--rank-stats", request.rank_stats),
+        ("--per-rank", bool(request.per_rank)),
+        ("--job-type", request.job_type),
+        ("--label-pattern", request.label_pattern),
+        ("--ranks", request.ranks_file),
+    ]
+    return [name for name, value in given if value]
 
 
 def _where(request: MergeRequest, job: Job) -> tuple[str | None, str | None]:
@@ -228,6 +250,12 @@ def merge_jobs(
     reads; a run directory that exists already in `out_dir` is an error, never replaced.
     """
     planned = plan_jobs(request) if planned is None else planned
+    merged = [t for job in planned for t in job.targets if t.kind == "merged"]
+    if merged:
+        raise WbmergeError(
+            f"{merged[0].sources[0].path.parent} is a run that wbmerge merged already: there "
+            "is nothing to merge (upload it as it is with `wbmerge sync`)"
+        )
     check_out_dir(out_dir, source_trees(request.paths, _run_files(planned)))
     try:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -61,7 +61,13 @@ def find_live_runs(
         runs = [read_identity(path) for path in files]
     notes = [str(w.message) for w in caught if issubclass(w.category, InputWarning)]
     sizes = {path: _size(path) for path in files}
-    started = [r for r in runs if r.has_run_record]
+    merged = [r for r in runs if r.merged is not None and job in (None, r.merged.job_id)]
+    if merged:  # (no rank of a job in progress: a merge's output, to upload as it is)
+        raise WbmergeError(
+            f"{merged[0].run_dir} is a run that wbmerge merged; --follow keeps the runs of "
+            "ranks in training up to date: sync merged runs without --follow"
+        )
+    started = [r for r in runs if r.has_run_record and r.merged is None]
     waiting = [r.path for r in runs if not r.has_run_record]
     if hints is not None and hints.given:  # --ranks may name runs that have not started
         present = {r.run_id for r in started}
