@@ -234,6 +234,18 @@ def test_another_merge_under_the_same_id_is_refused_not_mixed_in(sink, tmp_path)
     assert sink.client.run("local", "mix", "mix-2")["history"] != before["history"]
 
 
+def test_a_refused_merged_run_points_at_merging_again(sink, tmp_path):
+    # Merged runs keep the id their merge gave them: --base-id belongs to `merge`.
+    assert cli(sink, tmp_path, *sync_args("merged", "--run-mode", "shared")).exit_code == 0
+    out = tmp_path / "auto"
+    merged = cli(sink, tmp_path, "merge", str(job_dir("one_node_4")), "--run-mode", "auto",
+                 "--out", str(out))  # fmt: skip
+    assert merged.exit_code == 0, merged.stderr
+    refused = cli(sink, tmp_path, *sync_args("merged", source=out))
+    assert refused.exit_code == 1
+    assert "(merge them again with --base-id ID)" in refused.stderr
+
+
 def test_force_checks_with_the_server_and_sends_no_duplicates(sink, tmp_path):
     assert cli(sink, tmp_path, *sync_args("force")).exit_code == 0
     forced = cli(sink, tmp_path, *sync_args("force", "--force"))

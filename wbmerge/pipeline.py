@@ -562,8 +562,11 @@ def _finish_job(upload: _JobUpload, session: _Session) -> list[str]:
     if any(not d.refused for d in result.failed) or result.timed_out:
         lines.append("nothing missing was recorded as synced; rerun `wbmerge sync` to send it")
     elif lines:  # (every run refused: a rerun would refuse them again)
+        # A merged run's id was chosen by its merge: --base-id goes to `merge`, not `sync`.
+        merged = any(target.kind == "merged" for target, _ in upload.todo)
+        how = "merge them again with --base-id ID" if merged else "with --base-id ID"
         lines.append(
-            "nothing was sent to these runs: upload under other run ids with --base-id ID, "
+            f"nothing was sent to these runs: upload under other run ids ({how}), "
             "or delete the runs on the server first"
         )
     return lines
