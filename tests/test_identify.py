@@ -476,7 +476,8 @@ def test_a_job_whose_runs_differ_in_config_is_merged_with_a_warning():
     found = identify(runs)
     assert len(found.identities) == 2
     [warning] = found.warnings
-    assert "differ in config (lr)" in warning.message and "job column" in warning.message
+    assert "differ in config (lr; lr = 0.0: r0; 0.1: r1)" in warning.message
+    assert "job column" in warning.message
 
 
 def test_a_prefix_shared_by_every_label_is_not_a_node():

@@ -537,10 +537,16 @@ def _warn_of_differing_config(
     differing = sorted(k for k in keys if len({runs[i].settings.get(k) for i in members}) > 1)
     if differing:
         shown = ", ".join(differing[:5]) + (", ..." if len(differing) > 5 else "")
+        # Which run holds which value of the first key: what a --ranks file's job column needs.
+        values: dict[str, list[str]] = defaultdict(list)
+        for i in members:
+            values[str(runs[i].settings.get(differing[0], "unset"))].append(runs[i].run_id)
+        who = "; ".join(f"{value}: {_few(ids)}" for value, ids in list(values.items())[:4])
         out.warnings.append(
             Notice(
                 tuple(members),
-                f"job {job_id}: its runs differ in config ({shown}); if they are separate "
-                "experiments, split them with --ranks FILE (its job column)",
+                f"job {job_id}: its runs differ in config ({shown}; {differing[0]} = {who}); "
+                "if they are separate experiments, split them with --ranks FILE (its job "
+                "column)",
             )
         )
