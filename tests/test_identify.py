@@ -595,3 +595,13 @@ def test_a_ranks_file_naming_one_of_two_real_ranks_stops_the_sync(tmp_path):
     assert result.exit_code == 0, result.output
     [target] = json.loads(result.stdout)
     assert target["id"] == ids[1] and [s["path"][-8:] for s in target["sources"]] == [ids[1]]
+
+
+def test_a_label_pattern_that_matches_no_run_says_so():
+    runs = [facts("a", label="rank_0"), facts("b", label="rank_1")]
+    found = identify(runs, Hints(label_pattern=compile_pattern("trainer{rank}")))
+    assert {x.rank.rank for x in found.identities.values()} == {0, 1}  # from the spelling
+    [warning] = found.warnings
+    assert warning.runs == (0, 1) and "--label-pattern matched no run's label" in warning.message
+    matched = identify(runs, Hints(label_pattern=compile_pattern("rank_{rank}")))
+    assert not matched.warnings

@@ -130,6 +130,14 @@ def identify(runs: Sequence[RunFacts], hints: Hints | None = None) -> Identifica
     first = {i: candidates[i][0] for i in rest}
     for job_id, members in split_jobs(runs, first, rest, hints):
         _identify_job(runs, candidates, members, result, job_id)
+    if hints.label_pattern is not None and runs:
+        read = (c for claims in candidates.values() for c in claims)
+        if not any(c.form.startswith("pattern:") for c in read):  # (a typo, most likely)
+            message = (
+                "--label-pattern matched no run's label or name; the ranks come from what "
+                "the runs say besides"
+            )
+            result.warnings.append(Notice(tuple(range(len(runs))), message))
     return result
 
 
