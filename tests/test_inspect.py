@@ -202,3 +202,21 @@ def test_an_unreadable_run_named_in_a_ranks_file_is_listed_not_missing(tmp_path)
     assert result.exit_code == 2 and "not found" not in result.stderr
     [row] = json.loads(result.stdout)
     assert row["run_id"] == "notalog" and "not a W&B transaction log" in row["unreadable"]
+
+
+def test_inspect_says_what_sync_would_refuse_in_a_job():
+    # Two copies of one rank (a corrupt and a truncated one): merge stops at them.
+    paths = [FIXTURES / "damaged" / "corrupt_block", FIXTURES / "damaged" / "truncated_mid_chunk"]
+    rows = inspect_json(*paths)
+    assert len(rows) == 2
+    for row in rows:
+        [note] = row["warnings"]
+        assert note.startswith("sync and merge stop here: job fx-killed-rank: rank 0 (restart 0)")
+    refused = CliRunner().invoke(main, ["merge", "--out", "/nonexistent", *map(str, paths)])
+    assert refused.exit_code == 2 and note.split("here: ")[1] in refused.stderr
+    # One rank of four: the ranks missing, and the option that merges the rest.
+    [alone] = inspect_json(paths[0])
+    assert alone["warnings"] == [
+        "sync and merge stop here: job fx-killed-rank: rank(s) 1, 2, 3 of 4 have no offline "
+        "run (pass --allow-missing-ranks to merge the others)"
+    ]

@@ -483,6 +483,38 @@ class Job:
         return [rank for rank in range(self.world_size) if rank not in present]
 
 
+def job_problem(
+    job_id: str, members: list[OfflineRun], allow_missing_ranks: bool = False
+) -> str | None:
+    """Why the identified runs of one job cannot be merged, as one line, or None: two runs
+    claiming one rank and restart, a world size that changes, or ranks missing (unless
+    allowed). `members` are in `_order`."""
+    seen: dict[tuple[int, int], OfflineRun] = {}
+    for run in members:
+        assert run.rank is not None
+        key = (run.rank.rank, run.rank.restart)
+        if key in seen:
+            return (
+                f"job {job_id}: rank {key[0]} (restart {key[1]}) claimed twice: "
+                f"{seen[key].run_dir} and {run.run_dir}"
+            )
+        seen[key] = run
+    sizes = {(r.rank.world_size, r.rank.local_world_size) for r in members if r.rank}
+    if len(sizes) > 1:
+        return (
+            f"job {job_id}: world size changes between its runs {sorted(sizes)}; "
+            "merge each restart separately with --job and --base-id"
+        )
+    job = Job(job_id, members)
+    if job.missing_ranks and not allow_missing_ranks:
+        missing = ", ".join(map(str, job.missing_ranks))
+        return (
+            f"job {job_id}: rank(s) {missing} of {job.world_size} have no offline run "
+            "(pass --allow-missing-ranks to merge the others)"
+        )
+    return None
+
+
 def group_jobs(
     runs: list[OfflineRun], job: str | None = None, allow_missing_ranks: bool = False
 ) -> list[Job]:
@@ -517,27 +549,8 @@ def group_jobs(
     jobs = []
     for job_id, members in sorted(by_id.items()):
         members.sort(key=_order)
-        seen: dict[tuple[int, int], OfflineRun] = {}
-        for run in members:
-            key = (run.rank.rank, run.rank.restart)
-            if key in seen:
-                raise WbmergeError(
-                    f"job {job_id}: rank {key[0]} (restart {key[1]}) claimed twice: "
-                    f"{seen[key].run_dir} and {run.run_dir}"
-                )
-            seen[key] = run
-        sizes = {(r.rank.world_size, r.rank.local_world_size) for r in members}
-        if len(sizes) > 1:
-            raise WbmergeError(
-                f"job {job_id}: world size changes between its runs {sorted(sizes)}; "
-                "merge each restart separately with --job and --base-id"
-            )
-        found = Job(job_id, members)
-        if found.missing_ranks and not allow_missing_ranks:
-            missing = ", ".join(map(str, found.missing_ranks))
-            raise WbmergeError(
-                f"job {job_id}: rank(s) {missing} of {found.world_size} have no offline run "
-                "(pass --allow-missing-ranks to merge the others)"
-            )
-        jobs.append(found)
+        problem = job_problem(job_id, members, allow_missing_ranks)
+        if problem:
+            raise WbmergeError(problem)
+        jobs.append(Job(job_id, members))
     return jobs

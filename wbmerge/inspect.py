@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .discover import OfflineRun, discover
+from .discover import OfflineRun, discover, job_problem
 from .jobs import Hints
 
 
@@ -59,6 +59,17 @@ def _size(run: OfflineRun) -> int | None:
 def inspect_runs(paths: Iterable[str | Path], hints: Hints | None = None) -> list[dict[str, Any]]:
     """Describe every offline run under `paths` after a full read of each."""
     found = discover(paths, full_scan=True, hints=hints, keep_unreadable=True)
+    by_job: dict[str, list[OfflineRun]] = {}
+    for run in found:
+        if run.rank is not None:
+            by_job.setdefault(run.job_id or "", []).append(run)
+    for job_id, members in by_job.items():
+        # What `sync` and `merge` would refuse, said here too: a diagnosis must not pass a
+        # job that the upload then stops at.
+        problem = job_problem(job_id, members)
+        if problem:
+            for run in members:
+                run.warnings.append(f"sync and merge stop here: {problem}")
     return [describe(run) for run in found]
 
 
