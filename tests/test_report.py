@@ -142,3 +142,21 @@ def test_report_and_skew_metrics_share_one_spread_with_the_true_median(tmp_path)
             if f"wbmerge/spread/{key}" in items:
                 merged[int(items["_step"])] = json.loads(items[f"wbmerge/spread/{key}"])
     assert merged == pytest.approx(expected)
+
+
+def test_a_killed_rank_and_missing_ranks_are_said_not_hidden():
+    from .conftest import FIXTURES, MANIFEST
+
+    [killed] = report([job_dir("killed_rank")])
+    kill_step = MANIFEST["jobs"]["killed_rank"]
+    last = max(step for step, _ in by_rank("killed_rank", "train/loss")[2])
+    assert last < kill_step["steps"] - 1  # (the fixture: rank 2 died part way)
+    [line] = killed.damage
+    assert line.endswith(
+        f"no exit record (killed, or still writing); its values end at step {last}"
+    )
+    assert not killed.warnings
+    [alone] = report([FIXTURES / "damaged" / "corrupt_block"])
+    assert "rank(s) 1, 2, 3 of 4 have no offline run" in alone.warnings[-1]
+    result = CliRunner().invoke(main, ["report", str(FIXTURES / "damaged" / "corrupt_block")])
+    assert result.exit_code == 0 and "have no offline run" in result.stderr

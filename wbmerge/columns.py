@@ -67,10 +67,13 @@ def rank_columns(sources: list[Source], damage: list[str] | None = None) -> Iter
         steps.restart()
         stats: list[bytes] = []
         report = ReadReport()
+        exits, last_step = 0, None
         for index in records.read_indexed(source.path, report, read_size=_READ_SIZE):
             rows = index.rows
             placed = steps.place_rows(rows.steps)  # as the merge does
+            exits += len(index.of("exit"))
             if len(rows):
+                last_step = int(placed.max())
                 yield _history(rows, placed, source)
             stats += map(index.frames.payload, index.of("stats").tolist())
             if len(stats) >= _STATS_WINDOW:
@@ -80,6 +83,9 @@ def rank_columns(sources: list[Source], damage: list[str] | None = None) -> Iter
             yield _system(stats, source)
         if damage is not None and report.describe():
             damage.append(f"{source.path}: {report.describe()}; the readable records are used")
+        elif damage is not None and not exits:  # (a rank killed between records, or running)
+            until = f"; its values end at step {last_step}" if last_step is not None else ""
+            damage.append(f"{source.path}: no exit record (killed, or still writing){until}")
 
 
 def _history(rows: records.HistoryRows, placed: np.ndarray, source: Source) -> Columns:

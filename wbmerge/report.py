@@ -93,6 +93,12 @@ def report(
         for found in found_jobs:
             made = _job_report(found, metrics, rank_stats)
             made.warnings = found.warnings
+            if found.missing_ranks:
+                missing = ", ".join(map(str, found.missing_ranks))
+                made.warnings.append(
+                    f"job {found.job_id}: rank(s) {missing} of {found.world_size} have no "
+                    "offline run; the report covers the others"
+                )
             reports.append(made)
     return reports
 
