@@ -374,6 +374,7 @@ def test_ranks_file_json_and_csv(tmp_path):
         ('{"a": {"rank": 1, "worker": 0}}', "local_rank and worker together"),
         ("run,rank\na,1\n", "header with run_id and rank"),
         ("run_id,rank\na,1\na,2\n", "given twice"),
+        ("run_id,rank\n", "no run named (a header and no rows)"),
     ],
 )
 def test_bad_ranks_files_are_one_line_errors(tmp_path, content, message):
@@ -605,3 +606,10 @@ def test_a_label_pattern_that_matches_no_run_says_so():
     assert warning.runs == (0, 1) and "--label-pattern matched no run's label" in warning.message
     matched = identify(runs, Hints(label_pattern=compile_pattern("rank_{rank}")))
     assert not matched.warnings
+
+
+def test_a_ranks_file_that_gives_one_rank_twice_says_to_correct_it():
+    runs = [facts("a"), facts("b")]
+    [problem] = identify(runs, Hints(given={"a": GivenRank(0), "b": GivenRank(0)})).problems
+    assert "rank 0 claimed by more than one run" in problem.message
+    assert problem.message.endswith("the --ranks file says so: correct it")

@@ -56,8 +56,11 @@ def load_ranks(path: Path) -> dict[str, GivenRank]:
             {(k or "").strip(): (v or "").strip() for k, v in row.items()}
             for row in csv.DictReader(io.StringIO(text), skipinitialspace=True)
         ]
-        if not rows or "run_id" not in rows[0] or "rank" not in rows[0]:
+        header = next(csv.reader(io.StringIO(text)), [])
+        if not {"run_id", "rank"} <= {name.strip() for name in header}:
             raise WbmergeError(f"--ranks {path}: a CSV file needs a header with run_id and rank")
+        if not rows:
+            raise WbmergeError(f"--ranks {path}: no run named (a header and no rows)")
     given: dict[str, GivenRank] = {}
     for number, row in enumerate(rows, start=1):
         run_id = str(row.get("run_id") or "").strip()

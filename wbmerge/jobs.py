@@ -305,6 +305,8 @@ def _try_job(
         places = place_ranks(runs, claims, members)
         _settle(runs, claims, members, places, out, job_id)
     except _Unresolved as exc:
+        if all(claims[i].source == "given" for i in members):  # (the user's file says so)
+            return f"{exc}; the --ranks file says so: correct it"
         return f"{exc}; {RESOLVE_HINT}"
     return None
 
