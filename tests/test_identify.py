@@ -374,7 +374,9 @@ def test_ranks_file_json_and_csv(tmp_path):
         ('{"a": {"rank": 1, "worker": 0}}', "local_rank and worker together"),
         ("run,rank\na,1\n", "header with run_id and rank"),
         ("run_id,rank\na,1\na,2\n", "given twice"),
-        ("run_id,rank\n", "no run named (a header and no rows)"),
+        ("run_id,rank\n", "names no run"),
+        ("[]", "names no run"),
+        ("{}", "names no run"),
     ],
 )
 def test_bad_ranks_files_are_one_line_errors(tmp_path, content, message):
@@ -504,6 +506,20 @@ def test_a_missing_last_rank_on_several_hosts_keeps_the_world_of_the_hosts():
     assert got["r2"][:3] == (2, 0, 1)
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        'run_id, "rank"\n a , 1\nb,0\n',  # a quoted header cell after a space
+        "\n\nrun_id,rank\na,1\nb,0\n",  # blank lines first
+        "run_id,rank\na,1,extra\nb,0\n",  # a cell past the header's
+    ],
+)
+def test_ranks_files_as_people_write_them(tmp_path, text):
+    path = tmp_path / "ranks.csv"
+    path.write_text(text)
+    assert make_hints(ranks_file=path).given == {"a": GivenRank(1), "b": GivenRank(0)}
+
+
 def test_ranks_file_from_a_spreadsheet(tmp_path):
     path = tmp_path / "ranks.csv"
     path.write_text("run_id, rank, job\n a , 1, exp-1\nb,0,exp-1\n", encoding="utf-8-sig")
@@ -602,14 +618,54 @@ def test_a_label_pattern_that_matches_no_run_says_so():
     runs = [facts("a", label="rank_0"), facts("b", label="rank_1")]
     found = identify(runs, Hints(label_pattern=compile_pattern("trainer{rank}")))
     assert {x.rank.rank for x in found.identities.values()} == {0, 1}  # from the spelling
-    [warning] = found.warnings
-    assert warning.runs == (0, 1) and "--label-pattern matched no run's label" in warning.message
+    assert not found.warnings
+    assert found.notes == [
+        "--label-pattern matched the label or name of none of the 2 run(s) it was tried on; "
+        "their ranks were read as if it were not given"
+    ]
     matched = identify(runs, Hints(label_pattern=compile_pattern("rank_{rank}")))
-    assert not matched.warnings
+    assert not matched.notes
+    # Runs with a wbmerge block are not read with the pattern: it is unused, not wrong.
+    blocks = [facts("c", metadata=RankInfo(0, 0, 1, 1, 0, job_id="J"), label="rank-0")]
+    unused = identify([*blocks, *runs], Hints(label_pattern=compile_pattern("rank_{rank}")))
+    assert not unused.notes
+    [note] = identify(blocks, Hints(label_pattern=compile_pattern("rank-{rank}"))).notes
+    assert note == "--label-pattern is unused: every run has a wbmerge block or a --ranks entry"
 
 
-def test_a_ranks_file_that_gives_one_rank_twice_says_to_correct_it():
-    runs = [facts("a"), facts("b")]
-    [problem] = identify(runs, Hints(given={"a": GivenRank(0), "b": GivenRank(0)})).problems
-    assert "rank 0 claimed by more than one run" in problem.message
-    assert problem.message.endswith("the --ranks file says so: correct it")
+def test_a_label_pattern_note_is_said_once_for_several_jobs():
+    jobs = [job_dir(name) for name in ("plain_labels", "recipe_name")]
+    result = CliRunner().invoke(
+        main, ["sync", "--dry-run", *map(str, jobs), "--label-pattern", "xx{rank}"]
+    )
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.count("--label-pattern matched the label or name of none") == 1
+
+
+def test_the_config_warning_names_the_key_that_splits_the_runs():
+    # seed differs per run, lr per experiment, opt is long, note is missing on one run.
+    long_opt = json.dumps({"name": "adamw", "betas": [0.9, 0.999], "eps": 1e-8, "wd": 0.01})
+    runs = [
+        facts(f"r{i}", group="DDP", label=f"rank_{i}",
+              settings={"seed": str(i), "lr": "0.1" if i < 2 else "0.2", "opt": long_opt,
+                        **({"note": '"x"'} if i else {})})
+        for i in range(4)
+    ]  # fmt: skip
+    [warning] = identify(runs).warnings
+    assert "differ in config (lr, note, seed; lr = 0.1: r0, r1; 0.2: r2, r3)" in warning.message
+    many = [facts(f"r{i}", group="G", label=f"rank_{i}", settings={"opt": f'"{"x" * 60}{i}"'})
+            for i in range(6)]  # fmt: skip
+    [warning] = identify(many).warnings
+    assert f'opt = "{"x" * 36}...: r0; ' in warning.message
+    assert warning.message.count("...: r") == 4 and "; and 2 more values)" in warning.message
+    missing = [facts("a", group="G", label="rank_0", settings={"note": '"unset"'}),
+               facts("b", group="G", label="rank_1")]  # fmt: skip
+    [warning] = identify(missing).warnings
+    assert 'note = "unset": a; (missing): b)' in warning.message
+
+
+def test_missing_ranks_are_listed_short():
+    from wbmerge.discover import few_ranks
+
+    assert few_ranks([1, 3]) == "1, 3"
+    assert few_ranks(list(range(1, 1024, 2))) == "1, 3, 5, 7, 9, 11, 13, 15 and 504 more"

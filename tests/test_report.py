@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from wbmerge.api import inspect as api_inspect
 from wbmerge.cli import main
 from wbmerge.report import outliers, report
 
@@ -160,3 +163,19 @@ def test_a_killed_rank_and_missing_ranks_are_said_not_hidden():
     assert "rank(s) 1, 2, 3 of 4 have no offline run" in alone.warnings[-1]
     result = CliRunner().invoke(main, ["report", str(FIXTURES / "damaged" / "corrupt_block")])
     assert result.exit_code == 0 and "have no offline run" in result.stderr
+
+
+def test_a_restart_without_an_exit_record_is_continued_not_ended(tmp_path):
+    from wbmerge.proto import pb
+    from wbmerge.txlog import read_payloads, write_payloads
+
+    job = tmp_path / "job"
+    shutil.copytree(job_dir("elastic_restart"), job)
+    rows = api_inspect([job])
+    first = next(r for r in rows if (r["rank"], r["restart"]) == (1, 0))
+    [log] = Path(first["path"]).glob("run-*.wandb")
+    kept = [p for p in read_payloads(log) if not pb.Record.FromString(p).HasField("exit")]
+    write_payloads(log, kept)  # rank 1's first restart, killed between records
+    [made] = report([job])
+    [line] = made.damage
+    assert line == f"{log}: no exit record; the next restart continues"

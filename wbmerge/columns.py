@@ -61,9 +61,11 @@ def rank_sources(job: Job) -> Iterator[list[Source]]:
 
 def rank_columns(sources: list[Source], damage: list[str] | None = None) -> Iterator[Columns]:
     """The values of one rank's runs (its restarts, in order), a read of its log at a time.
-    What a damaged log lost (a corrupt block, a truncated tail) is appended to `damage`."""
+    What a damaged log lost (a corrupt block, a truncated tail) is appended to `damage`, as
+    is the end of a rank whose last log has no exit record (killed, or still writing): the
+    values a report gives then stop short of the others'."""
     steps = Steps()
-    for source in sources:
+    for number, source in enumerate(sources, start=1):
         steps.restart()
         stats: list[bytes] = []
         report = ReadReport()
@@ -73,7 +75,8 @@ def rank_columns(sources: list[Source], damage: list[str] | None = None) -> Iter
             placed = steps.place_rows(rows.steps)  # as the merge does
             exits += len(index.of("exit"))
             if len(rows):
-                last_step = int(placed.max())
+                if placed.max() >= 0:  # (a read whose rows a restart all dropped: -1)
+                    last_step = int(placed.max())
                 yield _history(rows, placed, source)
             stats += map(index.frames.payload, index.of("stats").tolist())
             if len(stats) >= _STATS_WINDOW:
@@ -81,11 +84,19 @@ def rank_columns(sources: list[Source], damage: list[str] | None = None) -> Iter
                 stats = []
         if stats:
             yield _system(stats, source)
-        if damage is not None and report.describe():
-            damage.append(f"{source.path}: {report.describe()}; the readable records are used")
-        elif damage is not None and not exits:  # (a rank killed between records, or running)
-            until = f"; its values end at step {last_step}" if last_step is not None else ""
-            damage.append(f"{source.path}: no exit record (killed, or still writing){until}")
+        if damage is None:
+            continue
+        last = number == len(sources)  # (an earlier restart is continued by the next)
+        until = "; the next restart continues" if not last else ""
+        if last and last_step is not None:
+            until = f"; its values end at step {last_step}"
+        if report.describe():
+            damage.append(
+                f"{source.path}: {report.describe()}; the readable records are used{until}"
+            )
+        elif not exits:  # (a rank killed between records, or one still writing)
+            still = " (killed, or still writing)" if last else ""
+            damage.append(f"{source.path}: no exit record{still}{until}")
 
 
 def _history(rows: records.HistoryRows, placed: np.ndarray, source: Source) -> Columns:

@@ -398,6 +398,8 @@ def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
         for r in runs
     ]
     found = jobs.identify(facts, hints)
+    for note in found.notes:
+        warnings.warn(note, InputWarning, stacklevel=2)
     for index, identity in found.identities.items():
         run = runs[index]
         run.rank, run.rank_source, run.label = identity.rank, identity.source, identity.label
@@ -500,19 +502,26 @@ def job_problem(
             )
         seen[key] = run
     sizes = {(r.rank.world_size, r.rank.local_world_size) for r in members if r.rank}
-    if len(sizes) > 1:
+    if len(sizes) > 1:  # (the restarts share the job id: --job cannot pick one of them)
         return (
-            f"job {job_id}: world size changes between its runs {sorted(sizes)}; "
-            "merge each restart separately with --job and --base-id"
+            f"job {job_id}: world size changes between its runs {sorted(sizes)}; merge the "
+            "runs of each size apart (name their directories, or give them a job each in "
+            "a --ranks file's job column)"
         )
     job = Job(job_id, members)
     if job.missing_ranks and not allow_missing_ranks:
-        missing = ", ".join(map(str, job.missing_ranks))
         return (
-            f"job {job_id}: rank(s) {missing} of {job.world_size} have no offline run "
-            "(pass --allow-missing-ranks to merge the others)"
+            f"job {job_id}: rank(s) {few_ranks(job.missing_ranks)} of {job.world_size} have "
+            "no offline run (pass --allow-missing-ranks to merge the others, or sync "
+            "--follow while the job still runs)"
         )
     return None
+
+
+def few_ranks(ranks: list[int], shown: int = 8) -> str:
+    """`1, 3, 5 and 509 more`: ranks listed short enough for one line at 1024 ranks."""
+    head = ", ".join(map(str, ranks[:shown]))
+    return head if len(ranks) <= shown else f"{head} and {len(ranks) - shown} more"
 
 
 def group_jobs(

@@ -52,15 +52,17 @@ def load_ranks(path: Path) -> dict[str, GivenRank]:
         except (ValueError, RecursionError) as exc:
             raise WbmergeError(f"--ranks {path}: not valid JSON ({exc})") from None
     else:
-        rows = [
-            {(k or "").strip(): (v or "").strip() for k, v in row.items()}
-            for row in csv.DictReader(io.StringIO(text), skipinitialspace=True)
-        ]
-        header = next(csv.reader(io.StringIO(text)), [])
-        if not {"run_id", "rank"} <= {name.strip() for name in header}:
+        # (blank lines before the header are skipped; cells past the header's are not ours)
+        reader = csv.DictReader(io.StringIO(stripped), skipinitialspace=True)
+        header = {name.strip() for name in reader.fieldnames or []}
+        if not {"run_id", "rank"} <= header:
             raise WbmergeError(f"--ranks {path}: a CSV file needs a header with run_id and rank")
-        if not rows:
-            raise WbmergeError(f"--ranks {path}: no run named (a header and no rows)")
+        rows = [
+            {k.strip(): (v or "").strip() for k, v in row.items() if isinstance(k, str)}
+            for row in reader
+        ]
+    if not rows:
+        raise WbmergeError(f"--ranks {path}: names no run")
     given: dict[str, GivenRank] = {}
     for number, row in enumerate(rows, start=1):
         run_id = str(row.get("run_id") or "").strip()

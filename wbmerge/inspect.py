@@ -67,9 +67,8 @@ def inspect_runs(paths: Iterable[str | Path], hints: Hints | None = None) -> lis
         # What `sync` and `merge` would refuse, said here too: a diagnosis must not pass a
         # job that the upload then stops at.
         problem = job_problem(job_id, members)
-        if problem:
-            for run in members:
-                run.warnings.append(f"sync and merge stop here: {problem}")
+        if problem:  # (on the job's first run: the table shows it once, the JSON too)
+            members[0].warnings.append(f"sync and merge stop here: {problem}")
     return [describe(run) for run in found]
 
 

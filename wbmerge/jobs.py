@@ -112,6 +112,7 @@ class Identification:
     identities: dict[int, Identity] = field(default_factory=dict)
     problems: list[Notice] = field(default_factory=list)  # these runs stay unidentified
     warnings: list[Notice] = field(default_factory=list)  # shown once per job
+    notes: list[str] = field(default_factory=list)  # about all runs: shown once
 
 
 def identify(runs: Sequence[RunFacts], hints: Hints | None = None) -> Identification:
@@ -130,15 +131,29 @@ def identify(runs: Sequence[RunFacts], hints: Hints | None = None) -> Identifica
     first = {i: candidates[i][0] for i in rest}
     for job_id, members in split_jobs(runs, first, rest, hints):
         _identify_job(runs, candidates, members, result, job_id)
-    if hints.label_pattern is not None and runs:
-        read = (c for claims in candidates.values() for c in claims)
-        if not any(c.form.startswith("pattern:") for c in read):  # (a typo, most likely)
-            message = (
-                "--label-pattern matched no run's label or name; the ranks come from what "
-                "the runs say besides"
-            )
-            result.warnings.append(Notice(tuple(range(len(runs))), message))
+    if hints.label_pattern is not None:
+        note = _unused_pattern_note(runs, candidates, hints)
+        if note:
+            result.notes.append(note)
     return result
+
+
+def _unused_pattern_note(
+    runs: Sequence[RunFacts], candidates: Mapping[int, list[Claim]], hints: Hints
+) -> str | None:
+    """A line when `--label-pattern` read no run's rank (a typo, most likely): the pattern
+    is tried only on runs that neither `--ranks` names nor a `wbmerge` block identifies."""
+    tried = [
+        i for i, run in enumerate(runs) if run.run_id not in hints.given and run.metadata is None
+    ]
+    if not tried:
+        return "--label-pattern is unused: every run has a wbmerge block or a --ranks entry"
+    if any(c.form.startswith("pattern:") for i in tried for c in candidates[i]):
+        return None
+    return (
+        f"--label-pattern matched the label or name of none of the {len(tried)} run(s) it "
+        "was tried on; their ranks were read as if it were not given"
+    )
 
 
 def claims_of(run: RunFacts, hints: Hints) -> list[Claim]:
@@ -547,16 +562,29 @@ def _warn_of_differing_config(
     differing = sorted(k for k in keys if len({runs[i].settings.get(k) for i in members}) > 1)
     if differing:
         shown = ", ".join(differing[:5]) + (", ..." if len(differing) > 5 else "")
-        # Which run holds which value of the first key: what a --ranks file's job column needs.
-        values: dict[str, list[str]] = defaultdict(list)
+        # Which run holds which value, for the key that splits the runs most coarsely (a
+        # seed or a device differs per rank; a learning rate per experiment): what a
+        # --ranks file's job column needs.
+        key = min(differing, key=lambda k: (len({runs[i].settings.get(k) for i in members}), k))
+        values: dict[str | None, list[str]] = defaultdict(list)
         for i in members:
-            values[str(runs[i].settings.get(differing[0], "unset"))].append(runs[i].run_id)
-        who = "; ".join(f"{value}: {_few(ids)}" for value, ids in list(values.items())[:4])
+            values[runs[i].settings.get(key)].append(runs[i].run_id)
+        who = "; ".join(
+            f"{'(missing)' if value is None else _short(value)}: {_few(ids)}"
+            for value, ids in list(values.items())[:4]
+        )
+        if len(values) > 4:
+            who += f"; and {len(values) - 4} more values"
         out.warnings.append(
             Notice(
                 tuple(members),
-                f"job {job_id}: its runs differ in config ({shown}; {differing[0]} = {who}); "
+                f"job {job_id}: its runs differ in config ({shown}; {key} = {who}); "
                 "if they are separate experiments, split them with --ranks FILE (its job "
                 "column)",
             )
         )
+
+
+def _short(value_json: str, limit: int = 40) -> str:
+    """A config value's JSON, cut to `limit` characters for one line."""
+    return value_json if len(value_json) <= limit else value_json[: limit - 3] + "..."

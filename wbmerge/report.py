@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .columns import HISTORY, rank_columns, rank_sources
-from .discover import Job, discover, group_jobs
+from .discover import Job, discover, few_ranks, group_jobs
 from .errors import WbmergeError
 from .jobs import Hints
 from .rankstats import one_step
@@ -94,7 +94,7 @@ def report(
             made = _job_report(found, metrics, rank_stats)
             made.warnings = found.warnings
             if found.missing_ranks:
-                missing = ", ".join(map(str, found.missing_ranks))
+                missing = few_ranks(found.missing_ranks)
                 made.warnings.append(
                     f"job {found.job_id}: rank(s) {missing} of {found.world_size} have no "
                     "offline run; the report covers the others"
