@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -669,3 +670,16 @@ def test_missing_ranks_are_listed_short():
 
     assert few_ranks([1, 3]) == "1, 3"
     assert few_ranks(list(range(1, 1024, 2))) == "1, 3, 5, 7, 9, 11, 13, 15 and 504 more"
+
+
+def test_ranks_killed_before_wandb_flushed_are_named_where_ranks_are_missing(tmp_path):
+    job = shutil.copytree(job_dir("one_node_4"), tmp_path / "job")
+    rows = {r["rank"]: r for r in inspect_json(job)}
+    for rank in (2, 3):  # what wandb leaves of a rank killed in its first seconds
+        [log] = Path(rows[rank]["path"]).glob("run-*.wandb")
+        log.write_bytes(log.read_bytes()[:7])
+    result = CliRunner().invoke(main, ["sync", "--dry-run", str(job)])
+    assert result.exit_code == 2
+    [error] = [line for line in result.stderr.splitlines() if "error" in line]
+    assert "rank(s) 2, 3 of 4 have no offline run" in error
+    assert "; 2 run file(s) found hold no run record, e.g. " in error and "flush_every" in error

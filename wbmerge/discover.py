@@ -541,6 +541,7 @@ def group_jobs(
             "`wbmerge sync` (without --follow) and `inspect` take merged runs"
         )
     unknown = [r for r in runs if r.rank is None and r.has_run_record and r.merged is None]
+    empty = [r for r in runs if not r.has_run_record and not r.unreadable]
     by_id: dict[str, list[OfflineRun]] = defaultdict(list)
     for run in runs:
         if run.rank is not None:
@@ -559,6 +560,12 @@ def group_jobs(
     for job_id, members in sorted(by_id.items()):
         members.sort(key=_order)
         problem = job_problem(job_id, members, allow_missing_ranks)
+        if problem and empty and Job(job_id, members).missing_ranks:
+            # (the missing ranks may be these: killed before wandb wrote their run record)
+            problem += (
+                f"; {len(empty)} run file(s) found hold no run record, e.g. {empty[0].path} "
+                "(a rank killed before wandb flushed its file: see wbmerge.init's flush_every)"
+            )
         if problem:
             raise WbmergeError(problem)
         jobs.append(Job(job_id, members))
