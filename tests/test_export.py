@@ -251,6 +251,10 @@ def test_damaged_log_exports_its_readable_records_and_says_what_was_lost(tmp_pat
     assert (
         "records /" in result.output and "dropped; the readable records are used" in result.output
     )
+    assert (  # one rank of the killed job: the others are named, as report names them
+        "wbmerge: warning: job fx-killed-rank: rank(s) 1, 2, 3 have no offline run; the "
+        "export covers the others" in result.stderr
+    )
     (run,) = discover([damaged])
     expected = 0
     for record in read_records(run.path):  # the same tolerant reader: every readable value

@@ -509,12 +509,14 @@ def export(
 ) -> None:
     """Write every rank's history and system metrics to one Parquet file."""
     from . import api
+    from .discover import few_ranks
 
     result = api.export(
         paths, out, job=job, wide=wide, label_pattern=label_pattern, ranks_file=ranks_file
     )
     for job_id, missing in result.missing.items():
-        click.echo(f"wbmerge: warning: job {job_id}: ranks {missing} not found", err=True)
+        click.echo(f"wbmerge: warning: job {job_id}: rank(s) {few_ranks(missing)} have no "
+                   "offline run; the export covers the others", err=True)  # fmt: skip
     for line in [*result.warnings, *result.damage]:
         click.echo(f"wbmerge: warning: {line}", err=True)
     shape = "rows (rank x step)" if wide else "values"
