@@ -424,3 +424,43 @@ def test_the_run_records_before_the_first_row_say_where_steps_start(sink, tmp_pa
         history = sink.client.run("local", "runs", name)["history"]
         assert [row["_step"] for row in history] == sent, name
         assert list(read_staged(logs[name]).history_steps) == sent, name
+
+
+def test_rows_before_the_run_record_are_moved_after_it_and_arrive(sink, tmp_path):
+    """wandb-core drops history rows and system metrics that come before a log's run record
+    (measured); a pass-through moves them after it, so every row arrives, verified."""
+    import json
+
+    from click.testing import CliRunner
+
+    from wbmerge.cli import main
+    from wbmerge.txlog import LogWriter
+
+    from .ranklogs import exit_record
+
+    def stats(cpu):
+        record = pb.Record()
+        record.stats.item.add(key="cpu", value_json=str(cpu))
+        record.stats.timestamp.seconds = 1767225600 + cpu
+        return record.SerializeToString()
+
+    def row(step, loss):
+        return history_record([(["_step"], str(step)), (["loss"], str(loss))], None)
+
+    run_dir = tmp_path / "wandb" / "offline-run-20260101_000000-early"
+    (run_dir / "files").mkdir(parents=True)
+    with open(run_dir / "run-early.wandb", "wb") as stream, LogWriter(stream) as writer:
+        for payload in [row(0, 5), stats(1), row(1, 4), _run_record("early"), row(2, 3),
+                        stats(2), row(3, 2), exit_record(0)]:  # fmt: skip
+            writer.write(payload)
+    before = (run_dir / "run-early.wandb").read_bytes()
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
+    args = ["sync", "--json", str(tmp_path), "--run-mode", "new", "-p", "early", "-e", "local"]
+    result = CliRunner().invoke(main, args, env=env)
+    assert result.exit_code == 0, result.output + result.stderr
+    [run] = json.loads(result.stdout)["runs"]
+    assert run["status"] == "uploaded"
+    got = sink.client.run("local", "early", run["id"])
+    assert [(r["_step"], r["loss"]) for r in got["history"]] == [(0, 5), (1, 4), (2, 3), (3, 2)]
+    assert [r["system.cpu"] for r in got["system_metrics"]] == [1, 2]
+    assert (run_dir / "run-early.wandb").read_bytes() == before

@@ -161,3 +161,26 @@ def test_a_restart_moved_past_the_largest_step_is_one_line_and_exit_2(tmp_path, 
     assert result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("wbmerge: error: a restart's step 9223372036854775807")
     assert not list(out.glob("*/*.wandb"))
+
+
+def test_records_before_a_run_record_are_held_within_a_bound(tmp_path):
+    import io
+
+    from wbmerge.errors import WbmergeError
+    from wbmerge.merge.passthrough import HeldUntilTheRunRecord
+    from wbmerge.txlog import LogWriter, read_payloads
+
+    log = tmp_path / "run-x.wandb"
+    with open(log, "wb") as stream, LogWriter(stream) as writer:
+        held = HeldUntilTheRunRecord(writer, limit=10)
+        held.write(b"early")
+        held.write_many(b"..late", [2], [6])
+        writer.write(b"run")
+        held.release()
+        held.write(b"after")
+    assert list(read_payloads(log)) == [b"run", b"early", b"late", b"after"]
+    with LogWriter(io.BytesIO()) as writer:
+        bounded = HeldUntilTheRunRecord(writer, limit=10)
+        bounded.write(b"12345")
+        with pytest.raises(WbmergeError, match="before its run record"):
+            bounded.write(b"123456")

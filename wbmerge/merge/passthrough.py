@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import records
 from ..content import ContentCounter
+from ..errors import WbmergeError
 from ..plan import Source, Target
 from ..records import record_kind
 from ..stagefiles import files_record
@@ -49,6 +50,7 @@ def write_passthrough(
     exit_payload = None
     steps = Steps()
     several = len(target.sources) > 1
+    body = HeldUntilTheRunRecord(writer)  # (the header and run record go to `writer`)
     for index, source in enumerate(target.sources):
         report = ReadReport()
         steps.restart()
@@ -65,35 +67,79 @@ def write_passthrough(
             starts, ends = frames.starts.tolist(), frames.ends.tolist()
             done = 0
             for at in np.flatnonzero(special).tolist():
-                writer.write_many(frames.data, starts[done:at], ends[done:at])
+                body.write_many(frames.data, starts[done:at], ends[done:at])
                 done = at + 1
                 payload = frames.payload(at)
                 kind = read.kind(at)
                 if kind == "run":
                     if index == 0:
                         writer.write(rewrite_run(payload, target, options))
+                        body.release()
                 elif kind == "exit":
                     exit_payload = payload
                 elif kind == "files":
-                    writer.write(files_record(payload, source, warnings, refused=refused))
+                    body.write(files_record(payload, source, warnings, refused=refused))
                 elif kind is None:
                     if is_record(payload):
-                        writer.write(payload)
+                        body.write(payload)
                     else:
                         warnings.append(not_a_record(source))
                 elif kind == "history":
-                    writer.write(restep(payload, moved[at]))
+                    body.write(restep(payload, moved[at]))
                 elif index == 0:  # the header: once
                     writer.write(payload)
-            writer.write_many(frames.data, starts[done:], ends[done:])
+            body.write_many(frames.data, starts[done:], ends[done:])
         warnings += damage_warnings(source, report, exit_payload is not None, target.primary_rank)
     for extra in target.extra_system_sources:
         stats = console_and_stats(_stats_payloads(extra.path), extra, stats_only=True)
         for record in stats:
-            writer.write(record[3])
+            body.write(record[3])
     outcome.exit_code = exit_code(exit_payload)
-    writer.write(exit_payload if exit_payload is not None else exit_record(outcome.exit_code))
+    body.write(exit_payload if exit_payload is not None else exit_record(outcome.exit_code))
+    body.release()  # (a log without a run record: as it was)
     return outcome
+
+
+class HeldUntilTheRunRecord:
+    """A writer that holds what a log has before its run record, to write it after.
+
+    wandb-core's uploader drops the history rows and system metrics that come before a
+    log's run record (measured with `wandb sync` 0.31; wandb itself always writes the run
+    record right after the header), so a pass-through that copied them where they were
+    would lose them. What is held is bounded: a log whose run record comes later than
+    `limit` bytes is refused in one line.
+    """
+
+    def __init__(self, writer: LogWriter, limit: int = _HEAD_BLOCKS * BLOCK_SIZE) -> None:
+        self.writer, self.limit = writer, limit
+        self.held: list[bytes] | None = []  # None once released
+        self.size = 0
+
+    def write(self, payload: bytes) -> None:
+        if self.held is None:
+            self.writer.write(payload)
+            return
+        self.size += len(payload)
+        if self.size > self.limit:
+            raise WbmergeError(
+                f"a log holds more than {self.limit // 1024} KiB of records before its run "
+                "record, which wandb's uploader would drop; it cannot be passed through"
+            )
+        self.held.append(bytes(payload))
+
+    def write_many(self, data: bytes, starts: list[int], ends: list[int]) -> None:
+        if self.held is None:
+            self.writer.write_many(data, starts, ends)
+            return
+        for start, end in zip(starts, ends, strict=True):
+            self.write(data[start:end])
+
+    def release(self) -> None:
+        """Write what is held, and pass everything after it straight through."""
+        if self.held is not None:
+            for payload in self.held:
+                self.writer.write(payload)
+            self.held = None
 
 
 def write_spliced(
@@ -152,6 +198,8 @@ def write_spliced(
             return None
         if kinds.count("run") != counts[_RUN] or kinds.count("header") != counts[_HEADER]:
             return None  # a run or header record after the head: re-frame the whole log
+        if set(kinds[: kinds.index("run")]) - {"header"}:
+            return None  # records before the run record: moved after it record by record
         for payload, kind in zip(payloads, kinds, strict=True):
             writer.write(rewrite_run(payload, target, options) if kind == "run" else payload)
         writer.end_block(open_record)
