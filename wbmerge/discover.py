@@ -15,7 +15,7 @@ import re
 import stat
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,8 +23,8 @@ from google.protobuf.message import DecodeError
 
 from . import jobs, rankclaims, records
 from .errors import InputWarning, NotATransactionLog, WbmergeError
-from .jobs import Hints, RunFacts
-from .merged import MergedBy, is_merge_block, merged_by, merged_target
+from .jobs import Hints, RunFacts, few
+from .merged import MergedBy, is_merge_block, merged_by, merged_runs, merged_target
 from .plan import Source, Target, run_id_from_file
 from .proto import pb
 from .records import record_kind
@@ -86,7 +86,10 @@ class OfflineRun:
 
     @property
     def job_id(self) -> str | None:
-        return self.rank.job_id if self.rank else None
+        """The job of a rank's run, or the job a merged run was merged from."""
+        if self.rank is not None:
+            return self.rank.job_id
+        return self.merged.job_id if self.merged is not None else None
 
     @property
     def size(self) -> int:
@@ -367,11 +370,10 @@ def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
     it is left out of every job, with a warning. A run that a merge wrote is no rank: it
     keeps `rank` None, with `rank_source` "merged".
     """
+    found_ids = {r.run_id for r in runs}
     for run in runs:
         if run.merged is not None:
             run.rank_source, run.label = "merged", run.display_name or run.run_id
-    found_ids = {r.run_id for r in runs}
-    for run in runs:
         if run.unreadable:
             run.problem = run.unreadable
         elif not run.has_run_record:
@@ -457,7 +459,7 @@ def _scan_or_why(run: OfflineRun, keep_unreadable: bool) -> None:
 
 def _order(run: OfflineRun) -> tuple:
     if run.merged is not None:  # after the ranks' runs, by job and id
-        return (1, run.merged.job_id, 0, 0, run.run_id, str(run.path))
+        return (1, run.job_id, 0, 0, run.run_id, str(run.path))
     if run.rank is None:
         return (2, "", 0, 0, run.start_time, str(run.path))
     return (0, run.job_id or "", run.rank.rank, run.rank.restart, run.start_time, str(run.path))
@@ -486,11 +488,15 @@ class Job:
 
 
 def job_problem(
-    job_id: str, members: list[OfflineRun], allow_missing_ranks: bool = False
+    job_id: str,
+    members: list[OfflineRun],
+    allow_missing_ranks: bool = False,
+    without_run_record: Sequence[OfflineRun] = (),
 ) -> str | None:
     """Why the identified runs of one job cannot be merged, as one line, or None: two runs
     claiming one rank and restart, a world size that changes, or ranks missing (unless
-    allowed). `members` are in `_order`."""
+    allowed; `without_run_record`, the run files found with nothing in them, may be those
+    ranks). `members` are in `_order`."""
     seen: dict[tuple[int, int], OfflineRun] = {}
     for run in members:
         assert run.rank is not None
@@ -509,19 +515,25 @@ def job_problem(
             "a --ranks file's job column)"
         )
     job = Job(job_id, members)
-    if job.missing_ranks and not allow_missing_ranks:
-        return (
-            f"job {job_id}: rank(s) {few_ranks(job.missing_ranks)} of {job.world_size} have "
-            "no offline run (pass --allow-missing-ranks to merge the others, or sync "
-            "--follow while the job still runs)"
+    if not job.missing_ranks or allow_missing_ranks:
+        return None
+    problem = (
+        f"job {job_id}: rank(s) {few_ranks(job.missing_ranks)} of {job.world_size} have "
+        "no offline run (pass --allow-missing-ranks to merge the others, or sync "
+        "--follow while the job still runs)"
+    )
+    if without_run_record:  # (killed before wandb wrote their run record)
+        empty = without_run_record
+        problem += (
+            f"; {len(empty)} run file(s) found hold no run record, e.g. {empty[0].path} "
+            "(a rank killed before wandb flushed its file: see wbmerge.init's flush_every)"
         )
-    return None
+    return problem
 
 
-def few_ranks(ranks: list[int], shown: int = 8) -> str:
-    """`1, 3, 5 and 509 more`: ranks listed short enough for one line at 1024 ranks."""
-    head = ", ".join(map(str, ranks[:shown]))
-    return head if len(ranks) <= shown else f"{head} and {len(ranks) - shown} more"
+def few_ranks(ranks: list[int]) -> str:
+    """`1, 3, 5, ... and 504 more`: missing ranks, listed as every command lists them."""
+    return few(ranks, shown=8)
 
 
 def group_jobs(
@@ -534,7 +546,7 @@ def group_jobs(
     selects another job), `job` not found, two runs claiming the same rank and restart,
     a world size that changes within a job, and ranks missing (unless allowed).
     """
-    merged = [r for r in runs if r.merged is not None and job in (None, r.merged.job_id)]
+    merged = merged_runs(runs, job)
     if merged:
         raise WbmergeError(
             f"{merged[0].run_dir} is a run that wbmerge merged, not a rank's run; only "
@@ -559,13 +571,7 @@ def group_jobs(
     jobs = []
     for job_id, members in sorted(by_id.items()):
         members.sort(key=_order)
-        problem = job_problem(job_id, members, allow_missing_ranks)
-        if problem and empty and Job(job_id, members).missing_ranks:
-            # (the missing ranks may be these: killed before wandb wrote their run record)
-            problem += (
-                f"; {len(empty)} run file(s) found hold no run record, e.g. {empty[0].path} "
-                "(a rank killed before wandb flushed its file: see wbmerge.init's flush_every)"
-            )
+        problem = job_problem(job_id, members, allow_missing_ranks, empty)
         if problem:
             raise WbmergeError(problem)
         jobs.append(Job(job_id, members))

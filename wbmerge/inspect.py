@@ -21,7 +21,7 @@ def describe(run: OfflineRun) -> dict[str, Any]:
     return {
         "path": str(run.run_dir),
         "run_id": run.run_id,
-        "job_id": run.merged.job_id if run.merged else run.job_id,
+        "job_id": run.job_id,
         "rank": rank.rank if rank else None,
         "local_rank": rank.local_rank if rank else None,
         "worker": rank.worker if rank else None,

@@ -243,9 +243,9 @@ def _refuse_jobs_named_in_part(
         named = [runs[i].run_id for i in members if runs[i].run_id in hints.given]
         unnamed = [i for i in members if runs[i].run_id not in hints.given]
         if named and unnamed:
-            left_out = _few([runs[i].run_id for i in unnamed])
+            left_out = few([runs[i].run_id for i in unnamed])
             message = (
-                f"--ranks names run(s) {_few(named)} but not {left_out} of the same job; "
+                f"--ranks names run(s) {few(named)} but not {left_out} of the same job; "
                 "name every run of the job in the file (or pass --job with the named runs' "
                 "job id, which `wbmerge inspect --ranks FILE` shows, to merge only them)"
             )
@@ -254,10 +254,10 @@ def _refuse_jobs_named_in_part(
     return refused
 
 
-def _few(run_ids: Sequence[str], shown: int = 4) -> str:
+def few(items: Sequence[object], shown: int = 4) -> str:
     """`a, b, c, d and 12 more`: a list short enough for one line at 1024 ranks."""
-    head = ", ".join(run_ids[:shown])
-    return head if len(run_ids) <= shown else f"{head} and {len(run_ids) - shown} more"
+    head = ", ".join(map(str, items[:shown]))
+    return head if len(items) <= shown else f"{head} and {len(items) - shown} more"
 
 
 def overlapping(runs: Sequence[RunFacts], members: Sequence[int]) -> list[list[int]]:
@@ -559,18 +559,19 @@ def _warn_of_differing_config(
     """Ranks of one job share their hyperparameters; runs that do not may be two
     experiments taken for one job (for example two jobs that reused one group name)."""
     keys = {key for i in members for key in runs[i].settings}
-    differing = sorted(k for k in keys if len({runs[i].settings.get(k) for i in members}) > 1)
+    distinct = {k: len({runs[i].settings.get(k) for i in members}) for k in keys}
+    differing = sorted(k for k, count in distinct.items() if count > 1)
     if differing:
         shown = ", ".join(differing[:5]) + (", ..." if len(differing) > 5 else "")
         # Which run holds which value, for the key that splits the runs most coarsely (a
         # seed or a device differs per rank; a learning rate per experiment): what a
         # --ranks file's job column needs.
-        key = min(differing, key=lambda k: (len({runs[i].settings.get(k) for i in members}), k))
+        key = min(differing, key=lambda k: (distinct[k], k))
         values: dict[str | None, list[str]] = defaultdict(list)
         for i in members:
             values[runs[i].settings.get(key)].append(runs[i].run_id)
         who = "; ".join(
-            f"{'(missing)' if value is None else _short(value)}: {_few(ids)}"
+            f"{'(missing)' if value is None else _short(value)}: {few(ids)}"
             for value, ids in list(values.items())[:4]
         )
         if len(values) > 4:

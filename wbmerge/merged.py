@@ -107,9 +107,14 @@ def merged_target(
     )
 
 
+def merged_runs(runs: Sequence[OfflineRun], job: str | None = None) -> list[OfflineRun]:
+    """The runs among `runs` that a merge wrote (of `job`, if given)."""
+    return [r for r in runs if r.merged is not None and job in (None, r.merged.job_id)]
+
+
 def selects_merged(runs: Sequence[OfflineRun], job: str | None) -> bool:
     """Whether the runs to upload are merged ones: any is, and `job` (if given) is theirs."""
-    return any(r.merged is not None and job in (None, r.merged.job_id) for r in runs)
+    return bool(merged_runs(runs, job))
 
 
 def merged_jobs(runs: Sequence[OfflineRun], job: str | None = None) -> list[list[OfflineRun]]:
@@ -119,7 +124,7 @@ def merged_jobs(runs: Sequence[OfflineRun], job: str | None = None) -> list[list
     WbmergeError (one line) for runs of ranks beside merged ones when no `job` picks one
     of them, for a run id found twice, and for a `job` no merged run belongs to.
     """
-    merged = [r for r in runs if r.merged is not None and job in (None, r.merged.job_id)]
+    merged = merged_runs(runs, job)
     ranks = [r for r in runs if r.merged is None and r.has_run_record]
     if job is None and merged and ranks:
         raise WbmergeError(

@@ -129,13 +129,7 @@ def plan_jobs(request: MergeRequest) -> list[PlannedJob]:
 def ignored_options(request: MergeRequest, run_modes: set[str]) -> list[str]:
     """The options the request gives that none of `run_modes` uses, as a line each (said as
     warnings: a user who asks for statistics in `new` mode should hear that none come)."""
-    given = [
-        ("--rank-stats", request.rank_stats),
-        ("--skew-metrics", request.skew_metrics),
-        ("--per-rank", bool(request.per_rank)),
-        ("--key-format", request.key_format != DEFAULT_KEY_FORMAT),
-    ]
-    shared_only = [name for name, asked in given if asked]
+    shared_only = _shared_only_given(request)
     modes = "/".join(sorted(run_modes))
     lines = []
     if shared_only and run_modes and "shared" not in run_modes:
@@ -206,15 +200,22 @@ def merge_options_given(request: MergeRequest) -> list[str]:
         ("--base-id", request.base_id),
         ("--allow-missing-ranks", request.allow_missing_ranks),
         ("--system-metrics", request.system_metrics != "primary"),
-        ("--key-format", request.key_format != DEFAULT_KEY_FORMAT),
-        ("--skew-metrics", request.skew_metrics),
-        ("--rank-stats", request.rank_stats),
-        ("--per-rank", bool(request.per_rank)),
         ("--job-type", request.job_type),
         ("--label-pattern", request.label_pattern),
         ("--ranks", request.ranks_file),
     ]
-    return [name for name, value in given if value]
+    return [name for name, value in given if value] + _shared_only_given(request)
+
+
+def _shared_only_given(request: MergeRequest) -> list[str]:
+    """The options `request` gives that only a shared merge uses."""
+    given = [
+        ("--rank-stats", request.rank_stats),
+        ("--skew-metrics", request.skew_metrics),
+        ("--per-rank", bool(request.per_rank)),
+        ("--key-format", request.key_format != DEFAULT_KEY_FORMAT),
+    ]
+    return [name for name, asked in given if asked]
 
 
 def _where(request: MergeRequest, job: Job) -> tuple[str | None, str | None]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from ..discover import Job, OfflineRun, find_run_files, group_jobs, identify, read_identity, scan
 from ..errors import InputWarning, WbmergeError
 from ..jobs import Hints
+from ..merged import merged_runs
 from ..plan import Source, Target
 
 NO_ROWS = -1  # the watermark of a target that may show no merged row yet
@@ -61,7 +62,7 @@ def find_live_runs(
         runs = [read_identity(path) for path in files]
     notes = [str(w.message) for w in caught if issubclass(w.category, InputWarning)]
     sizes = {path: _size(path) for path in files}
-    merged = [r for r in runs if r.merged is not None and job in (None, r.merged.job_id)]
+    merged = merged_runs(runs, job)
     if merged:  # (no rank of a job in progress: a merge's output, to upload as it is)
         raise WbmergeError(
             f"{merged[0].run_dir} is a run that wbmerge merged; --follow keeps the runs of "
