@@ -141,12 +141,8 @@ def bench_lag(pace: float, steps: int, metrics: int, ranks: int, interval: float
             procs.append(subprocess.Popen(cmd, env=rank_env, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL))  # fmt: skip
         logged: dict[int, float] = {}
-        ended = None
-        while follower.poll() is None:
-            if ended is None and all(p.poll() is not None for p in procs):
-                ended = time.monotonic()
-            if ended is not None and time.monotonic() - ended > 5 * interval + 60:
-                raise RuntimeError("the follower did not end after the ranks")
+
+        def poll() -> None:
             now = time.time()
             for run in sink.client.runs():
                 full = sink.client.run(run["entity"], run["project"], run["id"])
@@ -155,7 +151,18 @@ def bench_lag(pace: float, steps: int, metrics: int, ranks: int, interval: float
                     if step not in seen:
                         seen[step] = now
                         logged[step] = max(v for k, v in row.items() if k.startswith("t/"))
+
+        ended = None
+        while follower.poll() is None:
+            if ended is None and all(p.poll() is not None for p in procs):
+                ended = time.monotonic()
+            if ended is not None and time.monotonic() - ended > 5 * interval + 60:
+                raise RuntimeError("the follower did not end after the ranks")
+            poll()
             time.sleep(0.25)
+        poll()  # (the rows of the last round, sent just before the follower ended)
+        if len(seen) != steps:
+            raise RuntimeError(f"{len(seen)} of {steps} rows arrived")
         if any(p.returncode for p in procs):
             raise RuntimeError(f"a rank failed: {[p.returncode for p in procs]}")
         lags = sorted(seen[s] - logged[s] for s in seen)
