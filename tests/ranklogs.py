@@ -55,3 +55,12 @@ def exit_record(code: int) -> bytes:
     record = pb.Record()
     record.exit.exit_code = code
     return record.SerializeToString()
+
+
+def summary_record(values: dict) -> bytes:
+    """A summary record setting each of `values` (plain keys, JSON-encodable values)."""
+    record = pb.Record()
+    for key, value in values.items():
+        item = record.summary.update.add()
+        item.key, item.value_json = key, json.dumps(value)
+    return record.SerializeToString()

@@ -25,7 +25,7 @@ from wbmerge.pipeline import MergeRequest, sync
 from wbmerge.topology import RankInfo
 
 from .conftest import job_dir
-from .ranklogs import exit_record, history_record, rank_log
+from .ranklogs import exit_record, history_record, rank_log, summary_record
 from .sinktools import console_text
 from .test_rank_stats_merge import over_the_bound
 
@@ -268,3 +268,40 @@ def test_a_run_synced_before_the_follow_is_final_with_its_exit_code(
     assert report.done
     [target] = report.targets
     assert (target.status, target.final, target.exit_code) == ("unchanged", True, 3)
+
+
+@pytest.mark.parametrize("run_mode", ["shared", "new"])
+def test_a_last_round_without_new_rows_keeps_the_summary_step(
+    run_mode, make_sink, monkeypatch, tmp_path, state
+):
+    """The ranks log their last rows in one round and finish in the next (a long save at the
+    end): the last round has no new row to send, yet the runs end as a one-shot sync leaves
+    them, the summary's `_step` included (wandb-core takes it only from rows it sends)."""
+    for root, whole in ((tmp_path / "full", True), (tmp_path / "live", False)):
+        for rank in (0, 1):
+            info = RankInfo(rank, rank, 2, 2, 0, job_id="slowsave")
+            with rank_log(root, info, f"slowsave-{rank}", "p") as writer:
+                for step in range(4):
+                    writer.write(history_record([("loss", str(10 * rank + step))], step))
+                if whole:
+                    writer.write(summary_record({"loss": 10 * rank + 3, "best": rank}))
+                    writer.write(exit_record(0))
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode=run_mode)
+    want = one_shot(monkeypatch, make_sink, tmp_path / "full", request, tmp_path)
+    assert all(run["summary"]["_step"] == 3 for run in want.values())
+    sink = make_sink()
+    use_sink(monkeypatch, sink)
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    with Follower(request, parallel=2, timeout=UPLOAD_TIMEOUT) as follower:
+        assert not follower.round().done
+        for log in (tmp_path / "full").glob("wandb/*/run-*.wandb"):
+            live = tmp_path / "live" / log.relative_to(tmp_path / "full")
+            whole = log.read_bytes()
+            assert whole.startswith(live.read_bytes())  # the rows were written already
+            live.write_bytes(whole)
+        report = follower.round()
+        assert report.done, round_lines(report)
+    got = sink_runs(sink)
+    assert sorted(got) == sorted(want)
+    for run_id, run in got.items():
+        assert_same_run(run, want[run_id])

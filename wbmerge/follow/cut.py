@@ -8,14 +8,23 @@ still write, two things are changed in the staged log before it is uploaded:
   values of its step; a rank that is behind adds its value later. The server keeps each
   row as first sent (a later upload continues after the rows it holds), so a row may only
   go out once every rank that will contribute to it has.
+- The last row that would go out is held back until the round that sends the exit
+  record. wandb-core gives the summary the `_step` of the last row an upload sends, and
+  nothing else can set it (a summary record's `_step` is ignored; measured with wandb
+  0.31): a final round that sent no row, because the ranks logged their last rows a
+  round before they finished, would leave the run's summary without `_step`.
 - The exit record becomes one with `not_complete` set. wandb-core then uploads the
   summary, config and files and closes the upload without marking the run finished
   (`FinishWithoutExit` in its sender): the run stays running on the server until the
   round that sends the real exit record.
+
+For example, with rows at steps 0-9 staged and the watermark at 7, a round sends the rows
+of steps 0-6; when the ranks finish, the final round sends 7-9 with the exit record.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,14 +43,32 @@ def running_exit_record() -> bytes:
 
 def cut_live(log: Path, out: Path, last_step: int | None) -> None:
     """Write `log` to `out` without its history rows after `last_step` (None: all kept)
-    and with a `not_complete` exit record in place of its exit record."""
+    and without the last row before them, and with a `not_complete` exit record in place
+    of its exit record."""
+    held_back = sum(len(_rows_kept(index, last_step)) for index in _indexed(log)) - 1
+    row = 0  # the number of rows kept in the reads before this one
     with open(out, "xb") as stream, LogWriter(stream) as writer:
-        for index in records.read_indexed(log, ReadReport()):
+        for index in _indexed(log):
             keep = np.ones(len(index), bool)
             keep[index.of("exit")] = False
-            if last_step is not None and len(index.history):
-                keep[index.history[index.rows.steps > last_step]] = False
+            keep[index.history] = False
+            rows = _rows_kept(index, last_step)
+            keep[rows] = True
+            if row <= held_back < row + len(rows):
+                keep[rows[held_back - row]] = False
+            row += len(rows)
             kept = np.flatnonzero(keep)
             frames = index.frames
             writer.write_many(frames.data, frames.starts[kept].tolist(), frames.ends[kept].tolist())
         writer.write(running_exit_record())
+
+
+def _indexed(log: Path) -> Iterator[records.RecordIndex]:
+    return records.read_indexed(log, ReadReport())
+
+
+def _rows_kept(index: records.RecordIndex, last_step: int | None) -> np.ndarray:
+    """The indices of the history records of a read at or before `last_step`."""
+    if last_step is None:
+        return index.history
+    return index.history[index.rows.steps <= last_step]
