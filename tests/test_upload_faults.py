@@ -253,6 +253,18 @@ def test_force_checks_with_the_server_and_sends_no_duplicates(sink, tmp_path):
     assert_exactly_once(sink.client.run("local", "force", "fx-one-node-4"), primary_expected())
 
 
+def test_a_rerun_that_gives_the_runs_another_job_type_sends_them(sink, tmp_path):
+    """A sync with another --job-type is another upload (not "already synced"): the run is
+    sent again, so its job type changes, and no row arrives twice."""
+    assert cli(sink, tmp_path, *sync_args("retyped")).exit_code == 0
+    again = cli(sink, tmp_path, *sync_args("retyped", "--job-type", "evaluation"))
+    assert again.exit_code == 0, again.stderr
+    assert [r["status"] for r in json.loads(again.stdout)["runs"]] == ["uploaded"]
+    got = sink.client.run("local", "retyped", "fx-one-node-4")
+    assert got["job_type"] == "evaluation"
+    assert_exactly_once(got, primary_expected())
+
+
 # -- processes: signals, kills, concurrency, cwd -------------------------------------------
 
 

@@ -86,7 +86,10 @@ class PlannedJob:
         if not options["rank_stats"] and options["per_rank"] == PerRank():
             # (the defaults: the same fingerprint as before these options existed)
             del options["rank_stats"], options["per_rank"]
-        return {"options": options, "system_metrics": request.system_metrics}
+        settings = {"options": options, "system_metrics": request.system_metrics}
+        if request.job_type is not None:  # (None: the fingerprint it always had)
+            settings["job_type"] = request.job_type
+        return settings
 
     def options(self, request: MergeRequest) -> MergeOptions:
         return MergeOptions(
