@@ -643,6 +643,16 @@ def test_a_label_pattern_note_is_said_once_for_several_jobs():
     assert result.stderr.count("--label-pattern matched the label or name of none") == 1
 
 
+@pytest.mark.parametrize("command", ["sync", "merge", "inspect", "export", "report"])
+def test_a_label_pattern_given_twice_is_refused_not_cut_to_the_last(command):
+    """Two patterns (one per spelling of the names) would not both apply: click kept the
+    last in silence. Every command that reads ranks refuses it, before reading a run."""
+    args = [command, str(job_dir("plain_labels")), "--label-pattern", "rank_{rank}"]
+    result = CliRunner().invoke(main, [*args, "--label-pattern", "gpu{rank}"])
+    assert result.exit_code == 2, result.output
+    assert "--label-pattern': given 2 times; one pattern reads every run" in result.stderr
+
+
 def test_the_config_warning_names_the_key_that_splits_the_runs():
     # seed differs per run, lr per experiment, opt is long, note is missing on one run.
     long_opt = json.dumps({"name": "adamw", "betas": [0.9, 0.999], "eps": 1e-8, "wd": 0.01})

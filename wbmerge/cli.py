@@ -65,11 +65,23 @@ def _one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
 def rank_options() -> list[Callable[..., Any]]:
     """How to read the ranks of runs written without wbmerge (every reading command)."""
     return [
-        click.option("--label-pattern", help="How the runs' labels or names spell the rank, "
+        click.option("--label-pattern", multiple=True, callback=_one_pattern,
+                     help="How the runs' labels or names spell the rank, "
                      "e.g. 'rank_{rank}' or 'node{worker}-gpu{local_rank}'."),
         click.option("--ranks", "ranks_file", type=click.Path(),
                      help="JSON or CSV file of run id -> rank (optional local_rank, worker)."),
     ]  # fmt: skip
+
+
+def _one_pattern(ctx: click.Context, param: click.Parameter, given: tuple[str, ...]) -> str | None:
+    """The one --label-pattern given. Given twice, click would keep the last in silence,
+    and a user who wrote two (one per spelling of the names) would think both apply."""
+    if len(given) > 1:
+        raise click.BadParameter(
+            f"given {len(given)} times; one pattern reads every run (`wbmerge inspect` shows "
+            "the names), or say each run's rank with --ranks FILE"
+        )
+    return given[0] if given else None
 
 
 def _with_rank_options(func: Callable[..., Any]) -> Callable[..., Any]:
