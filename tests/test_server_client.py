@@ -12,8 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from wbmerge.errors import WbmergeError
+from wbmerge.upload import server as server_module
 from wbmerge.upload.credentials import Credentials
-from wbmerge.upload.server import ServerClient, ServerError
+from wbmerge.upload.server import RunListing, ServerClient, ServerError
 
 
 class GraphQLDouble(BaseHTTPRequestHandler):
@@ -263,3 +264,98 @@ def test_a_retry_after_that_is_not_whole_seconds_falls_back_to_backing_off(serve
     began = time.monotonic()
     assert client_of(server).held("me", "p", "run-0").history_lines == 7
     assert 1.0 <= time.monotonic() - began < 3.0  # the first backoff: 1 s
+
+
+class RunFilesDouble(BaseHTTPRequestHandler):
+    """Answers RunFiles: the state and names of a run and its `files` a page at a time, as
+    W&B pages them (`fileLimit` after the cursor `fileCursor`). `broken` makes each answer's
+    file list what it says instead."""
+
+    protocol_version = "HTTP/1.1"
+    files: tuple[tuple[str, object], ...] = ()
+    broken: str = ""
+
+    def do_POST(self):  # (the name http.server calls)
+        variables = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["variables"]
+        self.server.seen.append((variables["fileCursor"], variables["fileLimit"]))
+        start = int(variables["fileCursor"] or -1) + 1
+        limit = len(self.files) if self.broken == "one-page" else variables["fileLimit"]
+        page = self.files[start : start + limit]
+        edges = [{"node": {"name": n, "sizeBytes": s}, "cursor": str(start + i)}
+                 for i, (n, s) in enumerate(page)]  # fmt: skip
+        info = {"endCursor": edges[-1]["cursor"] if edges else None,
+                "hasNextPage": start + len(page) < len(self.files)}  # fmt: skip
+        if self.broken == "endless":
+            info = {"endCursor": "0", "hasNextPage": True}
+        if self.broken == "more-without-cursor":
+            info = {"endCursor": None, "hasNextPage": True}
+        files = {"edges": edges, "pageInfo": info}
+        if self.broken == "no-page-info":
+            files = {"edges": edges}
+        run = {"state": "finished", "displayName": "d", "group": "g", "jobType": None,
+               "files": files}  # fmt: skip
+        data = json.dumps({"data": {"project": {"run": run}}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def files_server(request):
+    handler = type("Handler", (RunFilesDouble,), dict(request.param))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.seen = []
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+FIVE_FILES = tuple((f"media/{i}.png", 10 * i) for i in range(4)) + (("output.log", "7"),)
+
+
+@pytest.mark.parametrize("files_server", [{"files": FIVE_FILES}], indirect=True)
+def test_run_files_reads_every_page(files_server, monkeypatch):
+    monkeypatch.setattr(server_module, "FILES_PAGE", 2)
+    found = client_of(files_server).run_files("me", "p", "run")
+    assert found == RunListing(
+        "finished", ("d", "g", ""), {**dict(FIVE_FILES[:4]), "output.log": 7}
+    )
+    assert files_server.seen == [(None, 2), ("1", 2), ("3", 2)]
+
+
+SEVEN_FILES = tuple((f"{i}.txt", i) for i in range(7))
+
+
+@pytest.mark.parametrize(
+    "files_server, message",
+    [
+        ({"files": FIVE_FILES, "broken": "endless"}, "more pages but no new cursor"),
+        ({"files": FIVE_FILES, "broken": "more-without-cursor"}, "more pages but no new cursor"),
+        ({"files": FIVE_FILES, "broken": "no-page-info"}, "with no file list"),
+        ({"files": SEVEN_FILES, "broken": "one-page"}, "lists over 6 files"),
+        ({"files": (("a.png", -1),)}, "a file that has no name or size"),
+        ({"files": (("a.png", "１２"),)}, "a file that has no name or size"),  # (not ASCII)
+        ({"files": ((None, 3),)}, "a file that has no name or size"),
+    ],
+    indirect=["files_server"],
+)
+def test_a_file_list_that_is_not_one_is_one_error(files_server, message, monkeypatch):
+    monkeypatch.setattr(server_module, "FILES_PAGE", 2)
+    monkeypatch.setattr(server_module, "MAX_FILES", 6)
+    with pytest.raises(ServerError, match=message):
+        client_of(files_server).run_files("me", "p", "run")
+
+
+@pytest.mark.parametrize("files_server", [{"files": FIVE_FILES}], indirect=True)
+def test_a_file_list_that_takes_too_long_is_one_error(files_server, monkeypatch):
+    monkeypatch.setattr(server_module, "FILES_PAGE", 2)
+    monkeypatch.setattr(server_module, "LISTING_DEADLINE", 0.0)
+    with pytest.raises(ServerError, match=r"took over 0 s to list the files of run"):
+        client_of(files_server).run_files("me", "p", "run")
+    assert len(files_server.seen) == 1  # (no page asked after the deadline)

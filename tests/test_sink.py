@@ -9,7 +9,11 @@ import urllib.request
 import pytest
 
 from wbmerge import synthetic
+from wbmerge.sink import local_api_key
 from wbmerge.topology import RankInfo
+from wbmerge.upload import ServerClient
+from wbmerge.upload import server as server_module
+from wbmerge.upload.credentials import Credentials
 
 from .conftest import FIXTURES, MANIFEST, job_dir
 from .sinktools import (
@@ -154,6 +158,27 @@ def test_resume_status_reports_counts_and_tails(sink, tmp_path):
         {"project": "res", "entity": "local", "name": "nope"},
     )
     assert answer["data"]["model"]["bucket"] is None
+
+
+def test_run_files_answers_state_names_and_every_file_a_page_at_a_time(sink, tmp_path, monkeypatch):
+    """What the sink answers RunFiles (the public API's files query), read by wbmerge's own
+    client two files a page: every file the uploader put, at the size stored."""
+    source = copy_runs(job_dir("media") / "wandb", tmp_path / "media")
+    assert wandb_sync(sink, sorted(source.glob("offline-run-*")), "-p", "listed").returncode == 0
+    run_id = max(  # the rank that logged media
+        (r["id"] for r in sink.client.runs(project="listed")),
+        key=lambda r: len(sink.client.run("local", "listed", r)["files"]),
+    )
+    monkeypatch.setattr(server_module, "FILES_PAGE", 2)
+    client = ServerClient(Credentials(sink.url, local_api_key()))
+    found = client.run_files("local", "listed", run_id)
+    stored = sink.client.run("local", "listed", run_id)
+    assert found.state == stored["state"] == "finished"
+    assert found.names[1:] == ("", "")  # (offline runs name no group or job type)
+    assert sorted(found.sizes) == stored["files"] and len(found.sizes) > 4
+    for name, size in found.sizes.items():
+        assert size == len(sink.client.file("local", "listed", run_id, name))
+    assert client.run_files("local", "listed", "nope") is None
 
 
 def test_unknown_operation_is_a_graphql_error(sink):

@@ -148,9 +148,9 @@ def test_second_sync_uploads_nothing_and_force_sends_no_duplicates(sink, tmp_pat
     for run in sink.client.runs(project="again"):
         assert len(sink.client.run("local", "again", run["id"])["history"]) == 30  # no duplicates
     forced = cli_sync(sink, tmp_path, *args, "--force")
-    assert {r["status"] for r in json.loads(forced.stdout)["runs"]} == {"uploaded"}
-    # --force skips the ledger, not the server: it sends only what the server lacks (here no
-    # row), where `wandb sync` of the same run again would append every row a second time.
+    assert {r["status"] for r in json.loads(forced.stdout)["runs"]} == {"already complete"}
+    # --force skips the ledger, not the server: it sends only what the server lacks (here
+    # nothing), where `wandb sync` of the same run again would append every row a second time.
     for run in sink.client.runs(project="again"):
         assert len(sink.client.run("local", "again", run["id"])["history"]) == 30
 

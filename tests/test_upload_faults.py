@@ -22,7 +22,11 @@ from wbmerge import synthetic
 from wbmerge.cli import main
 
 from .conftest import job_dir
-from .sinktools import console_text, expected_from_log, system_metric_values
+from .sinktools import (
+    console_text,
+    expected_from_log,
+    system_metric_values,
+)
 from .test_sync import tree_digest
 
 pytestmark = pytest.mark.e2e
@@ -253,9 +257,44 @@ def test_force_checks_with_the_server_and_sends_no_duplicates(sink, tmp_path):
     assert_exactly_once(sink.client.run("local", "force", "fx-one-node-4"), primary_expected())
 
 
+def test_force_sends_nothing_to_runs_the_server_still_holds_whole(make_sink, tmp_path):
+    """`--force` of runs this ledger verified: the server still holds them whole, so they are
+    verified again without a request that changes them, and their summaries keep `_step`
+    (an upload that sent no row would lose it: wandb-core takes the summary's `_step` only
+    from the rows it sends). A server that cannot list the run's files, and a ledger that
+    never verified the runs, get them sent again, no row twice."""
+    sink = make_sink(allow_faults=True)
+    args = sync_args("whole", "--run-mode", "new")
+    assert cli(sink, tmp_path, *args).exit_code == 0
+    ids = [f"fx-one-node-4-rank-{rank}" for rank in range(4)]
+    before = {run_id: sink.client.run("local", "whole", run_id) for run_id in ids}
+    assert all(run["summary"]["_step"] == run["history"][-1]["_step"] for run in before.values())
+    forced = cli(sink, tmp_path, *args, "--force")
+    assert forced.exit_code == 0, forced.stderr
+    assert {r["status"] for r in json.loads(forced.stdout)["runs"]} == {"already complete"}
+    for run_id in ids:
+        assert f"verified {run_id}: 30 rows, all on the server already (" in forced.stderr
+        assert sink.client.run("local", "whole", run_id) == before[run_id]  # untouched
+    sink.client.set_faults(["graphql:RunFiles=500"])
+    unlisted = cli(sink, tmp_path, *args, "--force")
+    assert unlisted.exit_code == 0, unlisted.stderr
+    sink.client.set_faults([])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    unknown = cli(sink, elsewhere, *args)
+    assert unknown.exit_code == 0, unknown.stderr
+    for result in (unlisted, unknown):
+        assert {r["status"] for r in json.loads(result.stdout)["runs"]} == {"uploaded"}
+    for log in PRIMARY:
+        want = expected_from_log(log)
+        rank = want.config["wbmerge"]["rank"]
+        assert_exactly_once(sink.client.run("local", "whole", f"fx-one-node-4-rank-{rank}"), want)
+
+
 def test_a_rerun_that_gives_the_runs_another_job_type_sends_them(sink, tmp_path):
-    """A sync with another --job-type is another upload (not "already synced"): the run is
-    sent again, so its job type changes, and no row arrives twice."""
+    """A sync with another --job-type is another upload (not "already synced"), and the
+    server holds every row but not that job type (not "already complete"): the run is sent
+    again, so its job type changes, and no row arrives twice."""
     assert cli(sink, tmp_path, *sync_args("retyped")).exit_code == 0
     again = cli(sink, tmp_path, *sync_args("retyped", "--job-type", "evaluation"))
     assert again.exit_code == 0, again.stderr

@@ -4,6 +4,7 @@ server's counts (the base of exactly-once uploads and of a later live mode)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -13,7 +14,17 @@ from wbmerge.content import console_line_count
 from wbmerge.errors import NotATransactionLog
 from wbmerge.proto import pb
 from wbmerge.records import read_records
-from wbmerge.upload import Held, StagedContent, read_staged, remainder, shortfall
+from wbmerge.upload import (
+    Held,
+    RunListing,
+    StagedContent,
+    files_expected,
+    files_missing,
+    not_held_whole,
+    read_staged,
+    remainder,
+    shortfall,
+)
 from wbmerge.upload.remainder import Mismatch, history_row, same_value, write_remainder
 
 from .conftest import fixture_logs, job_dir
@@ -327,3 +338,92 @@ def test_counting_a_console_does_not_hold_its_text(tmp_path):
         tracemalloc.stop()
     assert staged.console_lines == 200_000
     assert peak < 15_000_000, peak  # the reads' buffers, not the 20 MB of text
+
+
+@pytest.mark.parametrize(
+    "staged_files, console, metadata, expected",
+    [
+        # wandb-core always puts the config and the summary, whatever the run holds
+        ({}, 0, False, {"config.yaml": None, "wandb-summary.json": None}),
+        # console output: output.log, also when its line count cannot be foretold
+        ({}, 4, False, {"config.yaml": None, "wandb-summary.json": None, "output.log": None}),
+        ({}, None, False, {"config.yaml": None, "wandb-summary.json": None, "output.log": None}),
+        # an environment record: wandb-metadata.json
+        (
+            {},
+            0,
+            True,
+            {"config.yaml": None, "wandb-summary.json": None, "wandb-metadata.json": None},
+        ),
+        # the run's own files at their staged size; wandb's own names by name only (an old
+        # wandb wrote them into files/, and wandb-core writes them again as it uploads)
+        (
+            {"media/a.png": 90, "requirements.txt": 12, "config.yaml": 40},
+            0,
+            False,
+            {
+                "media/a.png": 90,
+                "requirements.txt": 12,
+                "config.yaml": None,
+                "wandb-summary.json": None,
+            },
+        ),
+    ],
+)
+def test_files_expected_after_a_whole_upload(staged_files, console, metadata, expected):
+    staged = StagedContent((0,), 0, console, metadata=metadata)
+    assert files_expected(staged_files, staged) == expected
+
+
+@pytest.mark.parametrize(
+    "held, problems",
+    [
+        ({"a.png": 90, "config.yaml": 5, "extra.txt": 1}, []),  # more on the server is fine
+        ({"a.png": 90}, ["file config.yaml not on the server"]),
+        ({"a.png": 89, "config.yaml": 5}, ["file a.png holds 89 bytes of 90"]),
+        ({}, ["file a.png not on the server", "file config.yaml not on the server"]),
+    ],
+)
+def test_files_missing_names_each_file_absent_or_of_another_size(held, problems):
+    assert files_missing({"a.png": 90, "config.yaml": None}, held) == problems
+
+
+def test_read_staged_says_which_logs_put_metadata():
+    """wandb 0.31 writes an environment record (uploaded as wandb-metadata.json); wandb
+    0.16 wrote the file into `files/` itself."""
+    new = read_staged(next(job_dir("one_node_4").glob("wandb/*/run-*.wandb")))
+    old = read_staged(next(job_dir("wandb_0_16_6").glob("wandb/*/run-*.wandb")))
+    assert (new.metadata, old.metadata) == (True, False)
+
+
+WHOLE = Held(True, 5, 3, 4, 9)  # every row of STAGED, its system metrics and console lines
+LISTED = RunListing("finished", ("n", "g", "train"), {"a.png": 90, "config.yaml": 5})
+
+
+@pytest.mark.parametrize(
+    "held, listing, names, exit_code, problems",
+    [
+        (WHOLE, LISTED, ("n", "g", "train"), 0, []),
+        (WHOLE, LISTED, ("", "", ""), 0, []),  # names this upload leaves as they are
+        (Held(True, 5, 2, 4, 9), LISTED, ("", "", ""), 0, ["system-metric rows 2 of 3"]),
+        # an upload that ended before its last request, or ended as another exit code did
+        (WHOLE, replace(LISTED, state="running"), ("", "", ""), 0,
+         ["state running, a whole upload leaves finished"]),
+        (WHOLE, replace(LISTED, state="crashed"), ("", "", ""), 0,
+         ["state crashed, a whole upload leaves finished"]),
+        (WHOLE, LISTED, ("", "", ""), 1, ["state finished, a whole upload leaves failed"]),
+        (WHOLE, replace(LISTED, state=""), ("", "", ""), 0,
+         ["state unknown, a whole upload leaves finished"]),
+        (WHOLE, LISTED, ("n", "other", "eval"), 0,
+         ["group 'g', this upload gives 'other'", "job type 'train', this upload gives 'eval'"]),
+        (WHOLE, replace(LISTED, sizes={"a.png": 90}), ("", "", ""), 0,
+         ["file config.yaml not on the server"]),
+        (WHOLE, replace(LISTED, sizes={"a.png": 1, "config.yaml": 5}), ("", "", ""), 0,
+         ["file a.png holds 1 bytes of 90"]),
+    ],
+)  # fmt: skip
+def test_not_held_whole_names_what_a_whole_upload_would_change(
+    held, listing, names, exit_code, problems
+):
+    expected = {"a.png": 90, "config.yaml": None}
+    assert not_held_whole(STAGED, held, listing, expected, names, exit_code) == problems

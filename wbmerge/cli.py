@@ -458,7 +458,7 @@ def sync(
         }, indent=2))  # fmt: skip
         return
     for t in report.targets:
-        click.echo(f"{t.status:>14}: {t.target.id}")
+        click.echo(f"{t.status:>16}: {t.target.id}")
     for link in report.links:
         click.echo(f"{link['kind']}: {link['url']}")
 

@@ -29,6 +29,7 @@ class StagedContent:
     events: int  # system-metric rows
     console_lines: int | None  # output.log lines; None when the console cannot be foretold
     starting_step: int = 0  # where wandb-core numbers the rows from (`sentrows.starting_step`)
+    metadata: bool = False  # an environment record, which wandb-core puts as wandb-metadata.json
 
     @cached_property
     def history_steps(self) -> tuple[int, ...]:
@@ -106,6 +107,7 @@ class ContentCounter:
         self.events = 0
         self.streams: dict[int, ConsoleLines] = {}  # output type -> its console's lines
         self.logger_lines = 0
+        self.metadata = False
 
     def add(self, read: records.RecordIndex) -> None:
         frames = read.frames
@@ -116,6 +118,7 @@ class ContentCounter:
             self.runs += [pb.Record.FromString(frames.payload(i)).run for i in runs.tolist()]
         self.step_items += step_items(read)
         self.events += len(read.of("stats"))
+        self.metadata = self.metadata or bool(len(read.of("environment")))
         for index in read.of("output_raw").tolist():
             output = pb.Record.FromString(frames.payload(index)).output_raw
             self.streams.setdefault(output.output_type, ConsoleLines()).add(output.line)
@@ -128,7 +131,7 @@ class ContentCounter:
         counts = [stream.count() for stream in self.streams.values()]
         console = None if None in counts else self.logger_lines + sum(c or 0 for c in counts)
         start = sentrows.starting_step(self.runs)
-        return StagedContent(tuple(self.step_items), self.events, console, start)
+        return StagedContent(tuple(self.step_items), self.events, console, start, self.metadata)
 
 
 def read_staged(log: Path) -> StagedContent:
@@ -137,6 +140,17 @@ def read_staged(log: Path) -> StagedContent:
     for read in records.read_indexed(log):
         counter.add(read)
     return counter.content()
+
+
+def run_names(log: Path) -> tuple[str, str, str]:
+    """The display name, group and job type the first run record of a log gives its run
+    ("" where it gives none)."""
+    for read in records.read_indexed(log):
+        runs = read.of("run")
+        if len(runs):
+            run = pb.Record.FromString(read.frames.payload(int(runs[0]))).run
+            return run.display_name, run.run_group, run.job_type
+    return "", "", ""
 
 
 def step_items(read: records.RecordIndex) -> list[int | None]:

@@ -288,7 +288,9 @@ def _run_files(planned: list[PlannedJob]) -> list[Path]:
 @dataclass
 class SyncedTarget:
     target: Target
-    status: str  # "uploaded" (verified on the server) | "already synced"
+    # "uploaded" (sent, then verified on the server) | "already complete" (the server held
+    # it whole: verified, nothing sent) | "already synced" (the ledger says so; not asked)
+    status: str
     url: str
 
 
@@ -506,9 +508,9 @@ def _start_job(
     for target in job.targets:
         key = Ledger.key(base_url, upload.entity, job.project, target)
         fingerprint = Ledger.fingerprint(target, settings)
-        entry = None if session.force else session.ledger.synced(key, fingerprint)
-        if entry is None:
-            pending.append((target, key, fingerprint))
+        entry = session.ledger.synced(key, fingerprint)
+        if entry is None or session.force:
+            pending.append((target, key, fingerprint, entry is not None))
             continue
         known = entry["entity"] or upload.entity
         link = run_url(upload.url, known, job.project, target.id) if known else ""
@@ -523,7 +525,7 @@ def _start_job(
     )  # fmt: skip
     upload.deliverer = deliverer
     try:
-        for target, key, fingerprint in pending:
+        for target, key, fingerprint, verified_before in pending:
             for failed in (d.failure for d in (deliverer, *ahead)):
                 if failed is not None:
                     raise failed  # the server could not be asked: stop staging
@@ -534,7 +536,8 @@ def _start_job(
             if session.progress:
                 session.progress(staged)
             delivery = Delivery(target.id, staged.run_dir, staged.log_path, key, fingerprint,
-                                content=staged.content)  # fmt: skip
+                                content=staged.content, verified_before=verified_before,
+                                exit_code=staged.exit_code)  # fmt: skip
             upload.todo.append((target, delivery))
             deliverer.submit(delivery)
     except BaseException:
@@ -554,7 +557,8 @@ def _finish_job(upload: _JobUpload, session: _Session) -> list[str]:
     for target, delivery in upload.todo:
         if delivery.verified:
             link = run_url(url, entity, job.project, target.id) if entity else ""
-            session.report.targets.append(SyncedTarget(target, "uploaded", link))
+            status = "already complete" if delivery.held_already else "uploaded"
+            session.report.targets.append(SyncedTarget(target, status, link))
     _add_links(session.report, job, url, entity)
     lines = [f"run {d.run_id}: {'; '.join(d.problems)}" for d in result.failed]
     if result.timed_out:

@@ -219,6 +219,32 @@ def _run_resume_status(store: Store, v: dict[str, Any], base_url: str) -> dict:
             "name": entity}, "bucket": bucket}}  # fmt: skip
 
 
+def _run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    """A run's state, names and a page of its files, as W&B answers `RunFiles`:
+    `fileLimit` files after the cursor `fileCursor` (here the index of the last one sent)."""
+    entity, project, name = checked_run_path(
+        _entity(v), v.get("project") or "uncategorized", v.get("name")
+    )
+    run, files = store.run(entity, project, name), store.file_sizes(entity, project, name)
+    if run is None or files is None:
+        return {"project": {"run": None}}
+    cursor, limit = v.get("fileCursor"), v.get("fileLimit")
+    start = (
+        int(cursor) + 1 if isinstance(cursor, str) and re.fullmatch(r"[0-9]{1,9}", cursor) else 0
+    )
+    limit = limit if isinstance(limit, int) and 0 < limit <= 1000 else 50
+    page = files[start : start + limit]
+    edges = [{"node": {"name": name, "sizeBytes": size}, "cursor": str(start + i)}
+             for i, (name, size) in enumerate(page)]  # fmt: skip
+    end = edges[-1]["cursor"] if edges else None
+    info = {"endCursor": end, "hasNextPage": start + limit < len(files)}
+    return {"project": {"run": {
+        "state": run["state"], "displayName": run["display_name"] or run["id"],
+        "group": run["group"], "jobType": run["job_type"], "fileCount": len(files),
+        "files": {"edges": edges, "pageInfo": info},
+    }}}  # fmt: skip
+
+
 def _mark_run_files_uploaded(store: Store, v: dict[str, Any], base_url: str) -> dict:
     return {"markRunFilesUploaded": {"success": True}}
 
@@ -230,6 +256,7 @@ _HANDLERS = {
     "CreateRunFiles": _create_run_files,
     "RunResumeStatus": _run_resume_status,
     "MarkRunFilesUploaded": _mark_run_files_uploaded,
+    "RunFiles": _run_files,
 }
 
 

@@ -262,6 +262,19 @@ class Store:
             )
         return result
 
+    def file_sizes(self, entity: str, project: str, name: str) -> list[tuple[str, int]] | None:
+        """(name, size) of each file of a run, by name; None when there is no such run."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT pk FROM runs WHERE entity = ? AND project = ? AND name = ?",
+                (entity, project, name),
+            ).fetchone()
+            if row is None:
+                return None
+            return self._db.execute(
+                "SELECT name, size FROM files WHERE run = ? ORDER BY name", (row[0],)
+            ).fetchall()
+
     # -- helpers --------------------------------------------------------------------------
 
     def _run_pk(self, entity: str, project: str, name: str, create: bool, now: float) -> int:

@@ -22,10 +22,19 @@ from .batches import PATIENCE, START_COST, UploadSlots, batch_lanes, batch_size,
 from .credentials import Credentials, find_credentials
 from .deliver import Deliverer, Delivery, DeliveryReport, Progress
 from .ledger import Ledger, run_locks, state_dir
-from .remainder import Remainder, history_row, remainder, same_value, shortfall
-from .server import Held, ServerClient, ServerError
+from .remainder import (
+    Remainder,
+    files_expected,
+    files_missing,
+    history_row,
+    not_held_whole,
+    remainder,
+    same_value,
+    shortfall,
+)
+from .server import Held, RunListing, ServerClient, ServerError
 from .settle import SETTLE, last_stop, note_stopped, wait_settled
-from .staging import OwnerRecord, clean_stale, make_staging
+from .staging import OwnerRecord, clean_stale, make_staging, staged_files
 from .uploader import DEFAULT_TIMEOUT
 
 DEFAULT_PARALLEL = 4  # below wandb sync's own default of 5: one job may be many runs
@@ -45,6 +54,7 @@ __all__ = [
     "OwnerRecord",
     "Progress",
     "Remainder",
+    "RunListing",
     "ServerClient",
     "ServerError",
     "StagedContent",
@@ -52,10 +62,13 @@ __all__ = [
     "batch_lanes",
     "batch_size",
     "clean_stale",
+    "files_expected",
+    "files_missing",
     "find_credentials",
     "history_row",
     "last_stop",
     "make_staging",
+    "not_held_whole",
     "note_stopped",
     "read_staged",
     "remainder",
@@ -63,6 +76,7 @@ __all__ = [
     "runs_to_ask",
     "same_value",
     "shortfall",
+    "staged_files",
     "state_dir",
     "wait_settled",
 ]

@@ -24,14 +24,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..content import StagedContent, read_staged
+from ..content import StagedContent, read_staged, run_names
 from .batches import UploadSlots, batch_lanes, batch_size, runs_to_ask
 from .credentials import Credentials
 from .ledger import Ledger
-from .remainder import Mismatch, history_row, remainder, shortfall, write_remainder
-from .server import ServerClient, ServerError
+from .remainder import (
+    Mismatch,
+    files_expected,
+    history_row,
+    not_held_whole,
+    remainder,
+    shortfall,
+    write_remainder,
+)
+from .server import Held, ServerClient, ServerError
 from .settle import wait_settled
-from .staging import OwnerRecord
+from .staging import OwnerRecord, staged_files
 from .uploader import DEFAULT_TIMEOUT, Uploader
 
 # Runs of one batch checked at once after their upload: one at a time, the checks of 256
@@ -69,6 +77,11 @@ class Delivery:
     # Recorded in the ledger once verified. A live round of `sync --follow` sends runs that
     # are not done yet: verified, but not recorded, so that later rounds send the rest.
     final: bool = True
+    # This ledger verified the run from these very files before (a `--force` sync).
+    verified_before: bool = False
+    exit_code: int = 0  # the staged run's: a whole upload leaves it finished, or failed
+    # The server held the whole run already (`Deliverer.prepare`): verified, nothing sent.
+    held_already: bool = False
     # held by the thread counting what the staged log holds (`content`), so it is counted once
     counting: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -153,10 +166,11 @@ class Deliverer:
     # -- the producer's side ----------------------------------------------------------------
 
     def prepare(self, delivery: Delivery) -> None:
-        """Cut the staged log down to what the server lacks (raises Mismatch, ServerError).
+        """Cut the staged log down to what the server lacks (raises Mismatch, ServerError);
+        when it lacks nothing, set `delivery.held_already` instead: nothing is to be sent.
 
-        What the staged log holds is counted here only when the server holds rows of the
-        run already (to cut them off); otherwise the whole log goes, and it is counted
+        What the staged log holds is counted here only when the server holds the run
+        already (to cut off its rows); otherwise the whole log goes, and it is counted
         while its upload starts (`_read_contents`), for the check after it. Counts are read
         only once a stopped upload's last requests have landed (see `settle`)."""
         wait_settled(self._stop_asked)
@@ -166,14 +180,43 @@ class Deliverer:
         counts = (held.history_lines, held.events_lines, held.log_lines)
         with self.lock:  # (so the first question during the upload can see it move)
             self._before[delivery.run_id] = self._counts[delivery.run_id] = counts
-        if not (held.exists and held.history_lines):
+        if not held.exists:
             return
         content = self._content(delivery)
         plan = remainder(content, held, lambda index: history_row(delivery.log, index))
+        if plan.skip_history == len(content.step_items) and self._held_whole(delivery, held):
+            delivery.held_already = True
+            with self.lock:
+                self._rows[delivery.run_id] = held.history_lines
+            return
         if plan.resends and not self.given_up:  # (after a stop, staging is being removed)
             cut = delivery.log.with_name(delivery.log.name + ".remainder")
             write_remainder(delivery.log, cut, plan)
             cut.replace(delivery.log)
+
+    def _held_whole(self, delivery: Delivery, held: Held) -> bool:
+        """Whether a run verified whole before (`verified_before`) is still whole on the
+        server (`not_held_whole`): then it is not sent again. Sending it would send no row,
+        and wandb-core gives the summary's `_step` only from the rows an upload sends.
+
+        Only a run this ledger verified from these very files qualifies. What the server
+        shows cannot prove by itself that the last upload of a run ended whole: a run
+        finished by an earlier upload stays finished while a later one fails a file, and
+        its files are known only by name and size. A server or a staging directory that
+        cannot say is sent the run, as it was before this check."""
+        if not delivery.verified_before or shortfall(self._content(delivery), held):
+            return False
+        try:
+            listing = self.client.run_files(self.entity, self.project, delivery.run_id)
+            files = staged_files(delivery.run_dir / "files")
+        except (ServerError, OSError):
+            return False
+        if listing is None:
+            return False
+        content = self._content(delivery)
+        expected = files_expected(files, content)
+        names = run_names(delivery.log)
+        return not not_held_whole(content, held, listing, expected, names, delivery.exit_code)
 
     def submit(self, delivery: Delivery) -> None:
         """Hand over one staged run: it is prepared in a thread of its own while the next runs
@@ -193,7 +236,9 @@ class Deliverer:
         self._to_prepare.put(delivery)
 
     def _prepare_each(self) -> None:
-        """A preparer thread: `prepare` handed-over runs and make them ready, until told to end."""
+        """A preparer thread: `prepare` handed-over runs and make them ready, until told to
+        end. A run the server holds whole already is recorded here, and not sent."""
+        ledger: Ledger | None = None  # a connection of this thread's own, when needed
         while (delivery := self._to_prepare.get()) is not None:
             ready = False
             try:
@@ -201,7 +246,12 @@ class Deliverer:
                     delivery.problems.append("not sent: the upload was given up")
                 else:
                     self.prepare(delivery)
-                    ready = not self.given_up
+                    if delivery.held_already and not self.given_up:
+                        ledger = ledger or Ledger(self.ledger_path)
+                        self._verified(delivery, ledger)
+                        self._said(delivery)
+                    else:
+                        ready = not self.given_up
             except Mismatch as exc:
                 delivery.refused = True
                 delivery.problems.append(
@@ -221,6 +271,8 @@ class Deliverer:
                     if ready:
                         self._ready.append((delivery, time.monotonic()))
                     self.lock.notify_all()
+        if ledger is not None:
+            ledger.close()
 
     def _end_preparers(self, wait: float | None) -> None:
         """Tell the preparer threads to end once the runs handed over are prepared (or, after
@@ -482,6 +534,10 @@ class Deliverer:
         if problems:
             delivery.problems.extend(problems)
             return
+        self._verified(delivery, ledger)
+
+    def _verified(self, delivery: Delivery, ledger: Ledger) -> None:
+        """Record a run found whole (unless a live round sent it), and drop its staging."""
         if delivery.final:
             ledger.record(delivery.key, delivery.fingerprint, self.entity)
         delivery.verified = True
@@ -493,11 +549,13 @@ class Deliverer:
         with self.lock:
             self._done += delivery.verified
             done, rows = self._done, sum(self._rows.values())
-        message = (
-            f"verified {delivery.run_id}: {len(self._content(delivery).step_items)} rows"
-            if delivery.verified
-            else f"incomplete {delivery.run_id}: {'; '.join(delivery.problems)}"
-        )
+        staged_rows = len(self._content(delivery).step_items)
+        if delivery.held_already:
+            message = f"verified {delivery.run_id}: {staged_rows} rows, all on the server already"
+        elif delivery.verified:
+            message = f"verified {delivery.run_id}: {staged_rows} rows"
+        else:
+            message = f"incomplete {delivery.run_id}: {'; '.join(delivery.problems)}"
         self.progress(Progress(done, self._total(), rows, message))
 
     def _probe(self, deliveries: list[Delivery]) -> bool:

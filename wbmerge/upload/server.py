@@ -2,8 +2,9 @@
 
 `Viewer` is what wandb asks to check a key (and it names the key's default entity);
 `RunResumeStatus` is what wandb-core asks before it resumes a run: the run's history,
-system-metric ("events") and console ("log") line counts and its last history line. These
-reads are all wbmerge asks of the server; every upload goes through `wandb sync`.
+system-metric ("events") and console ("log") line counts and its last history line;
+`RunFiles` is what wandb's public API asks for a run's files, with its state. These reads
+are all wbmerge asks of the server; every upload goes through `wandb sync`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,28 @@ RUN_RESUME_STATUS = """query RunResumeStatus($project: String, $entity: String, 
 }"""
 
 
+# A run's state, names and files, as the public API reads them: `state`, `displayName`,
+# `group` and `jobType` are fields of its run fragment (wandb/apis/public/runs.py), `files`
+# is what `Run.files()` pages through (wandb/apis/public/files.py). Asked only of runs the
+# server holds every row of already, to tell whether anything is left to send
+# (`Deliverer.prepare`).
+RUN_FILES = """query RunFiles($project: String!, $entity: String, $name: String!,
+    $fileCursor: String, $fileLimit: Int = 50) {
+  project(name: $project, entityName: $entity) {
+    run(name: $name) {
+      state displayName group jobType
+      files(after: $fileCursor, first: $fileLimit) {
+        edges { node { name sizeBytes } cursor }
+        pageInfo { endCursor hasNextPage }
+      }
+    }
+  }
+}"""
+FILES_PAGE = 500  # files asked for at a time
+MAX_FILES = 100_000  # a run of more files is not listed (it is sent again)
+LISTING_DEADLINE = 120.0  # seconds for all the pages of one run's files
+
+
 class ServerError(WbmergeError):
     """The server could not be asked, or refused: exit 1, as for a failed upload."""
 
@@ -69,6 +92,16 @@ class Held:
     log_lines: int = 0
     last_step: int | None = None  # `_step` of the last history line, when it has one
     last_row: dict | None = None  # the last history line itself
+
+
+@dataclass(frozen=True)
+class RunListing:
+    """A run's state on the server (such as "running" or "finished"), its names, and its
+    files by name with their sizes in bytes."""
+
+    state: str  # "" when the answer gives none
+    names: tuple[str, str, str]  # display name, group, job type ("" where it has none)
+    sizes: dict[str, int]
 
 
 class ServerClient:
@@ -210,6 +243,48 @@ class ServerClient:
             last_row=last_row,
         )
 
+    def run_files(self, entity: str | None, project: str, run_id: str) -> RunListing | None:
+        """The run's state, names and files (None: no such run), a page of `FILES_PAGE` at a
+        time. The answers are untrusted: one that is not a file list, that lists more than
+        `MAX_FILES` files, gives a cursor it gave before, or that takes more than
+        `LISTING_DEADLINE` seconds in all is a ServerError (and the run is then sent)."""
+        sizes: dict[str, int] = {}
+        cursors: set[str] = set()
+        cursor = None
+        deadline = time.monotonic() + LISTING_DEADLINE
+        while True:
+            variables = {"project": project, "entity": entity, "name": run_id,
+                         "fileCursor": cursor, "fileLimit": FILES_PAGE}  # fmt: skip
+            project_data = self._query(RUN_FILES, variables, "RunFiles").get("project")
+            run = project_data.get("run") if isinstance(project_data, dict) else None
+            if not run:
+                return None
+            files = run.get("files") if isinstance(run, dict) else None
+            page = files.get("pageInfo") if isinstance(files, dict) else None
+            edges = files.get("edges") if isinstance(files, dict) else None
+            if not isinstance(page, dict) or not isinstance(edges, list):
+                raise ServerError(f"{self.url} answered RunFiles of {run_id} with no file list")
+            for edge in edges:
+                file = _file_of(edge)
+                if file is None:
+                    raise ServerError(f"{self.url} answered RunFiles of {run_id} with a file "
+                                      "that has no name or size")  # fmt: skip
+                sizes[file[0]] = file[1]
+            if len(sizes) > MAX_FILES:
+                raise ServerError(f"{self.url} lists over {MAX_FILES} files of {run_id}")
+            if not page.get("hasNextPage"):
+                names = (_text(run.get("displayName")), _text(run.get("group")),
+                         _text(run.get("jobType")))  # fmt: skip
+                return RunListing(_text(run.get("state")), names, sizes)
+            cursor = page.get("endCursor")
+            if not (isinstance(cursor, str) and cursor) or cursor in cursors:
+                raise ServerError(f"{self.url} answered RunFiles of {run_id} with more "
+                                  "pages but no new cursor")  # fmt: skip
+            cursors.add(cursor)
+            if time.monotonic() > deadline:
+                raise ServerError(f"{self.url} took over {LISTING_DEADLINE:.0f} s to list "
+                                  f"the files of {run_id}")  # fmt: skip
+
     def _line_count(self, bucket: dict, name: str, run_id: str) -> int:
         """A line count of the server's answer: a whole number of 0 or more (none: 0). What
         the counts say decides which rows are sent, so anything else is an error."""
@@ -246,6 +321,24 @@ def _http_url(base_url: str, url: str) -> tuple[str, str, int, str]:
             "(such as https://api.wandb.ai or http://127.0.0.1:8765)"
         )
     return place
+
+
+def _file_of(edge: object) -> tuple[str, int] | None:
+    """(name, size) of one file edge of a RunFiles answer; None if it lacks either. W&B
+    gives sizes as numbers; a string of digits is taken too."""
+    node = edge.get("node") if isinstance(edge, dict) else None
+    name = node.get("name") if isinstance(node, dict) else None
+    size = node.get("sizeBytes") if isinstance(node, dict) else None
+    if isinstance(size, str) and re.fullmatch(r"[0-9]{1,19}", size):
+        size = int(size)
+    if not isinstance(name, str) or isinstance(size, bool) or not isinstance(size, int):
+        return None
+    return (name, size) if size >= 0 else None
+
+
+def _text(value: object) -> str:
+    """A field of the server's answer that should be a string; "" for anything else."""
+    return value if isinstance(value, str) else ""
 
 
 def _last_row(history_tail: object) -> dict | None:

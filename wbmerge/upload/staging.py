@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 import time
@@ -27,10 +28,10 @@ OWNER = "owner.json"
 def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (Linux), None if it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        line = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    return line.rsplit(")", 1)[1].split()[19]
 
 
 def _alive(pid: int, started: str | None) -> bool:
@@ -157,3 +158,23 @@ def _state(pid: int) -> str | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+def staged_files(files_dir: Path) -> dict[str, int]:
+    """The regular files below a staged run's `files/`, by their name there, with sizes.
+    A directory below it that cannot be read raises OSError: its files are not known, so
+    they cannot be said to be on the server."""
+    found: dict[str, int] = {}
+    if not files_dir.exists():
+        return found
+
+    def refuse(error: OSError) -> None:
+        raise error
+
+    for here, _, names in os.walk(files_dir, onerror=refuse):
+        for name in names:
+            path = Path(here, name)
+            status = path.lstat()
+            if stat.S_ISREG(status.st_mode):
+                found[path.relative_to(files_dir).as_posix()] = status.st_size
+    return found
