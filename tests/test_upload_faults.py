@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -289,6 +290,34 @@ def test_force_sends_nothing_to_runs_the_server_still_holds_whole(make_sink, tmp
         want = expected_from_log(log)
         rank = want.config["wbmerge"]["rank"]
         assert_exactly_once(sink.client.run("local", "whole", f"fx-one-node-4-rank-{rank}"), want)
+
+
+def test_force_sends_runs_whose_summary_or_config_changed_on_the_server(sink, tmp_path):
+    """Someone edited runs on the server after a verified sync (here: the sink's own
+    database, as an edit in W&B's UI would): `--force` finds them no longer whole and sends
+    them, which puts the summary keys and the config back, no row twice; the others are
+    left as they are."""
+    args = sync_args("edited", "--run-mode", "new")
+    assert cli(sink, tmp_path, *args).exit_code == 0
+    before = {r["id"]: sink.client.run("local", "edited", r["id"])
+              for r in sink.client.runs(project="edited")}  # fmt: skip
+    edits = {"summary": "{}", "config": "{}"}
+    with sqlite3.connect(sink.data_dir / "sink.sqlite3") as db:
+        for (column, value), run_id in zip(edits.items(), sorted(before), strict=False):
+            db.execute(f"UPDATE runs SET {column} = ? WHERE project = 'edited' AND name = ?",
+                       (value, run_id))  # fmt: skip
+    forced = cli(sink, tmp_path, *args, "--force")
+    assert forced.exit_code == 0, forced.stderr
+    statuses = {r["id"]: r["status"] for r in json.loads(forced.stdout)["runs"]}
+    edited = sorted(before)[: len(edits)]
+    assert statuses == {run_id: "uploaded" if run_id in edited else "already complete"
+                        for run_id in before}  # fmt: skip
+    for run_id, run in before.items():
+        now = sink.client.run("local", "edited", run_id)
+        assert {k: v for k, v in now["summary"].items() if not k.startswith("_")} == {
+            k: v for k, v in run["summary"].items() if not k.startswith("_")
+        }
+        assert (now["config"], now["history"]) == (run["config"], run["history"])
 
 
 def test_a_rerun_that_gives_the_runs_another_job_type_sends_them(sink, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wbmerge.content import console_line_count
+from wbmerge.content import LoggedRun, console_line_count, read_logged_run
 from wbmerge.errors import NotATransactionLog
 from wbmerge.proto import pb
 from wbmerge.records import read_records
@@ -396,34 +396,69 @@ def test_read_staged_says_which_logs_put_metadata():
     assert (new.metadata, old.metadata) == (True, False)
 
 
-WHOLE = Held(True, 5, 3, 4, 9)  # every row of STAGED, its system metrics and console lines
+WHOLE = Held(True, 5, 3, 4, 9, summary_json=json.dumps({"loss": 0.5, "_step": 9}),
+             config_json=json.dumps({"lr": {"value": 0.1}, "_wandb": {"value": {}}}),
+             tags=("a", "b"))  # fmt: skip
 LISTED = RunListing("finished", ("n", "g", "train"), {"a.png": 90, "config.yaml": 5})
+LOGGED = LoggedRun(("n", "g", "train"), ("a",), {"lr": 0.1}, {"loss": 0.5, "_runtime": 3})
+UNNAMED = replace(LOGGED, names=("", "", ""))
 
 
 @pytest.mark.parametrize(
-    "held, listing, names, exit_code, problems",
+    "held, listing, logged, exit_code, problems",
     [
-        (WHOLE, LISTED, ("n", "g", "train"), 0, []),
-        (WHOLE, LISTED, ("", "", ""), 0, []),  # names this upload leaves as they are
-        (Held(True, 5, 2, 4, 9), LISTED, ("", "", ""), 0, ["system-metric rows 2 of 3"]),
+        (WHOLE, LISTED, LOGGED, 0, []),
+        (WHOLE, LISTED, UNNAMED, 0, []),  # names this upload leaves as they are
+        (replace(WHOLE, events_lines=2), LISTED, UNNAMED, 0, ["system-metric rows 2 of 3"]),
         # an upload that ended before its last request, or ended as another exit code did
-        (WHOLE, replace(LISTED, state="running"), ("", "", ""), 0,
+        (WHOLE, replace(LISTED, state="running"), UNNAMED, 0,
          ["state running, a whole upload leaves finished"]),
-        (WHOLE, replace(LISTED, state="crashed"), ("", "", ""), 0,
+        (WHOLE, replace(LISTED, state="crashed"), UNNAMED, 0,
          ["state crashed, a whole upload leaves finished"]),
-        (WHOLE, LISTED, ("", "", ""), 1, ["state finished, a whole upload leaves failed"]),
-        (WHOLE, replace(LISTED, state=""), ("", "", ""), 0,
+        (WHOLE, LISTED, UNNAMED, 1, ["state finished, a whole upload leaves failed"]),
+        (WHOLE, replace(LISTED, state=""), UNNAMED, 0,
          ["state unknown, a whole upload leaves finished"]),
-        (WHOLE, LISTED, ("n", "other", "eval"), 0,
+        (WHOLE, LISTED, replace(LOGGED, names=("n", "other", "eval")), 0,
          ["group 'g', this upload gives 'other'", "job type 'train', this upload gives 'eval'"]),
-        (WHOLE, replace(LISTED, sizes={"a.png": 90}), ("", "", ""), 0,
+        # what was changed on the server since: tags, config and summary
+        (replace(WHOLE, tags=("b",)), LISTED, UNNAMED, 0, ["tags not on the server: a"]),
+        (replace(WHOLE, config_json=json.dumps({"lr": {"value": 0.2}})), LISTED, UNNAMED, 0,
+         ["config keys differ: lr"]),
+        (replace(WHOLE, config_json="{}"), LISTED, UNNAMED, 0, ["config keys differ: lr"]),
+        (replace(WHOLE, summary_json=json.dumps({"_step": 9})), LISTED, UNNAMED, 0,
+         ["summary keys differ: loss"]),
+        (replace(WHOLE, summary_json="[not json"), LISTED, UNNAMED, 0,
+         ["summary keys differ: loss"]),
+        # a config kept without W&B's {"value": ...} wrapping, and wandb's own keys
+        (replace(WHOLE, config_json=json.dumps({"lr": 0.1})), LISTED, UNNAMED, 0, []),
+        (WHOLE, LISTED, replace(UNNAMED, summary={"loss": 0.5, "_step": 4}), 0, []),
+        (WHOLE, replace(LISTED, sizes={"a.png": 90}), UNNAMED, 0,
          ["file config.yaml not on the server"]),
-        (WHOLE, replace(LISTED, sizes={"a.png": 1, "config.yaml": 5}), ("", "", ""), 0,
+        (WHOLE, replace(LISTED, sizes={"a.png": 1, "config.yaml": 5}), UNNAMED, 0,
          ["file a.png holds 1 bytes of 90"]),
     ],
 )  # fmt: skip
 def test_not_held_whole_names_what_a_whole_upload_would_change(
-    held, listing, names, exit_code, problems
+    held, listing, logged, exit_code, problems
 ):
     expected = {"a.png": 90, "config.yaml": None}
-    assert not_held_whole(STAGED, held, listing, expected, names, exit_code) == problems
+    assert not_held_whole(STAGED, held, listing, expected, logged, exit_code) == problems
+
+
+def test_read_logged_run_folds_config_and_summary_as_protobuf_reads_them():
+    """On every fixture log, what `read_logged_run` folds equals what the tests' own reading
+    of the records with protobuf gives (sinktools), wandb's own keys apart."""
+    checked = 0
+    for log in fixture_logs():
+        try:
+            want = expected_from_log(log)
+        except NotATransactionLog:
+            continue
+        logged = read_logged_run(log)
+        assert {k: v for k, v in logged.summary.items() if not k.startswith("_")} == {
+            k: v for k, v in want.summary.items() if not k.startswith("_")
+        }, log
+        assert {k: v for k, v in logged.config.items() if k != "_wandb"} == want.config, log
+        assert logged.names[1:] == (want.group, want.job_type), log
+        checked += bool(want.summary)
+    assert checked > 40

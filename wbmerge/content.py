@@ -8,8 +8,9 @@ counts it on the way instead of reading it again.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -142,15 +143,60 @@ def read_staged(log: Path) -> StagedContent:
     return counter.content()
 
 
-def run_names(log: Path) -> tuple[str, str, str]:
-    """The display name, group and job type the first run record of a log gives its run
-    ("" where it gives none)."""
+@dataclass(frozen=True)
+class LoggedRun:
+    """What a log's run, config and summary records give its run on the server: the display
+    name, group and job type and the tags of its first run record ("" and () where it gives
+    none), and the config and summary they set, nested keys as nested objects."""
+
+    names: tuple[str, str, str] = ("", "", "")
+    tags: tuple[str, ...] = ()
+    config: dict = field(default_factory=dict)
+    summary: dict = field(default_factory=dict)
+
+
+def read_logged_run(log: Path) -> LoggedRun:
+    """The `LoggedRun` of a log, its updates and removals applied in order, as wandb-core
+    applies them (ValueError for a value that is not JSON)."""
+    first: pb.RunRecord | None = None
+    config: dict = {}
+    summary: dict = {}
     for read in records.read_indexed(log):
-        runs = read.of("run")
-        if len(runs):
-            run = pb.Record.FromString(read.frames.payload(int(runs[0]))).run
-            return run.display_name, run.run_group, run.job_type
-    return "", "", ""
+        for index in read.of("run", "config", "summary").tolist():
+            record = pb.Record.FromString(read.frames.payload(index))
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                first = first or record.run
+                _apply(config, record.run.config)
+            else:
+                _apply(config if kind == "config" else summary, getattr(record, kind))
+    if first is None:
+        return LoggedRun(config=config, summary=summary)
+    names = (first.display_name, first.run_group, first.job_type)
+    return LoggedRun(names, tuple(first.tags), config, summary)
+
+
+def _apply(tree: dict, change: pb.ConfigRecord | pb.SummaryRecord) -> None:
+    """Apply a config or summary record's updates, then its removals, to `tree`."""
+    for item in change.update:
+        *parents, leaf = list(item.nested_key) or [item.key]
+        place = tree
+        for key in parents:  # (a value in the way is replaced by an object, as wandb-core does)
+            child = place.get(key)
+            if not isinstance(child, dict):
+                child = place[key] = {}
+            place = child
+        try:
+            place[leaf] = json.loads(item.value_json)
+        except RecursionError:
+            raise ValueError(f"a value of {leaf} is nested too deep") from None
+    for item in change.remove:
+        *parents, leaf = list(item.nested_key) or [item.key]
+        place = tree
+        for key in parents:
+            place = place.get(key) if isinstance(place, dict) else None
+        if isinstance(place, dict):
+            place.pop(leaf, None)
 
 
 def step_items(read: records.RecordIndex) -> list[int | None]:

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..content import StagedContent, read_staged, run_names
+from ..content import StagedContent, read_logged_run, read_staged
 from .batches import UploadSlots, batch_lanes, batch_size, runs_to_ask
 from .credentials import Credentials
 from .ledger import Ledger
@@ -213,10 +213,13 @@ class Deliverer:
             return False
         if listing is None:
             return False
+        try:
+            logged = read_logged_run(delivery.log)
+        except ValueError:  # (a value that is not JSON: what the upload sends is not known)
+            return False
         content = self._content(delivery)
         expected = files_expected(files, content)
-        names = run_names(delivery.log)
-        return not not_held_whole(content, held, listing, expected, names, delivery.exit_code)
+        return not not_held_whole(content, held, listing, expected, logged, delivery.exit_code)
 
     def submit(self, delivery: Delivery) -> None:
         """Hand over one staged run: it is prepared in a thread of its own while the next runs

@@ -22,6 +22,7 @@ values of its last row); anything else (rows of another merge, duplicates of an 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import records, sentrows
-from ..content import StagedContent
+from ..content import LoggedRun, StagedContent
+from ..jobs import few
 from ..proto import pb
 from ..txlog import LogWriter, read_frames
 from .server import Held, RunListing
@@ -181,25 +183,47 @@ def not_held_whole(
     held: Held,
     listing: RunListing,
     expected_files: dict[str, int | None],
-    names: tuple[str, str, str],
+    logged: LoggedRun,
     exit_code: int,
 ) -> list[str]:
     """What keeps the server's run from being what a whole upload of the staged run leaves;
     [] when it is. `listing` is the server's state, names and files; `expected_files` what
-    the upload would put (`files_expected`); `names` the display name, group and job type
-    this upload gives the run ("" for one it leaves as it is); `exit_code` the staged one.
+    the upload would put (`files_expected`); `logged` the names, tags, config and summary
+    the staged log gives the run (a name it leaves empty is not compared); `exit_code` the
+    staged one. Keys that start with `_` are wandb's own (`_step`, `_runtime`, `_wandb`).
 
     Example: a run whose rows all arrived, but whose upload was stopped before its last
-    request, gives ["state running, a whole upload leaves finished"]."""
+    request, gives ["state running, a whole upload leaves finished"]; one whose summary
+    was edited on the server since gives ["summary keys differ: loss"]."""
     problems = shortfall(staged, held)
     state = "finished" if exit_code == 0 else "failed"
     if listing.state != state:
         problems.append(f"state {listing.state or 'unknown'}, a whole upload leaves {state}")
-    for what, mine, theirs in zip(("display name", "group", "job type"), names, listing.names,
-                                  strict=True):  # fmt: skip
+    for what, mine, theirs in zip(("display name", "group", "job type"), logged.names,
+                                  listing.names, strict=True):  # fmt: skip
         if mine and mine != theirs:
             problems.append(f"{what} {theirs!r}, this upload gives {mine!r}")
+    missing_tags = [tag for tag in logged.tags if tag not in held.tags]
+    if missing_tags:
+        problems.append(f"tags not on the server: {few(missing_tags)}")
+    config = {key: value["value"] if isinstance(value, dict) and "value" in value else value
+              for key, value in _json_object(held.config_json).items()}  # fmt: skip
+    for what, mine, theirs in (("config", logged.config, config),
+                               ("summary", logged.summary, _json_object(held.summary_json))):  # fmt: skip
+        differ = [key for key, value in mine.items() if not key.startswith("_")
+                  and not (key in theirs and same_value(value, theirs[key]))]  # fmt: skip
+        if differ:
+            problems.append(f"{what} keys differ: {few(differ)}")
     return problems + files_missing(expected_files, listing.sizes)
+
+
+def _json_object(text: str) -> dict:
+    """The JSON object of the server's `text`; {} for anything else (then nothing matches)."""
+    try:
+        value = json.loads(text) if text else {}
+    except (ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def write_remainder(log: Path, out: Path, plan: Remainder) -> int:

@@ -72,7 +72,7 @@ RUN_FILES = """query RunFiles($project: String!, $entity: String, $name: String!
 }"""
 FILES_PAGE = 500  # files asked for at a time
 MAX_FILES = 100_000  # a run of more files is not listed (it is sent again)
-LISTING_DEADLINE = 120.0  # seconds for all the pages of one run's files
+LISTING_DEADLINE = 120.0  # seconds after which no next page of one run's files is asked
 
 
 class ServerError(WbmergeError):
@@ -92,6 +92,11 @@ class Held:
     log_lines: int = 0
     last_step: int | None = None  # `_step` of the last history line, when it has one
     last_row: dict | None = None  # the last history line itself
+    # The run's summary and config as the server gives them: JSON text, read only when a
+    # run is checked for being whole (`remainder.not_held_whole`); and its tags.
+    summary_json: str = ""
+    config_json: str = ""
+    tags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -241,13 +246,17 @@ class ServerClient:
             log_lines=self._line_count(bucket, "logLineCount", run_id),
             last_step=_step(last_row),
             last_row=last_row,
+            summary_json=_text(bucket.get("summaryMetrics")),
+            config_json=_text(bucket.get("config")),
+            tags=_tags(bucket.get("tags")),
         )
 
     def run_files(self, entity: str | None, project: str, run_id: str) -> RunListing | None:
         """The run's state, names and files (None: no such run), a page of `FILES_PAGE` at a
         time. The answers are untrusted: one that is not a file list, that lists more than
-        `MAX_FILES` files, gives a cursor it gave before, or that takes more than
-        `LISTING_DEADLINE` seconds in all is a ServerError (and the run is then sent)."""
+        `MAX_FILES` files, or gives a cursor it gave before is a ServerError, and so is a
+        listing with more pages after `LISTING_DEADLINE` seconds (checked between pages:
+        one page is bounded by the client's timeout and retries). The run is then sent."""
         sizes: dict[str, int] = {}
         cursors: set[str] = set()
         cursor = None
@@ -334,6 +343,11 @@ def _file_of(edge: object) -> tuple[str, int] | None:
     if not isinstance(name, str) or isinstance(size, bool) or not isinstance(size, int):
         return None
     return (name, size) if size >= 0 else None
+
+
+def _tags(value: object) -> tuple[str, ...]:
+    """The tags of the server's answer: the strings of a list (anything else: none)."""
+    return tuple(t for t in value if isinstance(t, str)) if isinstance(value, list) else ()
 
 
 def _text(value: object) -> str:
