@@ -57,16 +57,21 @@ class GraphQLDouble(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def server(request):
-    handler = type("Handler", (GraphQLDouble,), dict(request.param))
+def serving(double: type, settings: dict):
+    """A server on a free loopback port answering with `double`, its class attributes set
+    as `settings` say; `.seen` holds what the double notes of each request."""
+    handler = type("Handler", (double,), settings)
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     httpd.seen = []
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
     yield httpd
     httpd.shutdown()
     httpd.server_close()
+
+
+@pytest.fixture
+def server(request):
+    yield from serving(GraphQLDouble, dict(request.param))
 
 
 def client_of(httpd, **options) -> ServerClient:
@@ -307,13 +312,7 @@ class RunFilesDouble(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def files_server(request):
-    handler = type("Handler", (RunFilesDouble,), dict(request.param))
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    httpd.seen = []
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield httpd
-    httpd.shutdown()
-    httpd.server_close()
+    yield from serving(RunFilesDouble, dict(request.param))
 
 
 FIVE_FILES = tuple((f"media/{i}.png", 10 * i) for i in range(4)) + (("output.log", "7"),)

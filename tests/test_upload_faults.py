@@ -62,6 +62,14 @@ def assert_exactly_once(got, want):
     assert got["state"] == "finished" and got["exit_code"] == want.exit_code
 
 
+def assert_every_rank_exactly_once(sink, project):
+    """`assert_exactly_once` for the run of each rank of `one_node_4` in `--run-mode new`."""
+    for log in PRIMARY:
+        want = expected_from_log(log)
+        rank = want.config["wbmerge"]["rank"]
+        assert_exactly_once(sink.client.run("local", project, f"fx-one-node-4-rank-{rank}"), want)
+
+
 # Each fault loses data on the first sync: refused at once (4xx), or refused or cut off
 # for good (5xx, dropped connections), which wandb retries until `--timeout` ends it.
 FAULTS = [
@@ -130,10 +138,7 @@ def test_new_mode_with_one_run_failed_resends_nothing_twice(make_sink, tmp_path)
     assert second.exit_code == 0, second.stderr
     statuses = {r["id"]: r["status"] for r in json.loads(second.stdout)["runs"]}
     assert "already synced" in statuses.values() and "uploaded" in statuses.values()
-    for log in PRIMARY:
-        want = expected_from_log(log)
-        rank = want.config["wbmerge"]["rank"]
-        assert_exactly_once(sink.client.run("local", "one", f"fx-one-node-4-rank-{rank}"), want)
+    assert_every_rank_exactly_once(sink, "one")
 
 
 @pytest.mark.parametrize("asked", ["1", "2", "4"])
@@ -152,10 +157,7 @@ def test_a_server_that_fails_a_question_before_upload_stops_the_sync(make_sink, 
     second = cli(sink, tmp_path, *sync_args("q", "--run-mode", "new"))
     assert second.exit_code == 0, second.stderr
     assert {r["status"] for r in json.loads(second.stdout)["runs"]} == {"uploaded"}
-    for log in PRIMARY:
-        want = expected_from_log(log)
-        rank = want.config["wbmerge"]["rank"]
-        assert_exactly_once(sink.client.run("local", "q", f"fx-one-node-4-rank-{rank}"), want)
+    assert_every_rank_exactly_once(sink, "q")
 
 
 def test_a_rate_limited_question_before_upload_is_asked_again(make_sink, tmp_path):
@@ -163,10 +165,7 @@ def test_a_rate_limited_question_before_upload_is_asked_again(make_sink, tmp_pat
     result = cli(sink, tmp_path, *sync_args("rl", "--run-mode", "new"))
     assert result.exit_code == 0, result.stderr
     assert sink.client.faults()["faults"][0]["fired"] == 3
-    for log in PRIMARY:
-        want = expected_from_log(log)
-        rank = want.config["wbmerge"]["rank"]
-        assert_exactly_once(sink.client.run("local", "rl", f"fx-one-node-4-rank-{rank}"), want)
+    assert_every_rank_exactly_once(sink, "rl")
 
 
 def run_bounded(env, args, timeout):
@@ -286,10 +285,7 @@ def test_force_sends_nothing_to_runs_the_server_still_holds_whole(make_sink, tmp
     assert unknown.exit_code == 0, unknown.stderr
     for result in (unlisted, unknown):
         assert {r["status"] for r in json.loads(result.stdout)["runs"]} == {"uploaded"}
-    for log in PRIMARY:
-        want = expected_from_log(log)
-        rank = want.config["wbmerge"]["rank"]
-        assert_exactly_once(sink.client.run("local", "whole", f"fx-one-node-4-rank-{rank}"), want)
+    assert_every_rank_exactly_once(sink, "whole")
 
 
 def test_force_sends_runs_whose_summary_or_config_changed_on_the_server(sink, tmp_path):
