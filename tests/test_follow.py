@@ -305,3 +305,46 @@ def test_a_last_round_without_new_rows_keeps_the_summary_step(
     assert sorted(got) == sorted(want)
     for run_id, run in got.items():
         assert_same_run(run, want[run_id])
+
+
+@pytest.mark.parametrize("run_mode", ["shared", "new"])
+def test_a_failed_rank_holds_the_rows_back_until_its_restart_joins(
+    run_mode, make_sink, monkeypatch, tmp_path, state
+):
+    """Rank 1 fails at step 3 while rank 0 goes on logging; torch elastic then restarts it.
+    The rows after step 3 wait for the restart's values (its rows join after the failed
+    run's), and the runs end as a one-shot sync leaves them."""
+    runs = {
+        "r0": (0, 0, range(8), 0),
+        "r1a": (1, 0, range(4), 1),
+        "r1b": (1, 1, range(2, 6), 0),
+    }
+    for root, counts in ((tmp_path / "full", None), (tmp_path / "live", {"r1b": -1})):
+        for run_id, (rank, restart, steps, code) in runs.items():
+            if counts and counts.get(run_id) == -1:
+                continue
+            info = RankInfo(rank, rank, 2, 2, 0, restart=restart, job_id="restarted")
+            with rank_log(root, info, run_id, "p") as writer:
+                for step in steps:
+                    writer.write(history_record([("loss", str(10 * rank + step))], step))
+                writer.write(exit_record(code))
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode=run_mode)
+    want = one_shot(monkeypatch, make_sink, tmp_path / "full", request, tmp_path)
+    sink = make_sink()
+    use_sink(monkeypatch, sink)
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    with Follower(request, parallel=2, timeout=UPLOAD_TIMEOUT) as follower:
+        report = follower.round()  # rank 1 failed, its restart not started yet
+        assert not report.done and all(t.status != "failed" for t in report.targets)
+        restart = next((tmp_path / "full").glob("wandb/*-r1b"))
+        shutil.copytree(restart, tmp_path / "live" / "wandb" / restart.name)
+        for _ in range(3):
+            report = follower.round()
+            assert all(t.status != "failed" for t in report.targets), round_lines(report)
+            if report.done:
+                break
+        assert report.done, round_lines(report)
+    got = sink_runs(sink)
+    assert sorted(got) == sorted(want)
+    for run_id, run in got.items():
+        assert_same_run(run, want[run_id])

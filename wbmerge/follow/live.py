@@ -162,8 +162,12 @@ def expected_ranks(target: Target) -> set[int]:
 
 def watermark(target: Target, ranks: dict[int, Progress]) -> int | None:
     """The last step whose merged row is final: every rank whose rows the target holds and
-    that has not finished has passed it, and a rank not started yet holds it back. None:
-    every row is final (every such rank finished)."""
+    that has not finished well has passed it, and a rank not started yet holds it back.
+    None: every row is final (every such rank finished with exit code 0).
+
+    A rank that failed holds the rows back at its last step too: torch elastic may restart
+    it, and its restart's rows join the rows after that step (`progress`), which must not
+    have gone out without them."""
     merged = (
         expected_ranks(target) if target.kind == "shared" else {s.rank.rank for s in target.sources}
     )
@@ -172,7 +176,7 @@ def watermark(target: Target, ranks: dict[int, Progress]) -> int | None:
         found = ranks.get(rank)
         if found is None:
             bounds.append(NO_ROWS)
-        elif not found.finished:
+        elif not found.finished or found.exit_code:
             bounds.append(found.last_step)
     return min(bounds) if bounds else None
 
