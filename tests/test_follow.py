@@ -20,8 +20,10 @@ import pytest
 
 from wbmerge.discover import discover
 from wbmerge.follow import Follower, follow
+from wbmerge.follow.cut import cut_live
 from wbmerge.follow.lines import round_lines
 from wbmerge.pipeline import MergeRequest, sync
+from wbmerge.records import read_records
 from wbmerge.topology import RankInfo
 
 from .conftest import job_dir
@@ -305,6 +307,28 @@ def test_a_last_round_without_new_rows_keeps_the_summary_step(
     assert sorted(got) == sorted(want)
     for run_id, run in got.items():
         assert_same_run(run, want[run_id])
+
+
+@pytest.mark.parametrize(
+    "last_step, steps",
+    [
+        (None, [0, 1, 2, 3, 4, 5, 6, 7, 8]),  # every rank past every row: the last one waits
+        (9, [0, 1, 2, 3, 4, 5, 6, 7, 8]),
+        (20, [0, 1, 2, 3, 4, 5, 6, 7, 8]),
+        (7, [0, 1, 2, 3, 4, 5, 6, 7]),  # rows 8 and 9 left out: they go with the final round
+        (-1, []),  # a rank not started yet
+    ],
+)
+def test_a_live_round_keeps_a_row_for_the_final_round(tmp_path, last_step, steps):
+    with rank_log(tmp_path, RankInfo(0, 0, 1, 1, 0, job_id="cut"), "cut-0", "p") as writer:
+        for step in range(10):
+            writer.write(history_record([("loss", str(step))], step))
+        writer.write(exit_record(0))
+    [log] = tmp_path.glob("wandb/*/run-*.wandb")
+    cut_live(log, tmp_path / "cut.wandb", last_step)
+    kept = list(read_records(tmp_path / "cut.wandb"))
+    assert [r.history.step.num for r in kept if r.HasField("history")] == steps
+    assert [r.exit.not_complete for r in kept if r.HasField("exit")] == [True]
 
 
 @pytest.mark.parametrize("run_mode", ["shared", "new"])

@@ -8,18 +8,21 @@ still write, two things are changed in the staged log before it is uploaded:
   values of its step; a rank that is behind adds its value later. The server keeps each
   row as first sent (a later upload continues after the rows it holds), so a row may only
   go out once every rank that will contribute to it has.
-- The last row that would go out is held back until the round that sends the exit
-  record. wandb-core gives the summary the `_step` of the last row an upload sends, and
-  nothing else can set it (a summary record's `_step` is ignored; measured with wandb
-  0.31): a final round that sent no row, because the ranks logged their last rows a
-  round before they finished, would leave the run's summary without `_step`.
+- When the watermark leaves no row out, the last row is held back: it goes with a later
+  round that has a row after it to send, or with the round that sends the exit record.
+  wandb-core gives the summary the `_step` of the last row an upload sends, and nothing
+  else can set it (a summary record's `_step` is ignored; measured with wandb 0.31): a
+  final round that sent no row, because the ranks logged their last rows a round before
+  they finished, would leave the run's summary without `_step`. Rows the watermark
+  leaves out are still in the log at the final round, so then nothing need wait.
 - The exit record becomes one with `not_complete` set. wandb-core then uploads the
   summary, config and files and closes the upload without marking the run finished
   (`FinishWithoutExit` in its sender): the run stays running on the server until the
   round that sends the real exit record.
 
-For example, with rows at steps 0-9 staged and the watermark at 7, a round sends the rows
-of steps 0-6; when the ranks finish, the final round sends 7-9 with the exit record.
+For example, with rows at steps 0-9 staged: with the watermark at 7, a round sends the rows
+of steps 0-7; with every rank past step 9, it sends 0-8. Either way the final round sends
+the rest, at least one row, with the exit record.
 """
 
 from __future__ import annotations
@@ -42,10 +45,14 @@ def running_exit_record() -> bytes:
 
 
 def cut_live(log: Path, out: Path, last_step: int | None) -> None:
-    """Write `log` to `out` without its history rows after `last_step` (None: all kept)
-    and without the last row before them, and with a `not_complete` exit record in place
-    of its exit record."""
-    held_back = sum(len(_rows_kept(index, last_step)) for index in _indexed(log)) - 1
+    """Write `log` to `out` without its history rows after `last_step` (None: all kept), or
+    without its last row when that leaves none out, and with a `not_complete` exit record
+    in place of its exit record."""
+    rows = kept = 0
+    for index in _indexed(log):
+        rows += len(index.history)
+        kept += len(_rows_kept(index, last_step))
+    held_back = kept - 1 if kept == rows else -1  # (the index of the row held back)
     row = 0  # the number of rows kept in the reads before this one
     with open(out, "xb") as stream, LogWriter(stream) as writer:
         for index in _indexed(log):
