@@ -97,7 +97,9 @@ DAMAGE = st.sampled_from(["none", "changed", "cut", "cut at a block"])
 def test_many_segments_read_as_each_alone_and_as_the_plain_reader():
     seen = {"intact": 0, "damaged": 0, "joined": 0, "runs": 0, "later": 0}
 
-    @settings(max_examples=150, deadline=None)
+    # Derandomized: the counts below were at least 64 "later" cases in eight random runs,
+    # but one run in CI drew only 30; a fixed draw keeps the check of what came up exact.
+    @settings(max_examples=150, deadline=None, derandomize=True)
     @given(
         st.lists(
             st.tuples(RECORDS, st.integers(0, 10**9), st.integers(0, 10**9), DAMAGE),
