@@ -372,3 +372,38 @@ def test_a_failed_rank_holds_the_rows_back_until_its_restart_joins(
     assert sorted(got) == sorted(want)
     for run_id, run in got.items():
         assert_same_run(run, want[run_id])
+
+
+def test_a_job_whose_ranks_all_failed_waits_for_its_elastic_restart(
+    make_sink, monkeypatch, tmp_path, state
+):
+    """Both ranks fail at step 3; torch elastic starts them again some seconds later. The
+    follow keeps the run running through quiet rounds until the restart appears (within
+    `restart_grace`), so the final run holds the restart's rows, as a one-shot sync's."""
+    for root, restarts in ((tmp_path / "full", (0, 1)), (tmp_path / "live", (0,))):
+        for rank in (0, 1):
+            for restart in restarts:
+                info = RankInfo(rank, rank, 2, 2, 0, restart=restart, job_id="elastic")
+                steps, code = (range(4), 1) if restart == 0 else (range(2, 8), 0)
+                with rank_log(root, info, f"r{rank}-{restart}", "p") as writer:
+                    for step in steps:
+                        writer.write(history_record([("loss", str(10 * rank + step))], step))
+                    writer.write(exit_record(code))
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
+    want = one_shot(monkeypatch, make_sink, tmp_path / "full", request, tmp_path)
+    sink = make_sink()
+    use_sink(monkeypatch, sink)
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    with Follower(request, parallel=2, timeout=UPLOAD_TIMEOUT, restart_grace=3600) as follower:
+        for _ in range(3):  # every rank ended, failed: quiet rounds, the run still running
+            assert not follower.round().done
+        assert all(run["state"] == "running" for run in sink_runs(sink).values())
+        for restart in (tmp_path / "full").glob("wandb/*-1"):
+            shutil.copytree(restart, tmp_path / "live" / "wandb" / restart.name)
+        report = follower.round()
+        assert report.done, round_lines(report)
+    got = sink_runs(sink)
+    assert sorted(got) == sorted(want)
+    for run_id, run in got.items():
+        assert_same_run(run, want[run_id])
+        assert (run["state"], len(run["history"])) == ("finished", 10)

@@ -78,7 +78,8 @@ def test_follow_a_training_job_with_a_late_and_a_crashing_rank(make_sink, tmp_pa
     sink = make_sink()
     live = tmp_path / "live"
     live.mkdir()
-    follower = start_follower(live, sink, tmp_path / "state")
+    # (a crashed rank that is not restarted: the run waits 2 s for a restart, not 60)
+    follower = start_follower(live, sink, tmp_path / "state", "--restart-grace", "2")
     ranks = [start_rank(0, live, sink), start_rank(1, live, sink, "--crash-at", "20")]
     try:
         time.sleep(4)

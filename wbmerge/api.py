@@ -151,12 +151,15 @@ def follow(
     on_round: Callable[[Any], None] | None = None,
     on_wait: Callable[[str], None] | None = None,
     on_idle: Callable[[list[str]], None] | None = None,
+    restart_grace: float = 60.0,
     **options: Any,
 ) -> Any:
     """`sync --follow`: keep the merged runs of a job that is still training up to date,
     a round every `interval` seconds, until every rank has finished (or nothing changed
-    for `idle_timeout` seconds; then a one-shot sync finishes the runs). Returns a
-    `follow.FollowReport`; `on_round` is called with each round's report."""
+    for `idle_timeout` seconds; then a one-shot sync finishes the runs). A run whose ranks
+    all ended, some failed, waits `restart_grace` seconds without a change for an elastic
+    restart first. Returns a `follow.FollowReport`; `on_round` is called with each round's
+    report."""
     from .follow import follow as follow_job
 
     return follow_job(
@@ -168,6 +171,7 @@ def follow(
         on_round=on_round,
         on_wait=on_wait,
         on_idle=on_idle,
+        restart_grace=restart_grace,
     )
 
 

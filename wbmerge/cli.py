@@ -405,6 +405,14 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
     help="--follow: end after this many seconds without a new record, with a warning "
     "naming the ranks that never finished.",
 )
+@click.option(
+    "--restart-grace",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="--follow: seconds a run whose ranks ended, some failed, waits for an elastic "
+    "restart before it is finished.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="--follow: no line per round.")
 @_one_line_errors
 def sync(
@@ -417,6 +425,7 @@ def sync(
     follow: bool,
     interval: float,
     idle_timeout: float,
+    restart_grace: float,
     quiet: bool,
     **kw: Any,
 ) -> None:
@@ -430,6 +439,7 @@ def sync(
             if given:
                 raise WbmergeError(f"{flag} cannot be used with --follow")
         find_credentials()
+        kw["restart_grace"] = restart_grace
         _follow(parallel, timeout, interval, idle_timeout, quiet, as_json, **kw)
         return
     if not dry_run:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..pipeline import MergeRequest, SyncReport, sigterm_raises, sync
-from .rounds import Follower, RoundReport, TargetRound
+from .rounds import RESTART_GRACE, Follower, RoundReport, TargetRound
 
 DEFAULT_INTERVAL = 60.0  # seconds between rounds
 DEFAULT_IDLE_TIMEOUT = 600.0  # seconds without a changed file before the job is taken as over
@@ -45,6 +45,7 @@ def follow(
     on_wait: Callable[[str], None] | None = None,
     on_idle: Callable[[list[str]], None] | None = None,
     job_prefix: str | None = None,
+    restart_grace: float = RESTART_GRACE,
 ) -> FollowReport:
     """Keep the merged runs of the jobs under `request.paths` up to date until they end.
 
@@ -52,9 +53,10 @@ def follow(
     idle end, `UploadFailed` (exit 1). KeyboardInterrupt and SIGTERM (`Terminated`) stop
     the uploader and leave the runs as uploaded so far: running, every row sent once; a
     later `wbmerge sync` of the same paths completes them. `job_prefix` follows only the
-    jobs whose id starts with it (and the last sync syncs only those).
+    jobs whose id starts with it (and the last sync syncs only those). `restart_grace`
+    is how long a run whose ranks ended, some failed, waits for an elastic restart.
     """
-    follower = Follower(request, parallel, timeout, on_wait, job_prefix)
+    follower = Follower(request, parallel, timeout, on_wait, job_prefix, restart_grace)
     with sigterm_raises(), follower:
         last_change = None  # the idle clock starts with the first run found
         while True:

@@ -14,6 +14,7 @@ synced. Until then the ledger is not touched.
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from ..upload import (
 )
 from .cut import cut_live
 from .live import Progress, find_live_runs, finished, progress, signature, watermark
+
+RESTART_GRACE = 60.0  # seconds (see `Follower`)
 
 
 @dataclass
@@ -76,6 +79,7 @@ class _Known:
     final: bool = False  # verified with its exit record
     exit_code: int | None = None  # the exit code it was finished with
     finished_seen: tuple | None = None  # the signature when every rank was first seen done
+    finished_at: float = 0.0  # when (time.monotonic()) it was first seen so
     over_bound_said: bool = False  # its metric count passed W&B's bound, and it was said
 
     def unchanged(self, run_id: str) -> TargetRound:
@@ -94,11 +98,15 @@ class Follower:
         timeout: float = 300.0,
         on_wait: Callable[[str], None] | None = None,
         job_prefix: str | None = None,
+        restart_grace: float = RESTART_GRACE,
     ) -> None:
         """`job_prefix`: follow only the jobs whose id starts with it (those of one Flyte
-        run, whose job ids are `{run name}-{action}`), among others under the paths."""
+        run, whose job ids are `{run name}-{action}`), among others under the paths.
+        `restart_grace`: seconds a run whose ranks all ended, some failed, waits for an
+        elastic restart (with no file changed) before it is sent with its final state."""
         check_key_format(request.key_format)
         self.request, self.job_prefix = request, job_prefix
+        self.restart_grace = restart_grace
         self.hints = make_hints(request.label_pattern, request.ranks_file)
         self.parallel, self.timeout, self.on_wait = parallel, timeout, on_wait
         self.credentials = find_credentials()
@@ -204,10 +212,12 @@ class Follower:
             report.targets.append(known.unchanged(target.id))
             return None
         codes = [ranks[r].exit_code for r in ranks if r in {s.rank.rank for s in target.sources}]
-        if done and any(codes) and known.finished_seen != now:
-            # A rank that failed may be restarted (elastic): wait one quiet round to be sure.
-            known.finished_seen = now
-            done = False
+        if done and any(codes):
+            # A rank that failed may be restarted (torch elastic stops the other ranks and
+            # starts them again, which takes seconds): wait `restart_grace` with no change.
+            if known.finished_seen != now:
+                known.finished_seen, known.finished_at = now, time.monotonic()
+            done = time.monotonic() - known.finished_at >= self.restart_grace
         if not done and known.signature == now:
             report.targets.append(known.unchanged(target.id))
             return None
