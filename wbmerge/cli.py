@@ -429,7 +429,12 @@ def sync(
     quiet: bool,
     **kw: Any,
 ) -> None:
-    """Merge the offline runs under PATHS and upload each exactly once, verified."""
+    """Merge the offline runs under PATHS and upload each exactly once, verified.
+
+    Each run ends as "uploaded" (sent, then verified on the server), "already synced"
+    (the ledger knew it; nothing asked or sent) or "already complete" (--force found it
+    still whole on the server; nothing sent).
+    """
     from . import api
     from .upload import find_credentials
 
