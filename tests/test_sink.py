@@ -206,6 +206,10 @@ def test_sink_show_cli(sink, tmp_path):
     assert f"local/show/{run_id}" in result.output
     result = CliRunner().invoke(main, ["sink", "show", f"local/show/{run_id}", "--url", sink.url])
     assert "history rows 5" in result.output
+    result = CliRunner().invoke(main, ["sink", "show", "local/show/nope", "--url", sink.url])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (f"wbmerge: error: no run local/show/nope on the sink at {sink.url} "
+                             "(`wbmerge sink show` lists its runs)\n")  # fmt: skip
     result = CliRunner().invoke(main, ["sink", "show", "--url", "http://127.0.0.1:9"])
     assert result.exit_code == 2 and "cannot reach the sink" in result.stderr
 

@@ -211,6 +211,11 @@ def sink_show(run_path: str | None, url: str, as_json: bool) -> None:
             raise WbmergeError("RUN_PATH must be ENTITY/PROJECT/RUN_ID")
         run = client.run(*parts)
     except urllib.error.HTTPError as exc:
+        if exc.code == 404 and run_path is not None:
+            raise WbmergeError(
+                f"no run {run_path.strip('/')} on the sink at {url} "
+                "(`wbmerge sink show` lists its runs)"
+            ) from None
         raise WbmergeError(f"{url}: {exc.code} {exc.reason}") from None
     except urllib.error.URLError as exc:
         raise WbmergeError(f"cannot reach the sink at {url}: {exc.reason}") from None
