@@ -86,6 +86,22 @@ def one_shot(monkeypatch, make_sink, fixture: Path, request: MergeRequest, tmp_p
     return sink_runs(sink)
 
 
+def follow_sink(make_sink, monkeypatch, state: Path):
+    """A fresh sink that wandb and wbmerge (with the ledger in `state`) now point at."""
+    sink = make_sink()
+    use_sink(monkeypatch, sink)
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    return sink
+
+
+def assert_same_runs(sink, want: dict) -> None:
+    """The sink holds the runs of `want` (a one-shot sync's), each the same."""
+    got = sink_runs(sink)
+    assert sorted(got) == sorted(want)
+    for run_id, run in got.items():
+        assert_same_run(run, want[run_id])
+
+
 def assert_same_run(got: dict, want: dict) -> None:
     assert got["history"] == want["history"]
     assert got["summary"] == want["summary"]
@@ -113,9 +129,7 @@ def test_follow_rounds_end_as_one_sync(
     fixture = job_dir("two_nodes_2x2")
     request = MergeRequest(paths=[tmp_path / "live"], run_mode=run_mode, rank_scope=rank_scope)
     want = one_shot(monkeypatch, make_sink, fixture, request, tmp_path)
-    sink = make_sink()
-    use_sink(monkeypatch, sink)
-    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    sink = follow_sink(make_sink, monkeypatch, state)
     job = GrowingJob(fixture, tmp_path / "live")
     (tmp_path / "live").mkdir()
     seen: list[dict] = []
@@ -131,10 +145,7 @@ def test_follow_rounds_end_as_one_sync(
         report = follower.round()
         assert report.done, round_lines(report)
         assert follower.round().done  # nothing changed: nothing sent again
-    got = sink_runs(sink)
-    assert sorted(got) == sorted(want)
-    for run_id, run in got.items():
-        assert_same_run(run, want[run_id])
+    assert_same_runs(sink, want)
     grew = [len(snapshot[run_id]["history"]) for snapshot in seen for run_id in snapshot]
     assert max(grew) > 0
     for snapshot in seen:  # while training: running, and the first rows of the final run
@@ -156,9 +167,7 @@ def test_follow_waits_for_a_late_rank_and_ends_idle_on_a_killed_one(
     fixture = job_dir("killed_rank")
     request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
     want = one_shot(monkeypatch, make_sink, fixture, request, tmp_path)
-    sink = make_sink()
-    use_sink(monkeypatch, sink)
-    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    sink = follow_sink(make_sink, monkeypatch, state)
     job = GrowingJob(fixture, tmp_path / "live")
     late = next(r.run_dir.name for r in discover([fixture]) if r.rank.rank == 1)
     early = {log.parent.name for log in job.logs} - {late}
@@ -177,10 +186,7 @@ def test_follow_waits_for_a_late_rank_and_ends_idle_on_a_killed_one(
         on_round=lambda r: lines.extend(round_lines(r)),
     )  # fmt: skip
     assert result.unfinished == ["job fx-killed-rank: rank(s) 2"]
-    got = sink_runs(sink)
-    assert sorted(got) == sorted(want)
-    for run_id, run in got.items():
-        assert_same_run(run, want[run_id])
+    assert_same_runs(sink, want)
 
 
 def test_ctrl_c_leaves_the_runs_running_and_a_later_sync_completes_them(
@@ -231,9 +237,7 @@ def test_a_run_over_the_metric_bound_is_named_once_while_it_grows(
     """The line a one-shot sync gives a run past W&B's 10,000 metrics, said by the follower
     in the first round that stages it so (once, though the run is staged again)."""
     fixture = over_the_bound(tmp_path / "wide")
-    sink = make_sink()
-    use_sink(monkeypatch, sink)
-    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    sink = follow_sink(make_sink, monkeypatch, state)
     request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
     job = GrowingJob(fixture, tmp_path / "live")
     notices = []
@@ -291,9 +295,7 @@ def test_a_last_round_without_new_rows_keeps_the_summary_step(
     request = MergeRequest(paths=[tmp_path / "live"], run_mode=run_mode)
     want = one_shot(monkeypatch, make_sink, tmp_path / "full", request, tmp_path)
     assert all(run["summary"]["_step"] == 3 for run in want.values())
-    sink = make_sink()
-    use_sink(monkeypatch, sink)
-    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    sink = follow_sink(make_sink, monkeypatch, state)
     with Follower(request, parallel=2, timeout=UPLOAD_TIMEOUT) as follower:
         assert not follower.round().done
         for log in (tmp_path / "full").glob("wandb/*/run-*.wandb"):
@@ -303,10 +305,7 @@ def test_a_last_round_without_new_rows_keeps_the_summary_step(
             live.write_bytes(whole)
         report = follower.round()
         assert report.done, round_lines(report)
-    got = sink_runs(sink)
-    assert sorted(got) == sorted(want)
-    for run_id, run in got.items():
-        assert_same_run(run, want[run_id])
+    assert_same_runs(sink, want)
 
 
 @pytest.mark.parametrize(
@@ -354,9 +353,7 @@ def test_a_failed_rank_holds_the_rows_back_until_its_restart_joins(
                 writer.write(exit_record(code))
     request = MergeRequest(paths=[tmp_path / "live"], run_mode=run_mode)
     want = one_shot(monkeypatch, make_sink, tmp_path / "full", request, tmp_path)
-    sink = make_sink()
-    use_sink(monkeypatch, sink)
-    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    sink = follow_sink(make_sink, monkeypatch, state)
     with Follower(request, parallel=2, timeout=UPLOAD_TIMEOUT) as follower:
         report = follower.round()  # rank 1 failed, its restart not started yet
         assert not report.done and all(t.status != "failed" for t in report.targets)
@@ -368,10 +365,7 @@ def test_a_failed_rank_holds_the_rows_back_until_its_restart_joins(
             if report.done:
                 break
         assert report.done, round_lines(report)
-    got = sink_runs(sink)
-    assert sorted(got) == sorted(want)
-    for run_id, run in got.items():
-        assert_same_run(run, want[run_id])
+    assert_same_runs(sink, want)
 
 
 def test_a_job_whose_ranks_all_failed_waits_for_its_elastic_restart(
@@ -391,9 +385,7 @@ def test_a_job_whose_ranks_all_failed_waits_for_its_elastic_restart(
                     writer.write(exit_record(code))
     request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
     want = one_shot(monkeypatch, make_sink, tmp_path / "full", request, tmp_path)
-    sink = make_sink()
-    use_sink(monkeypatch, sink)
-    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    sink = follow_sink(make_sink, monkeypatch, state)
     with Follower(request, parallel=2, timeout=UPLOAD_TIMEOUT, restart_grace=3600) as follower:
         for _ in range(3):  # every rank ended, failed: quiet rounds, the run still running
             assert not follower.round().done
@@ -402,8 +394,6 @@ def test_a_job_whose_ranks_all_failed_waits_for_its_elastic_restart(
             shutil.copytree(restart, tmp_path / "live" / "wandb" / restart.name)
         report = follower.round()
         assert report.done, round_lines(report)
-    got = sink_runs(sink)
-    assert sorted(got) == sorted(want)
-    for run_id, run in got.items():
-        assert_same_run(run, want[run_id])
+    assert_same_runs(sink, want)
+    for run in sink_runs(sink).values():
         assert (run["state"], len(run["history"])) == ("finished", 10)

@@ -84,6 +84,12 @@ def _one_pattern(ctx: click.Context, param: click.Parameter, given: tuple[str, .
     return given[0] if given else None
 
 
+def _seconds_option(name: str, default: float, help: str) -> Callable[..., Any]:
+    """A --follow option of a number of seconds, 0 or more, its default shown."""
+    return click.option(name, default=default, show_default=True,
+                        type=click.FloatRange(min=0), help=help)  # fmt: skip
+
+
 def _with_rank_options(func: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(rank_options()):
         func = option(func)
@@ -395,29 +401,15 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
     help="Keep the runs of a job that is still training up to date, round after round, "
     "until every rank has finished (or --idle-timeout).",
 )
-@click.option(
-    "--interval",
-    default=60.0,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="--follow: seconds between rounds.",
-)
-@click.option(
-    "--idle-timeout",
-    default=600.0,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="--follow: end after this many seconds without a new record, with a warning "
-    "naming the ranks that never finished.",
-)
-@click.option(
-    "--restart-grace",
-    default=60.0,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="--follow: seconds a run whose ranks ended, some failed, waits for an elastic "
-    "restart before it is finished.",
-)
+@_seconds_option("--interval", 60.0, "--follow: seconds between rounds.")
+@_seconds_option(
+    "--idle-timeout", 600.0, "--follow: end after this many seconds without a new record, "
+    "with a warning naming the ranks that never finished.",
+)  # fmt: skip
+@_seconds_option(
+    "--restart-grace", 60.0, "--follow: seconds a run whose ranks ended, some failed, waits "
+    "for an elastic restart before it is finished.",
+)  # fmt: skip
 @click.option("--quiet", "-q", is_flag=True, help="--follow: no line per round.")
 @_one_line_errors
 def sync(
