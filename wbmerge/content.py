@@ -179,7 +179,7 @@ def read_logged_run(log: Path) -> LoggedRun:
 def _apply(tree: dict, change: pb.ConfigRecord | pb.SummaryRecord) -> None:
     """Apply a config or summary record's updates, then its removals, to `tree`."""
     for item in change.update:
-        *parents, leaf = list(item.nested_key) or [item.key]
+        *parents, leaf = sentrows.item_path(item)
         place = tree
         for key in parents:  # (a value in the way is replaced by an object, as wandb-core does)
             child = place.get(key)
@@ -191,7 +191,7 @@ def _apply(tree: dict, change: pb.ConfigRecord | pb.SummaryRecord) -> None:
         except RecursionError:
             raise ValueError(f"a value of {leaf} is nested too deep") from None
     for item in change.remove:
-        *parents, leaf = list(item.nested_key) or [item.key]
+        *parents, leaf = sentrows.item_path(item)
         place = tree
         for key in parents:
             place = place.get(key) if isinstance(place, dict) else None

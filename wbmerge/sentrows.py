@@ -170,9 +170,9 @@ def item_value(item: pb.HistoryItem) -> object:
     return None if typed == "none" else getattr(item, typed)
 
 
-def item_path(item: pb.HistoryItem) -> list[str]:
-    """A history item's path: its nested key, else its key ([""] for neither, which
-    wandb-core drops: `row_of`)."""
+def item_path(item: pb.HistoryItem | pb.ConfigItem | pb.SummaryItem) -> list[str]:
+    """A history, config or summary item's path: its nested key, else its key ([""] for
+    neither, which wandb-core drops from a row: `row_of`)."""
     return list(item.nested_key) or [item.key]
 
 

@@ -48,12 +48,12 @@ def cut_live(log: Path, out: Path, last_step: int | None) -> None:
     """Write `log` to `out` without its history rows after `last_step` (None: all kept), or
     without its last row when that leaves none out, and with a `not_complete` exit record
     in place of its exit record."""
-    rows = kept = 0
+    all_rows = rows_kept = 0
     for index in _indexed(log):
-        rows += len(index.history)
-        kept += len(_rows_kept(index, last_step))
-    held_back = kept - 1 if kept == rows else -1  # (the index of the row held back)
-    row = 0  # the number of rows kept in the reads before this one
+        all_rows += len(index.history)
+        rows_kept += len(_rows_kept(index, last_step))
+    held_back = rows_kept - 1 if rows_kept == all_rows else -1  # (the index of the row held back)
+    before = 0  # the rows kept in the reads before this one
     with open(out, "xb") as stream, LogWriter(stream) as writer:
         for index in _indexed(log):
             keep = np.ones(len(index), bool)
@@ -61,12 +61,14 @@ def cut_live(log: Path, out: Path, last_step: int | None) -> None:
             keep[index.history] = False
             rows = _rows_kept(index, last_step)
             keep[rows] = True
-            if row <= held_back < row + len(rows):
-                keep[rows[held_back - row]] = False
-            row += len(rows)
-            kept = np.flatnonzero(keep)
+            if before <= held_back < before + len(rows):
+                keep[rows[held_back - before]] = False
+            before += len(rows)
+            written = np.flatnonzero(keep)
             frames = index.frames
-            writer.write_many(frames.data, frames.starts[kept].tolist(), frames.ends[kept].tolist())
+            writer.write_many(
+                frames.data, frames.starts[written].tolist(), frames.ends[written].tolist()
+            )
         writer.write(running_exit_record())
 
 

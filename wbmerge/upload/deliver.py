@@ -169,8 +169,9 @@ class Deliverer:
         """Cut the staged log down to what the server lacks (raises Mismatch, ServerError);
         when it lacks nothing, set `delivery.held_already` instead: nothing is to be sent.
 
-        What the staged log holds is counted here only when the server holds the run
-        already (to cut off its rows); otherwise the whole log goes, and it is counted
+        What the staged log holds is counted here only when the server holds rows of the
+        run already (to cut them off), or under `--force` (to find the run whole);
+        otherwise the whole log goes, and it is counted
         while its upload starts (`_read_contents`), for the check after it. Counts are read
         only once a stopped upload's last requests have landed (see `settle`)."""
         wait_settled(self._stop_asked)
@@ -180,8 +181,8 @@ class Deliverer:
         counts = (held.history_lines, held.events_lines, held.log_lines)
         with self.lock:  # (so the first question during the upload can see it move)
             self._before[delivery.run_id] = self._counts[delivery.run_id] = counts
-        if not held.exists:
-            return
+        if not held.exists or not (held.history_lines or delivery.verified_before):
+            return  # (nothing to cut, nor to find whole: counted while the upload starts)
         content = self._content(delivery)
         plan = remainder(content, held, lambda index: history_row(delivery.log, index))
         if plan.skip_history == len(content.step_items) and self._held_whole(delivery, held):
