@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -286,8 +287,8 @@ class RunFilesDouble(BaseHTTPRequestHandler):
         start = int(variables["fileCursor"] or -1) + 1
         limit = len(self.files) if self.broken == "one-page" else variables["fileLimit"]
         page = self.files[start : start + limit]
-        edges = [{"node": {"name": n, "sizeBytes": s}, "cursor": str(start + i)}
-                 for i, (n, s) in enumerate(page)]  # fmt: skip
+        edges = [{"node": {"name": n, "sizeBytes": s, "url": f"https://files.example/{n}"},
+                  "cursor": str(start + i)} for i, (n, s) in enumerate(page)]  # fmt: skip
         info = {"endCursor": edges[-1]["cursor"] if edges else None,
                 "hasNextPage": start + len(page) < len(self.files)}  # fmt: skip
         if self.broken == "endless":
@@ -358,3 +359,72 @@ def test_a_file_list_that_takes_too_long_is_one_error(files_server, monkeypatch)
     with pytest.raises(ServerError, match=r"took over 0 s to list the files of run"):
         client_of(files_server).run_files("me", "p", "run")
     assert len(files_server.seen) == 1  # (no page asked after the deadline)
+
+
+@pytest.mark.parametrize("files_server", [{"files": FIVE_FILES}], indirect=True)
+def test_run_files_gives_the_urls_of_the_files_asked_about(files_server, monkeypatch):
+    monkeypatch.setattr(server_module, "FILES_PAGE", 2)
+    found = client_of(files_server).run_files("me", "p", "run", urls_of=("output.log", "x.txt"))
+    assert found.urls == {"output.log": "https://files.example/output.log"}
+
+
+class FileDouble(BaseHTTPRequestHandler):
+    """Serves GET: `/own/NAME` answers NAME's bytes from `files`, `/to/URL` redirects to
+    URL (quoted), anything else is 404; notes each request's path and Authorization."""
+
+    protocol_version = "HTTP/1.1"
+    files: dict[str, bytes] = {}
+
+    def do_GET(self):  # (the name http.server calls)
+        self.server.seen.append((self.path, self.headers.get("Authorization")))
+        if self.path.startswith("/to/"):
+            self.send_response(302)
+            self.send_header("Location", urllib.parse.unquote(self.path.removeprefix("/to/")))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        data = self.files.get(self.path.removeprefix("/own/"))
+        self.send_response(404 if data is None else 200)
+        self.send_header("Content-Length", str(len(data or b"")))
+        self.end_headers()
+        self.wfile.write(data or b"")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def file_server():
+    yield from serving(FileDouble, {"files": {"summary": b'{"_step": 29}', "big": b"x" * 100}})
+
+
+def test_a_file_is_read_with_the_key_only_from_the_servers_own_host(file_server):
+    """The key goes to the server's host and port, not to another host that the server
+    names or redirects to (W&B redirects a file to storage under a signed URL)."""
+    client, port = client_of(file_server), file_server.server_address[1]
+    own, other = f"http://127.0.0.1:{port}", f"http://localhost:{port}"
+    assert client.download(f"{own}/own/summary", 100) == b'{"_step": 29}'
+    assert client.download(f"{other}/own/summary", 100) == b'{"_step": 29}'
+    away = urllib.parse.quote(f"{other}/own/summary", safe="")
+    assert client.download(f"{own}/to/{away}", 100) == b'{"_step": 29}'
+    [with_key, *without] = [auth for _, auth in file_server.seen]
+    assert with_key.startswith("Basic ") and without == [None, with_key, None]
+
+
+def test_a_file_that_cannot_be_read_whole_is_said(file_server, tmp_path):
+    client, own = client_of(file_server), f"http://127.0.0.1:{file_server.server_address[1]}"
+    assert client.download(f"{own}/own/big", 100) == b"x" * 100
+    assert client.download(f"{own}/own/big", 99) is None  # (larger than the limit: not read)
+    secret = tmp_path / "secret"
+    secret.write_text("local")
+    for url, message in [
+        (f"{own}/own/gone", "answered HTTP 404"),
+        (f"file://{secret}", "not http"),
+        (f"{own}/to/" + urllib.parse.quote(f"file://{secret}", safe=""), "HTTP 302"),  # (urllib)
+        (f"{own}/to/" + urllib.parse.quote("ftp://127.0.0.1/x", safe=""), "a redirect out of"),
+    ]:
+        with pytest.raises(ServerError, match=message):
+            client.download(url, 100)
+    files = client.read_back({"big": f"{own}/own/big", "gone": f"{own}/own/gone"},
+                             ["big", "gone", "unlisted"], 100)  # fmt: skip
+    assert files == {"big": b"x" * 100, "gone": None, "unlisted": None}

@@ -261,8 +261,8 @@ def test_force_sends_nothing_to_runs_the_server_still_holds_whole(make_sink, tmp
     """`--force` of runs this ledger verified: the server still holds them whole, so they are
     verified again without a request that changes them, and their summaries keep `_step`
     (an upload that sent no row would lose it: wandb-core takes the summary's `_step` only
-    from the rows it sends). A server that cannot list the run's files, and a ledger that
-    never verified the runs, get them sent again, no row twice."""
+    from the rows it sends). A server that cannot list the run's files gets them sent
+    again, no row twice."""
     sink = make_sink(allow_faults=True)
     args = sync_args("whole", "--run-mode", "new")
     assert cli(sink, tmp_path, *args).exit_code == 0
@@ -279,13 +279,44 @@ def test_force_sends_nothing_to_runs_the_server_still_holds_whole(make_sink, tmp
     unlisted = cli(sink, tmp_path, *args, "--force")
     assert unlisted.exit_code == 0, unlisted.stderr
     sink.client.set_faults([])
+    assert {r["status"] for r in json.loads(unlisted.stdout)["runs"]} == {"uploaded"}
+    assert_every_rank_exactly_once(sink, "whole")
+
+
+@pytest.mark.parametrize(
+    "made, older",
+    [
+        (None, None),
+        ("wandb-summary.json", lambda text: json.dumps({**json.loads(text), "_step": 19})),
+        ("config.yaml", lambda text: text.replace("value: 0.05", "value: 0.01")),
+        ("output.log", lambda text: "".join(text.splitlines(keepends=True)[:-1])),
+    ],
+)
+def test_a_sync_without_the_ledger_reads_back_the_files_wandb_made(sink, tmp_path, made, older):
+    """A sync whose ledger never verified the runs (a Flyte retry in a fresh container, a
+    kill before the check) finds them whole from the server alone, the files wandb-core
+    made read back, and sends nothing: their summaries keep `_step`. A run whose made file
+    is another upload's (here: edited on the server as that upload left it) is sent
+    again, no row twice."""
+    args = sync_args("readback", "--run-mode", "new")
+    assert cli(sink, tmp_path, *args).exit_code == 0
+    ids = [f"fx-one-node-4-rank-{rank}" for rank in range(4)]
+    before = {run_id: sink.client.run("local", "readback", run_id) for run_id in ids}
+    if made is not None:
+        stored = sink.data_dir / "files" / "local" / "readback" / ids[1] / made
+        stored.write_text(older(stored.read_text()))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    unknown = cli(sink, elsewhere, *args)
-    assert unknown.exit_code == 0, unknown.stderr
-    for result in (unlisted, unknown):
-        assert {r["status"] for r in json.loads(result.stdout)["runs"]} == {"uploaded"}
-    assert_every_rank_exactly_once(sink, "whole")
+    fresh = cli(sink, elsewhere, *args)
+    assert fresh.exit_code == 0, fresh.stderr
+    statuses = {r["id"]: r["status"] for r in json.loads(fresh.stdout)["runs"]}
+    sent = [ids[1]] if made is not None else []
+    assert statuses == {i: "uploaded" if i in sent else "already complete" for i in ids}
+    for run_id in ids:
+        if run_id not in sent:
+            assert sink.client.run("local", "readback", run_id) == before[run_id]  # untouched
+            assert before[run_id]["summary"]["_step"] == 29
+    assert_every_rank_exactly_once(sink, "readback")
 
 
 def test_force_sends_runs_whose_summary_or_config_changed_on_the_server(sink, tmp_path):

@@ -4,23 +4,18 @@ server's counts (the base of exactly-once uploads and of a later live mode)."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wbmerge.content import LoggedRun, console_line_count, read_logged_run
+from wbmerge.content import console_line_count, read_logged_run
 from wbmerge.errors import NotATransactionLog
 from wbmerge.proto import pb
 from wbmerge.records import read_records
 from wbmerge.upload import (
     Held,
-    RunListing,
     StagedContent,
-    files_expected,
-    files_missing,
-    not_held_whole,
     read_staged,
     remainder,
     shortfall,
@@ -340,109 +335,12 @@ def test_counting_a_console_does_not_hold_its_text(tmp_path):
     assert peak < 15_000_000, peak  # the reads' buffers, not the 20 MB of text
 
 
-@pytest.mark.parametrize(
-    "staged_files, console, metadata, expected",
-    [
-        # wandb-core always puts the config and the summary, whatever the run holds
-        ({}, 0, False, {"config.yaml": None, "wandb-summary.json": None}),
-        # console output: output.log, also when its line count cannot be foretold
-        ({}, 4, False, {"config.yaml": None, "wandb-summary.json": None, "output.log": None}),
-        ({}, None, False, {"config.yaml": None, "wandb-summary.json": None, "output.log": None}),
-        # an environment record: wandb-metadata.json
-        (
-            {},
-            0,
-            True,
-            {"config.yaml": None, "wandb-summary.json": None, "wandb-metadata.json": None},
-        ),
-        # the run's own files at their staged size; wandb's own names by name only (an old
-        # wandb wrote them into files/, and wandb-core writes them again as it uploads)
-        (
-            {"media/a.png": 90, "requirements.txt": 12, "config.yaml": 40},
-            0,
-            False,
-            {
-                "media/a.png": 90,
-                "requirements.txt": 12,
-                "config.yaml": None,
-                "wandb-summary.json": None,
-            },
-        ),
-    ],
-)
-def test_files_expected_after_a_whole_upload(staged_files, console, metadata, expected):
-    staged = StagedContent((0,), 0, console, metadata=metadata)
-    assert files_expected(staged_files, staged) == expected
-
-
-@pytest.mark.parametrize(
-    "held, problems",
-    [
-        ({"a.png": 90, "config.yaml": 5, "extra.txt": 1}, []),  # more on the server is fine
-        ({"a.png": 90}, ["file config.yaml not on the server"]),
-        ({"a.png": 89, "config.yaml": 5}, ["file a.png holds 89 bytes of 90"]),
-        ({}, ["file a.png not on the server", "file config.yaml not on the server"]),
-    ],
-)
-def test_files_missing_names_each_file_absent_or_of_another_size(held, problems):
-    assert files_missing({"a.png": 90, "config.yaml": None}, held) == problems
-
-
 def test_read_staged_says_which_logs_put_metadata():
     """wandb 0.31 writes an environment record (uploaded as wandb-metadata.json); wandb
     0.16 wrote the file into `files/` itself."""
     new = read_staged(next(job_dir("one_node_4").glob("wandb/*/run-*.wandb")))
     old = read_staged(next(job_dir("wandb_0_16_6").glob("wandb/*/run-*.wandb")))
     assert (new.metadata, old.metadata) == (True, False)
-
-
-WHOLE = Held(True, 5, 3, 4, 9, summary_json=json.dumps({"loss": 0.5, "_step": 9}),
-             config_json=json.dumps({"lr": {"value": 0.1}, "_wandb": {"value": {}}}),
-             tags=("a", "b"))  # fmt: skip
-LISTED = RunListing("finished", ("n", "g", "train"), {"a.png": 90, "config.yaml": 5})
-LOGGED = LoggedRun(("n", "g", "train"), ("a",), {"lr": 0.1}, {"loss": 0.5, "_runtime": 3})
-UNNAMED = replace(LOGGED, names=("", "", ""))
-
-
-@pytest.mark.parametrize(
-    "held, listing, logged, exit_code, problems",
-    [
-        (WHOLE, LISTED, LOGGED, 0, []),
-        (WHOLE, LISTED, UNNAMED, 0, []),  # names this upload leaves as they are
-        (replace(WHOLE, events_lines=2), LISTED, UNNAMED, 0, ["system-metric rows 2 of 3"]),
-        # an upload that ended before its last request, or ended as another exit code did
-        (WHOLE, replace(LISTED, state="running"), UNNAMED, 0,
-         ["state running, a whole upload leaves finished"]),
-        (WHOLE, replace(LISTED, state="crashed"), UNNAMED, 0,
-         ["state crashed, a whole upload leaves finished"]),
-        (WHOLE, LISTED, UNNAMED, 1, ["state finished, a whole upload leaves failed"]),
-        (WHOLE, replace(LISTED, state=""), UNNAMED, 0,
-         ["state unknown, a whole upload leaves finished"]),
-        (WHOLE, LISTED, replace(LOGGED, names=("n", "other", "eval")), 0,
-         ["group 'g', this upload gives 'other'", "job type 'train', this upload gives 'eval'"]),
-        # what was changed on the server since: tags, config and summary
-        (replace(WHOLE, tags=("b",)), LISTED, UNNAMED, 0, ["tags not on the server: a"]),
-        (replace(WHOLE, config_json=json.dumps({"lr": {"value": 0.2}})), LISTED, UNNAMED, 0,
-         ["config keys differ: lr"]),
-        (replace(WHOLE, config_json="{}"), LISTED, UNNAMED, 0, ["config keys differ: lr"]),
-        (replace(WHOLE, summary_json=json.dumps({"_step": 9})), LISTED, UNNAMED, 0,
-         ["summary keys differ: loss"]),
-        (replace(WHOLE, summary_json="[not json"), LISTED, UNNAMED, 0,
-         ["summary keys differ: loss"]),
-        # a config kept without W&B's {"value": ...} wrapping, and wandb's own keys
-        (replace(WHOLE, config_json=json.dumps({"lr": 0.1})), LISTED, UNNAMED, 0, []),
-        (WHOLE, LISTED, replace(UNNAMED, summary={"loss": 0.5, "_step": 4}), 0, []),
-        (WHOLE, replace(LISTED, sizes={"a.png": 90}), UNNAMED, 0,
-         ["file config.yaml not on the server"]),
-        (WHOLE, replace(LISTED, sizes={"a.png": 1, "config.yaml": 5}), UNNAMED, 0,
-         ["file a.png holds 1 bytes of 90"]),
-    ],
-)  # fmt: skip
-def test_not_held_whole_names_what_a_whole_upload_would_change(
-    held, listing, logged, exit_code, problems
-):
-    expected = {"a.png": 90, "config.yaml": None}
-    assert not_held_whole(STAGED, held, listing, expected, logged, exit_code) == problems
 
 
 def test_read_logged_run_folds_config_and_summary_as_protobuf_reads_them():

@@ -429,8 +429,8 @@ def sync(
     """Merge the offline runs under PATHS and upload each exactly once, verified.
 
     Each run ends as "uploaded" (sent, then verified on the server), "already synced"
-    (the ledger knew it; nothing asked or sent) or "already complete" (--force found it
-    still whole on the server; nothing sent).
+    (the ledger knew it; nothing asked or sent) or "already complete" (the server held it
+    whole already; nothing sent).
     """
     from . import api
     from .upload import find_credentials

@@ -169,8 +169,7 @@ def _create_run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
     entity, project, run = checked_run_path(
         _entity(v), v.get("project") or "uncategorized", v.get("run")
     )
-    quoted = "/".join(urllib.parse.quote(p, safe="") for p in (entity, project, run))
-    run_url = f"{base_url}/storage/{quoted}"
+    run_url = _storage_url(base_url, entity, project, run)
     return {
         "createRunFiles": {
             "runID": f"{entity}/{project}/{run}",
@@ -185,6 +184,13 @@ def _create_run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
             ],
         }
     }
+
+
+def _storage_url(base_url: str, entity: str, project: str, run: str) -> str:
+    """Where a run's files are put (with a token) and read (with the API key), as W&B's
+    storage is: a file's name is appended, quoted."""
+    quoted = "/".join(urllib.parse.quote(p, safe="") for p in (entity, project, run))
+    return f"{base_url}/storage/{quoted}"
 
 
 def _run_resume_status(store: Store, v: dict[str, Any], base_url: str) -> dict:
@@ -221,7 +227,8 @@ def _run_resume_status(store: Store, v: dict[str, Any], base_url: str) -> dict:
 
 def _run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
     """A run's state, names and a page of its files, as W&B answers `RunFiles`:
-    `fileLimit` files after the cursor `fileCursor` (here the index of the last one sent)."""
+    `fileLimit` files after the cursor `fileCursor` (here the index of the last one sent),
+    each with the URL it is read from."""
     entity, project, name = checked_run_path(
         _entity(v), v.get("project") or "uncategorized", v.get("name")
     )
@@ -234,8 +241,10 @@ def _run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
     )
     limit = limit if isinstance(limit, int) and 0 < limit <= 1000 else 50
     page = files[start : start + limit]
-    edges = [{"node": {"name": name, "sizeBytes": size}, "cursor": str(start + i)}
-             for i, (name, size) in enumerate(page)]  # fmt: skip
+    run_url = _storage_url(base_url, entity, project, name)
+    edges = [{"node": {"name": file, "sizeBytes": size,
+                       "url": f"{run_url}/{urllib.parse.quote(file)}"}, "cursor": str(start + i)}
+             for i, (file, size) in enumerate(page)]  # fmt: skip
     end = edges[-1]["cursor"] if edges else None
     info = {"endCursor": end, "hasNextPage": start + limit < len(files)}
     return {"project": {"run": {

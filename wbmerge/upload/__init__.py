@@ -7,6 +7,7 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 | `credentials` | the server URL and API key |
 | `server` | what the server holds (the read-only queries wandb itself makes) |
 | `remainder` | pure: staged run x what the server holds -> what is left to send, what is missing |
+| `whole` | pure: whether the server holds a staged run whole already, its made files read back |
 | `uploader` | `wandb sync` under supervision, started ahead of its runs: progress, timeout, stopping its process tree |
 | `ledger` | runs verified complete (SQLite) and per-run locks |
 | `staging` | staging directories that name their owner; leftovers of killed syncs removed |
@@ -22,20 +23,12 @@ from .batches import PATIENCE, START_COST, UploadSlots, batch_lanes, batch_size,
 from .credentials import Credentials, find_credentials
 from .deliver import Deliverer, Delivery, DeliveryReport, Progress
 from .ledger import Ledger, run_locks, state_dir
-from .remainder import (
-    Remainder,
-    files_expected,
-    files_missing,
-    history_row,
-    not_held_whole,
-    remainder,
-    same_value,
-    shortfall,
-)
+from .remainder import Remainder, history_row, remainder, same_value, shortfall
 from .server import Held, RunListing, ServerClient, ServerError
 from .settle import SETTLE, last_stop, note_stopped, wait_settled
 from .staging import OwnerRecord, clean_stale, make_staging, staged_files
 from .uploader import DEFAULT_TIMEOUT
+from .whole import READ_BACK, files_expected, files_missing, made_files_stale, not_held_whole
 
 DEFAULT_PARALLEL = 4  # below wandb sync's own default of 5: one job may be many runs
 
@@ -43,6 +36,7 @@ __all__ = [
     "DEFAULT_PARALLEL",
     "DEFAULT_TIMEOUT",
     "PATIENCE",
+    "READ_BACK",
     "SETTLE",
     "START_COST",
     "Credentials",
@@ -67,6 +61,7 @@ __all__ = [
     "find_credentials",
     "history_row",
     "last_stop",
+    "made_files_stale",
     "make_staging",
     "not_held_whole",
     "note_stopped",

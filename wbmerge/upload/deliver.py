@@ -28,19 +28,12 @@ from ..content import StagedContent, read_logged_run, read_staged
 from .batches import UploadSlots, batch_lanes, batch_size, runs_to_ask
 from .credentials import Credentials
 from .ledger import Ledger
-from .remainder import (
-    Mismatch,
-    files_expected,
-    history_row,
-    not_held_whole,
-    remainder,
-    shortfall,
-    write_remainder,
-)
+from .remainder import Mismatch, history_row, remainder, shortfall, write_remainder
 from .server import Held, ServerClient, ServerError
 from .settle import wait_settled
 from .staging import OwnerRecord, staged_files
 from .uploader import DEFAULT_TIMEOUT, Uploader
+from .whole import MADE_FILE_LIMIT, READ_BACK, files_expected, made_files_stale, not_held_whole
 
 # Runs of one batch checked at once after their upload: one at a time, the checks of 256
 # small runs fell 2 s behind the upload (each waits on a server busy with the upload).
@@ -77,7 +70,8 @@ class Delivery:
     # Recorded in the ledger once verified. A live round of `sync --follow` sends runs that
     # are not done yet: verified, but not recorded, so that later rounds send the rest.
     final: bool = True
-    # This ledger verified the run from these very files before (a `--force` sync).
+    # This ledger verified the run from these very files before (a `--force` sync): the
+    # files wandb-core made of it on the server need not be read back.
     verified_before: bool = False
     exit_code: int = 0  # the staged run's: a whole upload leaves it finished, or failed
     # The server held the whole run already (`Deliverer.prepare`): verified, nothing sent.
@@ -196,31 +190,38 @@ class Deliverer:
             cut.replace(delivery.log)
 
     def _held_whole(self, delivery: Delivery, held: Held) -> bool:
-        """Whether a run verified whole before (`verified_before`) is still whole on the
-        server (`not_held_whole`): then it is not sent again. Sending it would send no row,
-        and wandb-core gives the summary's `_step` only from the rows an upload sends.
+        """Whether the server holds the run as a whole upload of the staged run leaves it
+        (`whole.not_held_whole`): then it is not sent again. Sending it would send no row, and
+        wandb-core gives the summary's `_step` only from the rows an upload sends.
 
-        Only a run this ledger verified from these very files qualifies. What the server
-        shows cannot prove by itself that the last upload of a run ended whole: a run
-        finished by an earlier upload stays finished while a later one fails a file, and
-        its files are known only by name and size. A server or a staging directory that
-        cannot say is sent the run, as it was before this check."""
-        if not delivery.verified_before or shortfall(self._content(delivery), held):
+        That the server's run is whole does not show that its last upload ended whole: a
+        run finished by an earlier upload stays finished while a later one, of more rows,
+        is stopped before it puts its files. The files wandb-core makes (the summary, the
+        config, the console) are therefore proven to be this run's too: by this ledger,
+        which verified the run from these very files (`verified_before`), or else by
+        reading them back (`whole.made_files_stale`). A server or a staging directory that cannot
+        say is sent the run, as it was before this check."""
+        content = self._content(delivery)
+        if shortfall(content, held):
             return False
         try:
-            listing = self.client.run_files(self.entity, self.project, delivery.run_id)
+            listing = self.client.run_files(
+                self.entity, self.project, delivery.run_id, urls_of=READ_BACK
+            )
             files = staged_files(delivery.run_dir / "files")
-        except (ServerError, OSError):
+            logged = read_logged_run(delivery.log)
+        except (ServerError, OSError, ValueError):  # (ValueError: a value that is not JSON)
             return False
         if listing is None:
             return False
-        try:
-            logged = read_logged_run(delivery.log)
-        except ValueError:  # (a value that is not JSON: what the upload sends is not known)
-            return False
-        content = self._content(delivery)
         expected = files_expected(files, content)
-        return not not_held_whole(content, held, listing, expected, logged, delivery.exit_code)
+        if not_held_whole(content, held, listing, expected, logged, delivery.exit_code):
+            return False
+        if delivery.verified_before:
+            return True
+        names = [name for name in READ_BACK if name in expected]
+        made = self.client.read_back(listing.urls, names, MADE_FILE_LIMIT)
+        return not made_files_stale(made, content, held, logged)
 
     def submit(self, delivery: Delivery) -> None:
         """Hand over one staged run: it is prepared in a thread of its own while the next runs

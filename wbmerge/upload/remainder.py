@@ -22,7 +22,6 @@ values of its last row); anything else (rows of another merge, duplicates of an 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,11 +29,10 @@ from pathlib import Path
 import numpy as np
 
 from .. import records, sentrows
-from ..content import LoggedRun, StagedContent
-from ..jobs import few
+from ..content import StagedContent
 from ..proto import pb
 from ..txlog import LogWriter, read_frames
-from .server import Held, RunListing
+from .server import Held
 
 
 @dataclass(frozen=True)
@@ -136,94 +134,6 @@ def shortfall(staged: StagedContent, held: Held) -> list[str]:
     if staged.console_lines is not None and held.log_lines < staged.console_lines:
         problems.append(f"console lines {held.log_lines} of {staged.console_lines}")
     return problems
-
-
-# Files wandb-core writes itself as it uploads a run (from the config, the summary, the
-# console and the environment record), whatever a staged `files/` holds under these names.
-MADE_BY_UPLOAD = frozenset({"config.yaml", "wandb-summary.json", "output.log",
-                            "wandb-metadata.json"})  # fmt: skip
-
-
-def files_expected(staged_files: dict[str, int], staged: StagedContent) -> dict[str, int | None]:
-    """The files a whole upload of a staged run leaves on the server, by name: the size of
-    each file of its `files/` (`staged_files`), None where only the name can be foretold.
-
-    wandb-core always puts `config.yaml` and `wandb-summary.json` (measured with wandb
-    0.31), `output.log` when there is console output and `wandb-metadata.json` when the
-    log holds an environment record; it writes these itself, so their sizes are not the
-    staged ones. Example: a run with console lines and `files/media/a.png` of 90 bytes
-    expects {"media/a.png": 90, "config.yaml": None, "wandb-summary.json": None,
-    "output.log": None}.
-    """
-    expected: dict[str, int | None] = {
-        name: None if name in MADE_BY_UPLOAD else size for name, size in staged_files.items()
-    }
-    expected["config.yaml"] = expected["wandb-summary.json"] = None
-    if staged.console_lines != 0:  # (None: there is console, its line count unforeseeable)
-        expected["output.log"] = None
-    if staged.metadata:
-        expected["wandb-metadata.json"] = None
-    return expected
-
-
-def files_missing(expected: dict[str, int | None], held: dict[str, int]) -> list[str]:
-    """What the server lacks of the `expected` files (`files_expected`), given the sizes of
-    the files it holds; [] when it holds every one at its size."""
-    problems = []
-    for name, size in expected.items():
-        if name not in held:
-            problems.append(f"file {name} not on the server")
-        elif size is not None and held[name] != size:
-            problems.append(f"file {name} holds {held[name]} bytes of {size}")
-    return problems
-
-
-def not_held_whole(
-    staged: StagedContent,
-    held: Held,
-    listing: RunListing,
-    expected_files: dict[str, int | None],
-    logged: LoggedRun,
-    exit_code: int,
-) -> list[str]:
-    """What keeps the server's run from being what a whole upload of the staged run leaves;
-    [] when it is. `listing` is the server's state, names and files; `expected_files` what
-    the upload would put (`files_expected`); `logged` the names, tags, config and summary
-    the staged log gives the run (a name it leaves empty is not compared); `exit_code` the
-    staged one. Keys that start with `_` are wandb's own (`_step`, `_runtime`, `_wandb`).
-
-    Example: a run whose rows all arrived, but whose upload was stopped before its last
-    request, gives ["state running, a whole upload leaves finished"]; one whose summary
-    was edited on the server since gives ["summary keys differ: loss"]."""
-    problems = shortfall(staged, held)
-    state = "finished" if exit_code == 0 else "failed"
-    if listing.state != state:
-        problems.append(f"state {listing.state or 'unknown'}, a whole upload leaves {state}")
-    for what, mine, theirs in zip(("display name", "group", "job type"), logged.names,
-                                  listing.names, strict=True):  # fmt: skip
-        if mine and mine != theirs:
-            problems.append(f"{what} {theirs!r}, this upload gives {mine!r}")
-    missing_tags = [tag for tag in logged.tags if tag not in held.tags]
-    if missing_tags:
-        problems.append(f"tags not on the server: {few(missing_tags)}")
-    config = {key: value["value"] if isinstance(value, dict) and "value" in value else value
-              for key, value in _json_object(held.config_json).items()}  # fmt: skip
-    for what, mine, theirs in (("config", logged.config, config),
-                               ("summary", logged.summary, _json_object(held.summary_json))):  # fmt: skip
-        differ = [key for key, value in mine.items() if not key.startswith("_")
-                  and not (key in theirs and same_value(value, theirs[key]))]  # fmt: skip
-        if differ:
-            problems.append(f"{what} keys differ: {few(differ)}")
-    return problems + files_missing(expected_files, listing.sizes)
-
-
-def _json_object(text: str) -> dict:
-    """The JSON object of the server's `text`; {} for anything else (then nothing matches)."""
-    try:
-        value = json.loads(text) if text else {}
-    except (ValueError, RecursionError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def write_remainder(log: Path, out: Path, plan: Remainder) -> int:

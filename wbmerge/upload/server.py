@@ -3,7 +3,8 @@
 `Viewer` is what wandb asks to check a key (and it names the key's default entity);
 `RunResumeStatus` is what wandb-core asks before it resumes a run: the run's history,
 system-metric ("events") and console ("log") line counts and its last history line;
-`RunFiles` is what wandb's public API asks for a run's files, with its state. These reads
+`RunFiles` is what wandb's public API asks for a run's files, with its state; a file is
+read back as the public API's `File.download` reads it, from the file's `url`. These reads
 are all wbmerge asks of the server; every upload goes through `wandb sync`.
 """
 
@@ -20,7 +21,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import WbmergeError
@@ -64,7 +66,7 @@ RUN_FILES = """query RunFiles($project: String!, $entity: String, $name: String!
     run(name: $name) {
       state displayName group jobType
       files(after: $fileCursor, first: $fileLimit) {
-        edges { node { name sizeBytes } cursor }
+        edges { node { name sizeBytes url } cursor }
         pageInfo { endCursor hasNextPage }
       }
     }
@@ -73,6 +75,7 @@ RUN_FILES = """query RunFiles($project: String!, $entity: String, $name: String!
 FILES_PAGE = 500  # files asked for at a time
 MAX_FILES = 100_000  # a run of more files is not listed (it is sent again)
 LISTING_DEADLINE = 120.0  # seconds after which no next page of one run's files is asked
+REDIRECTS = 5  # a file's URL may redirect to storage (W&B signs a bucket URL) this often
 
 
 class ServerError(WbmergeError):
@@ -102,11 +105,12 @@ class Held:
 @dataclass(frozen=True)
 class RunListing:
     """A run's state on the server (such as "running" or "finished"), its names, and its
-    files by name with their sizes in bytes."""
+    files by name with their sizes in bytes, and the URLs of the files it was asked about."""
 
     state: str  # "" when the answer gives none
     names: tuple[str, str, str]  # display name, group, job type ("" where it has none)
     sizes: dict[str, int]
+    urls: dict[str, str] = field(default_factory=dict)
 
 
 class ServerClient:
@@ -251,13 +255,16 @@ class ServerClient:
             tags=_tags(bucket.get("tags")),
         )
 
-    def run_files(self, entity: str | None, project: str, run_id: str) -> RunListing | None:
+    def run_files(
+        self, entity: str | None, project: str, run_id: str, urls_of: Collection[str] = ()
+    ) -> RunListing | None:
         """The run's state, names and files (None: no such run), a page of `FILES_PAGE` at a
-        time. The answers are untrusted: one that is not a file list, that lists more than
+        time, with the URL of each file named in `urls_of`. The answers are untrusted: one that is not a file list, that lists more than
         `MAX_FILES` files, or gives a cursor it gave before is a ServerError, and so is a
         listing with more pages after `LISTING_DEADLINE` seconds (checked between pages:
         one page is bounded by the client's timeout and retries). The run is then sent."""
         sizes: dict[str, int] = {}
+        urls: dict[str, str] = {}
         cursors: set[str] = set()
         cursor = None
         deadline = time.monotonic() + LISTING_DEADLINE
@@ -279,12 +286,14 @@ class ServerClient:
                     raise ServerError(f"{self.url} answered RunFiles of {run_id} with a file "
                                       "that has no name or size")  # fmt: skip
                 sizes[file[0]] = file[1]
+                if file[0] in urls_of and isinstance(url := edge["node"].get("url"), str):
+                    urls[file[0]] = url
             if len(sizes) > MAX_FILES:
                 raise ServerError(f"{self.url} lists over {MAX_FILES} files of {run_id}")
             if not page.get("hasNextPage"):
                 names = (_text(run.get("displayName")), _text(run.get("group")),
                          _text(run.get("jobType")))  # fmt: skip
-                return RunListing(_text(run.get("state")), names, sizes)
+                return RunListing(_text(run.get("state")), names, sizes, urls)
             cursor = page.get("endCursor")
             if not (isinstance(cursor, str) and cursor) or cursor in cursors:
                 raise ServerError(f"{self.url} answered RunFiles of {run_id} with more "
@@ -293,6 +302,45 @@ class ServerClient:
             if time.monotonic() > deadline:
                 raise ServerError(f"{self.url} took over {LISTING_DEADLINE:.0f} s to list "
                                   f"the files of {run_id}")  # fmt: skip
+
+    def download(self, url: str, limit: int) -> bytes | None:
+        """The file at `url` (a `RunListing` URL), or None if it is larger than `limit` bytes.
+
+        The API key goes only to the server's own host, and not on to where it redirects
+        (W&B redirects a file to storage under a signed URL); only http(s) URLs are read,
+        so a server's answer cannot make this read a local file. Errors are ServerErrors."""
+        try:
+            scheme, host, port, _ = _http_url(url, url)
+        except WbmergeError:
+            raise ServerError(
+                f"{self.url} gave a file URL that is not http(s): {url[:200]}"
+            ) from None
+        request = urllib.request.Request(url)
+        if (scheme == "https", host, port) == (self._https, self._host, self._port):
+            request.add_unredirected_header("Authorization", self._headers["Authorization"])
+        opener = urllib.request.build_opener(_HttpRedirectsOnly)
+        try:
+            with opener.open(request, timeout=self.timeout) as response:
+                data = response.read(limit + 1)
+        except urllib.error.HTTPError as exc:
+            raise ServerError(f"{url[:200]} answered HTTP {exc.code}") from None
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
+            raise ServerError(f"cannot read {url[:200]}: {reason}") from None
+        return data if len(data) <= limit else None
+
+    def read_back(
+        self, urls: dict[str, str], names: list[str], limit: int
+    ) -> dict[str, bytes | None]:
+        """The files `names` from their `urls` (`RunListing.urls`), each None where it has
+        no URL, could not be read (`download`), or is larger than `limit` bytes."""
+        files: dict[str, bytes | None] = {}
+        for name in names:
+            try:
+                files[name] = self.download(urls[name], limit) if name in urls else None
+            except ServerError:
+                files[name] = None
+        return files
 
     def _line_count(self, bucket: dict, name: str, run_id: str) -> int:
         """A line count of the server's answer: a whole number of 0 or more (none: 0). What
@@ -307,6 +355,20 @@ class ServerClient:
             f"{self.url} answered RunResumeStatus of {run_id} with {name} {shown}, "
             "not a count of lines"
         )
+
+
+class _HttpRedirectsOnly(urllib.request.HTTPRedirectHandler):
+    """Follows at most `REDIRECTS` redirects, to http(s) URLs only (urllib's own handler
+    follows ftp too)."""
+
+    max_redirections = REDIRECTS
+
+    def redirect_request(
+        self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str
+    ) -> urllib.request.Request | None:
+        if urllib.parse.urlsplit(newurl).scheme not in ("http", "https"):
+            raise urllib.error.URLError(f"a redirect out of http(s), to {newurl[:200]}")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
 def _http_url(base_url: str, url: str) -> tuple[str, str, int, str]:

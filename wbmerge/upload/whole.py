@@ -1,0 +1,205 @@
+"""Whether the server holds a run whole already, as a whole upload of the staged run
+leaves it: then sending it again would only do harm. Pure functions.
+
+It would harm because of how wandb-core (0.31) sets a run's summary: the summary's `_step`
+is the `_step` of the last history row an upload sends, and nothing else sets it. An upload
+that sends no row (every row is on the server) replaces the summary with one without
+`_step`. So a run found whole is verified without being sent (`Deliverer.prepare`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import yaml
+
+from ..content import LoggedRun, StagedContent
+from ..jobs import few
+from .remainder import same_value, shortfall
+from .server import Held, RunListing
+
+# Files wandb-core writes itself as it uploads a run (from the config, the summary, the
+# console and the environment record), whatever a staged `files/` holds under these names.
+MADE_BY_UPLOAD = frozenset({"config.yaml", "wandb-summary.json", "output.log",
+                            "wandb-metadata.json"})  # fmt: skip
+
+
+def files_expected(staged_files: dict[str, int], staged: StagedContent) -> dict[str, int | None]:
+    """The files a whole upload of a staged run leaves on the server, by name: the size of
+    each file of its `files/` (`staged_files`), None where only the name can be foretold.
+
+    wandb-core always puts `config.yaml` and `wandb-summary.json` (measured with wandb
+    0.31), `output.log` when there is console output and `wandb-metadata.json` when the
+    log holds an environment record; it writes these itself, so their sizes are not the
+    staged ones. Example: a run with console lines and `files/media/a.png` of 90 bytes
+    expects {"media/a.png": 90, "config.yaml": None, "wandb-summary.json": None,
+    "output.log": None}.
+    """
+    expected: dict[str, int | None] = {
+        name: None if name in MADE_BY_UPLOAD else size for name, size in staged_files.items()
+    }
+    expected["config.yaml"] = expected["wandb-summary.json"] = None
+    if staged.console_lines != 0:  # (None: there is console, its line count unforeseeable)
+        expected["output.log"] = None
+    if staged.metadata:
+        expected["wandb-metadata.json"] = None
+    return expected
+
+
+def files_missing(expected: dict[str, int | None], held: dict[str, int]) -> list[str]:
+    """What the server lacks of the `expected` files (`files_expected`), given the sizes of
+    the files it holds; [] when it holds every one at its size."""
+    problems = []
+    for name, size in expected.items():
+        if name not in held:
+            problems.append(f"file {name} not on the server")
+        elif size is not None and held[name] != size:
+            problems.append(f"file {name} holds {held[name]} bytes of {size}")
+    return problems
+
+
+def not_held_whole(
+    staged: StagedContent,
+    held: Held,
+    listing: RunListing,
+    expected_files: dict[str, int | None],
+    logged: LoggedRun,
+    exit_code: int,
+) -> list[str]:
+    """What keeps the server's run from being what a whole upload of the staged run leaves;
+    [] when it is. `listing` is the server's state, names and files; `expected_files` what
+    the upload would put (`files_expected`); `logged` the names, tags, config and summary
+    the staged log gives the run (a name it leaves empty is not compared); `exit_code` the
+    staged one. Keys that start with `_` are wandb's own (`_step`, `_runtime`, `_wandb`).
+
+    Example: a run whose rows all arrived, but whose upload was stopped before its last
+    request, gives ["state running, a whole upload leaves finished"]; one whose summary
+    was edited on the server since gives ["summary keys differ: loss"]."""
+    problems = shortfall(staged, held)
+    state = "finished" if exit_code == 0 else "failed"
+    if listing.state != state:
+        problems.append(f"state {listing.state or 'unknown'}, a whole upload leaves {state}")
+    for what, mine, theirs in zip(("display name", "group", "job type"), logged.names,
+                                  listing.names, strict=True):  # fmt: skip
+        if mine and mine != theirs:
+            problems.append(f"{what} {theirs!r}, this upload gives {mine!r}")
+    missing_tags = [tag for tag in logged.tags if tag not in held.tags]
+    if missing_tags:
+        problems.append(f"tags not on the server: {few(missing_tags)}")
+    config = {key: value["value"] if isinstance(value, dict) and "value" in value else value
+              for key, value in _json_object(held.config_json).items()}  # fmt: skip
+    for what, mine, theirs in (("config", logged.config, config),
+                               ("summary", logged.summary, _json_object(held.summary_json))):  # fmt: skip
+        differ = [key for key, value in mine.items() if not key.startswith("_")
+                  and not (key in theirs and same_value(value, theirs[key]))]  # fmt: skip
+        if differ:
+            problems.append(f"{what} keys differ: {few(differ)}")
+    return problems + files_missing(expected_files, listing.sizes)
+
+
+# The files a whole upload writes from what it sends, read back to tell whether they came
+# from an upload of this very run (`made_files_stale`). `wandb-metadata.json` is the
+# environment record, written once when a run starts, so its name on the server suffices.
+READ_BACK = ("wandb-summary.json", "config.yaml", "output.log")
+# Bytes of a made file read back at most; a larger one (a console of millions of lines) is
+# not read, and its run is sent again.
+MADE_FILE_LIMIT = 64 << 20
+
+
+def made_files_stale(
+    made: dict[str, bytes | None], staged: StagedContent, held: Held, logged: LoggedRun
+) -> list[str]:
+    """What shows that a file wandb-core made in the server's run (`READ_BACK`, read back
+    as `made`: None where it could not be read) was written by an upload of other content
+    than the staged run; [] when each is what a whole upload of the staged run writes.
+
+    A file is put whole or not at all, so a made file is some upload's whole file; it is
+    stale when that upload sent other content, as when a later upload of more rows sent
+    its values and was stopped before it put its files. Then `wandb-summary.json` lacks
+    the staged summary or the `_step` of the last staged row; `config.yaml` lacks staged
+    config; `output.log` holds fewer lines than the console lines the server holds.
+    Example: the staged run's last row is at step 29 and its summary is {"loss": 0.3}; the
+    server's summary file says {"_step": 19, "loss": 0.3}, from an upload of 20 rows:
+    that gives ["wandb-summary.json from another upload: _step"].
+    """
+    problems = []
+    summary = _json_object(_text(made.get("wandb-summary.json")))
+    expected = dict(logged.summary)
+    if staged.history_steps:
+        expected["_step"] = staged.history_steps[-1]
+    differ = [key for key, value in expected.items()
+              if (key == "_step" or not key.startswith("_"))
+              and not (key in summary and same_value(value, summary[key]))]  # fmt: skip
+    if "wandb-summary.json" in made and made["wandb-summary.json"] is None:
+        problems.append("wandb-summary.json could not be read")
+    elif "wandb-summary.json" in made and differ:
+        problems.append(f"wandb-summary.json from another upload: {few(differ)}")
+    if "config.yaml" in made:
+        config = _yaml_config(made["config.yaml"])
+        differ = [key for key, value in logged.config.items() if not key.startswith("_")
+                  and not (key in (config or {}) and same_value(value, config[key]))]  # fmt: skip
+        if config is None:
+            problems.append("config.yaml could not be read as a config")
+        elif differ:
+            problems.append(f"config.yaml from another upload: {few(differ)}")
+    if "output.log" in made:
+        lines = _line_count(made["output.log"])
+        foreseen = held.log_lines if staged.console_lines is None else staged.console_lines
+        if lines is None:
+            problems.append("output.log could not be read")
+        elif lines != held.log_lines:
+            problems.append(f"output.log from another upload: {lines} lines, the server "
+                            f"holds {held.log_lines} console lines")  # fmt: skip
+        elif lines != foreseen:
+            problems.append(f"output.log from another upload: {lines} lines, {foreseen} staged")
+    return problems
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, with floats as YAML 1.2 writes them: wandb-core (Go's
+    yaml.v3) writes 1e-05 bare, which YAML 1.1 reads as a string."""
+
+
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml_config(data: bytes | None) -> dict | None:
+    """The config of a `config.yaml` (each key's `value`), None when it is not one. A
+    document with aliases is not read: they could make comparing it take exponential time."""
+    if data is None:
+        return None
+    try:
+        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(data, _Yaml12Loader)):
+            return None
+        tree = yaml.load(data, _Yaml12Loader)  # (a safe loader: plain data, no objects)
+    except (yaml.YAMLError, RecursionError, ValueError):
+        return None
+    if not isinstance(tree, dict):
+        return None
+    return {key: entry["value"] if isinstance(entry, dict) and "value" in entry else entry
+            for key, entry in tree.items()}  # fmt: skip
+
+
+def _line_count(data: bytes | None) -> int | None:
+    """Lines of a text (the last one may lack its newline); None for no text."""
+    if data is None:
+        return None
+    return data.count(b"\n") + (not data.endswith(b"\n") and bool(data))
+
+
+def _text(data: bytes | None) -> str:
+    return data.decode("utf-8", "replace") if data is not None else ""
+
+
+def _json_object(text: str) -> dict:
+    """The JSON object of the server's `text`; {} for anything else (then nothing matches)."""
+    try:
+        value = json.loads(text) if text else {}
+    except (ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
