@@ -10,6 +10,7 @@ rows, summary, config, console, system metrics, files, state and exit code.
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -397,3 +398,30 @@ def test_a_job_whose_ranks_all_failed_waits_for_its_elastic_restart(
     assert_same_runs(sink, want)
     for run in sink_runs(sink).values():
         assert (run["state"], len(run["history"])) == ("finished", 10)
+
+
+def test_a_follow_of_a_path_not_there_yet_says_so_and_waits_for_it(make_sink, tmp_path, state):
+    """A follow may start before the job makes its directory (or the path is a typo): it
+    says so at once, in one line, and syncs the runs once they appear there."""
+    sink = make_sink()
+    live = tmp_path / "later" / "wandb"
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(state)}
+    cmd = [sys.executable, "-m", "wbmerge.cli", "sync", str(live), "--run-mode", "shared",
+           "--follow", "--interval", "1", "--quiet"]  # fmt: skip
+    follower = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)  # fmt: skip
+    try:
+        assert follower.stderr is not None
+        ready, _, _ = select.select([follower.stderr], [], [], 30)
+        first = follower.stderr.readline() if ready else "(nothing said in 30 s)"
+        assert first == (f"wbmerge: warning: {live} does not exist yet; waiting for runs to "
+                         "appear there (Ctrl-C stops)\n")  # fmt: skip
+        shutil.copytree(job_dir("one_node_4") / "wandb", live)
+        out, err = follower.communicate(timeout=120)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait(timeout=30)
+    assert follower.returncode == 0, err
+    (run,) = sink_runs(sink).values()
+    assert (run["state"], len(run["history"])) == ("finished", 30)

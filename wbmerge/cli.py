@@ -498,6 +498,10 @@ def _follow(
     def on_idle(unfinished: list[str]) -> None:
         click.echo(f"wbmerge: warning: {idle_warning(idle_timeout, unfinished)}", err=True)
 
+    for path in kw["paths"]:  # (a job may not have made its directory yet: a typo may be)
+        if not os.path.lexists(path):
+            click.echo(f"wbmerge: warning: {path} does not exist yet; waiting for runs to "
+                       "appear there (Ctrl-C stops)", err=True)  # fmt: skip
     try:
         result = api.follow(
             interval=interval, idle_timeout=idle_timeout, parallel=parallel, timeout=timeout,
