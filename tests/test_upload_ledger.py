@@ -22,6 +22,7 @@ from wbmerge.upload import (
     make_staging,
     note_stopped,
     run_locks,
+    server_key,
     wait_settled,
 )
 
@@ -213,3 +214,20 @@ def test_a_state_dir_that_cannot_be_written_loses_the_note_but_stops_nothing(mon
     monkeypatch.setenv("WBMERGE_STATE_DIR", str(blocker / "state"))
     note_stopped()  # must not raise: it is called while uploads are being stopped
     assert last_stop() == 0 and wait_settled() == 0
+
+
+@pytest.mark.parametrize(
+    "base_url, key",
+    [
+        ("https://api.wandb.ai", "https://api.wandb.ai"),
+        ("HTTPS://API.Wandb.AI:443/", "https://api.wandb.ai"),
+        ("http://127.0.0.1:80", "http://127.0.0.1"),
+        ("http://127.0.0.1:8765/", "http://127.0.0.1:8765"),
+        ("https://wandb.example.com:8443/prefix/", "https://wandb.example.com:8443/prefix"),
+        ("http://[::1]:8080", "http://[::1]:8080"),
+        ("http://localhost:8080", "http://localhost:8080"),  # (not 127.0.0.1: maybe ::1)
+    ],
+)
+def test_one_server_spelled_two_ways_is_one_ledger_key(base_url, key):
+    """A sync of the same runs to `HTTPS://API.wandb.ai/` finds them in the ledger."""
+    assert server_key(base_url) == key

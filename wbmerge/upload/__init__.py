@@ -22,7 +22,7 @@ from ..content import StagedContent, read_staged
 from .batches import PATIENCE, START_COST, UploadSlots, batch_lanes, batch_size, runs_to_ask
 from .credentials import Credentials, find_credentials
 from .deliver import Deliverer, Delivery, DeliveryReport, Progress
-from .ledger import Ledger, run_locks, state_dir
+from .ledger import Ledger, run_locks, server_key, state_dir
 from .remainder import Remainder, history_row, remainder, same_value, shortfall
 from .server import Held, RunListing, ServerClient, ServerError
 from .settle import SETTLE, last_stop, note_stopped, wait_settled
@@ -70,6 +70,7 @@ __all__ = [
     "run_locks",
     "runs_to_ask",
     "same_value",
+    "server_key",
     "shortfall",
     "staged_files",
     "state_dir",

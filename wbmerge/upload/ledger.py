@@ -14,6 +14,7 @@ import json
 import os
 import sqlite3
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,7 +54,8 @@ class Ledger:
 
     @staticmethod
     def key(base_url: str, entity: str | None, project: str, target: Target) -> str:
-        return f"{base_url}|{entity or ''}|{project}|{target.id}"
+        """The run's key: the server (`server_key`), entity, project and run id."""
+        return f"{server_key(base_url)}|{entity or ''}|{project}|{target.id}"
 
     @staticmethod
     def fingerprint(target: Target, settings: Mapping[str, object]) -> str:
@@ -109,3 +111,20 @@ def run_locks(
     finally:
         for handle in handles:
             handle.close()  # closing releases the flock
+
+
+def server_key(base_url: str) -> str:
+    """The server of a base URL, spelled one way: scheme and host in lower case, no default
+    port, no trailing slash. `HTTPS://API.wandb.ai:443/` gives `https://api.wandb.ai`.
+    (`localhost` and `127.0.0.1` stay two: they need not be the same server.)"""
+    try:
+        parts = urllib.parse.urlsplit(base_url.strip())
+        port = parts.port
+    except ValueError:  # (refused with a clear line before any run is synced)
+        return base_url
+    default = {"http": 80, "https": 443}.get(parts.scheme.lower())
+    host = parts.hostname or ""
+    if ":" in host:  # (an IPv6 address is written in brackets)
+        host = f"[{host}]"
+    netloc = host if port in (None, default) else f"{host}:{port}"
+    return f"{parts.scheme.lower()}://{netloc}{parts.path.rstrip('/')}"
