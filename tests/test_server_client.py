@@ -377,6 +377,15 @@ class FileDouble(BaseHTTPRequestHandler):
 
     def do_GET(self):  # (the name http.server calls)
         self.server.seen.append((self.path, self.headers.get("Authorization")))
+        if self.path == "/drip":  # a byte every 0.1 s, of 100 said
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            for _ in range(100):
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.1)
+            return
         if self.path.startswith("/to/"):
             self.send_response(302)
             self.send_header("Location", urllib.parse.unquote(self.path.removeprefix("/to/")))
@@ -428,3 +437,13 @@ def test_a_file_that_cannot_be_read_whole_is_said(file_server, tmp_path):
     files = client.read_back({"big": f"{own}/own/big", "gone": f"{own}/own/gone"},
                              ["big", "gone", "unlisted"], 100)  # fmt: skip
     assert files == {"big": b"x" * 100, "gone": None, "unlisted": None}
+
+
+def test_a_file_sent_a_byte_at_a_time_is_given_up_at_the_deadline(file_server, monkeypatch):
+    """Each byte comes within the socket's timeout; the whole read is bounded even so."""
+    monkeypatch.setattr(server_module, "DOWNLOAD_DEADLINE", 0.5)
+    client, own = client_of(file_server), f"http://127.0.0.1:{file_server.server_address[1]}"
+    began = time.monotonic()
+    with pytest.raises(ServerError, match=r"/drip: not read in 0 s"):
+        client.download(f"{own}/drip", 1000)
+    assert time.monotonic() - began < 3.0

@@ -76,6 +76,7 @@ FILES_PAGE = 500  # files asked for at a time
 MAX_FILES = 100_000  # a run of more files is not listed (it is sent again)
 LISTING_DEADLINE = 120.0  # seconds after which no next page of one run's files is asked
 REDIRECTS = 5  # a file's URL may redirect to storage (W&B signs a bucket URL) this often
+DOWNLOAD_DEADLINE = 120.0  # seconds after which a file being read back is given up
 
 
 class ServerError(WbmergeError):
@@ -308,7 +309,8 @@ class ServerClient:
 
         The API key goes only to the server's own host, and not on to where it redirects
         (W&B redirects a file to storage under a signed URL); only http(s) URLs are read,
-        so a server's answer cannot make this read a local file. Errors are ServerErrors."""
+        so a server's answer cannot make this read a local file. A download that takes over
+        `DOWNLOAD_DEADLINE` seconds is given up. Errors are ServerErrors."""
         try:
             scheme, host, port, _ = _http_url(url, url)
         except WbmergeError:
@@ -321,7 +323,10 @@ class ServerClient:
         opener = urllib.request.build_opener(_HttpRedirectsOnly)
         try:
             with opener.open(request, timeout=self.timeout) as response:
-                data = response.read(limit + 1)
+                declared = response.headers.get("Content-Length", "")
+                if declared.isdigit() and int(declared) > limit:
+                    return None
+                data = _read_within(response, limit + 1, time.monotonic() + DOWNLOAD_DEADLINE)
         except urllib.error.HTTPError as exc:
             raise ServerError(f"{url[:200]} answered HTTP {exc.code}") from None
         except (OSError, http.client.HTTPException, ValueError) as exc:
@@ -369,6 +374,22 @@ class _HttpRedirectsOnly(urllib.request.HTTPRedirectHandler):
         if urllib.parse.urlsplit(newurl).scheme not in ("http", "https"):
             raise urllib.error.URLError(f"a redirect out of http(s), to {newurl[:200]}")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _read_within(response: http.client.HTTPResponse, most: int, deadline: float) -> bytes:
+    """Up to `most` bytes of `response`, a piece at a time, until `deadline` (TimeoutError
+    after it). The socket's timeout bounds each piece only: a server that sends a byte now
+    and then would otherwise hold one read of many bytes without end."""
+    pieces, size = [], 0
+    while size < most:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not read in {DOWNLOAD_DEADLINE:.0f} s")
+        piece = response.read1(min(1 << 20, most - size))
+        if not piece:
+            break
+        pieces.append(piece)
+        size += len(piece)
+    return b"".join(pieces)
 
 
 def _http_url(base_url: str, url: str) -> tuple[str, str, int, str]:
