@@ -54,6 +54,7 @@ def test_follow_task_shows_the_merged_run_live_while_it_trains(sink, tmp_path):
     final = sink.client.run("local", "wbmerge-demo", run_id)
     assert (final["state"], final["exit_code"]) == ("finished", 0)
     assert [row["_step"] for row in final["history"]] == list(range(STEPS))
+    assert final["summary"]["_step"] == STEPS - 1  # (lost if the merge task sent it again)
     assert all({"train/loss/rank-0", "train/loss/rank-1"} <= row.keys() for row in final["history"])
 
 
