@@ -290,14 +290,16 @@ def test_force_sends_nothing_to_runs_the_server_still_holds_whole(make_sink, tmp
         ("wandb-summary.json", lambda text: json.dumps({**json.loads(text), "_step": 19})),
         ("config.yaml", lambda text: text.replace("value: 0.05", "value: 0.01")),
         ("output.log", lambda text: "".join(text.splitlines(keepends=True)[:-1])),
+        ("output.log", lambda text: text.replace("loss", "LOSS")),  # (as many lines, bytes)
+        ("requirements.txt", lambda text: ("#" if text[0] != "#" else "!") + text[1:]),
     ],
 )
 def test_a_sync_without_the_ledger_reads_back_the_files_wandb_made(sink, tmp_path, made, older):
     """A sync whose ledger never verified the runs (a Flyte retry in a fresh container, a
     kill before the check) finds them whole from the server alone, the files wandb-core
     made read back, and sends nothing: their summaries keep `_step`. A run whose made file
-    is another upload's (here: edited on the server as that upload left it) is sent
-    again, no row twice."""
+    is another upload's, or one of its own files another version of the same size (here:
+    edited on the server as that upload would leave it), is sent again, no row twice."""
     args = sync_args("readback", "--run-mode", "new")
     assert cli(sink, tmp_path, *args).exit_code == 0
     ids = [f"fx-one-node-4-rank-{rank}" for rank in range(4)]

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from wbmerge import txlog
 from wbmerge.content import console_line_count, read_logged_run
 from wbmerge.errors import NotATransactionLog
 from wbmerge.proto import pb
@@ -360,3 +361,41 @@ def test_read_logged_run_folds_config_and_summary_as_protobuf_reads_them():
         assert logged.names[1:] == (want.group, want.job_type), log
         checked += bool(want.summary)
     assert checked > 40
+
+
+def console_log(tmp_path, texts: list[str], logger: bool = False):
+    """A log of a run record and console records: `texts` on stdout (the last on stderr),
+    and a line of wandb's logger when `logger`."""
+    records = [pb.Record(run=pb.RunRecord(run_id="r"))]
+    for i, text in enumerate(texts):
+        kind = pb.OutputRawRecord.STDERR if i == len(texts) - 1 else pb.OutputRawRecord.STDOUT
+        records.append(pb.Record(output_raw=pb.OutputRawRecord(output_type=kind, line=text)))
+    if logger:
+        records.append(pb.Record(output_logger=pb.OutputLoggerRecord(line="wandb: hi\n")))
+    path = tmp_path / "run-r.wandb"
+    txlog.write_payloads(path, [record.SerializeToString() for record in records])
+    return path
+
+
+@pytest.mark.parametrize(
+    "texts, logger, limit, console",
+    [
+        (["epoch 0\n", "épоch 1\n", "done"], False, 100, "epoch 0\népоch 1\ndone".encode()),
+        ([], False, 100, b""),
+        # what wandb's console emulator rewrites, cannot be foretold: \r, cursor moves, ...
+        (["epoch 0\n", "50%\r", "100%\n"], False, 100, None),
+        (["epoch 0\n", "\x1b[1A\x1b[2K", "bar\n"], False, 100, None),
+        (["a\b", "b\n"], False, 100, None),
+        (["epoch 0\n"], True, 100, None),  # (wandb's logger lines: written another way)
+        (["epoch 0\n", "epoch 1\n"], False, 15, None),  # (over the limit: not kept)
+        (["epoch 0\n", "epoch 1\n"], False, 16, b"epoch 0\nepoch 1\n"),
+    ],
+)
+def test_read_logged_run_gives_the_console_as_output_log_holds_it(
+    tmp_path, texts, logger, limit, console
+):
+    """A plain console is what `output.log` holds after a whole upload (checked against
+    wandb-core by the sync tests); anything its emulator rewrites is None, also when
+    more console follows it."""
+    logged = read_logged_run(console_log(tmp_path, texts, logger), console_limit=limit)
+    assert logged.console == console

@@ -38,15 +38,19 @@ STAGED = StagedContent(step_items=(0, 1, 2, 5, 9), events=3, console_lines=4)
             True,
             {"config.yaml": None, "wandb-summary.json": None, "wandb-metadata.json": None},
         ),
-        # the run's own files at their staged size; wandb's own names by name only (an old
+        # the run's own files at their staged size and MD5; wandb's own names by name only (an old
         # wandb wrote them into files/, and wandb-core writes them again as it uploads)
         (
-            {"media/a.png": 90, "requirements.txt": 12, "config.yaml": 40},
+            {
+                "media/a.png": (90, "A=="),
+                "requirements.txt": (12, "R=="),
+                "config.yaml": (40, "C=="),
+            },
             0,
             False,
             {
-                "media/a.png": 90,
-                "requirements.txt": 12,
+                "media/a.png": (90, "A=="),
+                "requirements.txt": (12, "R=="),
                 "config.yaml": None,
                 "wandb-summary.json": None,
             },
@@ -59,23 +63,34 @@ def test_files_expected_after_a_whole_upload(staged_files, console, metadata, ex
 
 
 @pytest.mark.parametrize(
-    "held, problems",
+    "sizes, md5s, problems",
     [
-        ({"a.png": 90, "config.yaml": 5, "extra.txt": 1}, []),  # more on the server is fine
-        ({"a.png": 90}, ["file config.yaml not on the server"]),
-        ({"a.png": 89, "config.yaml": 5}, ["file a.png holds 89 bytes of 90"]),
-        ({}, ["file a.png not on the server", "file config.yaml not on the server"]),
+        ({"a.png": 90, "config.yaml": 5, "extra.txt": 1}, {"a.png": "A=="}, []),  # (more is fine)
+        ({"a.png": 90}, {"a.png": "A=="}, ["file config.yaml not on the server"]),
+        ({"a.png": 89, "config.yaml": 5}, {"a.png": "A=="}, ["file a.png holds 89 bytes of 90"]),
+        ({}, {}, ["file a.png not on the server", "file config.yaml not on the server"]),
+        # the same size, other content: a later version whose upload failed
+        (
+            {"a.png": 90, "config.yaml": 5},
+            {"a.png": "B=="},
+            ["file a.png is not the staged one (MD5)"],
+        ),
+        ({"a.png": 90, "config.yaml": 5}, {}, ["file a.png is not the staged one (MD5)"]),
     ],
 )
-def test_files_missing_names_each_file_absent_or_of_another_size(held, problems):
-    assert files_missing({"a.png": 90, "config.yaml": None}, held) == problems
+def test_files_missing_names_each_file_absent_or_of_other_content(sizes, md5s, problems):
+    listing = RunListing("finished", ("", "", ""), sizes, md5s)
+    assert files_missing({"a.png": (90, "A=="), "config.yaml": None}, listing) == problems
 
 
 WHOLE = Held(True, 5, 3, 4, 9, summary_json=json.dumps({"loss": 0.5, "_step": 9}),
              config_json=json.dumps({"lr": {"value": 0.1}, "_wandb": {"value": {}}}),
              tags=("a", "b"))  # fmt: skip
-LISTED = RunListing("finished", ("n", "g", "train"), {"a.png": 90, "config.yaml": 5})
-LOGGED = LoggedRun(("n", "g", "train"), ("a",), {"lr": 0.1}, {"loss": 0.5, "_runtime": 3})
+LISTED = RunListing("finished", ("n", "g", "train"), {"a.png": 90, "config.yaml": 5},
+                    {"a.png": "A==", "config.yaml": "C=="})  # fmt: skip
+CONSOLE = b"epoch 0\nepoch 1\nepoch 2\ndone\n"
+LOGGED = LoggedRun(("n", "g", "train"), ("a",), {"lr": 0.1}, {"loss": 0.5, "_runtime": 3},
+                   CONSOLE)  # fmt: skip
 UNNAMED = replace(LOGGED, names=("", "", ""))
 
 
@@ -116,13 +131,12 @@ UNNAMED = replace(LOGGED, names=("", "", ""))
 def test_not_held_whole_names_what_a_whole_upload_would_change(
     held, listing, logged, exit_code, problems
 ):
-    expected = {"a.png": 90, "config.yaml": None}
+    expected = {"a.png": (90, "A=="), "config.yaml": None}
     assert not_held_whole(STAGED, held, listing, expected, logged, exit_code) == problems
 
 
 SUMMARY = b'{"loss": 0.5, "_step": 9, "_runtime": 3.2, "_wandb": {"runtime": 3}}'
 CONFIG = b"_wandb:\n    value:\n        cli_version: 0.31.0\nlr:\n    value: 0.1\n"
-CONSOLE = b"epoch 0\nepoch 1\nepoch 2\ndone\n"
 MADE = {"wandb-summary.json": SUMMARY, "config.yaml": CONFIG, "output.log": CONSOLE}
 
 
@@ -140,11 +154,14 @@ MADE = {"wandb-summary.json": SUMMARY, "config.yaml": CONFIG, "output.log": CONS
          ["wandb-summary.json from another upload: loss"]),
         ({**MADE, "wandb-summary.json": b"[1, 2"}, STAGED, LOGGED,
          ["wandb-summary.json from another upload: loss, _step"]),
+        ({**MADE, "wandb-summary.json": b'{"loss": 0.5, "_step": 9, "x": "\xff"}'}, STAGED,
+         LOGGED, ["wandb-summary.json from another upload: loss, _step"]),  # (not UTF-8)
         ({**MADE, "wandb-summary.json": None}, STAGED, LOGGED,
          ["wandb-summary.json could not be read"]),
         # a run without rows has no `_step` to check
         ({**MADE, "wandb-summary.json": b'{"loss": 0.5}'}, StagedContent((), 3, 4), LOGGED, []),
-        # the config file: each staged key at its value, as wandb-core (Go's yaml.v3) writes it
+        # the config file: each staged key at its value, as wandb-core (Go's yaml.v3) writes
+        # it: YAML 1.2, where 1e-05 is a float and a bare ISO time, = or << is a string
         ({**MADE, "config.yaml": b"lr:\n    value: 0.2\n"}, STAGED, LOGGED,
          ["config.yaml from another upload: lr"]),
         ({**MADE, "config.yaml": b"lr:\n    value: 1e-05\n"}, STAGED,
@@ -153,6 +170,10 @@ MADE = {"wandb-summary.json": SUMMARY, "config.yaml": CONFIG, "output.log": CONS
          replace(LOGGED, config={"lr": "1e-05"}), []),
         ({**MADE, "config.yaml": b"lr:\n    value: .nan\n"}, STAGED,
          replace(LOGGED, config={"lr": float("nan")}), []),
+        ({**MADE, "config.yaml": b"t:\n    value: 2024-05-06T07:08:09.123456\n"}, STAGED,
+         replace(LOGGED, config={"t": "2024-05-06T07:08:09.123456"}), []),
+        ({**MADE, "config.yaml": b"op:\n    value: =\n<<:\n    value: 3\n"}, STAGED,
+         replace(LOGGED, config={"op": "=", "<<": 3}), []),
         ({**MADE, "config.yaml": b"- lr\n"}, STAGED, LOGGED,
          ["config.yaml could not be read as a config"]),
         ({**MADE, "config.yaml": b"lr: &a\n    value: 0.1\nb: *a\n"}, STAGED, LOGGED,
@@ -161,15 +182,16 @@ MADE = {"wandb-summary.json": SUMMARY, "config.yaml": CONFIG, "output.log": CONS
          ["config.yaml could not be read as a config"]),
         ({**MADE, "config.yaml": b"lr: !!python/object:os.system {}\n"}, STAGED, LOGGED,
          ["config.yaml could not be read as a config"]),
-        # the console file: as many lines as the console the server holds, and as staged
+        # the console file: the staged console's text, a newline after its last line or not
         ({**MADE, "output.log": b"epoch 0\nepoch 1\nepoch 2\n"}, STAGED, LOGGED,
-         ["output.log from another upload: 3 lines, the server holds 4 console lines"]),
-        ({**MADE, "output.log": b"epoch 0\nepoch 1\nepoch 2\ndone"}, STAGED, LOGGED, []),
+         ["output.log from another upload: not the staged console"]),
+        ({**MADE, "output.log": b"epoch 0\nepoch 1\nepoch 2\nDONE\n"}, STAGED, LOGGED,
+         ["output.log from another upload: not the staged console"]),  # (same lines, sizes)
+        ({**MADE, "output.log": CONSOLE}, STAGED, replace(LOGGED, console=CONSOLE[:-1]), []),
         ({**MADE, "output.log": None}, STAGED, LOGGED, ["output.log could not be read"]),
-        ({**MADE}, replace(STAGED, console_lines=None), LOGGED, []),
-        ({**MADE}, replace(STAGED, console_lines=3), LOGGED,
-         ["output.log from another upload: 4 lines, 3 staged"]),
+        ({**MADE}, STAGED, replace(LOGGED, console=None),
+         ["output.log cannot be foretold: the console rewrites its lines"]),
     ],
 )  # fmt: skip
 def test_made_files_stale_names_the_files_another_upload_made(made, staged, logged, problems):
-    assert made_files_stale(made, staged, WHOLE, logged) == problems
+    assert made_files_stale(made, staged, logged) == problems

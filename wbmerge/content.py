@@ -9,6 +9,7 @@ counts it on the way instead of reading it again.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -145,35 +146,57 @@ def read_staged(log: Path) -> StagedContent:
 
 @dataclass(frozen=True)
 class LoggedRun:
-    """What a log's run, config and summary records give its run on the server: the display
-    name, group and job type and the tags of its first run record ("" and () where it gives
-    none), and the config and summary they set, nested keys as nested objects."""
+    """What a log's records give its run on the server: the display name, group and job
+    type and the tags of its first run record ("" and () where it gives none), the config
+    and summary they set (nested keys as nested objects), and the console as wandb-core
+    writes it to `output.log`: its texts as they were logged, one after another, as UTF-8.
+    `console` is None where that cannot be foretold: a console that moves the cursor or
+    rewrites a line (progress bars), lines of wandb's logger, or a console over the limit.
+    """
 
     names: tuple[str, str, str] = ("", "", "")
     tags: tuple[str, ...] = ()
     config: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
+    console: bytes | None = None
 
 
-def read_logged_run(log: Path) -> LoggedRun:
+# Control characters that make a terminal rewrite what it shows (all but tab and newline).
+_REWRITES = re.compile("[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def read_logged_run(log: Path, console_limit: int = 64 << 20) -> LoggedRun:
     """The `LoggedRun` of a log, its updates and removals applied in order, as wandb-core
-    applies them (ValueError for a value that is not JSON)."""
+    applies them (ValueError for a value that is not JSON); its console only when it holds
+    at most `console_limit` bytes."""
     first: pb.RunRecord | None = None
     config: dict = {}
     summary: dict = {}
+    console: list[bytes] | None = []
+    size = 0
     for read in records.read_indexed(log):
-        for index in read.of("run", "config", "summary").tolist():
+        if len(read.of("output_logger")):
+            console = None
+        for index in read.of("run", "config", "summary", "output_raw").tolist():
             record = pb.Record.FromString(read.frames.payload(index))
             kind = record.WhichOneof("record_type")
-            if kind == "run":
+            if kind == "output_raw":
+                text = record.output_raw.line
+                size += len(text.encode())
+                if console is None or size > console_limit or _REWRITES.search(text):
+                    console = None
+                else:
+                    console.append(text.encode())
+            elif kind == "run":
                 first = first or record.run
                 _apply(config, record.run.config)
             else:
                 _apply(config if kind == "config" else summary, getattr(record, kind))
+    text = None if console is None else b"".join(console)
     if first is None:
-        return LoggedRun(config=config, summary=summary)
+        return LoggedRun(config=config, summary=summary, console=text)
     names = (first.display_name, first.run_group, first.job_type)
-    return LoggedRun(names, tuple(first.tags), config, summary)
+    return LoggedRun(names, tuple(first.tags), config, summary, text)
 
 
 def _apply(tree: dict, change: pb.ConfigRecord | pb.SummaryRecord) -> None:

@@ -228,7 +228,7 @@ def _run_resume_status(store: Store, v: dict[str, Any], base_url: str) -> dict:
 def _run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
     """A run's state, names and a page of its files, as W&B answers `RunFiles`:
     `fileLimit` files after the cursor `fileCursor` (here the index of the last one sent),
-    each with the URL it is read from."""
+    each with its MD5 and the URL it is read from."""
     entity, project, name = checked_run_path(
         _entity(v), v.get("project") or "uncategorized", v.get("name")
     )
@@ -243,6 +243,7 @@ def _run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
     page = files[start : start + limit]
     run_url = _storage_url(base_url, entity, project, name)
     edges = [{"node": {"name": file, "sizeBytes": size,
+                       "md5": store.file_md5(entity, project, name, file),
                        "url": f"{run_url}/{urllib.parse.quote(file)}"}, "cursor": str(start + i)}
              for i, (file, size) in enumerate(page)]  # fmt: skip
     end = edges[-1]["cursor"] if edges else None

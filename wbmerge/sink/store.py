@@ -10,6 +10,8 @@ anywhere under the data directory (pointing out of it or not) is never followed.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import sqlite3
@@ -261,6 +263,18 @@ class Store:
                 files=files,
             )
         return result
+
+    def file_md5(self, entity: str, project: str, name: str, file_name: str) -> str | None:
+        """The MD5 of a stored file in base64, as W&B gives a file's `md5`; None if it is
+        gone from the disk."""
+        digest = hashlib.md5(usedforsecurity=False)
+        try:
+            with open(self.file_path(entity, project, name, file_name), "rb") as file:
+                while piece := file.read(1 << 20):
+                    digest.update(piece)
+        except OSError:
+            return None
+        return base64.b64encode(digest.digest()).decode()
 
     def file_sizes(self, entity: str, project: str, name: str) -> list[tuple[str, int]] | None:
         """(name, size) of each file of a run, by name; None when there is no such run."""

@@ -33,7 +33,7 @@ from .server import Held, ServerClient, ServerError
 from .settle import wait_settled
 from .staging import OwnerRecord, staged_files
 from .uploader import DEFAULT_TIMEOUT, Uploader
-from .whole import MADE_FILE_LIMIT, READ_BACK, files_expected, made_files_stale, not_held_whole
+from .whole import READ_BACK, files_expected, made_files_stale, not_held_whole
 
 # Runs of one batch checked at once after their upload: one at a time, the checks of 256
 # small runs fell 2 s behind the upload (each waits on a server busy with the upload).
@@ -70,8 +70,8 @@ class Delivery:
     # Recorded in the ledger once verified. A live round of `sync --follow` sends runs that
     # are not done yet: verified, but not recorded, so that later rounds send the rest.
     final: bool = True
-    # This ledger verified the run from these very files before (a `--force` sync): the
-    # files wandb-core made of it on the server need not be read back.
+    # This ledger verified the run from these very files (a `--force` sync): the files
+    # wandb-core made need not be read back.
     verified_before: bool = False
     exit_code: int = 0  # the staged run's: a whole upload leaves it finished, or failed
     # The server held the whole run already (`Deliverer.prepare`): verified, nothing sent.
@@ -87,7 +87,7 @@ class Progress:
     done: int
     total: int
     rows: int
-    message: str = ""  # a finished or failed run, said once
+    message: str = ""  # a line to say once: a run finished, failed or sent again
 
 
 @dataclass
@@ -165,9 +165,9 @@ class Deliverer:
 
         What the staged log holds is counted here only when the server holds rows of the
         run already (to cut them off), or under `--force` (to find the run whole);
-        otherwise the whole log goes, and it is counted
-        while its upload starts (`_read_contents`), for the check after it. Counts are read
-        only once a stopped upload's last requests have landed (see `settle`)."""
+        otherwise the whole log goes, and it is counted while its upload starts
+        (`_read_contents`), for the check after it. Counts are read only once a stopped
+        upload's last requests have landed (see `settle`)."""
         wait_settled(self._stop_asked)
         if self.given_up:
             return
@@ -179,49 +179,49 @@ class Deliverer:
             return  # (nothing to cut, nor to find whole: counted while the upload starts)
         content = self._content(delivery)
         plan = remainder(content, held, lambda index: history_row(delivery.log, index))
-        if plan.skip_history == len(content.step_items) and self._held_whole(delivery, held):
-            delivery.held_already = True
-            with self.lock:
-                self._rows[delivery.run_id] = held.history_lines
-            return
+        if plan.skip_history == len(content.step_items) and not shortfall(content, held):
+            problems = self._not_held_whole(delivery, held)
+            if not problems:
+                delivery.held_already = True
+                with self.lock:
+                    self._rows[delivery.run_id] = held.history_lines
+                return
+            self._tell(f"sending {delivery.run_id} again: {'; '.join(problems)}")
         if plan.resends and not self.given_up:  # (after a stop, staging is being removed)
             cut = delivery.log.with_name(delivery.log.name + ".remainder")
             write_remainder(delivery.log, cut, plan)
             cut.replace(delivery.log)
 
-    def _held_whole(self, delivery: Delivery, held: Held) -> bool:
-        """Whether the server holds the run as a whole upload of the staged run leaves it
-        (`whole.not_held_whole`): then it is not sent again. Sending it would send no row, and
-        wandb-core gives the summary's `_step` only from the rows an upload sends.
+    def _not_held_whole(self, delivery: Delivery, held: Held) -> list[str]:
+        """What keeps the server's run from being what a whole upload of the staged run
+        leaves (`whole.not_held_whole`); [] when nothing does: then it is not sent again.
+        Sending it would send no row, and wandb-core gives the summary's `_step` only from
+        the rows an upload sends.
 
         That the server's run is whole does not show that its last upload ended whole: a
         run finished by an earlier upload stays finished while a later one, of more rows,
         is stopped before it puts its files. The files wandb-core makes (the summary, the
-        config, the console) are therefore proven to be this run's too: by this ledger,
-        which verified the run from these very files (`verified_before`), or else by
-        reading them back (`whole.made_files_stale`). A server or a staging directory that cannot
-        say is sent the run, as it was before this check."""
+        config, the console) must therefore be this run's too: as this ledger knows, having
+        verified the run from these very files (`verified_before`), or else as read back
+        (`whole.made_files_stale`). A server or a staging directory that cannot say gets
+        the run sent, as before this check."""
         content = self._content(delivery)
-        if shortfall(content, held):
-            return False
         try:
             listing = self.client.run_files(
                 self.entity, self.project, delivery.run_id, urls_of=READ_BACK
             )
             files = staged_files(delivery.run_dir / "files")
-            logged = read_logged_run(delivery.log)
-        except (ServerError, OSError, ValueError):  # (ValueError: a value that is not JSON)
-            return False
+            logged = read_logged_run(delivery.log, READ_BACK["output.log"])
+        except (ServerError, OSError, ValueError) as exc:  # (ValueError: a value not JSON)
+            return [f"not known to be whole: {exc}"]
         if listing is None:
-            return False
+            return ["the server lists no such run"]
         expected = files_expected(files, content)
-        if not_held_whole(content, held, listing, expected, logged, delivery.exit_code):
-            return False
-        if delivery.verified_before:
-            return True
-        names = [name for name in READ_BACK if name in expected]
-        made = self.client.read_back(listing.urls, names, MADE_FILE_LIMIT)
-        return not made_files_stale(made, content, held, logged)
+        problems = not_held_whole(content, held, listing, expected, logged, delivery.exit_code)
+        if problems or delivery.verified_before:
+            return problems
+        limits = {name: limit for name, limit in READ_BACK.items() if name in expected}
+        return made_files_stale(self.client.read_back(listing.urls, limits), content, logged)
 
     def submit(self, delivery: Delivery) -> None:
         """Hand over one staged run: it is prepared in a thread of its own while the next runs
@@ -553,14 +553,18 @@ class Deliverer:
         """Tell the progress callback that a run ended, verified or not."""
         with self.lock:
             self._done += delivery.verified
-            done, rows = self._done, sum(self._rows.values())
         staged_rows = len(self._content(delivery).step_items)
         if delivery.held_already:
-            message = f"verified {delivery.run_id}: {staged_rows} rows, all on the server already"
+            self._tell(f"verified {delivery.run_id}: {staged_rows} rows, all on the server already")
         elif delivery.verified:
-            message = f"verified {delivery.run_id}: {staged_rows} rows"
+            self._tell(f"verified {delivery.run_id}: {staged_rows} rows")
         else:
-            message = f"incomplete {delivery.run_id}: {'; '.join(delivery.problems)}"
+            self._tell(f"incomplete {delivery.run_id}: {'; '.join(delivery.problems)}")
+
+    def _tell(self, message: str = "") -> None:
+        """Give the progress callback the runs verified and rows on the server, and a line."""
+        with self.lock:
+            done, rows = self._done, sum(self._rows.values())
         self.progress(Progress(done, self._total(), rows, message))
 
     def _probe(self, deliveries: list[Delivery]) -> bool:
@@ -585,9 +589,7 @@ class Deliverer:
                 moved |= self._counts.get(delivery.run_id) not in (None, counts)
                 self._counts[delivery.run_id] = counts
                 self._rows[delivery.run_id] = held.history_lines
-        with self.lock:
-            done, rows = self._done, sum(self._rows.values())
-        self.progress(Progress(done, self._total(), rows))
+        self._tell()
         return moved
 
     def _total(self) -> int:

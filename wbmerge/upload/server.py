@@ -66,7 +66,7 @@ RUN_FILES = """query RunFiles($project: String!, $entity: String, $name: String!
     run(name: $name) {
       state displayName group jobType
       files(after: $fileCursor, first: $fileLimit) {
-        edges { node { name sizeBytes url } cursor }
+        edges { node { name sizeBytes md5 url } cursor }
         pageInfo { endCursor hasNextPage }
       }
     }
@@ -76,7 +76,7 @@ FILES_PAGE = 500  # files asked for at a time
 MAX_FILES = 100_000  # a run of more files is not listed (it is sent again)
 LISTING_DEADLINE = 120.0  # seconds after which no next page of one run's files is asked
 REDIRECTS = 5  # a file's URL may redirect to storage (W&B signs a bucket URL) this often
-DOWNLOAD_DEADLINE = 120.0  # seconds after which a file being read back is given up
+DOWNLOAD_DEADLINE = 120.0  # seconds in which the files of one run are read back, or given up
 
 
 class ServerError(WbmergeError):
@@ -97,7 +97,7 @@ class Held:
     last_step: int | None = None  # `_step` of the last history line, when it has one
     last_row: dict | None = None  # the last history line itself
     # The run's summary and config as the server gives them: JSON text, read only when a
-    # run is checked for being whole (`remainder.not_held_whole`); and its tags.
+    # run is checked for being whole (`whole.not_held_whole`); and its tags.
     summary_json: str = ""
     config_json: str = ""
     tags: tuple[str, ...] = ()
@@ -106,11 +106,13 @@ class Held:
 @dataclass(frozen=True)
 class RunListing:
     """A run's state on the server (such as "running" or "finished"), its names, and its
-    files by name with their sizes in bytes, and the URLs of the files it was asked about."""
+    files by name: their sizes in bytes, their MD5s (base64, where the server gives one),
+    and the URLs of the files it was asked about."""
 
     state: str  # "" when the answer gives none
     names: tuple[str, str, str]  # display name, group, job type ("" where it has none)
     sizes: dict[str, int]
+    md5s: dict[str, str] = field(default_factory=dict)
     urls: dict[str, str] = field(default_factory=dict)
 
 
@@ -260,11 +262,13 @@ class ServerClient:
         self, entity: str | None, project: str, run_id: str, urls_of: Collection[str] = ()
     ) -> RunListing | None:
         """The run's state, names and files (None: no such run), a page of `FILES_PAGE` at a
-        time, with the URL of each file named in `urls_of`. The answers are untrusted: one that is not a file list, that lists more than
-        `MAX_FILES` files, or gives a cursor it gave before is a ServerError, and so is a
-        listing with more pages after `LISTING_DEADLINE` seconds (checked between pages:
-        one page is bounded by the client's timeout and retries). The run is then sent."""
+        time, with the URL of each file named in `urls_of`. The answers are untrusted: one
+        that is not a file list, that lists more than `MAX_FILES` files, or gives a cursor
+        it gave before is a ServerError, and so is a listing with more pages after
+        `LISTING_DEADLINE` seconds (checked between pages: one page is bounded by the
+        client's timeout and retries). The run is then sent."""
         sizes: dict[str, int] = {}
+        md5s: dict[str, str] = {}
         urls: dict[str, str] = {}
         cursors: set[str] = set()
         cursor = None
@@ -287,6 +291,8 @@ class ServerClient:
                     raise ServerError(f"{self.url} answered RunFiles of {run_id} with a file "
                                       "that has no name or size")  # fmt: skip
                 sizes[file[0]] = file[1]
+                if isinstance(md5 := edge["node"].get("md5"), str):
+                    md5s[file[0]] = md5
                 if file[0] in urls_of and isinstance(url := edge["node"].get("url"), str):
                     urls[file[0]] = url
             if len(sizes) > MAX_FILES:
@@ -294,7 +300,7 @@ class ServerClient:
             if not page.get("hasNextPage"):
                 names = (_text(run.get("displayName")), _text(run.get("group")),
                          _text(run.get("jobType")))  # fmt: skip
-                return RunListing(_text(run.get("state")), names, sizes, urls)
+                return RunListing(_text(run.get("state")), names, sizes, md5s, urls)
             cursor = page.get("endCursor")
             if not (isinstance(cursor, str) and cursor) or cursor in cursors:
                 raise ServerError(f"{self.url} answered RunFiles of {run_id} with more "
@@ -304,13 +310,15 @@ class ServerClient:
                 raise ServerError(f"{self.url} took over {LISTING_DEADLINE:.0f} s to list "
                                   f"the files of {run_id}")  # fmt: skip
 
-    def download(self, url: str, limit: int) -> bytes | None:
+    def download(self, url: str, limit: int, deadline: float | None = None) -> bytes | None:
         """The file at `url` (a `RunListing` URL), or None if it is larger than `limit` bytes.
 
         The API key goes only to the server's own host, and not on to where it redirects
         (W&B redirects a file to storage under a signed URL); only http(s) URLs are read,
-        so a server's answer cannot make this read a local file. A download that takes over
-        `DOWNLOAD_DEADLINE` seconds is given up. Errors are ServerErrors."""
+        so a server's answer cannot make this read a local file. A download still going at
+        `deadline` (a `time.monotonic()`; by default `DOWNLOAD_DEADLINE` seconds from now)
+        is given up. Errors are ServerErrors."""
+        deadline = time.monotonic() + DOWNLOAD_DEADLINE if deadline is None else deadline
         try:
             scheme, host, port, _ = _http_url(url, url)
         except WbmergeError:
@@ -326,7 +334,7 @@ class ServerClient:
                 declared = response.headers.get("Content-Length", "")
                 if declared.isdigit() and int(declared) > limit:
                     return None
-                data = _read_within(response, limit + 1, time.monotonic() + DOWNLOAD_DEADLINE)
+                data = _read_within(response, limit + 1, deadline)
         except urllib.error.HTTPError as exc:
             raise ServerError(f"{url[:200]} answered HTTP {exc.code}") from None
         except (OSError, http.client.HTTPException, ValueError) as exc:
@@ -334,15 +342,15 @@ class ServerClient:
             raise ServerError(f"cannot read {url[:200]}: {reason}") from None
         return data if len(data) <= limit else None
 
-    def read_back(
-        self, urls: dict[str, str], names: list[str], limit: int
-    ) -> dict[str, bytes | None]:
-        """The files `names` from their `urls` (`RunListing.urls`), each None where it has
-        no URL, could not be read (`download`), or is larger than `limit` bytes."""
+    def read_back(self, urls: dict[str, str], limits: dict[str, int]) -> dict[str, bytes | None]:
+        """The files named in `limits` from their `urls` (`RunListing.urls`), each None where
+        it has no URL, could not be read (`download`), or is larger than its limit. All of
+        them are read within one `DOWNLOAD_DEADLINE`: what is not read by then is None."""
+        deadline = time.monotonic() + DOWNLOAD_DEADLINE
         files: dict[str, bytes | None] = {}
-        for name in names:
+        for name, limit in limits.items():
             try:
-                files[name] = self.download(urls[name], limit) if name in urls else None
+                files[name] = self.download(urls[name], limit, deadline) if name in urls else None
             except ServerError:
                 files[name] = None
         return files
@@ -383,7 +391,7 @@ def _read_within(response: http.client.HTTPResponse, most: int, deadline: float)
     pieces, size = [], 0
     while size < most:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"not read in {DOWNLOAD_DEADLINE:.0f} s")
+            raise TimeoutError("not read by the deadline")
         piece = response.read1(min(1 << 20, most - size))
         if not piece:
             break

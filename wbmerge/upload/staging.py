@@ -9,6 +9,8 @@ that are gone (SIGKILL, reboot) and stops their uploader first, so that no orpha
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import shutil
@@ -160,11 +162,12 @@ def _state(pid: int) -> str | None:
         return None
 
 
-def staged_files(files_dir: Path) -> dict[str, int]:
-    """The regular files below a staged run's `files/`, by their name there, with sizes.
-    A directory below it that cannot be read raises OSError: its files are not known, so
-    they cannot be said to be on the server."""
-    found: dict[str, int] = {}
+def staged_files(files_dir: Path) -> dict[str, tuple[int, str]]:
+    """The regular files below a staged run's `files/`, by their name there, with their
+    sizes and MD5s (base64, as W&B gives a file's `md5`). A directory below it that cannot
+    be read raises OSError: its files are not known, so they cannot be said to be on the
+    server."""
+    found: dict[str, tuple[int, str]] = {}
     if not files_dir.exists():
         return found
 
@@ -176,5 +179,14 @@ def staged_files(files_dir: Path) -> dict[str, int]:
             path = Path(here, name)
             status = path.lstat()
             if stat.S_ISREG(status.st_mode):
-                found[path.relative_to(files_dir).as_posix()] = status.st_size
+                name = path.relative_to(files_dir).as_posix()
+                found[name] = (status.st_size, _md5_base64(path))
     return found
+
+
+def _md5_base64(path: Path) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as file:
+        while piece := file.read(1 << 20):
+            digest.update(piece)
+    return base64.b64encode(digest.digest()).decode()

@@ -25,19 +25,27 @@ MADE_BY_UPLOAD = frozenset({"config.yaml", "wandb-summary.json", "output.log",
                             "wandb-metadata.json"})  # fmt: skip
 
 
-def files_expected(staged_files: dict[str, int], staged: StagedContent) -> dict[str, int | None]:
-    """The files a whole upload of a staged run leaves on the server, by name: the size of
-    each file of its `files/` (`staged_files`), None where only the name can be foretold.
+# A file of a staged run as a whole upload leaves it: (size in bytes, MD5 in base64, as W&B
+# gives a file's `md5`). None for a file wandb-core writes itself: known by name only.
+FileWant = tuple[int, str] | None
+
+
+def files_expected(
+    staged_files: dict[str, tuple[int, str]], staged: StagedContent
+) -> dict[str, FileWant]:
+    """The files a whole upload of a staged run leaves on the server, by name: the size and
+    MD5 of each file of its `files/` (`staged_files`), None where only the name can be
+    foretold.
 
     wandb-core always puts `config.yaml` and `wandb-summary.json` (measured with wandb
     0.31), `output.log` when there is console output and `wandb-metadata.json` when the
-    log holds an environment record; it writes these itself, so their sizes are not the
-    staged ones. Example: a run with console lines and `files/media/a.png` of 90 bytes
-    expects {"media/a.png": 90, "config.yaml": None, "wandb-summary.json": None,
-    "output.log": None}.
+    log holds an environment record; it writes these itself, so their contents are not
+    the staged ones. Example: a run with console lines and `files/media/a.png` of 90 bytes
+    expects {"media/a.png": (90, "<its MD5>"), "config.yaml": None,
+    "wandb-summary.json": None, "output.log": None}.
     """
-    expected: dict[str, int | None] = {
-        name: None if name in MADE_BY_UPLOAD else size for name, size in staged_files.items()
+    expected: dict[str, FileWant] = {
+        name: None if name in MADE_BY_UPLOAD else want for name, want in staged_files.items()
     }
     expected["config.yaml"] = expected["wandb-summary.json"] = None
     if staged.console_lines != 0:  # (None: there is console, its line count unforeseeable)
@@ -47,15 +55,19 @@ def files_expected(staged_files: dict[str, int], staged: StagedContent) -> dict[
     return expected
 
 
-def files_missing(expected: dict[str, int | None], held: dict[str, int]) -> list[str]:
-    """What the server lacks of the `expected` files (`files_expected`), given the sizes of
-    the files it holds; [] when it holds every one at its size."""
+def files_missing(expected: dict[str, FileWant], listing: RunListing) -> list[str]:
+    """What the server lacks of the `expected` files (`files_expected`), given the sizes and
+    MD5s of the files it lists; [] when it holds every one at its size and MD5. A file of
+    the same size but other content (a later version whose upload failed) is found by its
+    MD5; a server that gives none cannot show the file is the staged one."""
     problems = []
-    for name, size in expected.items():
-        if name not in held:
+    for name, want in expected.items():
+        if name not in listing.sizes:
             problems.append(f"file {name} not on the server")
-        elif size is not None and held[name] != size:
-            problems.append(f"file {name} holds {held[name]} bytes of {size}")
+        elif want is not None and listing.sizes[name] != want[0]:
+            problems.append(f"file {name} holds {listing.sizes[name]} bytes of {want[0]}")
+        elif want is not None and listing.md5s.get(name) != want[1]:
+            problems.append(f"file {name} is not the staged one (MD5)")
     return problems
 
 
@@ -63,7 +75,7 @@ def not_held_whole(
     staged: StagedContent,
     held: Held,
     listing: RunListing,
-    expected_files: dict[str, int | None],
+    expected_files: dict[str, FileWant],
     logged: LoggedRun,
     exit_code: int,
 ) -> list[str]:
@@ -87,28 +99,29 @@ def not_held_whole(
     missing_tags = [tag for tag in logged.tags if tag not in held.tags]
     if missing_tags:
         problems.append(f"tags not on the server: {few(missing_tags)}")
-    config = {key: value["value"] if isinstance(value, dict) and "value" in value else value
-              for key, value in _json_object(held.config_json).items()}  # fmt: skip
+    config = _unwrapped(_json_object(held.config_json))
+    summary = _json_object(held.summary_json)
     for what, mine, theirs in (("config", logged.config, config),
-                               ("summary", logged.summary, _json_object(held.summary_json))):  # fmt: skip
+                               ("summary", logged.summary, summary)):  # fmt: skip
         differ = [key for key, value in mine.items() if not key.startswith("_")
                   and not (key in theirs and same_value(value, theirs[key]))]  # fmt: skip
         if differ:
             problems.append(f"{what} keys differ: {few(differ)}")
-    return problems + files_missing(expected_files, listing.sizes)
+    return problems + files_missing(expected_files, listing)
 
 
 # The files a whole upload writes from what it sends, read back to tell whether they came
-# from an upload of this very run (`made_files_stale`). `wandb-metadata.json` is the
-# environment record, written once when a run starts, so its name on the server suffices.
-READ_BACK = ("wandb-summary.json", "config.yaml", "output.log")
-# Bytes of a made file read back at most; a larger one (a console of millions of lines) is
-# not read, and its run is sent again.
-MADE_FILE_LIMIT = 64 << 20
+# from an upload of this very run (`made_files_stale`), with the most bytes read of each: a
+# larger one is not read, and its run is sent again. YAML is read by a loader whose
+# constructor is Python (a hostile 4 MB took 3-8 s of CPU and 300-600 MB), so the config's
+# bound is the tightest; a config of hyperparameters is some KB.
+# `wandb-metadata.json` is the environment record, written once when a run starts, so its
+# name on the server suffices.
+READ_BACK = {"wandb-summary.json": 8 << 20, "config.yaml": 1 << 20, "output.log": 64 << 20}
 
 
 def made_files_stale(
-    made: dict[str, bytes | None], staged: StagedContent, held: Held, logged: LoggedRun
+    made: dict[str, bytes | None], staged: StagedContent, logged: LoggedRun
 ) -> list[str]:
     """What shows that a file wandb-core made in the server's run (`READ_BACK`, read back
     as `made`: None where it could not be read) was written by an upload of other content
@@ -118,23 +131,25 @@ def made_files_stale(
     stale when that upload sent other content, as when a later upload of more rows sent
     its values and was stopped before it put its files. Then `wandb-summary.json` lacks
     the staged summary or the `_step` of the last staged row; `config.yaml` lacks staged
-    config; `output.log` holds fewer lines than the console lines the server holds.
+    config; `output.log` is not the staged console (`logged.console`: a console that
+    rewrites its lines cannot be foretold, and then the run is not found whole).
     Example: the staged run's last row is at step 29 and its summary is {"loss": 0.3}; the
     server's summary file says {"_step": 19, "loss": 0.3}, from an upload of 20 rows:
     that gives ["wandb-summary.json from another upload: _step"].
     """
     problems = []
-    summary = _json_object(_text(made.get("wandb-summary.json")))
-    expected = dict(logged.summary)
-    if staged.history_steps:
-        expected["_step"] = staged.history_steps[-1]
-    differ = [key for key, value in expected.items()
-              if (key == "_step" or not key.startswith("_"))
-              and not (key in summary and same_value(value, summary[key]))]  # fmt: skip
-    if "wandb-summary.json" in made and made["wandb-summary.json"] is None:
-        problems.append("wandb-summary.json could not be read")
-    elif "wandb-summary.json" in made and differ:
-        problems.append(f"wandb-summary.json from another upload: {few(differ)}")
+    if "wandb-summary.json" in made:
+        summary = _json_object(made["wandb-summary.json"] or b"")
+        expected = dict(logged.summary)
+        if staged.history_steps:
+            expected["_step"] = staged.history_steps[-1]
+        differ = [key for key, value in expected.items()
+                  if (key == "_step" or not key.startswith("_"))
+                  and not (key in summary and same_value(value, summary[key]))]  # fmt: skip
+        if made["wandb-summary.json"] is None:
+            problems.append("wandb-summary.json could not be read")
+        elif differ:
+            problems.append(f"wandb-summary.json from another upload: {few(differ)}")
     if "config.yaml" in made:
         config = _yaml_config(made["config.yaml"])
         differ = [key for key, value in logged.config.items() if not key.startswith("_")
@@ -144,21 +159,33 @@ def made_files_stale(
         elif differ:
             problems.append(f"config.yaml from another upload: {few(differ)}")
     if "output.log" in made:
-        lines = _line_count(made["output.log"])
-        foreseen = held.log_lines if staged.console_lines is None else staged.console_lines
-        if lines is None:
+        console = made["output.log"]
+        if logged.console is None:
+            problems.append("output.log cannot be foretold: the console rewrites its lines")
+        elif console is None:
             problems.append("output.log could not be read")
-        elif lines != held.log_lines:
-            problems.append(f"output.log from another upload: {lines} lines, the server "
-                            f"holds {held.log_lines} console lines")  # fmt: skip
-        elif lines != foreseen:
-            problems.append(f"output.log from another upload: {lines} lines, {foreseen} staged")
+        elif console not in (logged.console, logged.console + b"\n"):
+            problems.append("output.log from another upload: not the staged console")
     return problems
 
 
-class _Yaml12Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, with floats as YAML 1.2 writes them: wandb-core (Go's
-    yaml.v3) writes 1e-05 bare, which YAML 1.1 reads as a string."""
+_SAFE_LOADER = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader
+
+
+class _Yaml12Loader(_SAFE_LOADER):  # type: ignore[misc,valid-type]
+    """PyYAML's safe loader (libyaml's parser where there is one), reading scalars as
+    wandb-core (Go's yaml.v3, YAML 1.2) writes them: it writes 1e-05 bare, which YAML 1.1
+    reads as a string, and leaves bare what YAML 1.1 alone reads as a timestamp
+    (2024-05-06T07:08:09), a value (=) or a merge key (<<)."""
+
+    yaml_implicit_resolvers = {
+        first: [
+            (tag, rule)
+            for tag, rule in rules
+            if tag.rsplit(":", 1)[-1] not in ("timestamp", "value", "merge")
+        ]  # fmt: skip
+        for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
 
 
 _Yaml12Loader.add_implicit_resolver(
@@ -179,24 +206,16 @@ def _yaml_config(data: bytes | None) -> dict | None:
         tree = yaml.load(data, _Yaml12Loader)  # (a safe loader: plain data, no objects)
     except (yaml.YAMLError, RecursionError, ValueError):
         return None
-    if not isinstance(tree, dict):
-        return None
+    return _unwrapped(tree) if isinstance(tree, dict) else None
+
+
+def _unwrapped(config: dict) -> dict:
+    """A config as W&B keeps it, each key's `{"value": ...}`, as the values themselves."""
     return {key: entry["value"] if isinstance(entry, dict) and "value" in entry else entry
-            for key, entry in tree.items()}  # fmt: skip
+            for key, entry in config.items()}  # fmt: skip
 
 
-def _line_count(data: bytes | None) -> int | None:
-    """Lines of a text (the last one may lack its newline); None for no text."""
-    if data is None:
-        return None
-    return data.count(b"\n") + (not data.endswith(b"\n") and bool(data))
-
-
-def _text(data: bytes | None) -> str:
-    return data.decode("utf-8", "replace") if data is not None else ""
-
-
-def _json_object(text: str) -> dict:
+def _json_object(text: str | bytes) -> dict:
     """The JSON object of the server's `text`; {} for anything else (then nothing matches)."""
     try:
         value = json.loads(text) if text else {}
