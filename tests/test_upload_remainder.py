@@ -116,6 +116,14 @@ def test_an_unforeseeable_console_is_not_counted():
         (["10%\r", "50%\r", "100%\n"], 1),
         (["a\n\nb\n"], 3),
         (["bar\x1b[A\n"], None),
+        # line feeds after the last character make no line; a lone \r writes nothing
+        (["a\n", "\n"], 1),
+        (["\n\n\n"], 0),
+        (["\r\r\r"], 0),
+        (["\n\na"], 3),
+        # more blank lines in a row than wandb-core's view of 32 lines holds
+        (["a" + "\n" * 40 + "b"], 33),
+        (["\n" * 40 + "b"], 32),
     ],
 )
 def test_console_line_count(texts, lines):
@@ -296,19 +304,38 @@ def test_what_a_splice_counts_is_what_the_staged_log_holds(tmp_path):
         assert one.content.events > 0 and one.content.console_lines
 
 
-def _joined_line_count(texts: list[str]) -> int | None:
-    """The console rule on the whole text at once (`console_line_count`'s docstring)."""
+def _emulated_line_count(texts: list[str]) -> int | None:
+    """The lines wandb-core's terminal emulator makes of the whole text, character by
+    character as its Go source does (core/internal/terminalemulator): a line is made when
+    a character is put on it; `\n` moves the cursor down, scrolling a view of 32 lines."""
     text = "".join(texts)
-    if any(move in text for move in ("\x1b[A", "\x1b[1A", "\x1b[2K")):
+    if any(move in text for move in ("\x1b[A", "\x1b[B", "\x1b[1A", "\x1b[2K")):
         return None
-    return text.count("\n") + (1 if text and not text.endswith("\n") else 0)
+    view = cursor = made = 0
+    for char in text:
+        if char == "\n":
+            cursor += 1
+            if cursor >= 32:  # scrollDown: the view's first line goes, if it has one
+                view, cursor = max(view - 1, 0), cursor - 1
+        elif char != "\r":
+            while cursor >= view:
+                view, made = view + 1, made + 1
+    return made
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.text(alphabet="ab\n\r\x1b[12AK", max_size=6), max_size=12))
-def test_console_lines_counted_piece_by_piece_are_those_of_the_whole_text(texts):
+@given(st.lists(st.text(alphabet="ab\n\r\x1b[12ABK", max_size=6), max_size=12))
+def test_console_lines_counted_piece_by_piece_are_those_of_the_emulator(texts):
     # pieces are short, so that a cursor movement is often split between two of them
-    assert console_line_count(texts) == _joined_line_count(texts)
+    assert console_line_count(texts) == _emulated_line_count(texts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b\n", "\n", "\n" * 20, "\r", "\n\r\n"]), max_size=40))
+def test_long_runs_of_blank_lines_are_counted_as_the_emulator_scrolls(texts):
+    """Runs of more line feeds than the view holds lines (32), before, between and after
+    the characters written."""
+    assert console_line_count(texts) == _emulated_line_count(texts)
 
 
 def test_counting_a_console_does_not_hold_its_text(tmp_path):

@@ -188,6 +188,9 @@ MADE = {"wandb-summary.json": SUMMARY, "config.yaml": CONFIG, "output.log": CONS
         ({**MADE, "output.log": b"epoch 0\nepoch 1\nepoch 2\nDONE\n"}, STAGED, LOGGED,
          ["output.log from another upload: not the staged console"]),  # (same lines, sizes)
         ({**MADE, "output.log": CONSOLE}, STAGED, replace(LOGGED, console=CONSOLE[:-1]), []),
+        ({**MADE, "output.log": CONSOLE}, STAGED, replace(LOGGED, console=CONSOLE + b"\n\n"), []),
+        ({**MADE, "output.log": CONSOLE}, STAGED, replace(LOGGED, console=b"\n" + CONSOLE),
+         ["output.log from another upload: not the staged console"]),
         ({**MADE, "output.log": None}, STAGED, LOGGED, ["output.log could not be read"]),
         ({**MADE}, STAGED, replace(LOGGED, console=None),
          ["output.log cannot be foretold: the console rewrites its lines"]),

@@ -20,7 +20,8 @@ import numpy as np
 from . import records, sentrows
 from .proto import pb
 
-_CURSOR_MOVES = ("\x1b[A", "\x1b[1A", "\x1b[2K")  # consoles wandb's emulator may fold
+# Consoles wandb's emulator may fold: it moves the cursor up and down on ESC [ A and B.
+_CURSOR_MOVES = ("\x1b[A", "\x1b[B", "\x1b[1A", "\x1b[2K")
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,13 @@ def _rising_from(items: tuple[int | None, ...], start: int) -> bool:
 def console_line_count(texts: Sequence[str]) -> int | None:
     """Lines wandb's console emulator makes of one stream's text (None if not foreseeable).
 
-    Every `\\n` ends a line; a last line without one is still a line; `\\r` rewrites the
-    line it is on. Cursor movement (progress bars) folds lines in ways only the emulator
-    knows, so such a console is not counted.
+    The emulator (wandb-core's `terminalemulator`, a view of `TERMINAL_HEIGHT` lines) makes
+    a line only when a character is written on it: `\n` moves the cursor down, `\r` back
+    to the start of its line. So line feeds after the last character make no line, and
+    blank lines between two characters only as many as the view holds. Cursor movement
+    (progress bars) folds lines in ways only the emulator knows, so such a console is not
+    counted. Examples: "a\n\nb\n" makes 3 lines, "a\n\n\n" 1, "\r\r" none, and "a"
+    with 40 line feeds before "b" makes 33 (a, 31 blank lines, b).
     """
     lines = ConsoleLines()
     for text in texts:
@@ -70,16 +75,26 @@ def console_line_count(texts: Sequence[str]) -> int | None:
     return lines.count()
 
 
+TERMINAL_HEIGHT = 32  # wandb-core's `maxTerminalLines` (core/internal/runconsolelogs)
+# Line feeds (with carriage returns among them) more than the view can hold blank lines of.
+_LONG_FEEDS = re.compile(f"[\r\n]{{{TERMINAL_HEIGHT + 1},}}")
+
+
 class ConsoleLines:
     """`console_line_count` of one stream's text, taken a piece at a time without keeping
-    the text: a log's console may be far larger than memory should hold for a count."""
+    the text: a log's console may be far larger than memory should hold for a count.
+
+    Between two written characters, k line feeds make min(k, TERMINAL_HEIGHT) new lines
+    (the blank ones and the line of the second character); before the first character,
+    min(k + 1, TERMINAL_HEIGHT). Each piece is counted by these rules on its runs of line
+    feeds, not character by character."""
 
     _KEEP = max(map(len, _CURSOR_MOVES)) - 1  # text kept to find a move split between pieces
 
     def __init__(self) -> None:
-        self.newlines = 0
-        self.written = False  # any text at all
-        self.ends_line = False  # the text so far ends with `\n`
+        self.lines = 0  # lines made so far
+        self.feeds = 0  # line feeds since the last character written (or since the start)
+        self.written = False  # a character was written
         self.folded = False  # a cursor movement was seen: not foreseeable
         self._tail = ""
 
@@ -90,14 +105,24 @@ class ConsoleLines:
         if any(move in joined for move in _CURSOR_MOVES):
             self.folded = True
             return
-        self.newlines += text.count("\n")
-        self.written, self.ends_line = True, text.endswith("\n")
         self._tail = joined[-self._KEEP :]
+        body = text.rstrip("\r\n")  # (up to the last character written)
+        if not body:
+            self.feeds += text.count("\n")
+            return
+        inner = body.lstrip("\r\n")
+        first = self.feeds + body.count("\n", 0, len(body) - len(inner))
+        self.lines += (
+            min(first + (not self.written), TERMINAL_HEIGHT) if first or not self.written else 0
+        )
+        long_runs = sum(max(0, run.group().count("\n") - TERMINAL_HEIGHT)
+                        for run in _LONG_FEEDS.finditer(inner))  # fmt: skip
+        self.lines += inner.count("\n") - long_runs
+        self.written = True
+        self.feeds = text.count("\n", len(body))
 
     def count(self) -> int | None:
-        if self.folded:
-            return None
-        return self.newlines + (0 if not self.written or self.ends_line else 1)
+        return None if self.folded else self.lines
 
 
 class ContentCounter:
