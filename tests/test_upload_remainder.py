@@ -409,10 +409,19 @@ def console_log(tmp_path, texts: list[str], logger: bool = False):
     [
         (["epoch 0\n", "épоch 1\n", "done"], False, 100, "epoch 0\népоch 1\ndone".encode()),
         ([], False, 100, b""),
-        # what wandb's console emulator rewrites, cannot be foretold: \r, cursor moves, ...
+        # what wandb-core's emulator acts on, cannot be foretold: \r and cursor up and down
         (["epoch 0\n", "50%\r", "100%\n"], False, 100, None),
-        (["epoch 0\n", "\x1b[1A\x1b[2K", "bar\n"], False, 100, None),
-        (["a\b", "b\n"], False, 100, None),
+        (["win\r\n", "dos\r", "\n"], False, 100, b"win\ndos\n"),  # (\r\n: a line feed)
+        (["win\r\r\n"], False, 100, None),
+        (["bar 1\n", "\x1b[", "Abar 2\n"], False, 100, None),  # (a move split in two)
+        (["bar 1\n", "\x1b[B"], False, 100, None),
+        # what it writes as it is: colour codes, backspace, other escapes
+        (
+            ["\x1b[31mred\x1b[0m\n", "a\b", "b\x1b[1A\n"],
+            False,
+            100,
+            b"\x1b[31mred\x1b[0m\na\x08b\x1b[1A\n",
+        ),
         (["epoch 0\n"], True, 100, None),  # (wandb's logger lines: written another way)
         (["epoch 0\n", "epoch 1\n"], False, 15, None),  # (over the limit: not kept)
         (["epoch 0\n", "epoch 1\n"], False, 16, b"epoch 0\nepoch 1\n"),

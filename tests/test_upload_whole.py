@@ -14,6 +14,7 @@ from wbmerge.upload import (
     Held,
     RunListing,
     StagedContent,
+    files_changed,
     files_expected,
     files_missing,
     made_files_stale,
@@ -38,19 +39,19 @@ STAGED = StagedContent(step_items=(0, 1, 2, 5, 9), events=3, console_lines=4)
             True,
             {"config.yaml": None, "wandb-summary.json": None, "wandb-metadata.json": None},
         ),
-        # the run's own files at their staged size and MD5; wandb's own names by name only (an old
+        # the run's own files at their staged size; wandb's own names by name only (an old
         # wandb wrote them into files/, and wandb-core writes them again as it uploads)
         (
             {
-                "media/a.png": (90, "A=="),
-                "requirements.txt": (12, "R=="),
+                "media/a.png": 90,
+                "requirements.txt": 12,
                 "config.yaml": (40, "C=="),
             },
             0,
             False,
             {
-                "media/a.png": (90, "A=="),
-                "requirements.txt": (12, "R=="),
+                "media/a.png": 90,
+                "requirements.txt": 12,
                 "config.yaml": None,
                 "wandb-summary.json": None,
             },
@@ -63,24 +64,30 @@ def test_files_expected_after_a_whole_upload(staged_files, console, metadata, ex
 
 
 @pytest.mark.parametrize(
-    "sizes, md5s, problems",
+    "held, problems",
     [
-        ({"a.png": 90, "config.yaml": 5, "extra.txt": 1}, {"a.png": "A=="}, []),  # (more is fine)
-        ({"a.png": 90}, {"a.png": "A=="}, ["file config.yaml not on the server"]),
-        ({"a.png": 89, "config.yaml": 5}, {"a.png": "A=="}, ["file a.png holds 89 bytes of 90"]),
-        ({}, {}, ["file a.png not on the server", "file config.yaml not on the server"]),
-        # the same size, other content: a later version whose upload failed
-        (
-            {"a.png": 90, "config.yaml": 5},
-            {"a.png": "B=="},
-            ["file a.png is not the staged one (MD5)"],
-        ),
-        ({"a.png": 90, "config.yaml": 5}, {}, ["file a.png is not the staged one (MD5)"]),
+        ({"a.png": 90, "config.yaml": 5, "extra.txt": 1}, []),  # more on the server is fine
+        ({"a.png": 90}, ["file config.yaml not on the server"]),
+        ({"a.png": 89, "config.yaml": 5}, ["file a.png holds 89 bytes of 90"]),
+        ({}, ["file a.png not on the server", "file config.yaml not on the server"]),
     ],
 )
-def test_files_missing_names_each_file_absent_or_of_other_content(sizes, md5s, problems):
-    listing = RunListing("finished", ("", "", ""), sizes, md5s)
-    assert files_missing({"a.png": (90, "A=="), "config.yaml": None}, listing) == problems
+def test_files_missing_names_each_file_absent_or_of_another_size(held, problems):
+    assert files_missing({"a.png": 90, "config.yaml": None}, held) == problems
+
+
+@pytest.mark.parametrize(
+    "md5s, problems",
+    [
+        ({"a.png": "A==", "b.txt": "B==", "extra.txt": "X=="}, []),
+        # the same size, other content: a later version whose upload failed
+        ({"a.png": "A==", "b.txt": "C=="}, ["file b.txt is not the staged one (MD5)"]),
+        ({"a.png": "A=="}, ["file b.txt is not the staged one (MD5)"]),  # (none given)
+    ],
+)
+def test_files_changed_names_each_file_of_other_content(md5s, problems):
+    listing = RunListing("finished", ("", "", ""), {"a.png": 90, "b.txt": 3}, md5s)
+    assert files_changed({"a.png": "A==", "b.txt": "B=="}, listing) == problems
 
 
 WHOLE = Held(True, 5, 3, 4, 9, summary_json=json.dumps({"loss": 0.5, "_step": 9}),
@@ -102,12 +109,12 @@ UNNAMED = replace(LOGGED, names=("", "", ""))
         (replace(WHOLE, events_lines=2), LISTED, UNNAMED, 0, ["system-metric rows 2 of 3"]),
         # an upload that ended before its last request, or ended as another exit code did
         (WHOLE, replace(LISTED, state="running"), UNNAMED, 0,
-         ["state running, a whole upload leaves finished"]),
+         ["state 'running', a whole upload leaves finished"]),
         (WHOLE, replace(LISTED, state="crashed"), UNNAMED, 0,
-         ["state crashed, a whole upload leaves finished"]),
-        (WHOLE, LISTED, UNNAMED, 1, ["state finished, a whole upload leaves failed"]),
+         ["state 'crashed', a whole upload leaves finished"]),
+        (WHOLE, LISTED, UNNAMED, 1, ["state 'finished', a whole upload leaves failed"]),
         (WHOLE, replace(LISTED, state=""), UNNAMED, 0,
-         ["state unknown, a whole upload leaves finished"]),
+         ["state 'unknown', a whole upload leaves finished"]),
         (WHOLE, LISTED, replace(LOGGED, names=("n", "other", "eval")), 0,
          ["group 'g', this upload gives 'other'", "job type 'train', this upload gives 'eval'"]),
         # what was changed on the server since: tags, config and summary
@@ -131,7 +138,7 @@ UNNAMED = replace(LOGGED, names=("", "", ""))
 def test_not_held_whole_names_what_a_whole_upload_would_change(
     held, listing, logged, exit_code, problems
 ):
-    expected = {"a.png": (90, "A=="), "config.yaml": None}
+    expected = {"a.png": 90, "config.yaml": None}
     assert not_held_whole(STAGED, held, listing, expected, logged, exit_code) == problems
 
 
@@ -193,7 +200,7 @@ MADE = {"wandb-summary.json": SUMMARY, "config.yaml": CONFIG, "output.log": CONS
          ["output.log from another upload: not the staged console"]),
         ({**MADE, "output.log": None}, STAGED, LOGGED, ["output.log could not be read"]),
         ({**MADE}, STAGED, replace(LOGGED, console=None),
-         ["output.log cannot be foretold: the console rewrites its lines"]),
+         ["output.log cannot be foretold from this console (see LoggedRun)"]),
     ],
 )  # fmt: skip
 def test_made_files_stale_names_the_files_another_upload_made(made, staged, logged, problems):

@@ -175,8 +175,9 @@ class LoggedRun:
     type and the tags of its first run record ("" and () where it gives none), the config
     and summary they set (nested keys as nested objects), and the console as wandb-core
     writes it to `output.log`: its texts as they were logged, one after another, as UTF-8.
-    `console` is None where that cannot be foretold: a console that moves the cursor or
-    rewrites a line (progress bars), lines of wandb's logger, or a console over the limit.
+    `console` is None where that cannot be foretold: a console that returns to the start
+    of a line or moves the cursor (progress bars), lines of wandb's logger, or a console
+    over the limit.
     """
 
     names: tuple[str, str, str] = ("", "", "")
@@ -186,8 +187,10 @@ class LoggedRun:
     console: bytes | None = None
 
 
-# Control characters that make a terminal rewrite what it shows (all but tab and newline).
-_REWRITES = re.compile("[\x00-\x08\x0b-\x1f\x7f]")
+# What wandb-core's terminal emulator acts on besides `\n`: a carriage return and ESC [ A
+# and B (cursor up, down). Every other character, colour codes and backspace included, it
+# writes as it is.
+_REWRITES = re.compile(b"\r|\x1b\\[[AB]")
 
 
 def read_logged_run(log: Path, console_limit: int = 64 << 20) -> LoggedRun:
@@ -206,18 +209,19 @@ def read_logged_run(log: Path, console_limit: int = 64 << 20) -> LoggedRun:
             record = pb.Record.FromString(read.frames.payload(index))
             kind = record.WhichOneof("record_type")
             if kind == "output_raw":
-                text = record.output_raw.line
-                size += len(text.encode())
-                if console is None or size > console_limit or _REWRITES.search(text):
-                    console = None
-                else:
-                    console.append(text.encode())
+                if console is not None:
+                    console.append(record.output_raw.line.encode())
+                    size += len(console[-1])
+                    console = None if size > console_limit else console
             elif kind == "run":
                 first = first or record.run
                 _apply(config, record.run.config)
             else:
                 _apply(config if kind == "config" else summary, getattr(record, kind))
-    text = None if console is None else b"".join(console)
+    # (a carriage return just before a line feed leaves the line as it is)
+    text = None if console is None else b"".join(console).replace(b"\r\n", b"\n")
+    if text is not None and _REWRITES.search(text):  # (searched whole: a move may be split)
+        text = None
     if first is None:
         return LoggedRun(config=config, summary=summary, console=text)
     names = (first.display_name, first.run_group, first.job_type)

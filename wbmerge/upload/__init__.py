@@ -26,9 +26,16 @@ from .ledger import Ledger, run_locks, server_key, state_dir
 from .remainder import Remainder, history_row, remainder, same_value, shortfall
 from .server import Held, RunListing, ServerClient, ServerError
 from .settle import SETTLE, last_stop, note_stopped, wait_settled
-from .staging import OwnerRecord, clean_stale, make_staging, staged_files
+from .staging import OwnerRecord, clean_stale, make_staging, staged_files, staged_md5s
 from .uploader import DEFAULT_TIMEOUT
-from .whole import READ_BACK, files_expected, files_missing, made_files_stale, not_held_whole
+from .whole import (
+    READ_BACK,
+    files_changed,
+    files_expected,
+    files_missing,
+    made_files_stale,
+    not_held_whole,
+)
 
 DEFAULT_PARALLEL = 4  # below wandb sync's own default of 5: one job may be many runs
 
@@ -56,6 +63,7 @@ __all__ = [
     "batch_lanes",
     "batch_size",
     "clean_stale",
+    "files_changed",
     "files_expected",
     "files_missing",
     "find_credentials",
@@ -73,6 +81,7 @@ __all__ = [
     "server_key",
     "shortfall",
     "staged_files",
+    "staged_md5s",
     "state_dir",
     "wait_settled",
 ]

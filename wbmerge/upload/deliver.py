@@ -31,17 +31,16 @@ from .ledger import Ledger
 from .remainder import Mismatch, history_row, remainder, shortfall, write_remainder
 from .server import Held, ServerClient, ServerError
 from .settle import wait_settled
-from .staging import OwnerRecord, staged_files
+from .staging import OwnerRecord, staged_files, staged_md5s
 from .uploader import DEFAULT_TIMEOUT, Uploader
-from .whole import READ_BACK, files_expected, made_files_stale, not_held_whole
+from .whole import READ_BACK, files_changed, files_expected, made_files_stale, not_held_whole
 
 # Runs of one batch checked at once after their upload: one at a time, the checks of 256
 # small runs fell 2 s behind the upload (each waits on a server busy with the upload).
 VERIFIERS = 4
-# Runs whose server state is asked at once before their upload. Asked one after another in
-# the staging thread, 256 runs waited 256 round trips before any was sent: 12.8 s of a 27 s
-# sync against a server 50 ms away (bench_sync_e2e.py --latency 0.05), where plain
-# `wandb sync` took 13.5 s.
+# Runs asked about at once before their upload. Asked one after another, 256 runs waited
+# 256 round trips before any was sent: 12.8 s of a 27 s sync against a server 50 ms away
+# (bench_sync_e2e.py --latency 0.05; plain `wandb sync` took 13.5 s).
 PREPARERS = 8
 # While a batch uploads, `PROBED` of its unfinished runs (`runs_to_ask`) are asked how far
 # they are every `PROBE_EVERY` seconds: 4 questions a second at most, however large the
@@ -200,24 +199,25 @@ class Deliverer:
 
         That the server's run is whole does not show that its last upload ended whole: a
         run finished by an earlier upload stays finished while a later one, of more rows,
-        is stopped before it puts its files. The files wandb-core makes (the summary, the
-        config, the console) must therefore be this run's too: as this ledger knows, having
+        is stopped before it puts its files. So the files wandb-core makes (the summary,
+        the config, the console) must be this run's too: as this ledger knows, having
         verified the run from these very files (`verified_before`), or else as read back
-        (`whole.made_files_stale`). A server or a staging directory that cannot say gets
-        the run sent, as before this check."""
+        (`whole.made_files_stale`). A server or staging that cannot say gets it sent."""
         content = self._content(delivery)
         try:
             listing = self.client.run_files(
                 self.entity, self.project, delivery.run_id, urls_of=READ_BACK
             )
-            files = staged_files(delivery.run_dir / "files")
+            if listing is None:
+                return ["the server lists no such run"]
+            expected = files_expected(staged_files(delivery.run_dir / "files"), content)
             logged = read_logged_run(delivery.log, READ_BACK["output.log"])
+            problems = not_held_whole(content, held, listing, expected, logged, delivery.exit_code)
+            if not problems:  # (every file at its size: only now is each worth hashing)
+                sized = [name for name, size in expected.items() if size is not None]
+                problems = files_changed(staged_md5s(delivery.run_dir / "files", sized), listing)
         except (ServerError, OSError, ValueError) as exc:  # (ValueError: a value not JSON)
             return [f"not known to be whole: {exc}"]
-        if listing is None:
-            return ["the server lists no such run"]
-        expected = files_expected(files, content)
-        problems = not_held_whole(content, held, listing, expected, logged, delivery.exit_code)
         if problems or delivery.verified_before:
             return problems
         limits = {name: limit for name, limit in READ_BACK.items() if name in expected}

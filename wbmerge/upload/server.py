@@ -319,6 +319,8 @@ class ServerClient:
         `deadline` (a `time.monotonic()`; by default `DOWNLOAD_DEADLINE` seconds from now)
         is given up. Errors are ServerErrors."""
         deadline = time.monotonic() + DOWNLOAD_DEADLINE if deadline is None else deadline
+        if time.monotonic() > deadline:  # (a connection is not even opened)
+            raise ServerError(f"cannot read {url[:200]}: not read by the deadline")
         try:
             scheme, host, port, _ = _http_url(url, url)
         except WbmergeError:

@@ -19,6 +19,7 @@ import stat
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from .settle import note_stopped
@@ -162,12 +163,11 @@ def _state(pid: int) -> str | None:
         return None
 
 
-def staged_files(files_dir: Path) -> dict[str, tuple[int, str]]:
-    """The regular files below a staged run's `files/`, by their name there, with their
-    sizes and MD5s (base64, as W&B gives a file's `md5`). A directory below it that cannot
-    be read raises OSError: its files are not known, so they cannot be said to be on the
-    server."""
-    found: dict[str, tuple[int, str]] = {}
+def staged_files(files_dir: Path) -> dict[str, int]:
+    """The regular files below a staged run's `files/`, by their name there, with sizes.
+    A directory below it that cannot be read raises OSError: its files are not known, so
+    they cannot be said to be on the server."""
+    found: dict[str, int] = {}
     if not files_dir.exists():
         return found
 
@@ -179,14 +179,19 @@ def staged_files(files_dir: Path) -> dict[str, tuple[int, str]]:
             path = Path(here, name)
             status = path.lstat()
             if stat.S_ISREG(status.st_mode):
-                name = path.relative_to(files_dir).as_posix()
-                found[name] = (status.st_size, _md5_base64(path))
+                found[path.relative_to(files_dir).as_posix()] = status.st_size
     return found
 
 
-def _md5_base64(path: Path) -> str:
-    digest = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as file:
-        while piece := file.read(1 << 20):
-            digest.update(piece)
-    return base64.b64encode(digest.digest()).decode()
+def staged_md5s(files_dir: Path, names: Iterable[str]) -> dict[str, str]:
+    """The MD5 of each of the files `names` below a staged run's `files/`, in base64 as W&B
+    gives a file's `md5` (OSError if one cannot be read). Hashing costs about 2 s a GB, so
+    only files already found on the server at their size are hashed."""
+    found: dict[str, str] = {}
+    for name in names:
+        digest = hashlib.md5(usedforsecurity=False)
+        with open(files_dir / name, "rb") as file:
+            while piece := file.read(1 << 20):
+                digest.update(piece)
+        found[name] = base64.b64encode(digest.digest()).decode()
+    return found

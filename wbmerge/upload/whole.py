@@ -25,27 +25,19 @@ MADE_BY_UPLOAD = frozenset({"config.yaml", "wandb-summary.json", "output.log",
                             "wandb-metadata.json"})  # fmt: skip
 
 
-# A file of a staged run as a whole upload leaves it: (size in bytes, MD5 in base64, as W&B
-# gives a file's `md5`). None for a file wandb-core writes itself: known by name only.
-FileWant = tuple[int, str] | None
-
-
-def files_expected(
-    staged_files: dict[str, tuple[int, str]], staged: StagedContent
-) -> dict[str, FileWant]:
-    """The files a whole upload of a staged run leaves on the server, by name: the size and
-    MD5 of each file of its `files/` (`staged_files`), None where only the name can be
-    foretold.
+def files_expected(staged_files: dict[str, int], staged: StagedContent) -> dict[str, int | None]:
+    """The files a whole upload of a staged run leaves on the server, by name: the size of
+    each file of its `files/` (`staged_files`), None where only the name can be foretold.
 
     wandb-core always puts `config.yaml` and `wandb-summary.json` (measured with wandb
     0.31), `output.log` when there is console output and `wandb-metadata.json` when the
     log holds an environment record; it writes these itself, so their contents are not
     the staged ones. Example: a run with console lines and `files/media/a.png` of 90 bytes
-    expects {"media/a.png": (90, "<its MD5>"), "config.yaml": None,
-    "wandb-summary.json": None, "output.log": None}.
+    expects {"media/a.png": 90, "config.yaml": None, "wandb-summary.json": None,
+    "output.log": None}.
     """
-    expected: dict[str, FileWant] = {
-        name: None if name in MADE_BY_UPLOAD else want for name, want in staged_files.items()
+    expected: dict[str, int | None] = {
+        name: None if name in MADE_BY_UPLOAD else size for name, size in staged_files.items()
     }
     expected["config.yaml"] = expected["wandb-summary.json"] = None
     if staged.console_lines != 0:  # (None: there is console, its line count unforeseeable)
@@ -55,27 +47,32 @@ def files_expected(
     return expected
 
 
-def files_missing(expected: dict[str, FileWant], listing: RunListing) -> list[str]:
-    """What the server lacks of the `expected` files (`files_expected`), given the sizes and
-    MD5s of the files it lists; [] when it holds every one at its size and MD5. A file of
-    the same size but other content (a later version whose upload failed) is found by its
-    MD5; a server that gives none cannot show the file is the staged one."""
+def files_missing(expected: dict[str, int | None], held: dict[str, int]) -> list[str]:
+    """What the server lacks of the `expected` files (`files_expected`), given the sizes of
+    the files it holds; [] when it holds every one at its size."""
     problems = []
-    for name, want in expected.items():
-        if name not in listing.sizes:
+    for name, size in expected.items():
+        if name not in held:
             problems.append(f"file {name} not on the server")
-        elif want is not None and listing.sizes[name] != want[0]:
-            problems.append(f"file {name} holds {listing.sizes[name]} bytes of {want[0]}")
-        elif want is not None and listing.md5s.get(name) != want[1]:
-            problems.append(f"file {name} is not the staged one (MD5)")
+        elif size is not None and held[name] != size:
+            problems.append(f"file {name} holds {held[name]} bytes of {size}")
     return problems
+
+
+def files_changed(staged_md5s: dict[str, str], listing: RunListing) -> list[str]:
+    """The staged files (by their MD5s, `staging.staged_md5s`) that the server holds at
+    their size but with other content, as a later version whose upload failed leaves
+    them; [] when none. A file the server gives no MD5 of cannot be shown to be the
+    staged one, so it counts as changed."""
+    return [f"file {name} is not the staged one (MD5)" for name, md5 in staged_md5s.items()
+            if listing.md5s.get(name) != md5]  # fmt: skip
 
 
 def not_held_whole(
     staged: StagedContent,
     held: Held,
     listing: RunListing,
-    expected_files: dict[str, FileWant],
+    expected_files: dict[str, int | None],
     logged: LoggedRun,
     exit_code: int,
 ) -> list[str]:
@@ -91,7 +88,7 @@ def not_held_whole(
     problems = shortfall(staged, held)
     state = "finished" if exit_code == 0 else "failed"
     if listing.state != state:
-        problems.append(f"state {listing.state or 'unknown'}, a whole upload leaves {state}")
+        problems.append(f"state {listing.state or 'unknown'!r}, a whole upload leaves {state}")
     for what, mine, theirs in zip(("display name", "group", "job type"), logged.names,
                                   listing.names, strict=True):  # fmt: skip
         if mine and mine != theirs:
@@ -107,7 +104,7 @@ def not_held_whole(
                   and not (key in theirs and same_value(value, theirs[key]))]  # fmt: skip
         if differ:
             problems.append(f"{what} keys differ: {few(differ)}")
-    return problems + files_missing(expected_files, listing)
+    return problems + files_missing(expected_files, listing.sizes)
 
 
 # The files a whole upload writes from what it sends, read back to tell whether they came
@@ -161,11 +158,10 @@ def made_files_stale(
     if "output.log" in made:
         console = made["output.log"]
         if logged.console is None:
-            problems.append("output.log cannot be foretold: the console rewrites its lines")
+            problems.append("output.log cannot be foretold from this console (see LoggedRun)")
         elif console is None:
             problems.append("output.log could not be read")
-        # (line feeds after the last character make no line: `content.console_line_count`)
-        elif console.rstrip(b"\n") != logged.console.rstrip(b"\n"):
+        elif not _same_lines(console, logged.console):
             problems.append("output.log from another upload: not the staged console")
     return problems
 
@@ -208,6 +204,17 @@ def _yaml_config(data: bytes | None) -> dict | None:
     except (yaml.YAMLError, RecursionError, ValueError):
         return None
     return _unwrapped(tree) if isinstance(tree, dict) else None
+
+
+def _same_lines(a: bytes, b: bytes) -> bool:
+    """Whether two console texts are the same but for line feeds at their ends, which make
+    no line (`content.console_line_count`); compared in place, not copied (64 MB each)."""
+    end_a, end_b = len(a), len(b)
+    while end_a and a[end_a - 1] == 10:  # (b"\n")
+        end_a -= 1
+    while end_b and b[end_b - 1] == 10:
+        end_b -= 1
+    return end_a == end_b and memoryview(a)[:end_a] == memoryview(b)[:end_b]
 
 
 def _unwrapped(config: dict) -> dict:
