@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import records, sentrows
+from . import records, sentrows, terminal
 from .proto import pb
 
 # Consoles wandb's emulator may fold: it moves the cursor up and down on ESC [ A and B.
@@ -173,12 +173,9 @@ def read_staged(log: Path) -> StagedContent:
 class LoggedRun:
     """What a log's records give its run on the server: the display name, group and job
     type and the tags of its first run record ("" and () where it gives none), the config
-    and summary they set (nested keys as nested objects), and the console as wandb-core
-    writes it to `output.log`: its texts as they were logged, one after another, as UTF-8.
-    `console` is None where that cannot be foretold: a console that returns to the start
-    of a line or moves the cursor (progress bars), lines of wandb's logger, or a console
-    over the limit.
-    """
+    and summary they set (nested keys as nested objects), and the `output.log` wandb-core
+    writes of its console (`terminal.output_log`, as UTF-8; None for a console over the
+    limit)."""
 
     names: tuple[str, str, str] = ("", "", "")
     tags: tuple[str, ...] = ()
@@ -187,41 +184,37 @@ class LoggedRun:
     console: bytes | None = None
 
 
-# What wandb-core's terminal emulator acts on besides `\n`: a carriage return and ESC [ A
-# and B (cursor up, down). Every other character, colour codes and backspace included, it
-# writes as it is.
-_REWRITES = re.compile(b"\r|\x1b\\[[AB]")
+_STREAMS = {pb.OutputRawRecord.STDOUT: "stdout", pb.OutputRawRecord.STDERR: "stderr"}
 
 
 def read_logged_run(log: Path, console_limit: int = 64 << 20) -> LoggedRun:
     """The `LoggedRun` of a log, its updates and removals applied in order, as wandb-core
-    applies them (ValueError for a value that is not JSON); its console only when it holds
-    at most `console_limit` bytes."""
+    applies them (ValueError for a value that is not JSON); its console only when its
+    texts hold at most `console_limit` characters."""
     first: pb.RunRecord | None = None
     config: dict = {}
     summary: dict = {}
-    console: list[bytes] | None = []
+    console: list[tuple[str, str]] | None = []
     size = 0
+    kinds = ("run", "config", "summary", "output_raw", "output_logger")
     for read in records.read_indexed(log):
-        if len(read.of("output_logger")):
-            console = None
-        for index in read.of("run", "config", "summary", "output_raw").tolist():
+        for index in read.of(*kinds).tolist():
             record = pb.Record.FromString(read.frames.payload(index))
             kind = record.WhichOneof("record_type")
-            if kind == "output_raw":
-                if console is not None:
-                    console.append(record.output_raw.line.encode())
-                    size += len(console[-1])
-                    console = None if size > console_limit else console
+            if kind in ("output_raw", "output_logger"):
+                output = getattr(record, kind)
+                if console is not None and kind == "output_logger":
+                    console.append(("logger", output.line))
+                elif console is not None and output.output_type in _STREAMS:
+                    console.append((_STREAMS[output.output_type], output.line))
+                size += len(output.line)
+                console = None if size > console_limit else console
             elif kind == "run":
                 first = first or record.run
                 _apply(config, record.run.config)
             else:
                 _apply(config if kind == "config" else summary, getattr(record, kind))
-    # (a carriage return just before a line feed leaves the line as it is)
-    text = None if console is None else b"".join(console).replace(b"\r\n", b"\n")
-    if text is not None and _REWRITES.search(text):  # (searched whole: a move may be split)
-        text = None
+    text = None if console is None else terminal.output_log(console).encode()
     if first is None:
         return LoggedRun(config=config, summary=summary, console=text)
     names = (first.display_name, first.run_group, first.job_type)

@@ -128,8 +128,8 @@ def made_files_stale(
     stale when that upload sent other content, as when a later upload of more rows sent
     its values and was stopped before it put its files. Then `wandb-summary.json` lacks
     the staged summary or the `_step` of the last staged row; `config.yaml` lacks staged
-    config; `output.log` is not the staged console (`logged.console`: a console that
-    rewrites its lines cannot be foretold, and then the run is not found whole).
+    config; `output.log` is not what wandb-core writes of the staged console
+    (`logged.console`, `terminal.output_log`).
     Example: the staged run's last row is at step 29 and its summary is {"loss": 0.3}; the
     server's summary file says {"_step": 19, "loss": 0.3}, from an upload of 20 rows:
     that gives ["wandb-summary.json from another upload: _step"].
@@ -156,12 +156,11 @@ def made_files_stale(
         elif differ:
             problems.append(f"config.yaml from another upload: {few(differ)}")
     if "output.log" in made:
-        console = made["output.log"]
         if logged.console is None:
-            problems.append("output.log cannot be foretold from this console (see LoggedRun)")
-        elif console is None:
+            problems.append("output.log not foretold: the console is over its limit")
+        elif made["output.log"] is None:
             problems.append("output.log could not be read")
-        elif not _same_lines(console, logged.console):
+        elif made["output.log"] != logged.console:
             problems.append("output.log from another upload: not the staged console")
     return problems
 
@@ -204,17 +203,6 @@ def _yaml_config(data: bytes | None) -> dict | None:
     except (yaml.YAMLError, RecursionError, ValueError):
         return None
     return _unwrapped(tree) if isinstance(tree, dict) else None
-
-
-def _same_lines(a: bytes, b: bytes) -> bool:
-    """Whether two console texts are the same but for line feeds at their ends, which make
-    no line (`content.console_line_count`); compared in place, not copied (64 MB each)."""
-    end_a, end_b = len(a), len(b)
-    while end_a and a[end_a - 1] == 10:  # (b"\n")
-        end_a -= 1
-    while end_b and b[end_b - 1] == 10:
-        end_b -= 1
-    return end_a == end_b and memoryview(a)[:end_a] == memoryview(b)[:end_b]
 
 
 def _unwrapped(config: dict) -> dict:
