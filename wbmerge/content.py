@@ -19,6 +19,7 @@ import numpy as np
 
 from . import records, sentrows, terminal
 from .proto import pb
+from .terminal import TERMINAL_HEIGHT
 
 # Consoles wandb's emulator may fold: it moves the cursor up and down on ESC [ A and B.
 _CURSOR_MOVES = ("\x1b[A", "\x1b[B", "\x1b[1A", "\x1b[2K")
@@ -75,7 +76,6 @@ def console_line_count(texts: Sequence[str]) -> int | None:
     return lines.count()
 
 
-TERMINAL_HEIGHT = 32  # wandb-core's `maxTerminalLines` (core/internal/runconsolelogs)
 # Line feeds (with carriage returns among them) more than the view can hold blank lines of.
 _LONG_FEEDS = re.compile(f"[\r\n]{{{TERMINAL_HEIGHT + 1},}}")
 
@@ -112,9 +112,7 @@ class ConsoleLines:
             return
         inner = body.lstrip("\r\n")
         first = self.feeds + body.count("\n", 0, len(body) - len(inner))
-        self.lines += (
-            min(first + (not self.written), TERMINAL_HEIGHT) if first or not self.written else 0
-        )
+        self.lines += min(first + (not self.written), TERMINAL_HEIGHT)
         long_runs = sum(max(0, run.group().count("\n") - TERMINAL_HEIGHT)
                         for run in _LONG_FEEDS.finditer(inner))  # fmt: skip
         self.lines += inner.count("\n") - long_runs
@@ -208,7 +206,8 @@ def read_logged_run(log: Path, console_limit: int = 64 << 20) -> LoggedRun:
                 elif console is not None and output.output_type in _STREAMS:
                     console.append((_STREAMS[output.output_type], output.line))
                 size += len(output.line)
-                console = None if size > console_limit else console
+                if size > console_limit:
+                    console = None
             elif kind == "run":
                 first = first or record.run
                 _apply(config, record.run.config)

@@ -136,25 +136,27 @@ def made_files_stale(
     """
     problems = []
     if "wandb-summary.json" in made:
-        summary = _json_object(made["wandb-summary.json"] or b"")
-        expected = dict(logged.summary)
-        if staged.history_steps:
-            expected["_step"] = staged.history_steps[-1]
-        differ = [key for key, value in expected.items()
-                  if (key == "_step" or not key.startswith("_"))
-                  and not (key in summary and same_value(value, summary[key]))]  # fmt: skip
         if made["wandb-summary.json"] is None:
             problems.append("wandb-summary.json could not be read")
-        elif differ:
-            problems.append(f"wandb-summary.json from another upload: {few(differ)}")
+        else:
+            summary = _json_object(made["wandb-summary.json"])
+            expected = dict(logged.summary)
+            if staged.history_steps:
+                expected["_step"] = staged.history_steps[-1]
+            differ = [key for key, value in expected.items()
+                      if (key == "_step" or not key.startswith("_"))
+                      and not (key in summary and same_value(value, summary[key]))]  # fmt: skip
+            if differ:
+                problems.append(f"wandb-summary.json from another upload: {few(differ)}")
     if "config.yaml" in made:
         config = _yaml_config(made["config.yaml"])
-        differ = [key for key, value in logged.config.items() if not key.startswith("_")
-                  and not (key in (config or {}) and same_value(value, config[key]))]  # fmt: skip
         if config is None:
             problems.append("config.yaml could not be read as a config")
-        elif differ:
-            problems.append(f"config.yaml from another upload: {few(differ)}")
+        else:
+            differ = [key for key, value in logged.config.items() if not key.startswith("_")
+                      and not (key in config and same_value(value, config[key]))]  # fmt: skip
+            if differ:
+                problems.append(f"config.yaml from another upload: {few(differ)}")
     if "output.log" in made:
         if logged.console is None:
             problems.append("output.log not foretold: the console is over its limit")
@@ -175,13 +177,10 @@ class _Yaml12Loader(_SAFE_LOADER):  # type: ignore[misc,valid-type]
     (2024-05-06T07:08:09), a value (=) or a merge key (<<)."""
 
     yaml_implicit_resolvers = {
-        first: [
-            (tag, rule)
-            for tag, rule in rules
-            if tag.rsplit(":", 1)[-1] not in ("timestamp", "value", "merge")
-        ]  # fmt: skip
+        first: [(tag, rule) for tag, rule in rules
+                if tag.rsplit(":", 1)[-1] not in ("timestamp", "value", "merge")]
         for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()
-    }
+    }  # fmt: skip
 
 
 _Yaml12Loader.add_implicit_resolver(
