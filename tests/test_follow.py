@@ -21,7 +21,7 @@ import pytest
 
 from wbmerge.discover import discover
 from wbmerge.follow import Follower, follow
-from wbmerge.follow.cut import cut_live
+from wbmerge.follow.cut import LiveCut, cut_live
 from wbmerge.follow.lines import round_lines
 from wbmerge.pipeline import MergeRequest, sync
 from wbmerge.records import read_records
@@ -325,10 +325,28 @@ def test_a_live_round_keeps_a_row_for_the_final_round(tmp_path, last_step, steps
             writer.write(history_record([("loss", str(step))], step))
         writer.write(exit_record(0))
     [log] = tmp_path.glob("wandb/*/run-*.wandb")
-    cut_live(log, tmp_path / "cut.wandb", last_step)
+    cut = cut_live(log, tmp_path / "cut.wandb", last_step)
     kept = list(read_records(tmp_path / "cut.wandb"))
     assert [r.history.step.num for r in kept if r.HasField("history")] == steps
+    assert (cut.rows_sent, cut.rows_staged) == (len(steps), 10)
     assert [r.exit.not_complete for r in kept if r.HasField("exit")] == [True]
+
+
+@pytest.mark.parametrize(
+    "rows_sent, rows_staged, server_rows, sent_already",
+    [
+        (9, 10, 10, True),  # the row held back is on the server already
+        (7, 10, 9, True),  # rows past the watermark too (a shared run's early rows)
+        (9, 10, 9, False),  # the server holds what the cut sends: it may go (and add none)
+        (9, 10, 5, False),  # the usual round: rows to send
+        (9, 10, 11, False),  # more than staged: not this run's rows, refused on upload
+        (0, 0, 0, False),  # nothing yet
+    ],
+)
+def test_a_round_waits_when_the_server_holds_rows_its_cut_leaves_out(
+    rows_sent, rows_staged, server_rows, sent_already
+):
+    assert LiveCut(rows_sent, rows_staged).sent_already(server_rows) is sent_already
 
 
 @pytest.mark.parametrize("run_mode", ["shared", "new"])
@@ -425,3 +443,40 @@ def test_a_follow_of_a_path_not_there_yet_says_so_and_waits_for_it(make_sink, tm
     assert follower.returncode == 0, err
     (run,) = sink_runs(sink).values()
     assert (run["state"], len(run["history"])) == ("finished", 30)
+
+
+@pytest.mark.parametrize("run_mode", ["shared", "new"])
+def test_a_sync_between_two_follows_leaves_the_next_one_waiting_for_a_new_row(
+    run_mode, make_sink, monkeypatch, tmp_path, state
+):
+    """A follow is stopped, a one-shot sync then sends every row written so far (the row a
+    live round holds back too), and the follow is started again. Its rounds must wait for a
+    row the server lacks, not refuse the run for holding more rows than the round stages;
+    the runs then end as a one-shot sync of the whole runs leaves them."""
+    steps = {"live": range(4), "full": range(6)}
+    for name in ("full", "live"):
+        for rank in (0, 1):
+            info = RankInfo(rank, rank, 2, 2, 0, job_id="between")
+            with rank_log(tmp_path / name, info, f"between-{rank}", "p") as writer:
+                for step in steps[name]:
+                    writer.write(history_record([("loss", str(10 * rank + step))], step))
+                if name == "full":
+                    writer.write(exit_record(0))
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode=run_mode)
+    want = one_shot(monkeypatch, make_sink, tmp_path / "full", request, tmp_path)
+    sink = follow_sink(make_sink, monkeypatch, state)
+    with Follower(request, parallel=2, timeout=UPLOAD_TIMEOUT) as follower:
+        assert all(t.status == "sent" and t.rows == 3 for t in follower.round().targets)
+    sync(request, timeout=UPLOAD_TIMEOUT)  # (the ranks have not finished: every row goes)
+    assert all(len(run["history"]) == 4 for run in sink_runs(sink).values())
+    with Follower(request, parallel=2, timeout=UPLOAD_TIMEOUT) as follower:
+        report = follower.round()
+        assert [(t.status, t.rows) for t in report.targets] == [("unchanged", 4)] * len(want), (
+            round_lines(report)
+        )
+        for log in (tmp_path / "full").glob("wandb/*/run-*.wandb"):
+            live = tmp_path / "live" / log.relative_to(tmp_path / "full")
+            live.write_bytes(log.read_bytes())
+        report = follower.round()
+        assert report.done, round_lines(report)
+    assert_same_runs(sink, want)

@@ -28,6 +28,7 @@ the rest, at least one row, with the exit record.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,21 @@ from ..proto import pb
 from ..txlog import LogWriter, ReadReport
 
 
+@dataclass(frozen=True)
+class LiveCut:
+    """How many history rows a cut log sends, of the rows its staged log holds."""
+
+    rows_sent: int
+    rows_staged: int
+
+    def sent_already(self, server_rows: int) -> bool:
+        """The server holds rows this cut leaves out, and no row the staged log lacks: an
+        upload of the cut would be refused, and there is nothing new to send before the
+        staged log has another row. (Another upload sent them: a one-shot sync between
+        two follows sends every row, the one a round holds back too.)"""
+        return self.rows_sent < server_rows <= self.rows_staged
+
+
 def running_exit_record() -> bytes:
     """An exit record that ends an upload and leaves the run running."""
     record = pb.Record()
@@ -44,7 +60,7 @@ def running_exit_record() -> bytes:
     return record.SerializeToString()
 
 
-def cut_live(log: Path, out: Path, last_step: int | None) -> None:
+def cut_live(log: Path, out: Path, last_step: int | None) -> LiveCut:
     """Write `log` to `out` without its history rows after `last_step` (None: all kept), or
     without its last row when that leaves none out, and with a `not_complete` exit record
     in place of its exit record."""
@@ -70,6 +86,7 @@ def cut_live(log: Path, out: Path, last_step: int | None) -> None:
                 frames.data, frames.starts[written].tolist(), frames.ends[written].tolist()
             )
         writer.write(running_exit_record())
+    return LiveCut(rows_kept if held_back < 0 else rows_kept - 1, all_rows)
 
 
 def _indexed(log: Path) -> Iterator[records.RecordIndex]:

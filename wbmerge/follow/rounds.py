@@ -238,8 +238,11 @@ class Follower:
             report.warnings += [f"{target.id}: {w}" for w in staged.warnings]
         else:
             cut = staged.log_path.with_name(staged.log_path.name + ".cut")
-            cut_live(staged.log_path, cut, watermark(target, ranks))
+            live_cut = cut_live(staged.log_path, cut, watermark(target, ranks))
             cut.replace(staged.log_path)
+            if live_cut.sent_already(self._server_rows(known, entity, plan.project, target.id)):
+                report.targets.append(TargetRound(target.id, "unchanged", known.rows or 0))
+                return None  # (staged again each round its files change, until a new row)
         delivery = Delivery(
             target.id, staged.run_dir, staged.log_path, known.key, fingerprint, final=done
         )
@@ -255,12 +258,7 @@ class Follower:
     ) -> None:
         """Upload one project's staged targets in one `wandb sync`; record the final ones."""
         for target, _, _, _ in entries:
-            known = self.known[target.id]
-            if known.rows is None:
-                try:
-                    known.rows = self.client.held(entity, project, target.id).history_lines
-                except ServerError:
-                    known.rows = 0
+            self._server_rows(self.known[target.id], entity, project, target.id)
         deliverer = Deliverer(
             self.client, self.credentials, self.ledger, project, entity,
             self.parallel, workdir / f"uploader-{len(report.targets)}", self.timeout,
@@ -279,6 +277,7 @@ class Follower:
                 report.targets.append(
                     TargetRound(target.id, "failed", known.rows or 0, problems=delivery.problems)
                 )
+                known.rows = None  # (what the server holds now is asked again next round)
                 continue
             assert delivery.content is not None
             rows = len(delivery.content.step_items)
@@ -286,6 +285,17 @@ class Follower:
             known.rows, known.final, known.exit_code = rows, delivery.final, code
             known.signature = now
             report.targets.append(TargetRound(target.id, "sent", rows, added, delivery.final, code))
+
+    def _server_rows(self, known: _Known, entity: str | None, project: str, run_id: str) -> int:
+        """The history rows the server holds of a target: asked in the first round that
+        stages it (a run may hold rows from before this follow) and after a failed upload,
+        else as the last verified upload left it."""
+        if known.rows is None:
+            try:
+                known.rows = self.client.held(entity, project, run_id).history_lines
+            except ServerError:
+                known.rows = 0
+        return known.rows
 
     def links(self) -> list[dict]:
         """The runs' (or, for `new`, the groups') links, as `sync` gives them."""
