@@ -643,6 +643,21 @@ def test_a_label_pattern_note_is_said_once_for_several_jobs():
     assert result.stderr.count("--label-pattern matched the label or name of none") == 1
 
 
+def test_a_label_pattern_that_reads_ranks_twice_is_named_to_be_corrected():
+    """`worker-{rank}-rank-{local_rank}` on labels `worker-W-rank-L` gives two runs rank 1:
+    the error says to correct the pattern, not to give one."""
+    args = ["merge", "--run-mode", "shared", "--out", "unused", str(job_dir("plain_labels_2x2"))]
+    result = CliRunner().invoke(main, [*args, "--label-pattern", "worker-{rank}-rank-{local_rank}"])
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith("wbmerge: error: rank 1 claimed by more than one run: ")
+    assert line.endswith(
+        "say each run's rank with --ranks FILE (run id -> rank), or correct --label-pattern"
+    )
+    without = CliRunner().invoke(main, ["inspect", str(job_dir("plain_labels_2x2"))])
+    assert without.exit_code == 0, without.output  # (its labels say the ranks as they are)
+
+
 @pytest.mark.parametrize("command", ["sync", "merge", "inspect", "export", "report"])
 def test_a_label_pattern_given_twice_is_refused_not_cut_to_the_last(command):
     """Two patterns (one per spelling of the names) would not both apply: click kept the

@@ -41,8 +41,6 @@ from . import rankclaims
 from .rankclaims import Claim
 from .topology import RankInfo, validate
 
-RESOLVE_HINT = "say each run's rank with --ranks FILE (run id -> rank) or --label-pattern"
-
 
 @dataclass(frozen=True)
 class RunFacts:
@@ -92,6 +90,15 @@ class Hints:
     given: Mapping[str, GivenRank] = field(default_factory=dict)
 
 
+def resolve_hint(hints: Hints) -> str:
+    """What to do when the runs do not say their ranks one way: a `--label-pattern` the
+    user gave already is named as the thing to correct, not offered again."""
+    given = "say each run's rank with --ranks FILE (run id -> rank)"
+    if hints.label_pattern is None:
+        return f"{given} or --label-pattern"
+    return f"{given}, or correct --label-pattern"
+
+
 @dataclass(frozen=True)
 class Identity:
     rank: RankInfo  # with the job id
@@ -129,8 +136,9 @@ def identify(runs: Sequence[RunFacts], hints: Hints | None = None) -> Identifica
             result.identities[i] = Identity(run.metadata, "wbmerge", label)
     rest = [i for i in range(len(runs)) if i not in result.identities and i not in refused]
     first = {i: candidates[i][0] for i in rest}
+    hint = resolve_hint(hints)
     for job_id, members in split_jobs(runs, first, rest, hints):
-        _identify_job(runs, candidates, members, result, job_id)
+        _identify_job(runs, candidates, members, result, hint, job_id)
     if hints.label_pattern is not None:
         note = _unused_pattern_note(runs, candidates, hints)
         if note:
@@ -281,15 +289,16 @@ def _identify_job(
     candidates: Mapping[int, list[Claim]],
     members: list[int],
     out: Identification,
+    hint: str,
     job_id: str | None = None,
 ) -> None:
     """Identify one job's runs from their most explicit claims, or, when those contradict
     each other and some come from config keys, from what the runs say besides."""
     claims = {i: candidates[i][0] for i in members}
-    failure = _try_job(runs, claims, members, out, job_id)
+    failure = _try_job(runs, claims, members, out, hint, job_id)
     if failure and any(c.source == "config" for c in claims.values()):
         weaker = {i: next(c for c in candidates[i] if c.source != "config") for i in members}
-        if _try_job(runs, weaker, members, out, job_id) is None:
+        if _try_job(runs, weaker, members, out, hint, job_id) is None:
             return
     if failure:
         out.problems.append(Notice(tuple(members), failure))
@@ -300,6 +309,7 @@ def _try_job(
     claims: Mapping[int, Claim],
     members: list[int],
     out: Identification,
+    hint: str,
     job_id: str | None,
 ) -> str | None:
     """Identify the job from these claims into `out`; the reason why not, `out` untouched."""
@@ -308,13 +318,12 @@ def _try_job(
     if len(members) == 1 and claims[members[0]].source == "name":
         saying, silent = [], members  # a lone run's name is no evidence of other ranks
     if not saying:
-        _number_by_order(runs, members, out)
+        _number_by_order(runs, members, out, hint)
         return None
     if silent:
         names = ", ".join(runs[i].describe() for i in silent)
         return (
-            f"{names}: say(s) no rank while {len(saying)} other run(s) of the same job do; "
-            f"{RESOLVE_HINT}"
+            f"{names}: say(s) no rank while {len(saying)} other run(s) of the same job do; {hint}"
         )
     try:
         places = place_ranks(runs, claims, members)
@@ -322,7 +331,7 @@ def _try_job(
     except _Unresolved as exc:
         if all(claims[i].source == "given" for i in members):  # (the user's file says so)
             return f"{exc}; the --ranks file says so: correct it"
-        return f"{exc}; {RESOLVE_HINT}"
+        return f"{exc}; {hint}"
     return None
 
 
@@ -518,7 +527,9 @@ def _settle(
     _warn_of_differing_config(runs, members, job_id, out)
 
 
-def _number_by_order(runs: Sequence[RunFacts], members: list[int], out: Identification) -> None:
+def _number_by_order(
+    runs: Sequence[RunFacts], members: list[int], out: Identification, hint: str
+) -> None:
     """Rule 1's last resort: the run whose job type is `main` is rank 0, then start order."""
     ordered = sorted(
         members, key=lambda i: (runs[i].job_type != "main", runs[i].start, runs[i].run_id)
@@ -538,7 +549,7 @@ def _number_by_order(runs: Sequence[RunFacts], members: list[int], out: Identifi
                 tuple(members),
                 f"job {job_id}: no run says its rank, so ranks were assumed from start "
                 f"order (rank=run: {order}); rank 0's config, summary and exit code decide "
-                f"a shared run; {RESOLVE_HINT}",
+                f"a shared run; {hint}",
             )
         )
     _warn_of_differing_config(runs, members, job_id, out)
