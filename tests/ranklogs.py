@@ -64,3 +64,11 @@ def summary_record(values: dict) -> bytes:
         item = record.summary.update.add()
         item.key, item.value_json = key, json.dumps(value)
     return record.SerializeToString()
+
+
+def console_record(text: str, stderr: bool = False) -> bytes:
+    """A console record of stdout (or stderr) text, as wandb writes what a rank prints."""
+    record = pb.Record()
+    record.output_raw.output_type = record.output_raw.STDERR if stderr else record.output_raw.STDOUT
+    record.output_raw.line = text
+    return record.SerializeToString()

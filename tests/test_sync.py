@@ -16,10 +16,13 @@ from click.testing import CliRunner
 
 from wbmerge import synthetic
 from wbmerge.cli import main
+from wbmerge.content import read_staged
 from wbmerge.records import read_records
+from wbmerge.topology import RankInfo
 from wbmerge.txlog import BLOCK_SIZE, LogWriter, read_payloads
 
 from .conftest import MANIFEST, job_dir
+from .ranklogs import console_record, exit_record, history_record, rank_log
 from .sinktools import console_text, expected_from_log, system_metric_values
 from .test_plan import TABLE
 
@@ -440,3 +443,24 @@ def test_a_merge_directory_refuses_merge_options_and_runs_of_ranks(tmp_path):
         assert len(result.stderr.strip().splitlines()) == 1
     export = CliRunner().invoke(main, ["export", str(out), "-o", str(tmp_path / "x.parquet")])
     assert export.exit_code == 2 and "is a run that wbmerge merged" in export.stderr
+
+
+def test_progress_bars_that_move_the_cursor_are_counted_and_verified(sink, tmp_path):
+    """Two progress bars redrawn in place (tqdm's nested bars: ESC [ A moves the cursor up)
+    make two lines, whatever the times they are drawn; the sync counts the lines wandb-core
+    makes (2 bars and a line after them) and verifies the server holds them, the last
+    drawing of each bar."""
+    with rank_log(tmp_path / "job", RankInfo(0, 0, 1, 1, 0, job_id="bars"), "bars-0", "p") as log:
+        log.write(console_record("epoch   0%\nbatch   0%\n", stderr=True))
+        for done in range(10, 101, 10):
+            log.write(history_record([("loss", str(1 / done))], done))
+            log.write(console_record(f"\x1b[A\x1b[Aepoch {done:3d}%\nbatch {done:3d}%\n", True))
+        log.write(console_record("done\n"))
+        log.write(exit_record(0))
+    [staged] = (tmp_path / "job").glob("wandb/*/run-*.wandb")
+    assert read_staged(staged).console_lines == 3
+    result = cli_sync(sink, tmp_path, tmp_path / "job", "--run-mode", "new", "-e", "local")
+    assert result.exit_code == 0, result.output
+    assert [r["status"] for r in json.loads(result.stdout)["runs"]] == ["uploaded"]
+    run = sink.client.run("local", "p", "bars-rank-0")
+    assert console_text(run["console"]) == ["epoch 100%", "batch 100%", "done"]

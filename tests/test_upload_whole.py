@@ -29,9 +29,8 @@ STAGED = StagedContent(step_items=(0, 1, 2, 5, 9), events=3, console_lines=4)
     [
         # wandb-core always puts the config and the summary, whatever the run holds
         ({}, 0, False, {"config.yaml": None, "wandb-summary.json": None}),
-        # console output: output.log, also when its line count cannot be foretold
+        # console output: output.log
         ({}, 4, False, {"config.yaml": None, "wandb-summary.json": None, "output.log": None}),
-        ({}, None, False, {"config.yaml": None, "wandb-summary.json": None, "output.log": None}),
         # an environment record: wandb-metadata.json
         (
             {},

@@ -9,8 +9,6 @@ counts it on the way instead of reading it again.
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -19,10 +17,6 @@ import numpy as np
 
 from . import records, sentrows, terminal
 from .proto import pb
-from .terminal import TERMINAL_HEIGHT
-
-# Consoles wandb's emulator may fold: it moves the cursor up and down on ESC [ A and B.
-_CURSOR_MOVES = ("\x1b[A", "\x1b[B", "\x1b[1A", "\x1b[2K")
 
 
 @dataclass(frozen=True)
@@ -31,7 +25,7 @@ class StagedContent:
 
     step_items: tuple[int | None, ...]  # each history row's `_step` item (`sentrows.item_step`)
     events: int  # system-metric rows
-    console_lines: int | None  # output.log lines; None when the console cannot be foretold
+    console_lines: int  # output.log lines (`terminal.Console.lines`)
     starting_step: int = 0  # where wandb-core numbers the rows from (`sentrows.starting_step`)
     metadata: bool = False  # an environment record, which wandb-core puts as wandb-metadata.json
 
@@ -59,70 +53,6 @@ def _rising_from(items: tuple[int | None, ...], start: int) -> bool:
     return bool(steps[0] >= start and (steps[1:] > steps[:-1]).all())  # (no difference wraps)
 
 
-def console_line_count(texts: Sequence[str]) -> int | None:
-    """Lines wandb's console emulator makes of one stream's text (None if not foreseeable).
-
-    The emulator (wandb-core's `terminalemulator`, a view of `TERMINAL_HEIGHT` lines) makes
-    a line only when a character is written on it: `\n` moves the cursor down, `\r` back
-    to the start of its line. So line feeds after the last character make no line, and
-    blank lines between two characters only as many as the view holds. Cursor movement
-    (progress bars) folds lines in ways only the emulator knows, so such a console is not
-    counted. Examples: "a\n\nb\n" makes 3 lines, "a\n\n\n" 1, "\r\r" none, and "a"
-    with 40 line feeds before "b" makes 33 (a, 31 blank lines, b).
-    """
-    lines = ConsoleLines()
-    for text in texts:
-        lines.add(text)
-    return lines.count()
-
-
-# Line feeds (with carriage returns among them) more than the view can hold blank lines of.
-_LONG_FEEDS = re.compile(f"[\r\n]{{{TERMINAL_HEIGHT + 1},}}")
-
-
-class ConsoleLines:
-    """`console_line_count` of one stream's text, taken a piece at a time without keeping
-    the text: a log's console may be far larger than memory should hold for a count.
-
-    Between two written characters, k line feeds make min(k, TERMINAL_HEIGHT) new lines
-    (the blank ones and the line of the second character); before the first character,
-    min(k + 1, TERMINAL_HEIGHT). Each piece is counted by these rules on its runs of line
-    feeds, not character by character."""
-
-    _KEEP = max(map(len, _CURSOR_MOVES)) - 1  # text kept to find a move split between pieces
-
-    def __init__(self) -> None:
-        self.lines = 0  # lines made so far
-        self.feeds = 0  # line feeds since the last character written (or since the start)
-        self.written = False  # a character was written
-        self.folded = False  # a cursor movement was seen: not foreseeable
-        self._tail = ""
-
-    def add(self, text: str) -> None:
-        if self.folded or not text:
-            return
-        joined = self._tail + text
-        if any(move in joined for move in _CURSOR_MOVES):
-            self.folded = True
-            return
-        self._tail = joined[-self._KEEP :]
-        body = text.rstrip("\r\n")  # (up to the last character written)
-        if not body:
-            self.feeds += text.count("\n")
-            return
-        inner = body.lstrip("\r\n")
-        first = self.feeds + body.count("\n", 0, len(body) - len(inner))
-        self.lines += min(first + (not self.written), TERMINAL_HEIGHT)
-        long_runs = sum(max(0, run.group().count("\n") - TERMINAL_HEIGHT)
-                        for run in _LONG_FEEDS.finditer(inner))  # fmt: skip
-        self.lines += inner.count("\n") - long_runs
-        self.written = True
-        self.feeds = text.count("\n", len(body))
-
-    def count(self) -> int | None:
-        return None if self.folded else self.lines
-
-
 class ContentCounter:
     """Counts what a log holds, one `records.read_indexed` read after another, in order."""
 
@@ -130,8 +60,7 @@ class ContentCounter:
         self.step_items: list[int | None] = []
         self.runs: list[pb.RunRecord] = []  # the run records before the first history row
         self.events = 0
-        self.streams: dict[int, ConsoleLines] = {}  # output type -> its console's lines
-        self.logger_lines = 0
+        self.console = terminal.Console(keep_text=False)
         self.metadata = False
 
     def add(self, read: records.RecordIndex) -> None:
@@ -144,19 +73,15 @@ class ContentCounter:
         self.step_items += step_items(read)
         self.events += len(read.of("stats"))
         self.metadata = self.metadata or bool(len(read.of("environment")))
-        for index in read.of("output_raw").tolist():
-            output = pb.Record.FromString(frames.payload(index)).output_raw
-            self.streams.setdefault(output.output_type, ConsoleLines()).add(output.line)
-        for index in read.of("output_logger").tolist():
-            # wandb writes these lines as they are, one per line
-            text = pb.Record.FromString(frames.payload(index)).output_logger.line
-            self.logger_lines += len(text.removesuffix("\n").split("\n"))
+        for index in read.of("output_raw", "output_logger").tolist():
+            record = pb.Record.FromString(frames.payload(index))
+            _write_console(self.console, record)
 
     def content(self) -> StagedContent:
-        counts = [stream.count() for stream in self.streams.values()]
-        console = None if None in counts else self.logger_lines + sum(c or 0 for c in counts)
         start = sentrows.starting_step(self.runs)
-        return StagedContent(tuple(self.step_items), self.events, console, start, self.metadata)
+        return StagedContent(
+            tuple(self.step_items), self.events, self.console.lines, start, self.metadata
+        )
 
 
 def read_staged(log: Path) -> StagedContent:
@@ -185,6 +110,15 @@ class LoggedRun:
 _STREAMS = {pb.OutputRawRecord.STDOUT: "stdout", pb.OutputRawRecord.STDERR: "stderr"}
 
 
+def _write_console(console: terminal.Console, record: pb.Record) -> None:
+    """Feed a console record to `console`: a line of wandb's logger, or text of stdout or
+    stderr (wandb-core drops text of any other stream, and so does this)."""
+    if record.HasField("output_logger"):
+        console.write("logger", record.output_logger.line)
+    elif record.output_raw.output_type in _STREAMS:
+        console.write(_STREAMS[record.output_raw.output_type], record.output_raw.line)
+
+
 def read_logged_run(log: Path, console_limit: int = 64 << 20) -> LoggedRun:
     """The `LoggedRun` of a log, its updates and removals applied in order, as wandb-core
     applies them (ValueError for a value that is not JSON); its console only when its
@@ -192,7 +126,7 @@ def read_logged_run(log: Path, console_limit: int = 64 << 20) -> LoggedRun:
     first: pb.RunRecord | None = None
     config: dict = {}
     summary: dict = {}
-    console: list[tuple[str, str]] | None = []
+    console: terminal.Console | None = terminal.Console()
     size = 0
     kinds = ("run", "config", "summary", "output_raw", "output_logger")
     for read in records.read_indexed(log):
@@ -200,20 +134,17 @@ def read_logged_run(log: Path, console_limit: int = 64 << 20) -> LoggedRun:
             record = pb.Record.FromString(read.frames.payload(index))
             kind = record.WhichOneof("record_type")
             if kind in ("output_raw", "output_logger"):
-                output = getattr(record, kind)
-                if console is not None and kind == "output_logger":
-                    console.append(("logger", output.line))
-                elif console is not None and output.output_type in _STREAMS:
-                    console.append((_STREAMS[output.output_type], output.line))
-                size += len(output.line)
+                size += len(getattr(record, kind).line)
                 if size > console_limit:
                     console = None
+                elif console is not None:
+                    _write_console(console, record)
             elif kind == "run":
                 first = first or record.run
                 _apply(config, record.run.config)
             else:
                 _apply(config if kind == "config" else summary, getattr(record, kind))
-    text = None if console is None else terminal.output_log(console).encode()
+    text = None if console is None else console.text().encode()
     if first is None:
         return LoggedRun(config=config, summary=summary, console=text)
     names = (first.display_name, first.run_group, first.job_type)

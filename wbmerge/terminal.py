@@ -1,5 +1,6 @@
-"""What wandb-core writes to a run's `output.log` from its console records: its terminal
-emulator, ported (wandb-core 0.31: core/internal/terminalemulator, runconsolelogs). Pure.
+"""What wandb-core makes of a run's console records, the lines the server counts and the
+`output.log` it writes: its terminal emulator, ported (wandb-core 0.31:
+core/internal/terminalemulator, runconsolelogs). Pure.
 
 wandb-core keeps one list of console lines per run, and writes two terminals into it, one
 for stdout and one for stderr. Each terminal has a cursor and a view of the last
@@ -17,11 +18,14 @@ for stdout and one for stderr. Each terminal has a cursor and a view of the last
 `output.log` is every line, in the order they were made, each ended by `\\n`. Example:
 stdout "epoch 1: 50%\\repoch 1: 100%\\n" and then stderr "warning\\n" make the lines
 "epoch 1: 100%" and "warning", so `output.log` holds "epoch 1: 100%\\nwarning\\n".
+The server counts those lines as the run's console lines (measured with `wandb sync` into
+the sink, progress bars and cursor moves too).
 """
 
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import Iterable
 
 TERMINAL_HEIGHT = 32  # wandb-core's `maxTerminalLines`: the view, and the lines still open
@@ -32,29 +36,42 @@ _TOKENS = re.compile(r"[^\r\n\x1b]+|.", re.DOTALL)
 
 
 class ConsoleModel:
-    """The lines of one run's console, both terminals' and the logger's."""
+    """The lines of one run's console, both terminals' and the logger's.
 
-    def __init__(self) -> None:
-        self.lines: list[str] = []
+    Only the last `TERMINAL_HEIGHT` lines can still change. The lines above them are
+    closed: counted, and kept only when the text is wanted, so that counting a console
+    holds no more of it than those open lines."""
+
+    def __init__(self, keep_text: bool = True) -> None:
+        self.made = 0  # lines made so far
+        self.open: deque[str] = deque()  # the last lines made, at most TERMINAL_HEIGHT
+        self.closed: list[str] | None = [] if keep_text else None
 
     def new_line(self, content: str = "") -> int:
-        self.lines.append(content)
-        return len(self.lines) - 1
+        self.open.append(content)
+        self.made += 1
+        if len(self.open) > TERMINAL_HEIGHT:
+            line = self.open.popleft()
+            if self.closed is not None:
+                self.closed.append(line)
+        return self.made - 1
 
     def write(self, number: int, offset: int, text: str) -> None:
         """Write `text` into line `number` from `offset` on (padding with blanks), unless
         the line is no longer open to change; characters past `MAX_LINE` are dropped."""
-        if number < len(self.lines) - TERMINAL_HEIGHT:
+        index = number - (self.made - len(self.open))
+        if index < 0:
             return
         text = text[: max(0, MAX_LINE - offset)]
         if not text:
             return
-        line = self.lines[number].ljust(offset)
-        self.lines[number] = line[:offset] + text + line[offset + len(text) :]
+        line = self.open[index].ljust(offset)
+        self.open[index] = line[:offset] + text + line[offset + len(text) :]
 
     def text(self) -> str:
         """`output.log`: every line, each ended by a line feed."""
-        return "".join(line + "\n" for line in self.lines)
+        assert self.closed is not None, "the text of a console only counted"
+        return "".join(line + "\n" for lines in (self.closed, self.open) for line in lines)
 
 
 class Terminal:
@@ -113,15 +130,37 @@ class Terminal:
         self.x += len(chars)
 
 
-def output_log(console: Iterable[tuple[str, str]]) -> str:
-    """The `output.log` wandb-core writes of a run's console: `(stream, text)` in the order
-    logged, stream "stdout", "stderr" or "logger" (a line of wandb's logger)."""
-    model = ConsoleModel()
-    terminals = {"stdout": Terminal(model), "stderr": Terminal(model)}
-    for stream, text in console:
+class Console:
+    """A run's console as wandb-core makes it, fed its records in the order logged.
+    `keep_text=False` only counts its lines."""
+
+    def __init__(self, keep_text: bool = True) -> None:
+        self.model = ConsoleModel(keep_text)
+        self.terminals = {"stdout": Terminal(self.model), "stderr": Terminal(self.model)}
+
+    def write(self, stream: str, text: str) -> None:
+        """Add one record's text: stream "stdout", "stderr" or "logger" (a line of wandb's
+        logger)."""
         if stream == "logger":
             for line in text.removesuffix("\n").split("\n"):
-                model.new_line(line)
+                self.model.new_line(line)
         else:
-            terminals[stream].write(text)
-    return model.text()
+            self.terminals[stream].write(text)
+
+    @property
+    def lines(self) -> int:
+        """The lines of `output.log` so far (the server's count of the console's lines)."""
+        return self.model.made
+
+    def text(self) -> str:
+        """`output.log` as wandb-core writes it."""
+        return self.model.text()
+
+
+def output_log(console: Iterable[tuple[str, str]]) -> str:
+    """The `output.log` wandb-core writes of a run's console: `(stream, text)` in the order
+    logged (see `Console.write`)."""
+    made = Console()
+    for stream, text in console:
+        made.write(stream, text)
+    return made.text()

@@ -131,7 +131,7 @@ def shortfall(staged: StagedContent, held: Held) -> list[str]:
         problems.append(f"last _step {held.last_step}, staged {staged.history_steps[-1]}")
     if held.events_lines < staged.events:
         problems.append(f"system-metric rows {held.events_lines} of {staged.events}")
-    if staged.console_lines is not None and held.log_lines < staged.console_lines:
+    if held.log_lines < staged.console_lines:
         problems.append(f"console lines {held.log_lines} of {staged.console_lines}")
     return problems
 

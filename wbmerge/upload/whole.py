@@ -40,7 +40,7 @@ def files_expected(staged_files: dict[str, int], staged: StagedContent) -> dict[
         name: None if name in MADE_BY_UPLOAD else size for name, size in staged_files.items()
     }
     expected["config.yaml"] = expected["wandb-summary.json"] = None
-    if staged.console_lines != 0:  # (None: there is console, its line count unforeseeable)
+    if staged.console_lines:
         expected["output.log"] = None
     if staged.metadata:
         expected["wandb-metadata.json"] = None
@@ -129,7 +129,7 @@ def made_files_stale(
     its values and was stopped before it put its files. Then `wandb-summary.json` lacks
     the staged summary or the `_step` of the last staged row; `config.yaml` lacks staged
     config; `output.log` is not what wandb-core writes of the staged console
-    (`logged.console`, `terminal.output_log`).
+    (`logged.console`, as `terminal.Console` makes it).
     Example: the staged run's last row is at step 29 and its summary is {"loss": 0.3}; the
     server's summary file says {"_step": 19, "loss": 0.3}, from an upload of 20 rows:
     that gives ["wandb-summary.json from another upload: _step"].
