@@ -352,14 +352,25 @@ def test_force_sends_runs_whose_summary_or_config_changed_on_the_server(sink, tm
 def test_a_rerun_that_gives_the_runs_another_job_type_sends_them(sink, tmp_path):
     """A sync with another --job-type is another upload (not "already synced"), and the
     server holds every row but not that job type (not "already complete"): the run is sent
-    again, so its job type changes, and no row arrives twice."""
-    assert cli(sink, tmp_path, *sync_args("retyped")).exit_code == 0
+    again, so its job type changes, and no row arrives twice. That upload sends no row, so
+    the summary loses its `_step` (wandb-core sets it only from rows it sends): the sync
+    says so in a warning, where the first one warned of nothing."""
+    first = cli(sink, tmp_path, *sync_args("retyped"))
+    assert first.exit_code == 0 and "warning" not in first.stderr, first.stderr
+    assert sink.client.run("local", "retyped", "fx-one-node-4")["summary"]["_step"] == 29
     again = cli(sink, tmp_path, *sync_args("retyped", "--job-type", "evaluation"))
     assert again.exit_code == 0, again.stderr
     assert [r["status"] for r in json.loads(again.stdout)["runs"]] == ["uploaded"]
     got = sink.client.run("local", "retyped", "fx-one-node-4")
     assert got["job_type"] == "evaluation"
     assert_exactly_once(got, primary_expected())
+    assert "_step" not in got["summary"]  # (if wandb-core ever keeps it, drop the warning)
+    warnings = [line for line in again.stderr.splitlines() if "warning" in line]
+    assert warnings == [
+        "wbmerge: warning: fx-one-node-4: sent again with no row (the server holds all 30), "
+        "so its summary on the server now lacks `_step`: wandb-core sets it only from the "
+        "rows an upload sends"
+    ]
 
 
 # -- processes: signals, kills, concurrency, cwd -------------------------------------------

@@ -22,7 +22,14 @@ from wbmerge.upload import (
     remainder,
     shortfall,
 )
-from wbmerge.upload.remainder import Mismatch, history_row, same_value, write_remainder
+from wbmerge.upload.remainder import (
+    Mismatch,
+    Remainder,
+    history_row,
+    same_value,
+    sends_no_row,
+    write_remainder,
+)
 
 from .conftest import fixture_logs, job_dir
 from .ranklogs import history_record
@@ -129,6 +136,22 @@ def test_shortfall_names_what_is_missing(held, problems):
 )
 def test_console_line_count(texts, lines):
     assert line_count(texts) == lines
+
+
+@pytest.mark.parametrize(
+    "steps, skip, warned",
+    [
+        ((0, 1, 2), 3, True),  # every row on the server: the upload sends none
+        ((0, 1, 2), 2, False),  # the last row goes, and gives the summary its `_step`
+        ((0, 1, 2), 0, False),
+        ((), 0, False),  # no rows at all: no `_step` to lose
+    ],
+)
+def test_a_run_sent_again_with_no_row_is_warned_of(steps, skip, warned):
+    warning = sends_no_row(StagedContent(steps, 0, 0), Remainder(skip))
+    assert (warning is not None) is warned
+    if warned:
+        assert warning.startswith(f"sent again with no row (the server holds all {skip})")
 
 
 def test_read_staged_and_write_remainder_on_a_real_log(tmp_path):

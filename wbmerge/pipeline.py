@@ -559,6 +559,7 @@ def _finish_job(upload: _JobUpload, session: _Session) -> list[str]:
             link = run_url(url, entity, job.project, target.id) if entity else ""
             status = "already complete" if delivery.held_already else "uploaded"
             session.report.targets.append(SyncedTarget(target, status, link))
+        session.report.warnings += [f"{target.id}: {w}" for w in delivery.warnings]
     _add_links(session.report, job, url, entity)
     lines = [f"run {d.run_id}: {'; '.join(d.problems)}" for d in result.failed]
     if result.timed_out:

@@ -273,6 +273,7 @@ class Follower:
             deliverer.stop()
         for target, delivery, now, code in entries:
             known = self.known[target.id]
+            report.warnings += [f"{target.id}: {w}" for w in delivery.warnings]
             if not delivery.verified:
                 report.targets.append(
                     TargetRound(target.id, "failed", known.rows or 0, problems=delivery.problems)

@@ -24,16 +24,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..content import StagedContent, read_logged_run, read_staged
+from ..content import StagedContent, read_staged
 from .batches import UploadSlots, batch_lanes, batch_size, runs_to_ask
 from .credentials import Credentials
 from .ledger import Ledger
-from .remainder import Mismatch, history_row, remainder, shortfall, write_remainder
-from .server import Held, ServerClient, ServerError
+from .onserver import not_whole_on_server
+from .remainder import (
+    Mismatch,
+    history_row,
+    remainder,
+    sends_no_row,
+    shortfall,
+    write_remainder,
+)
+from .server import ServerClient, ServerError
 from .settle import wait_settled
-from .staging import OwnerRecord, staged_files, staged_md5s
+from .staging import OwnerRecord
 from .uploader import DEFAULT_TIMEOUT, Uploader
-from .whole import READ_BACK, files_changed, files_expected, made_files_stale, not_held_whole
 
 # Runs of one batch checked at once after their upload: one at a time, the checks of 256
 # small runs fell 2 s behind the upload (each waits on a server busy with the upload).
@@ -75,6 +82,7 @@ class Delivery:
     exit_code: int = 0  # the staged run's: a whole upload leaves it finished, or failed
     # The server held the whole run already (`Deliverer.prepare`): verified, nothing sent.
     held_already: bool = False
+    warnings: list[str] = field(default_factory=list)  # what the user should know of it
     # held by the thread counting what the staged log holds (`content`), so it is counted once
     counting: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -179,49 +187,21 @@ class Deliverer:
         content = self._content(delivery)
         plan = remainder(content, held, lambda index: history_row(delivery.log, index))
         if plan.skip_history == len(content.step_items) and not shortfall(content, held):
-            problems = self._not_held_whole(delivery, held)
+            problems = not_whole_on_server(
+                self.client, self.entity, self.project, delivery, held, content
+            )
             if not problems:
                 delivery.held_already = True
                 with self.lock:
                     self._rows[delivery.run_id] = held.history_lines
                 return
             self._tell(f"sending {delivery.run_id} again: {'; '.join(problems)}")
+        if (warning := sends_no_row(content, plan)) and delivery.final:
+            delivery.warnings.append(warning)
         if plan.resends and not self.given_up:  # (after a stop, staging is being removed)
             cut = delivery.log.with_name(delivery.log.name + ".remainder")
             write_remainder(delivery.log, cut, plan)
             cut.replace(delivery.log)
-
-    def _not_held_whole(self, delivery: Delivery, held: Held) -> list[str]:
-        """What keeps the server's run from being what a whole upload of the staged run
-        leaves (`whole.not_held_whole`); [] when nothing does: then it is not sent again.
-        Sending it would send no row, and wandb-core gives the summary's `_step` only from
-        the rows an upload sends.
-
-        That the server's run is whole does not show that its last upload ended whole: a
-        run finished by an earlier upload stays finished while a later one, of more rows,
-        is stopped before it puts its files. So the files wandb-core makes (the summary,
-        the config, the console) must be this run's too: as this ledger knows, having
-        verified the run from these very files (`verified_before`), or else as read back
-        (`whole.made_files_stale`). A server or staging that cannot say gets it sent."""
-        content = self._content(delivery)
-        try:
-            listing = self.client.run_files(
-                self.entity, self.project, delivery.run_id, urls_of=READ_BACK
-            )
-            if listing is None:
-                return ["the server lists no such run"]
-            expected = files_expected(staged_files(delivery.run_dir / "files"), content)
-            logged = read_logged_run(delivery.log, READ_BACK["output.log"])
-            problems = not_held_whole(content, held, listing, expected, logged, delivery.exit_code)
-            if not problems:  # (every file at its size: only now is each worth hashing)
-                sized = [name for name, size in expected.items() if size is not None]
-                problems = files_changed(staged_md5s(delivery.run_dir / "files", sized), listing)
-        except (ServerError, OSError, ValueError) as exc:  # (ValueError: a value not JSON)
-            return [f"not known to be whole: {exc}"]
-        if problems or delivery.verified_before:
-            return problems
-        limits = {name: limit for name, limit in READ_BACK.items() if name in expected}
-        return made_files_stale(self.client.read_back(listing.urls, limits), content, logged)
 
     def submit(self, delivery: Delivery) -> None:
         """Hand over one staged run: it is prepared in a thread of its own while the next runs

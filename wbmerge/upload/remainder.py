@@ -90,6 +90,20 @@ def remainder(
     return Remainder(have, resteps)
 
 
+def sends_no_row(staged: StagedContent, plan: Remainder) -> str | None:
+    """What a user should know of a run sent again with none of its rows, the server
+    holding all of them (its files, names or state were not whole): wandb-core gives the
+    summary its `_step` only from the rows an upload sends, and nothing else sets it (a
+    summary record's `_step` is dropped; measured with wandb 0.31), so the run's summary
+    on the server then lacks `_step`. None when the upload sends a row, or there is none."""
+    if not staged.step_items or plan.skip_history < len(staged.step_items):
+        return None
+    return (
+        f"sent again with no row (the server holds all {plan.skip_history}), so its summary "
+        "on the server now lacks `_step`: wandb-core sets it only from the rows an upload sends"
+    )
+
+
 def same_value(a: object, b: object) -> bool:
     """JSON values equal as W&B sees them: numbers by value (wandb-core writes the float 5.0
     as `5`), NaN equal to NaN, objects key by key, lists item by item."""
