@@ -38,10 +38,11 @@ def _start_time(pid: int) -> str | None:
 
 
 def _alive(pid: int, started: str | None) -> bool:
-    """Whether the owner still runs. A killed owner not yet reaped by its parent is not:
-    its locks are freed already, and it stops nothing any more."""
+    """Whether the owner still runs. A killed owner that is exiting, or not yet reaped by
+    its parent, is not: it stops nothing any more, and its locks are freed (or about to
+    be: a sync that waited for them can get them before the owner has become a zombie)."""
     if started is not None and Path("/proc").is_dir():
-        return _start_time(pid) == started and _state(pid) != "Z"
+        return _start_time(pid) == started and not _exiting(pid)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -161,6 +162,18 @@ def _state(pid: int) -> str | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+_PF_EXITING = 0x4  # the kernel's flag of a task in its exit (`flags` in /proc/PID/stat)
+
+
+def _exiting(pid: int) -> bool:
+    """Whether the process is gone, a zombie, or on its way out (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0] in ("Z", "X") or bool(int(fields[6]) & _PF_EXITING)
+    except (OSError, IndexError, ValueError):
+        return True
 
 
 def staged_files(files_dir: Path) -> dict[str, int]:
