@@ -270,7 +270,8 @@ def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      "like 'train/*'). Default: all, with a warning past 10,000 metrics."),
         click.option("--project", "-p", help="Default: the runs' project, then WANDB_PROJECT."),
         click.option("--entity", "-e", help="Default: WANDB_ENTITY, then the runs' entity."),
-        click.option("--job-type", help="Job type of the runs created."),
+        click.option("--job-type", help="Job type of the runs created. Default: the ranks' "
+                     "own (shared: the primary's); a run given none keeps the server's."),
         *rank_options(),
     ]  # fmt: skip
     for option in reversed(options):
