@@ -658,6 +658,31 @@ def test_a_label_pattern_that_reads_ranks_twice_is_named_to_be_corrected():
     assert without.exit_code == 0, without.output  # (its labels say the ranks as they are)
 
 
+@pytest.mark.parametrize(
+    "pattern, hint",
+    [
+        (None, "say each run's rank with --ranks FILE (run id -> rank) or --label-pattern"),
+        # the pattern reads job g1 (node0-gpu0, node0-gpu1), not g2: only --ranks is left
+        ("node{worker}-gpu{local_rank}", "say each run's rank with --ranks FILE (run id -> rank)"),
+        # it reads both jobs, and gives g2's runs one rank: the pattern is to be corrected
+        (
+            "{rank}",
+            "say each run's rank with --ranks FILE (run id -> rank), or correct --label-pattern",
+        ),
+    ],
+)
+def test_the_hint_names_the_label_pattern_only_where_it_can_help(pattern, hint):
+    runs = [facts("c", label="node0-gpu0", group="g1"), facts("d", label="node0-gpu1", group="g1"),
+            facts("e", label="rank_1", group="g2"), facts("f", label="rank_1", group="g2")]  # fmt: skip
+    if pattern == "{rank}":
+        runs = [facts("c", label="0", group="g1"), facts("d", label="1", group="g1"),
+                facts("e", label="1", group="g2"), facts("f", label="1", group="g2")]  # fmt: skip
+    hints = make_hints(pattern, None) if pattern else None
+    [problem] = identify(runs, hints).problems
+    assert problem.message.startswith("rank 1 claimed by more than one run: e ")
+    assert problem.message.endswith(f"; {hint}")
+
+
 @pytest.mark.parametrize("command", ["sync", "merge", "inspect", "export", "report"])
 def test_a_label_pattern_given_twice_is_refused_not_cut_to_the_last(command):
     """Two patterns (one per spelling of the names) would not both apply: click kept the

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from . import rankclaims
@@ -90,13 +90,17 @@ class Hints:
     given: Mapping[str, GivenRank] = field(default_factory=dict)
 
 
-def resolve_hint(hints: Hints) -> str:
-    """What to do when the runs do not say their ranks one way: a `--label-pattern` the
-    user gave already is named as the thing to correct, not offered again."""
+def resolve_hint(pattern_given: bool, claims: Iterable[Claim]) -> str:
+    """What to do when a job's runs do not say their ranks one way (`claims`: what they
+    say). A `--label-pattern` given already is named as the thing to correct when it read
+    some of these claims; when it read none, only `--ranks` is left (one pattern reads
+    every job)."""
     given = "say each run's rank with --ranks FILE (run id -> rank)"
-    if hints.label_pattern is None:
+    if not pattern_given:
         return f"{given} or --label-pattern"
-    return f"{given}, or correct --label-pattern"
+    if any(claim.form.startswith(rankclaims.PATTERN_FORM) for claim in claims):
+        return f"{given}, or correct --label-pattern"
+    return given
 
 
 @dataclass(frozen=True)
@@ -136,9 +140,9 @@ def identify(runs: Sequence[RunFacts], hints: Hints | None = None) -> Identifica
             result.identities[i] = Identity(run.metadata, "wbmerge", label)
     rest = [i for i in range(len(runs)) if i not in result.identities and i not in refused]
     first = {i: candidates[i][0] for i in rest}
-    hint = resolve_hint(hints)
+    pattern_given = hints.label_pattern is not None
     for job_id, members in split_jobs(runs, first, rest, hints):
-        _identify_job(runs, candidates, members, result, hint, job_id)
+        _identify_job(runs, candidates, members, result, pattern_given, job_id)
     if hints.label_pattern is not None:
         note = _unused_pattern_note(runs, candidates, hints)
         if note:
@@ -156,7 +160,7 @@ def _unused_pattern_note(
     ]
     if not tried:
         return "--label-pattern is unused: every run has a wbmerge block or a --ranks entry"
-    if any(c.form.startswith("pattern:") for i in tried for c in candidates[i]):
+    if any(c.form.startswith(rankclaims.PATTERN_FORM) for i in tried for c in candidates[i]):
         return None
     return (
         f"--label-pattern matched the label or name of none of the {len(tried)} run(s) it "
@@ -289,16 +293,16 @@ def _identify_job(
     candidates: Mapping[int, list[Claim]],
     members: list[int],
     out: Identification,
-    hint: str,
+    pattern_given: bool,
     job_id: str | None = None,
 ) -> None:
     """Identify one job's runs from their most explicit claims, or, when those contradict
     each other and some come from config keys, from what the runs say besides."""
     claims = {i: candidates[i][0] for i in members}
-    failure = _try_job(runs, claims, members, out, hint, job_id)
+    failure = _try_job(runs, claims, members, out, pattern_given, job_id)
     if failure and any(c.source == "config" for c in claims.values()):
         weaker = {i: next(c for c in candidates[i] if c.source != "config") for i in members}
-        if _try_job(runs, weaker, members, out, hint, job_id) is None:
+        if _try_job(runs, weaker, members, out, pattern_given, job_id) is None:
             return
     if failure:
         out.problems.append(Notice(tuple(members), failure))
@@ -309,10 +313,11 @@ def _try_job(
     claims: Mapping[int, Claim],
     members: list[int],
     out: Identification,
-    hint: str,
+    pattern_given: bool,
     job_id: str | None,
 ) -> str | None:
     """Identify the job from these claims into `out`; the reason why not, `out` untouched."""
+    hint = resolve_hint(pattern_given, claims.values())
     saying = [i for i in members if claims[i].says_rank]
     silent = [i for i in members if not claims[i].says_rank]
     if len(members) == 1 and claims[members[0]].source == "name":

@@ -142,6 +142,9 @@ def compile_pattern(pattern: str) -> re.Pattern[str]:
     return re.compile("^" + "".join(regex) + "$")
 
 
+PATTERN_FORM = "pattern:"  # how the form of a claim a --label-pattern read begins
+
+
 def parse_with_pattern(text: str, pattern: re.Pattern[str], source: str) -> Claim | None:
     """The claim a user's `--label-pattern` reads from a label or name, or None."""
     match = pattern.match(text.strip())
@@ -154,7 +157,7 @@ def parse_with_pattern(text: str, pattern: re.Pattern[str], source: str) -> Clai
         rank=fields.get("rank"),
         local_rank=fields.get("local_rank"),
         node=worker,
-        form=f"pattern:{pattern.pattern}",
+        form=f"{PATTERN_FORM}{pattern.pattern}",
     )
 
 
