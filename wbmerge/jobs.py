@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from . import rankclaims
@@ -88,19 +88,6 @@ class Hints:
 
     label_pattern: re.Pattern[str] | None = None
     given: Mapping[str, GivenRank] = field(default_factory=dict)
-
-
-def resolve_hint(pattern_given: bool, claims: Iterable[Claim]) -> str:
-    """What to do when a job's runs do not say their ranks one way (`claims`: what they
-    say). A `--label-pattern` given already is named as the thing to correct when it read
-    some of these claims; when it read none, only `--ranks` is left (one pattern reads
-    every job)."""
-    given = "say each run's rank with --ranks FILE (run id -> rank)"
-    if not pattern_given:
-        return f"{given} or --label-pattern"
-    if any(claim.form.startswith(rankclaims.PATTERN_FORM) for claim in claims):
-        return f"{given}, or correct --label-pattern"
-    return given
 
 
 @dataclass(frozen=True)
@@ -160,7 +147,7 @@ def _unused_pattern_note(
     ]
     if not tried:
         return "--label-pattern is unused: every run has a wbmerge block or a --ranks entry"
-    if any(c.form.startswith(rankclaims.PATTERN_FORM) for i in tried for c in candidates[i]):
+    if rankclaims.read_by_pattern(c for i in tried for c in candidates[i]):
         return None
     return (
         f"--label-pattern matched the label or name of none of the {len(tried)} run(s) it "
@@ -317,7 +304,7 @@ def _try_job(
     job_id: str | None,
 ) -> str | None:
     """Identify the job from these claims into `out`; the reason why not, `out` untouched."""
-    hint = resolve_hint(pattern_given, claims.values())
+    hint = rankclaims.resolve_hint(pattern_given, claims.values())
     saying = [i for i in members if claims[i].says_rank]
     silent = [i for i in members if not claims[i].says_rank]
     if len(members) == 1 and claims[members[0]].source == "name":

@@ -145,6 +145,22 @@ def compile_pattern(pattern: str) -> re.Pattern[str]:
 PATTERN_FORM = "pattern:"  # how the form of a claim a --label-pattern read begins
 
 
+def read_by_pattern(claims: Iterable[Claim]) -> bool:
+    """Whether the user's `--label-pattern` read any of `claims`."""
+    return any(claim.form.startswith(PATTERN_FORM) for claim in claims)
+
+
+def resolve_hint(pattern_given: bool, claims: Iterable[Claim]) -> str:
+    """What to do when a job's runs do not say their ranks one way (`claims`: what they
+    say). A `--label-pattern` given already is named as the thing to correct when it read
+    some of these claims; when it read none, only `--ranks` is left (one pattern reads
+    every job)."""
+    given = "say each run's rank with --ranks FILE (run id -> rank)"
+    if not pattern_given:
+        return f"{given} or --label-pattern"
+    return f"{given}, or correct --label-pattern" if read_by_pattern(claims) else given
+
+
 def parse_with_pattern(text: str, pattern: re.Pattern[str], source: str) -> Claim | None:
     """The claim a user's `--label-pattern` reads from a label or name, or None."""
     match = pattern.match(text.strip())
