@@ -28,7 +28,7 @@ from wbmerge.records import read_records
 from wbmerge.topology import RankInfo
 
 from .conftest import job_dir
-from .ranklogs import exit_record, history_record, rank_log, summary_record
+from .ranklogs import console_record, exit_record, history_record, rank_log, summary_record
 from .sinktools import console_text
 from .test_rank_stats_merge import over_the_bound
 
@@ -310,22 +310,25 @@ def test_a_last_round_without_new_rows_keeps_the_summary_step(
 
 
 @pytest.mark.parametrize(
-    "last_step, steps",
+    "last_step, server_rows, steps",
     [
-        (None, [0, 1, 2, 3, 4, 5, 6, 7, 8]),  # every rank past every row: the last one waits
-        (9, [0, 1, 2, 3, 4, 5, 6, 7, 8]),
-        (20, [0, 1, 2, 3, 4, 5, 6, 7, 8]),
-        (7, [0, 1, 2, 3, 4, 5, 6, 7]),  # rows 8 and 9 left out: they go with the final round
-        (-1, []),  # a rank not started yet
+        (None, 0, [0, 1, 2, 3, 4, 5, 6, 7, 8]),  # every rank past every row: the last one waits
+        (9, 0, [0, 1, 2, 3, 4, 5, 6, 7, 8]),
+        (20, 5, [0, 1, 2, 3, 4, 5, 6, 7, 8]),
+        (None, 9, [0, 1, 2, 3, 4, 5, 6, 7, 8]),  # the server lacks the last row: it waits
+        (None, 10, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]),  # another upload sent it: kept, to check
+        (7, 0, [0, 1, 2, 3, 4, 5, 6, 7]),  # rows 8 and 9 left out: they go with the final round
+        (7, 10, [0, 1, 2, 3, 4, 5, 6, 7]),  # (the server's rows past 7 wait for the ranks)
+        (-1, 0, []),  # a rank not started yet
     ],
 )
-def test_a_live_round_keeps_a_row_for_the_final_round(tmp_path, last_step, steps):
+def test_a_live_round_keeps_a_row_for_the_final_round(tmp_path, last_step, server_rows, steps):
     with rank_log(tmp_path, RankInfo(0, 0, 1, 1, 0, job_id="cut"), "cut-0", "p") as writer:
         for step in range(10):
             writer.write(history_record([("loss", str(step))], step))
         writer.write(exit_record(0))
     [log] = tmp_path.glob("wandb/*/run-*.wandb")
-    cut = cut_live(log, tmp_path / "cut.wandb", last_step)
+    cut = cut_live(log, tmp_path / "cut.wandb", last_step, server_rows)
     kept = list(read_records(tmp_path / "cut.wandb"))
     assert [r.history.step.num for r in kept if r.HasField("history")] == steps
     assert (cut.rows_sent, cut.rows_staged) == (len(steps), 10)
@@ -333,20 +336,20 @@ def test_a_live_round_keeps_a_row_for_the_final_round(tmp_path, last_step, steps
 
 
 @pytest.mark.parametrize(
-    "rows_sent, rows_staged, server_rows, sent_already",
+    "rows_sent, rows_staged, server_rows, sent_early",
     [
-        (9, 10, 10, True),  # the row held back is on the server already
-        (7, 10, 9, True),  # rows past the watermark too (a shared run's early rows)
-        (9, 10, 9, False),  # the server holds what the cut sends: it may go (and add none)
+        (7, 10, 9, True),  # rows past the watermark (a shared run's rows, sent too early)
+        (7, 10, 10, True),
+        (10, 10, 10, False),  # the server holds what the cut sends: it goes, and is checked
         (9, 10, 5, False),  # the usual round: rows to send
         (9, 10, 11, False),  # more than staged: not this run's rows, refused on upload
         (0, 0, 0, False),  # nothing yet
     ],
 )
-def test_a_round_waits_when_the_server_holds_rows_its_cut_leaves_out(
-    rows_sent, rows_staged, server_rows, sent_already
+def test_a_round_waits_when_the_server_holds_rows_past_the_watermark(
+    rows_sent, rows_staged, server_rows, sent_early
 ):
-    assert LiveCut(rows_sent, rows_staged).sent_already(server_rows) is sent_already
+    assert LiveCut(rows_sent, rows_staged).sent_early(server_rows) is sent_early
 
 
 @pytest.mark.parametrize("run_mode", ["shared", "new"])
@@ -446,21 +449,25 @@ def test_a_follow_of_a_path_not_there_yet_says_so_and_waits_for_it(make_sink, tm
 
 
 @pytest.mark.parametrize("run_mode", ["shared", "new"])
-def test_a_sync_between_two_follows_leaves_the_next_one_waiting_for_a_new_row(
+def test_a_sync_between_two_follows_leaves_the_next_one_sending_what_is_new(
     run_mode, make_sink, monkeypatch, tmp_path, state
 ):
     """A follow is stopped, a one-shot sync then sends every row written so far (the row a
-    live round holds back too), and the follow is started again. Its rounds must wait for a
-    row the server lacks, not refuse the run for holding more rows than the round stages;
-    the runs then end as a one-shot sync of the whole runs leaves them."""
-    steps = {"live": range(4), "full": range(6)}
-    for name in ("full", "live"):
+    live round holds back too), and the follow is started again. Its rounds must go on
+    sending what the ranks write (here console lines, no row) and not refuse the run for
+    holding more rows than a round would stage; the runs then end as a one-shot sync of
+    the whole runs leaves them."""
+    for name in ("full", "more", "live"):  # (each a beginning of the next)
         for rank in (0, 1):
             info = RankInfo(rank, rank, 2, 2, 0, job_id="between")
             with rank_log(tmp_path / name, info, f"between-{rank}", "p") as writer:
-                for step in steps[name]:
+                for step in range(4):
                     writer.write(history_record([("loss", str(10 * rank + step))], step))
+                if name != "live":
+                    writer.write(console_record(f"rank {rank} saving\n"))
                 if name == "full":
+                    for step in (4, 5):
+                        writer.write(history_record([("loss", str(10 * rank + step))], step))
                     writer.write(exit_record(0))
     request = MergeRequest(paths=[tmp_path / "live"], run_mode=run_mode)
     want = one_shot(monkeypatch, make_sink, tmp_path / "full", request, tmp_path)
@@ -470,13 +477,55 @@ def test_a_sync_between_two_follows_leaves_the_next_one_waiting_for_a_new_row(
     sync(request, timeout=UPLOAD_TIMEOUT)  # (the ranks have not finished: every row goes)
     assert all(len(run["history"]) == 4 for run in sink_runs(sink).values())
     with Follower(request, parallel=2, timeout=UPLOAD_TIMEOUT) as follower:
-        report = follower.round()
-        assert [(t.status, t.rows) for t in report.targets] == [("unchanged", 4)] * len(want), (
-            round_lines(report)
-        )
-        for log in (tmp_path / "full").glob("wandb/*/run-*.wandb"):
-            live = tmp_path / "live" / log.relative_to(tmp_path / "full")
-            live.write_bytes(log.read_bytes())
-        report = follower.round()
+        for version in ("more", "full"):
+            for log in (tmp_path / version).glob("wandb/*/run-*.wandb"):
+                live = tmp_path / "live" / log.relative_to(tmp_path / version)
+                assert log.read_bytes().startswith(live.read_bytes())
+                live.write_bytes(log.read_bytes())
+            report = follower.round()
+            assert all(t.status == "sent" for t in report.targets), round_lines(report)
+            if version == "more":
+                assert [(t.rows, t.added) for t in report.targets] == [(4, 0)] * len(want)
+                got = sink_runs(sink)
+                for rank in (0, 1):
+                    run = got["between" if run_mode == "shared" else f"between-rank-{rank}"]
+                    assert len(run["history"]) == 4  # (its state: as the one-shot sync left it)
+                    assert any(f"rank {rank} saving" in line for line in run["console"])
         assert report.done, round_lines(report)
     assert_same_runs(sink, want)
+
+
+def test_rows_a_sync_sent_before_every_rank_logged_them_are_named(
+    make_sink, monkeypatch, tmp_path, state
+):
+    """Rank 1 is two steps behind rank 0 when a one-shot sync sends the shared run: its
+    rows 4 and 5 hold rank 0's values only, and the server keeps a row as first sent. The
+    follow says so in its first round, and refuses the run once rank 1's values differ
+    from what the server holds (rather than sending them to other rows)."""
+    for name, steps in (("live", (range(6), range(4))), ("full", (range(6), range(6)))):
+        for rank in (0, 1):
+            info = RankInfo(rank, rank, 2, 2, 0, job_id="early")
+            with rank_log(tmp_path / name, info, f"early-{rank}", "p") as writer:
+                for step in steps[rank]:
+                    writer.write(history_record([("loss", str(10 * rank + step))], step))
+                if name == "full":
+                    writer.write(exit_record(0))
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
+    sink = follow_sink(make_sink, monkeypatch, state)
+    sync(request, timeout=UPLOAD_TIMEOUT)
+    assert len(sink.client.run("local", "p", "early")["history"]) == 6
+    with Follower(request, parallel=2, timeout=UPLOAD_TIMEOUT) as follower:
+        [target] = follower.round().targets
+        assert target.status == "failed"
+        assert target.problems == [
+            "the server holds 6 history rows, past the 4 that every rank has logged (another "
+            "sync sent them during training?); they are checked once every rank has logged them"
+        ]
+        for log in (tmp_path / "full").glob("wandb/*/run-*.wandb"):
+            shutil.copy(log, tmp_path / "live" / log.relative_to(tmp_path / "full"))
+        report = follower.round()
+    [target] = report.targets
+    assert not report.done and target.status == "failed"
+    assert target.problems[0].startswith("the server's row 6 differs from the staged row 6")
+    run = sink.client.run("local", "p", "early")
+    assert [row.get("loss/rank-1") for row in run["history"]][4:] == [None, None]

@@ -8,8 +8,9 @@ still write, two things are changed in the staged log before it is uploaded:
   values of its step; a rank that is behind adds its value later. The server keeps each
   row as first sent (a later upload continues after the rows it holds), so a row may only
   go out once every rank that will contribute to it has.
-- When the watermark leaves no row out, the last row is held back: it goes with a later
-  round that has a row after it to send, or with the round that sends the exit record.
+- When the watermark leaves no row out, the last row is held back (unless the server holds
+  it already): it goes with a later round that has a row after it to send, or with the
+  round that sends the exit record.
   wandb-core gives the summary the `_step` of the last row an upload sends, and nothing
   else can set it (a summary record's `_step` is ignored; measured with wandb 0.31): a
   final round that sent no row, because the ranks logged their last rows a round before
@@ -45,11 +46,11 @@ class LiveCut:
     rows_sent: int
     rows_staged: int
 
-    def sent_already(self, server_rows: int) -> bool:
-        """The server holds rows this cut leaves out, and no row the staged log lacks: an
-        upload of the cut would be refused, and there is nothing new to send before the
-        staged log has another row. (Another upload sent them: a one-shot sync between
-        two follows sends every row, the one a round holds back too.)"""
+    def sent_early(self, server_rows: int) -> bool:
+        """The server holds rows past those this cut sends, which every rank has logged,
+        and no row the staged log lacks: another upload sent rows before every rank had
+        logged them (a one-shot sync of the job while it trains). They can be checked
+        only once every rank has logged them; an upload now would be refused."""
         return self.rows_sent < server_rows <= self.rows_staged
 
 
@@ -60,15 +61,21 @@ def running_exit_record() -> bytes:
     return record.SerializeToString()
 
 
-def cut_live(log: Path, out: Path, last_step: int | None) -> LiveCut:
+def cut_live(log: Path, out: Path, last_step: int | None, server_rows: int = 0) -> LiveCut:
     """Write `log` to `out` without its history rows after `last_step` (None: all kept), or
-    without its last row when that leaves none out, and with a `not_complete` exit record
-    in place of its exit record."""
+    without its last row when that leaves none out and the server (holding `server_rows`)
+    lacks it, and with a `not_complete` exit record in place of its exit record.
+
+    A row the server holds already is not held back: another upload sent it (a one-shot
+    sync between two follows sends every row). The cut keeps it, so that the upload, which
+    sends only the rows the server lacks, checks that the server's last row is this one."""
     all_rows = rows_kept = 0
     for index in _indexed(log):
         all_rows += len(index.history)
         rows_kept += len(_rows_kept(index, last_step))
-    held_back = rows_kept - 1 if rows_kept == all_rows else -1  # (the index of the row held back)
+    held_back = -1  # (the index of the row held back)
+    if rows_kept == all_rows and server_rows < rows_kept:
+        held_back = rows_kept - 1
     before = 0  # the rows kept in the reads before this one
     with open(out, "xb") as stream, LogWriter(stream) as writer:
         for index in _indexed(log):

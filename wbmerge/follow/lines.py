@@ -18,7 +18,7 @@ def round_lines(report: RoundReport) -> list[str]:
         if target.status == "failed":
             lines.append(
                 f"round {report.number}: run {target.run_id} not complete on the server "
-                f"({'; '.join(target.problems) or 'unknown'}); the next round sends it again"
+                f"({'; '.join(target.problems) or 'unknown'}); the next round tries again"
             )
     return lines
 

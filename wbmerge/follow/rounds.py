@@ -238,11 +238,19 @@ class Follower:
             report.warnings += [f"{target.id}: {w}" for w in staged.warnings]
         else:
             cut = staged.log_path.with_name(staged.log_path.name + ".cut")
-            live_cut = cut_live(staged.log_path, cut, watermark(target, ranks))
+            server_rows = self._server_rows(known, entity, plan.project, target.id)
+            live_cut = cut_live(staged.log_path, cut, watermark(target, ranks), server_rows)
             cut.replace(staged.log_path)
-            if live_cut.sent_already(self._server_rows(known, entity, plan.project, target.id)):
-                report.targets.append(TargetRound(target.id, "unchanged", known.rows or 0))
-                return None  # (staged again each round its files change, until a new row)
+            if live_cut.sent_early(server_rows):
+                known.rows = None  # (asked again next round: the run may have been deleted)
+                problem = (
+                    f"the server holds {server_rows} history rows, past the "
+                    f"{live_cut.rows_sent} that every rank has logged (another sync sent them "
+                    "during training?); they are checked once every rank has logged them"
+                )
+                report.targets.append(TargetRound(target.id, "failed", server_rows,
+                                                  problems=[problem]))  # fmt: skip
+                return None
         delivery = Delivery(
             target.id, staged.run_dir, staged.log_path, known.key, fingerprint, final=done
         )
