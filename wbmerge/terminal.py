@@ -31,29 +31,39 @@ from collections.abc import Iterable
 TERMINAL_HEIGHT = 32  # wandb-core's `maxTerminalLines`: the view, and the lines still open
 MAX_LINE = 4096  # wandb-core's `maxTerminalLineLength`: characters a line keeps
 
-# A run of characters written as they are, or one character that may be acted on.
-_TOKENS = re.compile(r"[^\r\n\x1b]+|.", re.DOTALL)
+# What a terminal acts on, a run at a time: characters written as they are, escapes it
+# does not know (written too, characters and all), line feeds, carriage returns, cursor
+# moves up (ESC [ A) and down (ESC [ B), and an escape begun at the end of a record. Runs
+# keep hostile text (50 MB of cursor moves) from costing a step per character. A repeated
+# group is bounded (`{1,1024}`): unbounded, Python's `re` keeps state for each repetition
+# (3.4 GB for 30 MB of text); a repeated character class keeps none.
+_TOKENS = re.compile(
+    r"(?P<text>[^\r\n\x1b]+|(?:\x1b[^\[]|\x1b\[[^AB]){1,1024})|(?P<down>\n+)|(?P<back>\r+)"
+    r"|(?P<up>(?:\x1b\[A){1,1024})|(?P<below>(?:\x1b\[B){1,1024})|(?P<begun>\x1b\[?)",
+    re.DOTALL,
+)
 
 
 class ConsoleModel:
     """The lines of one run's console, both terminals' and the logger's.
 
-    Only the last `TERMINAL_HEIGHT` lines can still change. The lines above them are
-    closed: counted, and kept only when the text is wanted, so that counting a console
-    holds no more of it than those open lines."""
+    Only the last `TERMINAL_HEIGHT` lines can still change; they are kept as lists of
+    characters, so that writing one character costs one. The lines above them are closed:
+    counted, and kept only when the text is wanted, so that counting a console holds no
+    more of it than those open lines."""
 
     def __init__(self, keep_text: bool = True) -> None:
         self.made = 0  # lines made so far
-        self.open: deque[str] = deque()  # the last lines made, at most TERMINAL_HEIGHT
+        self.open: deque[list[str]] = deque()  # the last lines made, at most TERMINAL_HEIGHT
         self.closed: list[str] | None = [] if keep_text else None
 
     def new_line(self, content: str = "") -> int:
-        self.open.append(content)
+        self.open.append(list(content))
         self.made += 1
         if len(self.open) > TERMINAL_HEIGHT:
             line = self.open.popleft()
             if self.closed is not None:
-                self.closed.append(line)
+                self.closed.append("".join(line))
         return self.made - 1
 
     def write(self, number: int, offset: int, text: str) -> None:
@@ -65,13 +75,16 @@ class ConsoleModel:
         text = text[: max(0, MAX_LINE - offset)]
         if not text:
             return
-        line = self.open[index].ljust(offset)
-        self.open[index] = line[:offset] + text + line[offset + len(text) :]
+        line = self.open[index]
+        if len(line) < offset:
+            line.extend(" " * (offset - len(line)))
+        line[offset : offset + len(text)] = text
 
     def text(self) -> str:
         """`output.log`: every line, each ended by a line feed."""
         assert self.closed is not None, "the text of a console only counted"
-        return "".join(line + "\n" for lines in (self.closed, self.open) for line in lines)
+        open_lines = ("".join(line) for line in self.open)
+        return "".join(f"{line}\n" for lines in (self.closed, open_lines) for line in lines)
 
 
 class Terminal:
@@ -84,31 +97,33 @@ class Terminal:
         self.escape = ""  # the escape sequence begun and not yet ended
 
     def write(self, text: str) -> None:
+        while self.escape and text:  # (an escape begun at the end of the last record)
+            text = self._escaped(text)
         for match in _TOKENS.finditer(text):
-            token = match.group()
-            while self.escape and token:
-                token = self._escaped(token)
-            if not token:
-                continue
-            if token == "\r":
-                self.x = 0
-            elif token == "\n":
-                self.x = 0
-                self._down()
-            elif token == "\x1b":
-                self.escape = token
-            else:
+            kind, token = match.lastgroup, match.group()
+            if kind == "text":
                 self._put(token)
+            elif kind == "down":
+                self.x = 0
+                self._down(len(token))
+            elif kind == "back":
+                self.x = 0
+            elif kind == "up":
+                self.y = max(0, self.y - len(token) // 3)
+            elif kind == "below":
+                self._down(len(token) // 3)
+            else:  # (only at the end of the text: the next record ends it)
+                self.escape = token
 
-    def _escaped(self, token: str) -> str:
-        """Take the first character of `token` into the escape sequence begun; the rest."""
-        char, rest = token[0], token[1:]
+    def _escaped(self, text: str) -> str:
+        """Take the first character of `text` into the escape sequence begun; the rest."""
+        char, rest = text[0], text[1:]
         if self.escape == "\x1b" and char == "[":
             self.escape = "\x1b["
         elif self.escape == "\x1b[" and char in "AB":
             self.escape = ""
             if char == "B":
-                self._down()
+                self._down(1)
             elif self.y > 0:
                 self.y -= 1
         else:  # not a sequence it knows: written as it is, the character too
@@ -116,12 +131,13 @@ class Terminal:
             self._put(printed)
         return rest
 
-    def _down(self) -> None:
-        self.y += 1
-        if self.y >= TERMINAL_HEIGHT:
-            if self.view:
-                del self.view[0]
-            self.y -= 1
+    def _down(self, lines: int) -> None:
+        """Move the cursor `lines` down; past the view's bottom line, each scrolls it."""
+        y = self.y + lines
+        if y >= TERMINAL_HEIGHT:
+            del self.view[: y - (TERMINAL_HEIGHT - 1)]  # (those that have scrolled out)
+            y = TERMINAL_HEIGHT - 1
+        self.y = y
 
     def _put(self, chars: str) -> None:
         while self.y >= len(self.view):
