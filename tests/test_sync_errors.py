@@ -138,10 +138,27 @@ def test_nothing_there(tmp_path):
 @pytest.mark.parametrize("parallel", ["0", "-3"])
 def test_no_runs_at_once_is_refused_before_any_work(tmp_path, parallel):
     result = run("sync", str(job_dir("one_node_4")), "-n", parallel)
-    assert result.exit_code == 2
-    assert f"Invalid value for '--parallel' / '-n': {parallel} is not in the range x>=1" in (
-        result.output + result.stderr
+    assert_one_line_error(
+        result, f"Invalid value for '--parallel' / '-n': {parallel} is not in the range x>=1"
     )
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["sync", "--run-mode", "x", "."], "Invalid value for '--run-mode': 'x' is not one of "
+         "'auto', 'shared', 'new'. (see wbmerge sync --help)"),
+        (["merge", "."], "Missing option '--out'. (see wbmerge merge --help)"),
+        (["sync"], "Missing argument 'PATHS...'. (see wbmerge sync --help)"),
+        (["snyc", "."], "No such command 'snyc'. Did you mean 'sync'? (see wbmerge --help)"),
+        (["sink", "shwo"], "No such command 'shwo'. Did you mean 'show'? (see wbmerge sink --help)"),
+    ],
+)  # fmt: skip
+def test_a_usage_error_is_one_line_naming_the_help(args, line):
+    """click would print four lines (usage, a hint, a blank line, the error)."""
+    result = run(*args)
+    assert result.exit_code == 2
+    assert result.stderr == f"wbmerge: error: {line}\n"
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):

@@ -6,60 +6,14 @@ import json
 import os
 import shlex
 import sys
-import warnings
 from collections.abc import Callable
-from functools import wraps
 from typing import Any
 
 import click
 
 from . import __version__
-from .errors import InputWarning, Terminated, WbmergeError
-
-
-def _one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Bad input is one line on stderr and exit 2; a bug says so, still without a traceback.
-
-    Input left out (InputWarning) is one `wbmerge: warning:` line each. A failure that is
-    not a WbmergeError is first traced to a hostile run (a record with a valid checksum
-    but invalid protobuf, which the fast readers do not parse): that is bad input, exit 2.
-    """
-
-    @wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("always", InputWarning)
-                warnings.showwarning = _show_warning
-                return func(*args, **kwargs)
-        except WbmergeError as exc:
-            for line in getattr(exc, "lines", None) or [str(exc)]:
-                click.echo(f"wbmerge: error: {line}", err=True)
-            sys.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            click.echo("wbmerge: interrupted; runs verified so far stay recorded", err=True)
-            sys.exit(130)
-        except BrokenPipeError:  # the reader of stdout went away (`wbmerge ... | head -1`)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (for the exit)
-            sys.exit(141)  # as a tool stopped by SIGPIPE exits
-        except Terminated:
-            click.echo("wbmerge: terminated; runs verified so far stay recorded", err=True)
-            sys.exit(143)
-        except Exception as exc:  # the last line of defence of the CLI
-            if os.environ.get("WBMERGE_DEBUG"):
-                raise
-            hostile = _hostile_input(kwargs.get("paths"))
-            if hostile:
-                click.echo(f"wbmerge: error: {hostile}", err=True)
-                sys.exit(2)
-            click.echo(
-                f"wbmerge: internal error: {type(exc).__name__}: {exc} "
-                "(rerun with WBMERGE_DEBUG=1 for a traceback)",
-                err=True,
-            )
-            sys.exit(70)
-
-    return wrapper
+from .clierrors import OneLineUsage, one_line_errors
+from .errors import WbmergeError
 
 
 def rank_options() -> list[Callable[..., Any]]:
@@ -96,28 +50,7 @@ def _with_rank_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def _show_warning(message: Any, category: type, *args: Any, **kwargs: Any) -> None:
-    if issubclass(category, InputWarning):
-        click.echo(f"wbmerge: warning: {message}", err=True)
-    else:
-        _default_show_warning(message, category, *args, **kwargs)
-
-
-_default_show_warning = warnings.showwarning
-
-
-def _hostile_input(paths: Any) -> str | None:
-    if not paths:
-        return None
-    from .discover import find_invalid_records
-
-    try:
-        return find_invalid_records(paths)
-    except Exception:  # the input cannot even be listed: report the first failure
-        return None
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineUsage, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="wbmerge")
 def main() -> None:
     """Merge and upload the offline W&B runs of every rank of a distributed job."""
@@ -127,7 +60,7 @@ def main() -> None:
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array, one object per run.")
 @_with_rank_options
-@_one_line_errors
+@one_line_errors
 def inspect(
     paths: tuple[str, ...], as_json: bool, label_pattern: str | None, ranks_file: str | None
 ) -> None:
@@ -166,7 +99,7 @@ def sink() -> None:
     help="Inject a fault, e.g. 'file_stream=500@2' (allows faults).",
 )
 @click.option("--port-file", type=click.Path(), help="Write the bound port to this file.")
-@_one_line_errors
+@one_line_errors
 def sink_serve(
     port: int, data_dir: str, allow_faults: bool, faults: tuple[str, ...], port_file: str | None
 ) -> None:
@@ -191,7 +124,7 @@ def sink_serve(
 @click.argument("run_path", required=False)
 @click.option("--url", default="http://127.0.0.1:8765", show_default=True, envvar="WANDB_BASE_URL")
 @click.option("--json", "as_json", is_flag=True)
-@_one_line_errors
+@one_line_errors
 def sink_show(run_path: str | None, url: str, as_json: bool) -> None:
     """List the sink's runs, or show one: RUN_PATH is ENTITY/PROJECT/RUN_ID."""
     import urllib.error
@@ -346,7 +279,7 @@ def _say_waiting(key: str) -> None:
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")
 @click.option("--json", "as_json", is_flag=True)
-@_one_line_errors
+@one_line_errors
 def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
     """Merge the offline runs under PATHS into new offline runs in --out (no upload)."""
     from . import api
@@ -412,7 +345,7 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
     "for an elastic restart before it is finished.",
 )  # fmt: skip
 @click.option("--quiet", "-q", is_flag=True, help="--follow: no line per round.")
-@_one_line_errors
+@one_line_errors
 def sync(
     parallel: int,
     force: bool,
@@ -527,7 +460,7 @@ def _follow(
 @click.option("--job", help="Only this job id (default: every job found).")
 @click.option("--wide", is_flag=True, help="One row per rank and step, a column per history key.")
 @_with_rank_options
-@_one_line_errors
+@one_line_errors
 def export(
     paths: tuple[str, ...],
     out: str,
@@ -563,7 +496,7 @@ def export(
 @click.option("--rank-stats", is_flag=True,
               help="Add min, median, max, mean across ranks (and their ranks) at the last step.")  # fmt: skip
 @_with_rank_options
-@_one_line_errors
+@one_line_errors
 def report(
     paths: tuple[str, ...],
     metrics: tuple[str, ...],

@@ -1,0 +1,113 @@
+"""How the command line says what went wrong: one line on stderr, and the exit status.
+
+Bad input is `wbmerge: error: ...` and exit 2 (click's usage errors too, which it would
+give in four lines); input left out is a `wbmerge: warning: ...` line; a bug says so in
+one line as well, with how to get its traceback. No traceback reaches a user.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+import click
+
+from .errors import InputWarning, Terminated, WbmergeError
+
+
+def one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Bad input is one line on stderr and exit 2; a bug says so, still without a traceback.
+
+    Input left out (InputWarning) is one `wbmerge: warning:` line each. A failure that is
+    not a WbmergeError is first traced to a hostile run (a record with a valid checksum
+    but invalid protobuf, which the fast readers do not parse): that is bad input, exit 2.
+    """
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always", InputWarning)
+                warnings.showwarning = _show_warning
+                return func(*args, **kwargs)
+        except WbmergeError as exc:
+            for line in getattr(exc, "lines", None) or [str(exc)]:
+                click.echo(f"wbmerge: error: {line}", err=True)
+            sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("wbmerge: interrupted; runs verified so far stay recorded", err=True)
+            sys.exit(130)
+        except BrokenPipeError:  # the reader of stdout went away (`wbmerge ... | head -1`)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (for the exit)
+            sys.exit(141)  # as a tool stopped by SIGPIPE exits
+        except Terminated:
+            click.echo("wbmerge: terminated; runs verified so far stay recorded", err=True)
+            sys.exit(143)
+        except Exception as exc:  # the last line of defence of the CLI
+            if os.environ.get("WBMERGE_DEBUG"):
+                raise
+            hostile = _hostile_input(kwargs.get("paths"))
+            if hostile:
+                click.echo(f"wbmerge: error: {hostile}", err=True)
+                sys.exit(2)
+            click.echo(
+                f"wbmerge: internal error: {type(exc).__name__}: {exc} "
+                "(rerun with WBMERGE_DEBUG=1 for a traceback)",
+                err=True,
+            )
+            sys.exit(70)
+
+    return wrapper
+
+
+def _show_warning(message: Any, category: type, *args: Any, **kwargs: Any) -> None:
+    if issubclass(category, InputWarning):
+        click.echo(f"wbmerge: warning: {message}", err=True)
+    else:
+        _default_show_warning(message, category, *args, **kwargs)
+
+
+_default_show_warning = warnings.showwarning
+
+
+def _hostile_input(paths: Any) -> str | None:
+    if not paths:
+        return None
+    from .discover import find_invalid_records
+
+    try:
+        return find_invalid_records(paths)
+    except Exception:  # the input cannot even be listed: report the first failure
+        return None
+
+
+_NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # (click 8.2 and later)
+
+
+class OneLineUsage(click.Group):
+    """The group of commands, its usage errors one line too (click gives them four: usage,
+    a hint, a blank line and the error), naming the help to read."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except _NO_ARGS as exc:  # (a group given no command: its help, as click shows it)
+            click.echo(exc.format_message(), err=True)
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            where = " ".join(["wbmerge", *(exc.ctx.command_path.split()[1:] if exc.ctx else [])])
+            click.echo(f"wbmerge: error: {exc.format_message()} (see {where} --help)", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            click.echo(f"wbmerge: error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("wbmerge: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
