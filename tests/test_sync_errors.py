@@ -161,6 +161,24 @@ def test_a_usage_error_is_one_line_naming_the_help(args, line):
     assert result.stderr == f"wbmerge: error: {line}\n"
 
 
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["-p", "team/exp"], "invalid project 'team/exp': W&B refuses / in project names"),
+        (["-p", "a:b#c"], "invalid project 'a:b#c': W&B refuses # : in project names"),
+        (["-p", "p" * 129], f"invalid project {'p' * 40!r}: empty, surrounded by whitespace "
+         "or longer than W&B's 128 characters"),
+        (["-p", "p", "-e", "me/you"], "invalid entity 'me/you': W&B refuses / in entity names"),
+    ],
+)  # fmt: skip
+def test_a_project_w_and_b_refuses_is_bad_input_before_any_upload(tmp_path, args, line):
+    """W&B refuses these names; the upload of every run would fail, unexplained. The server
+    here answers nothing: the name is refused before it is asked."""
+    env = {"WBMERGE_STATE_DIR": str(tmp_path)}
+    result = run("sync", job_dir("one_node_4"), *args, env=env)
+    assert_one_line_error(result, line)
+
+
 def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
     # `wbmerge inspect ... | head -1`: the pipe closes before wbmerge writes its table.
     import os

@@ -21,7 +21,7 @@ from .errors import InputWarning, Terminated, WbmergeError
 from .hints import make_hints
 from .merge import DEFAULT_KEY_FORMAT, MergeOptions, Staged, stage
 from .merged import merged_jobs, selects_merged
-from .plan import Target, app_url, links, plan, run_url
+from .plan import Target, app_url, check_destination, links, plan, run_url
 from .rankstats import PerRank
 from .safepaths import check_out_dir, source_trees
 from .upload import (
@@ -401,12 +401,11 @@ def _sync(
     on_wait: Callable[[str], None] | None,
 ) -> SyncReport:
     credentials = find_credentials()
+    planned = plan_jobs(request) if planned is None else planned
+    for job in planned:  # (bad input first: exit 2 whether the server answers or not)
+        check_destination(job.project, job.entity)
     client = ServerClient(credentials)
     viewer_entity = client.viewer_entity()  # the preflight: fails in seconds, naming the URL
-    planned = plan_jobs(request) if planned is None else planned
-    for job in planned:
-        if not job.project:
-            raise WbmergeError("no project: pass --project or set WANDB_PROJECT")
     report = SyncReport(planned)
     clean_stale()  # leftovers of syncs that were killed, their uploaders first
     own_staging = staging_dir is None

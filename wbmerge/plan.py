@@ -111,6 +111,30 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+# What wandb's settings refuse in a project name (also longer than `NAME_MAX_CHARS`). An
+# entity is a part of every run's URL too, so it is held to the same.
+RESERVED_NAME_CHARS = "/\\#?%:"
+NAME_MAX_CHARS = 128
+
+
+def check_destination(project: str | None, entity: str | None) -> None:
+    """Raise WbmergeError (before any upload) for a missing project, or a project or entity
+    name W&B refuses: else every run of it fails only after its upload, unexplained."""
+    if not project:
+        raise WbmergeError("no project: pass --project or set WANDB_PROJECT")
+    for kind, name in (("project", project), ("entity", entity)):
+        bad = sorted(set(name or "") & set(RESERVED_NAME_CHARS))
+        if bad:
+            raise WbmergeError(
+                f"invalid {kind} {name!r}: W&B refuses {' '.join(bad)} in {kind} names"
+            )
+        if name is not None and (len(name) > NAME_MAX_CHARS or name != name.strip() or not name):
+            raise WbmergeError(
+                f"invalid {kind} {name[:40]!r}: empty, surrounded by whitespace or longer "
+                f"than W&B's {NAME_MAX_CHARS} characters"
+            )
+
+
 def plan(
     sources: Sequence[Source],
     run_mode: str = "auto",

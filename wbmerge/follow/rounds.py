@@ -25,7 +25,7 @@ from ..errors import WbmergeError
 from ..hints import make_hints
 from ..merge import stage
 from ..pipeline import MergeRequest, PlannedJob, check_key_format, plan_found
-from ..plan import Target, app_url
+from ..plan import Target, app_url, check_destination
 from ..upload import (
     Deliverer,
     Delivery,
@@ -158,8 +158,7 @@ class Follower:
                     report.waiting.append(f"job {job.job_id}: {exc}")
                     all_done = False
                     continue
-                if not plan.project:
-                    raise WbmergeError("no project: pass --project or set WANDB_PROJECT")
+                check_destination(plan.project, plan.entity)
                 planned.append(plan)
                 report.warnings += plan.warnings  # what was assumed about its ranks
                 ranks = progress(job, live.sizes, self._scans)
