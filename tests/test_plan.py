@@ -8,7 +8,7 @@ import pytest
 
 from wbmerge.errors import WbmergeError
 from wbmerge.merged import MergedBy, merged_by
-from wbmerge.plan import Source, app_url, check_run_id, links, plan
+from wbmerge.plan import Source, app_url, check_run_id, group_url, links, plan, run_url
 from wbmerge.topology import RankInfo
 
 
@@ -200,3 +200,16 @@ def test_a_merged_runs_block_is_read_or_refused_whole(change, expected):
     block = {k: v for k, v in {**MERGED_BLOCK, **change}.items() if v is not None}
     assert merged_by(block) == expected
     assert merged_by([block]) is None and merged_by("J") is None
+
+
+@pytest.mark.parametrize(
+    "make, name, url",
+    [
+        (run_url, "fx-1", "https://wandb.ai/me/proj/runs/fx-1"),
+        (run_url, "a b", "https://wandb.ai/me/proj/runs/a%20b"),
+        (group_url, "exp 1/b", "https://wandb.ai/me/proj/groups/exp%201%2Fb"),
+    ],
+)
+def test_a_link_quotes_each_name_in_it(make, name, url):
+    """A group (any text) or a name with a space stays one part of the link."""
+    assert make("https://wandb.ai/", "me", "proj", name) == url

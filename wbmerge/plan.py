@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 from .errors import WbmergeError
 from .topology import RankInfo
@@ -26,12 +27,17 @@ def run_id_from_file(path: Path) -> str:
 
 def run_url(app_url: str, entity: str, project: str, run_id: str) -> str:
     """A run's page in W&B's app (`app_url` as `app_url()` gives it)."""
-    return f"{app_url.rstrip('/')}/{entity}/{project}/runs/{run_id}"
+    return _page(app_url, entity, project, "runs", run_id)
 
 
 def group_url(app_url: str, entity: str, project: str, group: str) -> str:
     """A group's page in W&B's app: the link of `new` mode, whose runs share a group."""
-    return f"{app_url.rstrip('/')}/{entity}/{project}/groups/{group}"
+    return _page(app_url, entity, project, "groups", group)
+
+
+def _page(app_url: str, *parts: str) -> str:
+    """A page's URL, each name in it quoted (a project `a b` is `a%20b` there)."""
+    return "/".join([app_url.rstrip("/"), *(quote(part, safe="") for part in parts)])
 
 
 @dataclass(frozen=True)
