@@ -75,6 +75,62 @@ def test_an_unknown_option_is_named():
         api.plan([job_dir("one_node_4")], run_mod="shared")
 
 
+def test_one_path_is_a_path_not_a_list_of_its_characters(tmp_path):
+    """`api.discover("./wandb")` reads that directory (a string is not a list of paths of a
+    character each); so does a `Path`, and `metrics` may be one name."""
+    source = job_dir("slow_rank")
+    listed = [(r.rank, r.path) for r in api.discover([source])]
+    assert [(r.rank, r.path) for r in api.discover(str(source))] == listed
+    assert [(r.rank, r.path) for r in api.discover(source)] == listed
+    assert [j.job.job_id for j in api.plan(str(source))] == [
+        j.job.job_id for j in api.plan([source])
+    ]
+    one = api.report(source, metrics="train/loss")
+    assert [m.key for m in one[0].metrics] == ["train/loss"]
+    assert [r["run_id"] for r in api.inspect(source)] == [
+        r["run_id"] for r in api.inspect([source])
+    ]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"parallel": 0}, "parallel must be a whole number, 1 or more, not 0"),
+        ({"parallel": "4"}, "parallel must be a whole number, 1 or more, not '4'"),
+        ({"timeout": -1}, "timeout must be a number of seconds above 0, not -1"),
+    ],
+)
+def test_sync_refuses_what_the_cli_refuses(options, message, tmp_path, monkeypatch):
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path))
+    with pytest.raises(WbmergeError, match=message) as raised:
+        api.sync(job_dir("one_node_4"), project="p", **options)
+    assert raised.value.exit_code == 2
+
+
+def test_ranks_assumed_from_start_order_are_said_as_the_cli_says_them(tmp_path):
+    """recipe_group's runs say no rank: merge and plan assume them from start order. The
+    API says so as an InputWarning, as the CLI prints it, and in the plan's warnings."""
+    source = job_dir("recipe_group")
+    [job] = api.plan(source, run_mode="shared")
+    [assumed] = [w for w in job.warnings if "assumed from start order" in w]
+    with pytest.warns(api.InputWarning) as said:
+        api.merge(source, tmp_path / "out", run_mode="shared")
+    assert assumed in [str(w.message) for w in said]
+    printed = CliRunner().invoke(
+        main, ["merge", "--run-mode", "shared", "--out", str(tmp_path / "cli"), str(source)]
+    )
+    assert f"wbmerge: warning: {assumed}" in printed.stderr
+
+
+def test_the_errors_a_sync_raises_are_the_apis():
+    from wbmerge.pipeline import UploadFailed
+    from wbmerge.upload.server import ServerError
+
+    assert api.UploadFailed is UploadFailed and api.ServerError is ServerError
+    assert issubclass(api.UploadFailed, api.WbmergeError)
+    assert issubclass(api.ServerError, api.WbmergeError)
+
+
 def test_merge_writes_what_the_cli_writes(tmp_path):
     staged = api.merge([job_dir("one_node_4")], tmp_path / "api", run_mode="shared")
     result = CliRunner().invoke(

@@ -13,30 +13,44 @@
 The merge options (`plan`, `merge`, `sync`) are the fields of `MergeRequest`, given by
 keyword: `run_mode`, `rank_scope`, `base_id`, `job`, `allow_missing_ranks`,
 `system_metrics`, `key_format`, `skew_metrics`, `rank_stats`, `per_rank`, `project`,
-`entity`, `job_type`, `label_pattern`, `ranks_file`. Every function raises `WbmergeError` (one line, with the
-exit code the CLI uses) for bad input, and warns with `InputWarning` for input it leaves out.
+`entity`, `job_type`, `label_pattern`, `ranks_file`. `paths` is one path or a list of them.
+
+Every function raises `WbmergeError` (one line, with the exit code the CLI uses) for bad
+input; `sync` raises `UploadFailed` (exit 1, its `report` says what was verified) when a
+run is not whole on the server, and `ServerError` (exit 1) when the server cannot be
+asked. Input left out, and ranks assumed rather than read (also in `PlannedJob.warnings`),
+are said as `InputWarning`s.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .discover import OfflineRun
 from .discover import discover as _discover_runs
+from .errors import InputWarning, WbmergeError
 from .hints import make_hints
-from .pipeline import MergeRequest, PlannedJob, SyncReport, merge_jobs, plan_jobs
+from .pipeline import MergeRequest, PlannedJob, SyncReport, UploadFailed, merge_jobs, plan_jobs
 from .pipeline import sync as _sync
+from .upload.server import ServerError
 
 if TYPE_CHECKING:  # (imported where used: `sync` starts faster without them)
     from .export import ExportResult
     from .report import JobReport
 
-Paths = Sequence[str | Path]
+Paths = Sequence[str | Path] | str | Path  # one path, or several
 
 __all__ = [
+    "InputWarning",
     "MergeRequest",
+    "ServerError",
+    "SyncReport",
+    "UploadFailed",
+    "WbmergeError",
     "discover",
     "export",
     "follow",
@@ -49,12 +63,29 @@ __all__ = [
 ]
 
 
+def path_list(paths: Paths) -> list[str | Path]:
+    """`paths` as a list: one path (`"./wandb"`, a `Path`) is a list of one, not of its
+    characters."""
+    if isinstance(paths, (str, os.PathLike)):
+        return [paths]
+    return list(paths)
+
+
 def request(paths: Paths, **options: Any) -> MergeRequest:
     """The request a merge or sync of `paths` with these options makes (checked by name)."""
     try:
-        return MergeRequest(paths=list(paths), **options)
+        return MergeRequest(paths=path_list(paths), **options)
     except TypeError as exc:  # an unknown option name: say which
         raise TypeError(f"unknown merge option: {exc}") from None
+
+
+def check_upload_options(parallel: object, timeout: object) -> None:
+    """Raise WbmergeError (exit 2) unless `parallel` is a whole number of uploads, 1 or
+    more, and `timeout` a number of seconds above 0 (as the CLI's `-n` and `--timeout`)."""
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        raise WbmergeError(f"parallel must be a whole number, 1 or more, not {parallel!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise WbmergeError(f"timeout must be a number of seconds above 0, not {timeout!r}")
 
 
 def discover(
@@ -70,7 +101,7 @@ def discover(
     each run's head and last block are read. `label_pattern` and `ranks_file` say how to
     read the ranks of runs written without wbmerge (as `--label-pattern` and `--ranks`).
     """
-    return _discover_runs(paths, full_scan, make_hints(label_pattern, ranks_file))
+    return _discover_runs(path_list(paths), full_scan, make_hints(label_pattern, ranks_file))
 
 
 def inspect(
@@ -79,7 +110,7 @@ def inspect(
     """What `wbmerge inspect --json` prints: a dict per run, after a full read of each."""
     from .inspect import inspect_runs
 
-    return inspect_runs(paths, make_hints(label_pattern, ranks_file))
+    return inspect_runs(path_list(paths), make_hints(label_pattern, ranks_file))
 
 
 def plan(paths: Paths, **options: Any) -> list[PlannedJob]:
@@ -102,7 +133,18 @@ def merge(
     with each `Staged` as it is written; `planned` is the result of `plan` with the same
     arguments, when the caller has it already."""
     made = request(paths, **options)
-    return merge_jobs(made, Path(out), planned or plan_jobs(made), progress)
+    return merge_jobs(made, Path(out), _planned(made, planned), progress)
+
+
+def _planned(made: MergeRequest, planned: list[PlannedJob] | None) -> list[PlannedJob]:
+    """The plan the caller has, else one made now, what it assumed of the jobs' ranks said
+    as `InputWarning`s (as the CLI says them; a caller with a plan has its warnings)."""
+    if planned is not None:
+        return planned
+    jobs = plan_jobs(made)
+    for line in (line for job in jobs for line in job.warnings):
+        warnings.warn(line, InputWarning, stacklevel=3)
+    return jobs
 
 
 def sync(
@@ -127,6 +169,7 @@ def sync(
     each run staged, `upload_progress` with the uploader's progress, `on_wait` with the key
     of a run another sync holds."""
     made = request(paths, **options)
+    check_upload_options(parallel, timeout)
     return _sync(
         made,
         parallel=parallel,
@@ -137,7 +180,7 @@ def sync(
         timeout=timeout,
         upload_progress=upload_progress,
         on_wait=on_wait,
-        planned=planned,
+        planned=_planned(made, planned),
     )
 
 
@@ -162,6 +205,7 @@ def follow(
     report."""
     from .follow import follow as follow_job
 
+    check_upload_options(parallel, timeout)
     return follow_job(
         request(paths, **options),
         interval,
@@ -188,7 +232,8 @@ def export(
     a value per row (long), or with `wide` a row per rank and step."""
     from .export import export as _export
 
-    return _export(paths, out, job=job, wide=wide, hints=make_hints(label_pattern, ranks_file))
+    hints = make_hints(label_pattern, ranks_file)
+    return _export(path_list(paths), out, job=job, wide=wide, hints=hints)
 
 
 def report(
@@ -206,4 +251,5 @@ def report(
     hints = make_hints(label_pattern, ranks_file)
     from .report import report as _report
 
-    return _report(paths, metrics, job, hints=hints, rank_stats=rank_stats)
+    named = [metrics] if isinstance(metrics, str) else list(metrics)
+    return _report(path_list(paths), named, job, hints=hints, rank_stats=rank_stats)
