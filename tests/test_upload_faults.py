@@ -133,11 +133,16 @@ def test_new_mode_with_one_run_failed_resends_nothing_twice(make_sink, tmp_path)
     sink = make_sink(["file_stream=400@3"])
     first = cli(sink, tmp_path, *sync_args("one", "--run-mode", "new", "-n", "1"))
     assert first.exit_code == 1
+    # --json still says which runs were verified (each recorded), and only those
+    verified = {r["id"]: r["status"] for r in json.loads(first.stdout)["runs"]}
     sink.client.set_faults([])
     second = cli(sink, tmp_path, *sync_args("one", "--run-mode", "new"))
     assert second.exit_code == 0, second.stderr
     statuses = {r["id"]: r["status"] for r in json.loads(second.stdout)["runs"]}
     assert "already synced" in statuses.values() and "uploaded" in statuses.values()
+    assert verified == {
+        i: "uploaded" for i, status in statuses.items() if status == "already synced"
+    }
     assert_every_rank_exactly_once(sink, "one")
 
 

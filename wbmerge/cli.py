@@ -7,13 +7,16 @@ import os
 import shlex
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from . import __version__
 from .clierrors import OneLineUsage, one_line_errors
 from .errors import WbmergeError
+
+if TYPE_CHECKING:
+    from .pipeline import SyncReport
 
 
 def rank_options() -> list[Callable[..., Any]]:
@@ -386,14 +389,24 @@ def sync(
         _print_plan(planned, as_json)
         return
     progress = _Progress(sum(len(j.targets) for j in planned))
+    failure = None
     try:
         report = api.sync(
             parallel=parallel, force=force, timeout=timeout, keep_staging=keep_staging,
             progress=progress, upload_progress=_UploadProgress(), on_wait=_say_waiting,
             planned=planned, **kw,
         )  # fmt: skip
+    except api.UploadFailed as exc:  # (the runs verified are said, then what failed)
+        report, failure = exc.report, exc
     finally:
         progress.close()
+    _print_synced(report, as_json)
+    if failure is not None:
+        raise failure
+
+
+def _print_synced(report: SyncReport, as_json: bool) -> None:
+    """The runs a sync verified (all of them, unless it failed) and their links."""
     for warning in report.warnings:
         click.echo(f"wbmerge: warning: {warning}", err=True)
     if as_json:
