@@ -7,9 +7,11 @@ in the sink (read back through the sink's own client).
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 from click.testing import CliRunner
@@ -174,7 +176,11 @@ def test_export_and_report_match_the_cli(tmp_path):
 def test_sync_uploads_and_verifies(sink, tmp_path, monkeypatch):
     for name, value in {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}.items():
         monkeypatch.setenv(name, value)
-    result = api.sync([job_dir("one_node_4")], run_mode="auto", project="api-test")
+    with warnings.catch_warnings(record=True) as caught:  # (a long-lived caller's sockets)
+        warnings.simplefilter("always", ResourceWarning)
+        result = api.sync([job_dir("one_node_4")], run_mode="auto", project="api-test")
+        gc.collect()
+    assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
     (synced,) = result.targets
     assert synced.status == "uploaded"
     log = next(p for p in sorted(job_dir("one_node_4").glob("wandb/*/run-*.wandb"))

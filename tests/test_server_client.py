@@ -4,10 +4,12 @@ cannot be reached or refuses the key said in one line."""
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
 import urllib.parse
+import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -119,6 +121,25 @@ def test_threads_do_not_share_a_connection(server):
     assert sorted(name for _, name in server.seen) == sorted(
         f"run-{t}-{i}" for t in range(4) for i in range(20)
     )
+
+
+@pytest.mark.parametrize("server", [{}], indirect=True)
+def test_a_thread_that_ended_leaves_its_connection_to_the_next_and_close_ends_it(server):
+    """The threads of a sync come and go (one per run asked about): a connection outlives
+    the thread that opened it, and `close()` closes it (no socket is left to the garbage
+    collector, which a long-lived caller sees as ResourceWarnings)."""
+    client = client_of(server)
+    for n in range(3):
+        thread = threading.Thread(target=client.held, args=("me", "p", f"run-{n}"))
+        thread.start()
+        thread.join()
+    assert len({port for port, _ in server.seen}) == 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        client.close()
+        del client
+        gc.collect()
+    assert [w for w in caught if w.category is ResourceWarning] == []
 
 
 @pytest.mark.parametrize("server", [{"status": 403}], indirect=True)

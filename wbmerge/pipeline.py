@@ -432,6 +432,7 @@ def _sync(
             failures = _sync_jobs(request, planned, session)
     finally:
         ledger.close()
+        client.close()
         if own_staging and not keep_staging:
             shutil.rmtree(staging, ignore_errors=True)
     if failures:

@@ -131,9 +131,10 @@ class Follower:
         self.close()
 
     def close(self) -> None:
-        """Release the runs' locks, the ledger and the staging directory."""
+        """Release the runs' locks, the ledger, the server's connections and the staging."""
         self._locks.close()
         self.ledger.close()
+        self.client.close()
         shutil.rmtree(self.staging, ignore_errors=True)
 
     def round(self) -> RoundReport:

@@ -33,6 +33,7 @@ PREFLIGHT_TIMEOUT = 10.0  # seconds: an unreachable server fails within this, in
 # without closing it would only fail after PREFLIGHT_TIMEOUT; load balancers commonly close
 # idle ones after 60 s, which the retry on a closed connection already covers.
 KEEP_IDLE = 30.0
+KEEP_OPEN = 16  # connections kept between questions, for threads asking at once
 # Answers that say "ask again later": rate limited (429), or a gateway between us and the
 # server busy or restarting (502, 503, 504). wandb retries these too. A sync asks about
 # several runs at once, so it may meet W&B's rate limit; it waits as the answer's
@@ -140,7 +141,35 @@ class ServerClient:
         self._https = scheme == "https"
         proxies = urllib.request.getproxies()
         self._proxied = scheme in proxies and not urllib.request.proxy_bypass(self._host)
-        self._local = threading.local()  # each thread's connection
+        # Connections between two questions, with when each was last used: any thread takes
+        # one (so that a thread that ends leaves its connection to the next), at most
+        # `KEEP_OPEN` are kept, and `close()` closes them.
+        self._idle: list[tuple[http.client.HTTPConnection, float]] = []
+        self._idle_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the connections kept between questions."""
+        with self._idle_lock:
+            idle, self._idle = self._idle, []
+        for connection, _ in idle:
+            connection.close()
+
+    def _take(self) -> http.client.HTTPConnection | None:
+        """A kept connection to ask on, None if none is kept (or only stale ones were)."""
+        with self._idle_lock:
+            while self._idle:
+                connection, used = self._idle.pop()
+                if time.monotonic() - used <= KEEP_IDLE:
+                    return connection
+                connection.close()  # idle so long that a NAT or proxy may have dropped it unsaid
+        return None
+
+    def _keep(self, connection: http.client.HTTPConnection) -> None:
+        with self._idle_lock:
+            if len(self._idle) < KEEP_OPEN:
+                self._idle.append((connection, time.monotonic()))
+                return
+        connection.close()
 
     def _query(self, query: str, variables: dict[str, Any], name: str) -> dict[str, Any]:
         body = json.dumps({"query": query, "variables": variables, "operationName": name})
@@ -186,11 +215,7 @@ class ServerClient:
                     return response.status, response.read(), None
             except urllib.error.HTTPError as exc:
                 return exc.code, b"", _seconds(exc.headers.get("Retry-After"))
-        kept = getattr(self._local, "connection", None)
-        self._local.connection = None  # (kept again only after a whole exchange)
-        if kept is not None and time.monotonic() - self._local.used > KEEP_IDLE:
-            kept.close()  # idle so long that a NAT or proxy may have dropped it unsaid
-            kept = None
+        kept = self._take()  # (kept again only after a whole exchange)
         if kept is not None:
             try:
                 answer = self._exchange(kept, body)
@@ -200,7 +225,7 @@ class ServerClient:
                 kept.close()
                 raise
             else:
-                self._local.connection, self._local.used = kept, time.monotonic()
+                self._keep(kept)
                 return answer
         connection = self._connect()
         try:
@@ -208,16 +233,18 @@ class ServerClient:
         except BaseException:
             connection.close()
             raise
-        self._local.connection, self._local.used = connection, time.monotonic()
+        self._keep(connection)
         return answer
 
     def _connect(self) -> http.client.HTTPConnection:
         if self._https:
-            return http.client.HTTPSConnection(
+            connection: http.client.HTTPConnection = http.client.HTTPSConnection(
                 self._host, self._port, timeout=self.timeout,
                 context=ssl.create_default_context(),
             )  # fmt: skip
-        return http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
+        else:
+            connection = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
+        return connection
 
     def _exchange(
         self, connection: http.client.HTTPConnection, body: bytes

@@ -260,10 +260,11 @@ class Uploader:
 
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._lock:
-                self._lines.append(line)
-                self._line_came.notify_all()
+        with self.proc.stdout as output:  # (closed at its end: a long-lived caller's pipes)
+            for line in output:
+                with self._lock:
+                    self._lines.append(line)
+                    self._line_came.notify_all()
         with self._lock:  # (the end of the output: `run` looks at the process again)
             self._line_came.notify_all()
 
@@ -313,6 +314,8 @@ class Uploader:
         with self._lock:
             self._stopped = True
             proc, sent = self.proc, self._sent
+        if proc is not None and proc.stdin is not None and not sent:
+            proc.stdin.close()  # (one never given its runs ends at this end of its input)
         if proc is None or proc.poll() is not None:
             return
         try:
