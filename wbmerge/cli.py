@@ -125,7 +125,13 @@ def sink_serve(
 
 @sink.command("show")
 @click.argument("run_path", required=False)
-@click.option("--url", default="http://127.0.0.1:8765", show_default=True, envvar="WANDB_BASE_URL")
+@click.option(
+    "--url",
+    default="http://127.0.0.1:8765",
+    show_default=True,
+    envvar="WANDB_BASE_URL",
+    help="The sink's address; WANDB_BASE_URL when set.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @one_line_errors
 def sink_show(run_path: str | None, url: str, as_json: bool) -> None:
@@ -496,7 +502,7 @@ def export(
         click.echo(f"wbmerge: warning: {line}", err=True)
     shape = "rows (rank x step)" if wide else "values"
     click.echo(
-        f"wrote {result.rows} {shape} of {result.ranks} ranks "
+        f"wrote {result.rows} {shape} of {result.ranks} rank{'s' * (result.ranks != 1)} "
         f"(job {', '.join(result.jobs)}) to {result.path}"
     )
 
