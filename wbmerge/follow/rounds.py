@@ -303,7 +303,7 @@ class Follower:
             try:
                 known.rows = self.client.held(entity, project, run_id).history_lines
             except ServerError:
-                known.rows = 0
+                return 0  # (asked again next time; the upload asks for itself anyway)
         return known.rows
 
     def links(self) -> list[dict]:
