@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -127,6 +128,33 @@ def test_lost_files_are_exit_1_and_a_later_sync_delivers_them(make_sink, tmp_pat
         )
         assert SOURCE_FILES <= set(got["files"])
         assert_exactly_once(got, want)
+
+
+def test_a_server_lost_after_some_runs_were_verified_still_lists_them(make_sink, tmp_path):
+    """Two jobs in one sync; the server refuses every question once the first run is
+    verified: exit 1, the error in a line, and --json lists the runs that were verified
+    (and recorded: a rerun finds them "already synced"), none of the others."""
+    for name in ("one_node_4", "two_nodes_2x2", "cadence"):
+        shutil.copytree(job_dir(name), tmp_path / "jobs" / name)
+    sink = make_sink(allow_faults=True)
+    args = sync_args("lost", "--run-mode", "new", "-n", "1", source=tmp_path / "jobs")
+    first = spawn(sink, tmp_path, args)
+    assert first.stderr is not None
+    lines = [first.stderr.readline()]
+    while lines[-1] and not lines[-1].startswith("verified"):
+        lines.append(first.stderr.readline())
+    sink.client.set_faults(["graphql=401"])
+    out, rest = first.communicate(timeout=120)
+    assert first.returncode == 1, "".join(lines) + rest
+    assert f"wbmerge: error: {sink.url}/graphql refused the API key (HTTP 401)" in rest
+    listed = {r["id"]: r["status"] for r in json.loads(out)["runs"]}
+    assert listed and set(listed.values()) == {"uploaded"} and len(listed) < 12
+    sink.client.set_faults([])
+    again = cli(sink, tmp_path, *args)
+    assert again.exit_code == 0, again.stderr
+    statuses = {r["id"]: r["status"] for r in json.loads(again.stdout)["runs"]}
+    assert len(statuses) == 12
+    assert {i for i, status in statuses.items() if status == "already synced"} == set(listed)
 
 
 def test_new_mode_with_one_run_failed_resends_nothing_twice(make_sink, tmp_path):

@@ -34,6 +34,7 @@ from .upload import (
     OwnerRecord,
     Progress,
     ServerClient,
+    ServerError,
     UploadSlots,
     clean_stale,
     find_credentials,
@@ -430,6 +431,14 @@ def _sync(
             if waited:  # for a sync that may have been killed since: its uploader first
                 clean_stale()
             failures = _sync_jobs(request, planned, session)
+    except ServerError as exc:
+        if not report.targets:
+            raise  # (nothing verified: nothing to report but the error)
+        lines = [
+            str(exc),
+            "nothing missing was recorded as synced; rerun `wbmerge sync` to send it",
+        ]
+        raise UploadFailed(lines, report) from None  # (with the runs it verified)
     finally:
         ledger.close()
         client.close()
