@@ -6,11 +6,14 @@ streams and wandb's logger)."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 
-from wbmerge.terminal import MAX_LINE, TERMINAL_HEIGHT, output_log
+from wbmerge.terminal import MAX_LINE, TERMINAL_HEIGHT, Console, output_log
+
+from .emulator_reference import reference_output_log
 
 MEASURED = json.loads((Path(__file__).parent / "data" / "output_log_measured.json").read_text())
 
@@ -43,3 +46,39 @@ def test_the_measured_cases_cover_what_the_emulator_acts_on():
 )
 def test_output_log_by_the_rules_of_the_emulators_source(console, written):
     assert output_log(console) == written
+
+
+ESC = "\x1b"
+PIECES = ["a", "é", "😀", "\n", "\r", ESC, "[", "A", "B", "C", ESC + "[", ESC + "[A", ESC + "[B",
+          ESC + "[C", ESC + "[\n", ESC + "\n", ESC + "\r", ESC + ESC, ESC + "[" + ESC, "\r\n"]  # fmt: skip
+# Runs around the port's bound of 1,024 repeats per step, past the view and a line's length.
+LONG_PIECES = [ESC + "[A" * 1023, ESC + "[A" * 1025, ESC + "[B" * 2049, (ESC + "x") * 1025,
+               (ESC + "[C") * 1030, "\n" * 33, "\n" * 2000, "\r" * 1500, "x" * 4097]  # fmt: skip
+
+
+def random_console(rng: random.Random) -> list[tuple[str, str]]:
+    """Records of both streams and the logger, escapes begun at a record's end and ended in
+    the next, and now and then a run longer than any the port takes in one step."""
+    records = []
+    for _ in range(rng.randint(0, 14)):
+        pieces = [rng.choice(LONG_PIECES if rng.random() < 0.05 else PIECES)
+                  for _ in range(rng.randint(0, 30))]  # fmt: skip
+        if rng.random() < 0.3:
+            pieces.append(rng.choice([ESC, ESC + "["]))
+        records.append((rng.choice(["stdout", "stdout", "stderr", "logger"]), "".join(pieces)))
+    return records
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_port_writes_and_counts_as_the_emulator_character_by_character(seed):
+    """The port takes runs of line feeds, cursor moves and plain text in one step each;
+    the tests' reference (tests/emulator_reference.py) takes one character at a time, as
+    wandb-core does. 100 random consoles per seed; the count alone (`keep_text=False`) too."""
+    rng = random.Random(seed)
+    for _ in range(100):
+        console = random_console(rng)
+        written, lines = reference_output_log(console)
+        counted = Console(keep_text=False)
+        for stream, text in console:
+            counted.write(stream, text)
+        assert (output_log(console), counted.lines) == (written, lines), console

@@ -32,6 +32,7 @@ from wbmerge.upload.remainder import (
 )
 
 from .conftest import fixture_logs, job_dir
+from .emulator_reference import reference_output_log
 from .ranklogs import history_record
 from .sinktools import expected_from_log
 from .steprows import ODD_ROWS
@@ -337,33 +338,9 @@ def line_count(texts: list[str]) -> int:
 
 
 def _emulated_line_count(texts: list[str]) -> int:
-    """The lines wandb-core's terminal emulator makes of the whole text, character by
-    character as its Go source does (core/internal/terminalemulator): a line is made when
-    a character is put on it; `\n` and ESC [ B move the cursor down, scrolling a view of
-    32 lines, ESC [ A up; any other escape is put as it is, with the character after it."""
-    view = cursor = made = 0
-    escape = ""
-    for char in "".join(texts):
-        if escape + char in ("\x1b", "\x1b["):
-            escape += char
-            continue
-        if escape == "\x1b[" and char in "AB":
-            act = "down" if char == "B" else "up"
-        elif escape or char not in "\r\n":
-            act = "put"
-        else:
-            act = "down" if char == "\n" else "return"
-        escape = ""
-        if act == "down":
-            cursor += 1
-            if cursor >= 32:  # scrollDown: the view's first line goes, if it has one
-                view, cursor = max(view - 1, 0), cursor - 1
-        elif act == "up":
-            cursor = max(cursor - 1, 0)
-        elif act == "put":
-            while cursor >= view:
-                view, made = view + 1, made + 1
-    return made
+    """The lines wandb-core's emulator makes of one stream's texts, character by character
+    (the tests' reference, tests/emulator_reference.py)."""
+    return reference_output_log([("stdout", text) for text in texts])[1]
 
 
 @settings(max_examples=300, deadline=None)
