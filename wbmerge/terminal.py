@@ -68,9 +68,10 @@ class ConsoleModel:
 
     def write(self, number: int, offset: int, text: str) -> None:
         """Write `text` into line `number` from `offset` on (padding with blanks), unless
-        the line is no longer open to change; characters past `MAX_LINE` are dropped."""
+        the line is no longer open to change; characters past `MAX_LINE` are dropped. (A
+        console only counted writes nothing: what a line holds makes no line.)"""
         index = number - (self.made - len(self.open))
-        if index < 0:
+        if index < 0 or self.closed is None:
             return
         text = text[: max(0, MAX_LINE - offset)]
         if not text:
