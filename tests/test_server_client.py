@@ -142,6 +142,21 @@ def test_a_thread_that_ended_leaves_its_connection_to_the_next_and_close_ends_it
     assert [w for w in caught if w.category is ResourceWarning] == []
 
 
+@pytest.mark.parametrize("server", [{}], indirect=True)
+def test_a_question_answered_after_close_does_not_keep_its_connection(server):
+    """A stopped sync closes its client while a question may still be under way: the
+    connection that question ends with is closed, not kept for no one."""
+    client = client_of(server)
+    client.held("me", "p", "before")
+    client.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        assert client.held("me", "p", "after").history_lines == 7  # (as if under way)
+        del client
+        gc.collect()
+    assert [w for w in caught if w.category is ResourceWarning] == []
+
+
 @pytest.mark.parametrize("server", [{"status": 403}], indirect=True)
 def test_a_refused_key_is_one_error(server):
     with pytest.raises(ServerError, match=r"refused the API key \(HTTP 403\)"):
