@@ -166,8 +166,7 @@ def test_a_usage_error_is_one_line_naming_the_help(args, line):
     [
         (["-p", "team/exp"], "invalid project 'team/exp': W&B refuses / in project names"),
         (["-p", "a:b#c"], "invalid project 'a:b#c': W&B refuses # : in project names"),
-        (["-p", "p" * 129], f"invalid project {'p' * 40!r}: empty, surrounded by whitespace "
-         "or longer than W&B's 128 characters"),
+        (["-p", "p" * 129], f"invalid project {'p' * 40!r}...: longer than W&B's 128 characters"),
         (["-p", "p", "-e", "me/you"], "invalid entity 'me/you': W&B refuses / in entity names"),
     ],
 )  # fmt: skip

@@ -134,10 +134,9 @@ def check_destination(project: str | None, entity: str | None) -> None:
             raise WbmergeError(
                 f"invalid {kind} {name!r}: W&B refuses {' '.join(bad)} in {kind} names"
             )
-        if name is not None and (len(name) > NAME_MAX_CHARS or name != name.strip() or not name):
+        if name is not None and len(name) > NAME_MAX_CHARS:
             raise WbmergeError(
-                f"invalid {kind} {name[:40]!r}: empty, surrounded by whitespace or longer "
-                f"than W&B's {NAME_MAX_CHARS} characters"
+                f"invalid {kind} {name[:40]!r}...: longer than W&B's {NAME_MAX_CHARS} characters"
             )
 
 
