@@ -149,6 +149,10 @@ def test_no_runs_at_once_is_refused_before_any_work(tmp_path, parallel):
         (["sync", "--run-mode", "x", "."], "Invalid value for '--run-mode': 'x' is not one of "
          "'auto', 'shared', 'new'. (see wbmerge sync --help)"),
         (["merge", "."], "Missing option '--out'. (see wbmerge merge --help)"),
+        # (click names no command for an option's missing value: the arguments do)
+        (["merge", "--out"], "Option '--out' requires an argument. (see wbmerge merge --help)"),
+        (["sink", "serve", "--port"],
+         "Option '--port' requires an argument. (see wbmerge sink serve --help)"),
         (["sync"], "Missing argument 'PATHS...'. (see wbmerge sync --help)"),
         (["snyc", "."], "No such command 'snyc'. Did you mean 'sync'? (see wbmerge --help)"),
         (["sink", "shwo"], "No such command 'shwo'. Did you mean 'show'? (see wbmerge sink --help)"),

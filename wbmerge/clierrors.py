@@ -101,8 +101,13 @@ class OneLineUsage(click.Group):
             click.echo(exc.format_message(), err=True)
             sys.exit(exc.exit_code)
         except click.UsageError as exc:
-            where = " ".join(["wbmerge", *(exc.ctx.command_path.split()[1:] if exc.ctx else [])])
-            click.echo(f"wbmerge: error: {exc.format_message()} (see {where} --help)", err=True)
+            if exc.ctx is not None:
+                where = ["wbmerge", *exc.ctx.command_path.split()[1:]]
+            else:  # (an option's missing value: click names no command, the arguments do)
+                where = self._commands_in(kwargs.get("args", args[0] if args else sys.argv[1:]))
+            click.echo(
+                f"wbmerge: error: {exc.format_message()} (see {' '.join(where)} --help)", err=True
+            )
             sys.exit(exc.exit_code)
         except click.ClickException as exc:
             click.echo(f"wbmerge: error: {exc.format_message()}", err=True)
@@ -111,3 +116,14 @@ class OneLineUsage(click.Group):
             click.echo("wbmerge: aborted", err=True)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+    def _commands_in(self, args: list[str]) -> list[str]:
+        """The command path the arguments name: `merge --out` gives ["wbmerge", "merge"]."""
+        path, group = ["wbmerge"], self
+        for arg in args:
+            command = group.commands.get(arg) if isinstance(group, click.Group) else None
+            if command is None:
+                break
+            path.append(arg)
+            group = command
+        return path
