@@ -96,7 +96,7 @@ def test_auto_with_all_system_metrics():
     assert [s.rank.rank for s in target.extra_system_sources] == [1, 2, 3]
 
 
-@pytest.mark.parametrize("bad", ["a/b", "x:y", "q?", "h#", "", " pad", "semi;", "it's"])
+@pytest.mark.parametrize("bad", ["a/b", "x:y", "q?", "h#", "", " pad", "semi;", "it's", "exp%1"])
 def test_run_id_rules(bad):
     with pytest.raises(WbmergeError, match="invalid run id"):
         check_run_id(bad)

@@ -16,7 +16,10 @@ from .topology import RankInfo
 
 RUN_MODES = ("auto", "shared", "new")
 RANK_SCOPES = ("global", "worker")
-RESERVED_ID_CHARS = ":;,#?/'"  # wandb's own run id rule (wandb_settings.validate_run_id)
+# wandb's own run id rule (wandb_settings.validate_run_id), and "%": wandb-core 0.31 puts
+# a run id in its file_stream URL as it is, so "exp%1" reads as a broken escape there (the
+# sink answered 405, and `wandb sync` retried until it was stopped).
+RESERVED_ID_CHARS = ":;,#?/'%"
 
 
 def run_id_from_file(path: Path) -> str:
