@@ -97,8 +97,8 @@ class LoggedRun:
     """What a log's records give its run on the server: the display name, group and job
     type and the tags of its first run record ("" and () where it gives none), the config
     and summary they set (nested keys as nested objects), and the `output.log` wandb-core
-    writes of its console (`terminal.output_log`, as UTF-8; None for a console over the
-    limit)."""
+    writes of its console (`terminal.Console.text`, as UTF-8; None for a console over
+    the limit)."""
 
     names: tuple[str, str, str] = ("", "", "")
     tags: tuple[str, ...] = ()

@@ -303,6 +303,9 @@ class SyncReport:
     warnings: list[str] = field(default_factory=list)
 
 
+RERUN = "nothing missing was recorded as synced; rerun `wbmerge sync` to send it"
+
+
 class UploadFailed(WbmergeError):
     """Some runs are not (all) on the server: a line per run, exit 1, none of them recorded."""
 
@@ -434,11 +437,7 @@ def _sync(
     except ServerError as exc:
         if not report.targets:
             raise  # (nothing verified: nothing to report but the error)
-        lines = [
-            str(exc),
-            "nothing missing was recorded as synced; rerun `wbmerge sync` to send it",
-        ]
-        raise UploadFailed(lines, report) from None  # (with the runs it verified)
+        raise UploadFailed([str(exc), RERUN], report) from None  # (with the runs it verified)
     finally:
         ledger.close()
         client.close()
@@ -578,7 +577,7 @@ def _finish_job(upload: _JobUpload, session: _Session) -> list[str]:
             f"{', '.join(complete) or 'none'} (rerun to send the rest)"
         )
     if any(not d.refused for d in result.failed) or result.timed_out:
-        lines.append("nothing missing was recorded as synced; rerun `wbmerge sync` to send it")
+        lines.append(RERUN)
     elif lines:  # (every run refused: a rerun would refuse them again)
         # A merged run's id was chosen by its merge: --base-id goes to `merge`, not `sync`.
         merged = any(target.kind == "merged" for target, _ in upload.todo)

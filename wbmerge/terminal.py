@@ -58,7 +58,7 @@ class ConsoleModel:
         self.closed: list[str] | None = [] if keep_text else None
 
     def new_line(self, content: str = "") -> int:
-        self.open.append(list(content))
+        self.open.append(list(content) if self.closed is not None else [])
         self.made += 1
         if len(self.open) > TERMINAL_HEIGHT:
             line = self.open.popleft()
@@ -110,7 +110,7 @@ class Terminal:
             elif kind == "back":
                 self.x = 0
             elif kind == "up":
-                self.y = max(0, self.y - len(token) // 3)
+                self._up(len(token) // 3)
             elif kind == "below":
                 self._down(len(token) // 3)
             else:  # (only at the end of the text: the next record ends it)
@@ -125,12 +125,15 @@ class Terminal:
             self.escape = ""
             if char == "B":
                 self._down(1)
-            elif self.y > 0:
-                self.y -= 1
+            else:
+                self._up(1)
         else:  # not a sequence it knows: written as it is, the character too
             printed, self.escape = self.escape + char, ""
             self._put(printed)
         return rest
+
+    def _up(self, lines: int) -> None:
+        self.y = max(0, self.y - lines)
 
     def _down(self, lines: int) -> None:
         """Move the cursor `lines` down; past the view's bottom line, each scrolls it."""

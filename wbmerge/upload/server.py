@@ -247,13 +247,11 @@ class ServerClient:
 
     def _connect(self) -> http.client.HTTPConnection:
         if self._https:
-            connection: http.client.HTTPConnection = http.client.HTTPSConnection(
+            return http.client.HTTPSConnection(
                 self._host, self._port, timeout=self.timeout,
                 context=ssl.create_default_context(),
             )  # fmt: skip
-        else:
-            connection = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
-        return connection
+        return http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
 
     def _exchange(
         self, connection: http.client.HTTPConnection, body: bytes

@@ -28,13 +28,20 @@ PREFIX = "wbmerge-staging-"
 OWNER = "owner.json"
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (Linux): the state first, the
+    kernel's flags at 6, the start time at 19; None if the process is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields if len(fields) > 19 else None
+
+
 def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (Linux), None if it is gone."""
-    try:
-        line = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return line.rsplit(")", 1)[1].split()[19]
+    fields = _stat(pid)
+    return fields[19] if fields else None
 
 
 def _alive(pid: int, started: str | None) -> bool:
@@ -42,7 +49,8 @@ def _alive(pid: int, started: str | None) -> bool:
     its parent, is not: it stops nothing any more, and its locks are freed (or about to
     be: a sync that waited for them can get them before the owner has become a zombie)."""
     if started is not None and Path("/proc").is_dir():
-        return _start_time(pid) == started and not _exiting(pid)
+        fields = _stat(pid)  # (one read: the start time and the state of the same process)
+        return fields is not None and fields[19] == started and not _exiting(fields)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -158,22 +166,18 @@ def _wait_gone(pids: set[int], patience: float = 5.0) -> None:
 
 def _state(pid: int) -> str | None:
     """The process's state letter (Linux), None if it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
+    fields = _stat(pid)
+    return fields[0] if fields else None
 
 
 _PF_EXITING = 0x4  # the kernel's flag of a task in its exit (`flags` in /proc/PID/stat)
 
 
-def _exiting(pid: int) -> bool:
-    """Whether the process is gone, a zombie, or on its way out (Linux)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return fields[0] in ("Z", "X") or bool(int(fields[6]) & _PF_EXITING)
-    except (OSError, IndexError, ValueError):
+def _exiting(fields: list[str]) -> bool:
+    """Whether a process (its `_stat` fields) is a zombie, or on its way out."""
+    if fields[0] in ("Z", "X"):
         return True
+    return not fields[6].isdigit() or bool(int(fields[6]) & _PF_EXITING)
 
 
 def staged_files(files_dir: Path) -> dict[str, int]:
