@@ -266,6 +266,7 @@ def test_failures_while_staging_goes_on_claim_nothing_and_leave_no_staging(
         f"run fx-one-node-4-rank-{rank}" for rank in range(4)
     ]
     assert all("file config.yaml not uploaded" in line for line in failed.value.lines[:-1])
+    assert failed.value.report.links == []  # (no run of the group was verified)
     assert not list((tmp_path / "tmp").glob("wbmerge-staging-*"))
     assert processes_in(tmp_path / "tmp") == []
 

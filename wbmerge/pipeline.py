@@ -11,7 +11,7 @@ import shutil
 import signal
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -568,7 +568,8 @@ def _finish_job(upload: _JobUpload, session: _Session) -> list[str]:
             status = "already complete" if delivery.held_already else "uploaded"
             session.report.targets.append(SyncedTarget(target, status, link))
         session.report.warnings += [f"{target.id}: {w}" for w in delivery.warnings]
-    _add_links(session.report, job, url, entity)
+    unverified = {target.id for target, delivery in upload.todo if not delivery.verified}
+    _add_links(session.report, job, url, entity, unverified)
     lines = [f"run {d.run_id}: {'; '.join(d.problems)}" for d in result.failed]
     if result.timed_out:
         complete = [d.run_id for _, d in upload.todo if d.verified]
@@ -589,6 +590,9 @@ def _finish_job(upload: _JobUpload, session: _Session) -> list[str]:
     return lines
 
 
-def _add_links(report: SyncReport, job: PlannedJob, url: str, entity: str | None) -> None:
-    if entity:
-        report.links.extend(links(job.targets, url, entity, job.project or "", job.run_mode))
+def _add_links(report: SyncReport, job: PlannedJob, url: str, entity: str | None,
+               unverified: Collection[str] = ()) -> None:  # fmt: skip
+    """The job's links, leaving out the runs that are `unverified` (a failed sync's)."""
+    targets = [t for t in job.targets if t.id not in unverified]
+    if entity and targets:
+        report.links.extend(links(targets, url, entity, job.project or "", job.run_mode))
