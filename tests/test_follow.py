@@ -9,6 +9,7 @@ rows, summary, config, console, system metrics, files, state and exit code.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -23,7 +24,7 @@ from wbmerge.discover import discover
 from wbmerge.follow import Follower, follow
 from wbmerge.follow.cut import LiveCut, cut_live
 from wbmerge.follow.lines import round_lines
-from wbmerge.pipeline import MergeRequest, sync
+from wbmerge.pipeline import MergeRequest, UploadFailed, sync
 from wbmerge.records import read_records
 from wbmerge.topology import RankInfo
 
@@ -529,3 +530,83 @@ def test_rows_a_sync_sent_before_every_rank_logged_them_are_named(
     assert target.problems[0].startswith("the server's row 6 differs from the staged row 6")
     run = sink.client.run("local", "p", "early")
     assert [row.get("loss/rank-1") for row in run["history"]][4:] == [None, None]
+
+
+def test_a_failed_last_sync_still_syncs_every_job_and_says_what_it_verified(
+    make_sink, monkeypatch, tmp_path, state
+):
+    """Two jobs end idle (rank 1 of each never finishes), and the server refuses the first
+    run the last sync creates: that run fails, yet the other job's last sync runs too, and
+    `UploadFailed` reports the three runs verified, each final on the server."""
+    root = tmp_path / "live"
+    for job in ("fj-a", "fj-b"):
+        for rank in (0, 1):
+            info = RankInfo(rank, rank, 2, 2, 0, job_id=job)
+            with rank_log(root, info, f"{job}-{rank}", "p") as writer:
+                for step in range(3):
+                    writer.write(history_record([("loss", str(10 * rank + step))], step))
+                if rank == 0:
+                    writer.write(exit_record(0))
+    sink = make_sink(allow_faults=True)
+    use_sink(monkeypatch, sink)
+
+    def refuse_the_next_run(unfinished: list[str]) -> None:
+        sink.client.set_faults(["graphql:UpsertBucket=400@1"])
+
+    request = MergeRequest(paths=[root], run_mode="new")
+    with pytest.raises(UploadFailed) as failed:
+        follow(request, interval=0.2, idle_timeout=1.0, parallel=1, timeout=UPLOAD_TIMEOUT,
+               on_idle=refuse_the_next_run, job_prefix="fj-")  # fmt: skip
+    statuses = {t.target.id: t.status for t in failed.value.report.targets}
+    assert statuses == {  # (the finished ranks' runs were final after a round already)
+        "fj-a-rank-0": "already synced", "fj-b-rank-0": "already synced",
+        "fj-b-rank-1": "uploaded",
+    }  # fmt: skip
+    assert failed.value.lines[0].startswith("run fj-a-rank-1: ")
+    want = {  # state, exit code, losses: the refused run as the rounds left it
+        "fj-a-rank-0": ("finished", 0, [0, 1, 2]), "fj-b-rank-0": ("finished", 0, [0, 1, 2]),
+        "fj-b-rank-1": ("failed", 1, [10, 11, 12]), "fj-a-rank-1": ("running", None, [10, 11]),
+    }  # fmt: skip
+    for run_id, (state_, exit_code, losses) in want.items():
+        run = sink.client.run("local", "p", run_id)
+        assert (run["state"], run["exit_code"]) == (state_, exit_code), run_id
+        assert [row["loss"] for row in run["history"]] == losses, run_id
+
+
+def test_a_failed_last_sync_prints_the_runs_it_verified(make_sink, tmp_path):
+    """`sync --follow --json` whose last sync refuses a run (the server holds other rows
+    for it, from an earlier upload) prints, as a failed one-shot sync does, the runs that
+    are verified and their links, then the refusal, exit 1."""
+
+    def write_job(root: Path, rank_1_offset: int, rank_1_finishes: bool) -> None:
+        for rank in (0, 1):
+            with rank_log(root, RankInfo(rank, rank, 2, 2, 0, job_id="fj"), f"fj-{rank}",
+                          "p") as writer:  # fmt: skip
+                for step in range(3):
+                    loss = 10 * rank + step + rank * rank_1_offset
+                    writer.write(history_record([("loss", str(loss))], step))
+                if rank == 0 or rank_1_finishes:
+                    writer.write(exit_record(0))
+
+    write_job(tmp_path / "earlier", 0, True)
+    write_job(tmp_path / "live", 100, False)  # rank 1: other values, and never finished
+    sink = make_sink()
+    cli = [sys.executable, "-m", "wbmerge.cli", "sync", "--run-mode", "new"]
+    earlier = subprocess.run([*cli, str(tmp_path / "earlier")], capture_output=True, text=True,
+                             env={**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "s1")})  # fmt: skip
+    assert earlier.returncode == 0, earlier.stderr
+    done = subprocess.run(
+        [*cli, str(tmp_path / "live"), "--follow", "--interval", "0.3", "--idle-timeout", "1",
+         "--json"],
+        env={**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "s2")}, capture_output=True,
+        text=True, timeout=UPLOAD_TIMEOUT,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    printed = json.loads(done.stdout)
+    assert [(r["id"], r["status"]) for r in printed["runs"]] == [("fj-rank-0", "already synced")]
+    assert [link["url"] for link in printed["links"]] == [f"{sink.url}/local/p/groups/fj"]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("wbmerge: error:")]
+    assert errors[0].startswith("wbmerge: error: run fj-rank-1: the server's row 3 differs")
+    assert [row["loss"] for row in sink.client.run("local", "p", "fj-rank-1")["history"]] == [
+        10, 11, 12,
+    ]  # fmt: skip

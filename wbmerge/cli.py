@@ -464,6 +464,9 @@ def _follow(
         click.echo("wbmerge: interrupted; the runs keep what was sent, still running "
                    "(`wbmerge sync` of the same paths completes them)", err=True)  # fmt: skip
         sys.exit(130)
+    except api.UploadFailed as exc:  # the last sync's: as a one-shot sync says it
+        _print_synced(exc.report, as_json)
+        raise
     for warning in result.final_sync.warnings if result.final_sync else []:
         click.echo(f"wbmerge: warning: {warning}", err=True)
     if as_json:

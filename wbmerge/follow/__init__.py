@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ..pipeline import MergeRequest, SyncReport, sigterm_raises, sync
+from ..pipeline import MergeRequest, SyncReport, UploadFailed, sigterm_raises, sync
 from .rounds import RESTART_GRACE, Follower, RoundReport, TargetRound
 
 DEFAULT_INTERVAL = 60.0  # seconds between rounds
@@ -50,9 +50,10 @@ def follow(
     """Keep the merged runs of the jobs under `request.paths` up to date until they end.
 
     Raises WbmergeError for bad input (exit 2) and, from the last one-shot sync after an
-    idle end, `UploadFailed` (exit 1). KeyboardInterrupt and SIGTERM (`Terminated`) stop
-    the uploader and leave the runs as uploaded so far: running, every row sent once; a
-    later `wbmerge sync` of the same paths completes them. `job_prefix` follows only the
+    idle end, `UploadFailed` (exit 1; every job's last sync ran, and its `report` holds the
+    runs they verified). KeyboardInterrupt and SIGTERM (`Terminated`) stop the uploader
+    and leave the runs as uploaded so far: running, every row sent once; a later `wbmerge
+    sync` of the same paths completes them. `job_prefix` follows only the
     jobs whose id starts with it (and the last sync syncs only those). `restart_grace`
     is how long a run whose ranks ended, some failed, waits for an elastic restart.
     """
@@ -81,12 +82,18 @@ def follow(
     if job_prefix is not None and not jobs:
         return FollowReport(report.number, [], report.targets, unfinished)
     requests = [replace(request, job=job) for job in jobs] if job_prefix is not None else [request]
-    finals = [sync(r, parallel=parallel, timeout=timeout, on_wait=on_wait) for r in requests]
-    final = finals[0]
-    for more in finals[1:]:
-        final.targets += more.targets
-        final.links += more.links
-        final.warnings += more.warnings
+    final, failures = SyncReport([]), []
+    for job_request in requests:  # (every job's, also after one of them failed)
+        try:
+            part = sync(job_request, parallel=parallel, timeout=timeout, on_wait=on_wait)
+        except UploadFailed as exc:
+            part, failures = exc.report, failures + exc.lines
+        final.jobs += part.jobs
+        final.targets += part.targets
+        final.links += part.links
+        final.warnings += part.warnings
+    if failures:
+        raise UploadFailed(list(dict.fromkeys(failures)), final)  # (one rerun line, not one a job)
     return FollowReport(report.number, final.links, report.targets, unfinished, final)
 
 
