@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .credentials import Credentials
+from .processes import descendants, start_time
 from .settle import note_stopped
-from .staging import OwnerRecord, _start_time
+from .staging import OwnerRecord
 
 DEFAULT_TIMEOUT = 300.0  # seconds without progress before an upload is given up
 # Seconds between two recordings of an uploader's process tree in the staging's owner
@@ -67,23 +68,6 @@ class UploadOutcome:
     timed_out: bool = False
     entity: str | None = None  # as the uploader reported it
     errors: dict[str, list[str]] = field(default_factory=dict)  # run id -> what failed
-
-
-def _descendants(root: int) -> list[int]:
-    """Every process below `root` (Linux /proc), found before anything is killed."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 class Uploader:
@@ -256,7 +240,7 @@ class Uploader:
     def _record_processes(self) -> None:
         """Name the uploader's processes in the staging's owner record (see `staging`)."""
         if self.owner is not None and self.proc is not None:
-            self.owner.uploader(id(self), [self.proc.pid, *_descendants(self.proc.pid)])
+            self.owner.uploader(id(self), [self.proc.pid, *descendants(self.proc.pid)])
 
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -327,7 +311,7 @@ class Uploader:
 
 def _end_tree(proc: subprocess.Popen, grace: float) -> None:
     """End `proc` and every process it started, politely first; wait until they are gone."""
-    tree = _descendants(proc.pid)
+    tree = descendants(proc.pid)
     groups = {proc.pid}
     for pid in tree:
         try:
@@ -342,7 +326,7 @@ def _end_tree(proc: subprocess.Popen, grace: float) -> None:
                 pass
         try:
             proc.wait(timeout=grace)
-            if all(_start_time(pid) is None for pid in tree):
+            if all(start_time(pid) is None for pid in tree):
                 return
             time.sleep(0.2)
         except subprocess.TimeoutExpired:
