@@ -237,6 +237,29 @@ def test_auto_with_every_ranks_system_metrics(sink, tmp_path):
     assert len(got["system_metrics"]) == sum(len(w.stats) for _, w, _ in ranks.values())
 
 
+def test_a_run_holding_every_ranks_system_metrics_is_not_sent_the_primarys_alone(
+    sink, tmp_path
+):
+    """Synced with every rank's system metrics, then again without: the second upload would
+    rewrite the primary's rows and leave the other ranks' behind, a run of neither. It is
+    refused, nothing is sent, and the run stays as the first sync left it."""
+    first = cli_sync(sink, tmp_path, job_dir("slow_rank"), "--system-metrics", "all", "-p", "smx",
+                     "-e", "local")  # fmt: skip
+    assert first.exit_code == 0, first.stderr
+    before = sink.client.run("local", "smx", "fx-slow-rank")
+    ranks = sources_of("slow_rank")
+    assert len(before["system_metrics"]) == sum(len(w.stats) for _, w, _ in ranks.values())
+    primary_only = len(ranks[0][1].stats)
+    again = cli_sync(sink, tmp_path, job_dir("slow_rank"), "-p", "smx", "-e", "local")
+    assert again.exit_code == 1
+    assert (
+        f"wbmerge: error: run fx-slow-rank: the server holds {len(before['system_metrics'])} "
+        f"system-metric rows, more than the {primary_only} staged" in again.stderr
+    )
+    assert json.loads(again.stdout)["runs"] == []
+    assert sink.client.run("local", "smx", "fx-slow-rank") == before
+
+
 def test_skew_metrics(sink, tmp_path):
     result = cli_sync(sink, tmp_path, job_dir("slow_rank"), "--run-mode", "shared", "--skew-metrics",
                       "-p", "skew", "-e", "local")  # fmt: skip

@@ -61,6 +61,9 @@ def test_remainder_skips_the_rows_the_server_holds(held, skip):
         (Held(True, 6, 0, 0, 9), "more than the 5 staged"),  # e.g. doubled by an older tool
         (Held(True, 3, 0, 0, 7), "has _step 7, the staged row 2"),  # rows of another merge
         (Held(True, 2, 0, 0, None), "_step None"),
+        # lines past the staged run's (every rank's system metrics, synced before)
+        (Held(True, 5, 7, 4, 9), "holds 7 system-metric rows, more than the 3 staged"),
+        (Held(True, 0, 3, 5, None), "holds 5 console lines, more than the 4 staged"),
     ],
 )
 def test_remainder_refuses_what_is_not_a_prefix(held, fragment):
@@ -98,7 +101,10 @@ def test_the_servers_last_row_must_equal_the_staged_row_at_its_place():
     "held, problems",
     [
         (Held(True, 5, 3, 4, 9), []),
-        (Held(True, 5, 4, 6, 9), []),  # more events/console lines than staged is not a loss
+        (Held(True, 5, 4, 6, 9), [  # lines past the staged run's: another run's
+            "the server holds 4 system-metric rows, more than the 3 staged",
+            "the server holds 6 console lines, more than the 4 staged",
+        ]),  # fmt: skip
         (Held(), ["the run is not on the server"]),
         (Held(True, 4, 3, 4, 5), ["history rows 4 of 5"]),
         (Held(True, 10, 3, 4, 9), ["history rows 10 of 5"]),
@@ -174,7 +180,7 @@ def test_read_staged_and_write_remainder_on_a_real_log(tmp_path):
 def test_remainder_moves_the_rows_a_continued_upload_would_number_otherwise():
     # Rows without a `_step` item follow the row before in a whole upload (3, 4), but an
     # upload that continues the run numbers them from the starting step again (0, 1).
-    staged = StagedContent((0, 1, 2, None, None), 0, None)
+    staged = StagedContent((0, 1, 2, None, None), 0, 0)
     assert remainder(staged, Held(True, 3, 0, 0, 2)).resteps == {3: 3, 4: 4}
     assert remainder(staged, Held(True, 4, 0, 0, 3)).resteps == {4: 4}
     assert remainder(staged, Held(True, 5, 0, 0, 4)).resteps == {}
@@ -184,16 +190,16 @@ def test_remainder_moves_the_rows_a_continued_upload_would_number_otherwise():
 def test_rising_steps_are_told_without_a_difference_that_wraps():
     # 2**63 - 10 then -20: -20 is behind, though their difference wraps to a positive int64
     big = 2**63 - 10
-    assert StagedContent((big, -20), 0, None).history_steps == (big, big + 1)
-    assert StagedContent((3, 5, 9), 0, None).history_steps == (3, 5, 9)
-    assert StagedContent((3, 5, 9), 0, None, 4).history_steps == (4, 5, 9)
+    assert StagedContent((big, -20), 0, 0).history_steps == (big, big + 1)
+    assert StagedContent((3, 5, 9), 0, 0).history_steps == (3, 5, 9)
+    assert StagedContent((3, 5, 9), 0, 0, 4).history_steps == (4, 5, 9)
 
 
 def test_remainder_refuses_rows_a_continued_upload_cannot_send_where_they_belong():
     # From a starting step of 2**63 - 2, a whole upload wraps around to 12, 13; continued
     # from row 3, the starting step is above anything the row could say.
     start = 2**63 - 2
-    staged = StagedContent((-(2**63), None, 12, 2), 0, None, start)
+    staged = StagedContent((-(2**63), None, 12, 2), 0, 0, start)
     assert staged.history_steps == (start, start + 1, 12, 13)
     with pytest.raises(Mismatch, match="cannot be sent at their steps again"):
         remainder(staged, Held(True, 3, 0, 0, 12))

@@ -63,6 +63,8 @@ def remainder(
     The server's rows are expected at the `_step` a whole upload gives them; the rows the
     upload that continues the run would number otherwise are moved there (`resteps`).
     """
+    if extra := held_beyond(staged, held):
+        raise Mismatch(extra[0])
     have = held.history_lines if held.exists else 0
     if have == 0:
         return Remainder(0)
@@ -147,7 +149,24 @@ def shortfall(staged: StagedContent, held: Held) -> list[str]:
         problems.append(f"system-metric rows {held.events_lines} of {staged.events}")
     if held.log_lines < staged.console_lines:
         problems.append(f"console lines {held.log_lines} of {staged.console_lines}")
-    return problems
+    return problems + held_beyond(staged, held)
+
+
+def held_beyond(staged: StagedContent, held: Held) -> list[str]:
+    """The system-metric rows and console lines the server holds past the staged run's.
+
+    An upload of the staged run rewrites these lines from the first on (see the module
+    docstring), so it cannot leave more than the staged run has: more are another run's,
+    for example one synced before with every rank's system metrics (`--system-metrics
+    all`), which an upload of the primary's alone would leave mixed."""
+    beyond = []
+    if held.events_lines > staged.events:
+        beyond.append(f"the server holds {held.events_lines} system-metric rows, more than "
+                      f"the {staged.events} staged")  # fmt: skip
+    if held.log_lines > staged.console_lines:
+        beyond.append(f"the server holds {held.log_lines} console lines, more than the "
+                      f"{staged.console_lines} staged")  # fmt: skip
+    return beyond
 
 
 def write_remainder(log: Path, out: Path, plan: Remainder) -> int:
