@@ -133,6 +133,24 @@ def test_the_errors_a_sync_raises_are_the_apis():
     assert issubclass(api.ServerError, api.WbmergeError)
 
 
+def test_a_failure_of_several_jobs_gives_its_advice_once_after_every_run():
+    """Each job's lines end with what to do (rerun; or upload under other run ids): said
+    once each, in the order first given, after the runs of every job."""
+    rerun = "nothing missing was recorded as synced; rerun `wbmerge sync` to send it"
+    other_ids = ("nothing was sent to these runs: upload under other run ids (with --base-id "
+                 "ID), or delete the runs on the server first")  # fmt: skip
+    failed = api.UploadFailed(
+        ["run a: history rows 1 of 3", rerun, "run b: refused", other_ids,
+         "run c: file config.yaml not uploaded", rerun],
+        api.SyncReport([]),
+    )  # fmt: skip
+    assert failed.lines == [
+        "run a: history rows 1 of 3", "run b: refused", "run c: file config.yaml not uploaded",
+        rerun, other_ids,
+    ]  # fmt: skip
+    assert failed.exit_code == 1 and str(failed) == "; ".join(failed.lines)
+
+
 def test_merge_writes_what_the_cli_writes(tmp_path):
     staged = api.merge([job_dir("one_node_4")], tmp_path / "api", run_mode="shared")
     result = CliRunner().invoke(

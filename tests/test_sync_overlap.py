@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
 from itertools import pairwise
 
 import pytest
@@ -244,6 +245,31 @@ def test_the_next_job_is_merged_while_the_last_one_uploads(env, tmp_path):
         got = env.client.run("local", "jobs", f"fx-{name.replace('_', '-')}")
         assert_shared(got, list(sources_of(name).values()))
     assert not list((tmp_path / "tmp").glob("wbmerge-staging-*"))
+
+
+def test_runs_left_unstaged_by_a_timeout_get_no_link(make_sink, tmp_path, monkeypatch):
+    """The first run's upload makes no progress (the sink holds its requests) while the
+    second run's staging callback waits: the sync gives up after --timeout and stages no
+    more runs. None of the four is on the server, so no link is given, the group's either."""
+    sink = point_at(make_sink(["file_stream=delay:10"]), tmp_path, monkeypatch)
+    staged = []
+
+    def wait_for_the_upload_to_be_given_up(result) -> None:
+        staged.append(result)
+        if len(staged) == 2:  # (the first run is handed over): until the sink holds its
+            # first request, then until its upload is given up
+            deadline = time.monotonic() + WAIT
+            while not sink.client.faults()["faults"][0]["fired"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(5)  # (given up 2 s later, the timeout, and told within 0.25 s)
+
+    with pytest.raises(UploadFailed) as given_up:
+        sync(new_mode("unstaged"), parallel=1, progress=wait_for_the_upload_to_be_given_up,
+             timeout=2)  # fmt: skip
+    assert len(staged) < 4, "every run was staged before the upload was given up"
+    assert any(line.startswith("no progress for 2 s") for line in given_up.value.lines)
+    assert given_up.value.report.targets == []
+    assert given_up.value.report.links == []
 
 
 def test_failures_while_staging_goes_on_claim_nothing_and_leave_no_staging(

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .discover import Job, OfflineRun, discover, group_jobs
-from .errors import InputWarning, Terminated, WbmergeError
+from .errors import REFUSED, RERUN, InputWarning, Terminated, UploadFailed, WbmergeError
 from .hints import make_hints
 from .merge import DEFAULT_KEY_FORMAT, MergeOptions, Staged, stage
 from .merged import merged_jobs, selects_merged
@@ -303,18 +303,6 @@ class SyncReport:
     warnings: list[str] = field(default_factory=list)
 
 
-RERUN = "nothing missing was recorded as synced; rerun `wbmerge sync` to send it"
-
-
-class UploadFailed(WbmergeError):
-    """Some runs are not (all) on the server: a line per run, exit 1, none of them recorded."""
-
-    def __init__(self, lines: list[str], report: SyncReport) -> None:
-        super().__init__("; ".join(lines), exit_code=1)
-        self.lines = lines
-        self.report = report
-
-
 def sync(
     request: MergeRequest,
     parallel: int = DEFAULT_PARALLEL,
@@ -472,6 +460,7 @@ class _JobUpload:
     url: str
     deliverer: Deliverer | None = None  # None: nothing to send
     todo: list[tuple[Target, Delivery]] = field(default_factory=list)
+    verified: set[str] = field(default_factory=set)  # run ids, by this sync or before it
 
 
 def _sync_jobs(request: MergeRequest, planned: list[PlannedJob], session: _Session) -> list[str]:
@@ -523,6 +512,7 @@ def _start_job(
         known = entry["entity"] or upload.entity
         link = run_url(upload.url, known, job.project, target.id) if known else ""
         session.report.targets.append(SyncedTarget(target, "already synced", link))
+        upload.verified.add(target.id)
     if not pending:
         return upload
     deliverer = Deliverer(
@@ -558,7 +548,7 @@ def _finish_job(upload: _JobUpload, session: _Session) -> list[str]:
     """Wait for the job's uploads; report its runs and links; the failure lines."""
     job, url = upload.job, upload.url
     if upload.deliverer is None:
-        _add_links(session.report, job, url, upload.entity)
+        _add_links(session.report, job, url, upload.entity, upload.verified)
         return []
     result = upload.deliverer.finish()
     entity = upload.entity or result.entity
@@ -567,9 +557,9 @@ def _finish_job(upload: _JobUpload, session: _Session) -> list[str]:
             link = run_url(url, entity, job.project, target.id) if entity else ""
             status = "already complete" if delivery.held_already else "uploaded"
             session.report.targets.append(SyncedTarget(target, status, link))
+            upload.verified.add(target.id)
         session.report.warnings += [f"{target.id}: {w}" for w in delivery.warnings]
-    unverified = {target.id for target, delivery in upload.todo if not delivery.verified}
-    _add_links(session.report, job, url, entity, unverified)
+    _add_links(session.report, job, url, entity, upload.verified)
     lines = [f"run {d.run_id}: {'; '.join(d.problems)}" for d in result.failed]
     if result.timed_out:
         complete = [d.run_id for _, d in upload.todo if d.verified]
@@ -583,16 +573,13 @@ def _finish_job(upload: _JobUpload, session: _Session) -> list[str]:
         # A merged run's id was chosen by its merge: --base-id goes to `merge`, not `sync`.
         merged = any(target.kind == "merged" for target, _ in upload.todo)
         how = "merge them again with --base-id ID" if merged else "with --base-id ID"
-        lines.append(
-            f"nothing was sent to these runs: upload under other run ids ({how}), "
-            "or delete the runs on the server first"
-        )
+        lines.append(f"{REFUSED} ({how}), or delete the runs on the server first")
     return lines
 
 
 def _add_links(report: SyncReport, job: PlannedJob, url: str, entity: str | None,
-               unverified: Collection[str] = ()) -> None:  # fmt: skip
-    """The job's links, leaving out the runs that are `unverified` (a failed sync's)."""
-    targets = [t for t in job.targets if t.id not in unverified]
+               verified: Collection[str]) -> None:  # fmt: skip
+    """The links of the job's runs that are `verified` (of a failed sync, not all are)."""
+    targets = [t for t in job.targets if t.id in verified]
     if entity and targets:
         report.links.extend(links(targets, url, entity, job.project or "", job.run_mode))
