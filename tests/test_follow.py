@@ -573,23 +573,25 @@ def test_a_failed_last_sync_still_syncs_every_job_and_says_what_it_verified(
         assert [row["loss"] for row in run["history"]] == losses, run_id
 
 
+def two_rank_job(root: Path, job: str, rank_1_offset: int = 0, rank_1_finishes=False) -> None:
+    """Two ranks of three rows (rank r logs loss 10 r + step, rank 1 `rank_1_offset` more);
+    rank 0 finishes, rank 1 only if told."""
+    for rank in (0, 1):
+        with rank_log(root, RankInfo(rank, rank, 2, 2, 0, job_id=job), f"{job}-{rank}",
+                      "p") as writer:  # fmt: skip
+            for step in range(3):
+                loss = 10 * rank + step + rank * rank_1_offset
+                writer.write(history_record([("loss", str(loss))], step))
+            if rank == 0 or rank_1_finishes:
+                writer.write(exit_record(0))
+
+
 def test_a_failed_last_sync_prints_the_runs_it_verified(make_sink, tmp_path):
     """`sync --follow --json` whose last sync refuses a run (the server holds other rows
     for it, from an earlier upload) prints, as a failed one-shot sync does, the runs that
     are verified and their links, then the refusal, exit 1."""
-
-    def write_job(root: Path, rank_1_offset: int, rank_1_finishes: bool) -> None:
-        for rank in (0, 1):
-            with rank_log(root, RankInfo(rank, rank, 2, 2, 0, job_id="fj"), f"fj-{rank}",
-                          "p") as writer:  # fmt: skip
-                for step in range(3):
-                    loss = 10 * rank + step + rank * rank_1_offset
-                    writer.write(history_record([("loss", str(loss))], step))
-                if rank == 0 or rank_1_finishes:
-                    writer.write(exit_record(0))
-
-    write_job(tmp_path / "earlier", 0, True)
-    write_job(tmp_path / "live", 100, False)  # rank 1: other values, and never finished
+    two_rank_job(tmp_path / "earlier", "fj", rank_1_finishes=True)
+    two_rank_job(tmp_path / "live", "fj", 100)  # rank 1: other values, and never finished
     sink = make_sink()
     cli = [sys.executable, "-m", "wbmerge.cli", "sync", "--run-mode", "new"]
     earlier = subprocess.run([*cli, str(tmp_path / "earlier")], capture_output=True, text=True,
@@ -610,3 +612,79 @@ def test_a_failed_last_sync_prints_the_runs_it_verified(make_sink, tmp_path):
     assert [row["loss"] for row in sink.client.run("local", "p", "fj-rank-1")["history"]] == [
         10, 11, 12,
     ]  # fmt: skip
+
+
+def test_a_server_error_in_one_jobs_last_sync_leaves_the_next_jobs_to_run(
+    make_sink, monkeypatch, tmp_path, state
+):
+    """Two shared jobs end idle (rank 1 of each never finishes); the server fails the first
+    question of the first job's last sync (HTTP 500, not retried). That job's run stays as
+    the rounds left it, the next job's last sync still runs, and `UploadFailed` says both:
+    the server's answer, the rerun line last, and the one run it verified."""
+    root = tmp_path / "live"
+    for job in ("fj-a", "fj-b"):
+        for rank in (0, 1):
+            info = RankInfo(rank, rank, 2, 2, 0, job_id=job)
+            with rank_log(root, info, f"{job}-{rank}", "p") as writer:
+                for step in range(3):
+                    writer.write(history_record([("loss", str(10 * rank + step))], step))
+                if rank == 0:
+                    writer.write(exit_record(0))
+    sink = make_sink(allow_faults=True)
+    use_sink(monkeypatch, sink)
+
+    def fail_the_next_question(unfinished: list[str]) -> None:
+        sink.client.set_faults(["graphql:RunResumeStatus=500@1"])
+
+    request = MergeRequest(paths=[root], run_mode="shared")
+    with pytest.raises(UploadFailed) as failed:
+        follow(request, interval=0.2, idle_timeout=1.0, timeout=UPLOAD_TIMEOUT,
+               on_idle=fail_the_next_question, job_prefix="fj-")  # fmt: skip
+    assert failed.value.lines == [
+        f"{sink.url}/graphql answered HTTP 500 to RunResumeStatus",
+        "nothing missing was recorded as synced; rerun `wbmerge sync` to send it",
+    ]
+    assert [(t.target.id, t.status) for t in failed.value.report.targets] == [("fj-b", "uploaded")]
+    rows = [{"_step": s, "loss/rank-0": s, "loss/rank-1": 10 + s} for s in range(3)]
+    fj_a, fj_b = (sink.client.run("local", "p", run_id) for run_id in ("fj-a", "fj-b"))
+    assert (fj_a["state"], fj_a["history"]) == ("running", rows[:2])  # (the rounds' rows)
+    assert (fj_b["state"], fj_b["exit_code"], fj_b["history"]) == ("finished", 0, rows)
+
+
+def test_the_flyte_follow_task_says_what_a_failed_last_sync_verified(make_sink, tmp_path):
+    """The follow task's process (`python -m wbmerge.flyte follow`) whose last sync refuses
+    one run (other rows on the server) still syncs the other job, and says in its log the
+    ranks that never finished and the runs verified, before the task fails."""
+    sink = make_sink()
+    two_rank_job(tmp_path / "earlier", "fj-a", rank_1_finishes=True)
+    earlier = subprocess.run(
+        [sys.executable, "-m", "wbmerge.cli", "sync", "--run-mode", "new",
+         str(tmp_path / "earlier")],
+        env={**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "s1")}, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert earlier.returncode == 0, earlier.stderr
+    two_rank_job(tmp_path / "live", "fj-a", 100)
+    two_rank_job(tmp_path / "live", "fj-b")
+    request = {"path": str(tmp_path / "live"), "job_prefix": "fj-", "interval": 0.3,
+               "idle_timeout": 1, "run_mode": "new"}  # fmt: skip
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    child = subprocess.run(
+        [sys.executable, "-m", "wbmerge.flyte", "follow", str(tmp_path / "request.json"),
+         str(tmp_path / "result.json")],
+        env={**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "s2")}, capture_output=True,
+        text=True, timeout=UPLOAD_TIMEOUT,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["exit_code"] == 1
+    assert result["error"].startswith("run fj-a-rank-1: the server's row 3 differs"), result
+    assert "Never finished: job fj-a: rank(s) 1; job fj-b: rank(s) 1" in child.stderr
+    runs = f"{sink.url}/local/p/runs"
+    verified = [line.strip() for line in child.stderr.splitlines()
+                if line.strip().startswith(("uploaded:", "already synced:", "already complete:"))]  # fmt: skip
+    assert verified == [
+        f"already synced: fj-a-rank-0 {runs}/fj-a-rank-0",
+        f"already synced: fj-b-rank-0 {runs}/fj-b-rank-0",
+        f"uploaded: fj-b-rank-1 {runs}/fj-b-rank-1",
+    ]
+    assert sink.client.run("local", "p", "fj-b-rank-1")["state"] == "failed"

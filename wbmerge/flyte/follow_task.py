@@ -110,17 +110,25 @@ def follow_main(request: dict) -> dict:
         per_rank=request.get("per_rank") or None,
     )
 
-    def say(report: Any) -> None:
-        from ..follow.lines import round_lines
+    from ..errors import UploadFailed
+    from ..follow.lines import idle_warning, round_lines
 
+    def say(report: Any) -> None:
         for line in round_lines(report):
             print(line, file=sys.stderr, flush=True)
 
-    result = follow(
-        merge_request, float(request["interval"]), float(request["idle_timeout"]),
-        on_round=say, job_prefix=request["job_prefix"],
-    )  # fmt: skip
+    def say_idle(unfinished: list[str]) -> None:  # (in the task's log, whatever comes next)
+        print(f"wbmerge: warning: {idle_warning(float(request['idle_timeout']), unfinished)}",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    try:
+        result = follow(
+            merge_request, float(request["interval"]), float(request["idle_timeout"]),
+            on_round=say, on_idle=say_idle, job_prefix=request["job_prefix"],
+        )  # fmt: skip
+    except UploadFailed as exc:  # the runs the last sync verified, then what failed
+        for target in exc.report.targets:
+            print(f"{target.status:>16}: {target.target.id} {target.url}", file=sys.stderr)
+        raise
     warnings = result.final_sync.warnings if result.final_sync else []
-    if result.unfinished:
-        warnings.insert(0, f"never finished: {'; '.join(result.unfinished)}")
     return {"links": [link["url"] for link in result.links], "warnings": warnings}

@@ -19,7 +19,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ..pipeline import MergeRequest, SyncReport, UploadFailed, sigterm_raises, sync
+from ..errors import RERUN, UploadFailed
+from ..pipeline import MergeRequest, SyncReport, sigterm_raises, sync
+from ..upload import ServerError
 from .rounds import RESTART_GRACE, Follower, RoundReport, TargetRound
 
 DEFAULT_INTERVAL = 60.0  # seconds between rounds
@@ -50,12 +52,13 @@ def follow(
     """Keep the merged runs of the jobs under `request.paths` up to date until they end.
 
     Raises WbmergeError for bad input (exit 2) and, from the last one-shot sync after an
-    idle end, `UploadFailed` (exit 1; every job's last sync ran, and its `report` holds the
-    runs they verified). KeyboardInterrupt and SIGTERM (`Terminated`) stop the uploader
-    and leave the runs as uploaded so far: running, every row sent once; a later `wbmerge
-    sync` of the same paths completes them. `job_prefix` follows only the
-    jobs whose id starts with it (and the last sync syncs only those). `restart_grace`
-    is how long a run whose ranks ended, some failed, waits for an elastic restart.
+    idle end, `UploadFailed` (exit 1; every job's last sync ran, also after the server
+    failed one, and its `report` holds the runs they verified). KeyboardInterrupt and
+    SIGTERM (`Terminated`) stop the uploader and leave the runs as uploaded so far:
+    running, every row sent once; a later `wbmerge sync` of the same paths completes
+    them. `job_prefix` follows only the jobs whose id starts with it (and the last sync
+    syncs only those). `restart_grace` is how long a run whose ranks ended, some failed,
+    waits for an elastic restart.
     """
     follower = Follower(request, parallel, timeout, on_wait, job_prefix, restart_grace)
     with sigterm_raises(), follower:
@@ -88,12 +91,14 @@ def follow(
             part = sync(job_request, parallel=parallel, timeout=timeout, on_wait=on_wait)
         except UploadFailed as exc:
             part, failures = exc.report, failures + exc.lines
+        except ServerError as exc:  # (before this job's first run was verified)
+            part, failures = SyncReport([]), [*failures, str(exc), RERUN]
         final.jobs += part.jobs
         final.targets += part.targets
         final.links += part.links
         final.warnings += part.warnings
     if failures:
-        raise UploadFailed(list(dict.fromkeys(failures)), final)  # (one rerun line, not one a job)
+        raise UploadFailed(failures, final)
     return FollowReport(report.number, final.links, report.targets, unfinished, final)
 
 
