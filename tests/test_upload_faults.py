@@ -410,10 +410,13 @@ def test_a_rerun_that_gives_the_runs_another_job_type_sends_them(sink, tmp_path)
 
 
 def spawn(sink, tmp_path, args, cwd=None):
-    """`wbmerge sync` in a process of its own, its staging under the test's own TMPDIR."""
+    """`wbmerge sync` in a process of its own, its staging under the test's own TMPDIR, with
+    a HOME of the test's own (where wandb would put its logs)."""
     env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state"), "TMPDIR": str(tmp_path / "tmp"),
-           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}  # fmt: skip
+           "HOME": str(tmp_path / "home"), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}  # fmt: skip
+    env.pop("XDG_CACHE_HOME", None)
     (tmp_path / "tmp").mkdir(exist_ok=True)
+    (tmp_path / "home").mkdir(exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "wbmerge.cli", *args], env=env, cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
@@ -466,8 +469,8 @@ def test_interrupted_upload_then_rerun_is_exactly_once(make_sink, tmp_path, long
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == code, proc.stderr.read()
-    if sig != signal.SIGKILL:
-        assert not list((tmp_path / "tmp").glob("wbmerge-staging-*")), "staging removed"
+    if sig != signal.SIGKILL:  # (staging removed, and with it wandb's temp directories)
+        assert list((tmp_path / "tmp").iterdir()) == [], "nothing left in the temp dir"
         assert processes_in(tmp_path / "tmp") == [], "the uploader and wandb-core are stopped"
     held = sink.client.run("local", "sig", "long")
     assert 0 < len(held["history"]) < 6000 or sig == signal.SIGKILL  # caught halfway
@@ -475,7 +478,8 @@ def test_interrupted_upload_then_rerun_is_exactly_once(make_sink, tmp_path, long
     rerun = spawn(sink, tmp_path, sync_args("sig", source=source))
     out, err = rerun.communicate(timeout=120)
     assert rerun.returncode == 0, err
-    assert not list((tmp_path / "tmp").glob("wbmerge-staging-*")), "stale staging removed"
+    assert list((tmp_path / "tmp").iterdir()) == [], "stale staging removed, nothing else left"
+    assert list((tmp_path / "home").iterdir()) == [], "wandb's logs stayed in staging"
     assert processes_in(tmp_path / "tmp") == []
     assert_exactly_once(sink.client.run("local", "sig", "long"), want)
     assert tree_digest(source) == before

@@ -113,10 +113,17 @@ class Uploader:
 
     def start(self) -> None:
         """Start the process now, before its runs are known; `run` hands them over."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        # Everything wandb writes goes inside the workdir, which staging removes: its logs
+        # (wandb's command line writes `debug-cli.USER.log` to WANDB_DIR/wandb when that
+        # exists, else to the temp dir; wandb-core its `core-debug-*.log` under
+        # WANDB_CACHE_DIR, else ~/.cache) and its temp directories (left behind when the
+        # uploader is stopped).
+        for where in ("wandb", "cache", "tmp"):
+            (self.workdir / where).mkdir(parents=True, exist_ok=True)
         env = dict(self.env)
         env.update(WANDB_BASE_URL=self.credentials.base_url, WANDB_API_KEY=self.credentials.api_key)
-        env.update(WANDB_DIR=str(self.workdir))
+        env.update(WANDB_DIR=str(self.workdir), WANDB_CACHE_DIR=str(self.workdir / "cache"))
+        env.update(TMPDIR=str(self.workdir / "tmp"))
         env.pop("WANDB_MODE", None)  # an inherited offline/disabled mode would upload nothing
         env.pop("WANDB_RESUME", None)  # resuming would move the offsets remainder.py relies on
         for quiet in ("WANDB_SILENT", "WANDB_QUIET"):  # its output is how runs are seen ending
