@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 
 import pytest
 from click.testing import CliRunner
@@ -174,12 +175,37 @@ def test_a_usage_error_is_one_line_naming_the_help(args, line):
         (["-p", "p", "-e", "me/you"], "invalid entity 'me/you': W&B refuses / in entity names"),
     ],
 )  # fmt: skip
-def test_a_project_w_and_b_refuses_is_bad_input_before_any_upload(tmp_path, args, line):
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_a_project_w_and_b_refuses_is_bad_input_before_any_upload(tmp_path, args, line, dry_run):
     """W&B refuses these names; the upload of every run would fail, unexplained. The server
-    here answers nothing: the name is refused before it is asked."""
+    here answers nothing: the name is refused before it is asked, and by a dry run too."""
     env = {"WBMERGE_STATE_DIR": str(tmp_path)}
-    result = run("sync", job_dir("one_node_4"), *args, env=env)
+    result = run("sync", job_dir("one_node_4"), *args, *dry_run, env=env)
     assert_one_line_error(result, line)
+
+
+def test_a_state_directory_that_is_a_file_is_bad_input_and_leaves_no_staging(
+    sink, tmp_path, monkeypatch
+):
+    """WBMERGE_STATE_DIR naming a file: one line naming it (not an internal error), exit 2,
+    and no staging directory left in the temp dir."""
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # (where staging goes)
+    state = tmp_path / "state-file"
+    state.write_text("not a directory")
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(state)}
+    result = CliRunner().invoke(main, ["sync", str(job_dir("one_node_4"))], env=env)
+    assert_one_line_error(result, f"cannot keep the ledger of synced runs in {state} (File exists)",
+                          "set WBMERGE_STATE_DIR")  # fmt: skip
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert sink.client.runs() == []
+
+
+def test_a_sink_port_out_of_range_is_a_usage_error(tmp_path):
+    result = run("sink", "serve", "--port", "99999", "--data", tmp_path / "sink")
+    assert result.exit_code == 2
+    assert "99999 is not in the range 0<=x<=65535" in result.stderr
+    assert not (tmp_path / "sink").exists()
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):

@@ -90,7 +90,8 @@ def sink() -> None:
 
 
 @sink.command("serve")
-@click.option("--port", default=8765, show_default=True, help="Port on 127.0.0.1 (0: any free).")
+@click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535),
+              help="Port on 127.0.0.1 (0: any free).")  # fmt: skip
 @click.option("--data", "data_dir", default="./wbmerge-sink", show_default=True, type=click.Path())
 @click.option(
     "--allow-faults", is_flag=True, help="Let POST /api/faults inject faults (for tests)."
@@ -376,6 +377,7 @@ def sync(
     whole already; nothing sent).
     """
     from . import api
+    from .plan import check_destination
     from .upload import find_credentials
 
     if follow:
@@ -392,6 +394,8 @@ def sync(
     planned = api.plan(**kw)
     _warn_jobs(planned)
     if dry_run:
+        for job in planned:  # (refused as a sync would refuse it)
+            check_destination(job.project, job.entity)
         _print_plan(planned, as_json)
         return
     progress = _Progress(sum(len(j.targets) for j in planned))

@@ -405,8 +405,12 @@ def _sync(
         check_out_dir(
             staging_dir, source_trees(request.paths, _run_files(planned)), "--keep-staging"
         )
+    try:  # (a state directory that cannot hold it is said before anything is staged)
+        ledger = Ledger(state_dir() / "ledger.sqlite3")
+    except WbmergeError:
+        client.close()
+        raise
     staging = make_staging() if own_staging else staging_dir
-    ledger = Ledger(state_dir() / "ledger.sqlite3")
     session = _Session(credentials, client, viewer_entity, ledger, staging, report, parallel,
                        force, timeout, progress, _one_at_a_time(upload_progress),
                        own_staging and not keep_staging)  # fmt: skip

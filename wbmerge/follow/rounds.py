@@ -113,9 +113,9 @@ class Follower:
         self.client = ServerClient(self.credentials)
         self.viewer_entity = self.client.viewer_entity()  # fails in seconds, naming the URL
         clean_stale()
+        self.ledger = Ledger(state_dir() / "ledger.sqlite3")  # (a bad state directory first)
         self.staging = make_staging()
         self.owner = OwnerRecord(self.staging)  # names the uploaders running in staging
-        self.ledger = Ledger(state_dir() / "ledger.sqlite3")
         self._locks = ExitStack()
         self.known: dict[str, _Known] = {}
         self._scans: dict[Path, tuple] = {}

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..errors import WbmergeError
 from ..plan import Target
 
 _SCHEMA = """
@@ -41,13 +42,23 @@ class Ledger:
     """Which run (server, entity, project, id) was verified complete from which source files."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Open (or make) the ledger at `path`; WbmergeError if its directory cannot hold it."""
         self.path = path
-        # used by one thread at a time, but may be closed by another (a batch closes the
-        # connections of its checking threads when they are done)
-        self._db = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA busy_timeout = 60000")
-        self._db.execute(_SCHEMA)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # used by one thread at a time, but may be closed by another (a batch closes the
+            # connections of its checking threads when they are done)
+            self._db = sqlite3.connect(
+                path, timeout=60, isolation_level=None, check_same_thread=False
+            )
+            self._db.execute("PRAGMA busy_timeout = 60000")
+            self._db.execute(_SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise WbmergeError(
+                f"cannot keep the ledger of synced runs in {path.parent} ({why}); set "
+                "WBMERGE_STATE_DIR to a directory wbmerge may write"
+            ) from None
 
     def close(self) -> None:
         self._db.close()
