@@ -237,9 +237,7 @@ def test_auto_with_every_ranks_system_metrics(sink, tmp_path):
     assert len(got["system_metrics"]) == sum(len(w.stats) for _, w, _ in ranks.values())
 
 
-def test_a_run_holding_every_ranks_system_metrics_is_not_sent_the_primarys_alone(
-    sink, tmp_path
-):
+def test_a_run_holding_every_ranks_system_metrics_is_not_sent_the_primarys_alone(sink, tmp_path):
     """Synced with every rank's system metrics, then again without: the second upload would
     rewrite the primary's rows and leave the other ranks' behind, a run of neither. It is
     refused, nothing is sent, and the run stays as the first sync left it."""

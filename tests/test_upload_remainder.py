@@ -101,10 +101,13 @@ def test_the_servers_last_row_must_equal_the_staged_row_at_its_place():
     "held, problems",
     [
         (Held(True, 5, 3, 4, 9), []),
-        (Held(True, 5, 4, 6, 9), [  # lines past the staged run's: another run's
-            "the server holds 4 system-metric rows, more than the 3 staged",
-            "the server holds 6 console lines, more than the 4 staged",
-        ]),  # fmt: skip
+        (
+            Held(True, 5, 4, 6, 9),
+            [  # lines past the staged run's: another run's
+                "the server holds 4 system-metric rows, more than the 3 staged",
+                "the server holds 6 console lines, more than the 4 staged",
+            ],
+        ),
         (Held(), ["the run is not on the server"]),
         (Held(True, 4, 3, 4, 5), ["history rows 4 of 5"]),
         (Held(True, 10, 3, 4, 9), ["history rows 10 of 5"]),
