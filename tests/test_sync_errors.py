@@ -9,6 +9,7 @@ import tempfile
 import pytest
 from click.testing import CliRunner
 
+from wbmerge import api
 from wbmerge.cli import main
 
 from .conftest import job_dir
@@ -125,7 +126,10 @@ def test_unreachable_server_is_a_failure_not_success(tmp_path):
     [
         (["--base-id", "team/exp"], "cannot contain"),
         (["--key-format", "{key}"], "must contain {key} and {label}"),
-        (["--key-format", "{nope}"], "bad --key-format"),
+        (
+            ["--key-format", "{nope}"],
+            "bad --key-format '{nope}': no field {nope} (it may use {key} and {label})",
+        ),
     ],
 )
 def test_bad_options(args, fragment):
@@ -206,6 +210,26 @@ def test_a_sink_port_out_of_range_is_a_usage_error(tmp_path):
     assert result.exit_code == 2
     assert "99999 is not in the range 0<=x<=65535" in result.stderr
     assert not (tmp_path / "sink").exists()
+
+
+@pytest.mark.parametrize(
+    "command, line",
+    [
+        ("merge", "wbmerge: interrupted\n"),
+        ("sync", "wbmerge: interrupted; runs verified so far stay recorded\n"),
+    ],
+)
+def test_ctrl_c_says_what_the_command_keeps(tmp_path, monkeypatch, command, line):
+    """Ctrl-C while the work goes on (here: as `api.merge` or `api.sync` starts): exit 130,
+    one line; only a sync has verified runs to keep."""
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, command, ctrl_c)
+    out = ["--out", str(tmp_path / "out")] if command == "merge" else []
+    result = run(command, job_dir("one_node_4"), *out, env={"WBMERGE_STATE_DIR": str(tmp_path)})
+    assert (result.exit_code, result.stderr) == (130, line)
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):

@@ -39,13 +39,13 @@ def one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
                 click.echo(f"wbmerge: error: {line}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
-            click.echo("wbmerge: interrupted; runs verified so far stay recorded", err=True)
+            click.echo(_stopped("interrupted"), err=True)
             sys.exit(130)
         except BrokenPipeError:  # the reader of stdout went away (`wbmerge ... | head -1`)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (for the exit)
             sys.exit(141)  # as a tool stopped by SIGPIPE exits
         except Terminated:
-            click.echo("wbmerge: terminated; runs verified so far stay recorded", err=True)
+            click.echo(_stopped("terminated"), err=True)
             sys.exit(143)
         except Exception as exc:  # the last line of defence of the CLI
             if os.environ.get("WBMERGE_DEBUG"):
@@ -62,6 +62,14 @@ def one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(70)
 
     return wrapper
+
+
+def _stopped(how: str) -> str:
+    """The line of a command stopped by a signal: a sync keeps the runs it verified."""
+    context = click.get_current_context(silent=True)
+    if context is not None and context.info_name == "sync":
+        return f"wbmerge: {how}; runs verified so far stay recorded"
+    return f"wbmerge: {how}"
 
 
 def _show_warning(message: Any, category: type, *args: Any, **kwargs: Any) -> None:

@@ -109,7 +109,10 @@ class PlannedJob:
 def check_key_format(key_format: str) -> str:
     try:
         sample = key_format.format(key="train/loss", label="rank-3")
-    except (KeyError, IndexError, ValueError) as exc:
+    except KeyError as exc:
+        raise WbmergeError(f"bad --key-format {key_format!r}: no field {{{exc.args[0]}}} (it "
+                           "may use {key} and {label})") from None  # fmt: skip
+    except (IndexError, ValueError) as exc:
         raise WbmergeError(f"bad --key-format {key_format!r}: {exc}") from None
     if "train/loss" not in sample or "rank-3" not in sample:
         raise WbmergeError(f"--key-format {key_format!r} must contain {{key}} and {{label}}")
