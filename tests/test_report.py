@@ -107,6 +107,23 @@ def test_unknown_metric_is_one_line_and_exit_2():
     result = CliRunner().invoke(main, ["report", str(job_dir("slow_rank")), "-m", "no/such"])
     assert result.exit_code == 2
     assert result.output.count("\n") == 1 and "no numeric metric 'no/such'" in result.output
+    assert "(some that are: rank, train/loss, train/samples_per_sec, train/step_time, cpu, " in (
+        result.output
+    )
+
+
+def test_a_mistyped_metric_is_told_what_it_may_mean():
+    result = CliRunner().invoke(main, ["report", str(job_dir("slow_rank")), "-m", "train/los"])
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "wbmerge: error: no numeric metric 'train/los' in the runs (did you mean 'train/loss'?)\n"
+    )
+
+
+def test_the_report_counts_its_metrics_in_words():
+    result = CliRunner().invoke(main, ["report", str(job_dir("slow_rank")), "-m", "train/loss"])
+    assert result.exit_code == 0
+    assert result.output.splitlines()[0] == "job fx-slow-rank: 3 ranks, 1 metric"
 
 
 def test_report_and_skew_metrics_share_one_spread_with_the_true_median(tmp_path):

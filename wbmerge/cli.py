@@ -532,7 +532,7 @@ def report(
     label_pattern: str | None,
     ranks_file: str | None,
 ) -> None:
-    """Per-rank skew of each metric: which rank is slow, by how much, and at which steps."""
+    """Per-rank skew of each metric: which rank is slow, and by how much."""
     from . import api
     from .report_format import format_report
 

@@ -14,6 +14,7 @@ With `rank_stats`, each history metric also gets the statistics across ranks
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Sequence
@@ -142,16 +143,22 @@ def _choose(values: dict, ranks: int, metrics: Sequence[str]) -> list[tuple[str,
         for key in metrics:
             found = [name for name in values if name[1] == key]
             if not found:
-                known = ", ".join(sorted({k for _, k in values})[:8])
-                raise WbmergeError(
-                    f"no numeric metric {key!r} in the runs (some that are: {known})"
-                )
+                raise WbmergeError(f"no numeric metric {key!r} in the runs ({_known(values, key)})")
             chosen.extend(found)
         return chosen
     return sorted(
         (name for name, by_rank in values.items() if len(by_rank) == ranks),
         key=lambda name: (name[0] != HISTORY, name[1]),
     )
+
+
+def _known(values: dict, key: str) -> str:
+    """The metrics a mistyped `key` may have meant, else some there are, history first."""
+    names = sorted({k for _, k in values})
+    if close := difflib.get_close_matches(key, names, n=3, cutoff=0.6):
+        return f"did you mean {' or '.join(map(repr, close))}?"
+    history_first = sorted(values, key=lambda name: (name[0] != HISTORY, name[1]))
+    return f"some that are: {', '.join(dict.fromkeys(k for _, k in history_first[:8]))}"
 
 
 def _metric(

@@ -12,7 +12,10 @@ from .report import JobReport, MetricReport
 def format_report(reports: list[JobReport], color: bool = False) -> str:
     lines = []
     for job in reports:
-        lines.append(f"job {job.job_id}: {job.world_size} ranks, {len(job.metrics)} metrics")
+        count = len(job.metrics)
+        lines.append(
+            f"job {job.job_id}: {job.world_size} ranks, {count} metric{'s' * (count != 1)}"
+        )
         flagged = [m for m in job.metrics if m.outliers]
         for metric in flagged:
             names = ", ".join(_rank_name(metric, r) for r in metric.outliers)
