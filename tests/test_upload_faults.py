@@ -478,6 +478,8 @@ def test_interrupted_upload_then_rerun_is_exactly_once(make_sink, tmp_path, long
     rerun = spawn(sink, tmp_path, sync_args("sig", source=source))
     out, err = rerun.communicate(timeout=120)
     assert rerun.returncode == 0, err
+    assert "s for the last requests of a stopped upload to land (0/1 runs)" in err  # (said once)
+    assert err.count("for the last requests of a stopped upload to land") == 1
     assert list((tmp_path / "tmp").iterdir()) == [], "stale staging removed, nothing else left"
     assert list((tmp_path / "home").iterdir()) == [], "wandb's logs stayed in staging"
     assert processes_in(tmp_path / "tmp") == []

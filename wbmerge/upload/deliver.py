@@ -150,6 +150,7 @@ class Deliverer:
         self._sealed = self._stopping = self.timed_out = False
         self._error: BaseException | None = None
         self._done = 0
+        self._settling_said = False  # (the wait after a stopped upload is said once)
         self._entity_seen: str | None = None
         self._rows: dict[str, int] = {}  # history rows the server holds, per run
         self._counts: dict[str, tuple[int, int, int]] = {}  # all its line counts, per run
@@ -175,7 +176,7 @@ class Deliverer:
         otherwise the whole log goes, and it is counted while its upload starts
         (`_read_contents`), for the check after it. Counts are read only once a stopped
         upload's last requests have landed (see `settle`)."""
-        wait_settled(self._stop_asked)
+        wait_settled(self._stop_asked, self._say_settling)
         if self.given_up:
             return
         held = self.client.held(self.entity, self.project, delivery.run_id)
@@ -319,6 +320,13 @@ class Deliverer:
         self._dispatcher.join(_JOIN)
         for thread in list(self._threads):
             thread.join(_JOIN)
+
+    def _say_settling(self, seconds: float) -> None:
+        """Say once why the runs wait before anything is asked (after a stopped upload)."""
+        with self.lock:
+            said, self._settling_said = self._settling_said, True
+        if not said and seconds >= 1:
+            self._tell(f"waiting {seconds:.0f} s for the last requests of a stopped upload to land")
 
     def _stop_uploads(self) -> None:
         """Give up: end every uploader (waiting for each), and start nothing more."""

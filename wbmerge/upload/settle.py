@@ -22,6 +22,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from .ledger import state_dir
 
@@ -63,9 +64,11 @@ def last_stop() -> float:
     return at if math.isfinite(at) else 0.0
 
 
-def wait_settled(stop: threading.Event | None = None) -> float:
+def wait_settled(
+    stop: threading.Event | None = None, on_wait: Callable[[float], None] | None = None
+) -> float:
     """Wait until `SETTLE` seconds have passed since the last stop, or `stop` is set; the
-    seconds waited.
+    seconds waited. `on_wait(seconds)` is told before a wait.
 
     A stop noted in the future (the clock was set back since, or a dead sync's files carry
     a time ahead of this clock) is taken as a stop now: it is waited for once, not before
@@ -77,6 +80,8 @@ def wait_settled(stop: threading.Event | None = None) -> float:
     wait = SETTLE if last > now else last + SETTLE - now
     if wait <= 0:
         return 0.0
+    if on_wait is not None:
+        on_wait(wait)
     if stop is None:
         time.sleep(wait)
     else:
