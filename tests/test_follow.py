@@ -532,37 +532,39 @@ def test_rows_a_sync_sent_before_every_rank_logged_them_are_named(
     assert [row.get("loss/rank-1") for row in run["history"]][4:] == [None, None]
 
 
+def last_syncs_under_fault(
+    make_sink, monkeypatch, tmp_path, run_mode: str, fault: str, parallel: int = 4
+) -> tuple:
+    """Jobs fj-a and fj-b (`two_rank_job`: rank 1 never finishes) followed with a job prefix
+    to their idle end, the sink given `fault` just before their last syncs: the sink, and
+    the `UploadFailed` the follow raised."""
+    for job in ("fj-a", "fj-b"):
+        two_rank_job(tmp_path / "live", job)
+    sink = make_sink(allow_faults=True)
+    use_sink(monkeypatch, sink)
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode=run_mode)
+    with pytest.raises(UploadFailed) as failed:
+        follow(request, interval=0.2, idle_timeout=1.0, parallel=parallel,
+               timeout=UPLOAD_TIMEOUT, on_idle=lambda _: sink.client.set_faults([fault]),
+               job_prefix="fj-")  # fmt: skip
+    return sink, failed.value
+
+
 def test_a_failed_last_sync_still_syncs_every_job_and_says_what_it_verified(
     make_sink, monkeypatch, tmp_path, state
 ):
     """Two jobs end idle (rank 1 of each never finishes), and the server refuses the first
     run the last sync creates: that run fails, yet the other job's last sync runs too, and
     `UploadFailed` reports the three runs verified, each final on the server."""
-    root = tmp_path / "live"
-    for job in ("fj-a", "fj-b"):
-        for rank in (0, 1):
-            info = RankInfo(rank, rank, 2, 2, 0, job_id=job)
-            with rank_log(root, info, f"{job}-{rank}", "p") as writer:
-                for step in range(3):
-                    writer.write(history_record([("loss", str(10 * rank + step))], step))
-                if rank == 0:
-                    writer.write(exit_record(0))
-    sink = make_sink(allow_faults=True)
-    use_sink(monkeypatch, sink)
-
-    def refuse_the_next_run(unfinished: list[str]) -> None:
-        sink.client.set_faults(["graphql:UpsertBucket=400@1"])
-
-    request = MergeRequest(paths=[root], run_mode="new")
-    with pytest.raises(UploadFailed) as failed:
-        follow(request, interval=0.2, idle_timeout=1.0, parallel=1, timeout=UPLOAD_TIMEOUT,
-               on_idle=refuse_the_next_run, job_prefix="fj-")  # fmt: skip
-    statuses = {t.target.id: t.status for t in failed.value.report.targets}
+    sink, failed = last_syncs_under_fault(
+        make_sink, monkeypatch, tmp_path, "new", "graphql:UpsertBucket=400@1", parallel=1
+    )
+    statuses = {t.target.id: t.status for t in failed.report.targets}
     assert statuses == {  # (the finished ranks' runs were final after a round already)
         "fj-a-rank-0": "already synced", "fj-b-rank-0": "already synced",
         "fj-b-rank-1": "uploaded",
     }  # fmt: skip
-    assert failed.value.lines[0].startswith("run fj-a-rank-1: ")
+    assert failed.lines[0].startswith("run fj-a-rank-1: ")
     want = {  # state, exit code, losses: the refused run as the rounds left it
         "fj-a-rank-0": ("finished", 0, [0, 1, 2]), "fj-b-rank-0": ("finished", 0, [0, 1, 2]),
         "fj-b-rank-1": ("failed", 1, [10, 11, 12]), "fj-a-rank-1": ("running", None, [10, 11]),
@@ -621,30 +623,14 @@ def test_a_server_error_in_one_jobs_last_sync_leaves_the_next_jobs_to_run(
     question of the first job's last sync (HTTP 500, not retried). That job's run stays as
     the rounds left it, the next job's last sync still runs, and `UploadFailed` says both:
     the server's answer, the rerun line last, and the one run it verified."""
-    root = tmp_path / "live"
-    for job in ("fj-a", "fj-b"):
-        for rank in (0, 1):
-            info = RankInfo(rank, rank, 2, 2, 0, job_id=job)
-            with rank_log(root, info, f"{job}-{rank}", "p") as writer:
-                for step in range(3):
-                    writer.write(history_record([("loss", str(10 * rank + step))], step))
-                if rank == 0:
-                    writer.write(exit_record(0))
-    sink = make_sink(allow_faults=True)
-    use_sink(monkeypatch, sink)
-
-    def fail_the_next_question(unfinished: list[str]) -> None:
-        sink.client.set_faults(["graphql:RunResumeStatus=500@1"])
-
-    request = MergeRequest(paths=[root], run_mode="shared")
-    with pytest.raises(UploadFailed) as failed:
-        follow(request, interval=0.2, idle_timeout=1.0, timeout=UPLOAD_TIMEOUT,
-               on_idle=fail_the_next_question, job_prefix="fj-")  # fmt: skip
-    assert failed.value.lines == [
+    sink, failed = last_syncs_under_fault(
+        make_sink, monkeypatch, tmp_path, "shared", "graphql:RunResumeStatus=500@1"
+    )
+    assert failed.lines == [
         f"{sink.url}/graphql answered HTTP 500 to RunResumeStatus",
         "nothing missing was recorded as synced; rerun `wbmerge sync` to send it",
     ]
-    assert [(t.target.id, t.status) for t in failed.value.report.targets] == [("fj-b", "uploaded")]
+    assert [(t.target.id, t.status) for t in failed.report.targets] == [("fj-b", "uploaded")]
     rows = [{"_step": s, "loss/rank-0": s, "loss/rank-1": 10 + s} for s in range(3)]
     fj_a, fj_b = (sink.client.run("local", "p", run_id) for run_id in ("fj-a", "fj-b"))
     assert (fj_a["state"], fj_a["history"]) == ("running", rows[:2])  # (the rounds' rows)
