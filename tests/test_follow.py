@@ -674,3 +674,27 @@ def test_the_flyte_follow_task_says_what_a_failed_last_sync_verified(make_sink, 
         f"uploaded: fj-b-rank-1 {runs}/fj-b-rank-1",
     ]
     assert sink.client.run("local", "p", "fj-b-rank-1")["state"] == "failed"
+
+
+def test_a_job_whose_last_sync_refuses_its_input_leaves_the_next_jobs_to_run(
+    make_sink, monkeypatch, tmp_path, state
+):
+    """fj-a's rank 1 never wrote a run (it died at start), so its last sync refuses the job
+    (bad input); fj-b, which ended idle, still gets its last sync: final, every row."""
+    with rank_log(tmp_path / "live", RankInfo(0, 0, 2, 2, 0, job_id="fj-a"), "fj-a-0",
+                  "p") as writer:  # fmt: skip
+        writer.write(history_record([("loss", "0")], 0))
+        writer.write(exit_record(0))
+    two_rank_job(tmp_path / "live", "fj-b")
+    sink = make_sink()
+    use_sink(monkeypatch, sink)
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
+    with pytest.raises(UploadFailed) as failed:
+        follow(request, interval=0.2, idle_timeout=1.0, timeout=UPLOAD_TIMEOUT,
+               job_prefix="fj-")  # fmt: skip
+    [line] = failed.value.lines
+    assert line.startswith("job fj-a: rank(s) 1 of 2 have no offline run")
+    assert [(t.target.id, t.status) for t in failed.value.report.targets] == [("fj-b", "uploaded")]
+    fj_b = sink.client.run("local", "p", "fj-b")
+    rows = [{"_step": s, "loss/rank-0": s, "loss/rank-1": 10 + s} for s in range(3)]
+    assert (fj_b["state"], fj_b["exit_code"], fj_b["history"]) == ("finished", 0, rows)

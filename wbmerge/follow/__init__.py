@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ..errors import RERUN, UploadFailed
+from ..errors import RERUN, UploadFailed, WbmergeError
 from ..pipeline import MergeRequest, SyncReport, sigterm_raises, sync
 from ..upload import ServerError
 from .rounds import RESTART_GRACE, Follower, RoundReport, TargetRound
@@ -52,8 +52,8 @@ def follow(
     """Keep the merged runs of the jobs under `request.paths` up to date until they end.
 
     Raises WbmergeError for bad input (exit 2) and, from the last one-shot sync after an
-    idle end, `UploadFailed` (exit 1; every job's last sync ran, also after the server
-    failed one, and its `report` holds the runs they verified). KeyboardInterrupt and
+    idle end, `UploadFailed` (exit 1; every job's last sync ran, also after the server or
+    the input failed one, and its `report` holds the runs they verified). KeyboardInterrupt and
     SIGTERM (`Terminated`) stop the uploader and leave the runs as uploaded so far:
     running, every row sent once; a later `wbmerge sync` of the same paths completes
     them. `job_prefix` follows only the jobs whose id starts with it (and the last sync
@@ -93,6 +93,8 @@ def follow(
             part, failures = exc.report, failures + exc.lines
         except ServerError as exc:  # (before this job's first run was verified)
             part, failures = SyncReport([]), [*failures, str(exc), RERUN]
+        except WbmergeError as exc:  # (this job's runs, as they are now, cannot be synced)
+            part, failures = SyncReport([]), [*failures, str(exc)]
         final.jobs += part.jobs
         final.targets += part.targets
         final.links += part.links
