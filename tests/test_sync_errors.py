@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -177,6 +179,8 @@ def test_a_usage_error_is_one_line_naming_the_help(args, line):
         (["-p", "a:b#c"], "invalid project 'a:b#c': W&B refuses # : in project names"),
         (["-p", "p" * 129], f"invalid project {'p' * 40!r}...: longer than W&B's 128 characters"),
         (["-p", "p", "-e", "me/you"], "invalid entity 'me/you': W&B refuses / in entity names"),
+        (["-p", ".."], "invalid project '..': not a name a URL path can hold"),
+        (["-p", "a\tb"], "invalid project 'a\\tb': not a name a URL path can hold"),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
@@ -206,9 +210,15 @@ def test_a_state_directory_that_is_a_file_is_bad_input_and_leaves_no_staging(
 
 
 def test_a_sink_port_out_of_range_is_a_usage_error(tmp_path):
+    line = ("wbmerge: error: Invalid value for '--port': 99999 is not in the range "
+            "0<=x<=65535. (see wbmerge sink serve --help)\n")  # fmt: skip
     result = run("sink", "serve", "--port", "99999", "--data", tmp_path / "sink")
-    assert result.exit_code == 2
-    assert "99999 is not in the range 0<=x<=65535" in result.stderr
+    assert (result.exit_code, result.stderr) == (2, line)
+    as_module = subprocess.run(  # (`python -m wbmerge.sink` names the same help)
+        [sys.executable, "-m", "wbmerge.sink", "--port", "99999", "--data", tmp_path / "sink"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (as_module.returncode, as_module.stderr) == (2, line)
     assert not (tmp_path / "sink").exists()
 
 
@@ -235,8 +245,6 @@ def test_ctrl_c_says_what_the_command_keeps(tmp_path, monkeypatch, command, line
 def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
     # `wbmerge inspect ... | head -1`: the pipe closes before wbmerge writes its table.
     import os
-    import subprocess
-    import sys
 
     read_end, write_end = os.pipe()
     os.close(read_end)

@@ -137,6 +137,8 @@ def check_destination(project: str | None, entity: str | None) -> None:
             raise WbmergeError(
                 f"invalid {kind} {name!r}: W&B refuses {' '.join(bad)} in {kind} names"
             )
+        if name in (".", "..") or any(ord(c) < 32 or ord(c) == 127 for c in name or ""):
+            raise WbmergeError(f"invalid {kind} {name!r}: not a name a URL path can hold")
         if name is not None and len(name) > NAME_MAX_CHARS:
             raise WbmergeError(
                 f"invalid {kind} {name[:40]!r}...: longer than W&B's {NAME_MAX_CHARS} characters"
