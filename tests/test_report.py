@@ -112,11 +112,12 @@ def test_unknown_metric_is_one_line_and_exit_2():
     )
 
 
-def test_a_mistyped_metric_is_told_what_it_may_mean():
-    result = CliRunner().invoke(main, ["report", str(job_dir("slow_rank")), "-m", "train/los"])
+@pytest.mark.parametrize("typed", ["train/los", "loss", "Train/Loss"])
+def test_a_mistyped_metric_is_told_what_it_may_mean(typed):
+    result = CliRunner().invoke(main, ["report", str(job_dir("slow_rank")), "-m", typed])
     assert result.exit_code == 2
     assert result.stderr == (
-        "wbmerge: error: no numeric metric 'train/los' in the runs (did you mean 'train/loss'?)\n"
+        f"wbmerge: error: no numeric metric {typed!r} in the runs (did you mean 'train/loss'?)\n"
     )
 
 

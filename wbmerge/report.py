@@ -155,7 +155,8 @@ def _choose(values: dict, ranks: int, metrics: Sequence[str]) -> list[tuple[str,
 def _known(values: dict, key: str) -> str:
     """The metrics a mistyped `key` may have meant, else some there are, history first."""
     names = sorted({k for _, k in values})
-    if close := difflib.get_close_matches(key, names, n=3, cutoff=0.6):
+    close = [name for name in names if name.endswith("/" + key)][:3]  # (`loss`: `train/loss`)
+    if close := close or difflib.get_close_matches(key, names, n=3, cutoff=0.6):
         return f"did you mean {' or '.join(map(repr, close))}?"
     history_first = sorted(values, key=lambda name: (name[0] != HISTORY, name[1]))
     return f"some that are: {', '.join(dict.fromkeys(k for _, k in history_first[:8]))}"

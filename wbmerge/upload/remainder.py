@@ -164,7 +164,7 @@ def held_beyond(staged: StagedContent, held: Held) -> list[str]:
     (progress bars) among lines sent already."""
     if held.events_lines > staged.events:
         return [f"the server holds {held.events_lines} system-metric rows, more than the "
-                f"{staged.events} staged"]  # fmt: skip
+                f"{staged.events} staged (synced before with --system-metrics all?)"]  # fmt: skip
     return []
 
 
