@@ -53,12 +53,12 @@ def follow(
 
     Raises WbmergeError for bad input (exit 2) and, from the last one-shot sync after an
     idle end, `UploadFailed` (exit 1; every job's last sync ran, also after the server or
-    the input failed one, and its `report` holds the runs they verified). KeyboardInterrupt and
-    SIGTERM (`Terminated`) stop the uploader and leave the runs as uploaded so far:
-    running, every row sent once; a later `wbmerge sync` of the same paths completes
-    them. `job_prefix` follows only the jobs whose id starts with it (and the last sync
-    syncs only those). `restart_grace` is how long a run whose ranks ended, some failed,
-    waits for an elastic restart.
+    the input failed one, and its `report` holds the runs they verified).
+    KeyboardInterrupt and SIGTERM (`Terminated`) stop the uploader and leave the runs as
+    uploaded so far: running, every row sent once; a later `wbmerge sync` of the same
+    paths completes them. `job_prefix` follows only the jobs whose id starts with it (and
+    the last sync syncs only those). `restart_grace` is how long a run whose ranks ended,
+    some failed, waits for an elastic restart.
     """
     follower = Follower(request, parallel, timeout, on_wait, job_prefix, restart_grace)
     with sigterm_raises(), follower:

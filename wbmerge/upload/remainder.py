@@ -16,8 +16,9 @@ How `wandb sync` (wandb-core 0.31) continues a run that already exists, which th
   summary replaced; the exit record sends the final state.
 
 The server is checked to hold a prefix of the staged run (its row count, and the `_step` and
-values of its last row); anything else (rows of another merge, duplicates of an older tool) is a
-`Mismatch`, refused rather than "repaired".
+values of its last row, and no more system-metric rows than staged); anything else (rows of
+another merge, duplicates of an older tool, every rank's system metrics where the staged run
+has the primary's) is a `Mismatch`, refused rather than "repaired".
 """
 
 from __future__ import annotations
