@@ -110,7 +110,7 @@ class OneLineUsage(click.Group):
             sys.exit(exc.exit_code)
         except click.UsageError as exc:
             if exc.ctx is not None:
-                where = ["wbmerge", *exc.ctx.command_path.split()[1:]]
+                where = ["wbmerge", *_commands_of(exc.ctx)]
             else:  # (an option's missing value: click names no command, the arguments do)
                 where = self._commands_in(kwargs.get("args", args[0] if args else sys.argv[1:]))
             click.echo(
@@ -135,3 +135,13 @@ class OneLineUsage(click.Group):
             path.append(arg)
             group = command
         return path
+
+
+def _commands_of(context: click.Context) -> list[str]:
+    """The names of the commands below the group, as typed (`sink serve`), whatever name
+    the program was started under (`python -m wbmerge.sink` is `wbmerge sink serve`)."""
+    names = []
+    while context.parent is not None:
+        names.append(context.info_name or "")
+        context = context.parent
+    return names[::-1]

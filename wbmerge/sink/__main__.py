@@ -2,4 +2,4 @@
 
 from ..cli import main
 
-main(["sink", "serve", *__import__("sys").argv[1:]], prog_name="wbmerge")
+main(["sink", "serve", *__import__("sys").argv[1:]])

@@ -59,12 +59,9 @@ def _exiting(fields: list[str]) -> bool:
 def descendants(root: int) -> list[int]:
     """Every process below `root`, found in one walk of /proc before anything is killed."""
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    for entry in Path("/proc").glob("[0-9]*"):
+        if fields := stat_fields(int(entry.name)):
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
     found, todo = [], [root]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -93,7 +90,7 @@ def wait_gone(pids: Iterable[int], patience: float = 5.0) -> None:
     nothing they were sending can arrive after the next sync asked the server what it holds."""
     pids, deadline = list(pids), time.monotonic() + patience
     while time.monotonic() < deadline:
-        alive_now = [pid for pid in pids if (start_time(pid) or "").isdigit()]
-        if all((stat_fields(pid) or ["X"])[0] == "Z" for pid in alive_now):
+        states = [fields[0] for pid in pids if (fields := stat_fields(pid))]  # (the living)
+        if all(state == "Z" for state in states):
             return
         time.sleep(0.02)
