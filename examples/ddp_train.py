@@ -47,6 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--crash-step", type=int, default=None)
     p.add_argument("--slow-rank", type=int, default=None, help="rank that sleeps each step")
     p.add_argument(
+        "--eval-rank",
+        type=int,
+        default=None,
+        help="rank that alone logs val/loss every 5 steps and a best_val_loss summary, as "
+        "the guides' rank-0 evaluation does",
+    )
+    p.add_argument(
         "--plain",
         choices=["label", "bare"],
         default=None,
@@ -59,6 +66,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="plain wandb.init exactly as one of W&B's distributed-training recipes writes it",
     )
     p.add_argument("--stats-interval", type=float, default=1.0)
+    p.add_argument(
+        "--start-stagger",
+        type=float,
+        default=0.0,
+        help="rank r waits (world - 1 - r) times this many seconds before wandb.init, so the "
+        "ranks start in reverse order, as they may on a busy node",
+    )
+    # torch.distributed.launch passes `--local-rank=N` to each process (DeepSpeed passes
+    # `--local_rank=N`); a script started by either must accept it.
+    p.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None)
+    p.add_argument(
+        "--cuda",
+        action="store_true",
+        help="hold memory on the GPU of this rank's local rank for a few seconds (the "
+        "training stays on gloo), so that wandb's system metrics name the process's GPU",
+    )
     return p.parse_args(argv)
 
 
@@ -77,6 +100,8 @@ RECIPES = {
     "host": "config gets 'rank' and 'world_size'; each node is its own host",
     "rank0-only": "only rank 0 calls wandb.init and logs",
     "legacy": "name='rank-{rank}', group='DDP', a nested key and summary values",
+    "launch-args": "every rank: group='DDP-launch', started by torch.distributed.launch",
+    "srun": "every rank: group='DDP-srun', started as one srun task per rank",
 }
 
 
@@ -111,6 +136,10 @@ def start_recipe_run(args: argparse.Namespace, config: dict) -> wandb.Run | None
     init["settings"] = settings
     if args.recipe == "group":
         return wandb.init(**init, group="DDP")
+    if args.recipe == "launch-args":
+        return wandb.init(**init, group="DDP-launch")
+    if args.recipe == "srun":
+        return wandb.init(**init, group="DDP-srun")
     if args.recipe == "job-type":
         return wandb.init(**init, job_type="main" if rank == 0 else "worker", group="experiment_1")
     if args.recipe == "shared-label":
@@ -141,9 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    torch_env_from_slurm(os.environ)
     init_process_group(restart)
     rank = dist.get_rank()
+    if args.start_stagger:
+        time.sleep((dist.get_world_size() - 1 - rank) * args.start_stagger)
     run = start_run(args)
+    if args.cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        held = torch.ones(1 << 20, device="cuda")  # (a context and 4 MB on this GPU alone)
+        time.sleep(3 * args.stats_interval + 1)  # (system metrics sampled meanwhile)
+        del held
 
     torch.manual_seed(1234)  # same initial weights on every rank
     model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
@@ -151,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(rank)
     target = torch.randn(16, 1, generator=torch.Generator().manual_seed(7))
 
-    start = 0
+    start, best = 0, float("inf")
     ckpt = checkpoint_path(args)
     if restart and ckpt.exists():  # an elastic restart resumes after the last finished step
         start = json.loads(ckpt.read_text())["step"] + 1
@@ -191,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         if run is not None and args.recipe == "legacy" and step % 3 == 0:
             # a nested dict: newer wandb writes it as a nested key, older as one JSON value
             run.log({"eval": {"loss": loss.item(), "rank": rank}}, step=step)
+        if run is not None and rank == args.eval_rank and step % 5 == 4:
+            best = min(best, loss.item())
+            run.log({"val/loss": loss.item()}, step=step)
         if rank == args.media_rank and step == args.steps // 2:
             log_media(run, rank, step)
         if step % 10 == 0:
@@ -198,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             ckpt.write_text(json.dumps({"step": step}))
 
+    if run is not None and rank == args.eval_rank:
+        run.summary["best_val_loss"] = best
     if rank == args.media_rank:
         run.summary["eval/best_loss"] = float(loss.item())
         run.summary["eval/notes"] = f"summary-only keys from rank {rank}"
@@ -209,6 +251,17 @@ def main(argv: list[str] | None = None) -> int:
         run.finish()
     dist.destroy_process_group()
     return 0
+
+
+def torch_env_from_slurm(env: dict) -> None:
+    """What a user's script does under `srun` (one task per rank): torch's variables from
+    the task's SLURM variables; MASTER_ADDR and MASTER_PORT come from the batch script."""
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return
+    nodes = int(env.get("SLURM_NNODES", "1"))
+    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+    env["LOCAL_RANK"], env["GROUP_RANK"] = env["SLURM_LOCALID"], env["SLURM_NODEID"]
+    env["LOCAL_WORLD_SIZE"] = str(int(env["SLURM_NTASKS"]) // nodes)
 
 
 def init_process_group(restart: int) -> None:

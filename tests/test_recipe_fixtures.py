@@ -87,8 +87,53 @@ def test_every_rank_wrote_one_whole_run(name):
 
 
 def by_recipe(recipe: str) -> list[Written]:
-    (name,) = [n for n, job in RECIPES.items() if job["recipe"] == recipe]
+    """The runs of the one job written with `recipe` whose ranks started in rank order."""
+    (name,) = [
+        n
+        for n, job in RECIPES.items()
+        if job["recipe"] == recipe and "--start-stagger" not in job["train_args"]
+    ]
     return job_runs(name)
+
+
+def environments(run: Written) -> list[pb.EnvironmentRecord]:
+    return [
+        record.environment
+        for p in read_payloads(run.path)
+        if (record := pb.Record.FromString(p)).WhichOneof("record_type") == "environment"
+    ]
+
+
+@pytest.mark.parametrize(
+    "name", [n for n, j in RECIPES.items() if "--start-stagger" in j["train_args"]]
+)
+def test_staggered_jobs_started_their_ranks_in_reverse_order(name):
+    runs = job_runs(name)  # (by rank)
+    starts = [r.run.start_time.ToNanoseconds() for r in runs]
+    assert starts == sorted(starts, reverse=True)
+
+
+def test_launch_recipe_passed_each_rank_its_local_rank():
+    runs = job_runs("recipe_launch_args")
+    for run in runs:
+        [args] = {tuple(env.args) for env in environments(run) if env.args}
+        assert args.count(f"--local-rank={run.rank}") == 1, args
+        assert not any(env.slurm for env in environments(run))
+
+
+def test_srun_recipe_recorded_each_tasks_slurm_variables():
+    job = RECIPES["recipe_srun"]
+    for run in job_runs("recipe_srun"):
+        [slurm] = [dict(env.slurm) for env in environments(run) if env.slurm]
+        node, local = divmod(run.rank, job["nproc"])
+        assert (slurm["procid"], slurm["localid"], slurm["nodeid"]) == (
+            str(run.rank),
+            str(local),
+            str(node),
+        )
+        assert slurm["step_id"] == "0" and slurm["ntasks"] == "4"
+        assert run.hosts == {job["hosts"][node]}
+        assert not any("--local" in a for env in environments(run) for a in env.args)
 
 
 def test_group_recipe_puts_every_rank_in_group_ddp():
