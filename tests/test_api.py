@@ -110,17 +110,20 @@ def test_sync_refuses_what_the_cli_refuses(options, message, tmp_path, monkeypat
 
 
 def test_ranks_assumed_from_start_order_are_said_as_the_cli_says_them(tmp_path):
-    """recipe_group's runs say no rank: merge and plan assume them from start order. The
-    API says so as an InputWarning, as the CLI prints it, and in the plan's warnings."""
+    """recipe_group's runs say no rank: merge and plan, told to accept the start order,
+    assume the ranks from it. The API says so as an InputWarning, as the CLI prints it, and
+    in the plan's warnings."""
     source = job_dir("recipe_group")
-    [job] = api.plan(source, run_mode="shared")
+    [job] = api.plan(source, run_mode="shared", rank_order="start")
     [assumed] = [w for w in job.warnings if "assumed from start order" in w]
     with pytest.warns(api.InputWarning) as said:
-        api.merge(source, tmp_path / "out", run_mode="shared")
+        api.merge(source, tmp_path / "out", run_mode="shared", rank_order="start")
     assert assumed in [str(w.message) for w in said]
     printed = CliRunner().invoke(
-        main, ["merge", "--run-mode", "shared", "--out", str(tmp_path / "cli"), str(source)]
-    )
+        main,
+        ["merge", "--run-mode", "shared", "--rank-order", "start", "--out",
+         str(tmp_path / "cli"), str(source)],
+    )  # fmt: skip
     assert f"wbmerge: warning: {assumed}" in printed.stderr
 
 

@@ -13,7 +13,8 @@
 The merge options (`plan`, `merge`, `sync`) are the fields of `MergeRequest`, given by
 keyword: `run_mode`, `rank_scope`, `base_id`, `job`, `allow_missing_ranks`,
 `system_metrics`, `key_format`, `skew_metrics`, `rank_stats`, `per_rank`, `project`,
-`entity`, `job_type`, `label_pattern`, `ranks_file`. `paths` is one path or a list of them.
+`entity`, `job_type`, `label_pattern`, `ranks_file`, `primary`, `rank_order`. `paths` is
+one path or a list of them.
 
 Every function raises `WbmergeError` (one line, with the exit code the CLI uses) for bad
 input; `sync` raises `UploadFailed` (exit 1, its `report` says what was verified) when a
@@ -94,23 +95,30 @@ def discover(
     full_scan: bool = False,
     label_pattern: str | None = None,
     ranks_file: str | Path | None = None,
+    primary: Sequence[str] | str = (),
 ) -> list[OfflineRun]:
     """Every offline run under `paths` with its rank, in job, rank, restart order.
 
     `full_scan` also reads every record (row counts, last step, damage); without it only
-    each run's head and last block are read. `label_pattern` and `ranks_file` say how to
-    read the ranks of runs written without wbmerge (as `--label-pattern` and `--ranks`).
+    each run's head and last block are read. `label_pattern`, `ranks_file` and `primary`
+    say how to read the ranks of runs written without wbmerge (as `--label-pattern`,
+    `--ranks` and `--primary`).
     """
-    return _discover_runs(path_list(paths), full_scan, make_hints(label_pattern, ranks_file))
+    hints = make_hints(label_pattern, ranks_file, primary)
+    return _discover_runs(path_list(paths), full_scan, hints)
 
 
 def inspect(
-    paths: Paths, *, label_pattern: str | None = None, ranks_file: str | Path | None = None
+    paths: Paths,
+    *,
+    label_pattern: str | None = None,
+    ranks_file: str | Path | None = None,
+    primary: Sequence[str] | str = (),
 ) -> list[dict[str, Any]]:
     """What `wbmerge inspect --json` prints: a dict per run, after a full read of each."""
     from .inspect import inspect_runs
 
-    return inspect_runs(path_list(paths), make_hints(label_pattern, ranks_file))
+    return inspect_runs(path_list(paths), make_hints(label_pattern, ranks_file, primary))
 
 
 def plan(paths: Paths, **options: Any) -> list[PlannedJob]:
@@ -227,12 +235,13 @@ def export(
     wide: bool = False,
     label_pattern: str | None = None,
     ranks_file: str | Path | None = None,
+    primary: Sequence[str] | str = (),
 ) -> ExportResult:
     """Write every rank's history and system metrics under `paths` to the Parquet file `out`:
     a value per row (long), or with `wide` a row per rank and step."""
     from .export import export as _export
 
-    hints = make_hints(label_pattern, ranks_file)
+    hints = make_hints(label_pattern, ranks_file, primary)
     return _export(path_list(paths), out, job=job, wide=wide, hints=hints)
 
 
@@ -243,12 +252,13 @@ def report(
     job: str | None = None,
     label_pattern: str | None = None,
     ranks_file: str | Path | None = None,
+    primary: Sequence[str] | str = (),
     rank_stats: bool = False,
 ) -> list[JobReport]:
     """Per job under `paths`: each metric's skew across ranks, which rank is slow and by
     how much; `metrics` narrows the keys (default: the ones that tell most). `rank_stats`
     adds each history metric's statistics across ranks at its last step."""
-    hints = make_hints(label_pattern, ranks_file)
+    hints = make_hints(label_pattern, ranks_file, primary)
     from .report import report as _report
 
     named = [metrics] if isinstance(metrics, str) else list(metrics)

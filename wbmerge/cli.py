@@ -27,6 +27,9 @@ def rank_options() -> list[Callable[..., Any]]:
                      "e.g. 'rank_{rank}' or 'node{worker}-gpu{local_rank}'."),
         click.option("--ranks", "ranks_file", type=click.Path(),
                      help="JSON or CSV file of run id -> rank (optional local_rank, worker)."),
+        click.option("--primary", multiple=True, metavar="RUN_ID",
+                     help="Rank 0 of a job whose runs say nothing of their ranks (the "
+                     "others follow by start time); one per job, repeatable."),
     ]  # fmt: skip
 
 
@@ -65,14 +68,18 @@ def main() -> None:
 @_with_rank_options
 @one_line_errors
 def inspect(
-    paths: tuple[str, ...], as_json: bool, label_pattern: str | None, ranks_file: str | None
+    paths: tuple[str, ...],
+    as_json: bool,
+    label_pattern: str | None,
+    ranks_file: str | None,
+    primary: tuple[str, ...],
 ) -> None:
     """List the offline runs under PATHS: rank (and where it came from), label, rows,
     completeness, damage."""
     from . import api
     from .inspect import format_report, unreadable_summary
 
-    rows = api.inspect(paths, label_pattern=label_pattern, ranks_file=ranks_file)
+    rows = api.inspect(paths, label_pattern=label_pattern, ranks_file=ranks_file, primary=primary)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     else:
@@ -216,6 +223,9 @@ def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--job-type", help="Job type of the runs created. Default: the ranks' "
                      "own (shared: the primary's); a run given none keeps the server's."),
         *rank_options(),
+        click.option("--rank-order", type=click.Choice(["start"]), default=None,
+                     help="Accept start order as the ranks of a job whose runs say nothing "
+                     "of them (auto and shared mode refuse such a job otherwise)."),
     ]  # fmt: skip
     for option in reversed(options):
         func = option(func)
@@ -494,14 +504,16 @@ def export(
     wide: bool,
     label_pattern: str | None,
     ranks_file: str | None,
+    primary: tuple[str, ...],
 ) -> None:
     """Write every rank's history and system metrics to one Parquet file."""
     from . import api
     from .discover import few_ranks
 
     result = api.export(
-        paths, out, job=job, wide=wide, label_pattern=label_pattern, ranks_file=ranks_file
-    )
+        paths, out, job=job, wide=wide, label_pattern=label_pattern, ranks_file=ranks_file,
+        primary=primary,
+    )  # fmt: skip
     for job_id, missing in result.missing.items():
         click.echo(f"wbmerge: warning: job {job_id}: rank(s) {few_ranks(missing)} have no "
                    "offline run; the export covers the others", err=True)  # fmt: skip
@@ -531,6 +543,7 @@ def report(
     rank_stats: bool,
     label_pattern: str | None,
     ranks_file: str | None,
+    primary: tuple[str, ...],
 ) -> None:
     """Per-rank skew of each metric: which rank is slow, and by how much."""
     from . import api
@@ -538,7 +551,7 @@ def report(
 
     reports = api.report(
         paths, metrics=metrics, job=job, label_pattern=label_pattern, ranks_file=ranks_file,
-        rank_stats=rank_stats,
+        primary=primary, rank_stats=rank_stats,
     )  # fmt: skip
     for line in (line for r in reports for line in [*r.warnings, *r.damage]):
         click.echo(f"wbmerge: warning: {line}", err=True)

@@ -1,114 +1,26 @@
 """Discover: find offline runs under the user's paths and say which rank of which job wrote each.
 
-This module reads what each run says about itself: the `wbmerge` block in its config
-(written by `wbmerge.init` / `rank_config`), the config keys people use for ranks, its
-`x_label` (the `/l:<label>` suffix of system-metric keys, or `files/output_<label>.log`),
-display name, group, project, job type, host, and when it started and last wrote. The
-rules that turn those facts into ranks and jobs are pure and live in `jobs.py`.
+Each run's own account of itself is read by `offlinerun` (its head and last block, or a
+full scan); the pure rules of `jobs` turn the accounts of all runs found into ranks and
+jobs; `group_jobs` hands the jobs on, with what a merge of each would refuse.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import re
 import stat
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from google.protobuf.message import DecodeError
-
-from . import jobs, rankclaims, records
-from .errors import InputWarning, NotATransactionLog, WbmergeError
+from . import jobs, records
+from .errors import InputWarning, WbmergeError
 from .jobs import Hints, RunFacts, few
-from .merged import MergedBy, is_merge_block, merged_by, merged_runs, merged_target
-from .plan import Source, Target, run_id_from_file
-from .proto import pb
-from .records import record_kind
-from .topology import METADATA_KEY, RankInfo
-from .txlog import BLOCK_SIZE, FILE_HEADER, Frames, ReadReport, read_frames, read_tail
-
-_STATS_LABEL = re.compile(r"/l:(.+)$")
-_OUTPUT_LABEL = re.compile(r"^output_(.+)\.log$")
-_HEADER_SCAN_LIMIT = 2000  # records read for identity before giving up on a long run
-
-_CLAIM_KEYS = {key for keys in rankclaims.CONFIG_KEYS.values() for key in keys}
-
-
-@dataclass
-class RunStats:
-    """What a full pass over a run's records found."""
-
-    records: int = 0
-    history_rows: int = 0
-    first_step: int | None = None
-    last_step: int | None = None
-    complete: bool = False  # an exit record was seen
-    exit_code: int | None = None
-    report: ReadReport = field(default_factory=ReadReport)
-
-
-@dataclass
-class OfflineRun:
-    """One offline run directory and what it says about itself."""
-
-    path: Path  # the run-<id>.wandb file
-    run_id: str
-    project: str = ""
-    entity: str = ""
-    group: str = ""
-    job_type: str = ""
-    display_name: str = ""
-    host: str = ""
-    start_time: float = 0.0
-    end_time: float = 0.0  # the latest time its last records show
-    label: str | None = None  # x_label as recorded or found; after `identify`, the label used
-    config: dict = field(default_factory=dict)  # the config keys that may say a rank
-    settings: dict = field(default_factory=dict)  # the rest of the config, key -> JSON
-    has_run_record: bool = False  # a run killed at once may have written nothing
-    metadata: RankInfo | None = None  # the `wbmerge` block, if any
-    merged: MergedBy | None = None  # a merge wrote this run (its block says how)
-    metadata_label: str | None = None
-    rank: RankInfo | None = None
-    rank_source: str | None = None  # one of rankclaims.SOURCES, None when unknown
-    problem: str | None = None  # why the rank is unknown
-    unreadable: str | None = None  # why the file could not be read (discover's keep_unreadable)
-    warnings: list[str] = field(default_factory=list)  # about its job, shown once per job
-    defaults: dict = field(default_factory=dict)  # run_mode etc. recorded at training time
-    stats: RunStats | None = None
-
-    @property
-    def run_dir(self) -> Path:
-        return self.path.parent
-
-    @property
-    def job_id(self) -> str | None:
-        """The job of a rank's run, or the job a merged run was merged from."""
-        if self.rank is not None:
-            return self.rank.job_id
-        return self.merged.job_id if self.merged is not None else None
-
-    @property
-    def size(self) -> int:
-        return self.path.stat().st_size
-
-    def merged_target(self) -> Target:
-        """This run, which a merge wrote, as the target that uploads it unchanged."""
-        assert self.merged is not None, "only a merge's output is a merged target"
-        return merged_target(
-            self.path, self.run_id, self.merged, self.group, self.display_name, self.job_type,
-            self.start_time,
-        )  # fmt: skip
-
-    def source(self) -> Source:
-        """This run as a source of the runs a merge makes (after `identify` gave its rank)."""
-        assert self.rank is not None, "a run is a source only once its rank is known"
-        return Source(
-            self.path, self.rank, self.label or self.rank.label, start_time=self.start_time
-        )
+from .merged import merged_runs
+from .offlinerun import OfflineRun, read_identity, scan
+from .plan import run_id_from_file
 
 
 def find_run_files(paths: Iterable[str | Path]) -> list[Path]:
@@ -182,186 +94,6 @@ def find_invalid_records(paths: Iterable[str | Path]) -> str | None:
     return None
 
 
-def read_identity(path: Path) -> OfflineRun:
-    """Read just enough of a run to know its ids and rank (the run and first config records)."""
-    run = OfflineRun(path=path, run_id=run_id_from_file(path))
-    for count, payload in enumerate(_payloads(path, read_size=_IDENTITY_READ)):
-        kind = record_kind(payload)
-        if kind == "run":
-            _apply_run_record(run, pb.Record.FromString(payload).run)
-        elif kind == "config" and run.rank is None:
-            _apply_config(run, pb.Record.FromString(payload).config.update)
-        elif kind == "environment" and not run.host:
-            run.host = pb.Record.FromString(payload).environment.host
-        elif kind == "stats" and run.label is None:
-            run.label = _label_from_stats(pb.Record.FromString(payload).stats)
-        elif kind == "history" and run.label is not None:
-            break  # identity comes before the first logged step
-        if count > _HEADER_SCAN_LIMIT:
-            break
-    if run.label is None:
-        run.label = _label_from_files(path.parent / "files")
-    run.end_time = _end_time(path, run.start_time)
-    return run
-
-
-def _end_time(path: Path, start: float) -> float:
-    """The latest time the records at the end of a run show (its start when none do)."""
-    try:
-        with open(path, "rb") as stream:
-            tail = read_tail(stream)
-    except OSError:
-        return start
-    latest = start
-    # Records of one kind are written in time order, so the last of each kind that carries
-    # a time says all: at most five records are parsed, not the whole block (at 1024 ranks
-    # parsing every record of every last block was most of discovery's time).
-    last_of_kind: dict[str, bytes] = {}
-    for payload in reversed(tail):
-        kind = record_kind(payload)
-        if kind in _TIMED_KINDS and kind not in last_of_kind:
-            last_of_kind[kind] = payload
-    for payload in last_of_kind.values():
-        try:
-            record = pb.Record.FromString(payload)
-        except DecodeError:  # a damaged tail says nothing about time
-            continue
-        kind = record.WhichOneof("record_type")
-        if kind == "exit":
-            latest = max(latest, start + record.exit.runtime)
-        elif kind in ("stats", "output_raw", "output"):
-            stamp = getattr(record, kind).timestamp
-            latest = max(latest, stamp.seconds + stamp.nanos / 1e9)
-        elif kind == "history":
-            for item in record.history.item:
-                if (item.key or "/".join(item.nested_key)) == "_timestamp":
-                    latest = max(latest, _seconds(item.value_json, latest))
-    return latest
-
-
-_TIMED_KINDS = frozenset({"exit", "stats", "output_raw", "output", "history"})
-
-
-def _seconds(value_json: str, default: float) -> float:
-    """A `_timestamp` value: JSON seconds since the epoch (`default` if it is not one)."""
-    try:
-        value = float(value_json)
-    except ValueError:
-        return default
-    return value if math.isfinite(value) else default
-
-
-# The run and config records are in the first block; a read costs per block walked, so
-# reading one block at a time (more only when identity is not in it) keeps discovery cheap.
-_IDENTITY_READ = BLOCK_SIZE
-
-
-def _payloads(
-    path: Path, report: ReadReport | None = None, read_size: int = 32 * BLOCK_SIZE
-) -> Iterator[bytes]:
-    """`read_payloads` with the user-facing errors of a bad or unreadable file."""
-    for frames in _frames(path, report, read_size):
-        yield from frames.payloads()
-
-
-def _frames(
-    path: Path, report: ReadReport | None = None, read_size: int = 32 * BLOCK_SIZE
-) -> Iterator[Frames]:
-    """`read_frames` with the user-facing errors of a bad or unreadable file."""
-    try:
-        yield from read_frames(path, report, read_size)
-    except NotATransactionLog as exc:
-        raise WbmergeError(f"{path}: {exc}") from None
-    except OSError as exc:
-        raise WbmergeError(f"{path}: cannot read ({exc.strerror or exc})") from None
-
-
-def _apply_run_record(run: OfflineRun, record: pb.RunRecord) -> None:
-    run.has_run_record = True
-    run.run_id = record.run_id or run.run_id
-    run.project, run.entity = record.project, record.entity
-    run.group, run.job_type = record.run_group, record.job_type
-    run.display_name, run.host = record.display_name, record.host
-    run.start_time = record.start_time.seconds + record.start_time.nanos / 1e9
-    _apply_config(run, record.config.update)
-
-
-def _apply_config(run: OfflineRun, updates: Iterable[pb.ConfigItem]) -> None:
-    for item in updates:
-        key = item.key or (item.nested_key[0] if len(item.nested_key) == 1 else "")
-        if key.lower() in _CLAIM_KEYS:
-            run.config[key] = rankclaims.config_value(item.value_json)
-        elif key not in (METADATA_KEY, "_wandb"):
-            path = item.key or "/".join(item.nested_key)
-            run.settings[path] = item.value_json
-        if key != METADATA_KEY or run.metadata is not None or run.merged is not None:
-            continue
-        block = rankclaims.config_value(item.value_json)
-        if is_merge_block(block):  # a merge's output: no rank of a job, a run to upload
-            run.merged = merged_by(block)
-            if run.merged is None:
-                run.unreadable = (
-                    f"{run.path}: its wbmerge block lists the sources of a merge but not how "
-                    "they were merged; it is neither a merged run nor a rank's"
-                )
-            continue
-        try:
-            run.metadata = RankInfo.from_metadata(block)  # type: ignore[arg-type]
-        except (ValueError, TypeError, AttributeError):
-            continue  # a block that is not ours: the run is read like any other
-        label = block.get("label")  # type: ignore[union-attr]
-        run.metadata_label = label if isinstance(label, str) and label else None
-        run.defaults = {k: block[k] for k in ("run_mode", "rank_scope") if block.get(k)}  # type: ignore[union-attr]
-
-
-def _label_from_stats(stats: pb.StatsRecord) -> str | None:
-    for item in stats.item:
-        match = _STATS_LABEL.search(item.key)
-        if match:
-            return match[1]
-    return None
-
-
-def _label_from_files(files: Path) -> str | None:
-    try:
-        entries = sorted(files.iterdir()) if files.is_dir() else []
-    except OSError:
-        return None  # an unreadable files/ is named when the merge copies it
-    for entry in entries:
-        match = _OUTPUT_LABEL.match(entry.name)
-        if match:
-            return match[1]
-    return None
-
-
-def scan(run: OfflineRun) -> RunStats:
-    """One full pass: history rows, steps, exit record, damage. Parses only what it counts."""
-    stats = RunStats()
-    for frames in _frames(run.path, stats.report):
-        index = records.RecordIndex(frames)
-        stats.records += len(index)
-        steps = index.rows.steps
-        if len(steps):
-            stats.history_rows += len(steps)
-            if stats.first_step is None:
-                stats.first_step = int(steps[0])
-            stats.last_step = int(steps[-1])
-        for record in index.of("exit").tolist():
-            stats.complete = True
-            stats.exit_code = pb.Record.FromString(frames.payload(record)).exit.exit_code
-        if run.label is None:
-            for record in index.of("stats")[:1].tolist():
-                run.label = _label_from_stats(pb.Record.FromString(frames.payload(record)).stats)
-    report = stats.report
-    if not stats.complete and not report.truncated:
-        # wandb-core writes whole 32 KiB blocks until it closes the log, so a log without
-        # an exit record that ends on a block boundary (or after the header) was cut off.
-        size = report.bytes_read
-        report.truncated = size % BLOCK_SIZE == 0 or size == len(FILE_HEADER)
-    run.stats = stats
-    return stats
-
-
 def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
     """Give every run its rank, job, label and rank source (`jobs.identify`'s rules).
 
@@ -396,6 +128,9 @@ def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
             metadata=r.metadata,
             metadata_label=r.metadata_label,
             where=str(r.run_dir),
+            args=r.args,
+            slurm=r.slurm,
+            process_gpus=tuple(sorted(r.process_gpus)),
         )
         for r in runs
     ]
@@ -405,6 +140,7 @@ def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
     for index, identity in found.identities.items():
         run = runs[index]
         run.rank, run.rank_source, run.label = identity.rank, identity.source, identity.label
+        run.rank_guessed = identity.guessed
     for problem in found.problems:
         for index in problem.runs:
             runs[index].problem = runs[index].problem or problem.message
@@ -416,6 +152,25 @@ def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
         raise WbmergeError(
             f"--ranks names run(s) not found under the paths given: {', '.join(sorted(unknown))}"
         )
+    if hints and hints.primary:
+        _check_primary(runs, hints.primary, found_ids)
+
+
+def _check_primary(runs: list[OfflineRun], primary: frozenset[str], found_ids: set[str]) -> None:
+    """`--primary` names rank 0 of a job numbered by start order; a run its job's evidence
+    makes another rank is a contradiction the user must settle (with `--ranks`)."""
+    unknown = primary - found_ids
+    if unknown:
+        raise WbmergeError(
+            f"--primary names run(s) not found under the paths given: {', '.join(sorted(unknown))}"
+        )
+    for run in runs:
+        if run.run_id in primary and run.rank is not None and run.rank.rank != 0:
+            raise WbmergeError(
+                f"--primary {run.run_id}: its job's runs say their ranks, and this one is rank "
+                f"{run.rank.rank} by its {run.rank_source}; --primary only names rank 0 of a "
+                "job numbered by start order (say every rank with --ranks FILE to override)"
+            )
 
 
 def discover(
@@ -476,6 +231,25 @@ class Job:
     def warnings(self) -> list[str]:
         """What wbmerge assumed about this job, once each."""
         return list(dict.fromkeys(w for run in self.runs for w in run.warnings))
+
+    @property
+    def primary_guessed(self) -> bool:
+        """No run says its rank and nothing names rank 0: the primary is the first to start."""
+        return any(run.rank_guessed for run in self.runs)
+
+    def guessed_primary_line(self, run_mode: str) -> str:
+        """Why this job, whose rank 0 is only its first run to start, is not uploaded in
+        `run_mode` (auto uploads rank 0 alone; shared takes its config, summary and exit
+        code), and the ways out, in one line."""
+        by_start = sorted(self.runs, key=lambda run: (run.start_time, run.run_id))
+        order = few([run.run_id for run in by_start], shown=8)
+        return (
+            f"job {self.job_id}: no run says its rank, so its rank 0 would be a guess (started "
+            f"first: {order}); --run-mode {run_mode} takes rank 0's run as the job's. Name it "
+            "with --primary RUN_ID (`wbmerge inspect` shows what each run logged), say every "
+            "rank with --ranks FILE, accept the start order with --rank-order start, or "
+            "upload a run per rank with --run-mode new"
+        )
 
     @property
     def world_size(self) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from .errors import WbmergeError
@@ -27,8 +27,20 @@ from .rankclaims import compile_pattern
 _COLUMNS = ("rank", "local_rank", "worker", "restart")
 
 
-def make_hints(label_pattern: str | None = None, ranks_file: str | Path | None = None) -> Hints:
-    """Hints from the CLI's options; WbmergeError (one line) for a bad pattern or file."""
+def make_hints(
+    label_pattern: str | None = None,
+    ranks_file: str | Path | None = None,
+    primary: Iterable[str] = (),
+) -> Hints:
+    """Hints from the CLI's options; WbmergeError (one line) for a bad pattern, file or run
+    id. `primary` names rank 0 of jobs whose runs say nothing of their ranks."""
+    if isinstance(primary, str):  # (one run id from the API, not its characters)
+        primary = [primary]
+    for run_id in primary:
+        try:
+            check_run_id(run_id)
+        except WbmergeError as exc:
+            raise WbmergeError(f"--primary: {exc}") from None
     pattern = None
     if label_pattern:
         try:
@@ -36,7 +48,7 @@ def make_hints(label_pattern: str | None = None, ranks_file: str | Path | None =
         except ValueError as exc:
             raise WbmergeError(f"bad --label-pattern: {exc}") from None
     given = load_ranks(Path(ranks_file)) if ranks_file else {}
-    return Hints(label_pattern=pattern, given=given)
+    return Hints(label_pattern=pattern, given=given, primary=frozenset(primary))
 
 
 def load_ranks(path: Path) -> dict[str, GivenRank]:

@@ -7,11 +7,15 @@ file among a thousand does not hide the others; the CLI then exits non-zero.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from .discover import OfflineRun, discover, job_problem
 from .jobs import Hints
+from .proto import pb
+from .records import record_kind
+from .txlog import read_frames
 
 
 def describe(run: OfflineRun) -> dict[str, Any]:
@@ -36,6 +40,9 @@ def describe(run: OfflineRun) -> dict[str, Any]:
         "group": run.group or None,
         "name": run.display_name or None,
         "host": run.host or None,
+        "started": _utc(run.start_time) if run.start_time else None,
+        "rank_guessed": run.rank_guessed,
+        "logged_only_here": None,  # (filled in for a job whose rank 0 is a guess)
         "history_rows": stats.history_rows if stats else None,
         "last_step": stats.last_step if stats else None,
         "size": _size(run),
@@ -63,13 +70,65 @@ def inspect_runs(paths: Iterable[str | Path], hints: Hints | None = None) -> lis
     for run in found:
         if run.rank is not None:
             by_job.setdefault(run.job_id or "", []).append(run)
+    only_here: dict[int, list[str]] = {}
     for job_id, members in by_job.items():
         # What `sync` and `merge` would refuse, said here too: a diagnosis must not pass a
         # job that the upload then stops at.
         problem = job_problem(job_id, members)
         if problem:  # (on the job's first run: the table shows it once, the JSON too)
             members[0].warnings.append(f"sync and merge stop here: {problem}")
-    return [describe(run) for run in found]
+        if any(run.rank_guessed for run in members):
+            members[0].warnings.append(GUESSED_NOTE)
+            only_here.update(_keys_only_here(members))
+    rows = [describe(run) for run in found]
+    for index, run in enumerate(found):
+        if id(run) in only_here:
+            rows[index]["logged_only_here"] = only_here[id(run)]
+    return rows
+
+
+GUESSED_NOTE = (
+    "no run says its rank, so rank 0 is only the run that started first; sync and merge in "
+    "auto and shared mode stop here: name rank 0 with --primary RUN_ID (the run that logged "
+    "what only the primary logs, below), say every rank with --ranks FILE, or accept the "
+    "order with --rank-order start"
+)
+
+
+def _keys_only_here(members: list[OfflineRun]) -> dict[int, list[str]]:
+    """For each run (by `id`), the keys it logged that no other run of its job logged: the
+    primary of a training loop is often the one run with validation metrics or a best
+    value. Read from the runs' summary records, which name every key a run logged."""
+    keys = {id(run): _logged_keys(run.path) for run in members}
+    return {
+        id(run): sorted(
+            keys[id(run)].difference(*(k for other, k in keys.items() if other != id(run)))
+        )
+        for run in members
+    }
+
+
+def _logged_keys(path: Path) -> set[str]:
+    keys: set[str] = set()
+    try:
+        for frames in read_frames(path):
+            for payload in frames.payloads():
+                if record_kind(payload) != "summary":
+                    continue
+                for item in pb.Record.FromString(payload).summary.update:
+                    key = item.key or "/".join(item.nested_key)
+                    if not key.startswith("_"):
+                        keys.add(key)
+    except Exception:
+        pass
+    return keys
+
+
+def _utc(seconds: float) -> str:
+    """A start time as the user reads it, to the millisecond: runs started in one second
+    are told apart."""
+    moment = datetime.fromtimestamp(seconds, tz=timezone.utc)
+    return moment.strftime("%Y-%m-%d %H:%M:%S.") + f"{moment.microsecond // 1000:03d} UTC"
 
 
 def unreadable_summary(rows: list[dict[str, Any]]) -> str | None:
@@ -114,8 +173,21 @@ def format_report(rows: list[dict[str, Any]]) -> str:
         out.append(_table([[_cell(m, key) for _, key in COLUMNS] for m in members]))
         notes = [*(w for m in members for w in m["warnings"]), *(m["problem"] for m in members)]
         out.extend(f"  note: {note}" for note in dict.fromkeys(n for n in notes if n))
+        out.extend(_evidence_lines(m) for m in members if m["rank_guessed"])
         out.append("")
     return "\n".join(out).rstrip() + "\n"
+
+
+def _evidence_lines(row: dict[str, Any]) -> str:
+    """What a run numbered by a guess shows to whoever picks its job's rank 0."""
+    only = row["logged_only_here"] or []
+    logged = f"logged only here: {', '.join(only[:8])}" if only else "logged nothing of its own"
+    if len(only) > 8:
+        logged += f" and {len(only) - 8} more"
+    return (
+        f"  run {row['run_id']}: started {row['started'] or '?'} on {row['host'] or '?'}, "
+        f"{row['history_rows']} rows; {logged}"
+    )
 
 
 def _cell(row: dict[str, Any], key: str) -> str:

@@ -7,12 +7,19 @@ rank came from) per run, or a `Notice` that names the runs and the option that r
 The rules, most explicit first:
 
 1. A run's rank comes from `--ranks FILE` (`given`), its `wbmerge` config block, the user's
-   `--label-pattern` on its label or name, its config keys (`rank`, `local_rank`,
-   `world_size`, ...), its `x_label` in a common spelling of `rankclaims`, its display name
-   likewise; and when no run of a job says anything, from the order the runs started in
-   (`order`). Config keys are a weak sign (a `rank` may be a LoRA rank, a `local_rank` a
-   stale argparse default): when they do not make one topology, the job is read again
-   without them.
+   `--label-pattern` on its label or name, the `SLURM_*` variables of its `srun` task
+   (`slurm`), the `--local_rank` its launcher passed (`args`), its config keys (`rank`,
+   `local_rank`, `world_size`, ...), its `x_label` in a common spelling of `rankclaims`,
+   its display name likewise, the one GPU its process used (`gpu`); and when no run of a
+   job says anything, from the order the runs started in (`order`). Some of these can
+   mislead: a `rank` in config may be a LoRA rank, SLURM's task id repeats on every worker
+   that one task's torchrun starts, every process may touch GPU 0. So when a job's claims
+   do not make one topology, it is read again without config, then also without SLURM,
+   then also without the launcher's argument, then also without the GPU. Evidence a run
+   gives beside the one used that names another rank is a warning that names the runs.
+   Numbering by start order is a guess: `--primary RUN_ID` names a job's rank 0 and the
+   rest follow by start, and a job whose rank 0 is still a guess is marked (`guessed`),
+   so that the modes that upload rank 0's run alone or take its config can refuse it.
 2. Runs with a `wbmerge` block belong to the job its `job_id` names. The others are told
    apart by what they share: the same group (and project), or, without a group, the same
    project and the same spelling of their labels (or names), and for runs that say nothing
@@ -20,13 +27,9 @@ The rules, most explicit first:
    job. Two groups are two jobs, whatever their directory. A `--ranks FILE` names every
    run of such a job or none of them; the runs it leaves out of a job it names in part
    are a problem (else the job would be cut in two, and both halves uploaded).
-3. A label's number after a node (`node1_rank0`) is a local rank when every node counts
-   from 0, else a global rank when the numbers are distinct. For example
-   `node0_rank0, node0_rank1, node1_rank0, node1_rank1` is two nodes of local ranks 0-1
-   (global ranks 0-3), while `node0_rank0, node0_rank1, node1_rank2, node1_rank3` names the
-   global ranks. A name before the rank that all runs share (`ddp_rank0`) is a prefix, not a
-   node. Without a node in the label, the host a run was written on tells the nodes
-   apart: the ranks of one host are one worker, the hosts ordered by their lowest rank.
+3. Where the claims put each run of a job (global or local rank, node) is `placement`'s
+   rule. A name before the rank that all runs share (`ddp_rank0`) is a prefix, not a
+   node.
 4. A job without a `wbmerge` block takes the offline id of its rank-0 run as its job id.
 """
 
@@ -38,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from . import rankclaims
+from .placement import Place, Unresolved, place_ranks
 from .rankclaims import Claim
 from .topology import RankInfo, validate
 
@@ -60,6 +64,9 @@ class RunFacts:
     metadata: RankInfo | None = None  # from the `wbmerge` block, with its job id
     metadata_label: str | None = None
     where: str = ""  # how to name the run to the user (its directory)
+    args: tuple[str, ...] = ()  # its command line, as wandb recorded it
+    slurm: Mapping[str, str] = field(default_factory=dict)  # SLURM_* (lower case, no prefix)
+    process_gpus: tuple[int, ...] = ()  # the GPUs its own process used
 
     def describe(self) -> str:
         """`abc123 (label 'rank_2', name 'rank-2', wandb/offline-run-...)`."""
@@ -88,6 +95,7 @@ class Hints:
 
     label_pattern: re.Pattern[str] | None = None
     given: Mapping[str, GivenRank] = field(default_factory=dict)
+    primary: frozenset[str] = frozenset()  # run ids named rank 0 of their start-order job
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,7 @@ class Identity:
     rank: RankInfo  # with the job id
     source: str  # one of rankclaims.SOURCES
     label: str
+    guessed: bool = False  # the job's rank 0 is only the run that started first
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,7 @@ def identify(runs: Sequence[RunFacts], hints: Hints | None = None) -> Identifica
     first = {i: candidates[i][0] for i in rest}
     pattern_given = hints.label_pattern is not None
     for job_id, members in split_jobs(runs, first, rest, hints):
-        _identify_job(runs, candidates, members, result, pattern_given, job_id)
+        _identify_job(runs, candidates, members, result, pattern_given, job_id, hints)
     if hints.label_pattern is not None:
         note = _unused_pattern_note(runs, candidates, hints)
         if note:
@@ -178,8 +187,11 @@ def claims_of(run: RunFacts, hints: Hints) -> list[Claim]:
             for text, source in texts
             if text
         ]
+    found.append(rankclaims.slurm_claim(run.slurm))
+    found.append(rankclaims.launcher_claim(run.args))
     found.append(rankclaims.config_claim(run.config))
     found += [rankclaims.parse_spelling(text, source) for text, source in texts if text]
+    found.append(rankclaims.gpu_claim(run.process_gpus))
     return [claim for claim in found if claim is not None] + [Claim("order")]
 
 
@@ -282,17 +294,76 @@ def _identify_job(
     out: Identification,
     pattern_given: bool,
     job_id: str | None = None,
+    hints: Hints | None = None,
 ) -> None:
     """Identify one job's runs from their most explicit claims, or, when those contradict
-    each other and some come from config keys, from what the runs say besides."""
+    each other, from what the runs say besides (the doubtful sources left out in turn)."""
     claims = {i: candidates[i][0] for i in members}
-    failure = _try_job(runs, claims, members, out, pattern_given, job_id)
-    if failure and any(c.source == "config" for c in claims.values()):
-        weaker = {i: next(c for c in candidates[i] if c.source != "config") for i in members}
-        if _try_job(runs, weaker, members, out, pattern_given, job_id) is None:
-            return
+    failure = _try_job(runs, claims, members, out, pattern_given, job_id, hints)
+    tried = [claims]
+    for doubtful in _DOUBTFUL:
+        if failure is None:
+            break
+        weaker = {i: next(c for c in candidates[i] if c.source not in doubtful) for i in members}
+        if weaker in tried:
+            continue
+        tried.append(weaker)
+        if _try_job(runs, weaker, members, out, pattern_given, job_id, hints) is None:
+            failure = None
     if failure:
         out.problems.append(Notice(tuple(members), failure))
+        return
+    _note_disagreements(runs, candidates, members, out)
+
+
+# The sources a job is read again without when its claims do not make one topology, one
+# set after the other (see rule 1): config keys first, then what the launcher recorded.
+_DOUBTFUL = (
+    {"config"},
+    {"config", "slurm"},
+    {"config", "slurm", "args"},
+    {"config", "slurm", "args", "gpu"},
+)
+# The sources whose numbers are compared with the rank used, for the warning of evidence
+# that disagrees (a label's bare number may be a local or a global rank: not compared).
+_COMPARED = ("slurm", "args", "config", "gpu", "given")
+
+
+def _note_disagreements(
+    runs: Sequence[RunFacts],
+    candidates: Mapping[int, list[Claim]],
+    members: Sequence[int],
+    out: Identification,
+) -> None:
+    """A warning naming the runs of a job whose other evidence names another rank than the
+    one used, e.g. a `--local_rank=1` beside a label that says rank 2."""
+    found = []
+    for i in members:
+        identity = out.identities.get(i)
+        if identity is None or identity.source == "order":
+            continue
+        for claim in candidates[i]:
+            if claim.source == identity.source or claim.source not in _COMPARED:
+                continue
+            said = _disagreement(claim, identity.rank)
+            if said:
+                found.append(
+                    f"{runs[i].run_id} is rank {identity.rank.rank} by its {identity.source}, "
+                    f"but its {claim.source} says {said}"
+                )
+    if found:
+        job_id = out.identities[members[0]].rank.job_id
+        shown = "; ".join(found[:4]) + (f"; and {len(found) - 4} more" if len(found) > 4 else "")
+        out.warnings.append(Notice(tuple(members), f"job {job_id}: evidence disagrees: {shown}"))
+
+
+def _disagreement(claim: Claim, rank: RankInfo) -> str | None:
+    """What `claim` says that `rank` contradicts, or None."""
+    if claim.rank is not None and claim.rank != rank.rank:
+        return f"rank {claim.rank}"
+    if claim.local_rank is not None and claim.local_rank != rank.local_rank:
+        return f"local rank {claim.local_rank}"
+    return None
 
 
 def _try_job(
@@ -302,6 +373,7 @@ def _try_job(
     out: Identification,
     pattern_given: bool,
     job_id: str | None,
+    hints: Hints | None = None,
 ) -> str | None:
     """Identify the job from these claims into `out`; the reason why not, `out` untouched."""
     hint = rankclaims.resolve_hint(pattern_given, claims.values())
@@ -310,8 +382,7 @@ def _try_job(
     if len(members) == 1 and claims[members[0]].source == "name":
         saying, silent = [], members  # a lone run's name is no evidence of other ranks
     if not saying:
-        _number_by_order(runs, members, out, hint)
-        return None
+        return _number_by_order(runs, members, out, hint, hints.primary if hints else frozenset())
     if silent:
         names = ", ".join(runs[i].describe() for i in silent)
         return (
@@ -320,162 +391,11 @@ def _try_job(
     try:
         places = place_ranks(runs, claims, members)
         _settle(runs, claims, members, places, out, job_id)
-    except _Unresolved as exc:
+    except Unresolved as exc:
         if all(claims[i].source == "given" for i in members):  # (the user's file says so)
             return f"{exc}; the --ranks file says so: correct it"
         return f"{exc}; {hint}"
     return None
-
-
-class _Unresolved(Exception):
-    """A job's claims that do not make one topology (message names the runs)."""
-
-
-@dataclass(frozen=True)
-class Place:
-    rank: int
-    local_rank: int
-    worker: int
-    world_size: int
-    local_world_size: int
-
-
-def place_ranks(
-    runs: Sequence[RunFacts], claims: Mapping[int, Claim], members: Sequence[int]
-) -> dict[int, Place]:
-    """Global rank, local rank and worker of every run of one job from their claims.
-
-    Raises `_Unresolved` naming the runs when the claims contradict each other.
-    """
-    numbers = {i: claims[i] for i in members if claims[i].number is not None}
-    ranks: dict[int, int] = {i: c.rank for i in members if (c := claims[i]).rank is not None}
-    locals_: dict[int, int] = {}
-    nodes: dict[int, object] = {}
-    hosts = {runs[i].host for i in members}
-    named = {c.node for i in members if isinstance((c := claims[i]).node, str)}
-    for i in members:
-        claim = claims[i]
-        if claim.node is not None and not (isinstance(claim.node, str) and len(named) == 1):
-            nodes[i] = claim.node
-        elif len(hosts) > 1:
-            nodes[i] = ("host", runs[i].host)
-        if claim.local_rank is not None:
-            locals_[i] = claim.local_rank
-    if nodes and len(nodes) < len(members):
-        names = ", ".join(runs[i].describe() for i in members if i not in nodes)
-        raise _Unresolved(f"{names}: no node, while other runs of its job name theirs")
-    if numbers:
-        resolve_numbers(runs, numbers, nodes, ranks, locals_)
-    if not nodes:  # one node: a local rank is the rank
-        ranks.update({i: local for i, local in locals_.items() if i not in ranks})
-    lws = {c.local_world_size for i in members if (c := claims[i]).local_world_size}
-    if len(lws) == 1 and len(nodes) < len(members) and len(ranks) == len(members):
-        size = lws.pop()
-        for i in members:
-            nodes.setdefault(i, ranks[i] // size)
-    return _places(runs, claims, members, ranks, locals_, nodes)
-
-
-def resolve_numbers(
-    runs: Sequence[RunFacts],
-    numbers: Mapping[int, Claim],
-    nodes: Mapping[int, object],
-    ranks: dict[int, int],
-    locals_: dict[int, int],
-) -> None:
-    """Decide whether the label numbers of a job are local or global ranks (rule 3)."""
-    by_node: dict[object, list[int]] = defaultdict(list)
-    for i, claim in numbers.items():
-        by_node[nodes.get(i)].append(claim.number)  # type: ignore[arg-type]
-    counts_from_zero = all(sorted(n) == list(range(len(n))) for n in by_node.values())
-    if len(by_node) > 1 and counts_from_zero:
-        locals_.update({i: c.number for i, c in numbers.items()})  # type: ignore[misc]
-        return
-    values = [c.number for c in numbers.values()]
-    if len(set(values)) == len(values):
-        ranks.update({i: c.number for i, c in numbers.items()})  # type: ignore[misc]
-        return
-    twice = sorted({v for v in values if values.count(v) > 1})  # type: ignore[type-var]
-    rank = twice[0]
-    names = " and ".join(runs[i].describe() for i, c in numbers.items() if c.number == rank)
-    raise _Unresolved(f"rank {rank} claimed by more than one run: {names}")
-
-
-def _places(
-    runs: Sequence[RunFacts],
-    claims: Mapping[int, Claim],
-    members: Sequence[int],
-    ranks: dict[int, int],
-    locals_: dict[int, int],
-    nodes: dict[int, object],
-) -> dict[int, Place]:
-    sizes = {c.world_size for i in members if (c := claims[i]).world_size}
-    if len(ranks) == len(members):
-        world = max([*ranks.values(), *(s - 1 for s in sizes)]) + 1
-        _check_distinct(runs, claims, ranks)
-        if not nodes:
-            return {i: Place(r, r, 0, world, world) for i, r in ranks.items()}
-        workers = _worker_order(nodes, ranks)
-        per_node: dict[object, list[int]] = defaultdict(list)
-        for i in members:
-            per_node[nodes[i]].append(i)
-        local_world = max(len(v) for v in per_node.values())
-        world = max(world, (max(workers.values()) + 1) * local_world)
-        places = {}
-        for node, node_runs in per_node.items():
-            for i in node_runs:
-                worker = workers[node]
-                local = locals_.get(i, ranks[i] - worker * local_world)
-                if not 0 <= local < local_world or ranks[i] != worker * local_world + local:
-                    raise _Unresolved(
-                        f"{runs[i].describe()}: rank {ranks[i]} does not fit worker {worker} "
-                        f"of {local_world} ranks"
-                    )
-                places[i] = Place(ranks[i], local, worker, world, local_world)
-        return places
-    missing = [i for i in members if i not in ranks and (i not in locals_ or i not in nodes)]
-    if missing:
-        names = ", ".join(runs[i].describe() for i in missing)
-        raise _Unresolved(f"{names}: rank or node unclear among the runs of its job")
-    workers = _worker_order(nodes, {})
-    local_world = max(locals_.values()) + 1
-    places = {}
-    for i in members:
-        worker = workers[nodes[i]]
-        rank = ranks.get(i, worker * local_world + locals_[i])
-        places[i] = Place(rank, locals_[i], worker, 0, local_world)
-    world = max(max(p.rank for p in places.values()) + 1, *sizes, len(set(workers.values())))
-    num_workers = max(workers.values()) + 1
-    world = max(world, num_workers * local_world)
-    _check_distinct(runs, claims, {i: p.rank for i, p in places.items()})
-    return {i: Place(p.rank, p.local_rank, p.worker, world, local_world) for i, p in places.items()}
-
-
-def _worker_order(nodes: Mapping[int, object], ranks: Mapping[int, int]) -> dict[object, int]:
-    """Worker index of each node: its own number (`node1`), else by lowest rank, else name."""
-    keys = set(nodes.values())
-    if keys and all(isinstance(k, int) for k in keys):
-        return {k: k for k in keys}  # type: ignore[misc]
-    lowest: dict[object, tuple] = {}
-    for i, node in nodes.items():
-        key = (ranks.get(i, 1 << 30), str(node))
-        lowest[node] = min(lowest.get(node, key), key)
-    return {node: index for index, node in enumerate(sorted(keys, key=lowest.__getitem__))}
-
-
-def _check_distinct(
-    runs: Sequence[RunFacts], claims: Mapping[int, Claim], ranks: Mapping[int, int]
-) -> None:
-    """Raise `_Unresolved` when two runs claim one rank (and restart)."""
-    seen: dict[tuple[int, int], int] = {}
-    for i, rank in sorted(ranks.items(), key=lambda item: runs[item[0]].start):
-        key = (rank, claims[i].restart)
-        if key in seen:
-            raise _Unresolved(
-                f"rank {rank} claimed by more than one run: "
-                f"{runs[seen[key]].describe()} and {runs[i].describe()}"
-            )
-        seen[key] = i
 
 
 def _settle(
@@ -502,7 +422,7 @@ def _settle(
         try:
             validate(info)
         except ValueError as exc:
-            raise _Unresolved(f"{runs[i].describe()}: {exc}") from None
+            raise Unresolved(f"{runs[i].describe()}: {exc}") from None
         infos[i] = info
     labels = {i: runs[i].label or infos[i].label for i in members}
     if _shared_label(labels, {i: infos[i].rank for i in members}):
@@ -520,31 +440,50 @@ def _settle(
 
 
 def _number_by_order(
-    runs: Sequence[RunFacts], members: list[int], out: Identification, hint: str
-) -> None:
-    """Rule 1's last resort: the run whose job type is `main` is rank 0, then start order."""
+    runs: Sequence[RunFacts],
+    members: list[int],
+    out: Identification,
+    hint: str,
+    primary: frozenset[str] = frozenset(),
+) -> str | None:
+    """Rule 1's last resort: the run the user named `--primary`, else the run whose job type
+    is `main`, is rank 0; the others follow in start order. Without either, rank 0 is the
+    run that started first: a guess, marked so that auto and shared mode can refuse it.
+    Returns why the job cannot be numbered (two primaries), else None."""
+    named = [i for i in members if runs[i].run_id in primary]
+    if len(named) > 1:
+        return (
+            f"--primary names {few([runs[i].run_id for i in named])}, runs of one job; "
+            "name one rank 0 per job"
+        )
+    mains = [i for i in members if runs[i].job_type == "main"]
     ordered = sorted(
-        members, key=lambda i: (runs[i].job_type != "main", runs[i].start, runs[i].run_id)
+        members,
+        key=lambda i: (i not in named, runs[i].job_type != "main", runs[i].start, runs[i].run_id),
     )
     world = len(ordered)
+    guessed = world > 1 and not named and len(mains) != 1
     job_id = runs[ordered[0]].run_id
     labels = {i: runs[i].label or runs[i].name or runs[i].run_id for i in ordered}
     if _shared_label(labels, {i: rank for rank, i in enumerate(ordered)}):
         labels = {i: runs[i].run_id for i in ordered}  # offline run ids are unique
     for rank, i in enumerate(ordered):
         info = RankInfo(rank, rank, world, world, 0, 0, job_id)
-        out.identities[i] = Identity(info, "order", labels[i])
+        source = "given" if i in named else "order"
+        out.identities[i] = Identity(info, source, labels[i], guessed)
     if world > 1:
         order = ", ".join(f"{rank}={runs[i].run_id}" for rank, i in enumerate(ordered))
+        first = "the --primary run" if named else "the run of job type main" if not guessed else ""
+        assumed = f"{first} is rank 0 and the rest follow" if first else "ranks were assumed from"
         out.warnings.append(
             Notice(
                 tuple(members),
-                f"job {job_id}: no run says its rank, so ranks were assumed from start "
-                f"order (rank=run: {order}); rank 0's config, summary and exit code decide "
-                f"a shared run; {hint}",
+                f"job {job_id}: no run says its rank, so {assumed} start order (rank=run: "
+                f"{order}); {hint}",
             )
         )
     _warn_of_differing_config(runs, members, job_id, out)
+    return None
 
 
 def _shared_label(labels: Mapping[int, str], ranks: Mapping[int, int]) -> bool:

@@ -64,6 +64,14 @@ class MergeRequest:
     per_rank: Sequence[str] | None = None  # shared mode: "all", "none" or keys/globs
     label_pattern: str | None = None  # how the runs spell their rank, e.g. "rank_{rank}"
     ranks_file: str | Path | None = None  # run id -> rank, JSON or CSV
+    primary: Sequence[str] = ()  # run ids: rank 0 of jobs whose runs say nothing of ranks
+    rank_order: str | None = None  # "start": accept a rank 0 that is only the first to start
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("rank_order", (None, "start")),):
+            if getattr(self, name) not in allowed:
+                raise WbmergeError(f"{name} takes {' or '.join(map(repr, allowed))}, not "
+                                   f"{getattr(self, name)!r}")  # fmt: skip
 
 
 @dataclass
@@ -123,7 +131,7 @@ def plan_jobs(request: MergeRequest) -> list[PlannedJob]:
     """Discover the runs under the paths, group them into jobs, and plan each job's targets."""
     check_key_format(request.key_format)
     PerRank.parse(request.per_rank)  # (bad values: an error before any work)
-    hints = make_hints(request.label_pattern, request.ranks_file)
+    hints = make_hints(request.label_pattern, request.ranks_file, request.primary)
     runs = discover(request.paths, hints=hints)
     if selects_merged(runs, request.job):
         return plan_merged(request, runs)
@@ -164,6 +172,8 @@ def plan_found(request: MergeRequest, jobs: list[Job]) -> list[PlannedJob]:
         recorded = _recorded_defaults(job)
         run_mode = request.run_mode or recorded.get("run_mode") or "auto"
         rank_scope = request.rank_scope or recorded.get("rank_scope") or "global"
+        if run_mode != "new" and job.primary_guessed and request.rank_order != "start":
+            raise WbmergeError(job.guessed_primary_line(run_mode))
         sources = [r.source() for r in job.runs]
         targets = plan(
             sources,
@@ -210,6 +220,8 @@ def merge_options_given(request: MergeRequest) -> list[str]:
         ("--job-type", request.job_type),
         ("--label-pattern", request.label_pattern),
         ("--ranks", request.ranks_file),
+        ("--primary", bool(request.primary)),
+        ("--rank-order", request.rank_order),
     ]
     return [name for name, value in given if value] + _shared_only_given(request)
 

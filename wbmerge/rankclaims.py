@@ -7,18 +7,26 @@ multi-node form such as `worker-1-rank-0`, `node1_rank0`, `node1-gpu0` or `host-
 Each function here turns one such text into a `Claim`; `jobs.py` puts the claims of a
 job's runs together. A label is never rewritten: it stays what the user sees in W&B.
 
+Every run also records how its process was started (wandb's environment record): the
+command line, where `torch.distributed.launch` and DeepSpeed pass `--local_rank=N`; the
+`SLURM_*` variables of an `srun` task; and, on a GPU machine, the system metrics name the
+GPU the process itself used (`gpu.process.N.*`), which a torchrun job binds to its local
+rank. `launcher_claim`, `slurm_claim` and `gpu_claim` read those.
+
 A label's number is deliberately left undecided between a global and a local rank when it
-follows a node (`node1_rank0`): only the whole job can tell (see `jobs.resolve_numbers`).
+follows a node (`node1_rank0`): only the whole job can tell (see `placement.resolve_numbers`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-SOURCES = ("wbmerge", "config", "label", "name", "order", "given")
+from .topology import slurm_task
+
+SOURCES = ("wbmerge", "slurm", "args", "config", "label", "name", "gpu", "order", "given")
 
 _SEP = r"[-_. ]?"
 _RANK_WORD = r"(?P<word>rank|gpu)"
@@ -214,3 +222,70 @@ def _whole_number(value: object) -> int | None:
     if isinstance(value, str) and value.strip().isdigit():
         return int(value.strip())
     return None
+
+
+# `--local_rank=3` (DeepSpeed, torch.distributed.launch before torch 2.0), `--local-rank=3`
+# (torch.distributed.launch since 2.0), or either spelling with the number as the next word.
+_LOCAL_RANK_ARG = re.compile(r"^--local[-_]rank(?:=(?P<n>\d+))?$")
+
+
+def launcher_claim(args: Sequence[str]) -> Claim | None:
+    """The local rank a launcher passed on the command line, or None.
+
+    >>> launcher_claim(["train.py", "--local_rank=2"]).local_rank
+    2
+    >>> launcher_claim(["--local-rank", "1", "--lr", "3"]).local_rank
+    1
+    >>> launcher_claim(["--local_rank=1", "--local_rank=2"]) is None  # which one?
+    True
+    """
+    found = set()
+    for index, arg in enumerate(args):
+        match = _LOCAL_RANK_ARG.match(arg)
+        if not match:
+            continue
+        value = match["n"] if match["n"] is not None else _next(args, index)
+        if value is None or not value.isdigit():
+            return None  # (a flag without a number is not a launcher's)
+        found.add(int(value))
+    if len(found) != 1:
+        return None
+    return Claim("args", local_rank=found.pop(), form="args")
+
+
+def _next(args: Sequence[str], index: int) -> str | None:
+    return args[index + 1] if index + 1 < len(args) else None
+
+
+def slurm_claim(slurm: Mapping[str, str]) -> Claim | None:
+    """The place of an `srun` task from the `SLURM_*` variables wandb recorded (their names
+    lower-cased without the prefix: `procid`, `localid`, `nodeid`, `ntasks`, `step_id`).
+
+    A batch script's own process is no task (`topology.slurm_task` says which are). When
+    one task per node starts torchrun, every worker of a node inherits that task's
+    variables: their `procid` repeats, and `jobs` then reads the job without these claims.
+    The job and step go into the claim's form, so two steps are never taken for one job.
+    """
+    env = {f"SLURM_{key.upper()}": value for key, value in slurm.items()}
+    info = slurm_task(env)
+    if info is None:
+        return None
+    return Claim(
+        "slurm",
+        rank=info.rank,
+        local_rank=info.local_rank,
+        node=info.worker,
+        world_size=info.world_size,
+        local_world_size=info.local_world_size,
+        form=f"slurm:{info.job_id or ''}",
+        restart=info.restart,
+    )
+
+
+def gpu_claim(process_gpus: Iterable[int]) -> Claim | None:
+    """The local rank the one GPU a process used says (torchrun jobs bind rank N of a node
+    to its GPU N); None when the process used none or several (a stray context on GPU 0)."""
+    gpus = set(process_gpus)
+    if len(gpus) != 1:
+        return None
+    return Claim("gpu", local_rank=gpus.pop(), form="gpu")

@@ -93,7 +93,7 @@ def from_env(env: Mapping[str, str]) -> RankInfo | None:
     """
     if "RANK" in env and "WORLD_SIZE" in env:
         return _checked(_torchrun(env))
-    for reader in (_slurm, _open_mpi, _pmi):
+    for reader in (slurm_task, _open_mpi, _pmi):
         info = reader(env)
         if info is not None:
             return _checked(info)
@@ -126,7 +126,7 @@ def _torchrun(env: Mapping[str, str]) -> RankInfo | None:
     )
 
 
-def _slurm(env: Mapping[str, str]) -> RankInfo | None:
+def slurm_task(env: Mapping[str, str]) -> RankInfo | None:
     """One task of `srun` (a job step): `SLURM_PROCID` of `SLURM_NTASKS`, `SLURM_LOCALID` on
     node `SLURM_NODEID`. The job id is `slurm-{SLURM_JOB_ID}.{SLURM_STEP_ID}`, so that two
     `srun` steps of one allocation are two jobs; restarts are `SLURM_RESTART_COUNT`."""

@@ -18,10 +18,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..discover import Job, OfflineRun, find_run_files, group_jobs, identify, read_identity, scan
+from ..discover import Job, find_run_files, group_jobs, identify
 from ..errors import InputWarning, WbmergeError
 from ..jobs import Hints
 from ..merged import merged_runs
+from ..offlinerun import OfflineRun, read_identity, scan
 from ..plan import Source, Target
 
 NO_ROWS = -1  # the watermark of a target that may show no merged row yet

@@ -107,7 +107,7 @@ class Follower:
         check_key_format(request.key_format)
         self.request, self.job_prefix = request, job_prefix
         self.restart_grace = restart_grace
-        self.hints = make_hints(request.label_pattern, request.ranks_file)
+        self.hints = make_hints(request.label_pattern, request.ranks_file, request.primary)
         self.parallel, self.timeout, self.on_wait = parallel, timeout, on_wait
         self.credentials = find_credentials()
         self.client = ServerClient(self.credentials)
@@ -155,8 +155,9 @@ class Follower:
             for job in live.jobs:
                 try:
                     (plan,) = plan_found(self.request, [job])
-                except WbmergeError as exc:  # the primary rank has not started
-                    report.waiting.append(f"job {job.job_id}: {exc}")
+                except WbmergeError as exc:  # the primary rank has not started, or is a guess
+                    said, named = str(exc), f"job {job.job_id}: "
+                    report.waiting.append(said if said.startswith(named) else named + said)
                     all_done = False
                     continue
                 check_destination(plan.project, plan.entity)
