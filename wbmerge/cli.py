@@ -365,6 +365,9 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
     "for an elastic restart before it is finished.",
 )  # fmt: skip
 @click.option("--quiet", "-q", is_flag=True, help="--follow: no line per round.")
+@click.option("--verify", type=click.Choice(["sample", "full"]), default="sample",
+              show_default=True, help="After each upload every row is read back and checked "
+              "present once; full: compare every row's values too, not a sample of 64.")  # fmt: skip
 @one_line_errors
 def sync(
     parallel: int,

@@ -66,9 +66,10 @@ class MergeRequest:
     ranks_file: str | Path | None = None  # run id -> rank, JSON or CSV
     primary: Sequence[str] = ()  # run ids: rank 0 of jobs whose runs say nothing of ranks
     rank_order: str | None = None  # "start": accept a rank 0 that is only the first to start
+    verify: str = "sample"  # "full": compare every row's values read back, not a sample
 
     def __post_init__(self) -> None:
-        for name, allowed in (("rank_order", (None, "start")),):
+        for name, allowed in (("rank_order", (None, "start")), ("verify", ("sample", "full"))):
             if getattr(self, name) not in allowed:
                 raise WbmergeError(f"{name} takes {' or '.join(map(repr, allowed))}, not "
                                    f"{getattr(self, name)!r}")  # fmt: skip
@@ -538,7 +539,7 @@ def _start_job(
         session.client, session.credentials, session.ledger, job.project, upload.entity,
         session.parallel, workdir / "uploader", session.timeout, session.upload_progress,
         staging=session.owner, slots=session.slots, expected=len(pending),
-        remove_verified=session.remove_verified,
+        remove_verified=session.remove_verified, every_value=request.verify == "full",
     )  # fmt: skip
     upload.deliverer = deliverer
     try:

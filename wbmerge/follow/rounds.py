@@ -271,7 +271,7 @@ class Follower:
         deliverer = Deliverer(
             self.client, self.credentials, self.ledger, project, entity,
             self.parallel, workdir / f"uploader-{len(report.targets)}", self.timeout,
-            staging=self.owner,
+            staging=self.owner, every_value=self.request.verify == "full",
         )  # fmt: skip
         try:
             deliverer.deliver([d for _, d, _, _ in entries])

@@ -1,10 +1,17 @@
 """Fault injection for reliability tests: errors, latency and dropped connections on demand.
 
 A fault applies to requests whose kind matches (`graphql:<Operation>`, `file_stream`,
-`storage`, or `*`) and fires on chosen request numbers (counted per kind) or on every
-request, up to `times` times. Specs come from the CLI or JSON, e.g.
+`file_stream:history` for those that carry history lines, `storage`, or `*`) and fires on
+chosen request numbers (counted per kind: `file_stream@2` is the second file_stream request,
+`file_stream:history@2` the second that carries history lines) or on every request, up to
+`times` times. Specs come from the CLI or JSON, e.g.
 `--fault 'graphql:UpsertBucket=500x2'`, `--fault 'file_stream=429@3'`,
 `--fault '*=delay:0.2'`, `--fault 'storage=drop@1'`.
+
+`lose` acknowledges a file_stream request and keeps none of its lines: the client sees
+success, the line counts still reach past the lost lines (they are the highest offset
+held, plus one), and only reading the rows back shows the hole. W&B has lost rows so
+(wandb#12269); it is how the tests prove that verification reads every row back.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import threading
 from dataclasses import dataclass, field
 
 _SPEC = re.compile(
-    r"^(?P<kind>[\w:*.-]+)=(?P<action>\d{3}|drop|delay:[\d.]+)"
+    r"^(?P<kind>[\w:*.-]+)=(?P<action>\d{3}|drop|lose|delay:[\d.]+)"
     r"(?:@(?P<nth>[\d,]+))?(?:x(?P<times>\d+))?$"
 )
 
@@ -22,7 +29,7 @@ _SPEC = re.compile(
 @dataclass
 class Fault:
     kind: str  # graphql:UpsertBucket | file_stream | storage | *
-    action: str  # "429", "500", "drop", "delay:0.5"
+    action: str  # "429", "500", "drop", "lose", "delay:0.5"
     nth: tuple[int, ...] = ()  # 1-based request numbers of this kind; () = any
     times: int | None = None  # how often it may fire; None = unlimited
     fired: int = 0
@@ -47,6 +54,8 @@ def parse_fault(spec: str) -> Fault:
     match = _SPEC.match(spec.strip())
     if not match:
         raise ValueError(f"bad fault spec {spec!r} (e.g. 'file_stream=500@2', '*=delay:0.1')")
+    if match["action"] == "lose" and match["kind"].split(":")[0] != "file_stream":
+        raise ValueError(f"bad fault spec {spec!r}: only file_stream requests can be lost")
     nth = tuple(int(n) for n in match["nth"].split(",")) if match["nth"] else ()
     times = int(match["times"]) if match["times"] else (len(nth) or None)
     return Fault(match["kind"], match["action"], nth, times)
@@ -63,10 +72,14 @@ class FaultPlan:
     def next(self, kind: str) -> list[Fault]:
         """Count one request of `kind`; return the faults that fire for it."""
         with self._lock:
-            self.counts[kind] = count = self.counts.get(kind, 0) + 1
-            if kind.startswith("graphql:"):
-                self.counts["graphql"] = self.counts.get("graphql", 0) + 1
-            firing = [f for f in self.faults if f.matches(kind, count)]
+            family = kind.split(":", 1)[0]
+            for counted in {kind, family}:  # (`graphql` and `file_stream` count them all)
+                self.counts[counted] = self.counts.get(counted, 0) + 1
+            firing = [
+                f
+                for f in self.faults
+                if f.matches(kind, self.counts.get(f.kind, self.counts[kind]))
+            ]
             for fault in firing:
                 fault.fired += 1
             return firing

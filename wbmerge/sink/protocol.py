@@ -255,6 +255,23 @@ def _run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
     }}}  # fmt: skip
 
 
+def _history_page(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    """A page of a run's history rows by step, as W&B answers the public API's
+    `HistoryPage` (`run.scan_history`): `history` is a list of JSON lines."""
+    entity, project, run_id = checked_run_path(
+        _entity(v), v.get("project") or "uncategorized", v.get("run")
+    )
+    bounds = [v.get(name) for name in ("minStep", "maxStep", "pageSize")]
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds):
+        raise ProtocolError("minStep, maxStep and pageSize must be whole numbers")
+    min_step, max_step, samples = bounds
+    if not 0 < samples <= 100_000:
+        raise ProtocolError("pageSize must be from 1 to 100000")
+    lines = store.history_page(entity, project, run_id, min_step, max_step, samples)
+    run = None if lines is None else {"history": lines}
+    return {"project": {"run": run}}
+
+
 def _mark_run_files_uploaded(store: Store, v: dict[str, Any], base_url: str) -> dict:
     return {"markRunFilesUploaded": {"success": True}}
 
@@ -267,6 +284,7 @@ _HANDLERS = {
     "RunResumeStatus": _run_resume_status,
     "MarkRunFilesUploaded": _mark_run_files_uploaded,
     "RunFiles": _run_files,
+    "HistoryPage": _history_page,
 }
 
 

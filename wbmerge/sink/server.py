@@ -58,7 +58,12 @@ def _kind(request: web.Request, body: bytes) -> str:
         except (ValueError, OSError, protocol.ProtocolError):
             return "graphql:?"
     if path.endswith("/file_stream"):
-        return "file_stream"
+        try:
+            files = protocol.decode_body(body).get("files") or {}
+            history = (files.get("wandb-history.jsonl") or {}).get("content")
+        except (ValueError, OSError, AttributeError, protocol.ProtocolError):
+            history = None
+        return "file_stream:history" if history else "file_stream"
     if path.startswith("/storage/"):
         return "storage"
     return "other"
@@ -83,6 +88,8 @@ async def fault_injection(request: web.Request, handler: Any) -> web.StreamRespo
                 status=fault.status,
                 headers={"Retry-After": "0"} if fault.status == 429 else None,
             )
+        if fault.action == "lose":  # (acknowledged as file_stream does, nothing kept)
+            return web.json_response({"exitcode": None, "limits": {}})
     return await handler(request)
 
 

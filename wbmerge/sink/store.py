@@ -40,6 +40,7 @@ CREATE TABLE IF NOT EXISTS lines (
     stream TEXT NOT NULL,  -- history | events | console
     offset INTEGER NOT NULL,
     line TEXT NOT NULL,
+    step INTEGER,  -- a history line's `_step`, for reading history by step as W&B does
     PRIMARY KEY (run, stream, offset)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS files (
@@ -84,7 +85,23 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        self._add_steps()
+        self._db.execute("CREATE INDEX IF NOT EXISTS history_steps ON lines (run, stream, step)")
         self._lock = threading.Lock()
+
+    def _add_steps(self) -> None:
+        """Give a database of an older sink, whose lines have no step column, the column and
+        the steps of the history lines it holds."""
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(lines)")}
+        if "step" in columns:
+            return
+        with self._db:
+            self._db.execute("ALTER TABLE lines ADD COLUMN step INTEGER")
+            rows = self._db.execute("SELECT run, offset, line FROM lines WHERE stream = 'history'")
+            self._db.executemany(
+                "UPDATE lines SET step = ? WHERE run = ? AND stream = 'history' AND offset = ?",
+                [(history_step(line), run, offset) for run, offset, line in rows.fetchall()],
+            )
 
     def close(self) -> None:
         self._db.close()
@@ -136,9 +153,11 @@ class Store:
                 stream = STREAMS.get(file_name)
                 if stream is None:
                     continue
+                step = history_step if stream == "history" else lambda line: None
                 self._db.executemany(
-                    "INSERT OR REPLACE INTO lines (run, stream, offset, line) VALUES (?, ?, ?, ?)",
-                    [(pk, stream, offset + i, line) for i, line in enumerate(content)],
+                    "INSERT OR REPLACE INTO lines (run, stream, offset, line, step) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    [(pk, stream, offset + i, line, step(line)) for i, line in enumerate(content)],
                 )
             if body.get("complete"):
                 code = body.get("exitcode")
@@ -264,6 +283,34 @@ class Store:
             )
         return result
 
+    def history_page(
+        self, entity: str, project: str, name: str, min_step: int, max_step: int, samples: int
+    ) -> list[str] | None:
+        """The history lines of a run whose `_step` lies in [min_step, max_step), in step
+        order, as W&B's `history(minStep, maxStep, samples)` gives them: all of them when
+        there are at most `samples`, else `samples` of them spread evenly over the range
+        (W&B samples a range it would return too much of). None when the run is unknown."""
+        with self._lock:
+            found = self._db.execute(
+                "SELECT pk FROM runs WHERE entity = ? AND project = ? AND name = ?",
+                (entity, project, name),
+            ).fetchone()
+            if found is None:
+                return None
+            pk = found[0]
+            lines = [
+                row[0]
+                for row in self._db.execute(
+                    "SELECT line FROM lines WHERE run = ? AND stream = 'history' AND step >= ? "
+                    "AND step < ? ORDER BY step, offset",
+                    (pk, min_step, max_step),
+                )
+            ]
+        if len(lines) <= samples:
+            return lines
+        last = len(lines) - 1
+        return [lines[round(i * last / max(samples - 1, 1))] for i in range(max(samples, 0))]
+
     def file_md5(self, entity: str, project: str, name: str, file_name: str) -> str | None:
         """The MD5 of a stored file in base64, as W&B gives a file's `md5`; None if it is
         gone from the disk."""
@@ -334,6 +381,17 @@ class Store:
 
 class UnsafePath(ValueError):
     """A path under the data directory that is or passes through a symlink."""
+
+
+def history_step(line: str) -> int | None:
+    """A history line's `_step` (the key wandb-core writes at the top of every row), None
+    when the line holds no whole-number `_step` or is not a JSON object."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    step = row.get("_step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _refuse_symlinks(path: Path) -> None:

@@ -21,7 +21,8 @@ from __future__ import annotations
 from ..content import StagedContent, read_staged
 from .batches import PATIENCE, START_COST, UploadSlots, batch_lanes, batch_size, runs_to_ask
 from .credentials import Credentials, find_credentials
-from .deliver import Deliverer, Delivery, DeliveryReport, Progress
+from .deliver import Deliverer
+from .delivery import Delivery, DeliveryReport, Progress
 from .ledger import Ledger, run_locks, server_key, state_dir
 from .remainder import Remainder, history_row, remainder, same_value, shortfall
 from .server import Held, RunListing, ServerClient, ServerError

@@ -21,14 +21,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..content import StagedContent, read_staged
 from .batches import UploadSlots, batch_lanes, batch_size, runs_to_ask
 from .credentials import Credentials
+from .delivery import Delivery, DeliveryReport, Progress
 from .ledger import Ledger
-from .onserver import not_whole_on_server
+from .onserver import RowsLost, not_whole_on_server, rows_held
 from .remainder import (
     Mismatch,
     history_row,
@@ -59,51 +59,6 @@ STOP_WAIT = 2.0  # seconds stop() waits for runs being asked about before it ret
 _JOIN = 60.0  # seconds to wait for an uploader thread after its process was stopped
 
 
-@dataclass
-class Delivery:
-    """One staged run to deliver: where it is, and under which ledger key."""
-
-    run_id: str
-    run_dir: Path
-    log: Path
-    key: str
-    fingerprint: str
-    content: StagedContent | None = None
-    problems: list[str] = field(default_factory=list)
-    verified: bool = False
-    # The server holds rows of this run that are not a beginning of it: a rerun refuses too.
-    refused: bool = False
-    # Recorded in the ledger once verified. A live round of `sync --follow` sends runs that
-    # are not done yet: verified, but not recorded, so that later rounds send the rest.
-    final: bool = True
-    # This ledger verified the run from these very files (a `--force` sync): the files
-    # wandb-core made need not be read back.
-    verified_before: bool = False
-    exit_code: int = 0  # the staged run's: a whole upload leaves it finished, or failed
-    # The server held the whole run already (`Deliverer.prepare`): verified, nothing sent.
-    held_already: bool = False
-    warnings: list[str] = field(default_factory=list)  # what the user should know of it
-    # held by the thread counting what the staged log holds (`content`), so it is counted once
-    counting: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-
-@dataclass
-class Progress:
-    """How far an upload is: runs verified of all, and history rows the server holds."""
-
-    done: int
-    total: int
-    rows: int
-    message: str = ""  # a line to say once: a run finished, failed or sent again
-
-
-@dataclass
-class DeliveryReport:
-    entity: str | None
-    timed_out: bool = False
-    failed: list[Delivery] = field(default_factory=list)
-
-
 class Deliverer:
     """Delivers the staged runs of one project, exactly once, verified, while they come.
 
@@ -128,12 +83,14 @@ class Deliverer:
         slots: UploadSlots | None = None,
         expected: int = 0,
         remove_verified: bool = False,
+        every_value: bool = False,
     ) -> None:
         self.client, self.ledger_path = client, ledger.path
         self.credentials, self.project, self.entity = credentials, project, entity
         self.workdir, self.timeout, self.owner = workdir, timeout, staging
         self.slots = slots or UploadSlots(parallel)
         self.expected, self.remove_verified = expected, remove_verified
+        self.every_value = every_value  # compare every row's values read back, not a sample
         self.progress = progress or (lambda p: None)
         self.lock = self.slots.changed  # one lock for the slots and all state below
         self.deliveries: list[Delivery] = []
@@ -190,7 +147,10 @@ class Deliverer:
         if plan.skip_history == len(content.step_items) and not shortfall(content, held):
             problems = not_whole_on_server(
                 self.client, self.entity, self.project, delivery, held, content
-            )
+            ) or rows_held(self.client, self.entity, self.project, delivery, held, content,
+                           self.every_value)  # fmt: skip
+            if delivery.refused:  # (rows lost inside the run: sending cannot fill them)
+                raise RowsLost(problems)
             if not problems:
                 delivery.held_already = True
                 with self.lock:
@@ -203,6 +163,7 @@ class Deliverer:
             cut = delivery.log.with_name(delivery.log.name + ".remainder")
             write_remainder(delivery.log, cut, plan)
             cut.replace(delivery.log)
+            delivery.rows_cut = plan.skip_history
 
     def submit(self, delivery: Delivery) -> None:
         """Hand over one staged run: it is prepared in a thread of its own while the next runs
@@ -238,6 +199,8 @@ class Deliverer:
                         self._said(delivery)
                     else:
                         ready = not self.given_up
+            except RowsLost as exc:
+                delivery.problems.extend(exc.args[0])
             except Mismatch as exc:
                 delivery.refused = True
                 delivery.problems.append(
@@ -524,6 +487,11 @@ class Deliverer:
         with self.lock:
             self._rows[delivery.run_id] = held.history_lines
         problems = shortfall(content, held) + list(dict.fromkeys(errors))
+        if problems:
+            delivery.problems.extend(problems)
+            return
+        problems = rows_held(self.client, self.entity, self.project, delivery, held, content,
+                             self.every_value)  # fmt: skip
         if problems:
             delivery.problems.extend(problems)
             return

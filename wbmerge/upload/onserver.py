@@ -1,19 +1,17 @@
-"""Whether the server holds a staged run whole already, asked of the server: its state,
-names and files (`RunFiles`, as wandb's public API asks), and the files wandb-core made,
-read back. What is compared is in `whole`, pure; this module asks and reads.
+"""Whether the server holds a staged run whole, asked of the server: its state, names and
+files (`RunFiles`, as wandb's public API asks), the files wandb-core made, read back, and
+every history row, read back by step (`HistoryPage`). What is compared is in `whole` and
+`rowcheck`; this module asks and reads.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..content import StagedContent, read_logged_run
+from .delivery import Delivery
+from .rowcheck import compare_steps, halves, room, sampled, staged_rows, value_problem, windows
 from .server import Held, ServerClient, ServerError
 from .staging import staged_files, staged_md5s
 from .whole import READ_BACK, files_changed, files_expected, made_files_stale, not_held_whole
-
-if TYPE_CHECKING:
-    from .deliver import Delivery
 
 
 def not_whole_on_server(
@@ -51,3 +49,89 @@ def not_whole_on_server(
         return problems
     limits = {name: limit for name, limit in READ_BACK.items() if name in expected}
     return made_files_stale(client.read_back(listing.urls, limits), content, logged)
+
+
+def rows_not_held(
+    client: ServerClient,
+    entity: str | None,
+    project: str,
+    delivery: Delivery,
+    held: Held,
+    content: StagedContent,
+    every_value: bool = False,
+) -> list[str]:
+    """What the server lacks of the history rows a whole upload of the staged run sends:
+    each step sent must be there once and nothing else, and the values of a sample of the
+    rows (of every row with `every_value`) must be the ones sent (see `rowcheck`). Every
+    row is read back, a page at a time; [] when the server holds them all.
+    Raises ServerError when the server cannot be asked."""
+    sent = content.history_steps
+    # Only the rows still in the staged log are read: the first `rows_cut` were on the
+    # server before this upload, cut from the log (their steps are checked all the same).
+    cut = delivery.rows_cut
+    wanted = range(len(sent)) if every_value else sampled(len(sent))
+    staged = (
+        (cut + i, row)
+        for i, row in staged_rows(delivery.log, [i - cut for i in wanted if i >= cut])
+    )
+    pending = next(staged, None)
+    held_steps: list[int | None] = []
+    differing: list[str] = []
+    todo = windows(sent, held.last_step)
+    while todo:
+        window = todo.pop(0)
+        most = room(window, sent)
+        rows = client.history_page(entity, project, delivery.run_id, window, most)
+        if len(rows) >= most and halves(window) != [window]:
+            todo[:0] = halves(window)  # (maybe a sample of a fuller window: read it in two)
+            continue
+        by_step: dict[int | None, dict] = {}
+        for row in rows:
+            step = row.get("_step")
+            step = step if isinstance(step, int) and not isinstance(step, bool) else None
+            held_steps.append(step)
+            by_step.setdefault(step, row)
+        while pending is not None and sent[pending[0]] < window[1]:
+            index, staged_row = pending
+            if sent[index] in by_step:
+                problem = value_problem(sent[index], staged_row, by_step[sent[index]])
+                differing += [problem] if problem else []
+            pending = next(staged, None)
+    problems = compare_steps(sent, held_steps).problems(len(sent))
+    if differing:
+        more = f" (and {len(differing) - 1} more rows differ)" if len(differing) > 1 else ""
+        problems.append(differing[0] + more)
+    return problems
+
+
+class RowsLost(Exception):
+    """The server lost rows inside a run it counts whole (`args[0]`: what, and why a rerun
+    cannot send them)."""
+
+
+LOST_ROWS = (
+    "the line counts reach past these rows, and wandb's uploader sends only rows past the "
+    "server's line count, so a rerun cannot send them again"
+)
+
+
+def rows_held(
+    client: ServerClient,
+    entity: str | None,
+    project: str,
+    delivery: Delivery,
+    held: Held,
+    content: StagedContent,
+    every_value: bool = False,
+) -> list[str]:
+    """`rows_not_held` of a run whose line counts say the server holds it whole; [] when it
+    does. Rows lost inside the run cannot be sent again (wandb-core continues a run after
+    the server's line count), so such a run is marked refused: a rerun says why too."""
+    try:
+        problems = rows_not_held(client, entity, project, delivery, held, content, every_value)
+    except ServerError as exc:
+        return [f"its rows could not be read back: {exc}"]
+    if problems:
+        delivery.refused = True
+        problems.append(LOST_ROWS)
+    return problems

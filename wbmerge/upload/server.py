@@ -73,6 +73,15 @@ RUN_FILES = """query RunFiles($project: String!, $entity: String, $name: String!
     }
   }
 }"""
+# A page of a run's history rows by step, as the public API's `scan_history` asks for it
+# (wandb/apis/public/history.py before wandb-core served it; wandb's internal API keeps it
+# as `history_page`). `history` is a list of JSON lines; `samples` caps how many.
+HISTORY_PAGE = """query HistoryPage($entity: String, $project: String!, $run: String!,
+    $minStep: Int64!, $maxStep: Int64!, $pageSize: Int!) {
+  project(name: $project, entityName: $entity) {
+    run(name: $run) { history(minStep: $minStep, maxStep: $maxStep, samples: $pageSize) }
+  }
+}"""
 FILES_PAGE = 500  # files asked for at a time
 MAX_FILES = 100_000  # a run of more files is not listed (it is sent again)
 LISTING_DEADLINE = 120.0  # seconds after which no next page of one run's files is asked
@@ -291,6 +300,32 @@ class ServerClient:
             config_json=_text(bucket.get("config")),
             tags=_tags(bucket.get("tags")),
         )
+
+    def history_page(
+        self, entity: str | None, project: str, run_id: str, steps: tuple[int, int], most: int
+    ) -> list[dict]:
+        """The history rows the server holds of a run at steps [start, end), in step order,
+        at most `most` of them (a server may sample a range of more). The answer is
+        untrusted: anything but a list of JSON objects is a ServerError."""
+        variables = {"entity": entity, "project": project, "run": run_id,
+                     "minStep": steps[0], "maxStep": steps[1], "pageSize": most}  # fmt: skip
+        data = self._query(HISTORY_PAGE, variables, "HistoryPage")
+        project_data = data.get("project")
+        run = project_data.get("run") if isinstance(project_data, dict) else None
+        lines = run.get("history") if isinstance(run, dict) else None
+        if not isinstance(lines, list):
+            raise ServerError(f"{self.url} answered HistoryPage of {run_id} with no history")
+        rows = []
+        for line in lines:
+            try:
+                row = json.loads(line) if isinstance(line, str) else line
+            except (ValueError, RecursionError):
+                row = None
+            if not isinstance(row, dict):
+                raise ServerError(f"{self.url} answered HistoryPage of {run_id} with a row "
+                                  "that is not a JSON object")  # fmt: skip
+            rows.append(row)
+        return rows
 
     def run_files(
         self, entity: str | None, project: str, run_id: str, urls_of: Collection[str] = ()

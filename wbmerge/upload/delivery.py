@@ -1,0 +1,61 @@
+"""One staged run to deliver, what became of it, and how far an upload of many runs is.
+
+`deliver.Deliverer` fills these in as it asks the server, sends and verifies; `onserver`
+reads them to compare the server's run with the staged one.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..content import StagedContent
+
+
+@dataclass
+class Delivery:
+    """One staged run to deliver: where it is, and under which ledger key."""
+
+    run_id: str
+    run_dir: Path
+    log: Path
+    key: str
+    fingerprint: str
+    content: StagedContent | None = None
+    problems: list[str] = field(default_factory=list)
+    verified: bool = False
+    # The server holds rows of this run that are not a beginning of it: a rerun refuses too.
+    refused: bool = False
+    # Recorded in the ledger once verified. A live round of `sync --follow` sends runs that
+    # are not done yet: verified, but not recorded, so that later rounds send the rest.
+    final: bool = True
+    # This ledger verified the run from these very files (a `--force` sync): the files
+    # wandb-core made need not be read back.
+    verified_before: bool = False
+    exit_code: int = 0  # the staged run's: a whole upload leaves it finished, or failed
+    # The server held the whole run already (`Deliverer.prepare`): verified, nothing sent.
+    held_already: bool = False
+    # The first rows of the staged log that the server held already, cut from `log` before
+    # the upload (`remainder`): `log`'s row i is the staged run's row `rows_cut + i`.
+    rows_cut: int = 0
+    warnings: list[str] = field(default_factory=list)  # what the user should know of it
+    # held by the thread counting what the staged log holds (`content`), so it is counted once
+    counting: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+
+@dataclass
+class Progress:
+    """How far an upload is: runs verified of all, and history rows the server holds."""
+
+    done: int
+    total: int
+    rows: int
+    message: str = ""  # a line to say once: a run finished, failed or sent again
+
+
+@dataclass
+class DeliveryReport:
+    entity: str | None
+    timed_out: bool = False
+    failed: list[Delivery] = field(default_factory=list)

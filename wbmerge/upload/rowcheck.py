@@ -1,0 +1,162 @@
+"""Proof that the server holds every history row of a run once, with the values sent.
+
+A server's line count is only the next line number it expects (W&B's, and the sink's, is
+the highest line held plus one), so a count that matches does not show that every line
+arrived: a server that acknowledged a batch and lost it (wandb#12269) still counts past
+it, and two writers of one run leave some steps twice. So after an upload every row is
+read back by step, in pages, the way the public API's `scan_history` reads a run, and
+compared with the steps the upload sent: each must be there exactly once, and nothing
+else. The values of a sample of rows (or of every row, `full`) are compared too.
+
+This module decides what to ask and what the answers mean; `onserver.rows_missing` asks.
+
+Pages are step windows that each hold about `PAGE` of the steps sent, so that a run that
+logs every 100th step is read in as few requests as one that logs every step. A window
+is asked for with room for `SLACK` times its rows; an answer that fills that room may be
+a sample (W&B samples a range it would return too much of), so the window is halved and
+each half asked again, until no answer is full. Worked example, steps 0..4999 sent and
+`PAGE` 1000: windows [0, 1000), [1000, 2000), ..., [4000, 5000) and a last one from 5000
+on to one past the server's last step (a row past the sent ones is a row too many).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import records, sentrows
+from ..proto import pb
+from .remainder import same_value
+
+PAGE = 1000  # steps sent per window: the public API's page size
+SLACK = 4  # a window is asked for with room for this many times its rows
+SAMPLED_ROWS = 64  # rows whose values are compared when not every row is
+# The keys wandb-core adds to every row it sends, not in the staged row's items.
+ADDED_BY_UPLOAD = frozenset({"_step", "_runtime", "_timestamp"})
+
+
+def windows(sent: Sequence[int], last_held: int | None, page: int = PAGE) -> list[tuple[int, int]]:
+    """Step windows [start, end) that together cover every step from 0 to past both the
+    last step sent and the last one the server holds, each holding at most `page` of the
+    steps sent (`sent` rises strictly)."""
+    end = max(sent[-1] if sent else -1, -1 if last_held is None else last_held) + 1
+    bounds = [0, *(sent[i] for i in range(page, len(sent), page))]
+    if bounds[-1] < end:
+        bounds.append(end)
+    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo] or [(0, 1)]
+
+
+def room(window: tuple[int, int], sent: Sequence[int]) -> int:
+    """How many rows to ask a window for: `SLACK` times the steps sent in it, at least 16."""
+    inside = bisect.bisect_left(sent, window[1]) - bisect.bisect_left(sent, window[0])
+    return max(16, SLACK * inside)
+
+
+def halves(window: tuple[int, int]) -> list[tuple[int, int]]:
+    """A window too full to be read whole, cut in two (a window of one step cannot be: its
+    rows are all the same step, and `room` then asks for more)."""
+    lo, hi = window
+    middle = (lo + hi) // 2
+    return [(lo, middle), (middle, hi)] if hi - lo > 1 else [window]
+
+
+@dataclass
+class StepCheck:
+    """How the steps the server holds differ from the steps sent."""
+
+    missing: list[int] = field(default_factory=list)
+    twice: list[int] = field(default_factory=list)  # held more than once
+    extra: list[int] = field(default_factory=list)  # held, never sent
+    unstepped: int = 0  # rows held without a whole-number `_step`
+
+    def problems(self, sent: int) -> list[str]:
+        """One phrase per kind of difference, naming the steps."""
+        out = []
+        if self.missing:
+            out.append(f"the server lacks {len(self.missing):,} of {sent:,} rows sent "
+                       f"(steps {spans(self.missing)})")  # fmt: skip
+        if self.twice:
+            out.append(f"the server holds {len(self.twice):,} steps more than once "
+                       f"(steps {spans(self.twice)})")  # fmt: skip
+        if self.extra:
+            out.append(f"the server holds {len(self.extra):,} rows that were not sent "
+                       f"(steps {spans(self.extra)})")  # fmt: skip
+        if self.unstepped:
+            out.append(f"the server holds {self.unstepped:,} rows without a _step")
+        return out
+
+
+def compare_steps(sent: Sequence[int], held: Iterable[int | None]) -> StepCheck:
+    """The steps of `sent` (rising strictly) that `held` (the rows read back, in any
+    order) lacks, holds twice, or holds without their being sent.
+
+    >>> check = compare_steps([0, 1, 2, 3], [0, 2, 2, 3, 9])
+    >>> check.missing, check.twice, check.extra
+    ([1], [2], [9])
+    """
+    counts: dict[int, int] = {}
+    check = StepCheck()
+    for step in held:
+        if step is None:
+            check.unstepped += 1
+        else:
+            counts[step] = counts.get(step, 0) + 1
+    expected = set(sent)
+    check.missing = [step for step in sent if step not in counts]
+    check.twice = sorted(step for step, count in counts.items() if count > 1)
+    check.extra = sorted(step for step in counts if step not in expected)
+    return check
+
+
+def spans(steps: Sequence[int], shown: int = 4) -> str:
+    """`1000-6693, 7000, 7002-7010 and 3 more ranges` for sorted steps."""
+    ranges: list[tuple[int, int]] = []
+    for step in steps:
+        if ranges and step == ranges[-1][1] + 1:
+            ranges[-1] = (ranges[-1][0], step)
+        else:
+            ranges.append((step, step))
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges[:shown])
+    more = len(ranges) - shown
+    return text + (f" and {more} more range{'s' * (more != 1)}" if more > 0 else "")
+
+
+def sampled(count: int, most: int = SAMPLED_ROWS) -> list[int]:
+    """Indices of the rows whose values are compared: `most` of `count`, spread evenly,
+    the first and the last among them."""
+    if count <= most:
+        return list(range(count))
+    last = count - 1
+    return sorted({round(i * last / (most - 1)) for i in range(most)})
+
+
+def staged_rows(log: Path, indices: Sequence[int]) -> Iterator[tuple[int, dict]]:
+    """History rows `indices` (rising) of a staged log as wandb-core sends them
+    (`sentrows.row_of`), in one pass; only those rows are parsed."""
+    wanted, at, seen = list(indices), 0, 0
+    for read in records.read_indexed(log):
+        history = read.history
+        while at < len(wanted) and wanted[at] < seen + len(history):
+            payload = read.frames.payload(int(history[wanted[at] - seen]))
+            yield wanted[at], sentrows.row_of(pb.Record.FromString(payload).history)
+            at += 1
+        seen += len(history)
+        if at == len(wanted):
+            return
+
+
+def value_problem(step: int, staged: dict, held: dict) -> str | None:
+    """How the row the server holds at `step` differs from the staged row, or None."""
+    for key, value in staged.items():
+        if key == "_step":
+            continue
+        if key not in held:
+            return f"the row at step {step} lacks {key!r}"
+        if not same_value(held[key], value):
+            return f"the row at step {step} holds {key!r} = {held[key]!r}, sent {value!r}"
+    extra = sorted(set(held) - set(staged) - ADDED_BY_UPLOAD)
+    if extra:
+        return f"the row at step {step} holds {extra[0]!r}, which was not sent"
+    return None
