@@ -30,7 +30,7 @@ import flyte.io
 import wbmerge.flyte
 from wbmerge import synthetic
 from wbmerge.flyte.handoff import node_files
-from wbmerge.sink import local_api_key
+from wbmerge.sink import read_api_key
 from wbmerge.topology import RankInfo
 
 bench_env = flyte.TaskEnvironment(name="bench_flyte_merge")
@@ -96,7 +96,7 @@ def main() -> None:
                 time.sleep(0.05)
             os.environ.update(
                 WANDB_BASE_URL=f"http://127.0.0.1:{port_file.read_text()}",
-                WANDB_API_KEY=local_api_key(),
+                WANDB_API_KEY=read_api_key(data),
                 WANDB_SILENT="true",
                 WANDB_PROJECT="bench",
                 WANDB_ENTITY="local",

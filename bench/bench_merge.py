@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from pinned import READ_ONLY, run_pinned  # noqa: E402
 
 from wbmerge import synthetic  # noqa: E402
-from wbmerge.sink.client import local_api_key  # noqa: E402
+from wbmerge.sink import read_api_key  # noqa: E402
 
 MERGE = """
 from wbmerge.pipeline import MergeRequest, merge_jobs
@@ -90,7 +90,7 @@ def bench_e2e(job: Path, repeat: int, work: Path) -> dict:
     env = {
         **os.environ,
         "WANDB_BASE_URL": url,
-        "WANDB_API_KEY": local_api_key(),
+        "WANDB_API_KEY": read_api_key(work / "sink"),
         "WANDB_SILENT": "true",
     }
     wandb = str(Path(sys.executable).with_name("wandb"))

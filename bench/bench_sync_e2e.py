@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from wbmerge import synthetic  # noqa: E402
-from wbmerge.sink.client import SinkClient, local_api_key  # noqa: E402
+from wbmerge.sink import SinkClient, read_api_key  # noqa: E402
 
 RANKS = (8, 64, 256)
 TIMEOUT = 900  # seconds for one upload before the benchmark gives up
@@ -145,8 +145,9 @@ def main() -> None:
             print(f"{ranks} ranks x {args.rows // ranks} steps: {size:.0f} MB", flush=True)
         sink, url = start_sink(work / "sink", args.latency)
         env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-        env.update(WANDB_BASE_URL=url, WANDB_API_KEY=local_api_key(), WANDB_SILENT="true")
-        client = SinkClient(url)
+        key = read_api_key(work / "sink")
+        env.update(WANDB_BASE_URL=url, WANDB_API_KEY=key, WANDB_SILENT="true")
+        client = SinkClient(url, key)
         times: dict[tuple[str, int], list[float]] = {}
         try:
             for repeat in range(args.repeat):

@@ -17,17 +17,28 @@ mkdir -p "$out"
 touch "$out/.wbmerge-demo"
 rm -rf "$out/wandb"
 
-sink_up() { python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/api/runs', timeout=2)" 2>/dev/null; }
+# Up when anything answers; the sink answers 401 without its key.
+sink_up() { python -c "import urllib.request as u, urllib.error as e
+try: u.urlopen('http://127.0.0.1:$port/', timeout=2)
+except e.HTTPError: pass" 2>/dev/null; }
 sink_pid=""
 if ! sink_up; then
-    wbmerge sink serve --port "$port" --data "$out/sink" > "$out/sink.log" 2>&1 &
+    # umask 077: the sink's start-up lines (in sink.log) hold its key.
+    ( umask 077; exec wbmerge sink serve --port "$port" --data "$out/sink" > "$out/sink.log" 2>&1 ) &
     sink_pid=$!
     for _ in $(seq 100); do sink_up && break; sleep 0.1; done
     sink_up || { cat "$out/sink.log"; exit 1; }
     echo "== the local sink runs on http://127.0.0.1:$port (pid $sink_pid; data in $out/sink)"
 fi
-export WANDB_BASE_URL="http://127.0.0.1:$port"
-export WANDB_API_KEY="local-0000000000000000000000000000000000000000"
+# The sink's own key, made on its first start; a sink started elsewhere needs the key it printed.
+if [ -r "$out/sink/api-key" ]; then
+    WANDB_API_KEY="$(cat "$out/sink/api-key")"
+elif [ -z "${WANDB_API_KEY:-}" ]; then
+    echo "quickstart: a sink already runs on port $port; set WANDB_API_KEY to the key" \
+        "its \`wbmerge sink serve\` printed" >&2
+    exit 2
+fi
+export WANDB_BASE_URL="http://127.0.0.1:$port" WANDB_API_KEY
 export WBMERGE_STATE_DIR="$out/state"
 
 echo "== training: torchrun, 4 ranks, offline W&B runs under $out/wandb"
@@ -40,6 +51,8 @@ wbmerge report "$out/wandb" -m train/samples_per_sec -m train/loss
 
 echo "== wbmerge sync --run-mode shared $out/wandb"
 wbmerge sync --run-mode shared --skew-metrics "$out/wandb"
+echo "== in a browser, sign in as user api with the sink's key (WANDB_API_KEY=$WANDB_API_KEY),"
+echo "   or open http://api:$WANDB_API_KEY@127.0.0.1:$port/ (the key is in $out/sink/api-key)"
 if [ -n "$sink_pid" ]; then
     echo "== open the link above in a browser; the sink keeps running (pid $sink_pid; stop it with: kill $sink_pid)"
 else

@@ -6,6 +6,7 @@ with wbmerge's own merge code), so a test compares what arrived with what was wr
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from pathlib import Path
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge import records
-from wbmerge.sink import SinkClient, local_api_key
+from wbmerge.sink import SinkClient, read_api_key
 
 CONSOLE_PREFIX = re.compile(r"^(ERROR )?\d{4}-\d\d-\d\dT[\d:.]+ ?")
 
@@ -35,6 +36,7 @@ class SinkProcess:
         self.allow_faults = allow_faults
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.api_key = ""
 
     def start(self) -> SinkProcess:
         port_file = self.data_dir / "port"
@@ -53,6 +55,7 @@ class SinkProcess:
                 raise RuntimeError("the sink did not start")
             time.sleep(0.05)
         self.url = f"http://127.0.0.1:{port_file.read_text()}"
+        self.api_key = read_api_key(self.data_dir)  # the key the sink made on its first start
         return self
 
     def stop(self) -> None:
@@ -67,7 +70,12 @@ class SinkProcess:
 
     @property
     def client(self) -> SinkClient:
-        return SinkClient(self.url)
+        return SinkClient(self.url, self.api_key)
+
+    @property
+    def auth(self) -> str:
+        """The `Authorization` header of a request with the sink's key, as wandb sends it."""
+        return "Basic " + base64.b64encode(f"api:{self.api_key}".encode()).decode()
 
     @property
     def env(self) -> dict[str, str]:
@@ -76,7 +84,7 @@ class SinkProcess:
         return {
             **clean,
             "WANDB_BASE_URL": self.url,
-            "WANDB_API_KEY": local_api_key(),
+            "WANDB_API_KEY": self.api_key,
             "WANDB_SILENT": "true",
         }
 

@@ -9,7 +9,6 @@ import urllib.request
 import pytest
 
 from wbmerge import synthetic
-from wbmerge.sink import local_api_key
 from wbmerge.topology import RankInfo
 from wbmerge.upload import ServerClient
 from wbmerge.upload import server as server_module
@@ -126,8 +125,8 @@ def test_upload_survives_injected_errors(make_sink, tmp_path):
         assert len(got["history"]) == 60  # nothing lost, nothing doubled
 
 
-def graphql(sink, query, variables, key="local-" + "0" * 40):
-    token = base64.b64encode(f"api:{key}".encode()).decode()
+def graphql(sink, query, variables, key=None):
+    token = base64.b64encode(f"api:{key or sink.api_key}".encode()).decode()
     request = urllib.request.Request(
         sink.url + "/graphql",
         data=json.dumps({"query": query, "variables": variables}).encode(),
@@ -170,7 +169,7 @@ def test_run_files_answers_state_names_and_every_file_a_page_at_a_time(sink, tmp
         key=lambda r: len(sink.client.run("local", "listed", r)["files"]),
     )
     monkeypatch.setattr(server_module, "FILES_PAGE", 2)
-    client = ServerClient(Credentials(sink.url, local_api_key()))
+    client = ServerClient(Credentials(sink.url, sink.api_key))
     found = client.run_files("local", "listed", run_id)
     stored = sink.client.run("local", "listed", run_id)
     assert found.state == stored["state"] == "finished"
@@ -196,21 +195,32 @@ def test_sink_show_cli(sink, tmp_path):
 
     from wbmerge.cli import main
 
-    empty = CliRunner().invoke(main, ["sink", "show", "--url", sink.url])
+    def show(*args, key=None):
+        env = {"WANDB_API_KEY": key}  # (None: unset, so the key is read from --data)
+        return CliRunner().invoke(main, ["sink", "show", *args, "--url", sink.url], env=env)
+
+    data = ["--data", str(sink.data_dir)]
+    empty = show(*data)
     assert empty.exit_code == 0 and empty.stdout == ""
     assert empty.stderr == f"no runs on the sink at {sink.url} yet\n"
     [log] = synthetic_runs(tmp_path, 1, steps=5)
     assert wandb_sync(sink, [log.parent], "-p", "show").returncode == 0
     run_id = expected_from_log(log).run_id
-    result = CliRunner().invoke(main, ["sink", "show", "--url", sink.url])
+    result = show(*data)
     assert f"local/show/{run_id}" in result.output
-    result = CliRunner().invoke(main, ["sink", "show", f"local/show/{run_id}", "--url", sink.url])
+    result = show(f"local/show/{run_id}", key=sink.api_key)  # the key from WANDB_API_KEY
     assert "history rows 5" in result.output
-    result = CliRunner().invoke(main, ["sink", "show", "local/show/nope", "--url", sink.url])
+    result = show("local/show/nope", *data)
     assert result.exit_code == 2, result.output
     assert result.stderr == (f"wbmerge: error: no run local/show/nope on the sink at {sink.url} "
                              "(`wbmerge sink show` lists its runs)\n")  # fmt: skip
-    result = CliRunner().invoke(main, ["sink", "show", "--url", "http://127.0.0.1:9"])
+    result = show(key="f" * 40)  # a key of the right form, not the sink's
+    assert result.exit_code == 2 and f"the sink at {sink.url} refused the key" in result.stderr
+    assert run_id not in result.output
+    result = show("--data", str(tmp_path / "nowhere"))
+    assert result.exit_code == 2 and "cannot read the sink's API key" in result.stderr
+    assert len(result.stderr.splitlines()) == 1
+    result = CliRunner().invoke(main, ["sink", "show", *data, "--url", "http://127.0.0.1:9"])
     assert result.exit_code == 2 and "cannot reach the sink" in result.stderr
 
 

@@ -21,9 +21,30 @@ pytestmark = pytest.mark.e2e
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def fetch(url):
-    with urllib.request.urlopen(url) as response:
+def fetch(sink, path):
+    """A page as a browser gets it after the sink's sign-in (user `api`, the key)."""
+    request = urllib.request.Request(sink.url + path, headers={"Authorization": sink.auth})
+    with urllib.request.urlopen(request) as response:
         return response.read().decode()
+
+
+def signed_in_url(sink, path):
+    """The link `wbmerge sink serve` prints: the key in the URL, as basic auth."""
+    return f"http://api:{sink.api_key}@{sink.url.removeprefix('http://')}{path}"
+
+
+def chromium(tmp_path, *args):
+    assert CHROMIUM, "CI must have chromium: .ci/run installs it"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}"]  # fmt: skip
+    return subprocess.run([CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=120)
+
+
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None and not os.environ.get("CI"),
+    reason="needs Debian's chromium (`apt-get install chromium`; .ci/run installs it)",
+)
 
 
 def test_run_page_has_one_chart_per_metric_and_a_line_per_rank(sink, tmp_path):
@@ -42,7 +63,7 @@ def test_run_page_has_one_chart_per_metric_and_a_line_per_rank(sink, tmp_path):
         == 0
     )
     run_id = expected_from_log(logs[0]).run_id
-    page = fetch(f"{sink.url}/local/pg/runs/{run_id}")
+    page = fetch(sink, f"/local/pg/runs/{run_id}")
     charts = re.findall(r"<div class='chart'><h3>([^<]+)</h3>(.*?)</div></div>", page)
     by_title = dict(charts)
     assert {"train/metric_00", "train/metric_01"} <= set(by_title)
@@ -51,39 +72,21 @@ def test_run_page_has_one_chart_per_metric_and_a_line_per_rank(sink, tmp_path):
         assert all(f"&#9632; {label}<" in by_title[title] for label in labels)
     # system metrics keep their /l:<label> suffix: one chart per metric, a line per label
     assert "system.cpu" in by_title and "rank-0" in by_title["system.cpu"]
-    index = fetch(sink.url + "/")
+    index = fetch(sink, "/")
     assert f"/local/pg/runs/{run_id}" in index
 
 
-@pytest.mark.skipif(
-    CHROMIUM is None and not os.environ.get("CI"),
-    reason="needs Debian's chromium (`apt-get install chromium`; .ci/run installs it)",
-)
+@needs_chromium
 def test_screenshot_in_headless_chromium(sink, tmp_path):
     runs = copy_runs(job_dir("slow_rank") / "wandb", tmp_path / "wandb")
     assert wandb_sync(sink, sorted(runs.glob("offline-run-*")), "-p", "shot").returncode == 0
     run_id = sink.client.runs(project="shot")[0]["id"]
-    assert CHROMIUM, "CI must have chromium: .ci/run installs it"
     shot = tmp_path / "run-page.png"
-    result = subprocess.run(
-        [
-            CHROMIUM,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            f"--user-data-dir={tmp_path / 'profile'}",
-            "--window-size=1400,1000",
-            f"--screenshot={shot}",
-            f"{sink.url}/local/shot/runs/{run_id}",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = chromium(
+        tmp_path,
+        "--window-size=1400,1000",
+        f"--screenshot={shot}",
+        signed_in_url(sink, f"/local/shot/runs/{run_id}"),
     )
     assert shot.exists(), result.stderr[-2000:]
     data = shot.read_bytes()

@@ -7,7 +7,6 @@ hash) and that the secret's bytes never came back in a response.
 
 from __future__ import annotations
 
-import base64
 import gzip
 import hashlib
 import http.client
@@ -23,14 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.sink import Store, local_api_key
+from wbmerge.sink import Store
 from wbmerge.sink.access import UploadTokens, is_loopback_host
 from wbmerge.sink.names import BadName, check_file_name, check_run_id, check_run_path
 from wbmerge.sink.protocol import ProtocolError, decode_body
 
 from .sinktools import SinkProcess
-
-AUTH = "Basic " + base64.b64encode(f"api:{local_api_key()}".encode()).decode()
 
 
 class Site:
@@ -46,6 +43,11 @@ class Site:
         (self.outside / "secret.txt").write_bytes(self.secret)
         self.sink = SinkProcess(self.data, allow_faults=allow_faults).start()
         self.before = self.outside_files()
+
+    @property
+    def auth(self) -> str:
+        """The `Authorization` header with the sink's own key."""
+        return self.sink.auth
 
     def outside_files(self) -> dict[str, str]:
         """Every file under the test's root but outside the data directory, by sha256."""
@@ -81,7 +83,10 @@ class Site:
     def graphql(self, query: str, variables: dict) -> tuple[int, dict]:
         body = json.dumps({"query": query, "variables": variables}).encode()
         status, data = self.request(
-            "POST", "/graphql", body, {"Authorization": AUTH, "Content-Type": "application/json"}
+            "POST",
+            "/graphql",
+            body,
+            {"Authorization": self.auth, "Content-Type": "application/json"},
         )
         return status, json.loads(data)
 
@@ -158,8 +163,8 @@ def forged_token(site: Site, path: str) -> str:
 @pytest.mark.parametrize("template", TRAVERSALS.values(), ids=TRAVERSALS.keys())
 def test_storage_traversal_is_refused_and_nothing_outside_is_read_or_written(site, template):
     path = storage_path(site, template)
-    get_status, got = site.request("GET", path, headers={"Authorization": AUTH})
-    put_status, put_answer = site.request("PUT", path, b"overwritten", {"Authorization": AUTH})
+    get_status, got = site.request("GET", path, headers={"Authorization": site.auth})
+    put_status, put_answer = site.request("PUT", path, b"overwritten", {"Authorization": site.auth})
     signed = f"{path}?token={forged_token(site, path)}"
     signed_status, signed_answer = site.request("PUT", signed, b"overwritten")
     site.assert_outside_untouched(got, put_answer, signed_answer)
@@ -191,7 +196,7 @@ def test_symlinks_in_the_data_directory_are_not_followed(site, where):
     [url] = site.upload_urls("local", "p", "r", [name])
     put_status, put_answer = site.put_url(url, b"overwritten")
     get_status, got = site.request(
-        "GET", urllib.parse.urlsplit(url).path, headers={"Authorization": AUTH}
+        "GET", urllib.parse.urlsplit(url).path, headers={"Authorization": site.auth}
     )
     site.assert_outside_untouched(got, put_answer)
     assert 400 <= put_status < 500 and 400 <= get_status < 500
@@ -276,7 +281,7 @@ def test_create_run_files_refuses_unsafe_file_names(site, name):
 def test_file_stream_refuses_unsafe_run_names(site, run_path):
     body = json.dumps({"files": {"wandb-history.jsonl": {"offset": 0, "content": ["{}"]}}})
     status, answer = site.request(
-        "POST", f"/files/{run_path}/file_stream", body.encode(), {"Authorization": AUTH}
+        "POST", f"/files/{run_path}/file_stream", body.encode(), {"Authorization": site.auth}
     )
     assert 400 <= status < 500, answer
     assert site.sink.client.runs() == []
@@ -297,7 +302,9 @@ def test_storage_needs_the_key_or_the_upload_token(site):
     [url, other] = site.upload_urls("local", "p", "r", ["a.txt", "b.txt"])
     path = urllib.parse.urlsplit(url).path
     assert site.request("PUT", path, b"x")[0] == 401  # no token
-    assert site.request("PUT", path, b"x", {"Authorization": AUTH})[0] == 401  # a key is not one
+    assert (
+        site.request("PUT", path, b"x", {"Authorization": site.auth})[0] == 401
+    )  # a key is not one
     assert site.request("PUT", path + "?token=" + "0" * 64, b"x")[0] == 403
     other_token = urllib.parse.urlsplit(other).query
     assert site.request("PUT", f"{path}?{other_token}", b"x")[0] == 403  # b.txt's token
@@ -306,7 +313,7 @@ def test_storage_needs_the_key_or_the_upload_token(site):
     status, body = site.request("GET", path)
     assert status == 401 and b"stored" not in body
     assert site.request("GET", path, headers={"Authorization": "Basic " + "x" * 8})[0] == 401
-    assert site.request("GET", path, headers={"Authorization": AUTH}) == (200, b"stored")
+    assert site.request("GET", path, headers={"Authorization": site.auth}) == (200, b"stored")
 
 
 def test_upload_urls_survive_a_restart_of_the_sink(site):
@@ -321,8 +328,8 @@ def test_faults_are_refused_without_allow_faults(site):
     spec = json.dumps({"faults": ["graphql:Viewer=500"]}).encode()
     assert site.request("POST", "/api/faults", spec)[0] == 401
     assert site.request("GET", "/api/faults")[0] == 401
-    assert site.request("POST", "/api/faults", spec, {"Authorization": AUTH})[0] == 403
-    assert site.request("GET", "/api/faults", headers={"Authorization": AUTH})[0] == 403
+    assert site.request("POST", "/api/faults", spec, {"Authorization": site.auth})[0] == 403
+    assert site.request("GET", "/api/faults", headers={"Authorization": site.auth})[0] == 403
     status, answer = site.graphql("query Viewer { viewer { entity } }", {})
     assert status == 200 and answer["data"]["viewer"]["entity"] == "local"
 
@@ -331,7 +338,9 @@ def test_faults_need_the_key_when_allowed(fault_site):
     spec = json.dumps({"faults": ["graphql:Viewer=500@1"]}).encode()
     assert fault_site.request("POST", "/api/faults", spec)[0] == 401
     assert fault_site.graphql("query Viewer { viewer { entity } }", {})[0] == 200
-    status, answer = fault_site.request("POST", "/api/faults", spec, {"Authorization": AUTH})
+    status, answer = fault_site.request(
+        "POST", "/api/faults", spec, {"Authorization": fault_site.auth}
+    )
     assert status == 200, answer
     assert fault_site.graphql("query Viewer { viewer { entity } }", {})[0] == 500
     assert fault_site.graphql("query Viewer { viewer { entity } }", {})[0] == 200
@@ -347,24 +356,15 @@ LOOPBACK_HOSTS = ["127.0.0.1", "127.0.0.1:8765", "localhost", "LOCALHOST:1", "[:
 def test_a_foreign_host_header_is_refused_everywhere(site, host):
     for method, path in [("GET", "/"), ("GET", "/api/runs"), ("POST", "/graphql"),
                          ("GET", "/storage/local/p/r/a.txt")]:  # fmt: skip
-        status, _ = site.request(method, path, b"{}", {"Host": host, "Authorization": AUTH})
+        status, _ = site.request(method, path, b"{}", {"Host": host, "Authorization": site.auth})
         assert status == 403, (host, path)
     assert not is_loopback_host(host)
 
 
 @pytest.mark.parametrize("host", LOOPBACK_HOSTS)
 def test_loopback_host_headers_are_served(site, host):
-    assert site.request("GET", "/api/runs", headers={"Host": host}) == (200, b"[]")
-
-
-def test_pages_and_read_api_stay_open_without_a_key(site):
-    [url] = site.upload_urls("local", "p", "r", ["a.txt"])
-    assert site.put_url(url, b"x")[0] == 200
-    assert site.request("GET", "/")[0] == 200
-    assert site.request("GET", "/api/runs")[0] == 200
-    assert site.request("GET", "/api/runs/local/p/r")[0] == 200
-    status, page = site.request("GET", "/local/p/runs/r")
-    assert status == 200 and b"/storage/local/p/r/a.txt" in page
+    headers = {"Host": host, "Authorization": site.auth}
+    assert site.request("GET", "/api/runs", headers=headers) == (200, b"[]")
 
 
 # The checks themselves, through the public functions the server uses.
@@ -461,7 +461,7 @@ def test_json_nested_past_pythons_limit_is_a_bad_request_not_a_server_error(site
     """A body, a config or a history line nested 100,000 deep is refused (400) where it is
     read; the sink goes on answering, and the run it did store is still readable."""
     deep = "[" * 100_000
-    headers = {"Authorization": AUTH, "Content-Type": "application/json"}
+    headers = {"Authorization": site.auth, "Content-Type": "application/json"}
     for path in ("/graphql", "/files/local/p/r/file_stream"):
         status, answer = site.request("POST", path, deep.encode(), headers)
         assert status == 400, (path, status, answer)
@@ -474,7 +474,7 @@ def test_json_nested_past_pythons_limit_is_a_bad_request_not_a_server_error(site
     body = json.dumps({"files": {"wandb-history.jsonl": {"offset": 0, "content": [deep]}}})
     status, _ = site.request("POST", "/files/local/p/r2/file_stream", body.encode(), headers)
     assert status == 200  # history lines are stored as the text they are
-    status, answer = site.request("GET", "/api/runs/local/p/r2")
+    status, answer = site.request("GET", "/api/runs/local/p/r2", headers=headers)
     assert status == 400 and b"nested too deeply" in answer, (status, answer)
     status, answer = site.graphql(UPSERT, {"entity": "local", "project": "p", "name": "ok"})
     assert status == 200, answer
@@ -515,7 +515,7 @@ def test_a_gzip_body_is_read_declared_or_not_and_a_broken_one_is_a_400(site, pat
     else:
         good = {"files": {"wandb-history.jsonl": {"offset": 0, "content": ['{"_step": 0}']}}}
     whole = gzip.compress(json.dumps(good).encode())
-    headers = {"Authorization": AUTH, **({"Content-Encoding": "gzip"} if declared else {})}
+    headers = {"Authorization": site.auth, **({"Content-Encoding": "gzip"} if declared else {})}
     status, answer = site.request("POST", path, whole, headers)
     assert status == 200, answer
     broken = [whole + b"trailing", b"\x1f\x8b" + bytes(20)]
@@ -526,4 +526,4 @@ def test_a_gzip_body_is_read_declared_or_not_and_a_broken_one_is_a_400(site, pat
         status, answer = site.request("POST", path, body, headers)
         assert status == 400, (body, answer)
         assert b"bad gzip body" in answer or b"bad request body" in answer
-    assert site.request("GET", "/api/runs")[0] == 200  # still serving
+    assert site.request("GET", "/api/runs", headers={"Authorization": site.auth})[0] == 200

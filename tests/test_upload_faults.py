@@ -231,9 +231,10 @@ def test_unreachable_server_fails_within_seconds_naming_the_url(tmp_path):
     assert line.startswith("wbmerge: error: cannot reach W&B at http://127.0.0.1:9/graphql")
 
 
-def test_refused_key_fails_within_seconds(make_sink, tmp_path):
+@pytest.mark.parametrize("key", ["short-key", "f" * 40], ids=["short", "not the sink's"])
+def test_refused_key_fails_within_seconds(make_sink, tmp_path, key):
     sink = make_sink()
-    env = local_env(tmp_path, WANDB_BASE_URL=sink.url, WANDB_API_KEY="short-key")
+    env = local_env(tmp_path, WANDB_BASE_URL=sink.url, WANDB_API_KEY=key)
     code, _, err = run_bounded(env, sync_args("x"), timeout=30)
     assert code == 1
     assert f"{sink.url}/graphql refused the API key (HTTP 401)" in err

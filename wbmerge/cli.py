@@ -18,6 +18,8 @@ from .errors import WbmergeError
 if TYPE_CHECKING:
     from .pipeline import SyncReport
 
+DEFAULT_SINK_DATA = "./wbmerge-sink"
+
 
 def rank_options() -> list[Callable[..., Any]]:
     """How to read the ranks of runs written without wbmerge (every reading command)."""
@@ -99,7 +101,7 @@ def sink() -> None:
 @sink.command("serve")
 @click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535),
               help="Port on 127.0.0.1 (0: any free).")  # fmt: skip
-@click.option("--data", "data_dir", default="./wbmerge-sink", show_default=True, type=click.Path())
+@click.option("--data", "data_dir", default=DEFAULT_SINK_DATA, show_default=True, type=click.Path())
 @click.option(
     "--allow-faults", is_flag=True, help="Let POST /api/faults inject faults (for tests)."
 )
@@ -140,15 +142,22 @@ def sink_serve(
     envvar="WANDB_BASE_URL",
     help="The sink's address; WANDB_BASE_URL when set.",
 )
+@click.option(
+    "--data",
+    "data_dir",
+    type=click.Path(),
+    help="The sink's data directory, whose api-key file holds its key. Default: the key in "
+    "WANDB_API_KEY, else ./wbmerge-sink's.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @one_line_errors
-def sink_show(run_path: str | None, url: str, as_json: bool) -> None:
+def sink_show(run_path: str | None, url: str, data_dir: str | None, as_json: bool) -> None:
     """List the sink's runs, or show one: RUN_PATH is ENTITY/PROJECT/RUN_ID."""
     import urllib.error
 
     from .sink.client import SinkClient
 
-    client = SinkClient(url)
+    client = SinkClient(url, _sink_key(data_dir))
     try:
         if run_path is None:
             runs = client.runs()
@@ -172,6 +181,11 @@ def sink_show(run_path: str | None, url: str, as_json: bool) -> None:
                 f"no run {run_path.strip('/')} on the sink at {url} "
                 "(`wbmerge sink show` lists its runs)"
             ) from None
+        if exc.code == 401:
+            raise WbmergeError(
+                f"the sink at {url} refused the key (HTTP 401): name its data directory "
+                "with --data, or set WANDB_API_KEY to the key `wbmerge sink serve` printed"
+            ) from None
         raise WbmergeError(f"{url}: {exc.code} {exc.reason}") from None
     except urllib.error.URLError as exc:
         raise WbmergeError(f"cannot reach the sink at {url}: {exc.reason}") from None
@@ -187,6 +201,18 @@ def sink_show(run_path: str | None, url: str, as_json: bool) -> None:
     )
     click.echo(f"  console lines {len(run['console'])}, files {len(run['files'])}")
     click.echo(f"  summary keys: {', '.join(sorted(run['summary']))}")
+
+
+def _sink_key(data_dir: str | None) -> str:
+    """The key `sink show` sends: --data's, else WANDB_API_KEY, else ./wbmerge-sink's."""
+    from .sink.access import read_api_key
+
+    if data_dir is None and os.environ.get("WANDB_API_KEY"):
+        return os.environ["WANDB_API_KEY"]
+    try:
+        return read_api_key(data_dir or DEFAULT_SINK_DATA)
+    except ValueError as exc:
+        raise WbmergeError(f"{exc}; name the sink's data directory with --data") from None
 
 
 def _warn_jobs(planned: list) -> None:

@@ -1,6 +1,7 @@
 """A local W&B-compatible sink: the quickstart's upload target and the tests' server."""
 
-from .client import SinkClient, local_api_key
+from .access import read_api_key
+from .client import SinkClient
 from .store import Store
 
-__all__ = ["SinkClient", "Store", "local_api_key"]
+__all__ = ["SinkClient", "Store", "read_api_key"]

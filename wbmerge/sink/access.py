@@ -1,4 +1,4 @@
-"""Who may talk to the sink: loopback Host names only, and signed upload URLs for files.
+"""Who may talk to the sink: loopback Host names, the sink's own API key, signed upload URLs.
 
 The sink listens on 127.0.0.1 only, but a web page in the user's browser can still reach it
 through DNS rebinding (a name of the attacker's that first resolves to their server, then to
@@ -13,20 +13,32 @@ HMAC-SHA256 of the run's entity, project, id and the file's name under a secret 
 data directory, and a PUT is accepted only with the token for exactly that file. The
 secret is kept (readable by its owner only) in the data directory, so URLs handed out
 before a restart of the sink still work when wandb-core retries an upload after it.
+
+Every other request needs the sink's API key, as HTTP basic auth `api:<key>` (how wandb
+sends its key, and what a browser asks for). The key is made on the sink's first start,
+40 hex characters as wandb requires of a key, and kept in the data directory (`api-key`,
+mode 0600), so that only the user who can read the data directory can read or write runs;
+other users of a shared machine reach the same 127.0.0.1 port, so a key of any form would
+let them in.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
 import os
 import secrets
+import stat
 from pathlib import Path
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 SECRET_FILE = "upload-secret"
 SECRET_BYTES = 32
+API_KEY_FILE = "api-key"
+API_KEY_BYTES = 20  # 40 hex characters: the length wandb requires of a key
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def is_loopback_host(host: str | None) -> bool:
@@ -89,3 +101,80 @@ class UploadTokens:
         if not token or not token.isascii():
             return False
         return hmac.compare_digest(token, self.token(entity, project, run_id, file_name))
+
+
+class ApiKey:
+    """The sink's own API key, kept in its data directory; checks the key of a request."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    @classmethod
+    def for_data_dir(cls, data_root: Path) -> ApiKey:
+        """The key kept in `data_root` (made there, mode 0600, if absent)."""
+        path = data_root / API_KEY_FILE
+        if not os.path.lexists(path):
+            fresh = secrets.token_hex(API_KEY_BYTES)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o600)
+            except FileExistsError:  # another sink made it just now: read theirs
+                return cls(read_api_key(data_root))
+            with os.fdopen(fd, "w") as out:
+                out.write(fresh + "\n")
+            return cls(fresh)
+        return cls(read_api_key(data_root))
+
+    def accepts(self, authorization: str | None) -> bool:
+        """True only for HTTP basic auth that carries this key (compared in constant time)."""
+        key = basic_auth_key(authorization)
+        return key is not None and hmac.compare_digest(key.encode(), self.key.encode())
+
+
+def read_api_key(data_root: str | Path) -> str:
+    """The key of the sink whose data directory is `data_root`; ValueError if there is none."""
+    path = Path(data_root) / API_KEY_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | _NO_FOLLOW)
+    except OSError as exc:  # absent, a planted symlink (ELOOP), or not readable
+        raise ValueError(f"cannot read the sink's API key {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as handle:
+        key = handle.read(1024).decode("ascii", "replace").strip()
+    if len(key) != 2 * API_KEY_BYTES or any(c not in "0123456789abcdef" for c in key):
+        raise ValueError(f"{path} does not hold a sink API key (40 hex characters)")
+    return key
+
+
+def basic_auth_key(authorization: str | None) -> str | None:
+    """The password of an HTTP basic `Authorization` header (wandb's `api:<key>`), or None."""
+    if not authorization or not authorization.startswith("Basic "):
+        return None
+    try:
+        decoded = base64.b64decode(authorization[6:], validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+    user, colon, key = decoded.partition(":")
+    return key if colon else None
+
+
+def make_private_dir(path: Path) -> None:
+    """Create `path` (mode 0700) or make it private: ValueError if another user owns it.
+
+    A data directory others can list or read would show them the database, the key and
+    every run file, so an existing one is made 0700 (its owner may; nobody else should
+    own the sink's data)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.lstat()
+    if info.st_uid != os.getuid():
+        raise ValueError(f"{path} belongs to another user (uid {info.st_uid})")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def make_private_file(path: Path) -> None:
+    """Make an existing file of the data directory readable by its owner only."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(info.st_mode) and info.st_mode & 0o077 and info.st_uid == os.getuid():
+        os.chmod(path, 0o600)

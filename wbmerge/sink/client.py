@@ -8,18 +8,11 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-LOCAL_API_KEY = "local-" + "0" * 40
-
-
-def local_api_key() -> str:
-    """An API key of the form wandb requires, accepted by the sink (which checks no account)."""
-    return LOCAL_API_KEY
-
 
 class SinkClient:
-    """Reads runs (open to all), and stored files and faults (these send the API key)."""
+    """Reads runs, stored files and faults with the sink's API key (`access.read_api_key`)."""
 
-    def __init__(self, base_url: str, api_key: str = LOCAL_API_KEY) -> None:
+    def __init__(self, base_url: str, api_key: str) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
 

@@ -6,7 +6,6 @@ fields the uploader reads. Unknown operations get a GraphQL error, never a guess
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 import urllib.parse
@@ -17,7 +16,6 @@ from .names import BadName, check_file_name, check_run_path
 from .store import Store
 
 DEFAULT_ENTITY = "local"
-MIN_API_KEY_LENGTH = 40  # what wandb itself requires of a key
 FEATURES = ["FILESTREAM_GZIP"]  # so the tests exercise gzip-encoded file_stream bodies
 # The most bytes a request body may hold, as sent (the server's limit) and once gunzipped: a
 # few kilobytes of gzip can stand for gigabytes.
@@ -32,19 +30,6 @@ class ProtocolError(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
-
-
-def check_auth(header: str | None) -> str:
-    """The API key of an HTTP Basic `api:<key>` header; ProtocolError(401) otherwise."""
-    if not header or not header.startswith("Basic "):
-        raise ProtocolError("missing API key", 401)
-    try:
-        user, _, key = base64.b64decode(header[6:]).decode().partition(":")
-    except (ValueError, UnicodeDecodeError):
-        raise ProtocolError("malformed authorization header", 401) from None
-    if len(key.strip()) < MIN_API_KEY_LENGTH:
-        raise ProtocolError(f"API key must have at least {MIN_API_KEY_LENGTH} characters", 401)
-    return key
 
 
 def checked_run_path(entity: object, project: object, run_id: object) -> tuple[str, str, str]:

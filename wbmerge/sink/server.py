@@ -1,10 +1,12 @@
 """The sink's HTTP server (aiohttp, bound to 127.0.0.1): upload API, read API, pages, faults.
 
-Who may do what: every request must name a loopback Host (`access`) and may not hide a
-path separator in percent-encoding. The upload API needs the API key (GraphQL,
-file_stream, reading stored files) or, for a file PUT, the token of its upload URL;
-fault injection needs the key and a sink started with `--allow-faults` (or `--fault`).
-The pages and their read API (`/`, `/api/runs...`) are open, as W&B's public pages are.
+Who may do what: every request must name a loopback Host (`access`), may not hide a path
+separator in percent-encoding, and may not come from another site's page in a browser.
+Every request needs the sink's own API key (`access.ApiKey`, HTTP basic auth `api:<key>`,
+as wandb sends it and as a browser asks for it), the pages and their read API included:
+other users of the machine reach the same port. A file PUT instead needs the token of its
+upload URL (wandb-core sends those no key). Fault injection needs the key and a sink
+started with `--allow-faults` (or `--fault`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ STORE = web.AppKey("store", Store)
 FAULTS = web.AppKey("faults", FaultPlan)
 FAULTS_ALLOWED = web.AppKey("faults_allowed", bool)
 ENCODED_SEPARATORS = ("%2f", "%5c", "%00")  # "/", "\\" and NUL hidden in a path segment
-BASIC_CHALLENGE = {"WWW-Authenticate": 'Basic realm="wbmerge sink"'}
+BASIC_CHALLENGE = {"WWW-Authenticate": 'Basic realm="wbmerge sink", charset="UTF-8"'}
+# A browser's fetch metadata: requests from pages of other sites (which include other ports
+# of 127.0.0.1, i.e. other users' servers) are refused.
+FOREIGN_FETCH_SITES = ("cross-site", "same-site")
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 
 
 def _refuse(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -38,6 +44,8 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
     """Refuse foreign Host names (DNS rebinding) and encoded separators before anything runs."""
     if not access.is_loopback_host(request.headers.get("Host")):
         return _refuse(403, "the Host header must name the loopback (127.0.0.1, localhost, [::1])")
+    if _from_another_site(request):
+        return _refuse(403, "requests from other sites' pages are refused; open the sink's URL")
     raw_path = request.rel_url.raw_path.lower()
     if any(encoded in raw_path for encoded in ENCODED_SEPARATORS):
         return _refuse(400, "percent-encoded path separators are not allowed")
@@ -47,6 +55,36 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         return _refuse(400, "a JSON value is nested too deeply to read")
     except web.RequestPayloadError as exc:  # a declared Content-Encoding that does not decode
         return _refuse(400, f"bad request body: {str(exc).strip()}")
+
+
+def _from_another_site(request: web.Request) -> bool:
+    """True for a browser's request made by a page that is not the sink's (CSRF): its fetch
+    metadata says so, or (for older browsers) it changes something and names another Origin.
+    wandb-core and other programs send neither header."""
+    if request.headers.get("Sec-Fetch-Site", "").lower() in FOREIGN_FETCH_SITES:
+        return True
+    origin = request.headers.get("Origin")
+    return (
+        request.method not in SAFE_METHODS
+        and origin is not None
+        and origin != f"{request.scheme}://{request.host}"
+    )
+
+
+@web.middleware
+async def require_key(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Refuse (401) every request without the sink's key, before it reads or writes
+    anything; a file PUT is checked by its upload URL's token instead (`put_file`)."""
+    if request.method == "PUT" and request.path.startswith("/storage/"):
+        return await handler(request)
+    if not request.app[STORE].api_key.accepts(request.headers.get("Authorization")):
+        return _refuse(
+            401,
+            "this needs the sink's API key (HTTP basic auth, user api): the key "
+            "`wbmerge sink serve` printed, kept in the data directory's api-key file",
+            BASIC_CHALLENGE,
+        )
+    return await handler(request)
 
 
 def _kind(request: web.Request, body: bytes) -> str:
@@ -95,7 +133,6 @@ async def fault_injection(request: web.Request, handler: Any) -> web.StreamRespo
 
 async def graphql(request: web.Request) -> web.Response:
     try:
-        protocol.check_auth(request.headers.get("Authorization"))
         payload = protocol.decode_body(await request.read())
         answer = protocol.graphql(request.app[STORE], payload, _base_url(request))
     except protocol.ProtocolError as exc:
@@ -108,7 +145,6 @@ async def graphql(request: web.Request) -> web.Response:
 async def file_stream(request: web.Request) -> web.Response:
     m = request.match_info
     try:
-        protocol.check_auth(request.headers.get("Authorization"))
         body = protocol.decode_body(await request.read())
         answer = protocol.file_stream(request.app[STORE], m["entity"], m["project"], m["run"], body)
     except protocol.ProtocolError as exc:
@@ -140,11 +176,7 @@ async def put_file(request: web.Request) -> web.Response:
 
 
 async def get_file(request: web.Request) -> web.StreamResponse:
-    """A stored file, for a request with the API key (a browser asks for it: user `api`)."""
-    try:
-        protocol.check_auth(request.headers.get("Authorization"))
-    except protocol.ProtocolError as exc:
-        return _refuse(exc.status, str(exc), BASIC_CHALLENGE)
+    """A stored file (for a request with the API key, as every read: `require_key`)."""
     try:
         path = request.app[STORE].file_path(*_run_file(request))
     except ValueError as exc:
@@ -178,10 +210,6 @@ async def api_run(request: web.Request) -> web.Response:
 
 async def api_faults(request: web.Request) -> web.Response:
     """The fault plan (GET) or a new one (POST): with the API key, on a sink that allows it."""
-    try:
-        protocol.check_auth(request.headers.get("Authorization"))
-    except protocol.ProtocolError as exc:
-        return _refuse(exc.status, str(exc), BASIC_CHALLENGE)
     if not request.app[FAULTS_ALLOWED]:
         return _refuse(403, "fault injection is off: start the sink with --allow-faults")
     plan = request.app[FAULTS]
@@ -202,7 +230,9 @@ def make_app(
     data_dir: str | Path, faults: list[str] | None = None, allow_faults: bool = False
 ) -> web.Application:
     """The sink's application; faults can be set later only if `allow_faults` or `faults`."""
-    app = web.Application(middlewares=[guard, fault_injection], client_max_size=protocol.MAX_BODY)
+    app = web.Application(
+        middlewares=[guard, require_key, fault_injection], client_max_size=protocol.MAX_BODY
+    )
     app[STORE] = Store(data_dir)
     app[FAULTS] = FaultPlan([parse_fault(s) for s in faults or []])
     app[FAULTS_ALLOWED] = allow_faults or bool(faults)
@@ -230,7 +260,11 @@ def serve(
     port_file: str | Path | None = None,
     allow_faults: bool = False,
 ) -> None:
-    """Run the sink on 127.0.0.1 until interrupted; port 0 picks a free port."""
+    """Run the sink on 127.0.0.1 until interrupted; port 0 picks a free port.
+
+    Everything the sink writes is its owner's alone (umask 077); its start-up lines give
+    the API key, as the settings for wandb and as a link for a browser."""
+    os.umask(0o077)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
@@ -241,8 +275,11 @@ def serve(
         tmp = Path(str(port_file) + ".tmp")
         tmp.write_text(str(bound))
         tmp.replace(port_file)
+    key = app[STORE].api_key.key
     print(
-        f"wbmerge sink: http://127.0.0.1:{bound}  (pid {os.getpid()}; data: {data_dir})",
+        f"wbmerge sink: http://127.0.0.1:{bound}  (pid {os.getpid()}; data: {data_dir})\n"
+        f"  for wandb:   export WANDB_BASE_URL=http://127.0.0.1:{bound} WANDB_API_KEY={key}\n"
+        f"  in a browser: http://api:{key}@127.0.0.1:{bound}/  (user api, the key as password)",
         flush=True,
     )
     web.run_app(app, sock=sock, print=None, access_log=None, handle_signals=True)

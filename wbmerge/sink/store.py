@@ -3,6 +3,9 @@
 Lines are stored by the offset the uploader gives them, so a retried or resumed request
 overwrites instead of duplicating; all writes of one request happen in one transaction.
 
+The data directory is made private (0700, its files 0600): other users of the machine read
+nothing of it.
+
 Every path the store opens lies inside the data directory: names are checked (`names`),
 and a path is used only if resolving it changes nothing, so that a symlink planted
 anywhere under the data directory (pointing out of it or not) is never followed.
@@ -21,7 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .access import UploadTokens
+from .access import (
+    API_KEY_FILE,
+    SECRET_FILE,
+    ApiKey,
+    UploadTokens,
+    make_private_dir,
+    make_private_file,
+)
 from .names import check_file_name, check_run_path
 
 SCHEMA = """
@@ -74,13 +84,18 @@ class Store:
 
     def __init__(self, data_dir: str | Path) -> None:
         self.data_dir = Path(data_dir).resolve()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.data_dir)
         self.files_dir = self.data_dir / "files"
-        self.files_dir.mkdir(exist_ok=True)
+        self.files_dir.mkdir(mode=0o700, exist_ok=True)
         database = self.data_dir / "sink.sqlite3"
-        for path in (self.files_dir, database, *(Path(f"{database}{s}") for s in DB_SUFFIXES)):
+        beside = [Path(f"{database}{suffix}") for suffix in DB_SUFFIXES]
+        for path in (self.files_dir, database, *beside):
             _refuse_symlinks(path)
+        for path in (database, *beside, self.data_dir / SECRET_FILE, self.data_dir / API_KEY_FILE):
+            make_private_file(path)  # made by an older sink, with the umask of its day
+        _create_private(database)  # (SQLite gives its -wal and -shm files the same mode)
         self.upload_tokens = UploadTokens.for_data_dir(self.data_dir)
+        self.api_key = ApiKey.for_data_dir(self.data_dir)
         self._db = sqlite3.connect(database, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -398,6 +413,17 @@ def _refuse_symlinks(path: Path) -> None:
     """UnsafePath unless `path` (absolute) resolves to itself: no symlink on the way to it."""
     if path.resolve() != path:
         raise UnsafePath(f"{path} is or passes through a symlink; the sink does not follow it")
+
+
+def _create_private(path: Path) -> None:
+    """Create `path` empty, mode 0600, unless it exists (never through a symlink)."""
+    try:
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600
+        )
+    except FileExistsError:
+        return
+    os.close(fd)
 
 
 def plain_config(config: dict[str, Any]) -> dict[str, Any]:

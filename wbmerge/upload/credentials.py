@@ -34,6 +34,6 @@ def find_credentials(env: Mapping[str, str] | None = None) -> Credentials:
     if not key:
         raise WbmergeError(
             f"no W&B credentials for {base_url}: set WANDB_API_KEY or run `wandb login` "
-            "(for the local sink: WANDB_BASE_URL=http://127.0.0.1:8765 and any 40+ character key)"
+            "(for the local sink: the WANDB_BASE_URL and WANDB_API_KEY `wbmerge sink serve` prints)"
         )
     return Credentials(base_url, key)

@@ -1,0 +1,218 @@
+"""The sink on a shared machine: its own key, a private data directory, and no requests
+from other sites' pages.
+
+Every test talks to a real sink process (`wbmerge sink serve`) over HTTP, as another local
+user or a browser would; the end-to-end ones drive the real uploader (`wandb sync`).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from wbmerge import synthetic
+from wbmerge.topology import RankInfo
+
+from .conftest import job_dir
+from .sinktools import copy_runs, expected_from_log, wandb_sync
+
+UPSERT = (
+    "mutation UpsertBucket($id: String, $name: String, $project: String, $entity: String, "
+    "$summaryMetrics: JSONString, $config: JSONString, $displayName: String, "
+    "$groupName: String, $tags: [String!]) { x }"
+)
+CREATE_RUN_FILES = (
+    "mutation CreateRunFiles($entity: String!, $project: String!, $run: String!, "
+    "$files: [String!]!) { x }"
+)
+HOSTILE = "<script>alert('x')</script>\"'><img src=x onerror=alert(1)>"
+
+
+def call(sink, method, path, body=None, headers=None):
+    """One request as sent (no client-side normalising): status, headers, body."""
+    port = int(sink.url.rsplit(":", 1)[1])
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, response.headers, response.read()
+    finally:
+        connection.close()
+
+
+def basic(key: str, user: str = "api") -> str:
+    return "Basic " + base64.b64encode(f"{user}:{key}".encode()).decode()
+
+
+def graphql(sink, query, variables, auth=None):
+    body = json.dumps({"query": query, "variables": variables}).encode()
+    headers = {"Authorization": auth or sink.auth, "Content-Type": "application/json"}
+    status, _, answer = call(sink, "POST", "/graphql", body, headers)
+    return status, answer
+
+
+def file_stream(sink, run, body, auth=None):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    path = f"/files/local/p/{run}/file_stream"
+    status, _, answer = call(sink, "POST", path, data, {"Authorization": auth or sink.auth})
+    return status, answer
+
+
+def put_file(sink, run, name, data):
+    status, answer = graphql(
+        sink, CREATE_RUN_FILES, {"entity": "local", "project": "p", "run": run, "files": [name]}
+    )
+    assert status == 200, answer
+    url = urllib.parse.urlsplit(
+        json.loads(answer)["data"]["createRunFiles"]["files"][0]["uploadUrl"]
+    )
+    status, _, answer = call(sink, "PUT", f"{url.path}?{url.query}", data)
+    assert status == 200, answer
+
+
+def make_run(sink, run="r", marker="kept-value"):
+    """A run with a summary, a group, six history rows and a file, through the upload API."""
+    variables = {"entity": "local", "project": "p", "name": run, "groupName": "g",
+                 "summaryMetrics": json.dumps({"loss": marker})}  # fmt: skip
+    status, answer = graphql(sink, UPSERT, variables)
+    assert status == 200, answer
+    rows = [json.dumps({"_step": i, "loss": i}) for i in range(6)]
+    status, answer = file_stream(
+        sink, run, {"files": {"wandb-history.jsonl": {"offset": 0, "content": rows}}}
+    )
+    assert status == 200, answer
+    put_file(sink, run, "notes.txt", marker.encode())
+
+
+def test_the_sink_makes_its_own_key_once_and_keeps_it_private(make_sink):
+    sink = make_sink()
+    key_file = sink.data_dir / "api-key"
+    assert re.fullmatch(r"[0-9a-f]{40}", sink.api_key)
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    log = (sink.data_dir.parent / "data.log").read_text()
+    assert f"WANDB_API_KEY={sink.api_key}" in log
+    assert f"http://api:{sink.api_key}@127.0.0.1:" in log
+    first = sink.api_key
+    sink.restart()
+    assert sink.api_key == first  # kept: the key in a user's environment goes on working
+    other = make_sink()
+    assert other.api_key != first  # each data directory has its own
+
+
+WRONG_KEYS = {
+    "no key": None,
+    "the old any-40-characters key": basic("local-" + "0" * 40),
+    "40 hex characters, not the sink's": basic("0123456789abcdef" * 2 + "01234567"),
+    "the key as the user name": "SINK_KEY_AS_USER",
+    "not basic auth": "Bearer SINK_KEY",
+    "malformed base64": "Basic !!!",
+}
+
+
+@pytest.mark.parametrize("auth", WRONG_KEYS.values(), ids=WRONG_KEYS.keys())
+def test_a_key_that_is_not_the_sinks_reads_and_writes_nothing(sink, auth):
+    make_run(sink)
+    if auth == "SINK_KEY_AS_USER":
+        auth = basic("x", user=sink.api_key)
+    elif auth == "Bearer SINK_KEY":
+        auth = f"Bearer {sink.api_key}"
+    headers = {"Authorization": auth} if auth else {}
+    hostile_row = {"files": {"wandb-history.jsonl": {"offset": 5, "content": ['{"loss": -1}']},
+                             "wandb-summary.json": {"offset": 0, "content": ['{"loss": 0}']}}}  # fmt: skip
+    upsert = {"query": UPSERT, "variables": {"entity": "local", "project": "p", "name": "new"}}
+    requests = [
+        ("GET", "/", None), ("GET", "/api/runs", None), ("GET", "/api/runs/local/p/r", None),
+        ("GET", "/local/p/runs/r", None), ("GET", "/local/p/groups/g", None),
+        ("GET", "/storage/local/p/r/notes.txt", None),
+        ("POST", "/graphql", json.dumps(upsert).encode()),
+        ("POST", "/files/local/p/r/file_stream", json.dumps(hostile_row).encode()),
+        ("POST", "/api/faults", b'{"faults": ["*=500"]}'), ("GET", "/api/faults", None),
+        ("POST", "/sdk/telemetry", b"{}"),
+    ]  # fmt: skip
+    for method, path, body in requests:
+        status, answer_headers, answer = call(sink, method, path, body, headers)
+        assert status == 401, (method, path, status, answer)
+        assert answer_headers["WWW-Authenticate"].startswith('Basic realm="wbmerge sink"')
+        assert b"kept-value" not in answer and b"loss" not in answer
+    run = sink.client.run("local", "p", "r")
+    assert run["summary"] == {"loss": "kept-value"}
+    assert [row["loss"] for row in run["history"]] == [0, 1, 2, 3, 4, 5]
+    assert [r["id"] for r in sink.client.runs()] == ["r"]
+    assert sink.client.file("local", "p", "r", "notes.txt") == b"kept-value"
+
+
+def test_wandb_sync_with_a_key_not_the_sinks_fails_and_stores_nothing(sink, tmp_path):
+    [log] = [synthetic.write_rank(tmp_path, RankInfo(0, 0, 1, 1, 0, job_id="wk"), 5, metrics=1)]
+    env = {**sink.env, "WANDB_API_KEY": "f" * 40, "WANDB_SILENT": "false"}
+    wandb_cli = Path(sys.executable).with_name("wandb")
+    result = subprocess.run(
+        [str(wandb_cli), "sync", "-p", "wrong", str(log.parent)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    # wandb sync exits 0 whatever happened; it says ERROR and does not mark the run synced
+    assert "ERROR" in result.stderr, result.stderr
+    assert not log.with_name(log.name + ".synced").exists()
+    assert sink.client.runs() == []
+    assert list((sink.data_dir / "files").rglob("*")) == []
+    assert wandb_sync(sink, [log.parent], "-p", "right").returncode == 0  # the sink's key works
+    assert log.with_name(log.name + ".synced").exists()
+    assert [r["id"] for r in sink.client.runs()] == [expected_from_log(log).run_id]
+
+
+def modes(root: Path) -> dict[str, int]:
+    found = {root.name: stat.S_IMODE(root.stat().st_mode)}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder, name)
+            found[path.relative_to(root).as_posix()] = stat.S_IMODE(path.lstat().st_mode)
+    return found
+
+
+def test_everything_in_the_data_directory_is_private(make_sink, tmp_path):
+    sink = make_sink()  # (its data directory was made 0755 by the test's umask 022)
+    runs = copy_runs(job_dir("media") / "wandb", tmp_path / "media")
+    assert wandb_sync(sink, sorted(runs.glob("offline-run-*")), "-p", "m").returncode == 0
+    found = modes(sink.data_dir)
+    assert len(found) > 10 and any(name.endswith(".png") for name in found)
+    assert "sink.sqlite3" in found and "api-key" in found and "upload-secret" in found
+    readable_by_others = {name: oct(mode) for name, mode in found.items() if mode & 0o077}
+    assert readable_by_others == {}
+
+
+def test_an_older_sinks_data_directory_is_made_private(make_sink, tmp_path):
+    sink = make_sink()
+    sink.stop()
+    os.chmod(sink.data_dir, 0o755)
+    for name in ("sink.sqlite3", "upload-secret", "api-key"):
+        os.chmod(sink.data_dir / name, 0o644)
+    sink.start()
+    found = modes(sink.data_dir)
+    assert found["data"] == 0o700
+    assert {found[n] for n in ("sink.sqlite3", "upload-secret", "api-key")} == {0o600}
+
+
+def test_requests_from_other_sites_pages_are_refused(sink):
+    body = json.dumps({"query": UPSERT, "variables": {"project": "p", "name": "csrf"}}).encode()
+    # (another port of 127.0.0.1 is another origin: another user's server, say)
+    for headers in [{"Origin": "http://127.0.0.1:9999"}, {"Sec-Fetch-Site": "same-site"},
+                    {"Sec-Fetch-Site": "cross-site"}, {"Origin": "null"}]:  # fmt: skip
+        status, _, answer = call(
+            sink, "POST", "/graphql", body, {**headers, "Authorization": sink.auth}
+        )
+        assert status == 403, (headers, answer)
+    assert call(sink, "GET", "/api/runs", None, {"Sec-Fetch-Site": "cross-site",
+                                                 "Authorization": sink.auth})[0] == 403  # fmt: skip
+    assert sink.client.runs() == []
+    same = {"Origin": sink.url, "Sec-Fetch-Site": "same-origin", "Authorization": sink.auth}
+    assert call(sink, "POST", "/graphql", body, same)[0] == 200
+    assert [r["id"] for r in sink.client.runs()] == ["csrf"]
