@@ -1,5 +1,5 @@
-"""The sink on a shared machine: its own key, a private data directory, and no requests
-from other sites' pages.
+"""The sink on a shared machine: its own key, a private data directory, run files that
+never run as pages, and no requests from other sites' pages.
 
 Every test talks to a real sink process (`wbmerge sink serve`) over HTTP, as another local
 user or a browser would; the end-to-end ones drive the real uploader (`wandb sync`).
@@ -199,6 +199,36 @@ def test_an_older_sinks_data_directory_is_made_private(make_sink, tmp_path):
     found = modes(sink.data_dir)
     assert found["data"] == 0o700
     assert {found[n] for n in ("sink.sqlite3", "upload-secret", "api-key")} == {0o600}
+
+
+NO_SCRIPTS = re.compile(r"default-src 'none'")
+
+
+def test_run_files_are_downloads_and_no_response_runs_scripts(sink):
+    page = b"<html><script>alert(document.domain)</script></html>"
+    put_file(sink, "r", "media/page.html", page)
+    put_file(sink, "r", "x.svg", b"<svg xmlns='http://www.w3.org/2000/svg' onload='alert(1)'/>")
+    auth = {"Authorization": sink.auth}
+    for name, data in (("media/page.html", page), ("x.svg", None)):
+        status, headers, body = call(sink, "GET", f"/storage/local/p/r/{name}", headers=auth)
+        assert status == 200 and (data is None or body == data)
+        assert headers["Content-Disposition"].startswith("attachment;")
+        assert headers["Content-Type"] == "application/octet-stream"
+        assert headers["X-Content-Type-Options"] == "nosniff"
+        assert "sandbox" in headers["Content-Security-Policy"]
+    assert (
+        "filename*=UTF-8''page.html"
+        in call(sink, "GET", "/storage/local/p/r/media/page.html", headers=auth)[1][
+            "Content-Disposition"
+        ]
+    )
+    for path, headers in [("/", auth), ("/local/p/runs/r", auth), ("/api/runs", auth),
+                          ("/api/runs", {}), ("/nowhere", auth)]:  # fmt: skip
+        status, answer_headers, _ = call(sink, "GET", path, headers=headers)
+        policy = answer_headers["Content-Security-Policy"]
+        assert NO_SCRIPTS.search(policy) and "script-src" not in policy, (path, policy)
+        assert "frame-ancestors 'none'" in policy
+        assert answer_headers["X-Content-Type-Options"] == "nosniff", path
 
 
 def test_requests_from_other_sites_pages_are_refused(sink):

@@ -134,9 +134,7 @@ def _run(run: dict) -> str:
             f"<li><a href='/storage/{_e(folder)}/{_e(quote(f))}'>{_e(f)}</a></li>"
             for f in run["files"]
         )
-        note = (
-            "<p>Stored files need the API key: the browser asks for it (user <code>api</code>).</p>"
-        )
+        note = "<p>Stored files open as downloads.</p>"
         parts.append(f"<h2>Files</h2>{note}<ul>{items}</ul>")
     return "".join(parts)
 

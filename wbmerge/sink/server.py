@@ -7,6 +7,10 @@ as wandb sends it and as a browser asks for it), the pages and their read API in
 other users of the machine reach the same port. A file PUT instead needs the token of its
 upload URL (wandb-core sends those no key). Fault injection needs the key and a sink
 started with `--allow-faults` (or `--fault`).
+
+Every response carries `X-Content-Type-Options: nosniff` and a Content-Security-Policy
+that allows no scripts, and stored run files are sent as downloads, so that an uploaded
+`.html` or `.svg` never runs as a page of the sink's origin.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import asyncio
 import json
 import os
 import socket
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,13 @@ FAULTS = web.AppKey("faults", FaultPlan)
 FAULTS_ALLOWED = web.AppKey("faults_allowed", bool)
 ENCODED_SEPARATORS = ("%2f", "%5c", "%00")  # "/", "\\" and NUL hidden in a path segment
 BASIC_CHALLENGE = {"WWW-Authenticate": 'Basic realm="wbmerge sink", charset="UTF-8"'}
+# The pages are server-rendered HTML with one inline stylesheet and inline SVG charts: no
+# scripts, images, fonts, frames or forms, so nothing else is allowed.
+PAGE_POLICY = (
+    "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'"
+)
+FILE_POLICY = "default-src 'none'; sandbox"  # a run file, should a browser show it anyway
 # A browser's fetch metadata: requests from pages of other sites (which include other ports
 # of 127.0.0.1, i.e. other users' servers) are refused.
 FOREIGN_FETCH_SITES = ("cross-site", "same-site")
@@ -85,6 +97,14 @@ async def require_key(request: web.Request, handler: Any) -> web.StreamResponse:
             BASIC_CHALLENGE,
         )
     return await handler(request)
+
+
+async def security_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """No sniffing and no scripts, on every response (errors too)."""
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "no-referrer"
+    response.headers.setdefault("Content-Security-Policy", PAGE_POLICY)
+    response.headers.setdefault("Cache-Control", "no-store")
 
 
 def _kind(request: web.Request, body: bytes) -> str:
@@ -176,14 +196,22 @@ async def put_file(request: web.Request) -> web.Response:
 
 
 async def get_file(request: web.Request) -> web.StreamResponse:
-    """A stored file (for a request with the API key, as every read: `require_key`)."""
+    """A stored file, as a download: a run's `.html` or `.svg` never opens as a page."""
     try:
         path = request.app[STORE].file_path(*_run_file(request))
     except ValueError as exc:
         return _refuse(400, str(exc))
     if not path.is_file():
         raise web.HTTPNotFound()
-    return web.FileResponse(path)
+    download = urllib.parse.quote(path.name, safe="")
+    return web.FileResponse(
+        path,
+        headers={
+            "Content-Type": "application/octet-stream",
+            "Content-Disposition": f"attachment; filename*=UTF-8''{download}",
+            "Content-Security-Policy": FILE_POLICY,
+        },
+    )
 
 
 async def telemetry(request: web.Request) -> web.Response:
@@ -245,6 +273,7 @@ def make_app(
     app.router.add_get("/api/runs/{entity}/{project}/{run}", api_run)
     app.router.add_route("*", "/api/faults", api_faults)
     pages.add_routes(app, STORE)
+    app.on_response_prepare.append(security_headers)
     app.on_cleanup.append(_close_store)
     return app
 
