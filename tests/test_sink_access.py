@@ -1,5 +1,5 @@
-"""The sink on a shared machine: its own key, a private data directory, run files that
-never run as pages, and no requests from other sites' pages.
+"""The sink on a shared machine: its own key, a private data directory, checked values,
+run files that never run as pages, and no requests from other sites' pages.
 
 Every test talks to a real sink process (`wbmerge sink serve`) over HTTP, as another local
 user or a browser would; the end-to-end ones drive the real uploader (`wandb sync`).
@@ -19,8 +19,10 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from wbmerge import synthetic
+from wbmerge.cli import main
 from wbmerge.topology import RankInfo
 
 from .conftest import job_dir
@@ -199,6 +201,92 @@ def test_an_older_sinks_data_directory_is_made_private(make_sink, tmp_path):
     found = modes(sink.data_dir)
     assert found["data"] == 0o700
     assert {found[n] for n in ("sink.sqlite3", "upload-secret", "api-key")} == {0o600}
+
+
+# Bodies no run may store: each is a 400 for its own request, and the other runs stay readable.
+DEEP = '{"a":' * 70 + "1" + "}" * 70
+BAD_STREAMS = {
+    "summary not JSON": {"wandb-summary.json": {"offset": 0, "content": ["{not json"]}},
+    "summary a list": {"wandb-summary.json": {"offset": 0, "content": ["[1, 2]"]}},
+    "summary nested 70 deep": {"wandb-summary.json": {"offset": 0, "content": [DEEP]}},
+    "summary not a string": {"wandb-summary.json": {"offset": 0, "content": [{"a": 1}]}},
+    "history line not JSON": {"wandb-history.jsonl": {"offset": 0, "content": ["oops"]}},
+    "history line a number": {"wandb-history.jsonl": {"offset": 0, "content": ["1"]}},
+    "events line not JSON": {"wandb-events.jsonl": {"offset": 0, "content": ["{"]}},
+    "offset a string": {"wandb-history.jsonl": {"offset": "5", "content": ["{}"]}},
+    "offset negative": {"wandb-history.jsonl": {"offset": -1, "content": ["{}"]}},
+    "offset a fraction": {"wandb-history.jsonl": {"offset": 1.5, "content": ["{}"]}},
+    "offset past SQLite": {"wandb-history.jsonl": {"offset": 1 << 70, "content": ["{}"]}},
+    "content a string": {"output.log": {"offset": 0, "content": "abc"}},
+    "chunk a string": {"output.log": "abc"},
+    "files a list": ["wandb-history.jsonl"],
+}
+BAD_COMPLETIONS = {"exit code HTML": HOSTILE, "exit code a fraction": 1.5,
+                   "exit code past 32 bits": 1 << 40}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def shared_sink(tmp_path_factory):
+    from .sinktools import SinkProcess
+
+    process = SinkProcess(tmp_path_factory.mktemp("sink") / "data")
+    process.data_dir.mkdir()
+    process.start()
+    make_run(process, "ok")
+    yield process
+    process.stop()
+
+
+def assert_sink_still_serves(sink):
+    runs = sink.client.runs()
+    assert [r["id"] for r in runs] == ["ok"] and runs[0]["summary"] == {"loss": "kept-value"}
+    assert len(sink.client.run("local", "p", "ok")["history"]) == 6
+    assert call(sink, "GET", "/", headers={"Authorization": sink.auth})[0] == 200
+    shown = CliRunner().invoke(
+        main, ["sink", "show", "--url", sink.url, "--data", str(sink.data_dir)]
+    )
+    assert shown.exit_code == 0 and "local/p/ok" in shown.output, shown.output
+
+
+@pytest.mark.parametrize("files", BAD_STREAMS.values(), ids=BAD_STREAMS.keys())
+def test_a_bad_file_stream_body_is_a_400_and_stores_nothing(shared_sink, files):
+    status, answer = file_stream(shared_sink, "bad", {"files": files})
+    assert status == 400, answer
+    assert_sink_still_serves(shared_sink)
+
+
+@pytest.mark.parametrize("code", BAD_COMPLETIONS.values(), ids=BAD_COMPLETIONS.keys())
+def test_a_bad_exit_code_is_a_400_and_stores_nothing(shared_sink, code):
+    status, answer = file_stream(shared_sink, "bad", {"complete": True, "exitcode": code})
+    assert status == 400, answer
+    assert_sink_still_serves(shared_sink)
+
+
+BAD_UPSERTS = {
+    "summary not JSON": {"summaryMetrics": "{not json"},
+    "summary a list": {"summaryMetrics": "[]"},
+    "summary nested 70 deep": {"summaryMetrics": DEEP},
+    "config a list": {"config": "[]"},
+    "display name an object": {"displayName": {"a": 1}},
+    "tags a string": {"tags": "abc"},
+}
+
+
+@pytest.mark.parametrize("fields", BAD_UPSERTS.values(), ids=BAD_UPSERTS.keys())
+def test_a_bad_upsert_is_a_400_and_stores_nothing(shared_sink, fields):
+    variables = {"entity": "local", "project": "p", "name": "bad", **fields}
+    status, answer = graphql(shared_sink, UPSERT, variables)
+    assert status == 400, answer
+    variables["name"] = "ok"  # an existing run keeps what it had
+    assert graphql(shared_sink, UPSERT, variables)[0] == 400
+    assert_sink_still_serves(shared_sink)
+
+
+@pytest.mark.parametrize("body", [b"[]", b'{"query": "query Viewer { x }", "variables": [1]}'])
+def test_a_graphql_body_of_the_wrong_shape_is_a_400(shared_sink, body):
+    headers = {"Authorization": shared_sink.auth}
+    assert call(shared_sink, "POST", "/graphql", body, headers)[0] == 400
+    assert_sink_still_serves(shared_sink)
 
 
 NO_SCRIPTS = re.compile(r"default-src 'none'")

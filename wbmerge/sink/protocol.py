@@ -84,7 +84,9 @@ def gunzip(data: bytes, limit: int) -> bytes:
             return bytes(out)
 
 
-def operation_name(payload: dict[str, Any]) -> str:
+def operation_name(payload: object) -> str:
+    if not isinstance(payload, dict):
+        return ""
     name = payload.get("operationName")
     if name:
         return str(name)
@@ -93,9 +95,13 @@ def operation_name(payload: dict[str, Any]) -> str:
 
 
 def graphql(store: Store, payload: dict[str, Any], base_url: str) -> dict[str, Any]:
-    """Answer one GraphQL request."""
+    """Answer one GraphQL request; ProtocolError(400) for a body of the wrong shape."""
+    if not isinstance(payload, dict):
+        raise ProtocolError("a GraphQL body must be a JSON object")
     name = operation_name(payload)
     variables = payload.get("variables") or {}
+    if not isinstance(variables, dict):
+        raise ProtocolError("GraphQL variables must be a JSON object")
     handler = _HANDLERS.get(name)
     if handler is None:
         return {"errors": [{"message": f"operation {name or '?'} is not supported by this sink"}]}
@@ -187,8 +193,10 @@ def _run_resume_status(store: Store, v: dict[str, Any], base_url: str) -> dict:
     is a JSON list holding the last history line; lines are kept by offset, so lines sent
     again at their offsets replace themselves instead of adding rows.
     """
-    entity, project = _entity(v), v.get("project") or "uncategorized"
-    run = store.run(entity, project, v["name"])
+    entity, project, name = checked_run_path(
+        _entity(v), v.get("project") or "uncategorized", v.get("name")
+    )
+    run = store.run(entity, project, name)
     bucket = None
     if run is not None:
         bucket = {

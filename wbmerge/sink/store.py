@@ -3,8 +3,9 @@
 Lines are stored by the offset the uploader gives them, so a retried or resumed request
 overwrites instead of duplicating; all writes of one request happen in one transaction.
 
-The data directory is made private (0700, its files 0600): other users of the machine read
-nothing of it.
+Every value is checked (`values`) before any of its request is written, so that nothing
+stored can break the pages or the read API of the other runs. The data directory is made
+private (0700, its files 0600): other users of the machine read nothing of it.
 
 Every path the store opens lies inside the data directory: names are checked (`names`),
 and a path is used only if resolving it changes nothing, so that a symlink planted
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import values
 from .access import (
     API_KEY_FILE,
     SECRET_FILE,
@@ -126,39 +128,46 @@ class Store:
     def upsert_run(self, entity: str, project: str, name: str, fields: dict[str, Any]) -> dict:
         """Create or update a run from UpsertBucket variables; returns the stored run."""
         now = time.time()
-        config = _config_update(fields.get("config"))  # read first: bad input writes nothing
+        # Everything is checked first: bad input writes nothing, not even the run.
+        config = _config_update(fields.get("config"))
+        sets, args = ["updated = ?"], [now]
+        for var, column in _RUN_FIELDS.items():
+            if fields.get(var) is not None:
+                sets.append(f"{column} = ?")
+                args.append(values.text(fields[var], var))
+        if fields.get("tags") is not None:
+            sets.append("tags = ?")
+            args.append(json.dumps(values.tags(fields["tags"])))
+        if fields.get("summaryMetrics"):
+            sets.append("summary = ?")
+            args.append(values.json_object_text(fields["summaryMetrics"], "summaryMetrics"))
+        if fields.get("state") in ("running", "finished", "failed", "crashed"):
+            sets.append("state = ?")
+            args.append(fields["state"])
         with self._lock, self._db:
             pk = self._run_pk(entity, project, name, create=True, now=now)
-            sets, values = ["updated = ?"], [now]
-            for var, column in _RUN_FIELDS.items():
-                if fields.get(var) is not None:
-                    sets.append(f"{column} = ?")
-                    values.append(fields[var])
-            if fields.get("tags") is not None:
-                sets.append("tags = ?")
-                values.append(json.dumps(list(fields["tags"])))
             if config:
                 merged = json.loads(self._one("SELECT config FROM runs WHERE pk = ?", pk))
                 merged.update(config)
                 sets.append("config = ?")
-                values.append(json.dumps(merged))
-            if fields.get("summaryMetrics"):
-                sets.append("summary = ?")
-                values.append(fields["summaryMetrics"])
-            if fields.get("state") in ("running", "finished", "failed", "crashed"):
-                sets.append("state = ?")
-                values.append(fields["state"])
-            self._db.execute(f"UPDATE runs SET {', '.join(sets)} WHERE pk = ?", [*values, pk])
+                args.append(json.dumps(merged))
+            self._db.execute(f"UPDATE runs SET {', '.join(sets)} WHERE pk = ?", [*args, pk])
         return self.run(entity, project, name) or {}
 
     def file_stream(self, entity: str, project: str, name: str, body: dict[str, Any]) -> None:
         """Apply one file_stream request: lines by offset, summary, completion."""
         now = time.time()
+        chunks = values.chunks(body.get("files"))  # all checked before anything is written
+        for file_name, _, content in chunks:
+            if file_name == "wandb-summary.json" and content:
+                values.json_object(content[-1], "the summary")
+            elif file_name in ("wandb-history.jsonl", "wandb-events.jsonl"):
+                for line in content:
+                    values.json_object(line, f"a line of {file_name}")
+        code = values.exit_code(body.get("exitcode")) if body.get("complete") else None
         with self._lock, self._db:
             pk = self._run_pk(entity, project, name, create=True, now=now)
-            for file_name, chunk in (body.get("files") or {}).items():
-                offset = int(chunk.get("offset", 0))
-                content = chunk.get("content") or []
+            for file_name, offset, content in chunks:
                 if file_name == "wandb-summary.json":
                     if content:
                         self._db.execute(
@@ -175,7 +184,6 @@ class Store:
                     [(pk, stream, offset + i, line, step(line)) for i, line in enumerate(content)],
                 )
             if body.get("complete"):
-                code = body.get("exitcode")
                 state = "finished" if code in (0, None) else "failed"
                 self._db.execute(
                     "UPDATE runs SET state = ?, exit_code = ?, updated = ? WHERE pk = ?",
@@ -438,14 +446,8 @@ def plain_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def _config_update(text: str | None) -> dict[str, Any]:
     """The config keys an UpsertBucket sets. It is read before the run is touched, so that a
-    config that is not a JSON object (or is nested past Python's limit) refuses the whole
+    config that is not a JSON object (or is nested too deeply) refuses the whole
     request instead of leaving a run created without it."""
     if not text:
         return {}
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        raise ValueError("the config is nested too deeply") from None
-    if not isinstance(value, dict):
-        raise ValueError("the config is not a JSON object")
-    return value
+    return values.json_object(text, "the config")
