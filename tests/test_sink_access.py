@@ -1,5 +1,5 @@
-"""The sink on a shared machine: its own key, a private data directory, checked values,
-run files that never run as pages, and no requests from other sites' pages.
+"""The sink on a shared machine: its own key, a private data directory, escaped pages,
+checked values and run files that never run as pages.
 
 Every test talks to a real sink process (`wbmerge sink serve`) over HTTP, as another local
 user or a browser would; the end-to-end ones drive the real uploader (`wandb sync`).
@@ -8,6 +8,7 @@ user or a browser would; the end-to-end ones drive the real uploader (`wandb syn
 from __future__ import annotations
 
 import base64
+import html
 import http.client
 import json
 import os
@@ -23,6 +24,7 @@ from click.testing import CliRunner
 
 from wbmerge import synthetic
 from wbmerge.cli import main
+from wbmerge.sink.pages import index_html, run_html
 from wbmerge.topology import RankInfo
 
 from .conftest import job_dir
@@ -201,6 +203,27 @@ def test_an_older_sinks_data_directory_is_made_private(make_sink, tmp_path):
     found = modes(sink.data_dir)
     assert found["data"] == 0o700
     assert {found[n] for n in ("sink.sqlite3", "upload-secret", "api-key")} == {0o600}
+
+
+def hostile_run() -> dict:
+    return {
+        "id": "r1", "entity": "local", "project": "p", "display_name": HOSTILE,
+        "group": HOSTILE, "job_type": HOSTILE, "state": "failed", "exit_code": HOSTILE,
+        "summary": {HOSTILE: HOSTILE}, "config": {HOSTILE: [HOSTILE]},
+        "history": [{"_step": 0, HOSTILE: 1.0}, {"_step": 1, HOSTILE: 2.0}],
+        "system_metrics": [], "console": [HOSTILE], "files": [HOSTILE + ".txt"],
+    }  # fmt: skip
+
+
+def test_the_pages_escape_every_value():
+    run = hostile_run()
+    for page in (run_html(run), index_html([run])):
+        assert "<script" not in page.lower() and "<img" not in page.lower()
+        assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;&quot;&#x27;&gt;" in page
+        assert "onerror=alert(1)&gt;" in page
+        for attribute in re.findall(r"(\w+)='([^']*)'", page):
+            assert "<" not in attribute[1] and '"' not in attribute[1], attribute
+    assert f"exit code {html.escape(HOSTILE)}," in run_html(run)
 
 
 # Bodies no run may store: each is a 400 for its own request, and the other runs stay readable.

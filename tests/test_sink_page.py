@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -98,3 +99,29 @@ def test_screenshot_in_headless_chromium(sink, tmp_path):
     keep = ROOT / "build" / "run-page.png"  # for people to look at after a run
     keep.parent.mkdir(exist_ok=True)
     shutil.copy(shot, keep)
+
+
+@needs_chromium
+def test_chromium_finds_no_script_in_a_page_of_hostile_values(sink, tmp_path):
+    """What a browser makes of a run whose names and values are HTML: text, no elements."""
+    hostile = "<script>document.title='owned'</script><img src=x onerror=alert(1)>"
+    query = (
+        "mutation UpsertBucket($name: String, $project: String, $displayName: String, "
+        "$groupName: String, $summaryMetrics: JSONString, $config: JSONString) { x }"
+    )
+    variables = {"project": "h", "name": "r", "displayName": hostile, "groupName": hostile,
+                 "summaryMetrics": json.dumps({hostile: hostile}),
+                 "config": json.dumps({"lr": {"value": hostile}})}  # fmt: skip
+    request = urllib.request.Request(
+        sink.url + "/graphql",
+        data=json.dumps({"query": query, "variables": variables}).encode(),
+        headers={"Authorization": sink.auth, "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request) as response:
+        assert response.status == 200
+    for path in ("/local/h/runs/r", "/"):
+        result = chromium(tmp_path, "--dump-dom", signed_in_url(sink, path))
+        dom = result.stdout
+        assert "<body>" in dom, result.stderr[-2000:]
+        assert "<script" not in dom and "<img" not in dom and "owned" not in dom.split("<body>")[0]
+        assert "&lt;script&gt;document.title='owned'&lt;/script&gt;" in dom

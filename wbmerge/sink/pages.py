@@ -38,14 +38,14 @@ pre{background:#f7f7f7;padding:8px;max-height:320px;overflow:auto;font-size:12px
 
 def add_routes(app: web.Application, store_key: web.AppKey) -> None:
     async def index(request: web.Request) -> web.Response:
-        return _page("wbmerge sink", _index(request.app[store_key].runs()))
+        return _page("wbmerge sink", index_html(request.app[store_key].runs()))
 
     async def run_page(request: web.Request) -> web.Response:
         m = request.match_info
         run = request.app[store_key].run(m["entity"], m["project"], m["run"], full=True)
         if run is None:
             raise web.HTTPNotFound(text="no such run")
-        return _page(f"{run['id']} - wbmerge sink", _run(run))
+        return _page(f"{run['id']} - wbmerge sink", run_html(run))
 
     async def group_page(request: web.Request) -> web.Response:
         m = request.match_info
@@ -72,10 +72,18 @@ def _page(title: str, body: str) -> web.Response:
 
 
 def _e(value: Any) -> str:
-    return html.escape(str(value))
+    """A value as HTML text or attribute (in either quotes): every value a page shows
+    came from a request, so none is written unescaped."""
+    return html.escape(str(value), quote=True)
 
 
-def _index(runs: list[dict]) -> str:
+def _href(*parts: str) -> str:
+    """A link to one of the sink's pages: each part percent-quoted, then escaped."""
+    return _e("/" + "/".join(quote(part, safe="") for part in parts))
+
+
+def index_html(runs: list[dict]) -> str:
+    """The body of the index page: runs by project, their groups, a table of the runs."""
     if not runs:
         return "<h1>wbmerge sink</h1><p>No runs yet. Upload with <code>wbmerge sync</code>.</p>"
     by_project: dict[tuple[str, str], list[dict]] = defaultdict(list)
@@ -87,7 +95,7 @@ def _index(runs: list[dict]) -> str:
         groups = sorted({r["group"] for r in members if r["group"]})
         if groups:
             links = ", ".join(
-                f"<a href='/{_e(entity)}/{_e(project)}/groups/{_e(g)}'>{_e(g)}</a>" for g in groups
+                f"<a href='{_href(entity, project, 'groups', g)}'>{_e(g)}</a>" for g in groups
             )
             parts.append(f"<p>groups: {links}</p>")
         parts.append(_run_table(members))
@@ -97,7 +105,7 @@ def _index(runs: list[dict]) -> str:
 def _run_table(runs: list[dict]) -> str:
     rows = ["<tr><th>run</th><th>group</th><th>job type</th><th>state</th><th>exit code</th></tr>"]
     for r in runs:
-        href = f"/{_e(r['entity'])}/{_e(r['project'])}/runs/{_e(r['id'])}"
+        href = _href(r["entity"], r["project"], "runs", r["id"])
         rows.append(
             f"<tr><td><a href='{href}'>{_e(r['display_name'] or r['id'])}</a> ({_e(r['id'])})</td>"
             f"<td>{_e(r['group'] or '')}</td><td>{_e(r['job_type'] or '')}</td>"
@@ -107,10 +115,11 @@ def _run_table(runs: list[dict]) -> str:
     return "<table>" + "".join(rows) + "</table>"
 
 
-def _run(run: dict) -> str:
+def run_html(run: dict) -> str:
+    """The body of a run's page (`Store.run(..., full=True)`): facts, charts, tables, files."""
     facts = [f"state <b class='state-{_e(run['state'])}'>{_e(run['state'])}</b>"]
     if run["exit_code"] is not None:
-        facts.append(f"exit code {run['exit_code']}")
+        facts.append(f"exit code {_e(run['exit_code'])}")
     if run["group"]:
         facts.append(f"group {_e(run['group'])}")
     if run["job_type"]:
