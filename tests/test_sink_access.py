@@ -357,3 +357,32 @@ def test_requests_from_other_sites_pages_are_refused(sink):
     same = {"Origin": sink.url, "Sec-Fetch-Site": "same-origin", "Authorization": sink.auth}
     assert call(sink, "POST", "/graphql", body, same)[0] == 200
     assert [r["id"] for r in sink.client.runs()] == ["csrf"]
+
+
+def serve(data: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "wbmerge.sink", "--port", "0", "--data", str(data)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_serve_refuses_a_planted_key_symlink_in_one_line(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("0123456789abcdef" * 2 + "01234567")  # a key of the right form
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "api-key").symlink_to(outside)
+    result = serve(tmp_path / "data")
+    assert result.returncode == 2
+    assert result.stderr.startswith("wbmerge: error: cannot serve from ")
+    assert len(result.stderr.splitlines()) == 1 and "API key" in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_serve_refuses_a_data_directory_of_another_user(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir(mode=0o777)
+    os.chown(data, 65534, 65534)  # nobody's
+    result = serve(data)
+    assert result.returncode == 2 and "belongs to another user" in result.stderr
+    assert len(result.stderr.splitlines()) == 1
+    assert list(data.iterdir()) == []
