@@ -102,7 +102,13 @@ RECIPES = {
     "legacy": "name='rank-{rank}', group='DDP', a nested key and summary values",
     "launch-args": "every rank: group='DDP-launch', started by torch.distributed.launch",
     "srun": "every rank: group='DDP-srun', started as one srun task per rank",
+    "saved-files": "x_label='rank-{rank}', each rank in its own directory: wandb.save('*.pt') "
+    "of a checkpoint (policy now, end, live by rank), define_metric('val/*', step_metric="
+    "'epoch'); only rank 0 logs epoch and val/acc",
 }
+
+# The upload policy of each rank's `wandb.save` in the `saved-files` recipe, by rank.
+SAVE_POLICIES = ("now", "end", "live")
 
 
 def start_run(args: argparse.Namespace) -> wandb.Run | None:
@@ -159,7 +165,36 @@ def start_recipe_run(args: argparse.Namespace, config: dict) -> wandb.Run | None
         return wandb.init(**init)
     if args.recipe == "rank0-only":
         return wandb.init(**init) if rank == 0 else None
+    if args.recipe == "saved-files":
+        return start_saved_files_run(args, init, settings, rank, world)
     raise ValueError(f"unknown recipe {args.recipe!r}")
+
+
+def start_saved_files_run(
+    args: argparse.Namespace, init: dict, settings: wandb.Settings, rank: int, world: int
+) -> wandb.Run:
+    """The `saved-files` recipe: each rank runs in `<dir>/rank-{rank}/`, so that every rank's
+    `wandb.save("*.pt")` finds only its own checkpoint, under the same name in every rank.
+    wandb records `<dir>` (its `dir=`) as the run's root, which holds every checkpoint."""
+    args.dir = str(Path(args.dir).resolve())  # (relative paths would move with the chdir)
+    own_dir = Path(args.dir, f"rank-{rank}")
+    own_dir.mkdir(parents=True, exist_ok=True)
+    os.chdir(own_dir)
+    settings.x_label = f"rank-{rank}"
+    init["dir"] = args.dir
+    init["config"] = {**init["config"], "rank": rank, "world_size": world}
+    run = wandb.init(**init)
+    run.define_metric("epoch", hidden=True)
+    run.define_metric("val/*", step_metric="epoch", summary="max")
+    return run
+
+
+def save_checkpoint(run: wandb.Run, model: nn.Module, rank: int, first: bool) -> None:
+    """Write this rank's `model.pt`; the first time also `wandb.save` it with its policy
+    (a `live` file is written again later, and wandb uploads what it holds at the end)."""
+    torch.save({"rank": rank, "state": model.state_dict()}, "model.pt")
+    if first:
+        run.save("*.pt", policy=SAVE_POLICIES[rank % len(SAVE_POLICIES)])
 
 
 def checkpoint_path(args: argparse.Namespace) -> Path:
@@ -231,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
         if run is not None and rank == args.eval_rank and step % 5 == 4:
             best = min(best, loss.item())
             run.log({"val/loss": loss.item()}, step=step)
+        if run is not None and args.recipe == "saved-files":
+            if rank == 0 and step % 5 == 4:
+                run.log({"epoch": step // 5, "val/acc": 1.0 / (1.0 + loss.item())}, step=step)
+            if step in (args.steps // 3, args.steps - 1):
+                save_checkpoint(run, model.module, rank, first=step == args.steps // 3)
         if rank == args.media_rank and step == args.steps // 2:
             log_media(run, rank, step)
         if step % 10 == 0:
