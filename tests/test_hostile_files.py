@@ -1,5 +1,6 @@
-"""`files` records and `files/` entries that point out of their run are left out: the merge
-reads nothing outside the runs and the uploader is given no path that leaves the run."""
+"""`files` records that point out of their run are left out, and `files/` links that lead out
+of the allowed directories are refused: the merge reads nothing outside what the user named
+and the uploader is given no path that leaves the run."""
 
 from __future__ import annotations
 
@@ -25,19 +26,17 @@ def files_record(*paths: str) -> bytes:
 
 @pytest.fixture
 def hostile(tmp_path: Path) -> tuple[Path, Path, list[str]]:
-    """one_node_4 with, in every rank, a files record naming the canary outside (by `..`,
-    absolute, and through a link in files/ that leads out) and one honest file."""
+    """one_node_4 with, in every rank, a files record naming the canary outside (by `..` and
+    absolute) and one honest file."""
     canary = tmp_path / "canary.txt"
     canary.write_text(SECRET)
     job = copy_job("one_node_4", tmp_path / "job")
     bad = []
     for rank, log in enumerate(run_logs(job)):
         files = log.parent / "files"
-        (files / "link.txt").symlink_to(canary)
-        (files / "dangling.txt").symlink_to(tmp_path / "nowhere")
         (files / "honest.txt").write_text(f"honest file of run {rank}\n")
         depth = "../" * (len(files.relative_to(tmp_path).parts) + 2)
-        bad = [f"{depth}canary.txt", str(canary), "link.txt", "dangling.txt", "a/../../x"]
+        bad = [f"{depth}canary.txt", str(canary), "a/../../x"]
         insert_after_run_record(log, [files_record(*bad, "honest.txt")])
     return job, canary, bad
 
@@ -53,7 +52,7 @@ def test_files_pointing_out_of_the_run_are_left_out_with_a_warning(hostile, tmp_
 
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
-    assert "left out" in result.stderr and "link.txt" in result.stderr
+    assert "left out" in result.stderr and "a/../../x" in result.stderr
     assert hashlib.sha256(canary.read_bytes()).hexdigest() == digest
     after = tree_digest(tmp_path)
     assert {k: v for k, v in after.items() if not k.startswith("out")} == before
@@ -71,3 +70,19 @@ def test_files_pointing_out_of_the_run_are_left_out_with_a_warning(hostile, tmp_
             assert not path.is_symlink()
             if path.is_file():
                 assert SECRET.encode() not in path.read_bytes()
+
+
+@pytest.mark.parametrize("mode", ["new", "auto", "shared"])
+def test_a_link_out_of_the_run_is_refused_and_nothing_is_written(hostile, tmp_path, mode):
+    job, canary, _ = hostile
+    for log in run_logs(job):
+        (log.parent / "files" / "link.txt").symlink_to(canary)
+    before = tree_digest(tmp_path)
+
+    result = run_cli("merge", job / "wandb", "--run-mode", mode, "--out", tmp_path / "out")
+
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "'link.txt'" in line and "--files-from" in line
+    assert tree_digest(tmp_path) == before  # no --out, nothing read into it

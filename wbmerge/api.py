@@ -13,8 +13,9 @@
 The merge options (`plan`, `merge`, `sync`) are the fields of `MergeRequest`, given by
 keyword: `run_mode`, `rank_scope`, `base_id`, `job`, `allow_missing_ranks`,
 `system_metrics`, `key_format`, `skew_metrics`, `rank_stats`, `per_rank`, `project`,
-`entity`, `job_type`, `label_pattern`, `ranks_file`, `primary`, `rank_order`. `paths` is
-one path or a list of them.
+`entity`, `job_type`, `label_pattern`, `ranks_file`, `primary`, `rank_order`,
+`files_from` (the CLI's repeatable `--files-from`: one directory or a list). `paths` is one
+path or a list of them.
 
 Every function raises `WbmergeError` (one line, with the exit code the CLI uses) for bad
 input; `sync` raises `UploadFailed` (exit 1, its `report` says what was verified) when a

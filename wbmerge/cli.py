@@ -248,6 +248,9 @@ def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--entity", "-e", help="Default: WANDB_ENTITY, then the runs' entity."),
         click.option("--job-type", help="Job type of the runs created. Default: the ranks' "
                      "own (shared: the primary's); a run given none keeps the server's."),
+        click.option("--files-from", "files_from", multiple=True, type=click.Path(), metavar="DIR",
+                     help="Also follow saved-file links (wandb.save) to files under DIR, and find "
+                     "moved ones there (repeatable). Default: only the directory each rank ran in."),
         *rank_options(),
         click.option("--rank-order", type=click.Choice(["start"]), default=None,
                      help="Accept start order as the ranks of a job whose runs say nothing "

@@ -24,6 +24,7 @@ from .merged import merged_jobs, selects_merged
 from .plan import Target, app_url, check_destination, links, plan, run_url
 from .rankstats import PerRank
 from .safepaths import check_out_dir, source_trees
+from .stagefiles import check_files, files_from_dirs
 from .upload import (
     DEFAULT_PARALLEL,
     DEFAULT_TIMEOUT,
@@ -66,6 +67,7 @@ class MergeRequest:
     ranks_file: str | Path | None = None  # run id -> rank, JSON or CSV
     primary: Sequence[str] = ()  # run ids: rank 0 of jobs whose runs say nothing of ranks
     rank_order: str | None = None  # "start": accept a rank 0 that is only the first to start
+    files_from: Sequence[str | Path] = ()  # directories saved files may be read from too
     verify: str = "sample"  # "full": compare every row's values read back, not a sample
 
     def __post_init__(self) -> None:
@@ -93,6 +95,7 @@ class PlannedJob:
         """What a run's ledger fingerprint covers besides its files: a run synced with other
         settings is not the same upload (`sync` and `sync --follow` must agree)."""
         options = dict(self.options(request).__dict__)
+        del options["files_from"]  # (where files are found, not what is merged)
         if not options["rank_stats"] and options["per_rank"] == PerRank():
             # (the defaults: the same fingerprint as before these options existed)
             del options["rank_stats"], options["per_rank"]
@@ -112,6 +115,7 @@ class PlannedJob:
             skew_metrics=request.skew_metrics,
             rank_stats=request.rank_stats,
             per_rank=PerRank.parse(request.per_rank),
+            files_from=files_from_dirs(request.files_from),
         )
 
 
@@ -132,6 +136,7 @@ def plan_jobs(request: MergeRequest) -> list[PlannedJob]:
     """Discover the runs under the paths, group them into jobs, and plan each job's targets."""
     check_key_format(request.key_format)
     PerRank.parse(request.per_rank)  # (bad values: an error before any work)
+    files_from_dirs(request.files_from)
     hints = make_hints(request.label_pattern, request.ranks_file, request.primary)
     runs = discover(request.paths, hints=hints)
     if selects_merged(runs, request.job):
@@ -278,6 +283,7 @@ def merge_jobs(
             "is nothing to merge (upload it as it is with `wbmerge sync`)"
         )
     check_out_dir(out_dir, source_trees(request.paths, _run_files(planned)))
+    check_files([t for job in planned for t in job.targets], files_from_dirs(request.files_from))
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -412,6 +418,7 @@ def _sync(
     planned = plan_jobs(request) if planned is None else planned
     for job in planned:  # (bad input first: exit 2 whether the server answers or not)
         check_destination(job.project, job.entity)
+    check_files([t for job in planned for t in job.targets], files_from_dirs(request.files_from))
     client = ServerClient(credentials)
     viewer_entity = client.viewer_entity()  # the preflight: fails in seconds, naming the URL
     report = SyncReport(planned)

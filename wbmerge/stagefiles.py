@@ -2,21 +2,24 @@
 `files` records rewritten to name only what was staged.
 
 Everything here treats the source as untrusted: only regular files inside a source's
-`files/` are read, and a `files` record path that would lead the uploader (which reads each
-path under the staged run's `files/`) out of the run is left out with a warning.
+`files/`, and the files its links lead to under the rules of `savedfiles`, are read, and a
+`files` record path that would lead the uploader (which reads each path under the staged
+run's `files/`) out of the run is left out with a warning.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-from collections.abc import Iterator, Mapping
+import stat
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import safepaths
 from .errors import WbmergeError
 from .plan import Source, Target
 from .proto import pb
+from .savedfiles import copy_regular, follow_link, recorded_root
 
 # wandb's own files of a run: in a shared run, the primary's alone are kept.
 WANDB_FILES = {
@@ -30,28 +33,85 @@ WANDB_FILES = {
 }
 
 
+@dataclass
+class StagedFiles:
+    """What `stage_files` copied: (source, name) -> staged name of every entry, and the size
+    of each saved file (a link `wandb.save` made, followed) by its staged name, as read from
+    the source: the files the upload must leave on the server."""
+
+    names: dict[tuple[Path, str], str] = field(default_factory=dict)
+    saved: dict[str, int] = field(default_factory=dict)
+
+
 def stage_files(
-    target: Target, dest: Path, warnings: list[str]
-) -> tuple[dict[tuple[Path, str], str], set[tuple[Path, str]]]:
-    """Copy every source's `files/` into `dest`; returns (source, name) -> staged name, and
-    the (source, name) entries refused.
+    target: Target, dest: Path, warnings: list[str], files_from: Sequence[Path] = ()
+) -> StagedFiles:
+    """Copy every source's `files/` into `dest`.
 
     The primary's files are kept as they are. Of other ranks (shared mode), wandb's own
     files are the primary's business and skipped; their media and user files are kept, and
     one whose name is taken by different content moves to `{label}/{name}` (the label made
-    safe as a directory name). Only regular files inside the source's `files/` directory are
-    read: a symbolic link that leads out of it, a dangling link or a link loop, a FIFO or a
-    device is refused with a warning; an entry that cannot be read is an error naming it.
+    safe as a directory name). A regular file inside the source's `files/` is copied, and
+    so is the file a link leads to under the rules of `savedfiles` (the directory the rank
+    ran in, or `files_from`); any other entry (a link elsewhere, dangling or to a
+    directory, a FIFO, a device) is a WbmergeError naming it, as is one that cannot be read.
     """
-    mapping: dict[tuple[Path, str], str] = {}
-    refused: set[tuple[Path, str]] = set()
+    staged = StagedFiles()
+    for source, name, readable, linked in _entries(target, files_from):
+        staged_name = name
+        existing = dest / name
+        if existing.exists() and not _same_file(existing, readable):
+            staged_name = f"{safepaths.component(source.label)}/{name}"
+            warnings.append(
+                f"{source.label}: file {name} also written by another rank; kept as {staged_name}"
+            )
+        staged.names[(source.path, name)] = staged_name
+        target_path = dest / staged_name
+        if target_path.exists():
+            size = target_path.stat().st_size  # (the same bytes, from another rank)
+        else:
+            target_path.parent.mkdir(parents=True, exist_ok=True)
+            size = copy_regular(readable, target_path, f"{source.label}: file {name!r}")
+        if linked and name not in WANDB_FILES:
+            staged.saved[staged_name] = size
+    return staged
+
+
+def files_from_dirs(paths: Sequence[str | Path] | str | Path) -> tuple[Path, ...]:
+    """The `--files-from` directories (one path, or several), each checked to be one (a
+    mistyped directory would otherwise show only as a saved file not found)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    for path in paths:
+        if not Path(path).is_dir():
+            raise WbmergeError(f"--files-from {path}: not a directory")
+    return tuple(Path(path) for path in paths)
+
+
+def check_files(targets: Iterable[Target], files_from: Sequence[Path] = ()) -> None:
+    """Raise the WbmergeError `stage_files` would raise for an entry of the targets'
+    sources (a link out of the allowed directories: `savedfiles`), without copying
+    anything: a merge or sync says it before any run is written or uploaded. Runs merged
+    already (`merged` targets) hold copies, and are not looked at."""
+    for target in targets:
+        if target.kind != "merged":
+            for _ in _entries(target, files_from):
+                pass
+
+
+def _entries(
+    target: Target, files_from: Sequence[Path]
+) -> Iterator[tuple[Source, str, Path, bool]]:
+    """(source, name, the regular file to read, whether it was a link) of every entry of
+    the sources' `files/` that the staged run takes."""
     for source in target.sources:
         files = source.path.parent / "files"
         if not files.is_dir() or files.is_symlink():
             continue
         root = files.resolve()
         primary = source.rank.rank == target.primary_rank
-        for path, name in _file_entries(files, source.label, warnings):
+        recorded: list[str | None] = []  # the run's root, read when a link needs it
+        for path, name in _file_entries(files):
             if name.startswith("output") and name.endswith(".log"):
                 continue  # rebuilt by the uploader from the console records
             if (
@@ -60,44 +120,50 @@ def stage_files(
                 and (name in WANDB_FILES or name.startswith("code/"))
             ):
                 continue
-            readable, why = safepaths.regular_file_inside(path, root)
-            if readable is None:
-                refused.add((source.path, name))
-                warnings.append(f"{source.label}: file {name!r} {why}; not copied")
-                continue
-            staged_name = name
-            existing = dest / name
-            if existing.exists() and not _same_file(existing, readable):
-                staged_name = f"{safepaths.component(source.label)}/{name}"
-                warnings.append(
-                    f"{source.label}: file {name} also written by another rank; kept as {staged_name}"
-                )
-            mapping[(source.path, name)] = staged_name
-            target_path = dest / staged_name
-            if not target_path.exists():
-                target_path.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    shutil.copyfile(readable, target_path)
-                except OSError as exc:
-                    raise WbmergeError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    return mapping, refused
+            yield source, name, *_readable(path, name, source, root, files_from, recorded)
 
 
-def _file_entries(files: Path, label: str, warnings: list[str]) -> Iterator[tuple[Path, str]]:
+def _readable(
+    path: Path,
+    name: str,
+    source: Source,
+    root: Path,
+    files_from: Sequence[Path],
+    recorded: list[str | None],
+) -> tuple[Path, bool]:
+    """The regular file to copy for the entry `path` of a source's `files/` (resolved root
+    `root`), and whether it was a link; a WbmergeError for an entry that may not be read."""
+    try:
+        mode = path.lstat().st_mode
+    except OSError as exc:
+        raise WbmergeError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if stat.S_ISREG(mode):
+        return path, False
+    if not stat.S_ISLNK(mode):
+        raise WbmergeError(
+            f"{source.label}: file {name!r} of {source.path.parent} is not a regular file "
+            "(a FIFO, socket or device); it is never read"
+        )
+    inside, _ = safepaths.regular_file_inside(path, root)
+    if inside is not None:  # (a link to another file of the run)
+        return inside, True
+    if not recorded:
+        recorded.append(recorded_root(source.path))
+    return follow_link(path, name, source.label, recorded[0], files_from), True
+
+
+def _file_entries(files: Path) -> Iterator[tuple[Path, str]]:
     """Every entry below `files` that is not a directory, as (path, name relative to
-    `files`), in a stable order; links to directories are not followed (warned about)."""
+    `files`), in a stable order; a link to a directory is an entry, never walked into."""
 
     def unreadable(exc: OSError) -> None:
         raise WbmergeError(f"{exc.filename}: cannot read ({exc.strerror or exc})")
 
     for dirpath, dirnames, filenames in os.walk(files, onerror=unreadable):
         here = Path(dirpath)
-        for name in sorted(dirnames):
-            if (here / name).is_symlink():
-                relative = (here / name).relative_to(files).as_posix()
-                warnings.append(f"{label}: {relative!r} is a link to a directory; not followed")
-        dirnames[:] = sorted(d for d in dirnames if not (here / d).is_symlink())
-        for name in sorted(filenames):
+        links = [d for d in dirnames if (here / d).is_symlink()]
+        dirnames[:] = sorted(d for d in dirnames if d not in links)
+        for name in sorted([*filenames, *links]):
             path = here / name
             yield path, path.relative_to(files).as_posix()
 
@@ -114,15 +180,15 @@ def files_record(
     source: Source,
     warnings: list[str],
     staged: Mapping[tuple[Path, str], str] | None = None,
-    refused: frozenset | set = frozenset(),
 ) -> bytes:
     """A source's `files` record as the staged run may carry it.
 
     Shared mode passes `staged` ((source, name) -> staged name): each path becomes its
     staged name and a path not staged is left out (warned about when it leads out of the
-    run; a refused file was warned about when staging). Pass-through passes the `refused`
-    entries instead: names stay, and unsafe or refused paths are left out with a warning.
-    The bytes come back unchanged when nothing changes.
+    run). Pass-through passes none: names stay, and a path that leads out of the run by its
+    text (absolute, `..`) is left out with a warning. (Every entry of a run's `files/` is
+    staged or refused before: `stage_files`.) The bytes come back unchanged when nothing
+    changes.
     """
     record = pb.Record.FromString(payload)
     kept, changed = [], False
@@ -131,7 +197,7 @@ def files_record(
         if staged is not None:
             name = staged.get((source.path, item.path))
         else:
-            name = item.path if safe and (source.path, item.path) not in refused else None
+            name = item.path if safe else None
         if name is None:
             changed = True
             if staged is None or not safe:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..rankstats import PerRank
 
@@ -20,3 +21,6 @@ class MergeOptions:
     skew_metrics: bool = False
     rank_stats: bool = False  # shared mode: per-step statistics across ranks (`rankstats`)
     per_rank: PerRank = field(default_factory=PerRank)  # shared mode: keys labelled per rank
+    # Where saved files (`wandb.save` links) may also be read, beside the directory each
+    # rank ran in (`savedfiles`); it changes where files are found, never what is merged.
+    files_from: tuple[Path, ...] = ()

@@ -34,7 +34,6 @@ def write_passthrough(
     target: Target,
     writer: LogWriter,
     options: MergeOptions,
-    refused: set[tuple[Path, str]],
     count_content: bool = False,
 ) -> Outcome:
     """A rank's records as they are (restarts concatenated), the run record rewritten and
@@ -42,7 +41,7 @@ def write_passthrough(
     (`stagefiles.files_record`): one clean log by copying its blocks (`write_spliced`),
     anything else record by record."""
     if len(target.sources) == 1 and not target.extra_system_sources:
-        spliced = write_spliced(target.sources[0], target, writer, options, refused, count_content)
+        spliced = write_spliced(target.sources[0], target, writer, options, count_content)
         if spliced is not None:
             return spliced
     outcome = Outcome()
@@ -78,7 +77,7 @@ def write_passthrough(
                 elif kind == "exit":
                     exit_payload = payload
                 elif kind == "files":
-                    body.write(files_record(payload, source, warnings, refused=refused))
+                    body.write(files_record(payload, source, warnings))
                 elif kind is None:
                     if is_record(payload):
                         body.write(payload)
@@ -147,7 +146,6 @@ def write_spliced(
     target: Target,
     writer: LogWriter,
     options: MergeOptions,
-    refused: set[tuple[Path, str]],
     count_content: bool = False,
 ) -> Outcome | None:
     """One clean log without re-framing it: its head (the blocks up to the end of the run
@@ -180,7 +178,7 @@ def write_spliced(
             exit_payload = frames.payload(int(exits[-1]))
         for index in read.of("files").tolist():
             payload = frames.payload(index)
-            copyable = copyable and files_record(payload, source, [], refused=refused) == payload
+            copyable = copyable and files_record(payload, source, []) == payload
         for index in np.flatnonzero(read.codes == _UNKNOWN).tolist():
             copyable = copyable and is_record(frames.payload(index))
     if report.damaged or counts[_EXIT] != 1 or not copyable:

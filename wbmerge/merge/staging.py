@@ -36,6 +36,9 @@ class Staged:
     # merge counted it on the way: a spliced log, whose source was read anyway. None: count
     # the staged log when it is needed.
     content: StagedContent | None = None
+    # The saved files (`wandb.save` links of the sources, followed) by their staged names,
+    # with the sizes read from the sources: what the upload must put on the server.
+    saved_files: dict[str, int] = field(default_factory=dict)
 
     @property
     def log_path(self) -> Path:
@@ -72,16 +75,17 @@ def stage(
     try:
         (run_dir / "files").mkdir()
         staged = Staged(target, run_dir)
-        file_map, refused = stage_files(target, run_dir / "files", staged.warnings)
+        files = stage_files(target, run_dir / "files", staged.warnings, options.files_from)
+        staged.saved_files = files.saved
         with streaming(), open(staged.log_path, "xb") as stream, LogWriter(stream) as writer:
             if target.kind == "shared":
                 # Imported here: the shared merge brings in pyarrow (85 ms of every start),
                 # which a pass-through (`new`, `auto`) never uses.
                 from .shared import write_shared
 
-                outcome = write_shared(target, writer, options, file_map, out_dir)
+                outcome = write_shared(target, writer, options, files.names, out_dir)
             else:
-                outcome = write_passthrough(target, writer, options, refused, count_content)
+                outcome = write_passthrough(target, writer, options, count_content)
             staged.records = writer.records
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,177 @@
+"""Saved files (`wandb.save` links in a run's `files/`) arrive in every run mode, read only
+under the directory the rank ran in or a `--files-from` directory; anything else is refused
+in one line before anything is uploaded.
+
+The fixture `recipe_saved_files` is a real torchrun job: each rank ran in `rank-{r}/` of the
+fixture's directory and saved its own `model.pt` there (policy now, end, live by rank). Its
+links name the absolute path where the fixture was made, so the tests pass the fixture's
+directory with `--files-from`, which finds the files wherever the repository is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from wbmerge.cli import main
+from wbmerge.proto import pb
+from wbmerge.records import read_records
+
+from .conftest import job_dir
+from .hostile import rewrite_log, tree_digest
+
+pytestmark = pytest.mark.e2e
+JOB = "recipe_saved_files"
+
+
+def rank_of(log: Path) -> int:
+    """The rank a source run says it is (its config's `rank`), read with protobuf."""
+    for record in read_records(log):
+        for item in [*record.run.config.update, *record.config.update]:
+            if (list(item.nested_key) or [item.key]) == ["rank"]:
+                return int(item.value_json)
+    raise AssertionError(f"{log} has no rank")
+
+
+def source_runs(job: Path) -> dict[int, Path]:
+    """rank -> the run directory of the source job `job`."""
+    return {rank_of(log): log.parent for log in job.glob("wandb/*/run-*.wandb")}
+
+
+def base_id(job: Path) -> str:
+    """The job's id, `{base}` of the run ids: its rank-0 run's offline id (README)."""
+    return source_runs(job)[0].name.rsplit("-", 1)[-1]
+
+
+def saved_bytes(job: Path) -> dict[int, bytes]:
+    """rank -> the bytes of the checkpoint that rank saved, from where it wrote it."""
+    return {rank: (job / f"rank-{rank}" / "model.pt").read_bytes() for rank in range(4)}
+
+
+def cli(sink, tmp_path, *args):
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
+    return CliRunner().invoke(main, [*map(str, args)], env=env)
+
+
+def synced_runs(result) -> list[str]:
+    return [run["id"] for run in json.loads(result.stdout)["runs"]]
+
+
+@pytest.mark.parametrize("mode", ["auto", "new", "shared"])
+def test_saved_files_arrive_with_the_bytes_each_rank_saved(sink, tmp_path, mode):
+    job = job_dir(JOB)
+    before = tree_digest(job)
+    result = cli(sink, tmp_path, "sync", "--json", job / "wandb", "--run-mode", mode,
+                 "-p", "saved", "-e", "local", "--files-from", job)  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert "not copied" not in result.stderr
+    saved = saved_bytes(job)
+    assert len(set(saved.values())) == 4  # (every rank's checkpoint differs)
+    runs = synced_runs(result)
+    base = base_id(job)
+    if mode == "new":
+        expected = {f"{base}-rank-{rank}": {"model.pt": saved[rank]} for rank in range(4)}
+    elif mode == "auto":
+        expected = {base: {"model.pt": saved[0]}}
+    else:  # each rank's own under its label, the primary's under its name
+        files = {f"rank-{rank}/model.pt": saved[rank] for rank in range(1, 4)}
+        expected = {base: {"model.pt": saved[0], **files}}
+    assert sorted(runs) == sorted(expected)
+    for run_id, files in expected.items():
+        listed = sink.client.run("local", "saved", run_id)["files"]
+        for name, data in files.items():
+            assert name in listed, (run_id, name)
+            assert sink.client.file("local", "saved", run_id, name) == data, (run_id, name)
+    assert tree_digest(job) == before  # sources are read, never written
+
+
+def moved_job(tmp_path: Path) -> Path:
+    """A copy of the fixture whose runs say they ran in a directory that is gone, with their
+    links to it dangling: a job's directory moved to another machine."""
+    job = tmp_path / "moved"
+    shutil.copytree(job_dir(JOB), job, symlinks=True)
+    gone = "/nonexistent/wbmerge-moved-job"
+
+    def old_root(record: pb.Record) -> pb.Record | None:
+        if record.WhichOneof("record_type") == "environment" and record.environment.root:
+            record.environment.root = gone
+            return record
+        return None
+
+    for rank, run in source_runs(job).items():
+        rewrite_log(next(run.glob("run-*.wandb")), old_root)
+        link = run / "files" / "model.pt"
+        link.unlink()
+        link.symlink_to(f"{gone}/rank-{rank}/model.pt")
+    return job
+
+
+def test_moved_files_are_found_under_files_from(sink, tmp_path):
+    job = moved_job(tmp_path)
+    result = cli(sink, tmp_path, "sync", "--json", job / "wandb", "--run-mode", "new",
+                 "-p", "moved", "-e", "local", "--files-from", job)  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    saved = saved_bytes(job)
+    base = base_id(job)
+    for rank in range(4):
+        got = sink.client.file("local", "moved", f"{base}-rank-{rank}", "model.pt")
+        assert got == saved[rank]
+
+
+def test_moved_files_without_files_from_are_refused_before_any_upload(sink, tmp_path):
+    job = moved_job(tmp_path)
+    result = cli(sink, tmp_path, "sync", job / "wandb", "--run-mode", "new", "-p", "moved")
+    assert result.exit_code == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wbmerge: error:"), result.stderr
+    assert "'model.pt'" in lines[0] and "--files-from" in lines[0]
+    assert "does not exist" in lines[0]
+    assert sink.client.runs() == []
+
+
+def hostile_links(tmp_path: Path) -> dict[str, str | Path]:
+    """Where a saved file's link may lead that must be refused, each made real under
+    `tmp_path` (the copy of the job is `tmp_path/job`, given as --files-from)."""
+    job = tmp_path / "job"
+    outside = tmp_path / "outside.pt"
+    outside.write_bytes(b"a file outside every allowed directory\n")
+    (job / "a-directory").mkdir()
+    os.mkfifo(job / "a-fifo")
+    (job / "chain.pt").symlink_to(outside)  # inside, but leads out
+    return {
+        "etc-passwd": "/etc/passwd",
+        "directory": job / "a-directory",
+        "fifo": job / "a-fifo",
+        "dangling": job / "nowhere.pt",
+        "chain": job / "chain.pt",
+        "dotdot": f"{job}/rank-0/../../outside.pt",
+    }
+
+
+@pytest.mark.parametrize("case", ["etc-passwd", "directory", "fifo", "dangling", "chain", "dotdot"])
+@pytest.mark.parametrize("command", ["sync", "merge"])
+def test_links_out_of_the_allowed_directories_are_refused(sink, tmp_path, case, command):
+    job = tmp_path / "job"
+    shutil.copytree(job_dir(JOB), job, symlinks=True)
+    link = source_runs(job)[2] / "files" / "model.pt"
+    link.unlink()
+    link.symlink_to(hostile_links(tmp_path)[case])
+    before = tree_digest(tmp_path)
+    out = tmp_path / "out"
+    where = ["--out", out] if command == "merge" else ["-p", "hostile"]
+    result = cli(sink, tmp_path, command, job / "wandb", "--run-mode", "shared",
+                 "--files-from", job, *where)  # fmt: skip
+    assert result.exit_code == 2, (result.stderr, result.stdout)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wbmerge: error:"), result.stderr
+    assert "rank-2" in lines[0] and "'model.pt'" in lines[0] and "--files-from" in lines[0]
+    assert "Traceback" not in result.stderr
+    assert sink.client.runs() == []  # nothing uploaded
+    assert not out.exists()  # nothing merged
+    after = {k: v for k, v in tree_digest(tmp_path).items() if not k.startswith("state")}
+    assert after == {k: v for k, v in before.items() if not k.startswith("state")}

@@ -1,0 +1,134 @@
+"""Saved files: what `wandb.save` (policies now, live and end) and `sync_tensorboard` put in
+a run's `files/`, a symbolic link to the user's file, followed as plain `wandb sync` follows
+it, but only where the user allows.
+
+A link is followed only to a regular file under the directory the rank ran in (the `root`
+of its environment record, which is wandb's `dir=` or the working directory) or under a
+directory given with `--files-from`. A link whose file moved (a job's directory copied to
+another machine, a fixture cloned elsewhere) is found again under a `--files-from`
+directory at its path relative to the recorded root. Anything else is refused in one line
+that names the file and the option, before anything is uploaded: a saved file either
+arrives or the command fails.
+
+Links are resolved (every link of a chain) before containment is checked, so a chain or a
+`..` that leaves the allowed directories is refused, and the file is opened without
+following a link again (`O_NOFOLLOW`), its type checked on the open file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import WbmergeError
+from .proto import pb
+from .records import record_kind
+from .safepaths import is_within
+from .txlog import BLOCK_SIZE, read_frames
+
+_ROOT_SCAN_RECORDS = 2000  # wandb writes the environment record among a run's first records
+_OPTION = "--files-from"
+
+
+def recorded_root(log: Path) -> str | None:
+    """The `root` of the first environment record of `log` that has one, else None. It is
+    untrusted like everything in the file: a root of `/` (every file) is not taken."""
+    try:
+        count = 0
+        for frames in read_frames(log, read_size=BLOCK_SIZE):
+            for payload in frames.payloads():
+                if record_kind(payload) == "environment":
+                    root = pb.Record.FromString(payload).environment.root
+                    if root:
+                        return root if os.path.isabs(root) and Path(root) != Path("/") else None
+                count += 1
+                if count > _ROOT_SCAN_RECORDS:
+                    return None
+    except (OSError, WbmergeError, ValueError):
+        return None
+    return None
+
+
+def follow_link(
+    entry: Path, name: str, label: str, root: str | None, files_from: Sequence[Path]
+) -> Path:
+    """The regular file the link `entry` (a run's `files/{name}`) leads to, resolved; a
+    WbmergeError naming the file and `--files-from` when it leads anywhere else."""
+    raw = os.readlink(entry)
+    allowed = ([Path(os.path.realpath(root))] if root else []) + [
+        Path(os.path.realpath(directory)) for directory in files_from
+    ]
+    target = _resolved(entry)
+    if target is not None and any(is_within(target, base) for base in allowed):
+        if _is_regular(target):
+            return target
+        return _refuse(label, name, raw, "which is not a regular file", root)
+    moved = _moved(raw, root, files_from)
+    if moved is not None:
+        return moved
+    why = "which does not exist" if target is None else "outside the allowed directories"
+    return _refuse(label, name, raw, why, root)
+
+
+def _moved(raw: str, root: str | None, files_from: Sequence[Path]) -> Path | None:
+    """The file a link to `raw` (an absolute path under the recorded `root`) names, found
+    under a `--files-from` directory at the same path relative to the root; None if none."""
+    if not root or not os.path.isabs(raw):
+        return None
+    lexical, base = os.path.normpath(raw), os.path.normpath(root)
+    if not is_within(Path(lexical), Path(base)) or lexical == base:
+        return None
+    relative = os.path.relpath(lexical, base)
+    for directory in files_from:
+        candidate = _resolved(Path(directory, relative))
+        if (
+            candidate is not None
+            and is_within(candidate, Path(os.path.realpath(directory)))
+            and _is_regular(candidate)
+        ):
+            return candidate
+    return None
+
+
+def _resolved(path: Path) -> Path | None:
+    try:
+        return path.resolve(strict=True)
+    except (OSError, RuntimeError):  # dangling, a loop, or no permission on the way
+        return None
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _refuse(label: str, name: str, raw: str, why: str, root: str | None) -> Path:
+    places = f"the directory the rank ran in ({root}) or a {_OPTION} directory"
+    if not root:
+        places = f"a {_OPTION} directory (the run records no directory it ran in)"
+    raise WbmergeError(
+        f"{label}: saved file {name!r} links to {raw!r}, {why}; a link is followed only to a "
+        f"regular file under {places}: add {_OPTION} DIR where the file is"
+    )
+
+
+def copy_regular(source: Path, dest: Path, name: str) -> int:
+    """Copy the regular file `source` to `dest` (created exclusively), without following a
+    link at `source` and without blocking on a FIFO put in its place since it was checked;
+    returns the bytes copied."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(source, flags)
+    except OSError as exc:
+        raise WbmergeError(f"{name}: cannot read {source} ({exc.strerror or exc})") from None
+    with open(fd, "rb") as reader:
+        if not stat.S_ISREG(os.fstat(reader.fileno()).st_mode):
+            raise WbmergeError(f"{name}: {source} is no longer a regular file; not read")
+        with open(dest, "xb") as writer:
+            shutil.copyfileobj(reader, writer, 1 << 20)
+            return writer.tell()
