@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from wbmerge import api
 from wbmerge.cli import main
 from wbmerge.proto import pb
 from wbmerge.records import read_records
+from wbmerge.upload import Credentials, Deliverer, Delivery, Ledger, ServerClient
 
 from .conftest import job_dir
 from .hostile import rewrite_log, tree_digest
@@ -175,3 +177,32 @@ def test_links_out_of_the_allowed_directories_are_refused(sink, tmp_path, case, 
     assert not out.exists()  # nothing merged
     after = {k: v for k, v in tree_digest(tmp_path).items() if not k.startswith("state")}
     assert after == {k: v for k, v in before.items() if not k.startswith("state")}
+
+
+def test_a_saved_file_missing_on_the_server_fails_the_run(sink, tmp_path, monkeypatch):
+    """The files check counts the saved files of the sources, not what staging holds: a
+    staged run that lost its saved file uploads whole by every other count, and fails."""
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "state"))
+    job = job_dir(JOB)
+    [staged] = api.merge(job / "wandb", tmp_path / "out", run_mode="auto", files_from=job)
+    assert staged.saved_files == {"model.pt": len(saved_bytes(job)[0])}
+    (staged.run_dir / "files" / "model.pt").unlink()  # (a staging that lost it)
+    creds = Credentials(sink.url, sink.env["WANDB_API_KEY"])
+    ledger = Ledger(tmp_path / "state" / "ledger.sqlite3")
+    deliveries = {}
+    for project, saved in (("unchecked", {}), ("checked", staged.saved_files)):
+        deliverer = Deliverer(ServerClient(creds), creds, ledger, project, "local", 4,
+                              tmp_path / project / "uploader", expected=1)  # fmt: skip
+        run_dir = shutil.copytree(staged.run_dir, tmp_path / project / staged.run_dir.name)
+        delivery = Delivery(staged.target.id, run_dir, run_dir / staged.log_path.name,
+                            f"key-{project}", "fingerprint", saved_files=saved)  # fmt: skip
+        try:
+            deliverer.submit(delivery)
+            deliverer.finish()
+        finally:
+            deliverer.stop()
+        deliveries[project] = delivery
+    ledger.close()
+    assert deliveries["unchecked"].verified, deliveries["unchecked"].problems
+    assert not deliveries["checked"].verified
+    assert deliveries["checked"].problems == ["saved file model.pt not on the server"]

@@ -252,9 +252,8 @@ class Follower:
                 report.targets.append(TargetRound(target.id, "failed", server_rows,
                                                   problems=[problem]))  # fmt: skip
                 return None
-        delivery = Delivery(
-            target.id, staged.run_dir, staged.log_path, known.key, fingerprint, final=done
-        )
+        delivery = Delivery(target.id, staged.run_dir, staged.log_path, known.key, fingerprint,
+                            final=done, saved_files=staged.saved_files)  # fmt: skip
         return target, delivery, now, staged.exit_code if done else None
 
     def _deliver(

@@ -28,7 +28,7 @@ from .batches import UploadSlots, batch_lanes, batch_size, runs_to_ask
 from .credentials import Credentials
 from .delivery import Delivery, DeliveryReport, Progress
 from .ledger import Ledger
-from .onserver import RowsLost, not_whole_on_server, rows_held
+from .onserver import RowsLost, not_whole_on_server, rows_held, saved_files_missing
 from .remainder import (
     Mismatch,
     history_row,
@@ -487,6 +487,8 @@ class Deliverer:
         with self.lock:
             self._rows[delivery.run_id] = held.history_lines
         problems = shortfall(content, held) + list(dict.fromkeys(errors))
+        if not problems and delivery.saved_files:
+            problems = saved_files_missing(self.client, self.entity, self.project, delivery)
         if problems:
             delivery.problems.extend(problems)
             return

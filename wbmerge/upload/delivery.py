@@ -40,6 +40,10 @@ class Delivery:
     # the upload (`remainder`): `log`'s row i is the staged run's row `rows_cut + i`.
     rows_cut: int = 0
     warnings: list[str] = field(default_factory=list)  # what the user should know of it
+    # The saved files (`wandb.save` links) of the sources by staged name, with their sizes
+    # read from the sources (`Staged.saved_files`): each must be on the server after the
+    # upload, whatever the staged `files/` holds.
+    saved_files: dict[str, int] = field(default_factory=dict)
     # held by the thread counting what the staged log holds (`content`), so it is counted once
     counting: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 

@@ -11,7 +11,14 @@ from .delivery import Delivery
 from .rowcheck import compare_steps, halves, room, sampled, staged_rows, value_problem, windows
 from .server import Held, ServerClient, ServerError
 from .staging import staged_files, staged_md5s
-from .whole import READ_BACK, files_changed, files_expected, made_files_stale, not_held_whole
+from .whole import (
+    READ_BACK,
+    files_changed,
+    files_expected,
+    files_missing,
+    made_files_stale,
+    not_held_whole,
+)
 
 
 def not_whole_on_server(
@@ -135,3 +142,18 @@ def rows_held(
         delivery.refused = True
         problems.append(LOST_ROWS)
     return problems
+
+
+def saved_files_missing(
+    client: ServerClient, entity: str | None, project: str, delivery: Delivery
+) -> list[str]:
+    """The saved files of `delivery` (`Delivery.saved_files`, counted from the sources) that
+    the server lacks after its upload, or holds at another size, a line each naming it; []
+    when it holds every one. A staged run that lost one (or an uploader that skipped it)
+    is then not recorded as synced."""
+    try:
+        listing = client.run_files(entity, project, delivery.run_id)
+    except ServerError as exc:
+        return [f"could not be verified: {exc}"]
+    held = listing.sizes if listing is not None else {}
+    return [f"saved {problem}" for problem in files_missing(delivery.saved_files, held)]
