@@ -379,14 +379,23 @@ class SharedMerge:
 
 
 def _labelled_metric(payload: bytes, label: str, options: MergeOptions) -> bytes | None:
-    """The metric definition for a rank's labelled key; None for a key not kept per rank."""
+    """The metric definition of a rank for its labelled keys, so that no rank's definition
+    replaces another's: a name, or a glob (`val/*` -> `val/*/rank-3`, which matches only
+    that rank's labelled keys), and its step metric the rank's own labelled key (`epoch` ->
+    `epoch/rank-3`); summary, goal and hidden as they are. W&B's own keys (`_step`) stay.
+    None for a name not kept per rank, and for a glob when no key is (`--per-rank none`).
+    """
     key_format = options.key_format
     record = pb.Record.FromString(payload)
     metric = record.metric
     if metric.name and not metric.name.startswith("_") and not options.per_rank.keeps(metric.name):
         return None
+    if metric.glob_name and options.per_rank.patterns == ():
+        return None
     if metric.name and not metric.name.startswith("_"):
         metric.name = key_format.format(key=metric.name, label=label)
+    if metric.glob_name and not metric.glob_name.startswith("_"):
+        metric.glob_name = key_format.format(key=metric.glob_name, label=label)
     if metric.step_metric and not metric.step_metric.startswith("_"):
         metric.step_metric = key_format.format(key=metric.step_metric, label=label)
     return record.SerializeToString()
