@@ -125,6 +125,17 @@ def test_moved_files_are_found_under_files_from(sink, tmp_path):
         assert got == saved[rank]
 
 
+def test_a_run_synced_already_is_not_refused_for_files_moved_since(sink, tmp_path):
+    job = moved_job(tmp_path)
+    args = ("sync", "--json", job / "wandb", "--run-mode", "new", "-p", "moved", "-e", "local")
+    first = cli(sink, tmp_path, *args, "--files-from", job)
+    assert first.exit_code == 0, first.stderr
+    again = cli(sink, tmp_path, *args)  # (the files are not found without --files-from)
+    assert again.exit_code == 0, again.stderr
+    statuses = {run["status"] for run in json.loads(again.stdout)["runs"]}
+    assert statuses == {"already synced"}
+
+
 def test_moved_files_without_files_from_are_refused_before_any_upload(sink, tmp_path):
     job = moved_job(tmp_path)
     result = cli(sink, tmp_path, "sync", job / "wandb", "--run-mode", "new", "-p", "moved")

@@ -300,12 +300,8 @@ def merge_jobs(
 
 
 def _run_files(planned: list[PlannedJob]) -> list[Path]:
-    return [
-        source.path
-        for job in planned
-        for target in job.targets
-        for source in (*target.sources, *target.extra_system_sources)
-    ]
+    targets = [target for job in planned for target in job.targets]
+    return [s.path for t in targets for s in (*t.sources, *t.extra_system_sources)]
 
 
 @dataclass
@@ -418,7 +414,7 @@ def _sync(
     planned = plan_jobs(request) if planned is None else planned
     for job in planned:  # (bad input first: exit 2 whether the server answers or not)
         check_destination(job.project, job.entity)
-    check_files([t for job in planned for t in job.targets], files_from_dirs(request.files_from))
+    files_from = files_from_dirs(request.files_from)
     client = ServerClient(credentials)
     viewer_entity = client.viewer_entity()  # the preflight: fails in seconds, naming the URL
     report = SyncReport(planned)
@@ -443,6 +439,10 @@ def _sync(
         for target in job.targets
     ]
     try:
+        for job in planned:  # (every run to send is checked before any is sent: exit 2)
+            check_files(job.targets if force else ledger.unsynced(credentials.base_url,
+                        session.entity(job), job.project or "", job.targets,
+                        job.ledger_settings(request)), files_from)  # fmt: skip
         # Every run's lock at once (in one sorted order, so two syncs cannot deadlock): the
         # next job is staged while the last one uploads.
         with run_locks(state_dir() / "locks", keys, on_wait) as waited:

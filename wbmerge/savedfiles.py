@@ -57,7 +57,10 @@ def follow_link(
 ) -> Path:
     """The regular file the link `entry` (a run's `files/{name}`) leads to, resolved; a
     WbmergeError naming the file and `--files-from` when it leads anywhere else."""
-    raw = os.readlink(entry)
+    try:
+        raw = os.readlink(entry)
+    except OSError as exc:
+        raise WbmergeError(f"{entry}: cannot read ({exc.strerror or exc})") from None
     allowed = ([Path(os.path.realpath(root))] if root else []) + [
         Path(os.path.realpath(directory)) for directory in files_from
     ]

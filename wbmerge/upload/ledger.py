@@ -84,6 +84,19 @@ class Ledger:
         ).fetchone()
         return {"entity": row[0], "time": row[1]} if row else None
 
+    def unsynced(
+        self,
+        base_url: str,
+        entity: str | None,
+        project: str,
+        targets: list[Target],
+        settings: Mapping[str, object],
+    ) -> list[Target]:
+        """The `targets` this ledger has not verified from their present files."""
+        return [target for target in targets if self.synced(
+            self.key(base_url, entity, project, target), self.fingerprint(target, settings)
+        ) is None]  # fmt: skip
+
     def record(self, key: str, fingerprint: str, entity: str | None) -> None:
         """Record one verified run, durably, at once."""
         with self._db:
