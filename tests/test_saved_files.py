@@ -217,3 +217,25 @@ def test_a_saved_file_missing_on_the_server_fails_the_run(sink, tmp_path, monkey
     assert deliveries["unchecked"].verified, deliveries["unchecked"].problems
     assert not deliveries["checked"].verified
     assert deliveries["checked"].problems == ["saved file model.pt not on the server"]
+
+
+def test_a_run_that_says_it_ran_in_the_root_directory_opens_nothing(sink, tmp_path):
+    """The recorded root is untrusted: `/` would allow every file, and is not taken."""
+    job = tmp_path / "job"
+    shutil.copytree(job_dir(JOB), job, symlinks=True)
+
+    def root_everything(record: pb.Record) -> pb.Record | None:
+        if record.WhichOneof("record_type") == "environment" and record.environment.root:
+            record.environment.root = "/"
+            return record
+        return None
+
+    run = source_runs(job)[0]
+    rewrite_log(next(run.glob("run-*.wandb")), root_everything)
+    (run / "files" / "model.pt").unlink()
+    (run / "files" / "model.pt").symlink_to("/etc/passwd")
+    result = cli(sink, tmp_path, "merge", job / "wandb", "--run-mode", "auto",
+                 "--out", tmp_path / "out")  # fmt: skip
+    assert result.exit_code == 2, result.stderr
+    assert "'/etc/passwd'" in result.stderr and "--files-from" in result.stderr
+    assert not (tmp_path / "out").exists()

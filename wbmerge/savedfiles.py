@@ -23,6 +23,8 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
+from google.protobuf.message import DecodeError
+
 from .errors import WbmergeError
 from .proto import pb
 from .records import record_kind
@@ -47,8 +49,8 @@ def recorded_root(log: Path) -> str | None:
                 count += 1
                 if count > _ROOT_SCAN_RECORDS:
                     return None
-    except (OSError, WbmergeError, ValueError):
-        return None
+    except (OSError, WbmergeError, ValueError, DecodeError):
+        return None  # (a run that cannot say where it ran: only --files-from allows a link)
     return None
 
 
