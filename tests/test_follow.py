@@ -222,7 +222,7 @@ def test_ctrl_c_leaves_the_runs_running_and_a_later_sync_completes_them(
             follower.wait(timeout=30)
     assert follower.returncode == 130
     assert err.strip().splitlines()[-1].startswith("wbmerge: interrupted; the runs keep")
-    assert list(scratch.glob("wbmerge-staging-*")) == []  # its staging is gone
+    assert list(scratch.glob("wbmerge-*/wbmerge-staging-*")) == []  # its staging is gone
     (run,) = sink_runs(sink).values()
     assert run["state"] == "running" and 0 < len(run["history"]) < len(want[run["id"]]["history"])
     job.grow(1.0)

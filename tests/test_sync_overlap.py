@@ -216,7 +216,7 @@ def test_the_first_run_is_verified_before_the_last_is_staged(env, tmp_path):
     assert sorted(t.status for t in report.targets) == ["uploaded"] * 4
     for rank, want in ranks_expected().items():
         assert_exactly_once(env.client.run("local", "first", f"fx-one-node-4-rank-{rank}"), want)
-    assert not list((tmp_path / "tmp").glob("wbmerge-staging-*"))
+    assert not list((tmp_path / "tmp").glob("wbmerge-*/wbmerge-staging-*"))
     assert processes_in(tmp_path / "tmp") == []
 
 
@@ -244,7 +244,7 @@ def test_the_next_job_is_merged_while_the_last_one_uploads(env, tmp_path):
     for name in ("one_node_4", "cadence"):
         got = env.client.run("local", "jobs", f"fx-{name.replace('_', '-')}")
         assert_shared(got, list(sources_of(name).values()))
-    assert not list((tmp_path / "tmp").glob("wbmerge-staging-*"))
+    assert not list((tmp_path / "tmp").glob("wbmerge-*/wbmerge-staging-*"))
 
 
 def test_runs_left_unstaged_by_a_timeout_get_no_link(make_sink, tmp_path, monkeypatch):
@@ -293,7 +293,7 @@ def test_failures_while_staging_goes_on_claim_nothing_and_leave_no_staging(
     ]
     assert all("file config.yaml not uploaded" in line for line in failed.value.lines[:-1])
     assert failed.value.report.links == []  # (no run of the group was verified)
-    assert not list((tmp_path / "tmp").glob("wbmerge-staging-*"))
+    assert not list((tmp_path / "tmp").glob("wbmerge-*/wbmerge-staging-*"))
     assert processes_in(tmp_path / "tmp") == []
 
     faulty.client.set_faults([])
@@ -316,7 +316,7 @@ def test_ctrl_c_while_staging_goes_on_stops_the_uploads_and_keeps_the_verified(e
 
     with pytest.raises(KeyboardInterrupt):
         sync(new_mode("int"), parallel=4, progress=staged, upload_progress=events.upload)
-    assert not list((tmp_path / "tmp").glob("wbmerge-staging-*")), "staging removed"
+    assert not list((tmp_path / "tmp").glob("wbmerge-*/wbmerge-staging-*")), "staging removed"
     assert processes_in(tmp_path / "tmp") == [], "every uploader and wandb-core stopped"
 
     again = sync(new_mode("int"), parallel=4)

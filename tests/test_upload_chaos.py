@@ -56,4 +56,4 @@ def test_random_faults_and_kills_then_exactly_once(make_sink, tmp_path, long_job
     assert final.returncode == 0, (seed, rounds, err)
     assert json.loads(out)["runs"][0]["status"] in ("uploaded", "already synced")
     assert_exactly_once(sink.client.run("local", "chaos", "long"), want)
-    assert not list((tmp_path / "tmp").glob("wbmerge-staging-*"))
+    assert not list((tmp_path / "tmp").glob("wbmerge-*/wbmerge-staging-*"))

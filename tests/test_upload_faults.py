@@ -471,7 +471,9 @@ def test_interrupted_upload_then_rerun_is_exactly_once(make_sink, tmp_path, long
             proc.kill()
     assert proc.returncode == code, proc.stderr.read()
     if sig != signal.SIGKILL:  # (staging removed, and with it wandb's temp directories)
-        assert list((tmp_path / "tmp").iterdir()) == [], "nothing left in the temp dir"
+        assert list((tmp_path / "tmp").rglob("*")) == [
+            tmp_path / "tmp" / f"wbmerge-{os.getuid()}"
+        ], "nothing left in the temp dir"
         assert processes_in(tmp_path / "tmp") == [], "the uploader and wandb-core are stopped"
     held = sink.client.run("local", "sig", "long")
     assert 0 < len(held["history"]) < 6000 or sig == signal.SIGKILL  # caught halfway
@@ -481,7 +483,9 @@ def test_interrupted_upload_then_rerun_is_exactly_once(make_sink, tmp_path, long
     assert rerun.returncode == 0, err
     assert "s for the last requests of a stopped upload to land (0/1 runs)" in err  # (said once)
     assert err.count("for the last requests of a stopped upload to land") == 1
-    assert list((tmp_path / "tmp").iterdir()) == [], "stale staging removed, nothing else left"
+    assert list((tmp_path / "tmp").rglob("*")) == [tmp_path / "tmp" / f"wbmerge-{os.getuid()}"], (
+        "stale staging removed, nothing else left"
+    )
     assert list((tmp_path / "home").iterdir()) == [], "wandb's logs stayed in staging"
     assert processes_in(tmp_path / "tmp") == []
     assert_exactly_once(sink.client.run("local", "sig", "long"), want)
@@ -511,7 +515,9 @@ def test_a_sync_that_waited_for_a_killed_sync_stops_its_uploader_first(
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
-    assert not list((tmp_path / "tmp").glob("wbmerge-staging-*")), "the killed sync's staging"
+    assert not list((tmp_path / "tmp").glob("wbmerge-*/wbmerge-staging-*")), (
+        "the killed sync's staging"
+    )
     assert processes_in(tmp_path / "tmp") == []
     assert second.returncode == 0, err
     assert_exactly_once(sink.client.run("local", "wait", "long"), want)

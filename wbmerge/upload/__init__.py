@@ -10,7 +10,8 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 | `whole` | pure: whether the server holds a staged run whole already, its made files read back |
 | `uploader` | `wandb sync` under supervision, started ahead of its runs: progress, timeout, stopping its process tree |
 | `ledger` | runs verified complete (SQLite) and per-run locks |
-| `staging` | staging directories that name their owner; leftovers of killed syncs removed |
+| `staging` | staging directories that name their owner, in a directory private to the user; leftovers of killed syncs removed |
+| `standby` | what the uploader's process runs, and how a later sync knows it (and its wandb-core) again |
 | `settle` | stopped uploads noted, so that no sync reads counts while their last requests land |
 | `batches` | pure: how many ready runs a new `wandb sync` takes, its lanes, and which runs to ask about |
 | `deliver` | the exactly-once flow over one project's staged runs |
@@ -27,7 +28,15 @@ from .ledger import Ledger, run_locks, server_key, state_dir
 from .remainder import Remainder, history_row, remainder, same_value, shortfall
 from .server import Held, RunListing, ServerClient, ServerError
 from .settle import SETTLE, last_stop, note_stopped, wait_settled
-from .staging import OwnerRecord, clean_stale, make_staging, staged_files, staged_md5s
+from .staging import (
+    OwnerRecord,
+    clean_stale,
+    make_staging,
+    staged_files,
+    staged_md5s,
+    staging_root,
+)
+from .standby import STANDBY
 from .uploader import DEFAULT_TIMEOUT
 from .whole import (
     READ_BACK,
@@ -46,6 +55,7 @@ __all__ = [
     "PATIENCE",
     "READ_BACK",
     "SETTLE",
+    "STANDBY",
     "START_COST",
     "Credentials",
     "Deliverer",
@@ -83,6 +93,7 @@ __all__ = [
     "shortfall",
     "staged_files",
     "staged_md5s",
+    "staging_root",
     "state_dir",
     "wait_settled",
 ]

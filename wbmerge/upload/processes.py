@@ -32,6 +32,29 @@ def start_time(pid: int) -> str | None:
     return fields[19] if fields else None
 
 
+def command_line(pid: int) -> list[str] | None:
+    """The process's arguments (/proc/PID/cmdline), None if it is gone or has none (a
+    zombie, a kernel thread)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return [arg.decode(errors="surrogateescape") for arg in raw.split(b"\0")[:-1]] or None
+
+
+def user_ids(pid: int) -> set[int] | None:
+    """The process's real, effective, saved and file-system user ids (the `Uid:` line of
+    /proc/PID/status), None if it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("Uid:"):
+            return {int(uid) for uid in line.split()[1:]}
+    return None
+
+
 def alive(pid: int, started: str | None) -> bool:
     """Whether the process `pid` that started at `started` still runs. One that is exiting,
     or not yet reaped by its parent, does not: it stops nothing any more, and the locks of

@@ -1,10 +1,19 @@
 """Staging directories that say who owns them, so that a killed sync's leftovers are removed.
 
-A sync stages merged runs under `wbmerge-staging-*` in the temp dir, with an `owner.json`
-naming its process (pid and start time, so that a reused pid is not taken for the owner)
-and the uploader processes it runs. A later sync removes the staging of owners
-that are gone (SIGKILL, reboot) and stops their uploader first, so that no orphaned
-`wandb sync` keeps sending while a new one starts, and notes the stop (see `settle`).
+A sync stages merged runs under `wbmerge-staging-*` in a directory of its user's own,
+`wbmerge-{uid}` in the temp dir (`staging_root`: made 0700, and refused when it is a link,
+another user's, or open to others), with an `owner.json` naming its process (pid and start
+time, so that a reused pid is not taken for the owner) and the uploader processes it runs.
+A later sync removes the staging of owners that are gone (SIGKILL, reboot) and stops their
+uploader first, so that no orphaned `wandb sync` keeps sending while a new one starts, and
+notes the stop (see `settle`).
+
+A later sync may run as root, so nothing in the temp dir is taken on trust: before, any
+user could plant an owner record there naming a process of theirs choosing (pid and start
+time are public), or a link to a directory of theirs, and a sync killed those processes.
+Now only this user's directory is read, nothing in it is reached through a link, and a
+process is stopped only when its start time, its user and its command line (the uploader
+wbmerge starts, see `standby`) all agree with the record.
 """
 
 from __future__ import annotations
@@ -18,18 +27,61 @@ import signal
 import stat
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
-from .processes import alive, start_time, wait_gone, working_in
+from ..errors import InputWarning, WbmergeError
+from .processes import alive, command_line, start_time, user_ids, wait_gone, working_in
 from .settle import note_stopped
+from .standby import is_uploader
 
 PREFIX = "wbmerge-staging-"
 OWNER = "owner.json"
 
 
+def staging_root(temp: Path | None = None) -> Path:
+    """This user's directory of staging in the temp dir (`temp`, else TMPDIR's), made if it
+    is missing; WbmergeError if it cannot be made or is not private (see `check_private`)."""
+    root = Path(temp or tempfile.gettempdir()) / f"wbmerge-{os.geteuid()}"
+    try:
+        root.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise WbmergeError(
+            f"cannot make the staging directory {root} ({exc.strerror or exc}); set TMPDIR "
+            "to a directory wbmerge may write"
+        ) from None
+    return check_private(root)
+
+
+def check_private(path: Path) -> Path:
+    """`path`, when it is a directory (not a link to one) of this user that no one else may
+    read or write; else WbmergeError in one line saying why."""
+    try:
+        status = os.lstat(path)
+    except OSError as exc:
+        raise WbmergeError(f"cannot read the staging directory {path} ({exc.strerror})") from None
+    if stat.S_ISLNK(status.st_mode):
+        why = "is a symbolic link"
+    elif not stat.S_ISDIR(status.st_mode):
+        why = "is not a directory"
+    elif status.st_uid != os.geteuid():
+        why = f"belongs to uid {status.st_uid}, not to this user (uid {os.geteuid()})"
+    elif status.st_mode & 0o077:
+        why = f"is open to other users (mode {stat.S_IMODE(status.st_mode):o}, want 700)"
+    else:
+        return path
+    raise WbmergeError(
+        f"staging directory {path} {why}; refusing to stage there: remove it, or set TMPDIR "
+        "to a directory of your own"
+    )
+
+
 def make_staging(parent: Path | None = None) -> Path:
-    """A new staging directory owned by this process."""
+    """A new staging directory owned by this process, in `parent` (else `staging_root()`)."""
+    parent = staging_root() if parent is None else check_private(Path(parent))
     path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=parent))
     write_owner(path)
     return path
@@ -38,7 +90,8 @@ def make_staging(parent: Path | None = None) -> Path:
 def write_owner(path: Path, uploader: list[int] | None = None) -> None:
     """Say that this process owns `path`, and which uploader processes it runs."""
     tree = [[pid, start_time(pid)] for pid in uploader or []]
-    owner = {"pid": os.getpid(), "started": start_time(os.getpid()), "uploader": tree}
+    owner = {"pid": os.getpid(), "started": start_time(os.getpid()), "uid": os.geteuid(),
+             "uploader": tree}  # fmt: skip
     tmp = path / (OWNER + ".tmp")
     tmp.write_text(json.dumps(owner))
     tmp.replace(path / OWNER)
@@ -64,22 +117,16 @@ class OwnerRecord:
 
 
 def clean_stale(parent: Path | None = None) -> list[Path]:
-    """Remove the staging directories of dead owners (stopping their uploaders first)."""
-    parent = Path(parent or tempfile.gettempdir())
+    """Remove the staging directories of dead owners (stopping their uploaders first), in
+    `parent` (else `staging_root()`). An entry that is a link, another user's, or has no
+    owner record of this user is left alone."""
+    parent = staging_root() if parent is None else check_private(Path(parent))
     removed = []
-    for path in parent.glob(PREFIX + "*"):
-        try:
-            owner = json.loads((path / OWNER).read_text())
-            pid = int(owner["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not ours to judge: no owner file we wrote
-        if alive(pid, owner.get("started")):
+    for path in sorted(parent.glob(PREFIX + "*")):
+        owner = _owner_record(path)
+        if owner is None or alive(owner["pid"], owner.get("started")):
             continue
-        orphans = set(working_in(path))  # wandb-core too, if it started after the record
-        for entry in owner.get("uploader") or []:
-            pid, started = entry if isinstance(entry, list) and len(entry) == 2 else (0, None)
-            if isinstance(pid, int) and pid > 1 and started and start_time(pid) == started:
-                orphans.add(pid)
+        orphans = _orphans(path, owner)
         for pid in orphans:
             try:
                 os.kill(pid, signal.SIGKILL)  # an orphan of the dead owner, still sending
@@ -91,6 +138,55 @@ def clean_stale(parent: Path | None = None) -> list[Path]:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
+
+
+def _owner_record(path: Path) -> dict | None:
+    """The owner record in the staging directory `path` when this user wrote it, read
+    without following a link; None (warned about when something is amiss) otherwise."""
+    try:
+        status = os.lstat(path)
+        if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.geteuid():
+            warnings.warn(f"{path} is not a staging directory of this user; left alone",
+                          InputWarning, stacklevel=3)  # fmt: skip
+            return None
+        descriptor = os.open(path / OWNER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None  # gone, or no owner file yet (a sync that is starting)
+    try:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode) or status.st_uid != os.geteuid():
+            return None
+        with os.fdopen(os.dup(descriptor), "rb") as file:
+            owner = json.loads(file.read(1 << 20))
+        if owner["uid"] != os.geteuid() or not isinstance(owner["pid"], int):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # not an owner record we wrote
+    finally:
+        os.close(descriptor)
+    return owner
+
+
+def _orphans(path: Path, owner: dict) -> set[int]:
+    """The processes of the dead owner's uploaders that still run: each recorded one whose
+    start time, user and command line still agree, and each wandb-core (it may have started
+    after the last record) that works in `path` and was started by a recorded uploader."""
+    recorded = {}
+    for entry in owner.get("uploader") or []:
+        if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int):
+            if entry[0] > 1 and isinstance(entry[1], str) and entry[1].isdigit():
+                recorded[entry[0]] = entry[1]
+    first = min((int(started) for started in recorded.values()), default=None)
+    found = set()
+    for pid in {*recorded, *working_in(path)}:
+        started = start_time(pid)
+        if started is None or recorded.get(pid, started) != started:
+            continue  # gone, or the pid was taken by a process that started later
+        if pid not in recorded and (first is None or int(started) < first):
+            continue  # older than every recorded uploader: none of them started it
+        if user_ids(pid) == {os.geteuid()} and is_uploader(command_line(pid) or [], recorded):
+            found.add(pid)
+    return found
 
 
 def _last_written(path: Path) -> float:

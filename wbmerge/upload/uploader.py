@@ -33,6 +33,7 @@ from .credentials import Credentials
 from .processes import descendants, start_time
 from .settle import note_stopped
 from .staging import OwnerRecord
+from .standby import STANDBY
 
 DEFAULT_TIMEOUT = 300.0  # seconds without progress before an upload is given up
 # Seconds between two recordings of an uploader's process tree in the staging's owner
@@ -43,22 +44,6 @@ _FINISHED = re.compile(r"\[[^\]]*?/(?P<run>[^/\]\s]+)\] Finished syncing")
 _VIEW_RUN = re.compile(r"View run \S+ at (?P<url>\S+/(?P<entity>[^/\s]+)/[^/\s]+/runs/\S+)")
 _RUN_ERROR = re.compile(r"^wandb: ERROR \[[^\]]*?/(?P<run>[^/\]\s]+)\] (?P<message>.*)$")
 _LOG_NAME = re.compile(r"run-(?P<run>[^/]+)\.wandb$")
-
-# What the uploader's process runs (`python -c`): the `wandb` command's own entry point,
-# given its arguments on standard input once wandb is imported and wandb-core has started.
-# The working directory leaves sys.path first (it is staging, never a place to import from).
-# An end of input before any arguments (wbmerge stopped, or died) ends it, sending nothing.
-STANDBY = """\
-import json, sys
-del sys.path[0]
-from wandb.cli.cli import cli
-from wandb.sdk import wandb_setup
-wandb_setup.singleton().ensure_service()
-arguments = sys.stdin.readline()
-if not arguments:
-    sys.exit(0)
-cli.main(args=json.loads(arguments), prog_name="wandb")
-"""
 
 
 @dataclass
