@@ -151,6 +151,22 @@ def test_no_runs_at_once_is_refused_before_any_work(tmp_path, parallel):
     )
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "1e999"])  # (below 0: refused before)
+@pytest.mark.parametrize("option", ["--interval", "--idle-timeout", "--restart-grace", "--timeout"])
+def test_a_number_of_seconds_that_is_not_finite_or_below_its_minimum_is_refused(option, value):
+    # (a NaN --interval made the rounds a busy loop, a NaN --idle-timeout never ended)
+    result = run("sync", job_dir("one_node_4"), "--follow", option, value)
+    assert_one_line_error(result, f"Invalid value for '{option}': ", "(see wbmerge sync --help)")
+    assert f"{value!r} is not a finite number of seconds." in result.stderr
+
+
+@pytest.mark.parametrize("name", ["interval", "idle_timeout", "restart_grace", "timeout"])
+def test_the_api_refuses_seconds_that_are_not_finite(name):
+    with pytest.raises(api.WbmergeError, match=f"{name} must be a finite number of seconds"):
+        api.follow(job_dir("one_node_4"), **{name: float("nan") if name != "timeout" else
+                                             float("inf")})  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "args, line",
     [

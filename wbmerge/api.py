@@ -26,6 +26,7 @@ are said as `InputWarning`s.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -88,6 +89,8 @@ def check_upload_options(parallel: object, timeout: object) -> None:
         raise WbmergeError(f"parallel must be a whole number, 1 or more, not {parallel!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise WbmergeError(f"timeout must be a number of seconds above 0, not {timeout!r}")
+    if not math.isfinite(timeout):
+        raise WbmergeError(f"timeout must be a finite number of seconds, not {timeout!r}")
 
 
 def discover(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import sys
@@ -46,10 +47,24 @@ def _one_pattern(ctx: click.Context, param: click.Parameter, given: tuple[str, .
     return given[0] if given else None
 
 
+class Seconds(click.FloatRange):
+    """A number of seconds, `min` or more, and finite: click's FloatRange lets `nan`
+    through (no comparison with it is true), and a `--interval nan` follow busy-looped, an
+    `--idle-timeout nan` one never ended."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value!r} is not a finite number of seconds.", param, ctx)
+        return seconds
+
+
 def _seconds_option(name: str, default: float, help: str) -> Callable[..., Any]:
     """A --follow option of a number of seconds, 0 or more, its default shown."""
     return click.option(name, default=default, show_default=True,
-                        type=click.FloatRange(min=0), help=help)  # fmt: skip
+                        type=Seconds(min=0), help=help)  # fmt: skip
 
 
 def _with_rank_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -374,7 +389,7 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
     "--timeout",
     default=300.0,
     show_default=True,
-    type=click.FloatRange(min=1),
+    type=Seconds(min=1),
     help="Seconds without upload progress before the upload is given up (exit 1).",
 )
 @click.option("--json", "as_json", is_flag=True)

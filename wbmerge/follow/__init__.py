@@ -15,6 +15,7 @@ each rank is, which rows are final), `cut` (a staged run as a round sends it), `
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -35,6 +36,17 @@ class FollowReport:
     targets: list[TargetRound] = field(default_factory=list)  # the last round's
     unfinished: list[str] = field(default_factory=list)  # ranks never finished (idle end)
     final_sync: SyncReport | None = None  # the one-shot sync after an idle end
+
+
+def check_seconds(**seconds: object) -> None:
+    """Raise WbmergeError (exit 2) unless each value is a finite number of seconds, 0 or
+    more: a NaN interval made the rounds a busy loop, a NaN idle timeout never ended."""
+    for name, value in seconds.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or value < 0:  # type: ignore[arg-type]
+            raise WbmergeError(
+                f"{name} must be a finite number of seconds, 0 or more, not {value!r}"
+            )
 
 
 def follow(
@@ -60,6 +72,7 @@ def follow(
     the last sync syncs only those). `restart_grace` is how long a run whose ranks ended,
     some failed, waits for an elastic restart.
     """
+    check_seconds(interval=interval, idle_timeout=idle_timeout, restart_grace=restart_grace)
     follower = Follower(request, parallel, timeout, on_wait, job_prefix, restart_grace)
     with sigterm_raises(), follower:
         last_change = None  # the idle clock starts with the first run found
@@ -111,5 +124,6 @@ __all__ = [
     "Follower",
     "RoundReport",
     "TargetRound",
+    "check_seconds",
     "follow",
 ]
