@@ -133,6 +133,14 @@ def test_unreachable_server_is_a_failure_not_success(tmp_path):
             ["--key-format", "{nope}"],
             "bad --key-format '{nope}': no field {nope} (it may use {key} and {label})",
         ),
+        # (a huge width was a MemoryError, exit 70; a spec may hold no other field)
+        (
+            ["--key-format", "{key:>99999999999}/{label}"],
+            "bad --key-format '{key:>99999999999}/{label}': {key} may have at most an "
+            "alignment and a width or precision of up to 3 digits",
+        ),
+        (["--key-format", "{key}/{label:{key}}"], "{label} may have at most an alignment"),
+        (["--key-format", "{key.__class__}/{label}"], "no field {key.__class__} (it may use"),
     ],
 )
 def test_bad_options(args, fragment):

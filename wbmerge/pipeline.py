@@ -19,13 +19,12 @@ from pathlib import Path
 from .discover import Job, OfflineRun, discover, group_jobs
 from .errors import REFUSED, RERUN, InputWarning, Terminated, UploadFailed, WbmergeError
 from .hints import make_hints
-from .merge import MergeOptions, Staged, stage
+from .merge import MergeOptions, Staged, check_key_format, stage
 from .merged import merged_jobs, selects_merged
 from .plan import Target, app_url, check_destination, links, plan, run_url
 from .rankstats import PerRank
 from .request import (
     MergeRequest,
-    check_key_format,
     ignored_options,
     merge_options_given,
 )

@@ -1,6 +1,6 @@
 """What the user asked a merge or sync for (`MergeRequest`), and the checks of its options
-that need no run: a key format that names its fields, the options a run mode ignores, and
-those that do not apply to runs merged already.
+that need no run: the options a run mode ignores, and those that do not apply to runs
+merged already. (A key format is checked where it is used: `merge.check_key_format`.)
 """
 
 from __future__ import annotations
@@ -43,19 +43,6 @@ class MergeRequest:
             if getattr(self, name) not in allowed:
                 raise WbmergeError(f"{name} takes {' or '.join(map(repr, allowed))}, not "
                                    f"{getattr(self, name)!r}")  # fmt: skip
-
-
-def check_key_format(key_format: str) -> str:
-    try:
-        sample = key_format.format(key="train/loss", label="rank-3")
-    except KeyError as exc:
-        raise WbmergeError(f"bad --key-format {key_format!r}: no field {{{exc.args[0]}}} (it "
-                           "may use {key} and {label})") from None  # fmt: skip
-    except (IndexError, ValueError) as exc:
-        raise WbmergeError(f"bad --key-format {key_format!r}: {exc}") from None
-    if "train/loss" not in sample or "rank-3" not in sample:
-        raise WbmergeError(f"--key-format {key_format!r} must contain {{key}} and {{label}}")
-    return key_format
 
 
 def ignored_options(request: MergeRequest, run_modes: set[str]) -> list[str]:

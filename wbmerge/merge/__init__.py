@@ -17,7 +17,15 @@ run, in two streaming passes over the ranks' logs (`shared`). The modules, one j
 """
 
 from ..steps import RESERVED, Steps
-from .options import DEFAULT_KEY_FORMAT, MergeOptions
+from .options import DEFAULT_KEY_FORMAT, MergeOptions, check_key_format
 from .staging import Staged, stage
 
-__all__ = ["DEFAULT_KEY_FORMAT", "RESERVED", "MergeOptions", "Staged", "Steps", "stage"]
+__all__ = [
+    "DEFAULT_KEY_FORMAT",
+    "RESERVED",
+    "MergeOptions",
+    "Staged",
+    "Steps",
+    "check_key_format",
+    "stage",
+]

@@ -1,13 +1,51 @@
-"""What the user chose for a merge, the same for every target of a job."""
+"""What the user chose for a merge, the same for every target of a job, and the check of
+the one option a user spells as a format, `--key-format`."""
 
 from __future__ import annotations
 
+import re
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import WbmergeError
 from ..rankstats import PerRank
 
 DEFAULT_KEY_FORMAT = "{key}/{label}"
+
+# A field's format spec in --key-format: an alignment (with its fill) and a width and/or
+# precision, each of at most 3 digits. Any other spec is refused before it is used: a
+# width of 99999999999 made every key a string of that many characters (MemoryError).
+_KEY_SPEC = re.compile(r"(.?[<>^])?(?P<width>\d{0,3})(\.(?P<precision>\d{1,3}))?")
+
+
+def check_key_format(key_format: str) -> str:
+    """`key_format` when it is a format of the fields {key} and {label} only (each with at
+    most a small format spec, see `_KEY_SPEC`) that keeps both; else WbmergeError."""
+    try:
+        fields = [
+            (name, conversion, spec)
+            for _, name, spec, conversion in string.Formatter().parse(key_format)
+            if name is not None
+        ]
+    except ValueError as exc:
+        raise WbmergeError(f"bad --key-format {key_format!r}: {exc}") from None
+    for name, conversion, spec in fields:
+        if name not in ("key", "label"):
+            raise WbmergeError(f"bad --key-format {key_format!r}: no field {{{name}}} (it "
+                               "may use {key} and {label})")  # fmt: skip
+        if not _KEY_SPEC.fullmatch(spec or "") or conversion not in (None, "s", "r", "a"):
+            raise WbmergeError(
+                f"bad --key-format {key_format!r}: {{{name}}} may have at most an alignment "
+                "and a width or precision of up to 3 digits (e.g. {label:>8})"
+            )
+    try:
+        sample = key_format.format(key="train/loss", label="rank-3")
+    except (IndexError, KeyError, ValueError) as exc:
+        raise WbmergeError(f"bad --key-format {key_format!r}: {exc}") from None
+    if "train/loss" not in sample or "rank-3" not in sample:
+        raise WbmergeError(f"--key-format {key_format!r} must contain {{key}} and {{label}}")
+    return key_format
 
 
 @dataclass
