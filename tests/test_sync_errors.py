@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -231,6 +232,55 @@ def test_a_state_directory_that_is_a_file_is_bad_input_and_leaves_no_staging(
     assert_one_line_error(result, f"cannot keep the ledger of synced runs in {state} (File exists)",
                           "set WBMERGE_STATE_DIR")  # fmt: skip
     assert list((tmp_path / "tmp").rglob("*")) == [tmp_path / "tmp" / f"wbmerge-{os.getuid()}"]
+    assert sink.client.runs() == []
+
+
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        ("CREATE TABLE synced (key TEXT, value TEXT)", "its runs have the columns key, value"),
+        (None, "file is not a database"),
+    ],
+)
+def test_a_ledger_of_another_schema_is_one_line_naming_it(sink, tmp_path, make, why):
+    ledger = tmp_path / "state" / "ledger.sqlite3"
+    ledger.parent.mkdir()
+    if make is None:
+        ledger.write_bytes(b"not a database, a file of another tool" * 100)
+    else:
+        with sqlite3.connect(ledger) as db:
+            db.execute(make)
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(ledger.parent)}
+    result = CliRunner().invoke(main, ["sync", str(job_dir("one_node_4")), "-p", "x"], env=env)
+    assert_one_line_error(
+        result,
+        f"the ledger at {ledger} was not written by this version of wbmerge ({why}); set "
+        "WBMERGE_STATE_DIR to another directory",
+    )
+    assert sink.client.runs() == []
+
+
+def test_a_ledger_another_process_holds_locked_is_one_line_naming_it(sink, tmp_path):
+    ledger = tmp_path / "state" / "ledger.sqlite3"
+    ledger.parent.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys; db = sqlite3.connect(sys.argv[1], "
+         "isolation_level=None); db.execute('BEGIN EXCLUSIVE'); print('held', flush=True); "
+         "sys.stdin.read()", str(ledger)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        env = {**sink.env, "WBMERGE_STATE_DIR": str(ledger.parent)}
+        result = CliRunner().invoke(main, ["sync", str(job_dir("one_node_4")), "-p", "x"], env=env)
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert_one_line_error(
+        result,
+        f"the ledger at {ledger} is locked by another process (pid {holder.pid}, "
+        f"{sys.executable}), still after 5 s; rerun when it is done",
+    )
     assert sink.client.runs() == []
 
 

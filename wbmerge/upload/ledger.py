@@ -21,12 +21,18 @@ from pathlib import Path
 
 from ..errors import WbmergeError
 from ..plan import Target
+from .processes import command_line, lock_holders
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS synced (
     key TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, entity TEXT, time REAL NOT NULL
 )
 """
+_COLUMNS = ["key", "fingerprint", "entity", "time"]
+# Seconds to wait for a ledger another process is writing. A sync holds it for the moment
+# it records one run (milliseconds); one that waited 60 s for a ledger held open by another
+# process said nothing meanwhile, and then blamed the state directory.
+BUSY_TIMEOUT = 5.0
 
 
 def state_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -42,23 +48,53 @@ class Ledger:
     """Which run (server, entity, project, id) was verified complete from which source files."""
 
     def __init__(self, path: Path) -> None:
-        """Open (or make) the ledger at `path`; WbmergeError if its directory cannot hold it."""
+        """Open (or make) the ledger at `path`; WbmergeError if its directory cannot hold
+        it, another process holds it locked, or another wbmerge wrote it differently."""
         self.path = path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             # used by one thread at a time, but may be closed by another (a batch closes the
             # connections of its checking threads when they are done)
             self._db = sqlite3.connect(
-                path, timeout=60, isolation_level=None, check_same_thread=False
+                path, timeout=BUSY_TIMEOUT, isolation_level=None, check_same_thread=False
             )
-            self._db.execute("PRAGMA busy_timeout = 60000")
+            self._db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT * 1000)}")
             self._db.execute(_SCHEMA)
+            columns = [row[1] for row in self._db.execute("PRAGMA table_info(synced)")]
+        except sqlite3.OperationalError as exc:
+            raise self._problem(exc) from None
+        except sqlite3.DatabaseError as exc:  # (not an SQLite database at all)
+            raise self._other_schema(str(exc)) from None
         except (OSError, sqlite3.Error) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise WbmergeError(
                 f"cannot keep the ledger of synced runs in {path.parent} ({why}); set "
                 "WBMERGE_STATE_DIR to a directory wbmerge may write"
             ) from None
+        if columns != _COLUMNS:
+            self._db.close()
+            raise self._other_schema(f"its runs have the columns {', '.join(columns)}")
+
+    def _other_schema(self, why: str) -> WbmergeError:
+        return WbmergeError(
+            f"the ledger at {self.path} was not written by this version of wbmerge ({why}); "
+            "set WBMERGE_STATE_DIR to another directory (or move the file aside: runs it "
+            "recorded are then checked on the server again)"
+        )
+
+    def _problem(self, exc: sqlite3.OperationalError) -> WbmergeError:
+        """The one line of an SQLite failure: a ledger locked by another process names it."""
+        if (getattr(exc, "sqlite_errorcode", 0) & 0xFF) != sqlite3.SQLITE_BUSY:
+            return WbmergeError(
+                f"cannot keep the ledger of synced runs in {self.path.parent} ({exc}); set "
+                "WBMERGE_STATE_DIR to a directory wbmerge may write"
+            )
+        holders = [_holder(pid) for pid in lock_holders(self.path)] or ["another process"]
+        return WbmergeError(
+            f"the ledger at {self.path} is locked by {' and '.join(holders)}, still after "
+            f"{BUSY_TIMEOUT:g} s; rerun when it is done, or set WBMERGE_STATE_DIR to another "
+            "directory"
+        )
 
     def close(self) -> None:
         self._db.close()
@@ -79,9 +115,13 @@ class Ledger:
 
     def synced(self, key: str, fingerprint: str) -> dict | None:
         """The entry of a run verified from these very files, else None."""
-        row = self._db.execute(
-            "SELECT entity, time FROM synced WHERE key = ? AND fingerprint = ?", (key, fingerprint)
-        ).fetchone()
+        try:
+            row = self._db.execute(
+                "SELECT entity, time FROM synced WHERE key = ? AND fingerprint = ?",
+                (key, fingerprint),
+            ).fetchone()
+        except sqlite3.OperationalError as exc:
+            raise self._problem(exc) from None
         return {"entity": row[0], "time": row[1]} if row else None
 
     def unsynced(
@@ -99,11 +139,23 @@ class Ledger:
 
     def record(self, key: str, fingerprint: str, entity: str | None) -> None:
         """Record one verified run, durably, at once."""
-        with self._db:
-            self._db.execute(
-                "INSERT OR REPLACE INTO synced (key, fingerprint, entity, time) VALUES (?, ?, ?, ?)",
-                (key, fingerprint, entity, time.time()),
-            )
+        try:
+            with self._db:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO synced (key, fingerprint, entity, time) "
+                    "VALUES (?, ?, ?, ?)",
+                    (key, fingerprint, entity, time.time()),
+                )
+        except sqlite3.OperationalError as exc:
+            raise self._problem(exc) from None
+
+
+def _holder(pid: int) -> str:
+    """A process that holds the ledger locked, as a user would know it."""
+    command = command_line(pid) or []
+    if any("wbmerge" in argument for argument in command):
+        return f"another wbmerge (pid {pid})"
+    return f"another process (pid {pid}{', ' + command[0] if command else ''})"
 
 
 @contextmanager

@@ -108,6 +108,24 @@ def working_in(path: Path) -> list[int]:
     return found
 
 
+def lock_holders(path: Path) -> list[int]:
+    """The processes (other than this one) that hold a lock on the file `path`, as
+    /proc/locks names them (an open-file-description lock names no process)."""
+    try:
+        status = path.stat()
+        locks = Path("/proc/locks").read_text()
+    except OSError:
+        return []
+    device = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
+    holders = []
+    for line in locks.splitlines():
+        fields = line.split()  # (`1: POSIX ADVISORY WRITE PID MAJ:MIN:INODE START END`)
+        if len(fields) >= 6 and fields[5] == device and fields[4].isdigit():
+            if int(fields[4]) != os.getpid() and int(fields[4]) not in holders:
+                holders.append(int(fields[4]))
+    return holders
+
+
 def wait_gone(pids: Iterable[int], patience: float = 5.0) -> None:
     """Wait (at most `patience` seconds) until killed processes are gone or zombies, so that
     nothing they were sending can arrive after the next sync asked the server what it holds."""
