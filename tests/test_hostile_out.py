@@ -3,6 +3,8 @@ replaces a directory."""
 
 from __future__ import annotations
 
+import os
+import stat
 import time
 from pathlib import Path
 
@@ -116,3 +118,74 @@ def test_export_to_a_link_loop_is_one_line(plain, tmp_path):
     (tmp_path / "b").symlink_to(tmp_path / "a")
     line = one_error_line(run_cli("export", plain / "wandb", "-o", tmp_path / "a"))
     assert "cannot be resolved" in line
+
+
+def make_fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def make_device(path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("making a device node takes root")
+    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # (a null device of the test's)
+
+
+def make_link_to_stdout(path: Path) -> None:
+    path.symlink_to("/proc/self/fd/1")
+
+
+def make_link_to_a_file(path: Path) -> None:
+    (path.parent / "target").write_text("not the export's")
+    path.symlink_to(path.parent / "target")
+
+
+@pytest.mark.parametrize(
+    "make, kind",
+    [
+        (make_fifo, "a FIFO"),
+        (make_device, "a device"),
+        (make_link_to_stdout, "a symbolic link"),
+        (make_link_to_a_file, "a symbolic link"),
+    ],
+    ids=["fifo", "device", "link-to-stdout", "link-to-a-file"],
+)
+def test_export_over_what_is_not_a_regular_file_is_refused_and_left_as_it_is(
+    plain, tmp_path, make, kind
+):
+    # (as root, an export to /dev/full replaced the device with a regular file)
+    out = tmp_path / "out.parquet"
+    make(out)
+    before = os.lstat(out)
+    line = one_error_line(run_cli("export", plain / "wandb", "-o", out))
+    assert line == (
+        f"wbmerge: error: -o {out} is {kind}; give the name of a new file or of a regular "
+        "file to replace"
+    )
+    after = os.lstat(out)
+    assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino)
+    if make is make_link_to_a_file:
+        assert (tmp_path / "target").read_text() == "not the export's"
+
+
+def test_a_link_planted_at_the_exports_scratch_name_is_not_written_through(plain, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (tmp_path / ".out.parquet.partial").symlink_to(victim)
+    result = run_cli("export", plain / "wandb", "-o", tmp_path / "out.parquet")
+    assert result.returncode == 0, result.stderr
+    assert victim.read_text() == "keep me"
+    out = os.lstat(tmp_path / "out.parquet")
+    assert stat.S_ISREG(out.st_mode) and out.st_size > 0
+    assert not os.path.lexists(tmp_path / ".out.parquet.partial")
+
+
+def test_a_sink_port_file_that_is_a_fifo_is_refused(tmp_path):
+    port_file = tmp_path / "port"
+    os.mkfifo(port_file)
+    args = ("sink", "serve", "--port", "0", "--data", tmp_path / "data", "--port-file", port_file)
+    line = one_error_line(run_cli(*args))
+    assert line == (
+        f"wbmerge: error: --port-file {port_file} is a FIFO; give the name of a new file or "
+        "of a regular file to replace"
+    )
+    assert stat.S_ISFIFO(os.lstat(port_file).st_mode)

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import safepaths
 from .columns import HISTORY, Columns, rank_columns, rank_sources
 from .discover import Job, discover, group_jobs
 from .errors import WbmergeError
@@ -94,12 +95,14 @@ def export(
             f"-o {out} is inside the run directory {run_dir}; write the export outside "
             "the runs (sources are never written)"
         )
+    safepaths.check_out_file(out, "-o")  # (after: a link loop is said as one)
     jobs = group_jobs(runs, job, allow_missing_ranks=True)
     result = ExportResult(out, jobs=[j.job_id for j in jobs])
     result.warnings = [w for j in jobs for w in j.warnings]
     result.missing = {j.job_id: j.missing_ranks for j in jobs if j.missing_ranks}
     scratch = out.with_name(f".{out.name}.partial")
     out.parent.mkdir(parents=True, exist_ok=True)
+    _create_scratch(scratch)
     try:
         with streaming():
             if wide:
@@ -110,6 +113,17 @@ def export(
     finally:
         scratch.unlink(missing_ok=True)
     return result
+
+
+def _create_scratch(scratch: Path) -> None:
+    """Make the scratch file anew, never through a link planted at its name (the writer
+    opens it by name): one left by a killed export is removed first (a link itself, not
+    what it names)."""
+    try:
+        scratch.unlink(missing_ok=True)
+        os.close(os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+    except OSError as exc:
+        raise WbmergeError(f"-o: cannot write {scratch} ({exc.strerror or exc})") from None
 
 
 def _run_directory_holding(out: Path) -> Path | None:

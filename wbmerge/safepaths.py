@@ -89,6 +89,27 @@ def check_out_dir(out_dir: Path, trees: Iterable[Path], option: str = "--out") -
             )
 
 
+_KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device",
+          stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}  # fmt: skip
+
+
+def check_out_file(out: Path, option: str) -> None:
+    """Refuse an output file that exists and is not a regular file (a link, a FIFO, a
+    device, a socket): the file written is renamed over it, and as root an export to
+    /dev/full replaced the device with a regular file. A regular file is replaced whole."""
+    try:
+        mode = os.lstat(out).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise WbmergeError(f"{option} {out}: cannot be read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(mode):
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise WbmergeError(
+            f"{option} {out} is {kind}; give the name of a new file or of a regular file to replace"
+        )
+
+
 def regular_file_inside(path: Path, root: Path) -> tuple[Path | None, str | None]:
     """`(file, None)` when `path` is a regular file, or a symbolic link to one, that
     resolves inside `root` (resolved); else `(None, why)`. Never opens the file."""

@@ -25,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..safepaths import check_out_file
 from . import access, pages, protocol
 from .faults import FaultPlan, parse_fault
 from .store import Store
@@ -301,6 +302,7 @@ def serve(
     bound = sock.getsockname()[1]
     app = make_app(data_dir, faults, allow_faults)
     if port_file:
+        check_out_file(Path(port_file), "--port-file")
         tmp = Path(str(port_file) + ".tmp")
         tmp.write_text(str(bound))
         tmp.replace(port_file)
