@@ -3,6 +3,7 @@ that `wandb sync` accepts, created exclusively and removed again on any failure.
 
 from __future__ import annotations
 
+import errno
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -87,6 +88,13 @@ def stage(
             else:
                 outcome = write_passthrough(target, writer, options, count_content)
             staged.records = writer.records
+    except OSError as exc:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if not _writing(exc, out_dir):
+            raise
+        raise WbmergeError(
+            f"cannot write the merged run in {out_dir} ({exc.strerror or exc})"
+        ) from None
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
@@ -98,3 +106,15 @@ def stage(
     staged.content = outcome.content
     staged.warnings += outcome.warnings
     return staged
+
+
+# Failures that only a write can meet: a full disk, a quota, a file too large, a read-only
+# file system. (A failed read of a source names the source, which is not in `out_dir`.)
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
+def _writing(exc: OSError, out_dir: Path) -> bool:
+    """Whether `exc` is a failure to write the merged run (or its spools) in `out_dir`."""
+    if exc.errno in _WRITE_ERRORS:
+        return True
+    return exc.filename is not None and safepaths.is_within(Path(exc.filename), out_dir)

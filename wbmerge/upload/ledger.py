@@ -84,9 +84,11 @@ class Ledger:
 
     def _problem(self, exc: sqlite3.OperationalError) -> WbmergeError:
         """The one line of an SQLite failure: a ledger locked by another process names it."""
-        if (getattr(exc, "sqlite_errorcode", 0) & 0xFF) != sqlite3.SQLITE_BUSY:
+        code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+        if code != sqlite3.SQLITE_BUSY:
+            why = f"no space left on device: {exc}" if code == sqlite3.SQLITE_FULL else exc
             return WbmergeError(
-                f"cannot keep the ledger of synced runs in {self.path.parent} ({exc}); set "
+                f"cannot keep the ledger of synced runs in {self.path.parent} ({why}); set "
                 "WBMERGE_STATE_DIR to a directory wbmerge may write"
             )
         holders = [_holder(pid) for pid in lock_holders(self.path)] or ["another process"]
@@ -168,13 +170,20 @@ def run_locks(
     It yields whether it waited: the sync waited for may have been killed (which frees its
     locks), and its uploader may still be sending (see `staging.clean_stale`).
     """
-    lock_dir.mkdir(parents=True, exist_ok=True)
     handles = []
     waited = False
     try:
         for key in sorted(set(keys)):
             name = hashlib.sha256(key.encode()).hexdigest()[:32] + ".lock"
-            handle = open(lock_dir / name, "a+")
+            try:
+                lock_dir.mkdir(parents=True, exist_ok=True)
+                handle = open(lock_dir / name, "a+")
+            except OSError as exc:
+                raise WbmergeError(
+                    f"cannot keep the locks of runs being synced in {lock_dir} "
+                    f"({exc.strerror or exc}); set WBMERGE_STATE_DIR to a directory wbmerge "
+                    "may write"
+                ) from None
             handles.append(handle)
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

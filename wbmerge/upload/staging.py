@@ -82,7 +82,13 @@ def check_private(path: Path) -> Path:
 def make_staging(parent: Path | None = None) -> Path:
     """A new staging directory owned by this process, in `parent` (else `staging_root()`)."""
     parent = staging_root() if parent is None else check_private(Path(parent))
-    path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=parent))
+    try:
+        path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=parent))
+    except OSError as exc:
+        raise WbmergeError(
+            f"cannot make a staging directory in {parent} ({exc.strerror or exc}); set "
+            "TMPDIR to a directory with room for the merged runs"
+        ) from None
     write_owner(path)
     return path
 
@@ -93,8 +99,14 @@ def write_owner(path: Path, uploader: list[int] | None = None) -> None:
     owner = {"pid": os.getpid(), "started": start_time(os.getpid()), "uid": os.geteuid(),
              "uploader": tree}  # fmt: skip
     tmp = path / (OWNER + ".tmp")
-    tmp.write_text(json.dumps(owner))
-    tmp.replace(path / OWNER)
+    try:
+        tmp.write_text(json.dumps(owner))
+        tmp.replace(path / OWNER)
+    except OSError as exc:  # (said: a killed sync's uploader could not be found again)
+        raise WbmergeError(
+            f"cannot write the staging directory {path} ({exc.strerror or exc}); set "
+            "TMPDIR to a directory with room for the merged runs"
+        ) from None
 
 
 class OwnerRecord:

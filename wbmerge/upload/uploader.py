@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import WbmergeError
 from .credentials import Credentials
 from .processes import descendants, start_time
 from .settle import note_stopped
@@ -103,8 +104,13 @@ class Uploader:
         # exists, else to the temp dir; wandb-core its `core-debug-*.log` under
         # WANDB_CACHE_DIR, else ~/.cache) and its temp directories (left behind when the
         # uploader is stopped).
-        for where in ("wandb", "cache", "tmp"):
-            (self.workdir / where).mkdir(parents=True, exist_ok=True)
+        try:
+            for where in ("wandb", "cache", "tmp"):
+                (self.workdir / where).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise WbmergeError(
+                f"cannot write the staging directory {self.workdir} ({exc.strerror or exc})"
+            ) from None
         env = dict(self.env)
         env.update(WANDB_BASE_URL=self.credentials.base_url, WANDB_API_KEY=self.credentials.api_key)
         env.update(WANDB_DIR=str(self.workdir), WANDB_CACHE_DIR=str(self.workdir / "cache"))
