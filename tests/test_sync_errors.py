@@ -284,6 +284,27 @@ def test_a_ledger_another_process_holds_locked_is_one_line_naming_it(sink, tmp_p
     assert sink.client.runs() == []
 
 
+@pytest.mark.parametrize("how", ["writable by others", "another user's"])
+def test_a_state_directory_other_users_may_write_is_refused_in_one_line(sink, tmp_path, how):
+    # (they could plant a ledger saying runs are synced, or a link where wbmerge writes)
+    state = tmp_path / "state"
+    state.mkdir()
+    if how == "writable by others":
+        state.chmod(0o777)
+        why = "may be written by other users (mode 777)"
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("giving a directory to another user takes root")
+        os.chown(state, 65534, 65534)
+        why = f"belongs to uid 65534, not to this user (uid {os.geteuid()})"
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(state)}
+    result = CliRunner().invoke(main, ["sync", str(job_dir("one_node_4")), "-p", "x"], env=env)
+    assert_one_line_error(
+        result, f"state directory {state} {why}; set WBMERGE_STATE_DIR to a directory of your own"
+    )
+    assert sink.client.runs() == [] and list(state.iterdir()) == []
+
+
 def test_a_sink_port_out_of_range_is_a_usage_error(tmp_path):
     line = ("wbmerge: error: Invalid value for '--port': 99999 is not in the range "
             "0<=x<=65535. (see wbmerge sink serve --help)\n")  # fmt: skip

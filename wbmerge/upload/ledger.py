@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import sqlite3
+import stat
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
@@ -44,6 +45,22 @@ def state_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "wbmerge"
 
 
+def check_state_dir(path: Path) -> Path:
+    """`path` (a directory, or a link to one) when no other user may write in it; else
+    WbmergeError. Another user who may write there could plant a ledger that says runs are
+    synced, or a link at a name wbmerge writes (a sync as root would write through it)."""
+    status = path.stat()
+    if status.st_uid != os.geteuid():
+        why = f"belongs to uid {status.st_uid}, not to this user (uid {os.geteuid()})"
+    elif status.st_mode & 0o022:
+        why = f"may be written by other users (mode {stat.S_IMODE(status.st_mode):o})"
+    else:
+        return path
+    raise WbmergeError(
+        f"state directory {path} {why}; set WBMERGE_STATE_DIR to a directory of your own"
+    )
+
+
 class Ledger:
     """Which run (server, entity, project, id) was verified complete from which source files."""
 
@@ -52,7 +69,8 @@ class Ledger:
         it, another process holds it locked, or another wbmerge wrote it differently."""
         self.path = path
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            check_state_dir(path.parent)
             # used by one thread at a time, but may be closed by another (a batch closes the
             # connections of its checking threads when they are done)
             self._db = sqlite3.connect(

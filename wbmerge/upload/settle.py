@@ -24,7 +24,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from .ledger import state_dir
+from ..errors import WbmergeError
+from .ledger import check_state_dir, state_dir
 
 # Seconds a server may take to apply a request it received before its sender stopped.
 SETTLE = 5.0
@@ -38,12 +39,14 @@ def note_stopped(at: float | None = None) -> None:
     killed while the main thread stops the next one), so the mark is read and replaced
     under a lock, and a later stop is never replaced by an earlier one (a mark in the future
     is no later stop: it is replaced). It is called while uploads are being stopped, so it
-    never raises: a state directory that cannot be written loses the note, and the check
+    never raises: a state directory that cannot be written (or that other users may
+    write) loses the note, and the check
     after each upload still catches rows sent twice."""
     at = time.time() if at is None else at
     path = state_dir() / _MARK
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_state_dir(path.parent)  # (refused in one line when the ledger is opened)
         with open(path.with_name(_MARK + ".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # also between threads: each opens its own
             if at <= last_stop() <= time.time():
@@ -51,7 +54,7 @@ def note_stopped(at: float | None = None) -> None:
             tmp = path.with_name(f"{_MARK}.{os.getpid()}.tmp")
             tmp.write_text(repr(at))
             tmp.replace(path)
-    except OSError:
+    except (OSError, WbmergeError):
         return
 
 
