@@ -19,6 +19,7 @@ wbmerge starts, see `standby`) all agree with the record.
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import os
@@ -138,12 +139,19 @@ def clean_stale(parent: Path | None = None) -> list[Path]:
         owner = _owner_record(path)
         if owner is None or alive(owner["pid"], owner.get("started")):
             continue
-        orphans = _orphans(path, owner)
-        for pid in orphans:
-            try:
-                os.kill(pid, signal.SIGKILL)  # an orphan of the dead owner, still sending
+        handles = _orphans(path, owner)
+        for pid, handle in handles.items():
+            try:  # an orphan of the dead owner, still sending
+                if handle is None:
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    signal.pidfd_send_signal(handle, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            finally:
+                if handle is not None:
+                    os.close(handle)
+        orphans = set(handles)
         wait_gone(orphans)
         # What the dead sync's uploader sent last may still be landing on the server.
         note_stopped(None if orphans else _last_written(path))
@@ -179,25 +187,38 @@ def _owner_record(path: Path) -> dict | None:
     return owner
 
 
-def _orphans(path: Path, owner: dict) -> set[int]:
-    """The processes of the dead owner's uploaders that still run: each recorded one whose
-    start time, user and command line still agree, and each wandb-core (it may have started
-    after the last record) that works in `path` and was started by a recorded uploader."""
+def _orphans(path: Path, owner: dict) -> dict[int, int | None]:
+    """The processes of the dead owner's uploaders that still run, each with a pidfd to
+    signal it by: each recorded one whose start time, user and command line still agree,
+    and each wandb-core (it may have started after the last record) that works in `path`
+    and was started by a recorded uploader. The pidfd is opened before the checks, so that
+    a pid taken by another process after them cannot be signalled (a kernel before 5.3
+    has no pidfds: None, and the pid is signalled)."""
     recorded = {}
     for entry in owner.get("uploader") or []:
         if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int):
             if entry[0] > 1 and isinstance(entry[1], str) and entry[1].isdigit():
                 recorded[entry[0]] = entry[1]
     first = min((int(started) for started in recorded.values()), default=None)
-    found = set()
+    found = {}
     for pid in {*recorded, *working_in(path)}:
+        try:
+            handle: int | None = os.pidfd_open(pid)
+        except OSError as exc:
+            if exc.errno != errno.ENOSYS:
+                continue  # gone
+            handle = None
         started = start_time(pid)
-        if started is None or recorded.get(pid, started) != started:
-            continue  # gone, or the pid was taken by a process that started later
-        if pid not in recorded and (first is None or int(started) < first):
-            continue  # older than every recorded uploader: none of them started it
-        if user_ids(pid) == {os.geteuid()} and is_uploader(command_line(pid) or [], recorded):
-            found.add(pid)
+        if (
+            started is not None
+            and recorded.get(pid, started) == started  # (not a pid taken by a later process)
+            and (pid in recorded or (first is not None and int(started) >= first))
+            and user_ids(pid) == {os.geteuid()}
+            and is_uploader(command_line(pid) or [], recorded)
+        ):
+            found[pid] = handle
+        elif handle is not None:
+            os.close(handle)
     return found
 
 
