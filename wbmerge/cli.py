@@ -14,12 +14,11 @@ import click
 
 from . import __version__
 from .clierrors import OneLineUsage, one_line_errors
+from .clisink import sink
 from .errors import WbmergeError
 
 if TYPE_CHECKING:
     from .pipeline import SyncReport
-
-DEFAULT_SINK_DATA = "./wbmerge-sink"
 
 
 def rank_options() -> list[Callable[..., Any]]:
@@ -79,6 +78,9 @@ def main() -> None:
     """Merge and upload the offline W&B runs of every rank of a distributed job."""
 
 
+main.add_command(sink)
+
+
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array, one object per run.")
@@ -104,130 +106,6 @@ def inspect(
     unreadable = unreadable_summary(rows)
     if unreadable:
         raise WbmergeError(unreadable)  # listed above; the exit status says it too
-
-
-@main.group()
-def sink() -> None:
-    """The local W&B-compatible sink: the quickstart's upload target and the tests' server.
-
-    A sync goes to it when WANDB_BASE_URL names it (otherwise to W&B itself)."""
-
-
-@sink.command("serve")
-@click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535),
-              help="Port on 127.0.0.1 (0: any free).")  # fmt: skip
-@click.option("--data", "data_dir", default=DEFAULT_SINK_DATA, show_default=True, type=click.Path())
-@click.option(
-    "--allow-faults", is_flag=True, help="Let POST /api/faults inject faults (for tests)."
-)
-@click.option(
-    "--fault",
-    "faults",
-    multiple=True,
-    help="Inject a fault, e.g. 'file_stream=500@2' (allows faults).",
-)
-@click.option("--port-file", type=click.Path(), help="Write the bound port to this file.")
-@one_line_errors
-def sink_serve(
-    port: int, data_dir: str, allow_faults: bool, faults: tuple[str, ...], port_file: str | None
-) -> None:
-    """Serve the sink on 127.0.0.1 until interrupted (stop it with `kill PID`)."""
-    from .sink.faults import parse_fault
-    from .sink.server import serve
-
-    for spec in faults:
-        try:
-            parse_fault(spec)
-        except ValueError as exc:
-            raise WbmergeError(str(exc)) from None
-    try:
-        serve(data_dir, port, list(faults), port_file, allow_faults)
-    except OSError as exc:
-        raise WbmergeError(f"cannot serve on 127.0.0.1:{port}: {exc.strerror or exc}") from None
-    except ValueError as exc:  # an unsafe data directory (a symlink in it), a bad secret file
-        raise WbmergeError(f"cannot serve from {data_dir}: {exc}") from None
-
-
-@sink.command("show")
-@click.argument("run_path", required=False)
-@click.option(
-    "--url",
-    default="http://127.0.0.1:8765",
-    show_default=True,
-    envvar="WANDB_BASE_URL",
-    help="The sink's address; WANDB_BASE_URL when set.",
-)
-@click.option(
-    "--data",
-    "data_dir",
-    type=click.Path(),
-    help="The sink's data directory, whose api-key file holds its key. Default: the key in "
-    "WANDB_API_KEY, else ./wbmerge-sink's.",
-)
-@click.option("--json", "as_json", is_flag=True)
-@one_line_errors
-def sink_show(run_path: str | None, url: str, data_dir: str | None, as_json: bool) -> None:
-    """List the sink's runs, or show one: RUN_PATH is ENTITY/PROJECT/RUN_ID."""
-    import urllib.error
-
-    from .sink.client import SinkClient
-
-    client = SinkClient(url, _sink_key(data_dir))
-    try:
-        if run_path is None:
-            runs = client.runs()
-            if as_json:
-                click.echo(json.dumps(runs, indent=2))
-            if not runs and not as_json:
-                click.echo(f"no runs on the sink at {url} yet", err=True)
-            for r in [] if as_json else runs:
-                click.echo(
-                    f"{r['entity']}/{r['project']}/{r['id']}  group={r['group'] or '-'}  "
-                    f"state={r['state']}  exit={r['exit_code']}"
-                )
-            return
-        parts = run_path.strip("/").split("/")
-        if len(parts) != 3:
-            raise WbmergeError("RUN_PATH must be ENTITY/PROJECT/RUN_ID")
-        run = client.run(*parts)
-    except urllib.error.HTTPError as exc:
-        if exc.code == 404 and run_path is not None:
-            raise WbmergeError(
-                f"no run {run_path.strip('/')} on the sink at {url} "
-                "(`wbmerge sink show` lists its runs)"
-            ) from None
-        if exc.code == 401:
-            raise WbmergeError(
-                f"the sink at {url} refused the key (HTTP 401): name its data directory "
-                "with --data, or set WANDB_API_KEY to the key `wbmerge sink serve` printed"
-            ) from None
-        raise WbmergeError(f"{url}: {exc.code} {exc.reason}") from None
-    except urllib.error.URLError as exc:
-        raise WbmergeError(f"cannot reach the sink at {url}: {exc.reason}") from None
-    if as_json:
-        click.echo(json.dumps(run, indent=2))
-        return
-    click.echo(
-        f"{run['entity']}/{run['project']}/{run['id']}: {run['state']} (exit {run['exit_code']})"
-    )
-    click.echo(f"  group {run['group'] or '-'}, job type {run['job_type'] or '-'}")
-    click.echo(
-        f"  history rows {len(run['history'])}, system metric rows {len(run['system_metrics'])}"
-    )
-    click.echo(f"  console lines {len(run['console'])}, files {len(run['files'])}")
-    click.echo(f"  summary keys: {', '.join(sorted(run['summary']))}")
-
-
-def _sink_key(data_dir: str | None) -> str:
-    """The key `sink show` sends: --data's, else WANDB_API_KEY, else ./wbmerge-sink's."""
-    from .sink.access import read_api_key
-
-    if data_dir is None and os.environ.get("WANDB_API_KEY"):
-        return os.environ["WANDB_API_KEY"]
-    try:
-        return read_api_key(data_dir or DEFAULT_SINK_DATA)
-    except ValueError as exc:
-        raise WbmergeError(f"{exc}; name the sink's data directory with --data") from None
 
 
 def _warn_jobs(planned: list) -> None:
