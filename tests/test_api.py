@@ -140,7 +140,7 @@ def test_a_failure_of_several_jobs_gives_its_advice_once_after_every_run():
     """Each job's lines end with what to do (rerun; or upload under other run ids): said
     once each, in the order first given, after the runs of every job."""
     rerun = "nothing missing was recorded as synced; rerun `wbmerge sync` to send it"
-    other_ids = ("a rerun cannot complete these runs: upload under other run ids (with --base-id "
+    other_ids = ("syncing again cannot complete these runs: upload under other run ids (with --base-id "
                  "ID), or delete the runs on the server first")  # fmt: skip
     failed = api.UploadFailed(
         ["run a: history rows 1 of 3", rerun, "run b: refused", other_ids,

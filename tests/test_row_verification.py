@@ -27,30 +27,34 @@ from .sinktools import expected_from_log
 
 
 @pytest.mark.parametrize(
-    "sent, held, missing, twice, extra, unstepped",
+    "sent, held, missing, lacking, twice, extra, unstepped",
     [
-        ([0, 1, 2], [0, 1, 2], [], [], [], 0),
-        ([0, 1, 2], [2, 0, 1], [], [], [], 0),  # (any order)
-        ([0, 1, 2, 3], [0, 3], [1, 2], [], [], 0),
-        ([0, 1, 2], [0, 1, 1, 2, 2, 2], [], [1, 2], [], 0),
-        ([5, 10], [5, 7, 10, 12], [], [], [7, 12], 0),
-        ([0, 1], [0, None, 1], [], [], [], 1),
-        ([], [3], [], [], [3], 0),
+        ([0, 1, 2], [0, 1, 2], [], 0, [], [], 0),
+        ([0, 1, 2], [2, 0, 1], [], 0, [], [], 0),  # (any order)
+        ([0, 1, 2, 3], [0, 3], [1, 2], 2, [], [], 0),
+        ([0, 1, 2], [0, 1, 1, 2, 2, 2], [], 0, [1, 2], [], 0),
+        ([5, 10], [5, 7, 10, 12], [], 0, [], [7, 12], 0),
+        ([0, 1], [0, None, 1], [], 0, [], [], 1),
+        ([], [3], [], 0, [], [3], 0),
+        # wandb-core wraps past int64 and sends steps 0 and 1 twice: held twice is right
+        ([0, 1, -(2**63), 0, 1], [0, 0, 1, 1, -(2**63)], [], 0, [], [], 0),
+        ([0, 1, 0, 1], [0, 1, 1], [0], 1, [], [], 0),
     ],
 )
-def test_compare_steps(sent, held, missing, twice, extra, unstepped):
+def test_compare_steps(sent, held, missing, lacking, twice, extra, unstepped):
     check = compare_steps(sent, held)
-    assert (check.missing, check.twice, check.extra, check.unstepped) == (
-        missing, twice, extra, unstepped
+    assert (check.missing, check.lacking, check.twice, check.extra, check.unstepped) == (
+        missing, lacking, twice, extra, unstepped
     )  # fmt: skip
     assert bool(check.problems(len(sent))) == bool(missing or twice or extra or unstepped)
 
 
 def test_the_problems_name_the_steps():
-    check = compare_steps(list(range(20000)), [*range(1000), *range(6694, 20000), 3, 3])
-    [lacks, twice] = check.problems(20000)
+    check = compare_steps(list(range(20000)), [*range(1000), *range(6694, 20000), 3, 3, 30001])
+    [lacks, twice, extra] = check.problems(20000)
     assert lacks == "the server lacks 5,694 of 20,000 rows sent (steps 1000-6693)"
-    assert twice == "the server holds 1 steps more than once (steps 3)"
+    assert twice == "the server holds 1 steps more often than they were sent (steps 3)"
+    assert extra == "the server holds rows at 1 steps that were not sent (steps 30001)"
 
 
 @pytest.mark.parametrize(
@@ -76,12 +80,13 @@ def test_spans(steps, text):
         ([7], 7),
         ([], None),
         ([], 12),
+        ([-5, -4, 0, 7], 7),  # (steps wrapped past int64 are negative)
     ],
 )
 def test_windows_cover_every_step_and_hold_a_page_of_sent_steps_each(sent, last_held):
     found = windows(sent, last_held, page=1000)
     end = max([*sent, -1, -1 if last_held is None else last_held]) + 1
-    assert found[0][0] == 0 and found[-1][1] >= end
+    assert found[0][0] == -(2**63) and found[-1][1] >= end
     for (_, hi), (lo, _) in zip(found, found[1:], strict=False):
         assert hi == lo, "windows meet without a gap"
     for lo, hi in found:
@@ -89,6 +94,14 @@ def test_windows_cover_every_step_and_hold_a_page_of_sent_steps_each(sent, last_
         assert sum(lo <= s < hi for s in sent) <= 1000
     if sent:
         assert len(found) <= len(sent) // 1000 + 2
+
+
+def test_windows_end_at_the_largest_int64_step():
+    """A step range's end is exclusive and an int64: the largest step cannot be named, so the
+    last window ends just before it (its row is left to the line count)."""
+    top = 2**63 - 1
+    assert windows([0, 5], top)[-1][1] == top
+    assert all(lo < hi <= top for lo, hi in windows([0, 5, top - 1], top))
 
 
 def test_a_full_window_is_asked_again_in_halves():
@@ -226,7 +239,7 @@ def test_steps_another_writer_sent_at_a_stale_offset_fail_the_check(sink, tmp_pa
     twice = spans([row["_step"] for row in history[:10]])
     gone = spans([row["_step"] for row in history[10:20]])
     assert f"the server lacks 10 of 1,500 rows sent (steps {gone})" in line
-    assert f"the server holds 10 steps more than once (steps {twice})" in line
+    assert f"the server holds 10 steps more often than they were sent (steps {twice})" in line
 
 
 @pytestmark_e2e
@@ -251,3 +264,31 @@ def test_a_value_changed_on_the_server_fails_the_full_check(sink, tmp_path):
     first_row = sync(sink, tmp_path, source, "--base-id", "values", "--force")
     assert first_row.exit_code == 1
     assert f"the row at step {history[0]['_step']} holds {key!r} = 7.25" in errors(first_row)[0]
+
+
+class FullPages:
+    """A server that answers every page with as many rows as asked, all at its first step."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def history_page(self, entity, project, run_id, steps, most):
+        self.asked += 1
+        return [{"_step": steps[0]}] * most
+
+
+def test_a_server_that_fills_every_page_is_asked_a_bounded_number_of_times(tmp_path):
+    """Halving a full window could go on for every step of the range (2 * 10**9 questions
+    for steps 0 and 10**9); the check gives up after a bound and says why."""
+    from wbmerge.content import read_staged
+    from wbmerge.upload import Delivery, Held, ServerError
+    from wbmerge.upload.onserver import rows_not_held
+
+    source = synthetic_job(tmp_path, steps=50)
+    [log] = source.glob("wandb/*/run-*.wandb")
+    server = FullPages()
+    delivery = Delivery("full-pages", log.parent, log, "key", "fingerprint")
+    with pytest.raises(ServerError, match="came back full"):
+        rows_not_held(server, "e", "p", delivery, Held(True, 50, last_step=10**9),
+                      read_staged(log))  # fmt: skip
+    assert server.asked < 200

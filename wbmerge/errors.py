@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     from .pipeline import SyncReport
 
 RERUN = "nothing missing was recorded as synced; rerun `wbmerge sync` to send it"
-REFUSED = "a rerun cannot complete these runs: upload under other run ids"
+REFUSED = "syncing again cannot complete these runs: upload under other run ids"
 
 
 class WbmergeError(Exception):

@@ -258,6 +258,8 @@ def _history_page(store: Store, v: dict[str, Any], base_url: str) -> dict:
     if not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds):
         raise ProtocolError("minStep, maxStep and pageSize must be whole numbers")
     min_step, max_step, samples = bounds
+    if not -(2**63) <= min_step <= max_step < 2**63:
+        raise ProtocolError("minStep and maxStep must be int64 steps, minStep <= maxStep")
     if not 0 < samples <= 100_000:
         raise ProtocolError("pageSize must be from 1 to 100000")
     lines = store.history_page(entity, project, run_id, min_step, max_step, samples)

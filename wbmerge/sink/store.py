@@ -414,7 +414,9 @@ def history_step(line: str) -> int | None:
     except (ValueError, RecursionError):
         return None
     step = row.get("_step") if isinstance(row, dict) else None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        return None
+    return step if -(2**63) <= step < 2**63 else None  # (W&B's steps are int64)
 
 
 def _refuse_symlinks(path: Path) -> None:

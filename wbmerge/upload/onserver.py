@@ -6,9 +6,20 @@ every history row, read back by step (`HistoryPage`). What is compared is in `wh
 
 from __future__ import annotations
 
+from collections import Counter
+
 from ..content import StagedContent, read_logged_run
 from .delivery import Delivery
-from .rowcheck import compare_steps, halves, room, sampled, staged_rows, value_problem, windows
+from .rowcheck import (
+    INT64_MAX,
+    compare_steps,
+    halves,
+    room,
+    sampled,
+    staged_rows,
+    value_problem,
+    windows,
+)
 from .server import Held, ServerClient, ServerError
 from .staging import staged_files, staged_md5s
 from .whole import (
@@ -68,11 +79,13 @@ def rows_not_held(
     every_value: bool = False,
 ) -> list[str]:
     """What the server lacks of the history rows a whole upload of the staged run sends:
-    each step sent must be there once and nothing else, and the values of a sample of the
-    rows (of every row with `every_value`) must be the ones sent (see `rowcheck`). Every
-    row is read back, a page at a time; [] when the server holds them all.
-    Raises ServerError when the server cannot be asked."""
-    sent = content.history_steps
+    each step sent must be there as often as it was sent and nothing else, and the values of
+    a sample of the rows (of every row with `every_value`) must be the ones sent (see
+    `rowcheck`). Every row is read back, a page at a time; [] when the server holds them
+    all. Raises ServerError when the server cannot be asked or answers out of turn."""
+    sent = list(content.history_steps)  # (the step each staged row is sent at, by index)
+    order = sorted(step for step in sent if step != INT64_MAX)  # (see `rowcheck`)
+    rising = order == sent and len(set(order)) == len(order)  # (every log wandb writes)
     # Only the rows still in the staged log are read: the first `rows_cut` were on the
     # server before this upload, cut from the log (their steps are checked all the same).
     cut = delivery.rows_cut
@@ -81,21 +94,38 @@ def rows_not_held(
         (cut + i, row)
         for i, row in staged_rows(delivery.log, [i - cut for i in wanted if i >= cut])
     )
+    if not rising:  # (steps that wrapped past int64: compare the rows of steps sent once)
+        once = {step for step, count in Counter(order).items() if count == 1}
+        by_sent = {sent[i]: row for i, row in staged if sent[i] in once}
+        position = {step: i for i, step in enumerate(order)}
+        staged = iter(sorted((position[step], row) for step, row in by_sent.items()))
+        sent = order
     pending = next(staged, None)
     held_steps: list[int | None] = []
     differing: list[str] = []
-    todo = windows(sent, held.last_step)
+    todo = windows(order, held.last_step)
+    budget = MAX_REQUESTS_PER_WINDOW * len(todo) + MAX_REQUESTS_SPARE
     while todo:
         window = todo.pop(0)
-        most = room(window, sent)
+        most = room(window, order)
+        budget -= 1
+        if budget < 0:
+            raise ServerError(f"every page of {delivery.run_id}'s rows came back full, more "
+                              "often than any run of this size needs")  # fmt: skip
         rows = client.history_page(entity, project, delivery.run_id, window, most)
-        if len(rows) >= most and halves(window) != [window]:
+        if len(rows) > most:
+            raise ServerError(f"the server answered more rows than asked for ({len(rows)} of "
+                              f"{most}) at steps {window[0]}-{window[1] - 1}")  # fmt: skip
+        if len(rows) == most and halves(window) != [window]:
             todo[:0] = halves(window)  # (maybe a sample of a fuller window: read it in two)
             continue
         by_step: dict[int | None, dict] = {}
         for row in rows:
             step = row.get("_step")
             step = step if isinstance(step, int) and not isinstance(step, bool) else None
+            if step is not None and not window[0] <= step < window[1]:
+                raise ServerError(f"the server answered a row at step {step} when asked for "
+                                  f"steps {window[0]}-{window[1] - 1}")  # fmt: skip
             held_steps.append(step)
             by_step.setdefault(step, row)
         while pending is not None and sent[pending[0]] < window[1]:
@@ -104,11 +134,18 @@ def rows_not_held(
                 problem = value_problem(sent[index], staged_row, by_step[sent[index]])
                 differing += [problem] if problem else []
             pending = next(staged, None)
-    problems = compare_steps(sent, held_steps).problems(len(sent))
+    problems = compare_steps(order, held_steps).problems(len(order))
     if differing:
         more = f" (and {len(differing) - 1} more rows differ)" if len(differing) > 1 else ""
         problems.append(differing[0] + more)
     return problems
+
+
+# A window is read in halves while its answers come back full; a run as the uploader sends
+# it needs a few halvings at most (a step written twice), so past this many questions per
+# window the answers are not a server's reading of this run.
+MAX_REQUESTS_PER_WINDOW = 8
+MAX_REQUESTS_SPARE = 64
 
 
 class RowsLost(Exception):

@@ -15,13 +15,20 @@ logs every 100th step is read in as few requests as one that logs every step. A 
 is asked for with room for `SLACK` times its rows; an answer that fills that room may be
 a sample (W&B samples a range it would return too much of), so the window is halved and
 each half asked again, until no answer is full. Worked example, steps 0..4999 sent and
-`PAGE` 1000: windows [0, 1000), [1000, 2000), ..., [4000, 5000) and a last one from 5000
-on to one past the server's last step (a row past the sent ones is a row too many).
+`PAGE` 1000: windows [-2**63, 1000), [1000, 2000), ..., [4000, 5000) and a last one from
+5000 on to one past the server's last step (a row outside the sent ones is one too many).
+
+In every log wandb writes the steps sent rise, one row per step. A log whose `_step`
+items run past 2**63 - 1 makes wandb-core wrap around to negative steps and send some
+steps twice (`sentrows`); so the steps are compared as counts (each step held as often as
+it was sent), and a row at step 2**63 - 1 itself, which no step range can name (the end
+is exclusive), is left to the line count.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +37,7 @@ from .. import records, sentrows
 from ..proto import pb
 from .remainder import same_value
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # W&B's steps are int64
 PAGE = 1000  # steps sent per window: the public API's page size
 SLACK = 4  # a window is asked for with room for this many times its rows
 SAMPLED_ROWS = 64  # rows whose values are compared when not every row is
@@ -37,20 +45,24 @@ SAMPLED_ROWS = 64  # rows whose values are compared when not every row is
 ADDED_BY_UPLOAD = frozenset({"_step", "_runtime", "_timestamp"})
 
 
-def windows(sent: Sequence[int], last_held: int | None, page: int = PAGE) -> list[tuple[int, int]]:
-    """Step windows [start, end) that together cover every step from 0 to past both the
-    last step sent and the last one the server holds, each holding at most `page` of the
-    steps sent (`sent` rises strictly)."""
-    end = max(sent[-1] if sent else -1, -1 if last_held is None else last_held) + 1
-    bounds = [0, *(sent[i] for i in range(page, len(sent), page))]
-    if bounds[-1] < end:
-        bounds.append(end)
-    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo] or [(0, 1)]
+def windows(order: Sequence[int], last_held: int | None, page: int = PAGE) -> list[tuple[int, int]]:
+    """Step windows [start, end) that together cover every step from the least int64 to
+    past both the last step sent and the last one the server holds, each holding at most
+    `page` of the steps sent (`order`: the steps sent, sorted)."""
+    top = max(order[-1] if order else -1, -1 if last_held is None else last_held)
+    end = min(top + 1, INT64_MAX)
+    bounds = [INT64_MIN]
+    for i in range(page, len(order), page):
+        if bounds[-1] < order[i] < end:
+            bounds.append(order[i])
+    bounds.append(end)
+    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
 
 
-def room(window: tuple[int, int], sent: Sequence[int]) -> int:
-    """How many rows to ask a window for: `SLACK` times the steps sent in it, at least 16."""
-    inside = bisect.bisect_left(sent, window[1]) - bisect.bisect_left(sent, window[0])
+def room(window: tuple[int, int], order: Sequence[int]) -> int:
+    """How many rows to ask a window for: `SLACK` times the steps sent in it (`order`:
+    sorted), at least 16."""
+    inside = bisect.bisect_left(order, window[1]) - bisect.bisect_left(order, window[0])
     return max(16, SLACK * inside)
 
 
@@ -66,8 +78,9 @@ def halves(window: tuple[int, int]) -> list[tuple[int, int]]:
 class StepCheck:
     """How the steps the server holds differ from the steps sent."""
 
-    missing: list[int] = field(default_factory=list)
-    twice: list[int] = field(default_factory=list)  # held more than once
+    missing: list[int] = field(default_factory=list)  # held less often than sent
+    lacking: int = 0  # the rows those steps lack in all
+    twice: list[int] = field(default_factory=list)  # held more often than sent
     extra: list[int] = field(default_factory=list)  # held, never sent
     unstepped: int = 0  # rows held without a whole-number `_step`
 
@@ -75,38 +88,38 @@ class StepCheck:
         """One phrase per kind of difference, naming the steps."""
         out = []
         if self.missing:
-            out.append(f"the server lacks {len(self.missing):,} of {sent:,} rows sent "
+            out.append(f"the server lacks {self.lacking:,} of {sent:,} rows sent "
                        f"(steps {spans(self.missing)})")  # fmt: skip
         if self.twice:
-            out.append(f"the server holds {len(self.twice):,} steps more than once "
-                       f"(steps {spans(self.twice)})")  # fmt: skip
+            out.append(f"the server holds {len(self.twice):,} steps more often than they were "
+                       f"sent (steps {spans(self.twice)})")  # fmt: skip
         if self.extra:
-            out.append(f"the server holds {len(self.extra):,} rows that were not sent "
+            out.append(f"the server holds rows at {len(self.extra):,} steps that were not sent "
                        f"(steps {spans(self.extra)})")  # fmt: skip
         if self.unstepped:
             out.append(f"the server holds {self.unstepped:,} rows without a _step")
         return out
 
 
-def compare_steps(sent: Sequence[int], held: Iterable[int | None]) -> StepCheck:
-    """The steps of `sent` (rising strictly) that `held` (the rows read back, in any
-    order) lacks, holds twice, or holds without their being sent.
+def compare_steps(sent: Iterable[int], held: Iterable[int | None]) -> StepCheck:
+    """How the steps `held` (the rows read back, in any order) differ from the steps `sent`,
+    each step counted as often as it occurs.
 
     >>> check = compare_steps([0, 1, 2, 3], [0, 2, 2, 3, 9])
     >>> check.missing, check.twice, check.extra
     ([1], [2], [9])
     """
-    counts: dict[int, int] = {}
+    want, got = Counter(sent), Counter()
     check = StepCheck()
     for step in held:
         if step is None:
             check.unstepped += 1
         else:
-            counts[step] = counts.get(step, 0) + 1
-    expected = set(sent)
-    check.missing = [step for step in sent if step not in counts]
-    check.twice = sorted(step for step, count in counts.items() if count > 1)
-    check.extra = sorted(step for step in counts if step not in expected)
+            got[step] += 1
+    check.missing = sorted(step for step, count in want.items() if got[step] < count)
+    check.lacking = sum(want[step] - got[step] for step in check.missing)
+    check.twice = sorted(step for step, count in got.items() if 0 < want[step] < count)
+    check.extra = sorted(step for step in got if step not in want)
     return check
 
 
