@@ -18,7 +18,13 @@ from click.testing import CliRunner
 from wbmerge.cli import main
 from wbmerge.jobs import Hints, RunFacts, identify
 from wbmerge.proto import pb
-from wbmerge.rankclaims import gpu_claim, launcher_claim, slurm_claim
+from wbmerge.rankclaims import (
+    config_claim,
+    gpu_claim,
+    launcher_claim,
+    parse_spelling,
+    slurm_claim,
+)
 
 from .conftest import MANIFEST, job_dir
 from .hostile import rewrite_log
@@ -129,11 +135,14 @@ def test_launcher_arguments_on_two_hosts_are_local_ranks_of_each_host():
         for host in ("a", "b")
         for local in (0, 1)
     ]
-    got, _ = ranks_of(runs)
+    got, found = ranks_of(runs)
+    # Local ranks say nothing of which host is worker 0: name order, marked a guess.
     assert got == {
-        "a0": (0, 0, 0, "args", False), "a1": (1, 1, 0, "args", False),
-        "b0": (2, 0, 1, "args", False), "b1": (3, 1, 1, "args", False),
+        "a0": (0, 0, 0, "args", True), "a1": (1, 1, 0, "args", True),
+        "b0": (2, 0, 1, "args", True), "b1": (3, 1, 1, "args", True),
     }  # fmt: skip
+    [warning] = [w.message for w in found.warnings if "which host is worker 0" in w.message]
+    assert "worker 0=a, worker 1=b" in warning
 
 
 def test_srun_tasks_give_rank_local_rank_and_node():
@@ -144,20 +153,22 @@ def test_srun_tasks_give_rank_local_rank_and_node():
     assert got == {f"t{p}": (p, lo, n, "slurm", False) for p, lo, n in places}
 
 
-def test_srun_starting_torchrun_per_node_repeats_the_task_and_gives_way():
-    """One srun task per node starting torchrun: every worker of a node inherits that task's
-    SLURM_PROCID. The tasks then say nothing of ranks; the launcher's argument does."""
+def test_srun_starting_a_launcher_per_node_repeats_the_task_and_gives_way():
+    """One srun task per node starting torch.distributed.launch: every worker of a node
+    inherits that task's SLURM_PROCID. The tasks then say nothing of ranks; the launcher's
+    argument gives the local rank and the task's SLURM_NODEID the node, even where the
+    hosts' names sort the other way ("node10" < "node9")."""
     runs = []
-    for node in (0, 1):
+    for node, host in ((0, "node9"), (1, "node10")):
         for local in (0, 1):
             task = srun_task(node, 0, node, ntasks=2, nnodes=2)
             args = (f"--local_rank={local}",)
-            runs.append(facts(f"n{node}l{local}", start=local, host=f"h{node}", slurm=task,
+            runs.append(facts(f"n{node}l{local}", start=local, host=host, slurm=task,
                               args=args))  # fmt: skip
     got, _ = ranks_of(runs)
-    assert {k: v[:4] for k, v in got.items()} == {
-        "n0l0": (0, 0, 0, "args"), "n0l1": (1, 1, 0, "args"),
-        "n1l0": (2, 0, 1, "args"), "n1l1": (3, 1, 1, "args"),
+    assert got == {
+        "n0l0": (0, 0, 0, "args", False), "n0l1": (1, 1, 0, "args", False),
+        "n1l0": (2, 0, 1, "args", False), "n1l1": (3, 1, 1, "args", False),
     }  # fmt: skip
 
 
@@ -429,3 +440,95 @@ def test_a_real_gpu_job_names_each_process_gpu(tmp_path):
     rows = inspect_rows(tmp_path)
     for row in rows:
         assert row["source"] == "gpu" and row["rank"] == logged_rank(row)
+
+
+@pytest.mark.parametrize(
+    "claim",
+    [
+        lambda: launcher_claim(["--local_rank=\u00b3"]),  # a digit to Python, no number
+        lambda: launcher_claim(["--local_rank", "9" * 5000]),
+        lambda: launcher_claim(["--local_rank=1048576"]),  # past the most ranks a job has
+        lambda: config_claim({"rank": "\u00b2"}),
+        lambda: config_claim({"rank": 10**30}),
+        lambda: slurm_claim(srun_task(0, 0, 0, ntasks=10**12, nnodes=1)),
+        lambda: slurm_claim({**srun_task(0, 0, 0), "step_id": "\u00b3"}),
+        lambda: parse_spelling("rank99999999"),
+        lambda: parse_spelling("node1-gpu\u00b3"),
+        lambda: gpu_claim([10**9]),
+    ],
+)
+def test_numbers_no_job_has_are_no_claim(claim):
+    assert claim() is None
+
+
+def test_a_hostile_world_size_is_no_rank_and_nothing_waits_on_it(tmp_path):
+    """`--local_rank=10**30` or SLURM_NTASKS=10**12 once sized the job's list of ranks."""
+    runs = [facts("h0", start=0, args=("--local_rank=" + "1" + "0" * 30,)),
+            facts("h1", start=1, slurm=srun_task(1, 1, 0, ntasks=10**12, nnodes=1))]  # fmt: skip
+    got, _ = ranks_of(runs)
+    assert {v[3] for v in got.values()} == {"order"}
+    (tmp_path / "ranks.json").write_text(json.dumps({"h0": 10**12}))
+    result = CliRunner().invoke(main, ["inspect", str(job_dir("recipe_group_reversed")),
+                                       "--ranks", str(tmp_path / "ranks.json")])  # fmt: skip
+    assert result.exit_code == 2 and "rank must be a whole number from 0 to" in result.stderr
+
+
+def copy_with(tmp_path, name, change) -> Path:
+    """A copy of fixture job `name` with `change(record, rank)` applied to each record of
+    each run (the rank is the one its training loop logged)."""
+    job = tmp_path / name
+    shutil.copytree(job_dir(name), job)
+    for log in sorted(job.glob("wandb/offline-run-*/run-*.wandb")):
+        rank = logged_rank(log.parent)
+        rewrite_log(log, lambda record, rank=rank: change(record, rank))
+    return job
+
+
+def test_a_start_time_no_clock_shows_is_inspected_in_seconds(tmp_path):
+    def far(record, rank):
+        if record.WhichOneof("record_type") != "run":
+            return None
+        record.run.start_time.seconds = 10**15
+        return record
+
+    job = copy_with(tmp_path, "recipe_group_reversed", far)
+    result = CliRunner().invoke(main, ["inspect", str(job)])
+    assert result.exit_code == 0, result.output
+    assert "started 10000000000000" in result.output and " s after 1970 on vm" in result.output
+
+
+def test_local_ranks_on_hosts_named_out_of_order_are_refused_as_a_guess(tmp_path):
+    """The launch job made two nodes of two: ranks 0-1 on host "z-node", ranks 2-3 on
+    "a-node", each node's launcher passing --local-rank 0 and 1. Local ranks alone would
+    make "a-node" worker 0 and true rank 2 the primary."""
+
+    def hosts(record, rank):
+        kind = record.WhichOneof("record_type")
+        if kind not in ("run", "environment"):
+            return None
+        getattr(record, kind).host = "z-node" if rank < 2 else "a-node"
+        if kind == "environment" and record.environment.args:
+            args = [a for a in record.environment.args if not a.startswith("--local-rank")]
+            record.environment.ClearField("args")
+            record.environment.args.extend([f"--local-rank={rank % 2}", *args])
+        return record
+
+    job = copy_with(tmp_path, "recipe_launch_args", hosts)
+    rows = inspect_rows(job)
+    assert {(r["source"], r["rank_guessed"]) for r in rows} == {("args", True)}
+    result = CliRunner().invoke(main, ["sync", "--dry-run", "--run-mode", "auto", str(job)])
+    assert result.exit_code == 2
+    [line] = [x for x in result.stderr.splitlines() if x.startswith("wbmerge: error:")]
+    assert "which host is worker 0, and so its rank 0, is a guess" in line
+    assert "a-node, z-node" in line and "--ranks FILE" in line
+    accepted = CliRunner().invoke(main, ["sync", "--dry-run", "--run-mode", "auto",
+                                         "--rank-order", "start", str(job)])  # fmt: skip
+    assert accepted.exit_code == 0, accepted.output
+    ranks = {r["run_id"]: logged_rank(r) for r in rows}
+    (tmp_path / "ranks.json").write_text(json.dumps(ranks))
+    told = CliRunner().invoke(main, ["sync", "--dry-run", "--json", "--run-mode", "auto",
+                                     "--ranks", str(tmp_path / "ranks.json"), str(job)])  # fmt: skip
+    assert told.exit_code == 0, told.output
+    [target] = json.loads(told.stdout)
+    [primary] = [r for r in rows if ranks[r["run_id"]] == 0]
+    assert [s["path"] for s in target["sources"]] == [primary["path"]]

@@ -146,8 +146,9 @@ def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      "moved ones there (repeatable). Default: only the directory each rank ran in."),
         *rank_options(),
         click.option("--rank-order", type=click.Choice(["start"]), default=None,
-                     help="Accept start order as the ranks of a job whose runs say nothing "
-                     "of them (auto and shared mode refuse such a job otherwise)."),
+                     help="Accept the order wbmerge assumed for a job whose runs do not say "
+                     "it (runs by start time, hosts by name); auto and shared mode refuse "
+                     "such a job otherwise."),
     ]  # fmt: skip
     for option in reversed(options):
         func = option(func)

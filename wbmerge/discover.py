@@ -238,9 +238,18 @@ class Job:
         return any(run.rank_guessed for run in self.runs)
 
     def guessed_primary_line(self, run_mode: str) -> str:
-        """Why this job, whose rank 0 is only its first run to start, is not uploaded in
-        `run_mode` (auto uploads rank 0 alone; shared takes its config, summary and exit
-        code), and the ways out, in one line."""
+        """Why this job, whose rank 0 is a guess (its first run to start, or the local rank 0
+        of the host first by name), is not uploaded in `run_mode` (auto uploads rank 0 alone;
+        shared takes its config, summary and exit code), and the ways out, in one line."""
+        if any(run.rank_source != "order" for run in self.runs):
+            hosts = sorted({run.host for run in self.runs})
+            return (
+                f"job {self.job_id}: its runs give local ranks only, so which host is worker "
+                f"0, and so its rank 0, is a guess (hosts in name order: {few(hosts)}); "
+                f"--run-mode {run_mode} takes rank 0's run as the job's. Say every rank with "
+                "--ranks FILE, accept the hosts' name order with --rank-order start, or upload "
+                "a run per rank with --run-mode new"
+            )
         by_start = sorted(self.runs, key=lambda run: (run.start_time, run.run_id))
         order = few([run.run_id for run in by_start], shown=8)
         return (

@@ -23,6 +23,7 @@ from .errors import WbmergeError
 from .jobs import GivenRank, Hints
 from .plan import check_run_id
 from .rankclaims import compile_pattern
+from .topology import MAX_RANKS, rank_number
 
 _COLUMNS = ("rank", "local_rank", "worker", "restart")
 
@@ -110,9 +111,11 @@ def _given(row: Mapping, where: str) -> GivenRank:
         if value is None or value == "":
             numbers[column] = None
             continue
-        if isinstance(value, bool) or not str(value).strip().isdigit():
-            raise WbmergeError(f"{where}: {column} must be a whole number >= 0, not {value!r}")
-        numbers[column] = int(str(value).strip())
+        number = None if isinstance(value, bool) else rank_number(str(value))
+        if number is None:
+            raise WbmergeError(f"{where}: {column} must be a whole number from 0 to "
+                               f"{MAX_RANKS - 1}, not {value!r}")  # fmt: skip
+        numbers[column] = number
     if numbers["rank"] is None:
         raise WbmergeError(f"{where}: no rank")
     if (numbers["local_rank"] is None) != (numbers["worker"] is None):

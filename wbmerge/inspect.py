@@ -78,7 +78,8 @@ def inspect_runs(paths: Iterable[str | Path], hints: Hints | None = None) -> lis
         if problem:  # (on the job's first run: the table shows it once, the JSON too)
             members[0].warnings.append(f"sync and merge stop here: {problem}")
         if any(run.rank_guessed for run in members):
-            members[0].warnings.append(GUESSED_NOTE)
+            by_order = all(run.rank_source == "order" for run in members)
+            members[0].warnings.append(GUESSED_NOTE if by_order else GUESSED_HOSTS_NOTE)
             only_here.update(_keys_only_here(members))
     rows = [describe(run) for run in found]
     for index, run in enumerate(found):
@@ -92,6 +93,13 @@ GUESSED_NOTE = (
     "auto and shared mode stop here: name rank 0 with --primary RUN_ID (the run that logged "
     "what only the primary logs, below), say every rank with --ranks FILE, or accept the "
     "order with --rank-order start"
+)
+
+
+GUESSED_HOSTS_NOTE = (
+    "which host is worker 0 is a guess (hosts in name order), and so is rank 0; sync and "
+    "merge in auto and shared mode stop here: say every rank with --ranks FILE, or accept "
+    "the order with --rank-order start"
 )
 
 
@@ -127,7 +135,10 @@ def _logged_keys(path: Path) -> set[str]:
 def _utc(seconds: float) -> str:
     """A start time as the user reads it, to the millisecond: runs started in one second
     are told apart."""
-    moment = datetime.fromtimestamp(seconds, tz=timezone.utc)
+    try:
+        moment = datetime.fromtimestamp(seconds, tz=timezone.utc)
+    except (ValueError, OverflowError, OSError):  # (a start time no clock shows)
+        return f"{seconds:.3f} s after 1970"
     return moment.strftime("%Y-%m-%d %H:%M:%S.") + f"{moment.microsecond // 1000:03d} UTC"
 
 

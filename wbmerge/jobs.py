@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import rankclaims
 from .placement import Place, Unresolved, place_ranks
@@ -187,8 +187,14 @@ def claims_of(run: RunFacts, hints: Hints) -> list[Claim]:
             for text, source in texts
             if text
         ]
-    found.append(rankclaims.slurm_claim(run.slurm))
-    found.append(rankclaims.launcher_claim(run.args))
+    slurm = rankclaims.slurm_claim(run.slurm)
+    launcher = rankclaims.launcher_claim(run.args)
+    if launcher is not None and slurm is not None:
+        # One srun task per node that starts a launcher: the task's procid repeats on every
+        # worker of the node (so the SLURM claim gives way), but its node id still orders
+        # the nodes, which the launcher's local rank alone cannot.
+        launcher = replace(launcher, node=slurm.node)
+    found += [slurm, launcher]
     found.append(rankclaims.config_claim(run.config))
     found += [rankclaims.parse_spelling(text, source) for text, source in texts if text]
     found.append(rankclaims.gpu_claim(run.process_gpus))
@@ -434,8 +440,22 @@ def _settle(
             )
         )
         labels = {i: infos[i].label for i in members}
+    guessed = any(places[i].worker_guessed for i in members)
     for i in members:
-        out.identities[i] = Identity(infos[i], claims[i].source, labels[i])
+        out.identities[i] = Identity(infos[i], claims[i].source, labels[i], guessed)
+    if guessed:
+        order = ", ".join(
+            f"worker {infos[i].worker}={runs[i].host or runs[i].describe()}"
+            for i in sorted(members, key=lambda i: infos[i].rank)
+            if infos[i].local_rank == 0
+        )
+        out.warnings.append(
+            Notice(
+                tuple(members),
+                f"job {job_id}: its runs give local ranks only, so which host is worker 0 "
+                f"(and so rank 0) is a guess: hosts taken in name order ({order})",
+            )
+        )
     _warn_of_differing_config(runs, members, job_id, out)
 
 

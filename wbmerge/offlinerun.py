@@ -257,7 +257,7 @@ def _apply_environment(run: OfflineRun, env: pb.EnvironmentRecord) -> None:
 
 # wandb-core names the metrics of a GPU the process itself uses `gpu.process.N.*` (beside
 # `gpu.N.*` for every GPU of the machine); a label adds `/l:<label>`.
-_PROCESS_GPU = re.compile(r"^gpu\.process\.(\d+)\.")
+_PROCESS_GPU = re.compile(r"^gpu\.process\.([0-9]{1,7})\.")
 
 
 def _process_gpus(stats: pb.StatsRecord) -> set[int]:

@@ -41,6 +41,9 @@ class Place:
     worker: int
     world_size: int
     local_world_size: int
+    # Which node is worker 0 is only the nodes' names in order: the runs give local ranks
+    # and a host or node name, never a global rank or node number that orders the nodes.
+    worker_guessed: bool = False
 
 
 def place_ranks(
@@ -141,6 +144,7 @@ def _places(
         names = ", ".join(runs[i].describe() for i in missing)
         raise Unresolved(f"{names}: rank or node unclear among the runs of its job")
     workers = _worker_order(nodes, {})
+    guessed = len(set(workers.values())) > 1 and not all(isinstance(n, int) for n in workers)
     local_world = max(locals_.values()) + 1
     places = {}
     for i in members:
@@ -151,7 +155,10 @@ def _places(
     num_workers = max(workers.values()) + 1
     world = max(world, num_workers * local_world)
     _check_distinct(runs, claims, {i: p.rank for i, p in places.items()})
-    return {i: Place(p.rank, p.local_rank, p.worker, world, local_world) for i, p in places.items()}
+    return {
+        i: Place(p.rank, p.local_rank, p.worker, world, local_world, guessed)
+        for i, p in places.items()
+    }
 
 
 def _worker_order(nodes: Mapping[int, object], ranks: Mapping[int, int]) -> dict[object, int]:

@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .topology import slurm_task
+from .topology import MAX_RANKS, rank_number, slurm_task
 
 SOURCES = ("wbmerge", "slurm", "args", "config", "label", "name", "gpu", "order", "given")
 
@@ -91,18 +91,21 @@ def parse_spelling(text: str, source: str = "label") -> Claim | None:
     """
     text = text.strip()
     match = _PLAIN.match(text)
-    if match:
-        return Claim(source, number=int(match["n"]), form=_form(text, match, ("n",)))
+    if match and (number := rank_number(match["n"])) is not None:
+        return Claim(source, number=number, form=_form(text, match, ("n",)))
     match = _NUMBERED_NODE.match(text)
-    if match:
+    if match and None not in (
+        number := rank_number(match["n"]),
+        node := rank_number(match["node"]),
+    ):
         form = _form(text, match, ("node", "n"))
-        return Claim(source, number=int(match["n"]), node=int(match["node"]), form=form)
+        return Claim(source, number=number, node=node, form=form)
     match = _NAMED_NODE.match(text) if source != "name" else None
     # A display name is a weaker sign than a label: `bert-lr0-gpu0` or `llama-7b-gpu8`
     # names an experiment, not a node, so names are read only in the plain spellings.
-    if match and _is_node_name(match["node"]):
+    if match and _is_node_name(match["node"]) and (number := rank_number(match["n"])) is not None:
         form = _form(text, match, ("node", "n"))
-        return Claim(source, number=int(match["n"]), node=match["node"], form=form)
+        return Claim(source, number=number, node=match["node"], form=form)
     return None
 
 
@@ -174,7 +177,9 @@ def parse_with_pattern(text: str, pattern: re.Pattern[str], source: str) -> Clai
     match = pattern.match(text.strip())
     if not match:
         return None
-    fields = {k: int(v) for k, v in match.groupdict().items()}
+    fields = {k: rank_number(v) for k, v in match.groupdict().items()}
+    if None in fields.values():
+        return None  # (a number no job has)
     worker = fields.get("worker")
     return Claim(
         source,
@@ -215,12 +220,12 @@ def config_value(value_json: str) -> object:
 def _whole_number(value: object) -> int | None:
     if isinstance(value, bool):
         return None
-    if isinstance(value, int) and value >= 0:
+    if isinstance(value, int) and 0 <= value < MAX_RANKS:
         return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
+    if isinstance(value, float) and value.is_integer() and 0 <= value < MAX_RANKS:
         return int(value)
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value.strip())
+    if isinstance(value, str):
+        return rank_number(value)
     return None
 
 
@@ -245,9 +250,10 @@ def launcher_claim(args: Sequence[str]) -> Claim | None:
         if not match:
             continue
         value = match["n"] if match["n"] is not None else _next(args, index)
-        if value is None or not value.isdigit():
+        number = rank_number(value) if value is not None else None
+        if number is None:
             return None  # (a flag without a number is not a launcher's)
-        found.add(int(value))
+        found.add(number)
     if len(found) != 1:
         return None
     return Claim("args", local_rank=found.pop(), form="args")
@@ -268,7 +274,7 @@ def slurm_claim(slurm: Mapping[str, str]) -> Claim | None:
     """
     env = {f"SLURM_{key.upper()}": value for key, value in slurm.items()}
     info = slurm_task(env)
-    if info is None:
+    if info is None or max(info.rank, info.world_size, info.worker) >= MAX_RANKS:
         return None
     return Claim(
         "slurm",
@@ -285,7 +291,7 @@ def slurm_claim(slurm: Mapping[str, str]) -> Claim | None:
 def gpu_claim(process_gpus: Iterable[int]) -> Claim | None:
     """The local rank the one GPU a process used says (torchrun jobs bind rank N of a node
     to its GPU N); None when the process used none or several (a stray context on GPU 0)."""
-    gpus = set(process_gpus)
+    gpus = {gpu for gpu in process_gpus if gpu < MAX_RANKS}
     if len(gpus) != 1:
         return None
     return Claim("gpu", local_rank=gpus.pop(), form="gpu")

@@ -62,6 +62,22 @@ class RankInfo:
         return info
 
 
+# The most processes a job may have: a rank, size or node number past it (a hostile or
+# corrupt run's, say `--local_rank=10**30`) is no rank, so that nothing sized by a job's
+# world is ever that large.
+MAX_RANKS = 1 << 20
+
+
+def rank_number(text: str) -> int | None:
+    """A decimal number below `MAX_RANKS` (`"12"`), or None: `"³"` is a digit to Python
+    but not a number int() reads, and `"9" * 5000` is a number no job has."""
+    text = text.strip()
+    if not text.isdecimal() or len(text) > 7:
+        return None
+    number = int(text)
+    return number if number < MAX_RANKS else None
+
+
 SINGLE_PROCESS = RankInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, worker=0)
 
 
@@ -74,6 +90,10 @@ def validate(info: RankInfo) -> None:
     """Raise ValueError when the numbers cannot describe one rank of a real job."""
     if info.world_size < 1 or info.local_world_size < 1:
         raise ValueError("world sizes must be at least 1")
+    if info.world_size > MAX_RANKS:
+        raise ValueError(
+            f"world size {info.world_size} is over the {MAX_RANKS} ranks a job may have"
+        )
     if not 0 <= info.rank < info.world_size:
         raise ValueError(f"rank {info.rank} outside world size {info.world_size}")
     if not 0 <= info.local_rank < info.local_world_size:
@@ -131,7 +151,7 @@ def slurm_task(env: Mapping[str, str]) -> RankInfo | None:
     node `SLURM_NODEID`. The job id is `slurm-{SLURM_JOB_ID}.{SLURM_STEP_ID}`, so that two
     `srun` steps of one allocation are two jobs; restarts are `SLURM_RESTART_COUNT`."""
     step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
-    if not step or not step.isdigit() or int(step) >= _SLURM_SPECIAL_STEPS:
+    if not step or not step.isdecimal() or len(step) > 10 or int(step) >= _SLURM_SPECIAL_STEPS:
         # Only `srun` starts one process per task; a batch script (`sbatch --ntasks=4`
         # running python once, maybe spawning its own workers) has SLURM_PROCID 0 of 4.
         return None
