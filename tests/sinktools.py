@@ -90,12 +90,15 @@ class SinkProcess:
 
 
 def wandb_sync(
-    sink: SinkProcess, paths: list[Path], *args: str, timeout: int = 300
+    sink: SinkProcess, paths: list[Path], *args: str, timeout: int = 300, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
-    """The real uploader, `wandb sync`, into the sink."""
+    """The real uploader, `wandb sync`, into the sink; it writes its debug log under
+    `cwd`/wandb/logs (`debug-sync.*.log`)."""
     wandb_cli = Path(sys.executable).with_name("wandb")
     cmd = [str(wandb_cli), "sync", *args, *map(str, paths)]
-    return subprocess.run(cmd, env=sink.env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        cmd, env=sink.env, capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
 
 
 def copy_runs(source: Path, dest: Path) -> Path:

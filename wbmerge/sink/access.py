@@ -102,6 +102,17 @@ class UploadTokens:
             return False
         return hmac.compare_digest(token, self.token(entity, project, run_id, file_name))
 
+    def artifact_token(self, artifact: int, path: str | None) -> str:
+        """The token of a file of an artifact version (`path`), or of its manifest (None);
+        a message of three parts, so that it never equals a run file's."""
+        message = json.dumps(["artifact", artifact, path]).encode()
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+    def check_artifact(self, token: str | None, artifact: int, path: str | None) -> bool:
+        if not token or not token.isascii():
+            return False
+        return hmac.compare_digest(token, self.artifact_token(artifact, path))
+
 
 class ApiKey:
     """The sink's own API key, kept in its data directory; checks the key of a request."""

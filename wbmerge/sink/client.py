@@ -8,9 +8,23 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+ARTIFACT_VERSION_FILES = """
+query ArtifactVersionFiles($entity: String!, $project: String!, $name: String!, $after: String) {
+  project(name: $project, entityName: $entity) {
+    artifact(name: $name) {
+      id digest state versionIndex
+      files(after: $after, first: 1000) {
+        edges { node { name sizeBytes md5 } }
+        pageInfo { endCursor hasNextPage }
+      }
+    }
+  }
+}
+"""
+
 
 class SinkClient:
-    """Reads runs, stored files and faults with the sink's API key (`access.read_api_key`)."""
+    """Reads runs, artifacts, stored files and faults with the sink's API key (`access.read_api_key`)."""
 
     def __init__(self, base_url: str, api_key: str) -> None:
         self.base_url = base_url.rstrip("/")
@@ -44,6 +58,48 @@ class SinkClient:
         """A stored run file's bytes."""
         quoted = "/".join(urllib.parse.quote(p, safe="") for p in (entity, project, run_id))
         return self._request(f"/storage/{quoted}/{urllib.parse.quote(name)}")
+
+    def artifact(self, entity: str, project: str, version: str) -> dict:
+        """An artifact version (`name:alias`, `name:vN`, or `name` for its latest) with its
+        files, as `/api/artifacts` gives it."""
+        quoted = "/".join(urllib.parse.quote(p, safe="") for p in (entity, project, version))
+        return self._get(f"/api/artifacts/{quoted}")
+
+    def artifact_file(self, entity: str, project: str, version: str, path: str) -> bytes:
+        """The stored bytes of a file of an artifact version."""
+        quoted = "/".join(urllib.parse.quote(p, safe="") for p in (entity, project, version))
+        return self._request(f"/api/artifacts/{quoted}/files/{urllib.parse.quote(path)}")
+
+    def graphql(self, query: str, variables: dict[str, Any]) -> dict:
+        """The answer to one GraphQL request (its operation named in `query`)."""
+        body = json.dumps({"query": query, "variables": variables}).encode()
+        return json.loads(self._request("/graphql", body, "POST"))
+
+    def committed_files(self, entity: str, project: str, version: str) -> dict | None:
+        """What W&B's schema says of a version (`project.artifact(name)`), read with the
+        GraphQL query `ArtifactVersionFiles` page by page: its id, digest, state and
+        versionIndex, and {path: (sizeBytes, md5)} of its files; None if there is none.
+        The query asks only for fields W&B's own schema has, so that the same check can
+        read a version back from W&B."""
+        found: dict | None = None
+        cursor = None
+        while True:
+            answer = self.graphql(
+                ARTIFACT_VERSION_FILES,
+                {"entity": entity, "project": project, "name": version, "after": cursor},
+            )
+            artifact = answer["data"]["project"]["artifact"]
+            if artifact is None:
+                return None
+            if found is None:
+                found = {k: artifact[k] for k in ("id", "digest", "state", "versionIndex")}
+                found["files"] = {}
+            for edge in artifact["files"]["edges"]:
+                node = edge["node"]
+                found["files"][node["name"]] = (node["sizeBytes"], node["md5"])
+            if not artifact["files"]["pageInfo"]["hasNextPage"]:
+                return found
+            cursor = artifact["files"]["pageInfo"]["endCursor"]
 
     def set_faults(self, specs: list[str]) -> dict:
         """Replace the sink's fault plan (a sink started with --allow-faults or --fault)."""

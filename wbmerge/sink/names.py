@@ -11,6 +11,7 @@ folder: `.` and `..`, backslashes, NUL and other control characters are refused 
 
 from __future__ import annotations
 
+DEFAULT_ENTITY = "local"  # the entity of requests that name none
 NAME_MAX_CHARS = 128  # wandb's limit for project names, used for entities too
 COMPONENT_MAX_BYTES = 255  # what Linux file systems hold in one path component
 FILE_NAME_MAX_BYTES = 1024
@@ -79,3 +80,27 @@ def check_file_name(value: object) -> str:
             raise BadName(f"file name {value!r} has an empty path component")
         _check_component("file name", part, {"\\"}, COMPONENT_MAX_BYTES)
     return value
+
+
+# W&B's artifact names hold no `/` and its aliases and types no `/` or `:` (wandb's
+# validators); `:` is refused in names too, since `name:alias` is how a version is named.
+_ARTIFACT_RESERVED = set("/\\:")
+
+
+def check_artifact_name(value: object) -> str:
+    """An artifact's (collection's) name: one safe component, at most 128 characters."""
+    if isinstance(value, str) and len(value) > NAME_MAX_CHARS:
+        raise BadName(f"artifact name is longer than {NAME_MAX_CHARS} characters")
+    return _check_component("artifact name", value, _ARTIFACT_RESERVED, COMPONENT_MAX_BYTES)
+
+
+def check_artifact_type(value: object) -> str:
+    if isinstance(value, str) and len(value) > NAME_MAX_CHARS:
+        raise BadName(f"artifact type is longer than {NAME_MAX_CHARS} characters")
+    return _check_component("artifact type", value, _ARTIFACT_RESERVED, COMPONENT_MAX_BYTES)
+
+
+def check_alias(value: object) -> str:
+    if isinstance(value, str) and len(value) > NAME_MAX_CHARS:
+        raise BadName(f"alias is longer than {NAME_MAX_CHARS} characters")
+    return _check_component("alias", value, _ARTIFACT_RESERVED, COMPONENT_MAX_BYTES)

@@ -12,10 +12,11 @@ import urllib.parse
 import zlib
 from typing import Any
 
-from .names import BadName, check_file_name, check_run_path
+from . import artifact_api
+from .artifact_values import ArtifactError
+from .names import DEFAULT_ENTITY, BadName, check_file_name, check_run_path
 from .store import Store
 
-DEFAULT_ENTITY = "local"
 FEATURES = ["FILESTREAM_GZIP"]  # so the tests exercise gzip-encoded file_stream bodies
 # The most bytes a request body may hold, as sent (the server's limit) and once gunzipped: a
 # few kilobytes of gzip can stand for gigabytes.
@@ -102,10 +103,13 @@ def graphql(store: Store, payload: dict[str, Any], base_url: str) -> dict[str, A
     variables = payload.get("variables") or {}
     if not isinstance(variables, dict):
         raise ProtocolError("GraphQL variables must be a JSON object")
-    handler = _HANDLERS.get(name)
+    handler = _HANDLERS.get(name) or artifact_api.HANDLERS.get(name)
     if handler is None:
         return {"errors": [{"message": f"operation {name or '?'} is not supported by this sink"}]}
-    return {"data": handler(store, variables, base_url)}
+    try:
+        return {"data": handler(store, variables, base_url)}
+    except ArtifactError as exc:
+        raise ProtocolError(str(exc), exc.status) from None
 
 
 def _entity(variables: dict[str, Any]) -> str:

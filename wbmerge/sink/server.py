@@ -27,6 +27,7 @@ from aiohttp import web
 
 from ..safepaths import check_out_file
 from . import access, pages, protocol
+from .artifact_values import ArtifactError
 from .faults import FaultPlan, parse_fault
 from .store import Store
 
@@ -46,6 +47,8 @@ FILE_POLICY = "default-src 'none'; sandbox"  # a run file, should a browser show
 # of 127.0.0.1, i.e. other users' servers) are refused.
 FOREIGN_FETCH_SITES = ("cross-site", "same-site")
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+# Where files are PUT with the token of their upload URL instead of the key.
+UPLOAD_PREFIXES = ("/storage/", "/artifact-storage/")
 
 
 def _refuse(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -88,7 +91,7 @@ def _from_another_site(request: web.Request) -> bool:
 async def require_key(request: web.Request, handler: Any) -> web.StreamResponse:
     """Refuse (401) every request without the sink's key, before it reads or writes
     anything; a file PUT is checked by its upload URL's token instead (`put_file`)."""
-    if request.method == "PUT" and request.path.startswith("/storage/"):
+    if request.method == "PUT" and request.path.startswith(UPLOAD_PREFIXES):
         return await handler(request)
     if not request.app[STORE].api_key.accepts(request.headers.get("Authorization")):
         return _refuse(
@@ -123,7 +126,7 @@ def _kind(request: web.Request, body: bytes) -> str:
         except (ValueError, OSError, AttributeError, protocol.ProtocolError):
             history = None
         return "file_stream:history" if history else "file_stream"
-    if path.startswith("/storage/"):
+    if path.startswith(UPLOAD_PREFIXES):
         return "storage"
     return "other"
 
@@ -215,6 +218,79 @@ async def get_file(request: web.Request) -> web.StreamResponse:
     )
 
 
+def _artifact_file(request: web.Request) -> tuple[int, str | None]:
+    """The version and file (None: the manifest) of an artifact storage URL, or of a
+    `/api/artifacts/{entity}/{project}/{version}/files/{name}` download."""
+    m = request.match_info
+    if "artifact" in m:
+        return int(m["artifact"]), m.get("name")
+    found = request.app[STORE].artifacts.find(m["entity"], m["project"], m["version"])
+    if found is None:
+        raise web.HTTPNotFound()
+    return found, m["name"]
+
+
+async def put_artifact_file(request: web.Request) -> web.Response:
+    """Keep a file (or the manifest) of an artifact version: only with the token of its
+    upload URL, and only if it is what the manifest says (`artifacts`)."""
+    store = request.app[STORE]
+    artifact, name = _artifact_file(request)
+    token = request.query.get("token")
+    if not store.upload_tokens.check_artifact(token, artifact, name):
+        status = 403 if token else 401
+        return _refuse(status, "an artifact file PUT needs the upload URL the sink handed out")
+    data = await request.read()
+    try:
+        if name is None:
+            store.artifacts.receive_manifest(artifact, data)
+        else:
+            store.artifacts.receive_file(artifact, name, data)
+    except ArtifactError as exc:
+        return _refuse(exc.status, str(exc))
+    except ValueError as exc:
+        return _refuse(400, str(exc))
+    except OSError as exc:
+        return _refuse(409, f"cannot store the file: {exc.strerror or exc}")
+    return web.Response(status=200)
+
+
+async def get_artifact_file(request: web.Request) -> web.StreamResponse:
+    """A stored file (or the manifest) of an artifact version, as a download."""
+    artifacts = request.app[STORE].artifacts
+    artifact, name = _artifact_file(request)
+    try:
+        path = (
+            artifacts.manifest_path(artifact)
+            if name is None
+            else artifacts.file_path(artifact, name)
+        )
+    except ValueError as exc:
+        return _refuse(400, str(exc))
+    if path is None or not path.is_file():
+        raise web.HTTPNotFound()
+    download = urllib.parse.quote((name or "wandb_manifest.json").rsplit("/", 1)[-1], safe="")
+    return web.FileResponse(
+        path,
+        headers={
+            "Content-Type": "application/octet-stream",
+            "Content-Disposition": f"attachment; filename*=UTF-8''{download}",
+            "Content-Security-Policy": FILE_POLICY,
+        },
+    )
+
+
+async def api_artifact(request: web.Request) -> web.Response:
+    """A version (`name:alias`, `name:vN`, or `name` for its latest) with its files."""
+    m = request.match_info
+    artifacts = request.app[STORE].artifacts
+    found = artifacts.find(m["entity"], m["project"], m["version"])
+    if found is None:
+        raise web.HTTPNotFound(
+            text=json.dumps({"error": "no such artifact version"}), content_type="application/json"
+        )
+    return web.json_response(artifacts.version(found, files=True))
+
+
 async def telemetry(request: web.Request) -> web.Response:
     await request.read()
     return web.json_response({})
@@ -269,7 +345,16 @@ def make_app(
     app.router.add_post("/files/{entity}/{project}/{run}/file_stream", file_stream)
     app.router.add_put("/storage/{entity}/{project}/{run}/{name:.+}", put_file)
     app.router.add_get("/storage/{entity}/{project}/{run}/{name:.+}", get_file)
+    version = "/artifact-storage/{artifact:[0-9]{1,18}}"
+    app.router.add_put(version + "/manifest", put_artifact_file)
+    app.router.add_get(version + "/manifest", get_artifact_file)
+    app.router.add_put(version + "/files/{name:.+}", put_artifact_file)
+    app.router.add_get(version + "/files/{name:.+}", get_artifact_file)
     app.router.add_post("/sdk/{tail:.*}", telemetry)
+    app.router.add_get("/api/artifacts/{entity}/{project}/{version}", api_artifact)
+    app.router.add_get(
+        "/api/artifacts/{entity}/{project}/{version}/files/{name:.+}", get_artifact_file
+    )
     app.router.add_get("/api/runs", api_runs)
     app.router.add_get("/api/runs/{entity}/{project}/{run}", api_run)
     app.router.add_route("*", "/api/faults", api_faults)

@@ -1,4 +1,5 @@
-"""SQLite storage of the sink: runs, their history, system metrics, console lines and files.
+"""SQLite storage of the sink: runs, their history, system metrics, console lines and files,
+and (in `artifacts`) the artifact versions runs logged and used.
 
 Lines are stored by the offset the uploader gives them, so a retried or resumed request
 overwrites instead of duplicating; all writes of one request happen in one transaction.
@@ -34,6 +35,7 @@ from .access import (
     make_private_dir,
     make_private_file,
 )
+from .artifacts import ArtifactStore
 from .names import check_file_name, check_run_path
 
 SCHEMA = """
@@ -105,6 +107,9 @@ class Store:
         self._add_steps()
         self._db.execute("CREATE INDEX IF NOT EXISTS history_steps ON lines (run, stream, step)")
         self._lock = threading.Lock()
+        self.artifacts = ArtifactStore(
+            self._db, self._lock, self.data_dir, self._run_pk, _refuse_symlinks
+        )
 
     def _add_steps(self) -> None:
         """Give a database of an older sink, whose lines have no step column, the column and
@@ -303,6 +308,7 @@ class Store:
                 system_metrics=[json.loads(line) for line in lines["events"]],
                 console=lines["console"],
                 files=files,
+                artifacts=self.artifacts.of_run(entity, project, name),
             )
         return result
 

@@ -1,0 +1,200 @@
+"""The GraphQL operations of artifacts: what wandb-core 0.31 sends to save one (with exactly
+the fields it reads), and one query to read a version back with its files.
+
+Upload URLs carry a token like those of run files (`access.UploadTokens`): wandb-core
+PUTs artifact files and manifests without the API key. A request of the wrong shape is
+an `ArtifactError` (a `ValueError`), answered 400 (or its own status) for it alone.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from typing import Any
+
+from .artifact_values import ArtifactError, md5_digest
+from .artifacts import parse_id, server_id
+from .names import DEFAULT_ENTITY, check_file_name, check_run_path
+from .store import Store
+
+MAX_FILES_PER_REQUEST = 10_000  # wandb-core asks for at most 10000 upload URLs at once
+MAX_PAGE = 1000
+
+
+def _input(v: dict[str, Any]) -> dict[str, Any]:
+    spec = v.get("input")
+    if not isinstance(spec, dict):
+        raise ArtifactError("input must be a JSON object")
+    return spec
+
+
+def _run_path(entity: object, project: object, run: object) -> tuple[str, str, str]:
+    return check_run_path(entity or DEFAULT_ENTITY, project or "uncategorized", run)
+
+
+def create_artifact(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    spec = _input(v)
+    entity, project, run = _run_path(
+        spec.get("entityName"), spec.get("projectName"), spec.get("runName")
+    )
+    made = store.artifacts.create(entity, project, run, spec)
+    latest = None if made["latest"] is None else {"id": server_id("Artifact", made["latest"])}
+    return {
+        "createArtifact": {
+            "artifact": {
+                "id": server_id("Artifact", made["id"]),
+                "state": made["state"],
+                "artifactSequence": {"latestArtifact": latest},
+            }
+        }
+    }
+
+
+def _manifest_answer(artifact: int, v: dict[str, Any], base_url: str, store: Store) -> dict:
+    """The manifest of a version (one per version: its id is the version's number) and,
+    when wandb-core asks for it, the URL to PUT the manifest file to; `digest` is then the
+    MD5 (base64) the manifest file must arrive with."""
+    manifest: dict[str, Any] = {"id": server_id("ArtifactManifest", artifact), "file": {}}
+    if v.get("includeUpload"):
+        store.artifacts.declare_manifest(artifact, md5_digest(v.get("digest"), "digest"))
+        token = store.upload_tokens.artifact_token(artifact, None)
+        manifest["file"] = {
+            "id": server_id("File", artifact),  # (read, never used, by wandb-core)
+            "uploadUrl": f"{base_url}/artifact-storage/{artifact}/manifest?token={token}",
+            "uploadHeaders": [],
+        }
+    return manifest
+
+
+def create_artifact_manifest(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    if v.get("manifestType", "FULL") != "FULL":
+        raise ArtifactError("only FULL manifests are supported by this sink (no patches)")
+    artifact = parse_id("Artifact", v.get("artifactID"))
+    answer = _manifest_answer(artifact, v, base_url, store)
+    return {"createArtifactManifest": {"artifactManifest": answer}}
+
+
+def update_artifact_manifest(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    artifact = parse_id("ArtifactManifest", v.get("artifactManifestID"))
+    answer = _manifest_answer(artifact, v, base_url, store)
+    return {"updateArtifactManifest": {"artifactManifest": answer}}
+
+
+def create_artifact_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    """An upload URL for each file, after noting the MD5 it must arrive with."""
+    files = _input(v).get("artifactFiles")
+    if not isinstance(files, list) or len(files) > MAX_FILES_PER_REQUEST:
+        raise ArtifactError(f"artifactFiles must be a list of at most {MAX_FILES_PER_REQUEST}")
+    specs = []
+    for item in files:
+        if not isinstance(item, dict):
+            raise ArtifactError("each of artifactFiles must be a JSON object")
+        artifact = parse_id("Artifact", item.get("artifactID"))
+        path = check_file_name(item.get("name"))
+        specs.append((artifact, path, md5_digest(item.get("md5"), f"the md5 of {path!r}")))
+    store.artifacts.declare_files(specs)
+    edges = []
+    for artifact, path, _ in specs:
+        token = store.upload_tokens.artifact_token(artifact, path)
+        url = f"{base_url}/artifact-storage/{artifact}/files/{urllib.parse.quote(path)}"
+        node = {
+            "storagePath": None,
+            "uploadUrl": f"{url}?token={token}",
+            "uploadHeaders": [],
+            "uploadMultipartUrls": None,  # (multipart uploads, from 2 GiB on, are not supported)
+            "artifact": {"id": server_id("Artifact", artifact)},
+        }
+        edges.append({"node": node})
+    return {"createArtifactFiles": {"files": {"edges": edges}}}
+
+
+def commit_artifact(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    artifact = parse_id("Artifact", v.get("artifactID"))
+    store.artifacts.commit(artifact)
+    digest = store.artifacts.version(artifact)["digest"]
+    return {
+        "commitArtifact": {"artifact": {"id": server_id("Artifact", artifact), "digest": digest}}
+    }
+
+
+def use_artifact(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    spec = _input(v)
+    entity, project, run = _run_path(
+        spec.get("entityName"), spec.get("projectName"), spec.get("runName")
+    )
+    artifact = parse_id("Artifact", spec.get("artifactID"))
+    store.artifacts.use(entity, project, run, artifact)
+    return {"useArtifact": {"artifact": {"id": server_id("Artifact", artifact)}}}
+
+
+def client_id_mapping(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    client_id = v.get("clientID")
+    if not isinstance(client_id, str):
+        raise ArtifactError("clientID must be a string")
+    found = store.artifacts.server_id_of(client_id)
+    return {"clientIDMapping": None if found is None else {"serverID": found}}
+
+
+def artifact_version_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    """A version named `name:alias`, `name:vN` (or by `id`), as W&B's schema has it
+    (`project.artifact(name)`): digest, state, version, aliases, metadata and a page of its
+    files (`first` after the cursor `after`), each with its size and the MD5 of the bytes
+    stored, read again from the disk."""
+    entity, project = check_run_path(v.get("entity") or DEFAULT_ENTITY, v.get("project"), "x")[:2]
+    name = v.get("name")
+    if not isinstance(name, str):
+        raise ArtifactError("name must be a string (name:alias or name:vN)")
+    found = store.artifacts.find(entity, project, name)
+    if found is None:
+        return {"project": {"artifact": None}}
+    facts = store.artifacts.version(found, files=True)
+    after, first = v.get("after"), v.get("first")
+    start = int(after) + 1 if isinstance(after, str) and after.isdigit() and len(after) < 10 else 0
+    first = first if isinstance(first, int) and 0 < first <= MAX_PAGE else MAX_PAGE
+    page = facts["files"][start : start + first]
+    edges = [
+        {
+            "node": {
+                "name": f["name"],
+                "sizeBytes": f["size"],
+                "md5": f["md5"],
+                "digest": f["digest"],
+                "ref": f["ref"],
+                "directUrl": f"{base_url}/artifact-storage/{found}/files/"
+                + urllib.parse.quote(f["name"]),
+            },
+            "cursor": str(start + i),
+        }
+        for i, f in enumerate(page)
+    ]
+    info = {
+        "endCursor": edges[-1]["cursor"] if edges else None,
+        "hasNextPage": start + first < len(facts["files"]),
+    }
+    version = facts["version"]
+    artifact = {
+        "id": facts["id"],
+        "digest": facts["digest"],
+        "state": facts["state"],
+        "versionIndex": None if version is None else int(version[1:]),
+        "aliases": [{"alias": alias} for alias in facts["aliases"]],
+        "metadata": json.dumps(facts["metadata"]),
+        "description": facts["description"],
+        "artifactType": {"name": facts["type"]},
+        "artifactSequence": {"name": facts["name"]},
+        "fileCount": facts["file_count"],
+        "files": {"edges": edges, "pageInfo": info},
+    }
+    return {"project": {"artifact": artifact}}
+
+
+HANDLERS = {
+    "CreateArtifact": create_artifact,
+    "CreateArtifactManifest": create_artifact_manifest,
+    "UpdateArtifactManifest": update_artifact_manifest,
+    "CreateArtifactFiles": create_artifact_files,
+    "CommitArtifact": commit_artifact,
+    "UseArtifact": use_artifact,
+    "ClientIDMapping": client_id_mapping,
+    "ArtifactVersionFiles": artifact_version_files,
+}
