@@ -352,3 +352,19 @@ def test_hostile_files_ids_and_manifests_get_400(sink):
     status, runs = request(sink, "GET", "/api/runs")
     assert status == 200 and [r["id"] for r in json.loads(runs)] == ["hand"]
     assert request(sink, "GET", "/local/arts/runs/hand")[0] == 200
+
+
+def test_the_run_page_lists_artifacts_and_escapes_their_names(sink, tmp_path):
+    sync(sink, write_run(tmp_path / "one", "one", "w"), tmp_path / "cwd")
+    hostile = "<img src=x onerror=alert(1)>"
+    start_artifact(sink, {"x.txt": b"x"}, name=hostile, kind="<i>")
+    status, page = request(sink, "GET", "/local/arts/runs/one")
+    text = page.decode()
+    assert status == 200
+    digest = sink.client.artifact("local", PROJECT, "ckpt:v0")["digest"]
+    assert f"ckpt:v0</td><td>model</td><td><code>{digest}</code></td><td>COMMITTED" in text
+    assert "run-one-samples:v0" in text and "nested/copy.bin" in text
+    status, page = request(sink, "GET", "/local/arts/runs/hand")
+    text = page.decode()
+    assert hostile not in text and "<i>" not in text
+    assert "&lt;img src=x onerror=alert(1)&gt;:pending" in text and "PENDING" in text

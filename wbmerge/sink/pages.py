@@ -137,6 +137,9 @@ def run_html(run: dict) -> str:
     parts.append("<h2>Config</h2>" + _kv_table(run["config"]))
     console = "\n".join(run["console"][-400:])
     parts.append(f"<h2>Console ({len(run['console'])} lines)</h2><pre>{_e(console)}</pre>")
+    for role in ("logged", "used"):
+        if run.get("artifacts", {}).get(role):
+            parts.append(f"<h2>Artifacts {role}</h2>" + _artifact_table(run["artifacts"][role]))
     if run["files"]:
         folder = "/".join(quote(run[k], safe="") for k in ("entity", "project", "id"))
         items = "".join(
@@ -146,6 +149,25 @@ def run_html(run: dict) -> str:
         note = "<p>Stored files open as downloads.</p>"
         parts.append(f"<h2>Files</h2>{note}<ul>{items}</ul>")
     return "".join(parts)
+
+
+def _artifact_table(versions: list[dict]) -> str:
+    """A table of artifact versions: name:version, type, digest, state, files."""
+    rows = ["<tr><th>artifact</th><th>type</th><th>digest</th><th>state</th><th>aliases</th>"
+            "<th>files</th></tr>"]  # fmt: skip
+    for v in versions:
+        files = "".join(
+            f"<li>{_e(f['name'])} ({_e('not arrived' if f['size'] is None else f['size'])}"
+            f"{'' if f['size'] is None else ' bytes'})</li>"
+            for f in v.get("files", [])
+        )
+        rows.append(
+            f"<tr><td>{_e(v['name'])}:{_e(v['version'] or 'pending')}</td><td>{_e(v['type'])}</td>"
+            f"<td><code>{_e(v['digest'])}</code></td><td>{_e(v['state'])}</td>"
+            f"<td>{_e(', '.join(v['aliases']))}</td>"
+            f"<td>{_e(v['file_count'])}<ul>{files}</ul></td></tr>"
+        )
+    return "<table>" + "".join(rows) + "</table>"
 
 
 def _kv_table(values: dict) -> str:
