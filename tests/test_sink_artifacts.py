@@ -368,3 +368,15 @@ def test_the_run_page_lists_artifacts_and_escapes_their_names(sink, tmp_path):
     text = page.decode()
     assert hostile not in text and "<i>" not in text
     assert "&lt;img src=x onerror=alert(1)&gt;:pending" in text and "PENDING" in text
+
+
+def test_distributed_artifacts_manifests_are_refused_not_half_taken(sink):
+    artifact_id, _ = start_artifact(sink, {"a.txt": b"a"})
+    patch = {"artifactID": artifact_id, "includeUpload": True, "manifestType": "PATCH",
+             "digest": md5_b64(b"{}")}  # fmt: skip
+    status, answer = graphql(sink, CREATE_MANIFEST, patch)
+    assert status == 400 and "FULL" in answer["errors"][0]["message"]
+    update = "mutation UpdateArtifactManifest ($artifactManifestID: ID!) { x }"
+    status, answer = graphql(sink, update, {"artifactManifestID": artifact_id})
+    assert "not supported" in answer["errors"][0]["message"]
+    assert sink.client.run("local", PROJECT, "hand")["artifacts"]["logged"][0]["state"] == "PENDING"

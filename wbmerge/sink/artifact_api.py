@@ -67,17 +67,14 @@ def _manifest_answer(artifact: int, v: dict[str, Any], base_url: str, store: Sto
 
 
 def create_artifact_manifest(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    """A version's one FULL manifest. Distributed artifacts (several runs' PATCH manifests,
+    merged by the server, and UpdateArtifactManifest) are not supported: refused, never
+    stored half-understood."""
     if v.get("manifestType", "FULL") != "FULL":
         raise ArtifactError("only FULL manifests are supported by this sink (no patches)")
     artifact = parse_id("Artifact", v.get("artifactID"))
     answer = _manifest_answer(artifact, v, base_url, store)
     return {"createArtifactManifest": {"artifactManifest": answer}}
-
-
-def update_artifact_manifest(store: Store, v: dict[str, Any], base_url: str) -> dict:
-    artifact = parse_id("ArtifactManifest", v.get("artifactManifestID"))
-    answer = _manifest_answer(artifact, v, base_url, store)
-    return {"updateArtifactManifest": {"artifactManifest": answer}}
 
 
 def create_artifact_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
@@ -191,7 +188,6 @@ def artifact_version_files(store: Store, v: dict[str, Any], base_url: str) -> di
 HANDLERS = {
     "CreateArtifact": create_artifact,
     "CreateArtifactManifest": create_artifact_manifest,
-    "UpdateArtifactManifest": update_artifact_manifest,
     "CreateArtifactFiles": create_artifact_files,
     "CommitArtifact": commit_artifact,
     "UseArtifact": use_artifact,
