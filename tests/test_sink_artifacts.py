@@ -380,3 +380,19 @@ def test_distributed_artifacts_manifests_are_refused_not_half_taken(sink):
     status, answer = graphql(sink, update, {"artifactManifestID": artifact_id})
     assert "not supported" in answer["errors"][0]["message"]
     assert sink.client.run("local", PROJECT, "hand")["artifacts"]["logged"][0]["state"] == "PENDING"
+
+
+def test_artifact_files_are_private_and_no_symlink_is_followed(sink, tmp_path):
+    files = {"a.txt": b"first", "b.txt": b"second"}
+    _, urls = start_artifact(sink, files)
+    assert put(urls["a.txt"], files["a.txt"]) == 200
+    stored = list((sink.data_dir / "artifacts").rglob("*"))
+    assert [p.read_bytes() for p in stored if p.is_file()] == [b"first"]
+    assert all(p.stat().st_mode & 0o777 == (0o700 if p.is_dir() else 0o600) for p in stored)
+
+    # A folder planted as a symlink where the next file would be kept is not written through.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (sink.data_dir / "artifacts" / hashlib.md5(b"second").hexdigest()[:2]).symlink_to(outside)
+    assert 400 <= put(urls["b.txt"], files["b.txt"]) < 500
+    assert list(outside.iterdir()) == []
