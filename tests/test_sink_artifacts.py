@@ -18,6 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from wandb.sdk.artifacts._generated.operations import (
+    RUN_INPUT_ARTIFACTS_GQL,
+    RUN_OUTPUT_ARTIFACTS_GQL,
+)
+from wandb.sdk.artifacts._generated.run_input_artifacts import RunInputArtifacts
+from wandb.sdk.artifacts._generated.run_output_artifacts import RunOutputArtifacts
 
 from .conftest import ROOT
 from .sinktools import wandb_sync
@@ -125,6 +131,36 @@ def test_a_logged_artifact_arrives_committed_with_every_file(sink, tmp_path):
     assert sorted((a["name"], a["version"], a["type"]) for a in logged) == [
         ("ckpt", "v0", "model"), ("run-one-samples", "v0", "run_table")
     ]  # fmt: skip
+
+
+def test_the_public_apis_run_artifact_queries_read_what_arrived(sink, tmp_path):
+    """wandb's own queries (`run.logged_artifacts()`), answers read by wandb's own models."""
+    weights = "w\n"
+    sync(sink, write_run(tmp_path / "one", "one", weights), tmp_path / "cwd")
+    variables = {"entity": "local", "project": PROJECT, "run": "one", "perPage": 1}
+    pages = []
+    while True:
+        status, answer = graphql(sink, RUN_OUTPUT_ARTIFACTS_GQL, variables)
+        assert status == 200, answer
+        page = RunOutputArtifacts.model_validate(answer["data"]).project.run.artifacts
+        pages.append(page)
+        if not page.page_info.has_next_page:
+            break
+        variables["cursor"] = page.page_info.end_cursor
+    assert [p.total_count for p in pages] == [2, 2]
+    found = {e.node.artifact_sequence.name: e.node for p in pages for e in p.edges}
+    checkpoint = found["ckpt"]
+    source = {"weights.bin": weights.encode(), "nested/copy.bin": weights.encode()}
+    assert (checkpoint.artifact_type.name, checkpoint.version_index) == ("model", 0)
+    assert checkpoint.state == "COMMITTED" and checkpoint.digest == manifest_digest(source)
+    assert sorted(a.alias for a in checkpoint.aliases) == ["best", "latest"]
+    assert json.loads(checkpoint.metadata) == {"epoch": 3, "note": "<b>x</b>"}
+    assert (checkpoint.file_count, checkpoint.size) == (2, 2 * len(weights))
+    assert found["run-one-samples"].artifact_type.name == "run_table"
+
+    status, answer = graphql(sink, RUN_INPUT_ARTIFACTS_GQL, {**variables, "cursor": None})
+    used = RunInputArtifacts.model_validate(answer["data"]).project.run.artifacts
+    assert (used.total_count, used.edges) == (0, [])
 
 
 def test_a_tables_run_table_artifact_arrives_and_history_references_it(sink, tmp_path):
@@ -263,6 +299,10 @@ def test_use_artifact_records_which_run_used_which_version(sink):
     assert status == 200 and answer["data"]["useArtifact"]["artifact"]["id"] == artifact_id
     used = sink.client.run("local", PROJECT, "reader")["artifacts"]["used"]
     assert [(a["name"], a["version"]) for a in used] == [("data", "v0")]
+    variables = {"entity": "local", "project": PROJECT, "run": "reader"}
+    status, answer = graphql(sink, RUN_INPUT_ARTIFACTS_GQL, variables)
+    (edge,) = RunInputArtifacts.model_validate(answer["data"]).project.run.artifacts.edges
+    assert (edge.node.id, edge.node.artifact_sequence.name) == (artifact_id, "data")
     assert sink.client.run("local", PROJECT, "hand")["artifacts"]["used"] == []
 
 

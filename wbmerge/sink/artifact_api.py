@@ -1,5 +1,6 @@
 """The GraphQL operations of artifacts: what wandb-core 0.31 sends to save one (with exactly
-the fields it reads), and one query to read a version back with its files.
+the fields it reads), the public API's queries of a run's logged and used versions, and
+one query to read a version back with its files.
 
 Upload URLs carry a token like those of run files (`access.UploadTokens`): wandb-core
 PUTs artifact files and manifests without the API key. A request of the wrong shape is
@@ -185,6 +186,76 @@ def artifact_version_files(store: Store, v: dict[str, Any], base_url: str) -> di
     return {"project": {"artifact": artifact}}
 
 
+def _artifact_fragment(facts: dict[str, Any]) -> dict[str, Any]:
+    """A version as the public API's `ArtifactFragment` has it (every field it reads)."""
+    project = {
+        "id": server_id("Project", 0),
+        "internalId": server_id("Project", 0),
+        "name": facts["project"],
+        "entity": {"name": facts["entity"]},
+    }
+    collection = {"__typename": "ArtifactSequence", "name": facts["name"], "project": project}
+    version = facts["version"]
+    return {
+        "__typename": "Artifact",
+        "id": facts["id"],
+        "artifactSequence": collection,
+        "versionIndex": None if version is None else int(version[1:]),
+        "artifactType": {"name": facts["type"]},
+        "description": facts["description"],
+        "metadata": json.dumps(facts["metadata"]),
+        "ttlDurationSeconds": -1,  # (no time to live: kept until deleted)
+        "ttlIsInherited": True,
+        "tags": [],
+        "historyStep": None,
+        "state": facts["state"],
+        "size": facts["size"],
+        "digest": facts["digest"],
+        "digestAlgorithm": "MANIFEST_MD5",
+        "commitHash": None,
+        "fileCount": facts["file_count"],
+        "createdAt": facts["created"],
+        "updatedAt": facts["committed"],
+        "aliases": [
+            {
+                "__typename": "ArtifactAlias",
+                "id": f"{facts['collection_id']}:{alias}",
+                "alias": alias,
+                "artifactCollection": collection,
+            }
+            for alias in facts["aliases"]
+        ],  # fmt: skip
+    }
+
+
+def _run_artifacts(role: str) -> Any:
+    """The public API's `RunOutputArtifacts` (role "logged", `run.logged_artifacts()`) or
+    `RunInputArtifacts` ("used", `run.used_artifacts()`): a page of `perPage` versions
+    after the cursor (the index of the last one sent)."""
+
+    def answer(store: Store, v: dict[str, Any], base_url: str) -> dict:
+        entity, project, run = _run_path(v.get("entity"), v.get("project"), v.get("run"))
+        if store.run(entity, project, run) is None:
+            return {"project": {"run": None}}
+        versions = store.artifacts.of_run(entity, project, run)[role]
+        cursor, per_page = v.get("cursor"), v.get("perPage")
+        start = (
+            int(cursor) + 1
+            if isinstance(cursor, str) and cursor.isdigit() and len(cursor) < 10
+            else 0
+        )
+        per_page = per_page if isinstance(per_page, int) and 0 < per_page <= MAX_PAGE else 50
+        page = versions[start : start + per_page]
+        edges = [{"node": _artifact_fragment(facts)} for facts in page]
+        end = str(start + len(page) - 1) if page else None
+        info = {"__typename": "PageInfo", "endCursor": end,
+                "hasNextPage": start + per_page < len(versions)}  # fmt: skip
+        artifacts = {"totalCount": len(versions), "pageInfo": info, "edges": edges}
+        return {"project": {"run": {"artifacts": artifacts}}}
+
+    return answer
+
+
 HANDLERS = {
     "CreateArtifact": create_artifact,
     "CreateArtifactManifest": create_artifact_manifest,
@@ -193,4 +264,6 @@ HANDLERS = {
     "UseArtifact": use_artifact,
     "ClientIDMapping": client_id_mapping,
     "ArtifactVersionFiles": artifact_version_files,
+    "RunOutputArtifacts": _run_artifacts("logged"),
+    "RunInputArtifacts": _run_artifacts("used"),
 }

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import datetime
 import hashlib
 import json
 import os
@@ -99,6 +100,11 @@ MAX_DESCRIPTION = 65536
 def server_id(kind: str, pk: int) -> str:
     """An id as W&B gives them (base64 of `Kind:number`); wandb-core decodes them."""
     return base64.b64encode(f"{kind}:{pk}".encode()).decode()
+
+
+def _iso(seconds: float) -> str:
+    """A time as W&B's API gives it (ISO 8601, UTC, no zone suffix)."""
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).replace(tzinfo=None).isoformat()
 
 
 def parse_id(kind: str, value: object) -> int:
@@ -359,13 +365,15 @@ class ArtifactStore:
         with self._lock:
             row = self._db.execute(
                 "SELECT s.entity, s.project, s.name, s.type, a.version, a.digest, a.state, "
-                "a.metadata, a.description, a.sequence FROM artifacts a JOIN artifact_sequences s "
+                "a.metadata, a.description, a.sequence, a.created, a.committed "
+                "FROM artifacts a JOIN artifact_sequences s "
                 "ON s.pk = a.sequence WHERE a.pk = ?",
                 (artifact,),
             ).fetchone()
             if row is None:
                 raise ArtifactError("no such artifact", 404)
-            entity, project, name, kind, number, digest, state, metadata, description, seq = row
+            entity, project, name, kind, number, digest, state, metadata, description = row[:9]
+            seq, created, committed = row[9:]
             aliases = [
                 r[0]
                 for r in self._db.execute(
@@ -394,6 +402,10 @@ class ArtifactStore:
             "metadata": json.loads(metadata),
             "description": description,
             "file_count": len(entries),
+            "size": sum(entry[2] or 0 for entry in entries),  # as the manifest gives them
+            "collection_id": server_id("ArtifactSequence", seq),
+            "created": _iso(created),
+            "committed": None if committed is None else _iso(committed),
         }
         if files:
             facts["files"] = [
