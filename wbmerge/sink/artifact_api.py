@@ -15,7 +15,7 @@ from typing import Any
 
 from .artifact_values import ArtifactError, md5_digest
 from .artifacts import parse_id, server_id
-from .names import DEFAULT_ENTITY, check_file_name, check_run_path
+from .names import DEFAULT_ENTITY, check_entity, check_file_name, check_project, check_run_path
 from .store import Store
 
 MAX_FILES_PER_REQUEST = 10_000  # wandb-core asks for at most 10000 upload URLs at once
@@ -138,7 +138,10 @@ def artifact_version_files(store: Store, v: dict[str, Any], base_url: str) -> di
     (`project.artifact(name)`): digest, state, version, aliases, metadata and a page of its
     files (`first` after the cursor `after`), each with its size and the MD5 of the bytes
     stored, read again from the disk."""
-    entity, project = check_run_path(v.get("entity") or DEFAULT_ENTITY, v.get("project"), "x")[:2]
+    entity, project = (
+        check_entity(v.get("entity") or DEFAULT_ENTITY),
+        check_project(v.get("project")),
+    )
     name = v.get("name")
     if not isinstance(name, str):
         raise ArtifactError("name must be a string (name:alias or name:vN)")
