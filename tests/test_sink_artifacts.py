@@ -352,6 +352,17 @@ def test_a_client_id_never_reaches_another_artifact(sink):
     assert request(sink, "GET", "/api/artifacts/local/arts/other")[0] == 404
 
 
+def test_a_name_keeps_its_type(sink):
+    start_artifact(sink, {"a.txt": b"a"})  # "hand", a model
+    spec = {"artifactCollectionName": "hand", "artifactTypeName": "dataset", "runName": "r",
+            "digest": manifest_digest({"b.txt": b"b"}), "projectName": PROJECT}  # fmt: skip
+    status, answer = graphql(sink, CREATE_ARTIFACT, {"input": spec})
+    assert status == 409 and "'model'" in answer["errors"][0]["message"]
+    logged = sink.client.run("local", PROJECT, "hand")["artifacts"]["logged"]
+    assert [(a["name"], a["type"]) for a in logged] == [("hand", "model")]
+    assert [r["id"] for r in sink.client.runs(project=PROJECT)] == ["hand"]
+
+
 def test_hostile_files_ids_and_manifests_get_400(sink):
     files = {"a.txt": b"a"}
     artifact_id, urls = start_artifact(sink, files)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import datetime
 import hashlib
 import json
@@ -34,7 +35,7 @@ import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +161,7 @@ class ArtifactStore:
         client_ids = [check_client_id(spec.get(k), k) for k in ("clientID", "sequenceClientID")]
         dedup = spec.get("enableDigestDeduplication") is not False
         now = time.time()
-        with self._lock, self._db:
+        with self._transaction():
             run_pk = self._run_pk(entity, project, run, create=True, now=now)
             sequence = self._sequence(entity, project, name, kind)
             artifact = self._by_client_id(client_ids[0], sequence, digest)
@@ -192,7 +193,7 @@ class ArtifactStore:
 
     def declare_files(self, specs: list[tuple[int, str, str]]) -> None:
         """Record the MD5 each file of a pending version must arrive with (CreateArtifactFiles)."""
-        with self._lock, self._db:
+        with self._transaction():
             for artifact, path, md5 in specs:
                 self._pending(artifact)
                 self._db.execute(
@@ -204,7 +205,7 @@ class ArtifactStore:
 
     def declare_manifest(self, artifact: int, md5: str) -> None:
         """Record the MD5 a pending version's manifest file must arrive with."""
-        with self._lock, self._db:
+        with self._transaction():
             self._pending(artifact)
             self._db.execute("UPDATE artifacts SET manifest_md5 = ? WHERE pk = ?", (md5, artifact))
 
@@ -220,7 +221,7 @@ class ArtifactStore:
         if got != row[0]:
             raise ArtifactError(f"{path!r} has MD5 {got}, not the manifest's {row[0]}; not stored")
         self._write_blob(data)
-        with self._lock, self._db:
+        with self._transaction():
             self._db.execute(
                 "UPDATE artifact_files SET size = ? WHERE artifact = ? AND path = ? AND md5 = ?",
                 (len(data), artifact, path, got),
@@ -255,7 +256,7 @@ class ArtifactStore:
             if path in declared and declared[path] != entry_digest:
                 raise ArtifactError(f"the manifest's digest of {path!r} is not the one uploaded")
         blob = self._write_blob(data)
-        with self._lock, self._db:
+        with self._transaction():
             self._pending(artifact)
             self._db.execute("DELETE FROM artifact_entries WHERE artifact = ?", (artifact,))
             self._db.executemany(
@@ -267,7 +268,7 @@ class ArtifactStore:
     def commit(self, artifact: int) -> None:
         """Make a version COMMITTED (with the next version number and its aliases) once its
         manifest and every file of it arrived as the manifest says; ArtifactError before."""
-        with self._lock, self._db:
+        with self._transaction():
             row = self._db.execute(
                 "SELECT sequence, state, manifest, aliases FROM artifacts WHERE pk = ?",
                 (artifact,),
@@ -300,7 +301,7 @@ class ArtifactStore:
 
     def use(self, entity: str, project: str, run: str, artifact: int) -> None:
         """Record that a run used a version (its input lineage)."""
-        with self._lock, self._db:
+        with self._transaction():
             if self._one("SELECT pk FROM artifacts WHERE pk = ?", artifact) is None:
                 raise ArtifactError("no such artifact", 404)
             run_pk = self._run_pk(entity, project, run, create=True, now=time.time())
@@ -433,6 +434,19 @@ class ArtifactStore:
         return None if md5 is None else self._blob_path(bytes.fromhex(md5))
 
     # -- helpers --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """The lock and one transaction: all of a request's writes, or none of them. (The
+        connection is in autocommit mode, where `with connection:` opens no transaction.)"""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def _sequence(self, entity: str, project: str, name: str, kind: str) -> int:
         row = self._db.execute(
