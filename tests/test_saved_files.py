@@ -239,3 +239,66 @@ def test_a_run_that_says_it_ran_in_the_root_directory_opens_nothing(sink, tmp_pa
     assert result.exit_code == 2, result.stderr
     assert "'/etc/passwd'" in result.stderr and "--files-from" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def rerooted_job(tmp_path: Path, root: str, link_to) -> Path:
+    """A copy of the fixture whose every run says it ran in `root`, its `model.pt` link
+    leading to `link_to(job, rank)`."""
+    job = tmp_path / "job"
+    shutil.copytree(job_dir(JOB), job, symlinks=True)
+
+    def new_root(record: pb.Record) -> pb.Record | None:
+        if record.WhichOneof("record_type") == "environment" and record.environment.root:
+            record.environment.root = root
+            return record
+        return None
+
+    for rank, run in source_runs(job).items():
+        rewrite_log(next(run.glob("run-*.wandb")), new_root)
+        link = run / "files" / "model.pt"
+        link.unlink()
+        link.symlink_to(link_to(job, rank))
+    return job
+
+
+@pytest.mark.parametrize("claim", ["etc", "ancestor"])
+@pytest.mark.parametrize("command", ["sync", "merge"])
+def test_a_root_the_run_was_not_found_in_allows_nothing(sink, tmp_path, claim, command):
+    """The recorded root is untrusted: a run that says it ran in /etc (or in a directory
+    far above where it lies) and links to a file there has that file refused."""
+    outside = tmp_path / "outside.pt"
+    outside.write_bytes(b"a file the syncing user can read, out of the job\n")
+    if claim == "etc":
+        root, target = "/etc", Path("/etc/passwd")
+    else:
+        root, target = str(tmp_path), outside
+    secret = target.read_bytes()
+    job = rerooted_job(tmp_path, root, lambda job, rank: target)
+    out = tmp_path / "out"
+    where = ["--out", out] if command == "merge" else ["-p", "rv-exfil"]
+    result = cli(sink, tmp_path, command, job / "wandb", "--run-mode", "auto", *where)
+    assert result.exit_code == 2, (result.stderr, result.stdout)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wbmerge: error:"), result.stderr
+    assert "'model.pt'" in lines[0] and "--files-from" in lines[0]
+    assert sink.client.runs() == []
+    assert not out.exists()
+    for path in tmp_path.rglob("*"):  # (the state directory and staging included)
+        if path.is_file() and not path.is_symlink() and path != outside:
+            assert secret not in path.read_bytes(), path
+
+
+def test_a_run_found_where_it_ran_follows_its_links_without_files_from(sink, tmp_path):
+    """A run lying in `<root>/wandb/` of the root it recorded ran there: its links under
+    that root are followed with no --files-from."""
+    job = rerooted_job(
+        tmp_path, str(tmp_path / "job"), lambda job, rank: job / f"rank-{rank}" / "model.pt"
+    )
+    result = cli(sink, tmp_path, "sync", "--json", job / "wandb", "--run-mode", "new",
+                 "-p", "ranhere", "-e", "local")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    saved = saved_bytes(job)
+    base = base_id(job)
+    for rank in range(4):
+        got = sink.client.file("local", "ranhere", f"{base}-rank-{rank}", "model.pt")
+        assert got == saved[rank]

@@ -4,7 +4,11 @@ it, but only where the user allows.
 
 A link is followed only to a regular file under the directory the rank ran in (the `root`
 of its environment record, which is wandb's `dir=` or the working directory) or under a
-directory given with `--files-from`. A link whose file moved (a job's directory copied to
+directory given with `--files-from`. The recorded root is untrusted like every byte of the
+run, so it is taken only where the run was found in it: wandb writes a run to
+`<root>/wandb/` (or `<root>/.wandb/`), so the root must be the run directory's
+grandparent (real paths). A run that names another root (`/etc`, an ancestor such as the
+home directory) allows nothing by it. A link whose file moved (a job's directory copied to
 another machine, a fixture cloned elsewhere) is found again under a `--files-from`
 directory at its path relative to the recorded root. Anything else is refused in one line
 that names the file and the option, before anything is uploaded: a saved file either
@@ -54,28 +58,44 @@ def recorded_root(log: Path) -> str | None:
     return None
 
 
+def ran_in(root: str | None, run_dir: Path) -> bool:
+    """Whether the run directory `run_dir` lies where wandb writes a run that ran in
+    `root` (`<root>/wandb/<run>` or `<root>/.wandb/<run>`), by real paths: only then does
+    the recorded root say where the rank ran rather than what a hostile file wants read."""
+    if not root:
+        return False
+    return os.path.realpath(run_dir.parent.parent) == os.path.realpath(root)
+
+
 def follow_link(
-    entry: Path, name: str, label: str, root: str | None, files_from: Sequence[Path]
+    entry: Path,
+    name: str,
+    label: str,
+    root: str | None,
+    files_from: Sequence[Path],
+    run_dir: Path,
 ) -> Path:
-    """The regular file the link `entry` (a run's `files/{name}`) leads to, resolved; a
-    WbmergeError naming the file and `--files-from` when it leads anywhere else."""
+    """The regular file the link `entry` (a run's `files/{name}`, of the run directory
+    `run_dir` whose log recorded `root`) leads to, resolved; a WbmergeError naming the file
+    and `--files-from` when it leads anywhere else."""
     try:
         raw = os.readlink(entry)
     except OSError as exc:
         raise WbmergeError(f"{entry}: cannot read ({exc.strerror or exc})") from None
-    allowed = ([Path(os.path.realpath(root))] if root else []) + [
+    trusted = ran_in(root, run_dir)
+    allowed = ([Path(os.path.realpath(root))] if trusted and root else []) + [
         Path(os.path.realpath(directory)) for directory in files_from
     ]
     target = _resolved(entry)
     if target is not None and any(is_within(target, base) for base in allowed):
         if _is_regular(target):
             return target
-        return _refuse(label, name, raw, "which is not a regular file", root)
+        return _refuse(label, name, raw, "which is not a regular file", root, trusted)
     moved = _moved(raw, root, files_from)
     if moved is not None:
         return moved
     why = "which does not exist" if target is None else "outside the allowed directories"
-    return _refuse(label, name, raw, why, root)
+    return _refuse(label, name, raw, why, root, trusted)
 
 
 def _moved(raw: str, root: str | None, files_from: Sequence[Path]) -> Path | None:
@@ -112,10 +132,15 @@ def _is_regular(path: Path) -> bool:
         return False
 
 
-def _refuse(label: str, name: str, raw: str, why: str, root: str | None) -> Path:
+def _refuse(label: str, name: str, raw: str, why: str, root: str | None, trusted: bool) -> Path:
     places = f"the directory the rank ran in ({root}) or a {_OPTION} directory"
     if not root:
         places = f"a {_OPTION} directory (the run records no directory it ran in)"
+    elif not trusted:
+        places = (
+            f"a {_OPTION} directory (the run says it ran in {root}, which does not hold "
+            "the run's directory)"
+        )
     raise WbmergeError(
         f"{label}: saved file {name!r} links to {raw!r}, {why}; a link is followed only to a "
         f"regular file under {places}: add {_OPTION} DIR where the file is"

@@ -149,7 +149,7 @@ def _readable(
         return inside, True
     if not recorded:
         recorded.append(recorded_root(source.path))
-    return follow_link(path, name, source.label, recorded[0], files_from), True
+    return follow_link(path, name, source.label, recorded[0], files_from, source.path.parent), True
 
 
 def _file_entries(files: Path) -> Iterator[tuple[Path, str]]:
