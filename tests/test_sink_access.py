@@ -386,3 +386,41 @@ def test_serve_refuses_a_data_directory_of_another_user(tmp_path):
     assert result.returncode == 2 and "belongs to another user" in result.stderr
     assert len(result.stderr.splitlines()) == 1
     assert list(data.iterdir()) == []
+
+
+PLANTED = {"api-key": "0123456789abcdef" * 2 + "01234567", "upload-secret": "ab" * 32}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a file of another user needs root to make")
+@pytest.mark.parametrize("name", PLANTED)
+def test_serve_refuses_a_key_file_another_user_planted(tmp_path, name):
+    """A data directory others could write (0777) may hold a key file another user put
+    there, and so knows: the sink refuses it rather than take it as its own."""
+    data = tmp_path / "data"
+    data.mkdir()
+    os.chmod(data, 0o777)
+    planted = data / name
+    planted.write_text(PLANTED[name] + "\n")
+    os.chmod(planted, 0o644)
+    os.chown(planted, 65534, 65534)  # nobody's
+    result = serve(data)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    [line] = result.stderr.splitlines()
+    assert line.startswith("wbmerge: error: cannot serve from ")
+    assert "belongs to another user" in line and name in line
+    assert PLANTED[name] not in result.stdout + result.stderr
+    assert planted.read_text() == PLANTED[name] + "\n"  # (left for its owner to remove)
+
+
+def test_serve_refuses_a_key_file_with_another_name(tmp_path):
+    """A hard link makes the key's bytes reachable (and replaceable) by another name."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text(PLANTED["api-key"] + "\n")
+    os.chmod(elsewhere, 0o600)
+    (tmp_path / "data").mkdir(mode=0o700)
+    os.link(elsewhere, tmp_path / "data" / "api-key")
+    result = serve(tmp_path / "data")
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    [line] = result.stderr.splitlines()
+    assert "hard link" in line and "api-key" in line
+    assert PLANTED["api-key"] not in result.stdout + result.stderr

@@ -19,7 +19,9 @@ sends its key, and what a browser asks for). The key is made on the sink's first
 40 hex characters as wandb requires of a key, and kept in the data directory (`api-key`,
 mode 0600), so that only the user who can read the data directory can read or write runs;
 other users of a shared machine reach the same 127.0.0.1 port, so a key of any form would
-let them in.
+let them in. A key or secret file is read only when it is this user's own regular file,
+with one name, unreadable by others: a data directory others could once write may hold one
+another user planted, whose bytes they know.
 """
 
 from __future__ import annotations
@@ -71,9 +73,8 @@ class UploadTokens:
     def for_data_dir(cls, data_root: Path) -> UploadTokens:
         """The tokens of the secret kept in `data_root` (made there, mode 0600, if absent)."""
         path = data_root / SECRET_FILE
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
         try:
-            fd = os.open(path, flags)
+            fd = open_private(path, "the upload secret")
         except FileNotFoundError:
             fresh = secrets.token_bytes(SECRET_BYTES)
             create = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
@@ -145,7 +146,7 @@ def read_api_key(data_root: str | Path) -> str:
     """The key of the sink whose data directory is `data_root`; ValueError if there is none."""
     path = Path(data_root) / API_KEY_FILE
     try:
-        fd = os.open(path, os.O_RDONLY | _NO_FOLLOW)
+        fd = open_private(path, "the sink's API key")
     except OSError as exc:  # absent, a planted symlink (ELOOP), or not readable
         raise ValueError(f"cannot read the sink's API key {path}: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as handle:
@@ -153,6 +154,28 @@ def read_api_key(data_root: str | Path) -> str:
     if len(key) != 2 * API_KEY_BYTES or any(c not in "0123456789abcdef" for c in key):
         raise ValueError(f"{path} does not hold a sink API key (40 hex characters)")
     return key
+
+
+def open_private(path: Path, what: str) -> int:
+    """A descriptor of the file `path` (never a link), read only if it is this user's own
+    regular file, with no other name, that nobody else may read; a ValueError naming it
+    otherwise. A data directory others could once write may hold a key another user
+    planted (and so knows): taking it as this sink's own would let them in."""
+    fd = os.open(path, os.O_RDONLY | _NO_FOLLOW)
+    info = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(info.st_mode):
+        problem = "is not a regular file"
+    elif info.st_uid != os.getuid():
+        problem = f"belongs to another user (uid {info.st_uid})"
+    elif info.st_nlink != 1:
+        problem = "has another name (a hard link)"
+    elif info.st_mode & 0o077:
+        problem = f"may be read by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    if problem is None:
+        return fd
+    os.close(fd)
+    raise ValueError(f"{what} {path} {problem}; not used: remove it to make a new one")
 
 
 def basic_auth_key(authorization: str | None) -> str | None:
