@@ -76,8 +76,8 @@ def merged_records(
                 metric = record.metric
                 if metric.name and not metric.name.startswith("_"):
                     metric.name = key_format.format(key=metric.name, label=label)
-                if metric.glob_name and not metric.glob_name.startswith("_"):
-                    metric.glob_name = key_format.format(key=metric.glob_name, label=label)
+                if metric.glob_name:
+                    continue  # (bound after the rows, to the keys it matches: metricglobs)
                 if metric.step_metric and not metric.step_metric.startswith("_"):
                     metric.step_metric = key_format.format(key=metric.step_metric, label=label)
                 events.append(((last, rank, n), record))

@@ -1,5 +1,8 @@
 """`define_metric` in a shared run: every rank's definitions, names and globs alike, bound to
-that rank's own labelled keys, so that no rank's definition replaces another's.
+that rank's own labelled keys, so that no rank's definition replaces another's, checked by
+wandb's own rules: `define_metric` takes a glob only as a prefix with a trailing `*`, and
+wandb-core binds a key to its definition by name, else to a glob whose text before the `*`
+the key starts with (`matchGlobMetric`).
 
 The fixture `recipe_saved_files` is a real torchrun job in which every rank calls
 `define_metric("epoch", hidden=True)` and `define_metric("val/*", step_metric="epoch",
@@ -13,13 +16,14 @@ bound to their own `epoch`, but log neither it nor a `val/` key: theirs bind not
 
 from __future__ import annotations
 
-from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge import api
+from wbmerge.merge.metricglobs import glob_definitions, label_prefixes
+from wbmerge.rankstats import PerRank
 from wbmerge.txlog import read_payloads
 
 from .conftest import job_dir
@@ -52,8 +56,25 @@ def sources() -> dict[str, tuple[set[str], list[pb.MetricRecord]]]:
     return found
 
 
-@pytest.mark.parametrize("key_format", ["{key}/{label}", "{label}:{key}"])
-def test_every_definition_binds_its_own_ranks_keys(tmp_path, key_format):
+KEY_FORMATS = ["{key}/{label}", "{label}/{key}", "{label}:{key}", "{key:>12}/{label}"]
+
+
+def is_glob_wandb_takes(glob: str) -> bool:
+    """wandb's `define_metric` check: at most one `*`, and only at the end."""
+    return glob.endswith("*") and "*" not in glob[:-1]
+
+
+def bound_by(key: str, definitions: list[pb.MetricRecord]) -> list[pb.MetricRecord]:
+    """The definitions wandb-core may bind `key` to: its definition by name, else every
+    glob whose text before the `*` the key starts with (wandb-core takes any one)."""
+    named = [m for m in definitions if m.name == key]
+    if named:
+        return named
+    return [m for m in definitions if m.glob_name and key.startswith(m.glob_name[:-1])]
+
+
+@pytest.mark.parametrize("key_format", KEY_FORMATS)
+def test_every_key_a_glob_matched_is_bound_to_its_own_ranks_step(tmp_path, key_format):
     job = job_dir(JOB)
     [staged] = api.merge(job / "wandb", tmp_path / "out", run_mode="shared",
                          key_format=key_format, files_from=job)  # fmt: skip
@@ -61,42 +82,69 @@ def test_every_definition_binds_its_own_ranks_keys(tmp_path, key_format):
     definitions = [record.metric for record in merged if record.HasField("metric")]
     merged_keys = {key_of(i) for record in merged if record.HasField("history")
                    for i in record.history.item}  # fmt: skip
+    globs = [m.glob_name for m in definitions if m.glob_name]
+    assert all(is_glob_wandb_takes(glob) for glob in globs), globs
+
     by_rank = sources()
-    logged_by = {key_format.format(key=key, label=label): label
-                 for label, (logged, _) in by_rank.items() for key in logged
-                 if not key.startswith("_")}  # fmt: skip
-    assert logged_by.keys() <= merged_keys
-
-    # one definition for each of every rank's, none replacing another (same name or glob)
-    expected = {
-        (key_format.format(key=m.name or m.glob_name, label=label), bool(m.glob_name))
-        for label, (_, metrics) in by_rank.items() for m in metrics
-    }  # fmt: skip
-    written = [(m.name or m.glob_name, bool(m.glob_name)) for m in definitions]
-    assert sorted(written) == sorted(expected)
-
+    label_of = {key_format.format(key=key, label=label): label
+                for label, (logged, _) in by_rank.items() for key in logged
+                if not key.startswith("_")}  # fmt: skip
+    assert label_of.keys() <= merged_keys
     bound = 0
-    for metric in definitions:
-        pattern = metric.glob_name or metric.name
-        [label] = [label for label in by_rank
-                   if any(pattern == key_format.format(key=m.name or m.glob_name, label=label)
-                          for m in by_rank[label][1])]  # fmt: skip
-        matched = [key for key in merged_keys if fnmatchcase(key, pattern)]
-        assert all(logged_by.get(key) == label for key in matched), (pattern, matched)
-        if metric.step_metric:
-            assert metric.step_metric.startswith("_") or metric.step_metric in [
-                key_format.format(key=m.step_metric, label=label) for m in by_rank[label][1]
-            ]
-            if matched:  # a definition that binds keys: to a key that rank logged
-                assert logged_by.get(metric.step_metric) == label, (pattern, metric.step_metric)
-                bound += 1
-    assert bound == 1  # rank 0's val/* (val/acc), the only rank that logs val/ keys
+    for label, (logged, metrics) in by_rank.items():
+        named = {m.name for m in metrics if m.name}
+        for key in sorted(logged - named):
+            if key.startswith("_"):
+                continue
+            own = [m for m in metrics if m.glob_name and key.startswith(m.glob_name[:-1])]
+            found = bound_by(key_format.format(key=key, label=label), definitions)
+            if not own:  # (no glob of its rank matches it: no definition claims it)
+                assert found == [], (label, key)
+                continue
+            assert found, (label, key)
+            for metric in found:  # the rank's glob's step metric, summary and options
+                assert metric.step_metric == key_format.format(key=own[0].step_metric,
+                                                               label=label)  # fmt: skip
+                assert metric.summary == own[0].summary and metric.options == own[0].options
+            bound += 1
+    assert bound == 1  # rank 0's val/acc: the only key under a glob (rank 0's val/*)
 
-    [rank0_glob] = [
-        m for m in definitions if m.glob_name == key_format.format(key="val/*", label="rank-0")
-    ]
-    assert rank0_glob.step_metric == key_format.format(key="epoch", label="rank-0")
-    assert rank0_glob.summary.max  # summary= kept
+    steps = {key_format.format(key="epoch", label=label): label for label in by_rank}
+    for metric in definitions:  # a glob binds its own rank's keys only
+        if metric.glob_name:
+            owner = steps[metric.step_metric]
+            matched = [k for k in merged_keys if k.startswith(metric.glob_name[:-1])]
+            assert all(label_of.get(k) == owner for k in matched), (metric.glob_name, matched)
     hidden = [m.name for m in definitions if m.options.hidden]
     assert sorted(hidden) == sorted(key_format.format(key="epoch", label=f"rank-{r}")
                                     for r in range(4))  # fmt: skip
+
+
+def test_a_glob_is_labelled_only_where_a_prefix_selects_one_rank():
+    ranks = ["rank-1", "rank-10"]
+    assert label_prefixes("{label}/{key}", ranks) == {"rank-1": "rank-1/", "rank-10": "rank-10/"}
+    assert label_prefixes("{label}{key}", ranks) is None  # (rank-1... starts rank-10's keys)
+    assert label_prefixes("{label}/{key}", ["a", "a/b"]) is None
+    assert label_prefixes("{label}/{key}", ["host*1"]) is None
+    assert label_prefixes("{key}/{label}", ranks) is None
+    assert label_prefixes("{label}/{key:>9}", ranks) is None
+
+
+def glob_record(glob: str, step: str = "epoch") -> bytes:
+    record = pb.Record()
+    record.metric.glob_name = glob
+    record.metric.step_metric = step
+    record.metric.summary.max = True
+    return record.SerializeToString()
+
+
+def test_an_expanded_glob_names_each_matching_key_once_with_the_first_glob():
+    globs = [glob_record("val/*"), glob_record("v*", "other"), glob_record("a*b*")]
+    keys = {"val/acc", "val/loss", "vocab", "epoch", "_runtime", "ab_x", "named/x"}
+    written = [pb.Record.FromString(p).metric for p in glob_definitions(
+        globs, {"val/loss"}, keys, "rank-2", "{key}/{label}", PerRank(), None)]  # fmt: skip
+    assert [(m.name, m.glob_name, m.step_metric) for m in written] == [
+        ("val/acc/rank-2", "", "epoch/rank-2"),
+        ("vocab/rank-2", "", "other/rank-2"),
+    ]
+    assert all(m.summary.max for m in written)

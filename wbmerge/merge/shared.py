@@ -29,6 +29,7 @@ from ..streaming import allow_open_files
 from ..txlog import BLOCK_SIZE, Frames, LogWriter, read_payloads
 from .console import PASS_TWO, Spools, SpoolWriter, write_console_and_stats
 from .labels import KeyTable, Labelled, RankKeys, fold_summaries, label_rows
+from .metricglobs import glob_definitions, label_prefixes
 from .options import MergeOptions
 from .outcome import Outcome, damage_warnings, is_record, not_a_record
 from .readers import RankReaders, SourceRead
@@ -63,6 +64,8 @@ class RankState:
     spool: SpoolWriter | None = None
     last_key: tuple = _BEFORE_ALL  # the key of the last row or record read
     last_rows: int = 0  # rows in its last read
+    globs: list[bytes] = field(default_factory=list)  # its glob definitions, as read
+    named: set[str] = field(default_factory=set)  # the keys it defined by name
 
 
 def write_shared(
@@ -136,6 +139,7 @@ class SharedMerge:
                 break
         with Spools(scratch) as spools:
             self._write_rows(spools)
+            self._write_glob_definitions()
             write_console_and_stats(self.by_rank, writer, spools)
         for rank, sources in self.by_rank.items():  # in the order of the sources
             for index in range(len(sources)):
@@ -147,6 +151,22 @@ class SharedMerge:
         self.outcome.exit_code = exit_code(self.states[self.primary].exit_payload)
         writer.write(exit_record(self.outcome.exit_code))
         return self.outcome
+
+    def _write_glob_definitions(self) -> None:
+        """Every rank's metric globs, bound to its own labelled keys (`metricglobs`), once
+        every row is written and so every key each rank logged is known."""
+        if self.options.per_rank.patterns == ():
+            return  # (no key is kept per rank: a glob binds nothing)
+        labels = [state.source.label for state in self.states.values()]
+        prefixes = label_prefixes(self.options.key_format, labels) or {}
+        for state in self.states.values():
+            for payload in glob_definitions(
+                state.globs, state.named, state.keys.user_keys, state.source.label,
+                self.options.key_format, self.options.per_rank, prefixes.get(state.source.label),
+            ):  # fmt: skip
+                if payload not in self.seen:
+                    self.seen.add(payload)
+                    self.writer.write(payload)
 
     def _write_rows(self, spools: Spools) -> None:
         """Pass 1: rows by step, with what travels with them, a turn at a time."""
@@ -352,7 +372,7 @@ class SharedMerge:
         if kind == "exit":
             state.exit_payload = payload
         elif kind == "metric":
-            return _labelled_metric(payload, state.source.label, self.options)
+            return _labelled_metric(payload, state, self.options)
         elif kind == "files":
             warnings: list[str] = []
             record = files_record(payload, source, warnings, staged=self.file_map)
@@ -378,24 +398,24 @@ class SharedMerge:
         return None
 
 
-def _labelled_metric(payload: bytes, label: str, options: MergeOptions) -> bytes | None:
+def _labelled_metric(payload: bytes, state: RankState, options: MergeOptions) -> bytes | None:
     """The metric definition of a rank for its labelled keys, so that no rank's definition
-    replaces another's: a name, or a glob (`val/*` -> `val/*/rank-3`, which matches only
-    that rank's labelled keys), and its step metric the rank's own labelled key (`epoch` ->
-    `epoch/rank-3`); summary, goal and hidden as they are. W&B's own keys (`_step`) stay.
-    None for a name not kept per rank, and for a glob when no key is (`--per-rank none`).
+    replaces another's: a name (`loss` -> `loss/rank-3`), its step metric the rank's own
+    labelled key (`epoch` -> `epoch/rank-3`); summary, goal and hidden as they are. W&B's
+    own keys (`_step`) stay. None for a name not kept per rank, and for a glob, kept aside
+    (`state.globs`) until every key is known: `metricglobs`.
     """
     key_format = options.key_format
     record = pb.Record.FromString(payload)
     metric = record.metric
-    if metric.name and not metric.name.startswith("_") and not options.per_rank.keeps(metric.name):
-        return None
-    if metric.glob_name and options.per_rank.patterns == ():
+    if metric.glob_name:
+        state.globs.append(payload)
         return None
     if metric.name and not metric.name.startswith("_"):
-        metric.name = key_format.format(key=metric.name, label=label)
-    if metric.glob_name and not metric.glob_name.startswith("_"):
-        metric.glob_name = key_format.format(key=metric.glob_name, label=label)
+        if not options.per_rank.keeps(metric.name):
+            return None
+        state.named.add(metric.name)
+        metric.name = key_format.format(key=metric.name, label=state.source.label)
     if metric.step_metric and not metric.step_metric.startswith("_"):
-        metric.step_metric = key_format.format(key=metric.step_metric, label=label)
+        metric.step_metric = key_format.format(key=metric.step_metric, label=state.source.label)
     return record.SerializeToString()
