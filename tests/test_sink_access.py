@@ -424,3 +424,24 @@ def test_serve_refuses_a_key_file_with_another_name(tmp_path):
     [line] = result.stderr.splitlines()
     assert "hard link" in line and "api-key" in line
     assert PLANTED["api-key"] not in result.stdout + result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a file of another user needs root to make")
+@pytest.mark.parametrize("name", ["sink.sqlite3", "sink.sqlite3-wal", "files"])
+def test_serve_refuses_a_database_or_files_folder_another_user_planted(tmp_path, name):
+    """Another user's database (or files folder) in the data directory would keep every
+    run stored there readable to them, through a name of theirs elsewhere."""
+    data = tmp_path / "data"
+    data.mkdir()
+    os.chmod(data, 0o777)
+    planted = data / name
+    if name == "files":
+        planted.mkdir()
+    else:
+        planted.write_bytes(b"")
+    os.chown(planted, 65534, 65534)  # nobody's
+    result = serve(data)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    [line] = result.stderr.splitlines()
+    assert line.startswith("wbmerge: error: cannot serve from ")
+    assert "belongs to another user" in line and name in line

@@ -204,6 +204,20 @@ def make_private_dir(path: Path) -> None:
         os.chmod(path, 0o700)
 
 
+def refuse_foreign(path: Path) -> None:
+    """ValueError if `path` exists and is not this user's own, or is a file with a second
+    name: another user who put the database or the files folder in a data directory they
+    could once write would read every run stored there (through a name of theirs)."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return
+    if info.st_uid != os.getuid():
+        raise ValueError(f"{path} belongs to another user (uid {info.st_uid}); not used")
+    if stat.S_ISREG(info.st_mode) and info.st_nlink != 1:
+        raise ValueError(f"{path} has another name (a hard link); not used")
+
+
 def make_private_file(path: Path) -> None:
     """Make an existing file of the data directory readable by its owner only."""
     try:

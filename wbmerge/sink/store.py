@@ -34,6 +34,7 @@ from .access import (
     UploadTokens,
     make_private_dir,
     make_private_file,
+    refuse_foreign,
 )
 from .artifacts import ArtifactStore
 from .names import check_file_name, check_run_path
@@ -95,6 +96,7 @@ class Store:
         beside = [Path(f"{database}{suffix}") for suffix in DB_SUFFIXES]
         for path in (self.files_dir, database, *beside):
             _refuse_symlinks(path)
+            refuse_foreign(path)
         for path in (database, *beside, self.data_dir / SECRET_FILE, self.data_dir / API_KEY_FILE):
             make_private_file(path)  # made by an older sink, with the umask of its day
         _create_private(database)  # (SQLite gives its -wal and -shm files the same mode)
