@@ -275,14 +275,15 @@ def test_a_root_the_run_was_not_found_in_allows_nothing(sink, tmp_path, claim, c
     secret = target.read_bytes()
     job = rerooted_job(tmp_path, root, lambda job, rank: target)
     out = tmp_path / "out"
-    where = ["--out", out] if command == "merge" else ["-p", "rv-exfil"]
+    staging = tmp_path / "staging"  # (kept: what sync staged is looked at too)
+    where = ["--out", out] if command == "merge" else ["-p", "rv-exfil", "--keep-staging", staging]
     result = cli(sink, tmp_path, command, job / "wandb", "--run-mode", "auto", *where)
     assert result.exit_code == 2, (result.stderr, result.stdout)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("wbmerge: error:"), result.stderr
     assert "'model.pt'" in lines[0] and "--files-from" in lines[0]
     assert sink.client.runs() == []
-    assert not out.exists()
+    assert not out.exists() and not any(staging.rglob("*.wandb"))
     for path in tmp_path.rglob("*"):  # (the state directory and staging included)
         if path.is_file() and not path.is_symlink() and path != outside:
             assert secret not in path.read_bytes(), path
