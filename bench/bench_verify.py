@@ -1,0 +1,120 @@
+"""What reading every row back costs after an upload, against the upload itself.
+
+    python bench/bench_verify.py                    # 4,000 and 32,000 rows, 5 repeats
+    python bench/bench_verify.py --rows 100000 --repeat 3
+
+For each size, one synthetic run (`--rows` rows of 20 metrics, our own writer) is synced
+once with `wbmerge sync --keep-staging` into a fresh local sink; then the check that
+follows every upload (`upload.onserver.rows_not_held`: every row read back by step, a page
+of about 1,000 steps at a time, each step once, and the values of a sample of 64 rows) is
+timed alone on the staged run, `--repeat` times, and so is `--verify full` (every row's
+values). Reported: the median seconds of the sync and of each check, the check's CPU in
+this process (the rest is the sink answering, on the same machine), and the ratio of each
+check to the sync, as a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from wbmerge import synthetic  # noqa: E402
+from wbmerge.content import read_staged  # noqa: E402
+from wbmerge.sink import read_api_key  # noqa: E402
+from wbmerge.topology import RankInfo  # noqa: E402
+from wbmerge.upload import Credentials, Delivery, ServerClient  # noqa: E402
+from wbmerge.upload.onserver import rows_not_held  # noqa: E402
+
+
+def start_sink(data: Path) -> tuple[subprocess.Popen, str]:
+    port_file = data.parent / "port"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wbmerge.sink", "--port", "0", "--data", str(data),
+         "--port-file", str(port_file)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit("the sink did not start")
+        time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{port_file.read_text()}"
+
+
+def measure(rows: int, repeat: int, work: Path, url: str, key: str) -> dict[str, float]:
+    job = work / f"job-{rows}"
+    synthetic.write_rank(job, RankInfo(0, 0, 1, 1, 0, 0, f"verify{rows}"), rows, metrics=20)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_BASE_URL=url, WANDB_API_KEY=key, WANDB_SILENT="true",
+               WBMERGE_STATE_DIR=str(work / f"state-{rows}"))  # fmt: skip
+    staged = work / f"staged-{rows}"
+    began = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "wbmerge", "sync", str(job), "--run-mode", "auto", "-p", "bench",
+         "-e", "local", "--base-id", f"v{rows}", "--keep-staging", str(staged)],
+        env=env, capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    sync_seconds = time.perf_counter() - began
+    if done.returncode != 0:
+        raise SystemExit(f"the sync of {rows} rows failed:\n{done.stderr[-2000:]}")
+    [log] = staged.rglob("run-*.wandb")
+    content = read_staged(log)
+    client = ServerClient(Credentials(url, key))
+    held = client.held("local", "bench", f"v{rows}")
+    delivery = Delivery(f"v{rows}", log.parent, log, "bench", "bench")
+    result = {"sync": sync_seconds}
+    for name, every_value in (("sample", False), ("full", True)):
+        walls, cpus = [], []
+        for _ in range(repeat):
+            wall, cpu = time.perf_counter(), time.process_time()
+            problems = rows_not_held(client, "local", "bench", delivery, held, content,
+                                     every_value)  # fmt: skip
+            walls.append(time.perf_counter() - wall)
+            cpus.append(time.process_time() - cpu)
+            if problems:
+                raise SystemExit(f"the check of {rows} rows failed: {problems}")
+        result[name], result[f"{name} cpu"] = statistics.median(walls), statistics.median(cpus)
+    client.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[4000, 32000])
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="wbmerge-bench-verify-") as tmp:
+        work = Path(tmp)
+        sink, url = start_sink(work / "sink")
+        try:
+            key = read_api_key(work / "sink")
+            results = {rows: measure(rows, args.repeat, work, url, key) for rows in args.rows}
+        finally:
+            sink.terminate()
+            sink.wait(timeout=30)
+    print(f"\nmedian of {args.repeat}, 20 metrics a row; check CPU is this process's alone:\n")
+    print(
+        "| rows | sync s | sample s | sample CPU s | full s | full CPU s | sample / sync "
+        "| full / sync |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for rows, r in results.items():
+        print(
+            f"| {rows:,} | {r['sync']:.2f} | {r['sample']:.2f} | {r['sample cpu']:.2f} | "
+            f"{r['full']:.2f} | {r['full cpu']:.2f} | {r['sample'] / r['sync']:.2f} | "
+            f"{r['full'] / r['sync']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
