@@ -26,6 +26,7 @@ from wbmerge.upload import (
     server_key,
     wait_settled,
 )
+from wbmerge.upload.processes import command_line
 
 
 @pytest.fixture(autouse=True)
@@ -105,6 +106,12 @@ def test_an_orphaned_uploader_of_a_dead_owner_is_stopped(tmp_path):
     orphan = subprocess.Popen([sys.executable, "-c", STANDBY], cwd=staging,
                               stdin=subprocess.PIPE)  # fmt: skip
     try:
+        # An orphan of a dead sync has run for a while; one just started may not show its
+        # command line in /proc yet (seen on a loaded machine), and is then rightly left
+        # alone. So wait until it shows one, as every orphan does.
+        deadline = time.monotonic() + 60
+        while not command_line(orphan.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         start = Path(f"/proc/{orphan.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
         owner = {"pid": 2**22 + 1, "started": "0", "uid": os.geteuid(),
                  "uploader": [[orphan.pid, start]]}  # fmt: skip
