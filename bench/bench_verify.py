@@ -27,28 +27,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_sync_e2e import start_sink  # noqa: E402  (the same local sink, started alike)
+
 from wbmerge import synthetic  # noqa: E402
 from wbmerge.content import read_staged  # noqa: E402
 from wbmerge.sink import read_api_key  # noqa: E402
 from wbmerge.topology import RankInfo  # noqa: E402
 from wbmerge.upload import Credentials, Delivery, ServerClient  # noqa: E402
 from wbmerge.upload.onserver import rows_not_held  # noqa: E402
-
-
-def start_sink(data: Path) -> tuple[subprocess.Popen, str]:
-    port_file = data.parent / "port"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "wbmerge.sink", "--port", "0", "--data", str(data),
-         "--port-file", str(port_file)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
-    )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while not port_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit("the sink did not start")
-        time.sleep(0.05)
-    return proc, f"http://127.0.0.1:{port_file.read_text()}"
 
 
 def measure(rows: int, repeat: int, work: Path, url: str, key: str) -> dict[str, float]:
@@ -95,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="wbmerge-bench-verify-") as tmp:
         work = Path(tmp)
-        sink, url = start_sink(work / "sink")
+        sink, url = start_sink(work / "sink")  # (its data directory: work / "sink")
         try:
             key = read_api_key(work / "sink")
             results = {rows: measure(rows, args.repeat, work, url, key) for rows in args.rows}
