@@ -11,7 +11,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 from .discover import OfflineRun, discover, job_problem
+from .errors import NotATransactionLog
 from .jobs import Hints
 from .proto import pb
 from .records import record_kind
@@ -127,8 +130,8 @@ def _logged_keys(path: Path) -> set[str]:
                     key = item.key or "/".join(item.nested_key)
                     if not key.startswith("_"):
                         keys.add(key)
-    except Exception:
-        pass
+    except (OSError, NotATransactionLog, DecodeError):
+        pass  # (a run that cannot be read whole: its damage column says why)
     return keys
 
 
