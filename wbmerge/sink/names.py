@@ -39,16 +39,19 @@ def _check_component(kind: str, value: object, reserved: set[str], max_bytes: in
     return value
 
 
-def check_entity(value: object) -> str:
+def _check_name(kind: str, value: object, reserved: set[str]) -> str:
+    """A name W&B gives at most `NAME_MAX_CHARS` characters, and one safe path component."""
     if isinstance(value, str) and len(value) > NAME_MAX_CHARS:
-        raise BadName(f"entity is longer than {NAME_MAX_CHARS} characters")
-    return _check_component("entity", value, _PROJECT_RESERVED, COMPONENT_MAX_BYTES)
+        raise BadName(f"{kind} is longer than {NAME_MAX_CHARS} characters")
+    return _check_component(kind, value, reserved, COMPONENT_MAX_BYTES)
+
+
+def check_entity(value: object) -> str:
+    return _check_name("entity", value, _PROJECT_RESERVED)
 
 
 def check_project(value: object) -> str:
-    if isinstance(value, str) and len(value) > NAME_MAX_CHARS:
-        raise BadName(f"project is longer than {NAME_MAX_CHARS} characters")
-    return _check_component("project", value, _PROJECT_RESERVED, COMPONENT_MAX_BYTES)
+    return _check_name("project", value, _PROJECT_RESERVED)
 
 
 def check_run_id(value: object) -> str:
@@ -89,18 +92,12 @@ _ARTIFACT_RESERVED = set("/\\:")
 
 def check_artifact_name(value: object) -> str:
     """An artifact's (collection's) name: one safe component, at most 128 characters."""
-    if isinstance(value, str) and len(value) > NAME_MAX_CHARS:
-        raise BadName(f"artifact name is longer than {NAME_MAX_CHARS} characters")
-    return _check_component("artifact name", value, _ARTIFACT_RESERVED, COMPONENT_MAX_BYTES)
+    return _check_name("artifact name", value, _ARTIFACT_RESERVED)
 
 
 def check_artifact_type(value: object) -> str:
-    if isinstance(value, str) and len(value) > NAME_MAX_CHARS:
-        raise BadName(f"artifact type is longer than {NAME_MAX_CHARS} characters")
-    return _check_component("artifact type", value, _ARTIFACT_RESERVED, COMPONENT_MAX_BYTES)
+    return _check_name("artifact type", value, _ARTIFACT_RESERVED)
 
 
 def check_alias(value: object) -> str:
-    if isinstance(value, str) and len(value) > NAME_MAX_CHARS:
-        raise BadName(f"alias is longer than {NAME_MAX_CHARS} characters")
-    return _check_component("alias", value, _ARTIFACT_RESERVED, COMPONENT_MAX_BYTES)
+    return _check_name("alias", value, _ARTIFACT_RESERVED)
