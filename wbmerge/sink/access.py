@@ -33,6 +33,7 @@ import json
 import os
 import secrets
 import stat
+import tempfile
 from pathlib import Path
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
@@ -216,6 +217,20 @@ def refuse_foreign(path: Path) -> None:
         raise ValueError(f"{path} belongs to another user (uid {info.st_uid}); not used")
     if stat.S_ISREG(info.st_mode) and info.st_nlink != 1:
         raise ValueError(f"{path} has another name (a hard link); not used")
+
+
+def write_replacing(path: Path, data: bytes) -> None:
+    """Put `data` at `path` whole or not at all: into a fresh temporary file beside it
+    (created exclusively, so a planted symlink is never written through) that then
+    replaces the path."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".upload-", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def make_private_file(path: Path) -> None:

@@ -29,10 +29,8 @@ import contextlib
 import datetime
 import hashlib
 import json
-import os
 import re
 import sqlite3
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from . import values
+from .access import write_replacing
 from .artifact_values import (
     VERSION,
     ArtifactError,
@@ -529,14 +528,7 @@ class ArtifactStore:
         path = self._blob_path(digest)
         path.parent.mkdir(mode=0o700, exist_ok=True)
         self._refuse_symlinks(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".upload-", suffix=".part")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_replacing(path, data)
         return digest.hex()
 
     def _blob_path(self, digest: str | bytes) -> Path:

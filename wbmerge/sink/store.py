@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import sqlite3
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from .access import (
     make_private_dir,
     make_private_file,
     refuse_foreign,
+    write_replacing,
 )
 from .artifacts import ArtifactStore
 from .names import check_file_name, check_run_path
@@ -208,14 +208,7 @@ class Store:
         path = self.file_path(entity, project, name, file_name)
         path.parent.mkdir(parents=True, exist_ok=True)
         _refuse_symlinks(path)  # again: nothing was swapped in while the folders were made
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".upload-", suffix=".part")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_replacing(path, data)
         now = time.time()
         with self._lock, self._db:
             pk = self._run_pk(entity, project, name, create=True, now=now)
