@@ -10,13 +10,13 @@ from collections import Counter
 
 from ..content import StagedContent, read_logged_run
 from .delivery import Delivery
+from .remainder import staged_rows
 from .rowcheck import (
     INT64_MAX,
     compare_steps,
     halves,
     room,
     sampled,
-    staged_rows,
     value_problem,
     windows,
 )

@@ -23,7 +23,7 @@ has the primary's) is a `Mismatch`, refused rather than "repaired".
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,14 +126,24 @@ def history_row(log: Path, index: int) -> dict:
     """History row `index` of a log as wandb-core builds it from the items (`sentrows.row_of`):
     nested keys as nested objects, items it drops left out. Its `_step` is what its items
     say; the `_step` it is sent at is `StagedContent.history_steps`."""
-    seen = 0
+    for _, row in staged_rows(log, [index]):
+        return row
+    raise IndexError(index)
+
+
+def staged_rows(log: Path, indices: Sequence[int]) -> Iterator[tuple[int, dict]]:
+    """History rows `indices` (rising) of a staged log as wandb-core sends them
+    (`sentrows.row_of`), in one pass; only those rows are parsed."""
+    wanted, at, seen = list(indices), 0, 0
     for read in records.read_indexed(log):
         history = read.history
-        if seen + len(history) > index:
-            payload = read.frames.payload(int(history[index - seen]))
-            return sentrows.row_of(pb.Record.FromString(payload).history)
+        while at < len(wanted) and wanted[at] < seen + len(history):
+            payload = read.frames.payload(int(history[wanted[at] - seen]))
+            yield wanted[at], sentrows.row_of(pb.Record.FromString(payload).history)
+            at += 1
         seen += len(history)
-    raise IndexError(index)
+        if at == len(wanted):
+            return
 
 
 def shortfall(staged: StagedContent, held: Held) -> list[str]:

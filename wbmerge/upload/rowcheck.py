@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .. import records, sentrows
-from ..proto import pb
 from .remainder import same_value
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # W&B's steps are int64
@@ -143,21 +140,6 @@ def sampled(count: int, most: int = SAMPLED_ROWS) -> list[int]:
         return list(range(count))
     last = count - 1
     return sorted({round(i * last / (most - 1)) for i in range(most)})
-
-
-def staged_rows(log: Path, indices: Sequence[int]) -> Iterator[tuple[int, dict]]:
-    """History rows `indices` (rising) of a staged log as wandb-core sends them
-    (`sentrows.row_of`), in one pass; only those rows are parsed."""
-    wanted, at, seen = list(indices), 0, 0
-    for read in records.read_indexed(log):
-        history = read.history
-        while at < len(wanted) and wanted[at] < seen + len(history):
-            payload = read.frames.payload(int(history[wanted[at] - seen]))
-            yield wanted[at], sentrows.row_of(pb.Record.FromString(payload).history)
-            at += 1
-        seen += len(history)
-        if at == len(wanted):
-            return
 
 
 def value_problem(step: int, staged: dict, held: dict) -> str | None:
