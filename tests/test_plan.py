@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import string
 from pathlib import Path
 
 import pytest
 
 from wbmerge.errors import WbmergeError
 from wbmerge.merged import MergedBy, merged_by
-from wbmerge.plan import Source, app_url, check_run_id, group_url, links, plan, run_url
+from wbmerge.plan import (
+    PROJECT_RESERVED,
+    RUN_ID_RESERVED,
+    Source,
+    app_url,
+    check_run_id,
+    group_url,
+    links,
+    plan,
+    run_url,
+)
+from wbmerge.sink import names as sink_names
 from wbmerge.topology import RankInfo
+
+from .conftest import ROOT
 
 
 def job(nodes, nproc, restarts=1):
@@ -213,3 +227,26 @@ def test_a_merged_runs_block_is_read_or_refused_whole(change, expected):
 def test_a_link_quotes_each_name_in_it(make, name, url):
     """A group (any text) or a name with a space stays one part of the link."""
     assert make("https://wandb.ai/", "me", "proj", name) == url
+
+
+@pytest.mark.parametrize("char", sorted(set(string.printable) | {"é", "\x7f"}))
+def test_the_planner_and_the_sink_accept_the_same_run_ids(char):
+    # One rule for both: a run id `sync` plans is one the sink files, and the other way.
+    run_id = f"exp{char}1"
+    try:
+        check_run_id(run_id)
+        planned = True
+    except WbmergeError:
+        planned = False
+    try:
+        sink_names.check_run_id(run_id)
+        filed = True
+    except sink_names.BadName:
+        filed = False
+    assert planned == filed, run_id
+
+
+def test_the_readme_lists_the_reserved_characters_of_the_rules():
+    readme = (ROOT / "README.md").read_text()
+    assert f"run ids without any of `{RUN_ID_RESERVED}`" in readme
+    assert f"project names without `{PROJECT_RESERVED}`" in readme

@@ -3,21 +3,21 @@
 Every name a request brings (in its path, in GraphQL variables, in a `.wandb` file that
 `wandb sync` uploads) becomes part of a path under the sink's data directory, so each must
 be one safe path component, or, for a file, a relative path of safe components. The rules
-are W&B's own where it has them (wandb's settings refuse project names with any of
-`/\\#?%:` or longer than 128 characters, and run ids that are empty, start or end with
-whitespace, or hold any of `:;,#?/'`), tightened so that no name can climb out of its
-folder: `.` and `..`, backslashes, NUL and other control characters are refused everywhere.
+are W&B's own, read from `wbmerge.plan` so that the sink and `wbmerge sync` accept the same
+names, tightened so that no name can climb out of its folder: `.` and `..`, backslashes,
+NUL and other control characters are refused everywhere.
 """
 
 from __future__ import annotations
 
+from ..plan import NAME_MAX_CHARS, PROJECT_RESERVED, RUN_ID_RESERVED
+
 DEFAULT_ENTITY = "local"  # the entity of requests that name none
-NAME_MAX_CHARS = 128  # wandb's limit for project names, used for entities too
 COMPONENT_MAX_BYTES = 255  # what Linux file systems hold in one path component
 FILE_NAME_MAX_BYTES = 1024
 
-_PROJECT_RESERVED = set("/\\#?%:")  # wandb's settings refuse these in a project name
-_RUN_ID_RESERVED = set(":;,#?/'\\")  # wandb's, and the backslash of other systems' paths
+_PROJECT_RESERVED = set(PROJECT_RESERVED)
+_RUN_ID_RESERVED = set(RUN_ID_RESERVED)
 
 
 class BadName(ValueError):

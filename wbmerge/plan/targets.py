@@ -1,4 +1,4 @@
-"""Plan (pure): run_mode x rank_scope x a job's ranks -> the W&B runs to create.
+"""The targets of a job (pure): run_mode x rank_scope x its ranks -> the W&B runs to create.
 
 Exactly the table of the online Flyte plugin (the README's run-mode table), so offline and
 online jobs line up. Nothing here reads files; `Source` carries what discovery found.
@@ -9,38 +9,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote
 
-from .errors import WbmergeError
-from .topology import RankInfo
+from ..errors import WbmergeError
+from ..topology import RankInfo
+from .wandbnames import name_problem, run_id_problem
 
 RUN_MODES = ("auto", "shared", "new")
 RANK_SCOPES = ("global", "worker")
-# wandb's own run id rule (wandb_settings.validate_run_id), and "%": wandb-core 0.31 puts
-# a run id in its file_stream URL as it is, so "exp%1" reads as a broken escape there (the
-# sink answered 405, and `wandb sync` retried until it was stopped).
-RESERVED_ID_CHARS = ":;,#?/'%"
 
 
 def run_id_from_file(path: Path) -> str:
     """The run id a `.wandb` file's name carries: `run-<id>.wandb` -> `<id>`."""
     stem = path.name.removesuffix(".wandb")
     return stem.removeprefix("run-")
-
-
-def run_url(app_url: str, entity: str, project: str, run_id: str) -> str:
-    """A run's page in W&B's app (`app_url` as `app_url()` gives it)."""
-    return _page(app_url, entity, project, "runs", run_id)
-
-
-def group_url(app_url: str, entity: str, project: str, group: str) -> str:
-    """A group's page in W&B's app: the link of `new` mode, whose runs share a group."""
-    return _page(app_url, entity, project, "groups", group)
-
-
-def _page(app_url: str, *parts: str) -> str:
-    """A page's URL, each name in it quoted (a project `a b` is `a%20b` there)."""
-    return "/".join([app_url.rstrip("/"), *(quote(part, safe="") for part in parts)])
 
 
 @dataclass(frozen=True)
@@ -109,21 +90,11 @@ class Target:
 
 def check_run_id(run_id: str) -> str:
     """Raise WbmergeError unless W&B accepts `run_id` as a run id."""
-    if not run_id or run_id != run_id.strip():
-        raise WbmergeError(f"invalid run id {run_id!r}: empty or surrounded by whitespace")
-    bad = sorted(set(run_id) & set(RESERVED_ID_CHARS))
-    if bad:
-        raise WbmergeError(
-            f"invalid run id {run_id!r}: W&B run ids cannot contain {' '.join(bad)} "
-            "(choose another --base-id)"
-        )
+    problem = run_id_problem(run_id)
+    if problem:
+        hint = " (choose another --base-id)" if run_id.strip() else ""
+        raise WbmergeError(f"invalid run id {run_id!r}: {problem}{hint}")
     return run_id
-
-
-# What wandb's settings refuse in a project name (also longer than `NAME_MAX_CHARS`). An
-# entity is a part of every run's URL too, so it is held to the same.
-RESERVED_NAME_CHARS = "/\\#?%:"
-NAME_MAX_CHARS = 128
 
 
 def check_destination(project: str | None, entity: str | None) -> None:
@@ -132,17 +103,10 @@ def check_destination(project: str | None, entity: str | None) -> None:
     if not project:
         raise WbmergeError("no project: pass --project or set WANDB_PROJECT")
     for kind, name in (("project", project), ("entity", entity)):
-        bad = sorted(set(name or "") & set(RESERVED_NAME_CHARS))
-        if bad:
-            raise WbmergeError(
-                f"invalid {kind} {name!r}: W&B refuses {' '.join(bad)} in {kind} names"
-            )
-        if name in (".", "..") or any(ord(c) < 32 or ord(c) == 127 for c in name or ""):
-            raise WbmergeError(f"invalid {kind} {name!r}: not a name a URL path can hold")
-        if name is not None and len(name) > NAME_MAX_CHARS:
-            raise WbmergeError(
-                f"invalid {kind} {name[:40]!r}...: longer than W&B's {NAME_MAX_CHARS} characters"
-            )
+        problem = name_problem(kind, name) if name is not None else None
+        if problem:
+            shown = repr(name) if len(name) <= 40 else f"{name[:40]!r}..."
+            raise WbmergeError(f"invalid {kind} {shown}: {problem}")
 
 
 def plan(
@@ -239,21 +203,3 @@ def _primary(sources: Sequence[Source], worker: int | None) -> int:
         if s.rank.local_rank == 0:
             return s.rank.rank
     return sources[0].rank.worker * sources[0].rank.local_world_size
-
-
-def links(
-    targets: Sequence[Target], app_url: str, entity: str, project: str, run_mode: str
-) -> list[dict]:
-    """The links the online plugin shows: runs, or for `new` one per group."""
-    if run_mode == "new":
-        groups = dict.fromkeys(t.group for t in targets if t.group)
-        return [{"kind": "group", "name": g, "url": group_url(app_url, entity, project, g)}
-                for g in groups]  # fmt: skip
-    return [{"kind": "run", "name": t.id, "url": run_url(app_url, entity, project, t.id)}
-            for t in targets]  # fmt: skip
-
-
-def app_url(base_url: str) -> str:
-    """W&B's app host for an API host (api.wandb.ai -> wandb.ai); others are the same."""
-    url = base_url.rstrip("/")
-    return url.replace("://api.wandb.ai", "://wandb.ai")
