@@ -39,6 +39,17 @@ def test_the_framing_knows_nothing_of_records():
     assert not [line for line in imports if "proto" in line or "wire" in line or "records" in line]
 
 
+def test_the_errors_import_nothing_of_the_package():
+    """Every stage raises `errors`' types, so `errors` must not pull any stage in."""
+    tree = ast.parse((ROOT / "wbmerge" / "errors.py").read_text())
+    inner = [
+        node.module or "."
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.level or "wbmerge" in (node.module or ""))
+    ]
+    assert inner == []
+
+
 def test_tests_use_public_names_only():
     """Tests import no `_private` name of wbmerge, so the inside can be rebuilt."""
     private = []

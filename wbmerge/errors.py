@@ -1,11 +1,11 @@
-"""One error type for everything a user can cause: the CLI prints its message as one line."""
+"""One error type for everything a user can cause: the CLI prints its message as one line.
+
+Every stage raises these, down to the reader of a `.wandb` file, so this module imports
+nothing of the package: an error type never drags a later stage into an earlier one.
+`UploadFailed`, which carries a sync's report, lives with the sync in `pipeline`.
+"""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .pipeline import SyncReport
 
 RERUN = "nothing missing was recorded as synced; rerun `wbmerge sync` to send it"
 REFUSED = "syncing again cannot complete these runs: upload under other run ids"
@@ -20,20 +20,6 @@ class WbmergeError(Exception):
     def __init__(self, message: str, exit_code: int = 2) -> None:
         super().__init__(message)
         self.exit_code = exit_code
-
-
-class UploadFailed(WbmergeError):
-    """Some runs are not (all) on the server: a line per run, exit 1, none of them recorded;
-    `report` holds the runs that were verified. The advice that ends the lines of each job
-    (to rerun, or to upload under other run ids) is said once, after every job's runs."""
-
-    def __init__(self, lines: list[str], report: SyncReport) -> None:
-        advice = (RERUN, REFUSED)
-        lines = [*(s for s in lines if not s.startswith(advice)),
-                 *dict.fromkeys(s for s in lines if s.startswith(advice))]  # fmt: skip
-        super().__init__("; ".join(lines), exit_code=1)
-        self.lines = lines
-        self.report = report
 
 
 class NotATransactionLog(WbmergeError):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .discover import Job, OfflineRun, discover, group_jobs
-from .errors import REFUSED, RERUN, InputWarning, Terminated, UploadFailed, WbmergeError
+from .errors import REFUSED, RERUN, InputWarning, Terminated, WbmergeError
 from .hints import make_hints
 from .merge import MergeOptions, Staged, check_key_format, stage
 from .merged import merged_jobs, selects_merged
@@ -232,6 +232,20 @@ class SyncReport:
     targets: list[SyncedTarget] = field(default_factory=list)
     links: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+
+
+class UploadFailed(WbmergeError):
+    """Some runs are not (all) on the server: a line per run, exit 1, none of them recorded;
+    `report` holds the runs that were verified. The advice that ends the lines of each job
+    (to rerun, or to upload under other run ids) is said once, after every job's runs."""
+
+    def __init__(self, lines: list[str], report: SyncReport) -> None:
+        advice = (RERUN, REFUSED)
+        lines = [*(s for s in lines if not s.startswith(advice)),
+                 *dict.fromkeys(s for s in lines if s.startswith(advice))]  # fmt: skip
+        super().__init__("; ".join(lines), exit_code=1)
+        self.lines = lines
+        self.report = report
 
 
 def sync(

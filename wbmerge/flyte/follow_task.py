@@ -110,8 +110,8 @@ def follow_main(request: dict) -> dict:
         per_rank=request.get("per_rank") or None,
     )
 
-    from ..errors import UploadFailed
     from ..follow.lines import idle_warning, round_lines
+    from ..pipeline import UploadFailed
 
     def say(report: Any) -> None:
         for line in round_lines(report):

@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ..errors import RERUN, UploadFailed, WbmergeError
-from ..pipeline import MergeRequest, SyncReport, sigterm_raises, sync
+from ..errors import RERUN, WbmergeError
+from ..pipeline import MergeRequest, SyncReport, UploadFailed, sigterm_raises, sync
 from ..upload import ServerError
 from .rounds import RESTART_GRACE, Follower, RoundReport, TargetRound
 
