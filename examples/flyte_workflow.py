@@ -6,7 +6,7 @@
     python examples/flyte_workflow.py --run-mode shared --follow --steps 400   # live in W&B
 
 Runs in Flyte's local mode (no cluster, no network). Uploads to WANDB_BASE_URL with
-WANDB_API_KEY: start the built-in sink first (`wbmerge sink serve`, see the README).
+WANDB_API_KEY: start the built-in sink first (`wbmerge sink serve`, see docs/sink.md).
 
 Flyte's local mode runs an `Elastic` task in-process, as one process. `wbmerge.flyte`'s
 decorator then launches the ranks itself, as the cluster would: one torch elastic launcher

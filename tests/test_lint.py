@@ -11,7 +11,7 @@ import pytest
 from .conftest import ROOT
 
 # The project's own trees: a scratch script a user leaves in the clone is not the project's.
-CODE = ["wbmerge", "tests", "bench", "examples", "fixtures"]
+CODE = ["wbmerge", "tests", "bench", "examples", "fixtures", "docs"]
 
 
 @pytest.mark.parametrize(

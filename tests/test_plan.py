@@ -246,7 +246,7 @@ def test_the_planner_and_the_sink_accept_the_same_run_ids(char):
     assert planned == filed, run_id
 
 
-def test_the_readme_lists_the_reserved_characters_of_the_rules():
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_list_the_reserved_characters_of_the_rules():
+    readme = (ROOT / "docs" / "sink.md").read_text()
     assert f"run ids without any of `{RUN_ID_RESERVED}`" in readme
     assert f"project names without `{PROJECT_RESERVED}`" in readme

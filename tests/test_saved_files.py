@@ -46,7 +46,7 @@ def source_runs(job: Path) -> dict[int, Path]:
 
 
 def base_id(job: Path) -> str:
-    """The job's id, `{base}` of the run ids: its rank-0 run's offline id (README)."""
+    """The job's id, `{base}` of the run ids: its rank-0 run's offline id (docs/identification.md)."""
     return source_runs(job)[0].name.rsplit("-", 1)[-1]
 
 
