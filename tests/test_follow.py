@@ -422,14 +422,18 @@ def test_a_job_whose_ranks_all_failed_waits_for_its_elastic_restart(
         assert (run["state"], len(run["history"])) == ("finished", 10)
 
 
-def test_a_follow_of_a_path_not_there_yet_says_so_and_waits_for_it(make_sink, tmp_path, state):
+@pytest.mark.parametrize("command", [["sync", "--follow"], ["follow"]], ids=" ".join)
+def test_a_follow_of_a_path_not_there_yet_says_so_and_waits_for_it(
+    command, make_sink, tmp_path, state
+):
     """A follow may start before the job makes its directory (or the path is a typo): it
-    says so at once, in one line, and syncs the runs once they appear there."""
+    says so at once, in one line, and syncs the runs once they appear there. `wbmerge
+    follow` is `wbmerge sync --follow`."""
     sink = make_sink()
     live = tmp_path / "later" / "wandb"
     env = {**sink.env, "WBMERGE_STATE_DIR": str(state)}
-    cmd = [sys.executable, "-m", "wbmerge.cli", "sync", str(live), "--run-mode", "shared",
-           "--follow", "--interval", "1", "--quiet"]  # fmt: skip
+    cmd = [sys.executable, "-m", "wbmerge.cli", command[0], str(live), "--run-mode", "shared",
+           *command[1:], "--interval", "1", "--quiet"]  # fmt: skip
     follower = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)  # fmt: skip
     try:

@@ -160,12 +160,17 @@ def test_no_runs_at_once_is_refused_before_any_work(tmp_path, parallel):
     )
 
 
+@pytest.mark.parametrize("command", [["sync", "--follow"], ["follow"]], ids=" ".join)
 @pytest.mark.parametrize("value", ["nan", "inf", "1e999"])  # (below 0: refused before)
 @pytest.mark.parametrize("option", ["--interval", "--idle-timeout", "--restart-grace", "--timeout"])
-def test_a_number_of_seconds_that_is_not_finite_or_below_its_minimum_is_refused(option, value):
+def test_a_number_of_seconds_that_is_not_finite_or_below_its_minimum_is_refused(
+    option, value, command
+):
     # (a NaN --interval made the rounds a busy loop, a NaN --idle-timeout never ended)
-    result = run("sync", job_dir("one_node_4"), "--follow", option, value)
-    assert_one_line_error(result, f"Invalid value for '{option}': ", "(see wbmerge sync --help)")
+    result = run(command[0], job_dir("one_node_4"), *command[1:], option, value)
+    assert_one_line_error(
+        result, f"Invalid value for '{option}': ", f"(see wbmerge {command[0]} --help)"
+    )
     assert f"{value!r} is not a finite number of seconds." in result.stderr
 
 

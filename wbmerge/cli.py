@@ -250,12 +250,57 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
     click.echo(f"upload later, verified and once, with: wbmerge sync {shlex.quote(out_dir)}")
 
 
+def upload_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """The options of every command that uploads: `sync` and `follow`."""
+    for option in reversed([
+        click.option(
+            "--parallel", "-n", default=4, show_default=True, type=click.IntRange(min=1),
+            help="Runs uploaded at once.",
+        ),
+        click.option(
+            "--timeout", default=300.0, show_default=True, type=Seconds(min=1),
+            help="Seconds without upload progress before the upload is given up (exit 1).",
+        ),
+        click.option("--json", "as_json", is_flag=True),
+        click.option(
+            "--verify", type=click.Choice(["sample", "full"]), default="sample",
+            show_default=True, help="After each upload every row is read back and checked "
+            "present once; full: compare every row's values too, not a sample of 64.",
+        ),
+    ]):  # fmt: skip
+        func = option(func)
+    return func
+
+
+def follow_options(prefix: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The options of a follow's rounds; `prefix` says in `sync`'s help that they are
+    `--follow`'s."""
+
+    def say(text: str) -> str:
+        return prefix + text if prefix else text[0].upper() + text[1:]
+
+    def add(func: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed([
+            _seconds_option("--interval", 60.0, say("seconds between rounds.")),
+            _seconds_option(
+                "--idle-timeout", 600.0, say("end after this many seconds without a new "
+                "record, with a warning naming the ranks that never finished."),
+            ),
+            _seconds_option(
+                "--restart-grace", 60.0, say("seconds a run whose ranks ended, some "
+                "failed, waits for an elastic restart before it is finished."),
+            ),
+            click.option("--quiet", "-q", is_flag=True, help=say("no line per round.")),
+        ]):  # fmt: skip
+            func = option(func)
+        return func
+
+    return add
+
+
 @main.command()
 @merge_options
-@click.option(
-    "--parallel", "-n", default=4, show_default=True, type=click.IntRange(min=1),
-    help="Runs uploaded at once.",
-)  # fmt: skip
+@upload_options
 @click.option(
     "--force",
     is_flag=True,
@@ -265,32 +310,12 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
 @click.option("--dry-run", is_flag=True, help="Print the plan; write and upload nothing.")
 @click.option("--keep-staging", type=click.Path(), help="Stage merged runs here and keep them.")
 @click.option(
-    "--timeout",
-    default=300.0,
-    show_default=True,
-    type=Seconds(min=1),
-    help="Seconds without upload progress before the upload is given up (exit 1).",
-)
-@click.option("--json", "as_json", is_flag=True)
-@click.option(
     "--follow",
     is_flag=True,
-    help="Keep the runs of a job that is still training up to date, round after round, "
-    "until every rank has finished (or --idle-timeout).",
+    help="What `wbmerge follow` does: keep the runs of a job that is still training up to "
+    "date, round after round, until every rank has finished (or --idle-timeout).",
 )
-@_seconds_option("--interval", 60.0, "--follow: seconds between rounds.")
-@_seconds_option(
-    "--idle-timeout", 600.0, "--follow: end after this many seconds without a new record, "
-    "with a warning naming the ranks that never finished.",
-)  # fmt: skip
-@_seconds_option(
-    "--restart-grace", 60.0, "--follow: seconds a run whose ranks ended, some failed, waits "
-    "for an elastic restart before it is finished.",
-)  # fmt: skip
-@click.option("--quiet", "-q", is_flag=True, help="--follow: no line per round.")
-@click.option("--verify", type=click.Choice(["sample", "full"]), default="sample",
-              show_default=True, help="After each upload every row is read back and checked "
-              "present once; full: compare every row's values too, not a sample of 64.")  # fmt: skip
+@follow_options("--follow: ")
 @one_line_errors
 def sync(
     parallel: int,
@@ -349,6 +374,32 @@ def sync(
     _print_synced(report, as_json)
     if failure is not None:
         raise failure
+
+
+@main.command("follow")
+@merge_options
+@upload_options
+@follow_options("")
+@one_line_errors
+def follow_command(
+    parallel: int,
+    timeout: float,
+    as_json: bool,
+    interval: float,
+    idle_timeout: float,
+    restart_grace: float,
+    quiet: bool,
+    **kw: Any,
+) -> None:
+    """Keep the merged runs of a job that is still training up to date, while its ranks
+    write offline: a round every --interval seconds merges and uploads what the ranks wrote
+    since, exactly once, until every rank has finished (or --idle-timeout). The same as
+    `wbmerge sync --follow`."""
+    from .upload import find_credentials
+
+    find_credentials()
+    kw["restart_grace"] = restart_grace
+    _follow(parallel, timeout, interval, idle_timeout, quiet, as_json, **kw)
 
 
 def _print_synced(report: SyncReport, as_json: bool) -> None:
