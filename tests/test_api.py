@@ -19,11 +19,12 @@ from click.testing import CliRunner
 from wbmerge import api
 from wbmerge.cli import main
 from wbmerge.errors import WbmergeError
+from wbmerge.request import option_names
 
 from .conftest import MANIFEST, ROOT, job_dir
 from .sinktools import expected_from_log
 
-COMMANDS = ["inspect", "merge", "sync", "export", "report", "sink"]
+COMMANDS = ["inspect", "merge", "sync", "follow", "export", "report", "sink"]
 
 
 @pytest.mark.parametrize("module", ["wbmerge", "wbmerge.cli"])
@@ -211,3 +212,36 @@ def test_sync_uploads_and_verifies(sink, tmp_path, monkeypatch):
     got = sink.client.run(entity, "api-test", synced.target.id)
     rows = [{k: v for k, v in row.items() if k in want.history[0]} for row in got["history"]]
     assert rows == want.history
+
+
+def test_a_type_checker_names_a_wrong_option_or_run_mode(tmp_path):
+    """The API's keywords are typed (`MergeOptions`), so a misspelt option or a run mode
+    that does not exist is found before anything runs, and results have their types."""
+    script = tmp_path / "user.py"
+    script.write_text(
+        "from wbmerge import api\n"
+        "api.sync(['./wandb'], run_mode='sharde')\n"
+        "api.plan('./wandb', rank_scop='worker')\n"
+        "report = api.sync('./wandb', run_mode='shared', rank_scope='worker', verify='full')\n"
+        "reveal_type(report.targets)\n"
+        "reveal_type(api.follow('./wandb', run_mode='new'))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--follow-imports=silent", "--ignore-missing-imports",
+         "--no-incremental", "--cache-dir", str(tmp_path / "cache"), str(script)],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    lines = [line.split(": ", 1)[1] for line in result.stdout.splitlines() if ": " in line]
+    assert lines == [
+        'error: Argument "run_mode" to "sync" has incompatible type "Literal[\'sharde\']"; '
+        "expected \"Literal['auto', 'shared', 'new'] | None\"  [arg-type]",
+        'error: Unexpected keyword argument "rank_scop" for "plan"; did you mean "rank_scope"?'
+        "  [call-arg]",
+        'note: "plan" defined in "wbmerge.api"',
+        'note: Revealed type is "list[wbmerge.pipeline.SyncedTarget]"',
+        'note: Revealed type is "wbmerge.follow.FollowReport"',
+    ], result.stdout + result.stderr
+
+
+def test_the_typed_options_are_the_requests_fields():
+    assert set(api.MergeOptions.__annotations__) == option_names()

@@ -10,8 +10,9 @@
     api.export(["./wandb"], "runs.parquet")               # every rank's values as Parquet
     reports = api.report(["./wandb"], metrics=["train/loss"])  # which rank is slow
 
-The merge options (`plan`, `merge`, `sync`) are the fields of `MergeRequest`, given by
-keyword: `run_mode`, `rank_scope`, `base_id`, `job`, `allow_missing_ranks`,
+The merge options (`plan`, `merge`, `sync`, `follow`) are the fields of `MergeRequest`,
+given by keyword and typed by `MergeOptions` (a run mode is a `RunMode`, `"auto"`,
+`"shared"` or `"new"`, a rank scope a `RankScope`): `run_mode`, `rank_scope`, `base_id`, `job`, `allow_missing_ranks`,
 `system_metrics`, `key_format`, `skew_metrics`, `rank_stats`, `per_rank`, `project`,
 `entity`, `job_type`, `label_pattern`, `ranks_file`, `primary`, `rank_order`,
 `files_from` (the CLI's repeatable `--files-from`: one directory or a list). `paths` is one
@@ -39,17 +40,27 @@ from .errors import InputWarning, WbmergeError
 from .hints import make_hints
 from .pipeline import MergeRequest, PlannedJob, SyncReport, UploadFailed, merge_jobs, plan_jobs
 from .pipeline import sync as _sync
+from .plan import RankScope, RunMode
+from .request import MergeOptions
 from .upload.server import ServerError
 
 if TYPE_CHECKING:  # (imported where used: `sync` starts faster without them)
+    from typing_extensions import Unpack
+
     from .export import ExportResult
+    from .follow import FollowReport, RoundReport
+    from .merge import Staged
     from .report import JobReport
+    from .upload import Progress
 
 Paths = Sequence[str | Path] | str | Path  # one path, or several
 
 __all__ = [
     "InputWarning",
+    "MergeOptions",
     "MergeRequest",
+    "RankScope",
+    "RunMode",
     "ServerError",
     "SyncReport",
     "UploadFailed",
@@ -74,7 +85,7 @@ def path_list(paths: Paths) -> list[str | Path]:
     return list(paths)
 
 
-def request(paths: Paths, **options: Any) -> MergeRequest:
+def request(paths: Paths, **options: Unpack[MergeOptions]) -> MergeRequest:
     """The request a merge or sync of `paths` with these options makes (checked by name)."""
     try:
         return MergeRequest(paths=path_list(paths), **options)
@@ -125,7 +136,7 @@ def inspect(
     return inspect_runs(path_list(paths), make_hints(label_pattern, ranks_file, primary))
 
 
-def plan(paths: Paths, **options: Any) -> list[PlannedJob]:
+def plan(paths: Paths, **options: Unpack[MergeOptions]) -> list[PlannedJob]:
     """The jobs found under `paths` and the runs a merge would create for each (pure: no
     file is written). Options are the fields of `MergeRequest`."""
     return plan_jobs(request(paths, **options))
@@ -135,10 +146,10 @@ def merge(
     paths: Paths,
     out: str | Path,
     *,
-    progress: Callable[[Any], None] | None = None,
+    progress: Callable[[Staged], None] | None = None,
     planned: list[PlannedJob] | None = None,
-    **options: Any,
-) -> list[Any]:
+    **options: Unpack[MergeOptions],
+) -> list[Staged]:
     """Write the merged offline runs of `paths` under `out` (no upload); a `Staged` per run.
 
     `out` must not be, or lie inside, a directory the merge reads. `progress` is called
@@ -166,11 +177,11 @@ def sync(
     force: bool = False,
     timeout: float = 300.0,
     keep_staging: str | Path | None = None,
-    progress: Callable[[Any], None] | None = None,
-    upload_progress: Callable[[Any], None] | None = None,
+    progress: Callable[[Staged], None] | None = None,
+    upload_progress: Callable[[Progress], None] | None = None,
     on_wait: Callable[[str], None] | None = None,
     planned: list[PlannedJob] | None = None,
-    **options: Any,
+    **options: Unpack[MergeOptions],
 ) -> SyncReport:
     """Merge `paths` and upload each run exactly once with `wandb sync`, verified.
 
@@ -203,12 +214,12 @@ def follow(
     idle_timeout: float = 600.0,
     parallel: int = 4,
     timeout: float = 300.0,
-    on_round: Callable[[Any], None] | None = None,
+    on_round: Callable[[RoundReport], None] | None = None,
     on_wait: Callable[[str], None] | None = None,
     on_idle: Callable[[list[str]], None] | None = None,
     restart_grace: float = 60.0,
-    **options: Any,
-) -> Any:
+    **options: Unpack[MergeOptions],
+) -> FollowReport:
     """`sync --follow`: keep the merged runs of a job that is still training up to date,
     a round every `interval` seconds, until every rank has finished (or nothing changed
     for `idle_timeout` seconds; then a one-shot sync finishes the runs). A run whose ranks

@@ -6,11 +6,16 @@ merged already. (A key format is checked where it is used: `merge.check_key_form
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Literal, TypedDict
 
 from .errors import WbmergeError
 from .merge import DEFAULT_KEY_FORMAT
+from .plan import RankScope, RunMode
+
+SystemMetrics = Literal["primary", "all"]
+Verify = Literal["sample", "full"]
 
 
 @dataclass
@@ -18,12 +23,12 @@ class MergeRequest:
     """What the user asked for; None means "as recorded by the job, else the default"."""
 
     paths: Sequence[str | Path]
-    run_mode: str | None = None
-    rank_scope: str | None = None
+    run_mode: RunMode | None = None
+    rank_scope: RankScope | None = None
     base_id: str | None = None
     job: str | None = None
     allow_missing_ranks: bool = False
-    system_metrics: str = "primary"
+    system_metrics: SystemMetrics = "primary"
     key_format: str = DEFAULT_KEY_FORMAT
     project: str | None = None
     entity: str | None = None
@@ -34,15 +39,46 @@ class MergeRequest:
     label_pattern: str | None = None  # how the runs spell their rank, e.g. "rank_{rank}"
     ranks_file: str | Path | None = None  # run id -> rank, JSON or CSV
     primary: Sequence[str] = ()  # run ids: rank 0 of jobs whose runs say nothing of ranks
-    rank_order: str | None = None  # "start": accept a rank 0 that is only the first to start
+    rank_order: Literal["start"] | None = None  # accept a rank 0 that only started first
     files_from: Sequence[str | Path] = ()  # directories saved files may be read from too
-    verify: str = "sample"  # "full": compare every row's values read back, not a sample
+    verify: Verify = "sample"  # "full": compare every row's values read back, not a sample
 
     def __post_init__(self) -> None:
         for name, allowed in (("rank_order", (None, "start")), ("verify", ("sample", "full"))):
             if getattr(self, name) not in allowed:
                 raise WbmergeError(f"{name} takes {' or '.join(map(repr, allowed))}, not "
                                    f"{getattr(self, name)!r}")  # fmt: skip
+
+
+class MergeOptions(TypedDict, total=False):
+    """The keywords `api.plan`, `api.merge`, `api.sync` and `api.follow` take: the fields of
+    `MergeRequest` but `paths`, each typed, so that a type checker names a misspelt option
+    or a run mode that does not exist."""
+
+    run_mode: RunMode | None
+    rank_scope: RankScope | None
+    base_id: str | None
+    job: str | None
+    allow_missing_ranks: bool
+    system_metrics: SystemMetrics
+    key_format: str
+    project: str | None
+    entity: str | None
+    job_type: str | None
+    skew_metrics: bool
+    rank_stats: bool
+    per_rank: Sequence[str] | None
+    label_pattern: str | None
+    ranks_file: str | Path | None
+    primary: Sequence[str]
+    rank_order: Literal["start"] | None
+    files_from: Sequence[str | Path]
+    verify: Verify
+
+
+def option_names() -> set[str]:
+    """The options a `MergeRequest` takes by keyword (all its fields but `paths`)."""
+    return {f.name for f in fields(MergeRequest)} - {"paths"}
 
 
 def ignored_options(request: MergeRequest, run_modes: set[str]) -> list[str]:

@@ -9,6 +9,8 @@ reads files: a `Source` carries what discovery found.
 from .targets import (
     RANK_SCOPES,
     RUN_MODES,
+    RankScope,
+    RunMode,
     Source,
     Target,
     check_destination,
@@ -25,6 +27,8 @@ __all__ = [
     "RANK_SCOPES",
     "RUN_ID_RESERVED",
     "RUN_MODES",
+    "RankScope",
+    "RunMode",
     "Source",
     "Target",
     "app_url",

@@ -9,13 +9,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from ..errors import WbmergeError
 from ..topology import RankInfo
 from .wandbnames import name_problem, run_id_problem
 
-RUN_MODES = ("auto", "shared", "new")
-RANK_SCOPES = ("global", "worker")
+RunMode = Literal["auto", "shared", "new"]
+RankScope = Literal["global", "worker"]
+RUN_MODES: tuple[RunMode, ...] = get_args(RunMode)
+RANK_SCOPES: tuple[RankScope, ...] = get_args(RankScope)
 
 
 def run_id_from_file(path: Path) -> str:
