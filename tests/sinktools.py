@@ -13,56 +13,25 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge import records
-from wbmerge.sink import SinkClient, read_api_key
+from wbmerge.sink import LocalSink, SinkClient
 
 CONSOLE_PREFIX = re.compile(r"^(ERROR )?\d{4}-\d\d-\d\dT[\d:.]+ ?")
 
 
-class SinkProcess:
-    """`wbmerge sink serve` on a free loopback port, in its own process."""
+class SinkProcess(LocalSink):
+    """`wbmerge sink serve` on a free loopback port, in its own process (`api.start_sink`'s
+    sink), with what tests need beside it."""
 
     def __init__(
         self, data_dir: Path, faults: tuple[str, ...] = (), allow_faults: bool = False
     ) -> None:
-        self.data_dir = data_dir
-        self.faults = faults
-        self.allow_faults = allow_faults
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
-        self.api_key = ""
-
-    def start(self) -> SinkProcess:
-        port_file = self.data_dir / "port"
-        port_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "wbmerge.sink", "--port", "0", "--data", str(self.data_dir)]
-        cmd += ["--port-file", str(port_file)]
-        for fault in self.faults:
-            cmd += ["--fault", fault]
-        if self.allow_faults:
-            cmd.append("--allow-faults")
-        self.log = open(self.data_dir.parent / f"{self.data_dir.name}.log", "a")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log)
-        deadline = time.monotonic() + 30
-        while not port_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the sink did not start")
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{port_file.read_text()}"
-        self.api_key = read_api_key(self.data_dir)  # the key the sink made on its first start
-        return self
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
-        self.log.close()
+        super().__init__(data_dir, port=0, faults=faults, allow_faults=allow_faults)
 
     def restart(self) -> None:
         self.stop()

@@ -20,6 +20,7 @@ from wbmerge import api
 from wbmerge.cli import main
 from wbmerge.errors import WbmergeError
 from wbmerge.request import option_names
+from wbmerge.sink import SinkClient
 
 from .conftest import MANIFEST, ROOT, job_dir
 from .sinktools import expected_from_log
@@ -245,3 +246,31 @@ def test_a_type_checker_names_a_wrong_option_or_run_mode(tmp_path):
 
 def test_the_typed_options_are_the_requests_fields():
     assert set(api.MergeOptions.__annotations__) == option_names()
+
+
+@pytest.mark.e2e
+def test_a_sink_started_from_python_takes_a_sync_and_stops(tmp_path, monkeypatch):
+    import socket
+
+    with api.start_sink(tmp_path / "sink", port=0) as sink:
+        assert sink.api_key == (tmp_path / "sink" / "api-key").read_text().strip()
+        for name, value in {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}.items():
+            monkeypatch.setenv(name, value)
+        result = api.sync(job_dir("one_node_4"), run_mode="auto", project="from-python")
+        (synced,) = result.targets
+        entity = synced.url.split("/")[-4]
+        got = SinkClient(sink.url, sink.api_key).run(entity, "from-python", synced.target.id)
+        log = next(p for p in sorted(job_dir("one_node_4").glob("wandb/*/run-*.wandb"))
+                   if expected_from_log(p).config["wbmerge"]["rank"] == 0)  # fmt: skip
+        want = expected_from_log(log).history
+        assert [{k: row[k] for k in want[0]} for row in got["history"]] == want
+    port = int(sink.url.rsplit(":", 1)[1])
+    with pytest.raises(ConnectionRefusedError):  # stopped: nothing listens there any more
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    # A sink that cannot start says why, in one line, as `wbmerge sink serve` would.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with pytest.raises(WbmergeError, match=f"cannot serve on 127.0.0.1:{busy}"):
+            api.start_sink(tmp_path / "other", port=busy)

@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # (imported where used: `sync` starts faster without them)
     from .follow import FollowReport, RoundReport
     from .merge import Staged
     from .report import JobReport
+    from .sink import LocalSink
     from .upload import Progress
 
 Paths = Sequence[str | Path] | str | Path  # one path, or several
@@ -73,6 +74,7 @@ __all__ = [
     "plan",
     "report",
     "request",
+    "start_sink",
     "sync",
 ]
 
@@ -278,3 +280,29 @@ def report(
 
     named = [metrics] if isinstance(metrics, str) else list(metrics)
     return _report(path_list(paths), named, job, hints=hints, rank_stats=rank_stats)
+
+
+def start_sink(
+    data_dir: str | Path = "./wbmerge-sink",
+    *,
+    port: int = 8765,
+    faults: Sequence[str] = (),
+    allow_faults: bool = False,
+) -> LocalSink:
+    """Start the local W&B-compatible sink (`wbmerge sink serve`) in a process of its own
+    and return once it serves on 127.0.0.1:`port` (0: any free port).
+
+    The result's `url` and `api_key` are what wandb needs (`env` holds them as
+    `WANDB_BASE_URL` and `WANDB_API_KEY`); `stop()` ends the sink, as does leaving a `with`
+    block:
+
+        with api.start_sink("./sink", port=0) as sink:
+            os.environ.update(WANDB_BASE_URL=sink.url, WANDB_API_KEY=sink.api_key)
+            api.sync("./wandb", run_mode="shared")
+
+    `faults` are `--fault` specs for reliability tests. A sink that does not start (the
+    port is taken, the data directory is unsafe) raises `WbmergeError` with its last line.
+    """
+    from .sink import LocalSink
+
+    return LocalSink(data_dir, port=port, faults=faults, allow_faults=allow_faults).start()

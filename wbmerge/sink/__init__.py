@@ -2,6 +2,7 @@
 
 from .access import read_api_key
 from .client import SinkClient
+from .process import LocalSink
 from .store import Store
 
-__all__ = ["SinkClient", "Store", "read_api_key"]
+__all__ = ["LocalSink", "SinkClient", "Store", "read_api_key"]

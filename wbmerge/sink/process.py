@@ -1,0 +1,101 @@
+"""A sink in a process of its own, started and stopped from Python (`api.start_sink`).
+
+The sink serves with aiohttp's event loop until it is stopped, so a caller that wants to go
+on (a notebook, a test, a script that syncs into it) runs it in a child process: the same
+`wbmerge sink serve` a user would type, on a port it picks or is given. The child writes
+the port it bound to a file once it accepts connections, which is how the parent knows it
+is ready; the key is the one the sink keeps in its data directory.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+from ..errors import WbmergeError
+from .access import read_api_key
+
+START_SECONDS = 30.0  # a sink that has not bound its port by then is taken as failed
+
+
+class LocalSink:
+    """`wbmerge sink serve` in a child process; `start()` returns once it serves.
+
+    `url` and `api_key` are what wandb needs (`env` gives them as `WANDB_BASE_URL` and
+    `WANDB_API_KEY` beside the rest of this process's environment); `stop()` ends it, as
+    does leaving a `with` block. Port 0 picks a free port.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        port: int = 0,
+        faults: Sequence[str] = (),
+        allow_faults: bool = False,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port
+        self.faults = tuple(faults)
+        self.allow_faults = allow_faults
+        self.process: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self.api_key = ""
+
+    @property
+    def log_path(self) -> Path:
+        """Where the child's own lines go (beside the data directory, which is the sink's)."""
+        return self.data_dir.parent / f"{self.data_dir.name}.log"
+
+    def start(self) -> LocalSink:
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        port_file = self.data_dir / "port"
+        port_file.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "wbmerge.sink", "--port", str(self.port),
+                   "--data", str(self.data_dir), "--port-file", str(port_file)]  # fmt: skip
+        for fault in self.faults:
+            command += ["--fault", fault]
+        if self.allow_faults:
+            command.append("--allow-faults")
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=log)
+        deadline = time.monotonic() + START_SECONDS
+        while not port_file.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise WbmergeError(f"the sink did not start: {self._last_line()}")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{port_file.read_text()}"
+        self.api_key = read_api_key(self.data_dir)  # made on the sink's first start
+        return self
+
+    def stop(self) -> None:
+        """End the sink (SIGTERM, then wait); stopping a stopped sink does nothing."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """This process's environment with wandb pointed at the sink."""
+        return {**os.environ, "WANDB_BASE_URL": self.url, "WANDB_API_KEY": self.api_key}
+
+    def _last_line(self) -> str:
+        lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        return lines[-1].removeprefix("wbmerge: error: ") if lines else "(it said nothing)"
+
+    def __enter__(self) -> LocalSink:
+        return self.start() if self.process is None else self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.stop()
