@@ -6,6 +6,7 @@ MIDDLE chunks (what a pass-through rewrite of a log's head leaves) as the plain 
 from __future__ import annotations
 
 import io
+import os
 import random
 import struct
 import zlib
@@ -24,6 +25,7 @@ from wbmerge.txlog import (
     FULL,
     LAST,
     MIDDLE,
+    WALKS,
     LogWriter,
     ReadReport,
     iter_payloads,
@@ -140,6 +142,11 @@ def test_many_segments_read_as_each_alone_and_as_the_plain_reader():
         starts = [place + start for place, (start, _) in zip(places, bounds, strict=True)]
         ends = [place + end for place, (_, end) in zip(places, bounds, strict=True)]
         walked = walk_segments(buf, starts, ends, partials, ended)
+        for name in WALKS:  # every block walk gives the same answer: the twins agree
+            twin = walk_segments(buf, starts, ends, partials, ended, walk=name)
+            assert twin.joined == walked.joined and twin.partials == walked.partials, name
+            for field in ("starts", "ends", "counts", "ok"):
+                assert getattr(twin, field).tolist() == getattr(walked, field).tolist(), name
         for i, piece in enumerate(pieces):
             alone_buf, _ = laid_out([piece])
             alone = walk_segments(
@@ -222,3 +229,9 @@ def test_the_shared_reader_reads_blocks_of_empty_middle_chunks_as_the_plain_read
             assert not read.report.damaged
     readers.close()
     assert got == wanted
+
+
+def test_the_compiled_block_walk_is_built_unless_the_python_twin_is_asked_for():
+    # The twin comparison above means something only where both exist: a build that
+    # silently skipped the C extension must not pass for one that has it.
+    assert set(WALKS) == ({"python"} if os.environ.get("WBMERGE_PURE") else {"compiled", "python"})

@@ -19,8 +19,19 @@ from typing import BinaryIO
 
 import numpy as np
 
-from . import _walk
+from . import purewalk
 from .errors import NotATransactionLog
+
+try:  # the compiled block walk; its Python twin where it is not built or not wanted
+    if os.environ.get("WBMERGE_PURE"):
+        raise ImportError("WBMERGE_PURE is set")
+    from ._walk import walk as _compiled_walk
+except ImportError:
+    _compiled_walk = None
+
+# The block walks `walk_segments` can use, by name: "python" always, "compiled" when built.
+WALKS = {"python": purewalk.walk} | ({"compiled": _compiled_walk} if _compiled_walk else {})
+DEFAULT_WALK = "compiled" if _compiled_walk else "python"
 
 FILE_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
 BLOCK_SIZE = 32 * 1024
@@ -245,6 +256,7 @@ def walk_segments(
     ends: Sequence[int],
     partials: Sequence[list[bytes]],
     ended: Sequence[bool] | None = None,
+    walk: str = DEFAULT_WALK,
 ) -> Walked:
     """The records of segments of logs laid out in `buf`, all their blocks walked in one
     compiled pass (`wbmerge/_walk.c`).
@@ -256,11 +268,12 @@ def walk_segments(
     a record left open is damage). A segment with an impossible chunk, a bad CRC or a broken
     FIRST..LAST order is not `ok` and has no records: its caller's loop reads it, and
     accounts for the damage (as `iter_frames` does). The chunk loop of `iter_frames`
-    (`walk=False`) is the reference this is tested against.
+    (`walk=False`) is the reference this is tested against. `walk` names the block walk
+    (`WALKS`): the compiled one where it is built, else its Python twin.
     """
     count = len(partials)
     flags = bytes(count) if ended is None else np.asarray(ended, bool).tobytes()
-    joined, record_starts, record_ends, counts, ok, open_records = _walk.walk(
+    joined, record_starts, record_ends, counts, ok, open_records = WALKS[walk](
         buf,
         np.asarray(starts, np.int64).tobytes(),
         np.asarray(ends, np.int64).tobytes(),
