@@ -27,8 +27,10 @@ from types import SimpleNamespace
 import flyte
 import flyte.io
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' writer
+
 import wbmerge.flyte
-from wbmerge import synthetic
+from tests import synthetic
 from wbmerge.flyte.handoff import node_files
 from wbmerge.sink import read_api_key
 from wbmerge.topology import RankInfo

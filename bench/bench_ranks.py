@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from wbmerge import synthetic  # noqa: E402
+from tests import synthetic  # noqa: E402
 
 RANKS = (8, 256, 1024)
 PER_NODE = 8

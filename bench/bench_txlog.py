@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from wbmerge import content, records, synthetic, txlog
+from tests import synthetic
+from wbmerge import content, records, txlog
 from wbmerge.topology import RankInfo
 
 

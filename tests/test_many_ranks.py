@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from wbmerge import synthetic
 from wbmerge.records import read_records
 
+from . import synthetic
 from .conftest import ROOT
 
 RANKS, STEPS, METRICS = 1024, 6, 2

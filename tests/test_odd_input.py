@@ -189,7 +189,7 @@ def test_a_history_record_of_invalid_protobuf_in_a_spliced_rank_is_one_line(
     # A clean rank log of `new` mode is copied block by block, not record by record; a sync
     # still reads its history rows (to count what the server must end with) and refuses an
     # invalid one instead of handing it to the uploader, which would leave a run cut short.
-    from wbmerge import synthetic
+    from . import synthetic
 
     with pytest.raises(DecodeError):
         pb.Record.FromString(record)
@@ -208,9 +208,10 @@ def test_a_step_nested_past_the_recursion_limit_in_a_spliced_rank_is_merged(tmp_
     # Counting a spliced log (as a sync does) reads the `_step` item of a row without a step
     # field as JSON; a hostile value nested deeper than Python's recursion limit is no
     # step, not an internal error.
-    from wbmerge import synthetic
     from wbmerge.merge import stage
     from wbmerge.pipeline import MergeRequest, plan_jobs
+
+    from . import synthetic
 
     synthetic.write_job(tmp_path / "job", 1, 1, 2000, job_id="deep")
     (log,) = run_logs(tmp_path / "job")

@@ -10,12 +10,12 @@ import pytest
 from click.testing import CliRunner
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge import synthetic
 from wbmerge.cli import main
 from wbmerge.pipeline import MergeRequest, merge_jobs
 from wbmerge.topology import RankInfo
 from wbmerge.txlog import BLOCK_SIZE, LogWriter, ReadReport, read_payloads
 
+from . import synthetic
 from .ranklogs import exit_record, history_record, rank_log
 
 

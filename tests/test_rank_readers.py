@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge import synthetic
 from wbmerge.merge.readers import RankReaders
 from wbmerge.topology import RankInfo
 from wbmerge.txlog import BLOCK_SIZE, CHUNK_HEADER_SIZE, ReadReport, read_payloads
 
+from . import synthetic
 from .conftest import fixture_logs
 
 

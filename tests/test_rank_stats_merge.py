@@ -17,7 +17,6 @@ import pytest
 from click.testing import CliRunner
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge import synthetic
 from wbmerge.cli import main
 from wbmerge.merge import shared
 from wbmerge.pipeline import MergeRequest, merge_jobs
@@ -26,6 +25,7 @@ from wbmerge.records import read_records
 from wbmerge.topology import RankInfo
 from wbmerge.txlog import BLOCK_SIZE
 
+from . import synthetic
 from .conftest import job_dir
 from .ranklogs import rank_log
 from .test_rankstats import reference_one, same_value

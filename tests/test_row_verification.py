@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from wbmerge import synthetic
 from wbmerge.cli import main
 from wbmerge.topology import RankInfo
 from wbmerge.upload.rowcheck import compare_steps, halves, room, sampled, spans, windows
 
+from . import synthetic
 from .sinktools import expected_from_log
 
 # ---- the pure rules ----------------------------------------------------------------------

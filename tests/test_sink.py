@@ -8,12 +8,12 @@ import urllib.request
 
 import pytest
 
-from wbmerge import synthetic
 from wbmerge.topology import RankInfo
 from wbmerge.upload import ServerClient
 from wbmerge.upload import server as server_module
 from wbmerge.upload.credentials import Credentials
 
+from . import synthetic
 from .conftest import FIXTURES, MANIFEST, job_dir
 from .sinktools import (
     console_text,

@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from wbmerge import synthetic
 from wbmerge.cli import main
 from wbmerge.sink.pages import index_html, run_html
 from wbmerge.topology import RankInfo
 
+from . import synthetic
 from .conftest import job_dir
 from .sinktools import copy_runs, expected_from_log, wandb_sync
 

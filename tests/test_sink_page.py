@@ -11,9 +11,9 @@ import urllib.request
 
 import pytest
 
-from wbmerge import synthetic
 from wbmerge.topology import RankInfo
 
+from . import synthetic
 from .conftest import ROOT, job_dir
 from .sinktools import copy_runs, expected_from_log, wandb_sync
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from wbmerge import synthetic
 from wbmerge.cli import main
 from wbmerge.content import read_staged
 from wbmerge.records import read_records
 from wbmerge.topology import RankInfo
 from wbmerge.txlog import BLOCK_SIZE, LogWriter, read_payloads
 
+from . import synthetic
 from .conftest import MANIFEST, job_dir
 from .ranklogs import console_record, exit_record, history_record, rank_log
 from .sinktools import console_text, expected_from_log, system_metric_values

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from wbmerge import synthetic
 from wbmerge.cli import main
 
+from . import synthetic
 from .conftest import job_dir
 from .sinktools import (
     console_text,

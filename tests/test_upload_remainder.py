@@ -316,9 +316,10 @@ def _sent_by_protobuf(log) -> tuple[int, ...]:
 def test_read_staged_steps_are_protobufs_on_every_fixture_and_a_merged_log(tmp_path):
     """The steps are read for all rows of a read at once; they must be what protobuf says,
     on every real log (wandb 0.16, 0.19, 0.31, damaged copies) and on a shared merge."""
-    from wbmerge import synthetic
     from wbmerge.merge import stage
     from wbmerge.pipeline import MergeRequest, plan_jobs
+
+    from . import synthetic
 
     synthetic.write_job(tmp_path / "job", 1, 3, 300, job_id="steps")
     request = MergeRequest([tmp_path / "job"], run_mode="shared", project="p")
@@ -341,9 +342,10 @@ def test_what_a_splice_counts_is_what_the_staged_log_holds(tmp_path):
     the server against that count without reading the staged log: the count must be what
     reading the staged log gives. (Logs of less than a block are framed again, not spliced:
     the synthetic ranks are long enough to be spliced.)"""
-    from wbmerge import synthetic
     from wbmerge.merge import stage
     from wbmerge.pipeline import MergeRequest, plan_jobs
+
+    from . import synthetic
 
     synthetic.write_job(tmp_path / "job", 1, 3, 2000, job_id="spliced")
     request = MergeRequest([tmp_path / "job"], run_mode="new", project="p")

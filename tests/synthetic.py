@@ -11,9 +11,9 @@ import json
 import random
 from pathlib import Path
 
-from .proto import pb
-from .topology import METADATA_KEY, RankInfo
-from .txlog import LogWriter
+from wbmerge.proto import pb
+from wbmerge.topology import METADATA_KEY, RankInfo
+from wbmerge.txlog import LogWriter
 
 
 def write_rank(
