@@ -50,6 +50,51 @@ def test_the_errors_import_nothing_of_the_package():
     assert inner == []
 
 
+def module_imports() -> dict[str, set[str]]:
+    """Each module of the package -> the modules of the package it imports, at any depth of
+    its code (inside functions, and type-only imports too: a cycle of those is still a
+    knot a reader has to untie)."""
+    names = {}
+    for path in MODULES:
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {name: set() for name in names}
+    for name, path in names.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                module = ".".join([*base, *([node.module] if node.module else [])])
+                for alias in node.names:
+                    target = f"{module}.{alias.name}"
+                    if target in names or module in names:
+                        graph[name].add(target if target in names else module)
+            elif isinstance(node, ast.Import):
+                graph[name] |= {alias.name for alias in node.names if alias.name in names}
+    return graph
+
+
+def test_the_package_imports_form_no_cycle():
+    graph = module_imports()
+    assert len(graph) > 60 and sum(map(len, graph.values())) > 200  # (the graph was read)
+    cycles, done, path = [], set(), []
+
+    def visit(name: str) -> None:
+        path.append(name)
+        for target in sorted(graph[name]):
+            if target in path:
+                cycles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target not in done:
+                visit(target)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        if name not in done:
+            visit(name)
+    assert cycles == []
+
+
 def test_tests_use_public_names_only():
     """Tests import no `_private` name of wbmerge, so the inside can be rebuilt."""
     private = []

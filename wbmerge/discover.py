@@ -18,7 +18,6 @@ from pathlib import Path
 from . import jobs, records
 from .errors import InputWarning, WbmergeError
 from .jobs import Hints, RunFacts, few
-from .merged import merged_runs
 from .offlinerun import OfflineRun, read_identity, scan
 from .plan import run_id_from_file
 
@@ -359,3 +358,44 @@ def group_jobs(
             raise WbmergeError(problem)
         jobs.append(Job(job_id, members))
     return jobs
+
+
+def merged_runs(runs: Sequence[OfflineRun], job: str | None = None) -> list[OfflineRun]:
+    """The runs among `runs` that a merge wrote (of `job`, if given)."""
+    return [r for r in runs if r.merged is not None and job in (None, r.merged.job_id)]
+
+
+def selects_merged(runs: Sequence[OfflineRun], job: str | None) -> bool:
+    """Whether the runs to upload are merged ones: any is, and `job` (if given) is theirs."""
+    return bool(merged_runs(runs, job))
+
+
+def merged_jobs(runs: Sequence[OfflineRun], job: str | None = None) -> list[list[OfflineRun]]:
+    """The merged runs among `runs` (of `job`, if given), one list per merge that wrote them
+    (job id, run mode and rank scope), each ordered by run id.
+
+    WbmergeError (one line) for runs of ranks beside merged ones when no `job` picks one
+    of them, for a run id found twice, and for a `job` no merged run belongs to.
+    """
+    merged = merged_runs(runs, job)
+    ranks = [r for r in runs if r.merged is None and r.has_run_record]
+    if job is None and merged and ranks:
+        raise WbmergeError(
+            f"{merged[0].run_dir} is a run that wbmerge merged, but {ranks[0].run_dir} is "
+            "a rank's run; sync merged runs and the runs of ranks apart (or pick one job "
+            "with --job)"
+        )
+    if not merged:
+        raise WbmergeError(f"no run that wbmerge merged belongs to job {job!r}")
+    seen: dict[str, OfflineRun] = {}
+    by_merge: dict[tuple[str, str, str], list[OfflineRun]] = defaultdict(list)
+    for run in merged:
+        if run.run_id in seen:
+            raise WbmergeError(
+                f"run {run.run_id} found twice: {seen[run.run_id].run_dir} and {run.run_dir}"
+            )
+        seen[run.run_id] = run
+        how = run.merged
+        assert how is not None
+        by_merge[(how.job_id, how.run_mode, how.rank_scope)].append(run)
+    return [sorted(members, key=lambda r: r.run_id) for _, members in sorted(by_merge.items())]

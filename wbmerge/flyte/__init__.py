@@ -29,11 +29,12 @@ to the merge task through the blob store), `merge_task` (the final task and `syn
 """
 
 from .context import RUNS_DIR_ENV, Settings, runs_root, wandb_config
-from .decorator import get_wandb_run, wandb_init
+from .decorator import wandb_init
 from .follow_task import follow_task, with_follower
 from .handoff import MANIFEST, offline_runs
 from .links import RunLink, run_links, training_links
 from .merge_task import merge_task, sync
+from .rank import get_wandb_run
 
 __all__ = [
     "MANIFEST",

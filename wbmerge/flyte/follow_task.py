@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 import flyte
 
 from ..errors import WbmergeError
+from .child import run_in_child
 from .context import runs_root
-from .merge_task import run_in_child
 
 T = TypeVar("T")
 

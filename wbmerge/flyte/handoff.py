@@ -38,7 +38,7 @@ from .. import training
 from ..errors import WbmergeError
 from ..topology import RankInfo
 from .context import worker_folder
-from .decorator import RankState, finish_run, rank_state
+from .rank import RankState, finish_run, rank_state
 
 MANIFEST = "wbmerge-handoff.json"
 MANIFEST_FORMAT = 1

@@ -24,6 +24,7 @@ import cloudpickle
 from flyte._context import internal_ctx
 
 from .context import RUNS_DIR_ENV, Settings, job_id, runs_root
+from .rank import run_rank
 
 # After one node's launcher failed, how long the others may take to notice and stop on their
 # own before they are terminated (a rank blocked in a collective with a dead peer waits for
@@ -150,8 +151,6 @@ def rank_main(spec_path: str) -> None:
     """One rank started by `launch_ranks` (`python -m wbmerge.flyte rank SPEC`): the task
     function inside the training action's context, as the Elastic plugin's entrypoint runs
     it on the cluster."""
-    from .decorator import run_rank
-
     spec = cloudpickle.loads(Path(spec_path).read_bytes())
     rank = os.environ.get("RANK", "0")
     try:

@@ -12,9 +12,7 @@ never write one record file at once.
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +20,9 @@ import flyte
 import flyte.io
 
 from ..errors import WbmergeError
+from .child import run_in_child
 from .handoff import fetch_runs, read_manifest, workers_of
 from .links import training_links
-
-_CHILD_OUTPUT_LINES = 5  # of a crashed child's output, shown in the task's error
 
 
 def merge_task(env: flyte.TaskEnvironment, training_task: Any, name: str = "wbmerge_sync") -> Any:
@@ -112,38 +109,6 @@ async def sync(
         return await task.aio(runs, **arguments)
 
 
-async def run_in_child(kind: str, request: dict) -> list[str]:
-    """Run `python -m wbmerge.flyte KIND` on `request` (a merge, or a follow); its warnings go
-    to the task's log, a bad input comes back as the child's one-line error."""
-    with tempfile.TemporaryDirectory(prefix=f"wbmerge-{kind}-") as scratch:
-        spec = Path(scratch) / "request.json"
-        result = Path(scratch) / "result.json"
-        spec.write_text(json.dumps(request))
-        child = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "wbmerge.flyte", kind, str(spec), str(result),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            output, _ = await child.communicate()
-        finally:
-            if child.returncode is None:  # the task was cancelled: so is its child, which
-                child.terminate()  # stops its uploader and cleans up on SIGTERM
-                try:
-                    await asyncio.wait_for(child.wait(), 30)
-                except asyncio.TimeoutError:
-                    child.kill()
-                    await child.wait()
-        text = output.decode(errors="replace")
-        sys.stderr.write(text)
-        if not result.exists():
-            tail = " | ".join(text.strip().splitlines()[-_CHILD_OUTPUT_LINES:])
-            raise RuntimeError(f"the {kind} stopped (exit {child.returncode}): {tail}")
-        answer = json.loads(result.read_text())
-    if "error" in answer:
-        raise WbmergeError(answer["error"], exit_code=answer.get("exit_code", 2))
-    return answer["links"]
-
-
 def merge_and_upload(request: dict) -> dict:
     """Merge and upload the runs at `request["path"]`: the whole job, or with `worker` one
     node's runs, which must then be all of that node's ranks. Returns links and warnings."""
@@ -189,27 +154,3 @@ def check_node_complete(job: Any, worker: int) -> None:
             f"job {job.job_id}: node {worker} has no offline run of local rank(s) "
             f"{', '.join(map(str, missing))} of {local_world}"
         )
-
-
-def child_main(kind: str, spec_path: str, result_path: str) -> None:
-    """`python -m wbmerge.flyte merge|follow REQUEST RESULT`: one merge or follow, its
-    answer as JSON."""
-    import os
-
-    from ..upload import state_dir
-
-    request = json.loads(Path(spec_path).read_text())
-    if request.get("worker") is not None:
-        os.environ["WBMERGE_STATE_DIR"] = str(state_dir() / f"worker-{request['worker']}")
-    try:
-        if kind == "follow":
-            from .follow_task import follow_main
-
-            answer: dict = follow_main(request)
-        else:
-            answer = merge_and_upload(request)
-    except WbmergeError as exc:
-        answer = {"error": str(exc), "exit_code": exc.exit_code}
-    for line in answer.get("warnings", []):
-        print(f"wbmerge: warning: {line}", file=sys.stderr)
-    Path(result_path).write_text(json.dumps(answer))

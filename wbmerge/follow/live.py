@@ -18,10 +18,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..discover import Job, find_run_files, group_jobs, identify
+from ..discover import Job, find_run_files, group_jobs, identify, merged_runs
 from ..errors import InputWarning, WbmergeError
 from ..jobs import Hints
-from ..merged import merged_runs
 from ..offlinerun import OfflineRun, read_identity, scan
 from ..plan import Source, Target
 
