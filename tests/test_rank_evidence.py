@@ -178,6 +178,34 @@ def test_the_gpu_a_process_used_ranks_runs_that_say_nothing_else():
     assert got == {f"g{r}": (r, r, 0, "gpu", False) for r in range(3)}
 
 
+@pytest.mark.parametrize(
+    "gpus, local_ranks",
+    [
+        ((4, 5, 6, 7), (0, 1, 2, 3)),  # CUDA_VISIBLE_DEVICES=4,5,6,7 on an 8-GPU machine
+        ((6, 2, 4, 0), (3, 1, 2, 0)),  # =0,2,4,6, the runs started in another order
+        ((0, 1, 2, 3), (0, 1, 2, 3)),  # all the machine's GPUs: as they are
+    ],
+)
+def test_a_job_on_some_gpus_of_a_machine_numbers_its_ranks_by_their_order(gpus, local_ranks):
+    runs = [facts(f"g{n}", start=n, process_gpus=(gpu,)) for n, gpu in enumerate(gpus)]
+    got, found = ranks_of(runs)
+    assert {k: v[:4] for k, v in got.items()} == {
+        f"g{n}": (local, local, 0, "gpu") for n, local in enumerate(local_ranks)
+    }
+    assert not any("disagrees" in w.message for w in found.warnings)
+
+
+def test_gpus_of_runs_on_two_hosts_are_ordered_per_host():
+    runs = [
+        facts(f"{host}{gpu}", start=gpu, host=host, label=f"{host}-rank-{local}",
+              process_gpus=(gpu,))
+        for host in ("a", "b") for local, gpu in enumerate((2, 3))
+    ]  # fmt: skip
+    got, found = ranks_of(runs)
+    assert {k: v[1] for k, v in got.items()} == {"a2": 0, "a3": 1, "b2": 0, "b3": 1}
+    assert not any("disagrees" in w.message for w in found.warnings)
+
+
 def test_every_process_on_gpu_0_is_no_evidence_and_the_rank_0_is_a_guess():
     runs = [facts(f"g{r}", start=r, process_gpus=(0,)) for r in range(3)]
     got, found = ranks_of(runs)

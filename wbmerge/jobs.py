@@ -304,6 +304,9 @@ def _identify_job(
 ) -> None:
     """Identify one job's runs from their most explicit claims, or, when those contradict
     each other, from what the runs say besides (the doubtful sources left out in turn)."""
+    candidates = rankclaims.gpus_in_order(
+        {i: candidates[i] for i in members}, {i: runs[i].host for i in members}
+    )
     claims = {i: candidates[i][0] for i in members}
     failure = _try_job(runs, claims, members, out, pattern_given, job_id, hints)
     tried = [claims]

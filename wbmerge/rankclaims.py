@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .topology import MAX_RANKS, rank_number, slurm_task
 
@@ -295,3 +295,34 @@ def gpu_claim(process_gpus: Iterable[int]) -> Claim | None:
     if len(gpus) != 1:
         return None
     return Claim("gpu", local_rank=gpus.pop(), form="gpu")
+
+
+def gpus_in_order(
+    candidates: Mapping[int, list[Claim]], hosts: Mapping[int, str]
+) -> dict[int, list[Claim]]:
+    """The runs' claims with each GPU claim made a local rank by its GPU's place among the
+    GPUs of its host, where every run of that host used one GPU of its own.
+
+    wandb records a GPU by the machine's number for it, while torchrun binds local rank N to
+    the N-th GPU the job may use. A job given GPUs 4-7 of an 8-GPU machine
+    (`CUDA_VISIBLE_DEVICES=4,5,6,7`) has its ranks on GPUs 4, 5, 6 and 7: local ranks 0-3,
+    not 4-7. Where a run of the host has no GPU claim, or two share a GPU, the numbers are
+    left as they are (the order of the others would not say their local ranks).
+    `candidates` and `hosts` are keyed alike (a run's index).
+    """
+    by_host: dict[str, dict[int, int]] = {}
+    for i, claims in candidates.items():
+        gpu = next((c.local_rank for c in claims if c.source == "gpu"), None)
+        by_host.setdefault(hosts[i], {})[i] = -1 if gpu is None else gpu
+    renumbered: dict[int, int] = {}
+    for gpus in by_host.values():
+        used = sorted(gpus.values())
+        if used[0] >= 0 and len(set(used)) == len(used):
+            renumbered.update({i: used.index(gpu) for i, gpu in gpus.items()})
+    return {
+        i: [
+            replace(c, local_rank=renumbered[i]) if c.source == "gpu" and i in renumbered else c
+            for c in claims
+        ]  # fmt: skip
+        for i, claims in candidates.items()
+    }
