@@ -105,6 +105,9 @@ RECIPES = {
     "saved-files": "x_label='rank-{rank}', each rank in its own directory: wandb.save('*.pt') "
     "of a checkpoint (policy now, end, live by rank), define_metric('val/*', step_metric="
     "'epoch'); only rank 0 logs epoch and val/acc",
+    "tensorboard": "x_label='rank-{rank}', sync_tensorboard=True, each rank in its own "
+    "directory writing TensorBoard scalars (tb/loss, tb/lr) with torch's SummaryWriter; "
+    "nothing logged with run.log",
 }
 
 # The upload policy of each rank's `wandb.save` in the `saved-files` recipe, by rank.
@@ -165,7 +168,7 @@ def start_recipe_run(args: argparse.Namespace, config: dict) -> wandb.Run | None
         return wandb.init(**init)
     if args.recipe == "rank0-only":
         return wandb.init(**init) if rank == 0 else None
-    if args.recipe == "saved-files":
+    if args.recipe in ("saved-files", "tensorboard"):
         return start_saved_files_run(args, init, settings, rank, world)
     raise ValueError(f"unknown recipe {args.recipe!r}")
 
@@ -183,6 +186,8 @@ def start_saved_files_run(
     settings.x_label = f"rank-{rank}"
     init["dir"] = args.dir
     init["config"] = {**init["config"], "rank": rank, "world_size": world}
+    if args.recipe == "tensorboard":  # (its runs log through TensorBoard alone)
+        return wandb.init(**init, sync_tensorboard=True)
     run = wandb.init(**init)
     run.define_metric("epoch", hidden=True)
     run.define_metric("val/*", step_metric="epoch", summary="max")
@@ -223,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(rank)
     target = torch.randn(16, 1, generator=torch.Generator().manual_seed(7))
 
+    board = None
+    if args.recipe == "tensorboard":  # (a package of its own: imported only here)
+        from torch.utils.tensorboard import SummaryWriter
+
+        board = SummaryWriter(log_dir="tb")  # in this rank's own directory
+
     start, best = 0, float("inf")
     ckpt = checkpoint_path(args)
     if restart and ckpt.exists():  # an elastic restart resumes after the last finished step
@@ -250,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rank {rank}: about to be killed at step {step}", flush=True)
             kill_self_and_writer()
 
-        if run is not None and (rank == 0 or step % args.every == 0):
+        if board is not None:
+            board.add_scalar("tb/loss", loss.item(), step)
+            board.add_scalar("tb/lr", optimizer.param_groups[0]["lr"], step)
+        elif run is not None and (rank == 0 or step % args.every == 0):
             run.log(
                 {
                     "train/loss": loss.item(),
@@ -286,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     if run is not None and args.recipe == "legacy":
         run.summary["final/loss"] = float(loss.item())
         run.summary["final/rank"] = rank
+    if board is not None:
+        board.close()  # its last events written before wandb reads them at finish
     dist.barrier()
     if run is not None:
         run.finish()

@@ -55,11 +55,14 @@ def read_run(path: Path) -> Written:
         elif kind == "history":
             items = {tuple(i.nested_key) or (i.key,): i.value_json for i in record.history.item}
             written.steps.append(json.loads(items[("_step",)]))
-            written.ranks.add(json.loads(items[("rank",)]))
+            if ("rank",) in items:  # (a TensorBoard run logs only its scalars)
+                written.ranks.add(json.loads(items[("rank",)]))
         elif kind == "stats":
             written.stats_keys.update(item.key for item in record.stats.item)
         elif kind == "exit":
             written.exited = True
+    if not written.ranks and "rank" in written.config:
+        written.ranks.add(written.config["rank"])
     return written
 
 

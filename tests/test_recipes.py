@@ -51,8 +51,9 @@ def truth(row):
 
 
 def test_every_recipe_fixture_is_covered():
-    # (recipe_saved_files: test_saved_files, with --files-from, as its links need)
-    covered = {"recipe_rank0_only", "recipe_saved_files"}
+    # (recipe_saved_files: test_saved_files, recipe_tensorboard: test_tensorboard, with
+    # --files-from, as their links need)
+    covered = {"recipe_rank0_only", "recipe_saved_files", "recipe_tensorboard"}
     assert set(RECIPES) | covered == set(MANIFEST["recipes"]) - {
         n for n in MANIFEST["recipes"] if n.startswith("wandb_")
     }
