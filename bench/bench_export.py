@@ -26,7 +26,7 @@ from pinned import READ_ONLY, run_pinned  # noqa: E402
 from tests import synthetic  # noqa: E402
 
 EXPORT = """
-from wbmerge.export import export
+from wbmerge.analyse.export import export
 began = time.perf_counter()
 export([args[0]], out / "x.parquet")
 result = {}

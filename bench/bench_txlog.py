@@ -23,8 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests import synthetic
-from wbmerge import content, records, txlog
+from wbmerge.log import records, txlog
 from wbmerge.topology import RankInfo
+from wbmerge.wandbcore import content
 
 
 def timed(fn, repeat):

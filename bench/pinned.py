@@ -31,8 +31,8 @@ print(json.dumps({{**result, "seconds": seconds,
 # The baseline both benchmarks divide by: reading every record of a job (framing, CRC,
 # record kind) and doing nothing with it, in the same kind of process.
 READ_ONLY = """
-from wbmerge.txlog import read_payloads
-from wbmerge.records import record_kind
+from wbmerge.log.txlog import read_payloads
+from wbmerge.log.records import record_kind
 began = time.perf_counter()
 for log in sorted(Path(args[0]).rglob("run-*.wandb")):
     for payload in read_payloads(log):

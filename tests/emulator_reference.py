@@ -1,4 +1,4 @@
-"""The tests' reference for `wbmerge.terminal`: wandb-core's terminal emulator and console
+"""The tests' reference for `wbmerge.wandbcore.terminal`: wandb-core's terminal emulator and console
 model (0.31: core/internal/terminalemulator, runconsolelogs) transcribed character by
 character, as plainly as its Go source reads, with no runs, regexes or shortcuts. The port
 takes text a run at a time for speed; the tests compare the two on random consoles.

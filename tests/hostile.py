@@ -11,8 +11,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from wbmerge.proto import pb
-from wbmerge.txlog import read_payloads, write_payloads
+from wbmerge.log.proto import pb
+from wbmerge.log.txlog import read_payloads, write_payloads
 
 from .conftest import job_dir
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge import records
+from wbmerge.log import records
 from wbmerge.sink import LocalSink, SinkClient
 
 CONSOLE_PREFIX = re.compile(r"^(ERROR )?\d{4}-\d\d-\d\dT[\d:.]+ ?")

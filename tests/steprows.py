@@ -2,7 +2,7 @@
 give (`sentrows.item_step`) and the `_step` wandb-core 0.31 sends it at after the rows above
 it, from a run that starts at 0. The expectations are wandb-core's, measured with `wandb sync`
 into the sink (`test_odd_input` checks them against it again), read top-down like the worked
-example in `wbmerge/sentrows.py`: a row is sent at its item when that is an integer at least
+example in `wbmerge/wandbcore/sentrows.py`: a row is sent at its item when that is an integer at least
 one above the row before, else one above the row before.
 """
 

@@ -11,9 +11,9 @@ import json
 import random
 from pathlib import Path
 
-from wbmerge.proto import pb
+from wbmerge.log.proto import pb
+from wbmerge.log.txlog import LogWriter
 from wbmerge.topology import METADATA_KEY, RankInfo
-from wbmerge.txlog import LogWriter
 
 
 def write_rank(

@@ -11,12 +11,12 @@ import pytest
 from click.testing import CliRunner
 from wandb.proto import wandb_internal_pb2 as pb
 
+from wbmerge.analyse.columns import per_value
+from wbmerge.analyse.export import export
 from wbmerge.cli import main
-from wbmerge.columns import per_value
-from wbmerge.discover import discover
 from wbmerge.errors import WbmergeError
-from wbmerge.export import export
-from wbmerge.records import read_records
+from wbmerge.identify.discover import discover
+from wbmerge.log.records import read_records
 
 from .conftest import JOBS, job_dir
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.discover import discover
 from wbmerge.follow import Follower, follow
 from wbmerge.follow.cut import LiveCut, cut_live
 from wbmerge.follow.lines import round_lines
+from wbmerge.identify.discover import discover
+from wbmerge.log.records import read_records
 from wbmerge.pipeline import MergeRequest, UploadFailed, sync
-from wbmerge.records import read_records
 from wbmerge.topology import RankInfo
 
 from .conftest import job_dir

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge import items, wire
-from wbmerge.records import record_kind
-from wbmerge.txlog import read_payloads
+from wbmerge.log import items, wire
+from wbmerge.log.records import record_kind
+from wbmerge.log.txlog import read_payloads
 
 from .ranklogs import history_record
 

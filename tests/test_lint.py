@@ -34,7 +34,7 @@ def test_a_module_fits_on_a_few_screens(path):
 
 def test_the_framing_knows_nothing_of_records():
     """`txlog` frames bytes; what a payload is belongs to `records` (and `wire`)."""
-    source = (ROOT / "wbmerge" / "txlog.py").read_text()
+    source = (ROOT / "wbmerge" / "log" / "txlog.py").read_text()
     imports = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
     assert not [line for line in imports if "proto" in line or "wire" in line or "records" in line]
 

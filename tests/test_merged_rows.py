@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from wandb.proto import wandb_internal_pb2 as pb
 
+from wbmerge.log.records import record_kind
+from wbmerge.log.txlog import read_payloads, write_payloads
 from wbmerge.merge import MergeOptions, stage
 from wbmerge.plan import Source, Target
-from wbmerge.records import record_kind
 from wbmerge.topology import RankInfo
-from wbmerge.txlog import read_payloads, write_payloads
 
 from . import reference_merge
 from .ranklogs import history_record

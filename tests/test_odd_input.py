@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from google.protobuf.message import DecodeError
 
-from wbmerge.proto import pb
-from wbmerge.txlog import read_payloads
+from wbmerge.log.proto import pb
+from wbmerge.log.txlog import read_payloads
 
 from .hostile import copy_job, insert_after_run_record, one_error_line, run_cli, run_logs
 from .ranklogs import history_record
@@ -245,7 +245,7 @@ def _set_last_step_item(log: Path, value_json: str) -> None:
     (item,) = [i for i in record.history.item if list(i.nested_key) == ["_step"]]
     item.value_json = value_json
     payloads[last] = record.SerializeToString()
-    from wbmerge.txlog import write_payloads
+    from wbmerge.log.txlog import write_payloads
 
     write_payloads(log, payloads)
 
@@ -366,7 +366,7 @@ def test_config_values_nested_past_the_recursion_limit_are_no_values(job, tmp_pa
     for key in ("rank", "wbmerge", "local_rank"):
         record.run.config.update.add(key=key, value_json="[" * 5000)
     payloads[first] = record.SerializeToString()
-    from wbmerge.txlog import write_payloads
+    from wbmerge.log.txlog import write_payloads
 
     write_payloads(log, payloads)
     for args in (["inspect", job], ["report", job],
@@ -404,7 +404,7 @@ if platform.machine() in ("x86_64", "AMD64"):  # (measured there; other CPUs con
 
 
 def test_the_run_records_before_the_first_row_say_where_steps_start(sink, tmp_path):
-    from wbmerge.txlog import LogWriter
+    from wbmerge.log.txlog import LogWriter
     from wbmerge.upload import read_staged
 
     from .ranklogs import exit_record
@@ -435,7 +435,7 @@ def test_rows_before_the_run_record_are_moved_after_it_and_arrive(sink, tmp_path
     from click.testing import CliRunner
 
     from wbmerge.cli import main
-    from wbmerge.txlog import LogWriter
+    from wbmerge.log.txlog import LogWriter
 
     from .ranklogs import exit_record
 

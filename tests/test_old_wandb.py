@@ -20,11 +20,11 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from wbmerge import records, txlog, wire
 from wbmerge.cli import main
-from wbmerge.proto import pb
+from wbmerge.log import records, txlog, wire
+from wbmerge.log.proto import pb
+from wbmerge.log.txlog import LogWriter, read_payloads
 from wbmerge.topology import RankInfo
-from wbmerge.txlog import LogWriter, read_payloads
 
 from .conftest import MANIFEST, job_dir
 from .sinktools import console_text

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from wbmerge.errors import WbmergeError
-from wbmerge.merged import MergedBy, merged_by
+from wbmerge.identify.merged import MergedBy, merged_by
 from wbmerge.plan import (
     PROJECT_RESERVED,
     RUN_ID_RESERVED,

@@ -13,7 +13,7 @@ def run(code: str) -> str:
 
 def test_the_cli_does_not_import_the_wandb_sdk():
     out = run(
-        "import sys, wbmerge.cli, wbmerge.export, wbmerge.report\n"
+        "import sys, wbmerge.cli, wbmerge.analyse.export, wbmerge.analyse.report\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'wandb'))"
     )
     assert out == "[]"
@@ -30,7 +30,7 @@ def test_a_pass_through_sync_does_not_import_pyarrow():
 
 def test_wandb_imported_afterwards_is_the_real_package_with_the_same_classes():
     out = run(
-        "from wbmerge.proto import pb\n"
+        "from wbmerge.log.proto import pb\n"
         "import wandb, wandb.proto.wandb_internal_pb2\n"
         "record = pb.Record(); record.history.step.num = 7\n"
         "theirs = wandb.proto.wandb_internal_pb2.Record\n"
@@ -44,7 +44,7 @@ def test_wandb_imported_first_is_used_as_it_is():
     out = run(
         "import wandb\n"
         "from wandb.proto import wandb_internal_pb2\n"
-        "from wbmerge.proto import pb\n"
+        "from wbmerge.log.proto import pb\n"
         "print(pb is wandb_internal_pb2)"
     )
     assert out == "True"

@@ -10,9 +10,9 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wbmerge import records, txlog
-from wbmerge.proto import pb
-from wbmerge.sentrows import item_step
+from wbmerge.log import records, txlog
+from wbmerge.log.proto import pb
+from wbmerge.wandbcore.sentrows import item_step
 
 from .ranklogs import history_record
 from .steprows import ODD_ROWS

@@ -16,15 +16,15 @@ import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
-from wbmerge.jobs import Hints, RunFacts, identify
-from wbmerge.proto import pb
-from wbmerge.rankclaims import (
+from wbmerge.identify.jobs import Hints, RunFacts, identify
+from wbmerge.identify.rankclaims import (
     config_claim,
     gpu_claim,
     launcher_claim,
     parse_spelling,
     slurm_claim,
 )
+from wbmerge.log.proto import pb
 
 from .conftest import MANIFEST, job_dir
 from .hostile import rewrite_log

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from wbmerge.log.txlog import BLOCK_SIZE, CHUNK_HEADER_SIZE, ReadReport, read_payloads
 from wbmerge.merge.readers import RankReaders
 from wbmerge.topology import RankInfo
-from wbmerge.txlog import BLOCK_SIZE, CHUNK_HEADER_SIZE, ReadReport, read_payloads
 
 from . import synthetic
 from .conftest import fixture_logs

@@ -18,12 +18,12 @@ from click.testing import CliRunner
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.cli import main
+from wbmerge.log.records import read_records
+from wbmerge.log.txlog import BLOCK_SIZE
 from wbmerge.merge import shared
 from wbmerge.pipeline import MergeRequest, merge_jobs
 from wbmerge.rankstats import STATS
-from wbmerge.records import read_records
 from wbmerge.topology import RankInfo
-from wbmerge.txlog import BLOCK_SIZE
 
 from . import synthetic
 from .conftest import job_dir

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.proto import pb
-from wbmerge.txlog import read_payloads
+from wbmerge.log.proto import pb
+from wbmerge.log.txlog import read_payloads
 
 from .conftest import MANIFEST, job_dir
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge import records, txlog, wire
+from wbmerge.log import records, txlog, wire
 
 from .conftest import FIXTURES
 from .test_txlog import write_all

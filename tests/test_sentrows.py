@@ -1,4 +1,4 @@
-"""How wandb-core reads history rows and the `_step` it sends each at (`wbmerge.sentrows`),
+"""How wandb-core reads history rows and the `_step` it sends each at (`wbmerge.wandbcore.sentrows`),
 as table tests.
 
 The tables are wandb-core 0.31's behaviour as measured through `wandb sync` into the sink;
@@ -10,8 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from wbmerge.proto import pb
-from wbmerge.sentrows import NOT_JSON, item_step, json_int, json_value, sent_steps, with_step
+from wbmerge.log.proto import pb
+from wbmerge.wandbcore.sentrows import (
+    NOT_JSON,
+    item_step,
+    json_int,
+    json_value,
+    sent_steps,
+    with_step,
+)
 
 from .ranklogs import history_record
 from .steprows import INT64_MAX, INT64_MIN, ODD_ROWS

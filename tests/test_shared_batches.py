@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from wandb.proto import wandb_internal_pb2 as pb
 
+from wbmerge.log.records import read_records
+from wbmerge.log.txlog import BLOCK_SIZE
 from wbmerge.merge import shared
 from wbmerge.pipeline import MergeRequest, merge_jobs
-from wbmerge.records import read_records
 from wbmerge.topology import RankInfo
-from wbmerge.txlog import BLOCK_SIZE
 
 from .conftest import job_dir
 from .ranklogs import rank_log

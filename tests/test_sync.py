@@ -15,10 +15,10 @@ import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
-from wbmerge.content import read_staged
-from wbmerge.records import read_records
+from wbmerge.log.records import read_records
+from wbmerge.log.txlog import BLOCK_SIZE, LogWriter, read_payloads
 from wbmerge.topology import RankInfo
-from wbmerge.txlog import BLOCK_SIZE, LogWriter, read_payloads
+from wbmerge.wandbcore.content import read_staged
 
 from . import synthetic
 from .conftest import MANIFEST, job_dir

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from wbmerge.discover import discover, scan
 from wbmerge.errors import WbmergeError
+from wbmerge.identify.discover import discover, scan
 from wbmerge.topology import RankInfo
 from wbmerge.training import resolve_job_id
 

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge import records, txlog
 from wbmerge.errors import NotATransactionLog
+from wbmerge.log import records, txlog
 
 from .conftest import FIXTURES, fixture_logs
 

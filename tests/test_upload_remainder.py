@@ -9,12 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wbmerge import txlog
-from wbmerge.content import read_logged_run
 from wbmerge.errors import NotATransactionLog
-from wbmerge.proto import pb
-from wbmerge.records import read_records
-from wbmerge.terminal import Console
+from wbmerge.log import txlog
+from wbmerge.log.proto import pb
+from wbmerge.log.records import read_records
 from wbmerge.upload import (
     Held,
     StagedContent,
@@ -30,6 +28,8 @@ from wbmerge.upload.remainder import (
     sends_no_row,
     write_remainder,
 )
+from wbmerge.wandbcore.content import read_logged_run
+from wbmerge.wandbcore.terminal import Console
 
 from .conftest import fixture_logs, job_dir
 from .emulator_reference import reference_output_log
@@ -229,7 +229,7 @@ def test_remainder_refuses_rows_a_continued_upload_cannot_send_where_they_belong
 
 
 def test_a_cut_log_is_sent_at_the_steps_of_the_whole_log(tmp_path):
-    from wbmerge.txlog import write_payloads
+    from wbmerge.log.txlog import write_payloads
 
     log = tmp_path / "odd.wandb"
     write_payloads(log, [history_record(items, field) for items, field, _, _ in ODD_ROWS])
@@ -249,7 +249,7 @@ def test_a_cut_log_is_sent_at_the_steps_of_the_whole_log(tmp_path):
 
 @pytest.mark.parametrize("padding", [0, 2000])  # 2,000 more items: rows over 2 MiB of reads
 def test_read_staged_counts_each_row_at_the_step_wandb_core_sends(tmp_path, padding):
-    from wbmerge.txlog import write_payloads
+    from wbmerge.log.txlog import write_payloads
 
     log = tmp_path / "odd.wandb"
     pad = [([f"pad/{i}/rank-{i % 8}"], "0.25") for i in range(padding)]
@@ -264,7 +264,7 @@ def test_steps_that_are_all_plain_integers_are_read_as_protobuf_reads_them(tmp_p
     """Rows whose `_step` texts are all plain integers are read at once, not one by one:
     the same values, negative and 18-digit ones included; each row is then sent one above
     the row before where its own step is behind it."""
-    from wbmerge.txlog import write_payloads
+    from wbmerge.log.txlog import write_payloads
 
     steps = [0, 1, -7, 10**17 + 3, 999_999_999_999_999_999, 42] * 50
     log = tmp_path / "plain.wandb"
@@ -280,7 +280,7 @@ def test_steps_that_are_all_plain_integers_are_read_as_protobuf_reads_them(tmp_p
 
 
 def test_a_run_records_starting_step_moves_the_rows_behind_it(tmp_path):
-    from wbmerge.txlog import write_payloads
+    from wbmerge.log.txlog import write_payloads
 
     run = pb.Record()
     run.run.run_id, run.run.starting_step = "started", 10
@@ -394,8 +394,8 @@ def test_counting_a_console_does_not_hold_its_text(tmp_path):
     not gathered first (20 MB of console text here)."""
     import tracemalloc
 
-    from wbmerge.proto import pb
-    from wbmerge.txlog import write_payloads
+    from wbmerge.log.proto import pb
+    from wbmerge.log.txlog import write_payloads
 
     def line(i: int) -> bytes:
         record = pb.Record()

@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import pytest
 
-from wbmerge.content import LoggedRun
 from wbmerge.upload import (
     Held,
     RunListing,
@@ -20,6 +19,7 @@ from wbmerge.upload import (
     made_files_stale,
     not_held_whole,
 )
+from wbmerge.wandbcore.content import LoggedRun
 
 STAGED = StagedContent(step_items=(0, 1, 2, 5, 9), events=3, console_lines=4)
 

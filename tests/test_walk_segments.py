@@ -16,8 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wbmerge.merge.readers import RankReaders
-from wbmerge.txlog import (
+from wbmerge.log.txlog import (
     BLOCK_SIZE,
     CHUNK_HEADER_SIZE,
     FILE_HEADER,
@@ -34,6 +33,7 @@ from wbmerge.txlog import (
     walk_segments,
     write_payloads,
 )
+from wbmerge.merge.readers import RankReaders
 
 EMPTY_MIDDLE = struct.pack("<IHB", zlib.crc32(bytes([MIDDLE])), 0, MIDDLE)
 

@@ -34,10 +34,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .discover import OfflineRun
-from .discover import discover as _discover_runs
 from .errors import InputWarning, WbmergeError
-from .hints import make_hints
+from .identify.discover import OfflineRun
+from .identify.discover import discover as _discover_runs
+from .identify.hints import make_hints
 from .pipeline import MergeRequest, PlannedJob, SyncReport, UploadFailed, merge_jobs, plan_jobs
 from .pipeline import sync as _sync
 from .plan import RankScope, RunMode
@@ -47,10 +47,10 @@ from .upload.server import ServerError
 if TYPE_CHECKING:  # (imported where used: `sync` starts faster without them)
     from typing_extensions import Unpack
 
-    from .export import ExportResult
+    from .analyse.export import ExportResult
+    from .analyse.report import JobReport
     from .follow import FollowReport, RoundReport
     from .merge import Staged
-    from .report import JobReport
     from .sink import LocalSink
     from .upload import Progress
 
@@ -133,7 +133,7 @@ def inspect(
     primary: Sequence[str] | str = (),
 ) -> list[dict[str, Any]]:
     """What `wbmerge inspect --json` prints: a dict per run, after a full read of each."""
-    from .inspect import inspect_runs
+    from .identify.inspection import inspect_runs
 
     return inspect_runs(path_list(paths), make_hints(label_pattern, ranks_file, primary))
 
@@ -256,7 +256,7 @@ def export(
 ) -> ExportResult:
     """Write every rank's history and system metrics under `paths` to the Parquet file `out`:
     a value per row (long), or with `wide` a row per rank and step."""
-    from .export import export as _export
+    from .analyse.export import export as _export
 
     hints = make_hints(label_pattern, ranks_file, primary)
     return _export(path_list(paths), out, job=job, wide=wide, hints=hints)
@@ -276,7 +276,7 @@ def report(
     how much; `metrics` narrows the keys (default: the ones that tell most). `rank_stats`
     adds each history metric's statistics across ranks at its last step."""
     hints = make_hints(label_pattern, ranks_file, primary)
-    from .report import report as _report
+    from .analyse.report import report as _report
 
     named = [metrics] if isinstance(metrics, str) else list(metrics)
     return _report(path_list(paths), named, job, hints=hints, rank_stats=rank_stats)

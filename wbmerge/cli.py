@@ -96,7 +96,7 @@ def inspect(
     """List the offline runs under PATHS: rank (and where it came from), label, rows,
     completeness, damage."""
     from . import api
-    from .inspect import format_report, unreadable_summary
+    from .identify.inspection import format_report, unreadable_summary
 
     rows = api.inspect(paths, label_pattern=label_pattern, ranks_file=ranks_file, primary=primary)
     if as_json:
@@ -485,7 +485,7 @@ def export(
 ) -> None:
     """Write every rank's history and system metrics to one Parquet file."""
     from . import api
-    from .discover import few_ranks
+    from .identify.discover import few_ranks
 
     result = api.export(
         paths, out, job=job, wide=wide, label_pattern=label_pattern, ranks_file=ranks_file,
@@ -524,7 +524,7 @@ def report(
 ) -> None:
     """Per-rank skew of each metric: which rank is slow, and by how much."""
     from . import api
-    from .report_format import format_report
+    from .analyse.report_format import format_report
 
     reports = api.report(
         paths, metrics=metrics, job=job, label_pattern=label_pattern, ranks_file=ranks_file,

@@ -16,9 +16,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .discover import Job, OfflineRun, discover, group_jobs, merged_jobs, selects_merged
 from .errors import REFUSED, RERUN, InputWarning, Terminated, WbmergeError
-from .hints import make_hints
+from .identify.discover import Job, OfflineRun, discover, group_jobs, merged_jobs, selects_merged
+from .identify.hints import make_hints
 from .merge import MergeOptions, Staged, check_key_format, stage
 from .plan import Target, app_url, check_destination, links, plan, run_url
 from .rankstats import PerRank

@@ -30,10 +30,10 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from .errors import WbmergeError
-from .proto import pb
-from .records import record_kind
+from .log.proto import pb
+from .log.records import record_kind
+from .log.txlog import BLOCK_SIZE, read_frames
 from .safepaths import is_within
-from .txlog import BLOCK_SIZE, read_frames
 
 _ROOT_SCAN_RECORDS = 2000  # wandb writes the environment record among a run's first records
 _OPTION = "--files-from"

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from . import safepaths
 from .errors import WbmergeError
+from .log.proto import pb
 from .plan import Source, Target
-from .proto import pb
 from .savedfiles import copy_regular, follow_link, recorded_root
 
 # wandb's own files of a run: in a shared run, the primary's alone are kept.

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import records
-from ..proto import pb
-from ..txlog import LogWriter, ReadReport
+from ..log import records
+from ..log.proto import pb
+from ..log.txlog import LogWriter, ReadReport
 
 
 @dataclass(frozen=True)

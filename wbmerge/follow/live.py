@@ -18,10 +18,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..discover import Job, find_run_files, group_jobs, identify, merged_runs
 from ..errors import InputWarning, WbmergeError
-from ..jobs import Hints
-from ..offlinerun import OfflineRun, read_identity, scan
+from ..identify.discover import Job, find_run_files, group_jobs, identify, merged_runs
+from ..identify.jobs import Hints
+from ..identify.offlinerun import OfflineRun, read_identity, scan
 from ..plan import Source, Target
 
 NO_ROWS = -1  # the watermark of a target that may show no merged row yet

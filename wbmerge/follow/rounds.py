@@ -20,9 +20,9 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..discover import Job
 from ..errors import WbmergeError
-from ..hints import make_hints
+from ..identify.discover import Job
+from ..identify.hints import make_hints
 from ..merge import stage
 from ..pipeline import MergeRequest, PlannedJob, check_key_format, plan_found
 from ..plan import Target, app_url, check_destination

@@ -16,7 +16,7 @@ run, in two streaming passes over the ranks' logs (`shared`). The modules, one j
 - `console`: console lines and system metrics, labelled and merged by time.
 """
 
-from ..steps import RESERVED, Steps
+from ..log.steps import RESERVED, Steps
 from .options import DEFAULT_KEY_FORMAT, MergeOptions, check_key_format
 from .staging import Staged, stage
 

@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 from pathlib import Path
 
+from ..log.proto import pb
+from ..log.records import record_kind
+from ..log.txlog import LogWriter
 from ..plan import Source
-from ..proto import pb
-from ..records import record_kind
-from ..txlog import LogWriter
 
 # the record kinds pass 2 writes
 PASS_TWO = ("output_raw", "output", "stats")

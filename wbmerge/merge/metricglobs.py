@@ -18,7 +18,7 @@ from __future__ import annotations
 import string
 from collections.abc import Iterable, Iterator
 
-from ..proto import pb
+from ..log.proto import pb
 from ..rankstats import PerRank
 
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 
-from ..content import StagedContent
+from ..log.proto import pb
+from ..log.txlog import ReadReport
 from ..plan import Source
-from ..proto import pb
-from ..txlog import ReadReport
+from ..wandbcore.content import StagedContent
 
 
 @dataclass

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import records
-from ..content import ContentCounter
 from ..errors import WbmergeError
+from ..log import records
+from ..log.records import record_kind
+from ..log.steps import Steps, restep
+from ..log.txlog import BLOCK_SIZE, LogWriter, ReadReport, read_head
 from ..plan import Source, Target
-from ..records import record_kind
 from ..stagefiles import files_record
-from ..steps import Steps, restep
-from ..txlog import BLOCK_SIZE, LogWriter, ReadReport, read_head
+from ..wandbcore.content import ContentCounter
 from .console import console_and_stats
 from .options import MergeOptions
 from .outcome import Outcome, damage_warnings, is_record, not_a_record

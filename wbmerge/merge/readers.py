@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..txlog import (
+from ..log.txlog import (
     BLOCK_SIZE,
     FILE_HEADER,
     Frames,

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import wire
+from ..log import wire
+from ..log.txlog import LogWriter
 from ..rankstats_merge import MergedRankStats
-from ..txlog import LogWriter
 from .labels import Labelled, RankKeys, Row, names_of
 
 STEP_KEY = wire.key_part(["_step"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
+from ..log.proto import pb
 from ..plan import Target
-from ..proto import pb
 from ..topology import METADATA_KEY
 from .options import MergeOptions
 

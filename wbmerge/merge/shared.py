@@ -17,16 +17,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import items, records
+from ..log import items, records
+from ..log.proto import pb
+from ..log.records import record_kind
+from ..log.steps import RESERVED, Steps
+from ..log.txlog import BLOCK_SIZE, Frames, LogWriter, read_payloads
 from ..plan import Source, Target
-from ..proto import pb
 from ..rankstats import PerRank, bound_notice
 from ..rankstats_merge import MergedRankStats, MergedSpreads
-from ..records import record_kind
 from ..stagefiles import files_record
-from ..steps import RESERVED, Steps
 from ..streaming import allow_open_files
-from ..txlog import BLOCK_SIZE, Frames, LogWriter, read_payloads
 from .console import PASS_TWO, Spools, SpoolWriter, write_console_and_stats
 from .labels import KeyTable, Labelled, RankKeys, fold_summaries, label_rows
 from .metricglobs import glob_definitions, label_prefixes

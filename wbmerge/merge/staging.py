@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import safepaths
-from ..content import StagedContent
 from ..errors import WbmergeError
+from ..log.txlog import LogWriter
 from ..plan import Target
 from ..stagefiles import stage_files
 from ..streaming import streaming
-from ..txlog import LogWriter
+from ..wandbcore.content import StagedContent
 from .options import MergeOptions
 from .passthrough import write_passthrough
 

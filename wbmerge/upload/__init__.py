@@ -19,7 +19,7 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 
 from __future__ import annotations
 
-from ..content import StagedContent, read_staged
+from ..wandbcore.content import StagedContent, read_staged
 from .batches import PATIENCE, START_COST, UploadSlots, batch_lanes, batch_size, runs_to_ask
 from .credentials import Credentials, find_credentials
 from .deliver import Deliverer

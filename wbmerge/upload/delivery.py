@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..content import StagedContent
+from ..wandbcore.content import StagedContent
 
 
 @dataclass

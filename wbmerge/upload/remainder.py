@@ -29,10 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import records, sentrows
-from ..content import StagedContent
-from ..proto import pb
-from ..txlog import LogWriter, read_frames
+from ..log import records
+from ..log.proto import pb
+from ..log.txlog import LogWriter, read_frames
+from ..wandbcore import sentrows
+from ..wandbcore.content import StagedContent
 from .server import Held
 
 

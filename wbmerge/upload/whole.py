@@ -14,8 +14,8 @@ import re
 
 import yaml
 
-from ..content import LoggedRun, StagedContent
-from ..jobs import few
+from ..identify.jobs import few
+from ..wandbcore.content import LoggedRun, StagedContent
 from .remainder import same_value, shortfall
 from .server import Held, RunListing
 

@@ -19,8 +19,8 @@ from typing import BinaryIO
 
 import numpy as np
 
+from ..errors import NotATransactionLog
 from . import purewalk
-from .errors import NotATransactionLog
 
 try:  # the compiled block walk; its Python twin where it is not built or not wanted
     if os.environ.get("WBMERGE_PURE"):
@@ -259,7 +259,7 @@ def walk_segments(
     walk: str = DEFAULT_WALK,
 ) -> Walked:
     """The records of segments of logs laid out in `buf`, all their blocks walked in one
-    compiled pass (`wbmerge/_walk.c`).
+    compiled pass (`wbmerge/log/_walk.c`).
 
     Segment i is `buf[starts[i]:ends[i]]`, a log's chunks from `starts[i]` (after the file
     header, or where an earlier read stopped) on; `partials[i]`, the record that read left

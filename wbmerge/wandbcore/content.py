@@ -15,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import records, sentrows, terminal
-from .proto import pb
+from ..log import records
+from ..log.proto import pb
+from . import sentrows, terminal
 
 
 @dataclass(frozen=True)

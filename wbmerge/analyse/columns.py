@@ -19,12 +19,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import items, records, wire
-from .discover import Job
-from .plan import Source
-from .proto import pb
-from .steps import RESERVED, Steps
-from .txlog import ReadReport
+from ..identify.discover import Job
+from ..log import items, records, wire
+from ..log.proto import pb
+from ..log.steps import RESERVED, Steps
+from ..log.txlog import ReadReport
+from ..plan import Source
 
 HISTORY = "history"
 SYSTEM = "system"

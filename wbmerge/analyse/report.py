@@ -1,7 +1,7 @@
 """`wbmerge report`: per-rank skew of a job's metrics, from the offline runs alone.
 
 For each metric: every rank's mean, last, min and max; across ranks, at the steps two or
-more ranks logged, the spread (`wbmerge.spread`: (max - min) / |median|, the definition
+more ranks logged, the spread (`wbmerge.analyse.spread`: (max - min) / |median|, the definition
 `--skew-metrics` uses too; its mean and worst over the steps); the
 highest and lowest rank by mean and, for metrics whose name says which way is faster
 (throughput, step time), the slowest and fastest; and the outlier ranks: those whose mean
@@ -23,13 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import WbmergeError
+from ..identify.discover import Job, discover, few_ranks, group_jobs
+from ..identify.jobs import Hints
+from ..rankstats import one_step
+from ..streaming import streaming
 from .columns import HISTORY, rank_columns, rank_sources
-from .discover import Job, discover, few_ranks, group_jobs
-from .errors import WbmergeError
-from .jobs import Hints
-from .rankstats import one_step
 from .spread import spreads
-from .streaming import streaming
 
 _FASTER_WHEN_HIGHER = re.compile(r"per_s(ec)?\b|/s$|throughput|samples_per|tokens_per|it/s|fps")
 _FASTER_WHEN_LOWER = re.compile(r"time|latency|duration|_ms$|seconds")

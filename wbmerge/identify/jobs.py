@@ -40,10 +40,10 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from ..topology import RankInfo, validate
 from . import rankclaims
 from .placement import Place, Unresolved, place_ranks
 from .rankclaims import Claim
-from .topology import RankInfo, validate
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The block walk's Python twin: what `txlog.walk_segments` runs where `_walk` is not built.
 
-`walk` takes the arguments of the compiled walk (wbmerge/_walk.c, whose comment describes
+`walk` takes the arguments of the compiled walk (wbmerge/log/_walk.c, whose comment describes
 the format) and gives the same answers, only slower: it is a line-for-line port. A
 platform without a compiler, or a build that skipped the extensions, still reads every
 log. `WBMERGE_PURE=1` in the environment makes wbmerge use the Python twins although the

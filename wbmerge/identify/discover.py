@@ -15,11 +15,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import jobs, records
-from .errors import InputWarning, WbmergeError
+from ..errors import InputWarning, WbmergeError
+from ..log import records
+from ..plan import run_id_from_file
+from . import jobs
 from .jobs import Hints, RunFacts, few
 from .offlinerun import OfflineRun, read_identity, scan
-from .plan import run_id_from_file
 
 
 def find_run_files(paths: Iterable[str | Path]) -> list[Path]:

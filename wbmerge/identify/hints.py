@@ -19,11 +19,11 @@ import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from .errors import WbmergeError
+from ..errors import WbmergeError
+from ..plan import check_run_id
+from ..topology import MAX_RANKS, rank_number
 from .jobs import GivenRank, Hints
-from .plan import check_run_id
 from .rankclaims import compile_pattern
-from .topology import MAX_RANKS, rank_number
 
 _COLUMNS = ("rank", "local_rank", "worker", "restart")
 

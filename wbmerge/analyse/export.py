@@ -18,13 +18,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import safepaths
+from .. import safepaths
+from ..errors import WbmergeError
+from ..identify.discover import Job, discover, group_jobs
+from ..identify.jobs import Hints
+from ..plan import Source
+from ..streaming import streaming
 from .columns import HISTORY, Columns, rank_columns, rank_sources
-from .discover import Job, discover, group_jobs
-from .errors import WbmergeError
-from .jobs import Hints
-from .plan import Source
-from .streaming import streaming
 
 _TEXT = pa.dictionary(pa.int32(), pa.string())
 # Who each value is from, the same for a whole read of a rank: made once a row group

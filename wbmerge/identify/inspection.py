@@ -13,12 +13,12 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from ..errors import NotATransactionLog
+from ..log.proto import pb
+from ..log.records import record_kind
+from ..log.txlog import read_frames
 from .discover import OfflineRun, discover, job_problem
-from .errors import NotATransactionLog
 from .jobs import Hints
-from .proto import pb
-from .records import record_kind
-from .txlog import read_frames
 
 
 def describe(run: OfflineRun) -> dict[str, Any]:

@@ -192,7 +192,7 @@ class RecordIndex:
 
 @dataclass(frozen=True)
 class ProvenHistory:
-    """What one compiled pass (`wbmerge/_records.c`) proves of history records.
+    """What one compiled pass (`wbmerge/log/_records.c`) proves of history records.
 
     `proven[i]`: record i is certainly a history record protobuf parses, in the shape wandb
     writes them (`num`, then `history` of items and a step; every key and value valid

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import WbmergeError
-from .plan import RANK_SCOPES, RUN_MODES, Source, Target, check_run_id
-from .topology import RankInfo
+from ..errors import WbmergeError
+from ..plan import RANK_SCOPES, RUN_MODES, Source, Target, check_run_id
+from ..topology import RankInfo
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import WbmergeError
+from ..errors import WbmergeError
+from ..wandbcore.sentrows import item_path
 from .proto import pb
-from .sentrows import item_path
 
 # W&B's own keys: never labelled; in a merged row and summary they are the primary's
 RESERVED = ("_step", "_runtime", "_timestamp", "_wandb")

@@ -19,14 +19,15 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from . import rankclaims, records
-from .errors import NotATransactionLog, WbmergeError
+from ..errors import NotATransactionLog, WbmergeError
+from ..log import records
+from ..log.proto import pb
+from ..log.records import record_kind
+from ..log.txlog import BLOCK_SIZE, FILE_HEADER, Frames, ReadReport, read_frames, read_tail
+from ..plan import Source, Target, run_id_from_file
+from ..topology import METADATA_KEY, RankInfo
+from . import rankclaims
 from .merged import MergedBy, is_merge_block, merged_by, merged_target
-from .plan import Source, Target, run_id_from_file
-from .proto import pb
-from .records import record_kind
-from .topology import METADATA_KEY, RankInfo
-from .txlog import BLOCK_SIZE, FILE_HEADER, Frames, ReadReport, read_frames, read_tail
 
 _STATS_LABEL = re.compile(r"/l:(.+)$")
 _OUTPUT_LABEL = re.compile(r"^output_(.+)\.log$")
