@@ -182,28 +182,46 @@ def test_the_gpu_a_process_used_ranks_runs_that_say_nothing_else():
     "gpus, local_ranks",
     [
         ((4, 5, 6, 7), (0, 1, 2, 3)),  # CUDA_VISIBLE_DEVICES=4,5,6,7 on an 8-GPU machine
-        ((6, 2, 4, 0), (3, 1, 2, 0)),  # =0,2,4,6, the runs started in another order
-        ((0, 1, 2, 3), (0, 1, 2, 3)),  # all the machine's GPUs: as they are
+        ((7, 5, 3), (2, 1, 0)),  # =3,5,7, the runs started in another order
     ],
 )
-def test_a_job_on_some_gpus_of_a_machine_numbers_its_ranks_by_their_order(gpus, local_ranks):
+def test_gpus_whose_numbers_cannot_be_local_ranks_are_read_by_order_as_a_guess(gpus, local_ranks):
     runs = [facts(f"g{n}", start=n, process_gpus=(gpu,)) for n, gpu in enumerate(gpus)]
     got, found = ranks_of(runs)
-    assert {k: v[:4] for k, v in got.items()} == {
-        f"g{n}": (local, local, 0, "gpu") for n, local in enumerate(local_ranks)
+    assert {k: v for k, v in got.items()} == {
+        f"g{n}": (local, local, 0, "gpu", True) for n, local in enumerate(local_ranks)
     }
-    assert not any("disagrees" in w.message for w in found.warnings)
+    [said] = [w.message for w in found.warnings if "order of the GPUs" in w.message]
+    assert f"g0 on GPU {gpus[0]} as local rank {local_ranks[0]}" in said
+    assert "holds only if no rank's run is missing" in said
+
+
+@pytest.mark.parametrize(
+    "gpus, config, ranks, world",
+    [
+        ((0, 1, 2, 3), {}, (0, 1, 2, 3), 4),  # all the machine's GPUs: the local ranks
+        ((0, 1, 2, 4, 5, 6, 7), {}, (0, 1, 2, 4, 5, 6, 7), 8),  # GPU 3's rank is missing
+        ((2, 3), {"world_size": 4}, (2, 3), 4),  # a stated world size: ranks 0-1 missing
+    ],
+)
+def test_gpus_are_taken_as_they_are_where_they_can_be_local_ranks(gpus, config, ranks, world):
+    runs = [facts(f"g{n}", start=n, process_gpus=(gpu,), config=config)
+            for n, gpu in enumerate(gpus)]  # fmt: skip
+    found = identify(runs)
+    got = {runs[i].run_id: (ident.rank.rank, ident.rank.world_size, ident.source)
+           for i, ident in found.identities.items()}  # fmt: skip
+    assert got == {f"g{n}": (rank, world, "gpu") for n, rank in enumerate(ranks)}
+    assert not [w for w in found.warnings if "order of the GPUs" in w.message]
 
 
 def test_gpus_of_runs_on_two_hosts_are_ordered_per_host():
     runs = [
-        facts(f"{host}{gpu}", start=gpu, host=host, label=f"{host}-rank-{local}",
-              process_gpus=(gpu,))
-        for host in ("a", "b") for local, gpu in enumerate((2, 3))
+        facts(f"{host}{gpu}", start=gpu, host=host, process_gpus=(gpu,))
+        for host in ("a", "b") for gpu in (2, 3)
     ]  # fmt: skip
     got, found = ranks_of(runs)
     assert {k: v[1] for k, v in got.items()} == {"a2": 0, "a3": 1, "b2": 0, "b3": 1}
-    assert not any("disagrees" in w.message for w in found.warnings)
+    assert all(v[4] for v in got.values())  # (a guess: which host is worker 0, and the GPUs)
 
 
 def test_every_process_on_gpu_0_is_no_evidence_and_the_rank_0_is_a_guess():
@@ -444,6 +462,37 @@ def test_recorded_gpu_stats_rank_a_plain_job(tmp_path):
     }
     result = CliRunner().invoke(main, ["sync", "--dry-run", "--run-mode", "auto", str(job)])
     assert result.exit_code == 0, result.output
+
+
+def test_a_job_on_gpus_4_to_7_is_numbered_by_gpu_order_and_auto_asks_first(tmp_path):
+    """The same runs recorded on GPUs 4-7 of an 8-GPU machine (`CUDA_VISIBLE_DEVICES`):
+    local ranks by the GPUs' order, marked a guess, so `auto` names the ways out and
+    `--rank-order start` accepts the order."""
+    job = tmp_path / "job"
+    shutil.copytree(job_dir("recipe_group_reversed"), job)
+    logs = sorted(job.glob("wandb/offline-run-*/run-*.wandb"))
+    truth = {log.parent.name[-8:]: logged_rank(log.parent) for log in logs}
+    for log in logs:
+        rank = truth[log.parent.name[-8:]]
+
+        def add_gpu(record, rank=rank):
+            if record.WhichOneof("record_type") != "stats":
+                return None
+            record.stats.item.extend(gpu_stats(4 + rank, gpus=8))
+            return record
+
+        rewrite_log(log, add_gpu)
+    rows = inspect_rows(job)
+    assert {r["run_id"]: (r["rank"], r["source"], r["rank_guessed"]) for r in rows} == {
+        run_id: (rank, "gpu", True) for run_id, rank in truth.items()
+    }
+    refused = CliRunner().invoke(main, ["sync", "--dry-run", "--run-mode", "auto", str(job)])
+    assert refused.exit_code == 2
+    assert "read from the order of the GPUs its runs used" in refused.stderr
+    accepted = CliRunner().invoke(
+        main, ["sync", "--dry-run", "--run-mode", "auto", "--rank-order", "start", str(job)]
+    )
+    assert accepted.exit_code == 0, accepted.output
 
 
 def test_a_real_gpu_job_names_each_process_gpu(tmp_path):

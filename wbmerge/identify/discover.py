@@ -241,6 +241,14 @@ class Job:
         """Why this job, whose rank 0 is a guess (its first run to start, or the local rank 0
         of the host first by name), is not uploaded in `run_mode` (auto uploads rank 0 alone;
         shared takes its config, summary and exit code), and the ways out, in one line."""
+        if all(run.rank_source == "gpu" for run in self.runs):
+            return (
+                f"job {self.job_id}: its ranks are read from the order of the GPUs its runs "
+                "used, which holds only if no rank's run is missing, so its rank 0 is a "
+                f"guess; --run-mode {run_mode} takes rank 0's run as the job's. Say every rank "
+                "with --ranks FILE, accept the GPUs' order with --rank-order start, or upload "
+                "a run per rank with --run-mode new"
+            )
         if any(run.rank_source != "order" for run in self.runs):
             hosts = sorted({run.host for run in self.runs})
             return (

@@ -305,7 +305,9 @@ def _identify_job(
     """Identify one job's runs from their most explicit claims, or, when those contradict
     each other, from what the runs say besides (the doubtful sources left out in turn)."""
     candidates = rankclaims.gpus_in_order(
-        {i: candidates[i] for i in members}, {i: runs[i].host for i in members}
+        {i: candidates[i] for i in members},
+        {i: runs[i].host for i in members},
+        [i for i in members if rankclaims.states_a_size(runs[i].config)],
     )
     claims = {i: candidates[i][0] for i in members}
     failure = _try_job(runs, claims, members, out, pattern_given, job_id, hints)
@@ -443,9 +445,22 @@ def _settle(
             )
         )
         labels = {i: infos[i].label for i in members}
-    guessed = any(places[i].worker_guessed for i in members)
+    gpu_order = [i for i in members if claims[i].form == "gpu-order"]
+    guessed = any(places[i].worker_guessed for i in members) or bool(gpu_order)
     for i in members:
         out.identities[i] = Identity(infos[i], claims[i].source, labels[i], guessed)
+    if gpu_order:
+        read = ", ".join(
+            f"{runs[i].run_id} on GPU {min(runs[i].process_gpus)} as local rank {infos[i].local_rank}"
+            for i in sorted(gpu_order, key=lambda i: infos[i].rank)
+        )
+        out.warnings.append(
+            Notice(
+                tuple(members),
+                f"job {job_id}: its ranks are read from the order of the GPUs its runs used "
+                f"({read}), which holds only if no rank's run is missing",
+            )
+        )
     if guessed:
         order = ", ".join(
             f"worker {infos[i].worker}={runs[i].host or runs[i].describe()}"

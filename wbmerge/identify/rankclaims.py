@@ -297,31 +297,46 @@ def gpu_claim(process_gpus: Iterable[int]) -> Claim | None:
     return Claim("gpu", local_rank=gpus.pop(), form="gpu")
 
 
+def states_a_size(config: Mapping[str, object]) -> bool:
+    """Whether a run's config states a world size or a local world size (any case)."""
+    lowered = {str(k).lower(): v for k, v in config.items()}
+    keys = (*CONFIG_KEYS["world_size"], *CONFIG_KEYS["local_world_size"])
+    return any(_whole_number(lowered.get(key)) for key in keys)
+
+
 def gpus_in_order(
-    candidates: Mapping[int, list[Claim]], hosts: Mapping[int, str]
+    candidates: Mapping[int, list[Claim]], hosts: Mapping[int, str], sized: Iterable[int] = ()
 ) -> dict[int, list[Claim]]:
     """The runs' claims with each GPU claim made a local rank by its GPU's place among the
-    GPUs of its host, where every run of that host used one GPU of its own.
+    GPUs of its host, where the GPUs' own numbers cannot be the local ranks.
 
     wandb records a GPU by the machine's number for it, while torchrun binds local rank N to
     the N-th GPU the job may use. A job given GPUs 4-7 of an 8-GPU machine
     (`CUDA_VISIBLE_DEVICES=4,5,6,7`) has its ranks on GPUs 4, 5, 6 and 7: local ranks 0-3,
-    not 4-7. Where a run of the host has no GPU claim, or two share a GPU, the numbers are
-    left as they are (the order of the others would not say their local ranks).
-    `candidates` and `hosts` are keyed alike (a run's index).
+    not 4-7. Only a host whose runs each used a GPU of their own, the lowest above 0, and
+    that state no world size, is read so; and since the order holds only if no rank's run
+    is missing (GPUs 2 and 3 may be ranks 2 and 3 of a job whose first two runs are gone),
+    such claims are marked (`form` "gpu-order"): the job's rank 0 is then a guess, said as
+    one. `candidates` and `hosts` are keyed alike (a run's index); `sized` are the runs that
+    state a world size elsewhere (their config), whose hosts are left as they are.
     """
     by_host: dict[str, dict[int, int]] = {}
+    sized_hosts = {hosts[i] for i in sized}
     for i, claims in candidates.items():
         gpu = next((c.local_rank for c in claims if c.source == "gpu"), None)
         by_host.setdefault(hosts[i], {})[i] = -1 if gpu is None else gpu
+        if any(c.world_size or c.local_world_size for c in claims):
+            sized_hosts.add(hosts[i])
     renumbered: dict[int, int] = {}
-    for gpus in by_host.values():
+    for host, gpus in by_host.items():
         used = sorted(gpus.values())
-        if used[0] >= 0 and len(set(used)) == len(used):
+        if used[0] > 0 and len(set(used)) == len(used) and host not in sized_hosts:
             renumbered.update({i: used.index(gpu) for i, gpu in gpus.items()})
     return {
         i: [
-            replace(c, local_rank=renumbered[i]) if c.source == "gpu" and i in renumbered else c
+            replace(c, local_rank=renumbered[i], form="gpu-order")
+            if c.source == "gpu" and i in renumbered
+            else c
             for c in claims
         ]  # fmt: skip
         for i, claims in candidates.items()
