@@ -216,7 +216,7 @@ def test_sync_uploads_and_verifies(sink, tmp_path, monkeypatch):
 
 
 def test_a_type_checker_names_a_wrong_option_or_run_mode(tmp_path):
-    """The API's keywords are typed (`MergeOptions`), so a misspelt option or a run mode
+    """The API's keywords are typed (`RequestOptions`), so a misspelt option or a run mode
     that does not exist is found before anything runs, and results have their types."""
     script = tmp_path / "user.py"
     script.write_text(
@@ -245,15 +245,27 @@ def test_a_type_checker_names_a_wrong_option_or_run_mode(tmp_path):
 
 
 def test_the_typed_options_are_the_requests_fields():
-    assert set(api.MergeOptions.__annotations__) == option_names()
+    assert set(api.RequestOptions.__annotations__) == option_names()
 
 
 @pytest.mark.e2e
 def test_a_sink_started_from_python_takes_a_sync_and_stops(tmp_path, monkeypatch):
+    import os
     import socket
+    import stat
 
-    with api.start_sink(tmp_path / "sink", port=0) as sink:
+    old_umask = os.umask(0o022)  # (what most shells give: the log must not follow it)
+    try:
+        sink = api.start_sink(tmp_path / "sink", port=0)
+    finally:
+        os.umask(old_umask)
+    with sink:
         assert sink.api_key == (tmp_path / "sink" / "api-key").read_text().strip()
+        log = tmp_path / "sink.log"
+        assert sink.api_key in log.read_text()  # (its first lines say the key) ...
+        assert stat.S_IMODE(log.stat().st_mode) == 0o600  # ... so it is the owner's alone
+        with pytest.raises(WbmergeError, match="runs already"):
+            sink.start()
         for name, value in {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}.items():
             monkeypatch.setenv(name, value)
         result = api.sync(job_dir("one_node_4"), run_mode="auto", project="from-python")
@@ -274,3 +286,25 @@ def test_a_sink_started_from_python_takes_a_sync_and_stops(tmp_path, monkeypatch
         busy = taken.getsockname()[1]
         with pytest.raises(WbmergeError, match=f"cannot serve on 127.0.0.1:{busy}"):
             api.start_sink(tmp_path / "other", port=busy)
+
+
+@pytest.mark.e2e
+def test_a_sink_left_running_stops_when_its_python_ends(tmp_path):
+    script = (
+        "import sys\n"
+        "from wbmerge import api\n"
+        f"sink = api.start_sink({str(tmp_path / 'sink')!r}, port=0)\n"
+        "print(sink.process.pid, sink.url.rsplit(':', 1)[1], flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    pid, port = map(int, done.stdout.split())
+    import os
+    import socket
+
+    with pytest.raises(ConnectionRefusedError):  # (nothing holds its port any more)
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    with pytest.raises(ProcessLookupError):  # (stopped and reaped before its Python ended)
+        os.kill(pid, 0)

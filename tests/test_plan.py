@@ -14,6 +14,7 @@ from wbmerge.plan import (
     RUN_ID_RESERVED,
     Source,
     app_url,
+    check_destination,
     check_run_id,
     group_url,
     links,
@@ -244,6 +245,34 @@ def test_the_planner_and_the_sink_accept_the_same_run_ids(char):
     except sink_names.BadName:
         filed = False
     assert planned == filed, run_id
+
+
+@pytest.mark.parametrize("length", [127, 128, 129, 255, 256])
+@pytest.mark.parametrize("char", ["x", "é", "€"])
+def test_the_planner_and_the_sink_agree_on_long_names(length, char):
+    name = char * length
+    try:
+        check_run_id(name)
+        planned_id = True
+    except WbmergeError:
+        planned_id = False
+    try:
+        sink_names.check_run_id(name)
+        filed_id = True
+    except sink_names.BadName:
+        filed_id = False
+    assert planned_id == filed_id == (len(name.encode()) <= 255)
+    try:
+        check_destination(name, None)
+        planned_project = True
+    except WbmergeError:
+        planned_project = False
+    try:
+        sink_names.check_project(name)
+        filed_project = True
+    except sink_names.BadName:
+        filed_project = False
+    assert planned_project == filed_project == (length <= 128 and len(name.encode()) <= 255)
 
 
 def test_the_docs_list_the_reserved_characters_of_the_rules():

@@ -11,7 +11,7 @@
     reports = api.report(["./wandb"], metrics=["train/loss"])  # which rank is slow
 
 The merge options (`plan`, `merge`, `sync`, `follow`) are the fields of `MergeRequest`,
-given by keyword and typed by `MergeOptions` (a run mode is a `RunMode`, `"auto"`,
+given by keyword and typed by `RequestOptions` (a run mode is a `RunMode`, `"auto"`,
 `"shared"` or `"new"`, a rank scope a `RankScope`): `run_mode`, `rank_scope`, `base_id`, `job`, `allow_missing_ranks`,
 `system_metrics`, `key_format`, `skew_metrics`, `rank_stats`, `per_rank`, `project`,
 `entity`, `job_type`, `label_pattern`, `ranks_file`, `primary`, `rank_order`,
@@ -41,7 +41,7 @@ from .identify.hints import make_hints
 from .pipeline import MergeRequest, PlannedJob, SyncReport, UploadFailed, merge_jobs, plan_jobs
 from .pipeline import sync as _sync
 from .plan import RankScope, RunMode
-from .request import MergeOptions
+from .request import RequestOptions
 from .upload.server import ServerError
 
 if TYPE_CHECKING:  # (imported where used: `sync` starts faster without them)
@@ -58,7 +58,7 @@ Paths = Sequence[str | Path] | str | Path  # one path, or several
 
 __all__ = [
     "InputWarning",
-    "MergeOptions",
+    "RequestOptions",
     "MergeRequest",
     "RankScope",
     "RunMode",
@@ -87,7 +87,7 @@ def path_list(paths: Paths) -> list[str | Path]:
     return list(paths)
 
 
-def request(paths: Paths, **options: Unpack[MergeOptions]) -> MergeRequest:
+def request(paths: Paths, **options: Unpack[RequestOptions]) -> MergeRequest:
     """The request a merge or sync of `paths` with these options makes (checked by name)."""
     try:
         return MergeRequest(paths=path_list(paths), **options)
@@ -138,7 +138,7 @@ def inspect(
     return inspect_runs(path_list(paths), make_hints(label_pattern, ranks_file, primary))
 
 
-def plan(paths: Paths, **options: Unpack[MergeOptions]) -> list[PlannedJob]:
+def plan(paths: Paths, **options: Unpack[RequestOptions]) -> list[PlannedJob]:
     """The jobs found under `paths` and the runs a merge would create for each (pure: no
     file is written). Options are the fields of `MergeRequest`."""
     return plan_jobs(request(paths, **options))
@@ -150,7 +150,7 @@ def merge(
     *,
     progress: Callable[[Staged], None] | None = None,
     planned: list[PlannedJob] | None = None,
-    **options: Unpack[MergeOptions],
+    **options: Unpack[RequestOptions],
 ) -> list[Staged]:
     """Write the merged offline runs of `paths` under `out` (no upload); a `Staged` per run.
 
@@ -183,7 +183,7 @@ def sync(
     upload_progress: Callable[[Progress], None] | None = None,
     on_wait: Callable[[str], None] | None = None,
     planned: list[PlannedJob] | None = None,
-    **options: Unpack[MergeOptions],
+    **options: Unpack[RequestOptions],
 ) -> SyncReport:
     """Merge `paths` and upload each run exactly once with `wandb sync`, verified.
 
@@ -220,7 +220,7 @@ def follow(
     on_wait: Callable[[str], None] | None = None,
     on_idle: Callable[[list[str]], None] | None = None,
     restart_grace: float = 60.0,
-    **options: Unpack[MergeOptions],
+    **options: Unpack[RequestOptions],
 ) -> FollowReport:
     """`sync --follow`: keep the merged runs of a job that is still training up to date,
     a round every `interval` seconds, until every rank has finished (or nothing changed

@@ -50,7 +50,7 @@ class MergeRequest:
                                    f"{getattr(self, name)!r}")  # fmt: skip
 
 
-class MergeOptions(TypedDict, total=False):
+class RequestOptions(TypedDict, total=False):
     """The keywords `api.plan`, `api.merge`, `api.sync` and `api.follow` take: the fields of
     `MergeRequest` but `paths`, each typed, so that a type checker names a misspelt option
     or a run mode that does not exist."""

@@ -19,9 +19,10 @@ from .targets import (
     run_id_from_file,
 )
 from .urls import app_url, group_url, links, run_url
-from .wandbnames import NAME_MAX_CHARS, PROJECT_RESERVED, RUN_ID_RESERVED
+from .wandbnames import NAME_MAX_BYTES, NAME_MAX_CHARS, PROJECT_RESERVED, RUN_ID_RESERVED
 
 __all__ = [
+    "NAME_MAX_BYTES",
     "NAME_MAX_CHARS",
     "PROJECT_RESERVED",
     "RANK_SCOPES",

@@ -21,6 +21,9 @@ from __future__ import annotations
 RUN_ID_RESERVED = ":;,#?/'%\\"
 PROJECT_RESERVED = "/\\#?%:"  # also held for entities: both are parts of every run's URL
 NAME_MAX_CHARS = 128  # wandb's limit for project names, used for entities too
+# Every name becomes a folder's name somewhere (in the sink, in exports): what Linux file
+# systems hold in one path component, as UTF-8.
+NAME_MAX_BYTES = 255
 
 
 def run_id_problem(run_id: str) -> str | None:
@@ -32,6 +35,8 @@ def run_id_problem(run_id: str) -> str | None:
         return f"W&B run ids cannot contain {' '.join(reserved)}"
     if run_id in (".", "..") or any(ord(c) < 32 or ord(c) == 127 for c in run_id):
         return "not a name a URL path can hold"
+    if len(run_id.encode("utf-8", "surrogatepass")) > NAME_MAX_BYTES:
+        return f"longer than {NAME_MAX_BYTES} bytes"
     return None
 
 
@@ -44,4 +49,6 @@ def name_problem(kind: str, name: str) -> str | None:
         return "not a name a URL path can hold"
     if len(name) > NAME_MAX_CHARS:
         return f"longer than W&B's {NAME_MAX_CHARS} characters"
+    if len(name.encode("utf-8", "surrogatepass")) > NAME_MAX_BYTES:
+        return f"longer than {NAME_MAX_BYTES} bytes"
     return None

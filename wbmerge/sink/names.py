@@ -10,10 +10,10 @@ NUL and other control characters are refused everywhere.
 
 from __future__ import annotations
 
-from ..plan import NAME_MAX_CHARS, PROJECT_RESERVED, RUN_ID_RESERVED
+from ..plan import NAME_MAX_BYTES, NAME_MAX_CHARS, PROJECT_RESERVED, RUN_ID_RESERVED
 
 DEFAULT_ENTITY = "local"  # the entity of requests that name none
-COMPONENT_MAX_BYTES = 255  # what Linux file systems hold in one path component
+COMPONENT_MAX_BYTES = NAME_MAX_BYTES
 FILE_NAME_MAX_BYTES = 1024
 
 _PROJECT_RESERVED = set(PROJECT_RESERVED)

@@ -9,6 +9,8 @@ is ready; the key is the one the sink keeps in its data directory.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import subprocess
 import sys
@@ -44,6 +46,7 @@ class LocalSink:
         self.faults = tuple(faults)
         self.allow_faults = allow_faults
         self.process: subprocess.Popen[bytes] | None = None
+        self._at_exit: functools.partial[None] | None = None
         self.url = ""
         self.api_key = ""
 
@@ -53,6 +56,8 @@ class LocalSink:
         return self.data_dir.parent / f"{self.data_dir.name}.log"
 
     def start(self) -> LocalSink:
+        if self.process is not None and self.process.poll() is None:
+            raise WbmergeError(f"the sink at {self.url or self.data_dir} runs already")
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         port_file = self.data_dir / "port"
         port_file.unlink(missing_ok=True)
@@ -62,23 +67,35 @@ class LocalSink:
             command += ["--fault", fault]
         if self.allow_faults:
             command.append("--allow-faults")
-        with open(self.log_path, "ab") as log:
+        # The sink's first lines hold its key: its log is the owner's alone, and this start's.
+        log = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(log, 0o600)
             self.process = subprocess.Popen(command, stdout=log, stderr=log)
-        deadline = time.monotonic() + START_SECONDS
-        while not port_file.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise WbmergeError(f"the sink did not start: {self._last_line()}")
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{port_file.read_text()}"
-        self.api_key = read_api_key(self.data_dir)  # made on the sink's first start
+        finally:
+            os.close(log)
+        # A sink left running when this process ends would hold its port: stop it then.
+        self._at_exit = functools.partial(_stop, self.process)
+        atexit.register(self._at_exit)
+        try:
+            deadline = time.monotonic() + START_SECONDS
+            while not port_file.exists():
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise WbmergeError(f"the sink did not start: {self._last_line()}")
+                time.sleep(0.05)
+            self.url = f"http://127.0.0.1:{port_file.read_text()}"
+            self.api_key = read_api_key(self.data_dir)  # made on the sink's first start
+        except BaseException:  # (also Ctrl-C while it starts: no sink is left behind)
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:
-        """End the sink (SIGTERM, then wait); stopping a stopped sink does nothing."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=30)
+        """End the sink (SIGTERM, then SIGKILL after 30 s); stopping a stopped sink does
+        nothing."""
+        if self.process is not None:
+            _stop(self.process)
+            atexit.unregister(self._at_exit)
 
     @property
     def env(self) -> dict[str, str]:
@@ -99,3 +116,13 @@ class LocalSink:
         trace: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
