@@ -23,10 +23,16 @@ def walk(
 ) -> tuple[bytes, bytearray, bytearray, bytearray, bytearray, list[list[bytes]]]:
     """`_walk.walk`: the records of segments of logs laid out in `buf` (see the C)."""
     count = len(partials)
+    for name, given in (("starts", starts), ("ends", ends)):
+        if len(given) != 8 * count:
+            raise ValueError(f"{name}: {count} segments expected")
     segment_starts = struct.unpack(f"<{count}q", starts)
     segment_ends = struct.unpack(f"<{count}q", ends)
     if len(ended) != count:
         raise ValueError("ended: one byte per segment expected")
+    if not all(isinstance(given, list) and all(type(piece) is bytes for piece in given)
+               for given in partials):  # fmt: skip
+        raise TypeError("partials: a list of bytes per segment expected")
     joined = bytearray()
     record_starts: list[int] = []
     record_ends: list[int] = []
