@@ -17,6 +17,7 @@ from ..log.txlog import BLOCK_SIZE, LogWriter, ReadReport, read_head
 from ..plan import Source, Target
 from ..stagefiles import files_record
 from ..wandbcore.content import ContentCounter
+from .artifacts import ArtifactRecords
 from .console import console_and_stats
 from .options import MergeOptions
 from .outcome import Outcome, damage_warnings, is_record, not_a_record
@@ -24,9 +25,11 @@ from .runrecord import exit_code, exit_record, rewrite_run
 
 _PASSTHROUGH_READ = 128 * BLOCK_SIZE
 # records a pass-through does not copy as they are (and history records a restart moves)
-_RUN, _HEADER, _EXIT, _FILES = (records.code(k) for k in ("run", "header", "exit", "files"))
+_RUN, _HEADER, _EXIT, _FILES, _ARTIFACT = (
+    records.code(k) for k in ("run", "header", "exit", "files", "artifact")
+)
 _UNKNOWN = 0  # the kind code of a record of no known kind (checked before it is copied)
-_SPECIAL = [_RUN, _HEADER, _EXIT, _FILES, _UNKNOWN]
+_SPECIAL = [_RUN, _HEADER, _EXIT, _FILES, _ARTIFACT, _UNKNOWN]
 _HEAD_BLOCKS = 64  # how far a log's head may reach: its run record and the records beside it
 
 
@@ -35,11 +38,14 @@ def write_passthrough(
     writer: LogWriter,
     options: MergeOptions,
     count_content: bool = False,
+    artifacts: ArtifactRecords | None = None,
 ) -> Outcome:
-    """A rank's records as they are (restarts concatenated), the run record rewritten and
+    """A rank's records as they are (restarts concatenated), the run record rewritten,
     `files` records without the paths that would lead the uploader out of the run's files
-    (`stagefiles.files_record`): one clean log by copying its blocks (`write_spliced`),
-    anything else record by record."""
+    (`stagefiles.files_record`) and artifact records filed under the target run
+    (`artifacts`): one clean log by copying its blocks (`write_spliced`), anything else
+    record by record."""
+    artifacts = artifacts or ArtifactRecords(target, options)
     if len(target.sources) == 1 and not target.extra_system_sources:
         spliced = write_spliced(target.sources[0], target, writer, options, count_content)
         if spliced is not None:
@@ -78,6 +84,8 @@ def write_passthrough(
                     exit_payload = payload
                 elif kind == "files":
                     body.write(files_record(payload, source, warnings))
+                elif kind == "artifact":
+                    body.write(artifacts.rewrite(payload, source))
                 elif kind is None:
                     if is_record(payload):
                         body.write(payload)
@@ -160,8 +168,8 @@ def write_spliced(
 
     Returns None, having written nothing, for any other log: damaged or truncated, without
     exactly one exit record, with a run or header record after the head, with a `files`
-    record that must be changed or a record of no known kind that is not valid protobuf,
-    or too short.
+    record that must be changed, an artifact record (each is rewritten) or a record of no
+    known kind that is not valid protobuf, or too short.
     """
     report = ReadReport()
     counts = np.zeros(256, np.int64)
@@ -181,7 +189,7 @@ def write_spliced(
             copyable = copyable and files_record(payload, source, []) == payload
         for index in np.flatnonzero(read.codes == _UNKNOWN).tolist():
             copyable = copyable and is_record(frames.payload(index))
-    if report.damaged or counts[_EXIT] != 1 or not copyable:
+    if report.damaged or counts[_EXIT] != 1 or counts[_ARTIFACT] or not copyable:
         return None
     with open(source.path, "rb") as stream:
         for blocks in range(1, _HEAD_BLOCKS + 1):  # the head: up to the end of the run record

@@ -27,6 +27,7 @@ from ..rankstats import PerRank, bound_notice
 from ..rankstats_merge import MergedRankStats, MergedSpreads
 from ..stagefiles import files_record
 from ..streaming import allow_open_files
+from .artifacts import ArtifactRecords
 from .console import PASS_TWO, Spools, SpoolWriter, write_console_and_stats
 from .labels import KeyTable, Labelled, RankKeys, fold_summaries, label_rows
 from .metricglobs import glob_definitions, label_prefixes
@@ -74,10 +75,15 @@ def write_shared(
     options: MergeOptions,
     file_map: dict[tuple[Path, str], str],
     scratch: Path,
+    artifacts: ArtifactRecords | None = None,
 ) -> Outcome:
-    """Write the shared run `target`; `scratch`: where pass 1 may set records aside."""
+    """Write the shared run `target`; `scratch`: where pass 1 may set records aside;
+    `artifacts`: how each rank's artifact records become the merged run's."""
     allow_open_files(len(target.sources) + 1)  # each source's log, and the console spool
-    return SharedMerge(target, writer, options, file_map).run(scratch)
+    merge = SharedMerge(target, writer, options, file_map)
+    if artifacts is not None:
+        merge.artifacts = artifacts
+    return merge.run(scratch)
 
 
 class SharedMerge:
@@ -101,6 +107,7 @@ class SharedMerge:
         self.writer = writer
         self.options = options
         self.file_map = file_map
+        self.artifacts = ArtifactRecords(target, options)
         self.primary = target.primary_rank
         self.by_rank: dict[int, list[Source]] = {}
         for source in target.sources:
@@ -382,12 +389,14 @@ class SharedMerge:
             spool.write(payload)
         elif kind in ("header", "run"):
             pass  # written once by the caller
+        elif kind == "artifact":  # every rank's, filed under the merged run
+            return self.artifacts.rewrite(payload, source)
         elif state.source.rank.rank == self.primary:
             if restart == 0 or kind not in ("environment", "telemetry"):
                 return self._checked(
                     payload, source, restart
                 )  # (a restart: the same machine again)
-        elif kind in ("artifact", "use_artifact", "alert"):
+        elif kind in ("use_artifact", "alert"):
             return self._checked(payload, source, restart)
         return None
 

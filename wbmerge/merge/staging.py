@@ -16,6 +16,7 @@ from ..plan import Target
 from ..stagefiles import stage_files
 from ..streaming import streaming
 from ..wandbcore.content import StagedContent
+from .artifacts import ArtifactRecords
 from .options import MergeOptions
 from .passthrough import write_passthrough
 
@@ -78,15 +79,16 @@ def stage(
         staged = Staged(target, run_dir)
         files = stage_files(target, run_dir / "files", staged.warnings, options.files_from)
         staged.saved_files = files.saved
+        artifacts = ArtifactRecords(target, options)
         with streaming(), open(staged.log_path, "xb") as stream, LogWriter(stream) as writer:
             if target.kind == "shared":
                 # Imported here: the shared merge brings in pyarrow (85 ms of every start),
                 # which a pass-through (`new`, `auto`) never uses.
                 from .shared import write_shared
 
-                outcome = write_shared(target, writer, options, files.names, out_dir)
+                outcome = write_shared(target, writer, options, files.names, out_dir, artifacts)
             else:
-                outcome = write_passthrough(target, writer, options, count_content)
+                outcome = write_passthrough(target, writer, options, count_content, artifacts)
             staged.records = writer.records
     except OSError as exc:
         shutil.rmtree(run_dir, ignore_errors=True)

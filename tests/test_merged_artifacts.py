@@ -1,0 +1,145 @@
+"""Artifacts of merged runs: each lands committed under the run `wbmerge sync` uploads, in
+every run mode and rank scope, with every file intact, and no run is left under a rank's
+offline id.
+
+The job is real: two ranks (processes with torchrun's variables) that ran `wbmerge.init`
+offline with real wandb and logged a `ckpt` artifact each (`tests/artifact_job.py`), rank 0
+also a Table. What must arrive is taken from what the ranks wrote (their weights text and
+their offline ids read from their directories), never from wbmerge's staging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from wandb.sdk.artifacts._generated.operations import RUN_OUTPUT_ARTIFACTS_GQL
+from wandb.sdk.artifacts._generated.run_output_artifacts import RunOutputArtifacts
+
+from wbmerge.cli import main
+
+from .artifact_job import weights_text
+from .conftest import ROOT
+from .test_sink_artifacts import manifest_digest, md5_b64
+
+pytestmark = pytest.mark.e2e
+
+PROJECT = "arts"
+JOB_ID = "artjob"
+RANKS = (0, 1)
+
+
+def rank_env(root: Path, rank: int) -> dict[str, str]:
+    """torchrun's variables for rank `rank` of a two-node job of one process per node, and
+    wandb's directories under the rank's own directory."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "WBMERGE_"))}
+    env.update(
+        PYTHONPATH=str(ROOT), RANK=str(rank), WORLD_SIZE=str(len(RANKS)), LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), TORCHELASTIC_RUN_ID=JOB_ID,
+        WANDB_DATA_DIR=str(root / "data"), WANDB_CACHE_DIR=str(root / "cache"),
+        WANDB_CONFIG_DIR=str(root / "config"), WANDB_SILENT="true",
+    )  # fmt: skip
+    return env
+
+
+def write_job(job: Path, policy: str = "mutable") -> Path:
+    """The job's ranks run side by side, each in `job/rank-{r}`; returns `job`."""
+    procs = []
+    for rank in RANKS:
+        root = job / f"rank-{rank}"
+        root.mkdir(parents=True)
+        cmd = [sys.executable, "-m", "tests.artifact_job", str(root), str(rank), policy]
+        procs.append(subprocess.Popen(
+            cmd, env=rank_env(root, rank), cwd=root, stderr=subprocess.PIPE, text=True
+        ))  # fmt: skip
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-2000:]
+    return job
+
+
+def offline_ids(job: Path) -> dict[int, str]:
+    """rank -> the offline run id its wandb wrote (the end of its run directory's name)."""
+    found = {}
+    for rank in RANKS:
+        (run_dir,) = (job / f"rank-{rank}" / "wandb").glob("offline-run-*")
+        found[rank] = run_dir.name.rsplit("-", 1)[-1]
+    return found
+
+
+@pytest.fixture(scope="module")
+def artifact_job(tmp_path_factory) -> Path:
+    return write_job(tmp_path_factory.mktemp("artifact-job") / "job")
+
+
+def cli(sink, tmp_path, *args):
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
+    return CliRunner().invoke(main, [*map(str, args)], env=env)
+
+
+def output_artifacts(sink, run_id: str) -> dict[tuple[str, int], object]:
+    """(name, version index) -> the node of each version the run logged, read with the
+    query wandb's public API sends (`run.logged_artifacts()`)."""
+    variables = {"entity": "local", "project": PROJECT, "run": run_id, "perPage": 100}
+    answer = sink.client.graphql(RUN_OUTPUT_ARTIFACTS_GQL, variables)
+    run = RunOutputArtifacts.model_validate(answer["data"]).project.run
+    assert run is not None, f"no run {run_id}"
+    return {
+        (edge.node.artifact_sequence.name, edge.node.version_index): edge.node
+        for edge in run.artifacts.edges
+    }
+
+
+def checkpoint_files(rank: int) -> dict[str, bytes]:
+    data = weights_text(rank).encode()
+    return {"weights.bin": data, "nested/copy.bin": data}
+
+
+def assert_checkpoint_of(sink, node, rank: int) -> None:
+    """`node` is rank `rank`'s checkpoint, committed, every file with the size and MD5 of
+    the bytes the rank wrote."""
+    files = checkpoint_files(rank)
+    assert node.state == "COMMITTED"
+    assert node.digest == manifest_digest(files)
+    assert json.loads(node.metadata) == {"rank": rank}
+    committed = sink.client.committed_files("local", PROJECT, f"ckpt:v{node.version_index}")
+    assert committed["files"] == {path: (len(d), md5_b64(d)) for path, d in files.items()}
+
+
+# (mode, scope) -> {target run id: the ranks whose checkpoint it holds}
+TARGETS = {
+    ("auto", "global"): {JOB_ID: [0]},
+    ("new", "global"): {f"{JOB_ID}-rank-0": [0], f"{JOB_ID}-rank-1": [1]},
+    ("shared", "global"): {JOB_ID: [0, 1]},
+    ("shared", "worker"): {f"{JOB_ID}-worker-0": [0], f"{JOB_ID}-worker-1": [1]},
+}
+
+
+@pytest.mark.parametrize(("mode", "scope"), list(TARGETS))
+def test_each_artifact_is_committed_under_the_run_it_belongs_to(
+    sink, tmp_path, artifact_job, mode, scope
+):
+    result = cli(sink, tmp_path, "sync", "--json", artifact_job, "--run-mode", mode,
+                 "--rank-scope", scope, "-p", PROJECT, "-e", "local")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    targets = TARGETS[(mode, scope)]
+    assert sorted(r["id"] for r in sink.client.runs(project=PROJECT)) == sorted(targets)
+    stray = set(offline_ids(artifact_job).values())
+    assert not stray & {r["id"] for r in sink.client.runs()}
+    for run_id, ranks in targets.items():
+        logged = output_artifacts(sink, run_id)
+        checkpoints = sorted(
+            (json.loads(node.metadata)["rank"], node)
+            for (name, _), node in logged.items()
+            if name == "ckpt"
+        )
+        assert [rank for rank, _ in checkpoints] == ranks
+        for rank, node in checkpoints:
+            assert_checkpoint_of(sink, node, rank)
+        tables = [name for name, _ in logged if name != "ckpt"]
+        assert tables == ([f"run-{run_id}-samples"] if 0 in ranks else [])
