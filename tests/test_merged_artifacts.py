@@ -22,9 +22,11 @@ from wandb.sdk.artifacts._generated.operations import RUN_OUTPUT_ARTIFACTS_GQL
 from wandb.sdk.artifacts._generated.run_output_artifacts import RunOutputArtifacts
 
 from wbmerge.cli import main
+from wbmerge.log.records import read_records
 
 from .artifact_job import weights_text
 from .conftest import ROOT
+from .hostile import tree_digest
 from .test_sink_artifacts import manifest_digest, md5_b64
 
 pytestmark = pytest.mark.e2e
@@ -143,3 +145,86 @@ def test_each_artifact_is_committed_under_the_run_it_belongs_to(
             assert_checkpoint_of(sink, node, rank)
         tables = [name for name, _ in logged if name != "ckpt"]
         assert tables == ([f"run-{run_id}-samples"] if 0 in ranks else [])
+
+
+def test_a_job_copied_elsewhere_sends_its_artifacts_from_its_run_directories(sink, tmp_path):
+    """wbmerge.init keeps each rank's artifact staging in its run directory: a job moved to
+    another place (a Flyte hand-off, rsync) still has its artifacts' files, though their
+    manifests name the place where the ranks wrote them, and the sync leaves them there."""
+    written = write_job(tmp_path / "written")
+    moved = written.rename(tmp_path / "moved")
+    before = tree_digest(moved)
+    result = cli(sink, tmp_path, "sync", "--json", moved, "--run-mode", "shared",
+                 "-p", PROJECT, "-e", "local")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    logged = output_artifacts(sink, JOB_ID)
+    for rank in RANKS:
+        (node,) = [n for (name, _), n in logged.items() if name == "ckpt"
+                   and json.loads(n.metadata)["rank"] == rank]  # fmt: skip
+        assert_checkpoint_of(sink, node, rank)
+    assert tree_digest(moved) == before  # the ranks' staged files are all still there
+
+
+def plain_run(root: Path, data_dir: Path) -> Path:
+    """A plain `wandb.init` offline run (tests/artifact_run.py) that ran in `root` with
+    wandb's data directory `data_dir`; its run directory."""
+    root.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "WBMERGE_"))}
+    env.update(PYTHONPATH=str(ROOT), WANDB_DATA_DIR=str(data_dir), WANDB_SILENT="true",
+               WANDB_CACHE_DIR=str(root / "cache"), WANDB_CONFIG_DIR=str(root / "config"))  # fmt: skip
+    cmd = [sys.executable, "-m", "tests.artifact_run", str(root), "plain", "plain weights"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (run_dir,) = (root / "wandb").glob("offline-run-*-plain")
+    return run_dir
+
+
+def staged_file(run_dir: Path, artifact: str, path: str) -> str:
+    """The `local_path` the run's own record gives the file `path` of `artifact`."""
+    for record in read_records(run_dir / "run-plain.wandb"):
+        if record.WhichOneof("record_type") == "artifact" and record.artifact.name == artifact:
+            (entry,) = [e for e in record.artifact.manifest.contents if e.path == path]
+            return entry.local_path
+    raise AssertionError(f"no artifact {artifact}")
+
+
+def one_error_line(result) -> str:
+    assert result.exit_code == 2, (result.stderr, result.stdout)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wbmerge: error:"), result.stderr
+    return lines[0]
+
+
+def test_an_artifact_file_that_is_gone_fails_the_sync_naming_it(sink, tmp_path):
+    run_dir = plain_run(tmp_path / "ran", tmp_path / "ran" / "data")
+    gone = staged_file(run_dir, "ckpt", "nested/copy.bin")
+    Path(gone).unlink()
+    result = cli(sink, tmp_path, "sync", run_dir, "-p", PROJECT, "-e", "local")
+    line = one_error_line(result)
+    assert "'ckpt'" in line and "'nested/copy.bin'" in line and gone in line
+    assert "does not exist" in line
+    assert sink.client.runs() == []  # nothing uploaded
+
+
+def test_an_artifact_file_outside_the_allowed_directories_is_read_only_when_named(sink, tmp_path):
+    """wandb's data directory outside the directory the rank ran in (its default is in the
+    home directory) is read only with --files-from, as a hostile record could name any
+    file the user can read."""
+    elsewhere = tmp_path / "elsewhere"
+    run_dir = plain_run(tmp_path / "ran", elsewhere)
+    outside = staged_file(run_dir, "ckpt", "nested/copy.bin")  # (read first)
+    result = cli(sink, tmp_path, "sync", run_dir, "-p", PROJECT, "-e", "local")
+    line = one_error_line(result)
+    assert "'ckpt'" in line and outside in line and "--files-from" in line
+    assert sink.client.runs() == []
+
+    result = cli(sink, tmp_path, "sync", "--json", run_dir, "-p", PROJECT, "-e", "local",
+                 "--files-from", elsewhere)  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    (run_id,) = [run["id"] for run in json.loads(result.stdout)["runs"]]
+    node = output_artifacts(sink, run_id)[("ckpt", 0)]
+    files = {"weights.bin": b"plain weights", "nested/copy.bin": b"plain weights"}
+    assert node.state == "COMMITTED" and node.digest == manifest_digest(files)
+    committed = sink.client.committed_files("local", PROJECT, "ckpt:v0")
+    assert committed["files"] == {p: (len(d), md5_b64(d)) for p, d in files.items()}
+    assert Path(outside).read_bytes() == b"plain weights"  # the user's copy is still there

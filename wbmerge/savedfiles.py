@@ -86,19 +86,19 @@ def follow_link(
     allowed = ([Path(os.path.realpath(root))] if trusted and root else []) + [
         Path(os.path.realpath(directory)) for directory in files_from
     ]
-    target = _resolved(entry)
+    target = resolved_file(entry)
     if target is not None and any(is_within(target, base) for base in allowed):
-        if _is_regular(target):
+        if is_regular_file(target):
             return target
         return _refuse(label, name, raw, "which is not a regular file", root, trusted)
-    moved = _moved(raw, root, files_from)
+    moved = moved_file(raw, root, files_from)
     if moved is not None:
         return moved
     why = "which does not exist" if target is None else "outside the allowed directories"
     return _refuse(label, name, raw, why, root, trusted)
 
 
-def _moved(raw: str, root: str | None, files_from: Sequence[Path]) -> Path | None:
+def moved_file(raw: str, root: str | None, files_from: Sequence[Path]) -> Path | None:
     """The file a link to `raw` (an absolute path under the recorded `root`) names, found
     under a `--files-from` directory at the same path relative to the root; None if none."""
     if not root or not os.path.isabs(raw):
@@ -108,24 +108,24 @@ def _moved(raw: str, root: str | None, files_from: Sequence[Path]) -> Path | Non
         return None
     relative = os.path.relpath(lexical, base)
     for directory in files_from:
-        candidate = _resolved(Path(directory, relative))
+        candidate = resolved_file(Path(directory, relative))
         if (
             candidate is not None
             and is_within(candidate, Path(os.path.realpath(directory)))
-            and _is_regular(candidate)
+            and is_regular_file(candidate)
         ):
             return candidate
     return None
 
 
-def _resolved(path: Path) -> Path | None:
+def resolved_file(path: Path) -> Path | None:
     try:
         return path.resolve(strict=True)
     except (OSError, RuntimeError):  # dangling, a loop, or no permission on the way
         return None
 
 
-def _is_regular(path: Path) -> bool:
+def is_regular_file(path: Path) -> bool:
     try:
         return stat.S_ISREG(os.stat(path).st_mode)
     except OSError:

@@ -21,6 +21,8 @@ from .errors import WbmergeError
 from .topology import METADATA_KEY, RankInfo
 
 JOB_ID_ENV = "WBMERGE_JOB_ID"
+DATA_DIR_ENV = "WANDB_DATA_DIR"  # wandb reads it at each `add_file` for its artifact staging
+RUN_DATA_DIR = "wandb-data"  # the rank's WANDB_DATA_DIR, inside its run directory
 
 
 def detect_rank(env: Mapping[str, str] | None = None) -> RankInfo:
@@ -118,7 +120,8 @@ def init(
     bounds how late `wbmerge sync --follow` can see a rank that logs rarely.
 
     Accepts every `wandb.init` argument. Adds the rank's `wbmerge` block to the config
-    and the plugin's `x_label` to the settings (a label the user set is kept).
+    and the plugin's `x_label` to the settings (a label the user set is kept). Points
+    `WANDB_DATA_DIR` of this process into the run's directory (`keep_artifact_staging`).
     """
     import wandb
 
@@ -133,9 +136,22 @@ def init(
     config = kwargs.get("config")
     if config is None or isinstance(config, Mapping):
         kwargs["config"] = {**(config or {}), METADATA_KEY: block}
-        return wandb.init(**kwargs)
+        return keep_artifact_staging(wandb.init(**kwargs))
     run = wandb.init(**kwargs)  # a config file path or namespace: add the block after
     run.config.update({METADATA_KEY: block}, allow_val_change=True)
+    return keep_artifact_staging(run)
+
+
+def keep_artifact_staging(run: Any) -> Any:
+    """Point this process's `WANDB_DATA_DIR` at `wandb-data/` inside `run`'s directory, so
+    that wandb stages the files of the rank's artifacts (`artifacts/staging/` of it) with
+    the run: a run directory copied to another machine (the Flyte hand-off, rsync) keeps
+    them, and `wbmerge sync` reads them there. wandb 0.31 has no setting for the staging
+    directory; it reads the variable each time a file is added, so setting it after
+    `wandb.init` takes effect for every artifact the run logs. Returns `run`."""
+    sync_dir = getattr(getattr(run, "settings", None), "sync_dir", None)
+    if sync_dir:
+        os.environ[DATA_DIR_ENV] = os.path.join(sync_dir, RUN_DATA_DIR)
     return run
 
 

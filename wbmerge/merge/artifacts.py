@@ -13,26 +13,41 @@ one-rank online run would name it. In shared mode every rank's artifacts go to t
 run, as W&B's online shared mode files them: the same name from two ranks makes two
 versions of one artifact. A `use_artifact` record names no run (only the artifact), and
 is copied as it is.
+
+Every file a manifest names is copied into the staged run (`artifacts/{n}/{m}`, names of
+wbmerge's own making) from where the rank left it, under the rules of `artifactfiles`, and
+the manifest points at the copy: the uploader reads and may delete only copies, never the
+user's files, and a later sync copies them again. Its size and MD5 are checked against
+the manifest as it is copied.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from google.protobuf.message import DecodeError
 
+from ..artifactfiles import ArtifactFileFinder, copy_and_hash
 from ..errors import WbmergeError
 from ..log.proto import pb
 from ..plan import Source, Target
 from .options import MergeOptions
 
 MAX_ARTIFACT_NAME = 128  # W&B's limit on an artifact's name
+_MD5_DIGESTS = ("", "MANIFEST_MD5")  # manifests whose entries' digests are MD5s (base64)
 
 
 class ArtifactRecords:
-    """Rewrites the artifact records of one target's sources (`rewrite`)."""
+    """Rewrites the artifact records of one target's sources (`rewrite`), their files
+    copied under `dest` (inside the staged run)."""
 
-    def __init__(self, target: Target, options: MergeOptions) -> None:
+    def __init__(self, target: Target, options: MergeOptions, dest: Path) -> None:
         self.target = target
         self.options = options
+        self.dest = dest
+        self.finders: dict[Path, ArtifactFileFinder] = {}
+        self.copies: dict[Path, tuple[Path, int, str]] = {}  # read -> (copy, size, MD5)
+        self.count = 0  # artifact records rewritten
 
     def rewrite(self, payload: bytes, source: Source) -> bytes:
         """The artifact record `payload` of `source` as the target run's."""
@@ -52,4 +67,40 @@ class ArtifactRecords:
             renamed = f"run-{self.target.id}-{artifact.name[len(own_prefix) :]}"
             if len(renamed) <= MAX_ARTIFACT_NAME:
                 artifact.name = renamed
+        self._copy_files(artifact, source)
         return record.SerializeToString()
+
+    def _copy_files(self, artifact: pb.ArtifactRecord, source: Source) -> None:
+        """Copy every file the manifest of `artifact` names, and point it at the copy."""
+        label = source.label
+        if artifact.manifest.manifest_file_path:
+            raise WbmergeError(
+                f"{label}: artifact {artifact.name!r} keeps its manifest in a file of its own "
+                "(wandb does so beyond 100000 files), which wbmerge does not copy yet"
+            )
+        finder = self.finders.get(source.path)
+        if finder is None:
+            finder = self.finders[source.path] = ArtifactFileFinder(source, self.options.files_from)
+        self.count += 1
+        for index, entry in enumerate(artifact.manifest.contents):
+            if not entry.local_path:
+                continue  # a reference: the uploader reads nothing
+            found = finder.find(entry.local_path, artifact.name, entry.path)
+            what = f"{label}: artifact {artifact.name!r} file {entry.path!r}"
+            copy, size, md5 = self.copies.get(found) or self._copy(found, index, what)
+            if (entry.size and size != entry.size) or (
+                artifact.digest_algorithm in _MD5_DIGESTS and md5 != entry.digest
+            ):
+                raise WbmergeError(
+                    f"{what}: {found} is no longer the file the rank logged (its size or MD5 "
+                    "differs from the manifest's)"
+                )
+            entry.local_path = str(copy)
+
+    def _copy(self, found: Path, index: int, what: str) -> tuple[Path, int, str]:
+        directory = self.dest / str(self.count)
+        directory.mkdir(parents=True, exist_ok=True)
+        copy = directory / str(index)
+        size, md5 = copy_and_hash(found, copy, what)
+        self.copies[found] = (copy.resolve(), size, md5)
+        return self.copies[found]

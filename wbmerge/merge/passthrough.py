@@ -37,15 +37,14 @@ def write_passthrough(
     target: Target,
     writer: LogWriter,
     options: MergeOptions,
+    artifacts: ArtifactRecords,
     count_content: bool = False,
-    artifacts: ArtifactRecords | None = None,
 ) -> Outcome:
     """A rank's records as they are (restarts concatenated), the run record rewritten,
     `files` records without the paths that would lead the uploader out of the run's files
     (`stagefiles.files_record`) and artifact records filed under the target run
     (`artifacts`): one clean log by copying its blocks (`write_spliced`), anything else
     record by record."""
-    artifacts = artifacts or ArtifactRecords(target, options)
     if len(target.sources) == 1 and not target.extra_system_sources:
         spliced = write_spliced(target.sources[0], target, writer, options, count_content)
         if spliced is not None:

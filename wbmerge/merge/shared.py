@@ -75,15 +75,12 @@ def write_shared(
     options: MergeOptions,
     file_map: dict[tuple[Path, str], str],
     scratch: Path,
-    artifacts: ArtifactRecords | None = None,
+    artifacts: ArtifactRecords,
 ) -> Outcome:
     """Write the shared run `target`; `scratch`: where pass 1 may set records aside;
     `artifacts`: how each rank's artifact records become the merged run's."""
     allow_open_files(len(target.sources) + 1)  # each source's log, and the console spool
-    merge = SharedMerge(target, writer, options, file_map)
-    if artifacts is not None:
-        merge.artifacts = artifacts
-    return merge.run(scratch)
+    return SharedMerge(target, writer, options, file_map, artifacts).run(scratch)
 
 
 class SharedMerge:
@@ -102,12 +99,13 @@ class SharedMerge:
         writer: LogWriter,
         options: MergeOptions,
         file_map: dict[tuple[Path, str], str],
+        artifacts: ArtifactRecords,
     ) -> None:
         self.target = target
         self.writer = writer
         self.options = options
         self.file_map = file_map
-        self.artifacts = ArtifactRecords(target, options)
+        self.artifacts = artifacts
         self.primary = target.primary_rank
         self.by_rank: dict[int, list[Source]] = {}
         for source in target.sources:

@@ -79,7 +79,7 @@ def stage(
         staged = Staged(target, run_dir)
         files = stage_files(target, run_dir / "files", staged.warnings, options.files_from)
         staged.saved_files = files.saved
-        artifacts = ArtifactRecords(target, options)
+        artifacts = ArtifactRecords(target, options, run_dir / "artifacts")
         with streaming(), open(staged.log_path, "xb") as stream, LogWriter(stream) as writer:
             if target.kind == "shared":
                 # Imported here: the shared merge brings in pyarrow (85 ms of every start),
@@ -88,7 +88,7 @@ def stage(
 
                 outcome = write_shared(target, writer, options, files.names, out_dir, artifacts)
             else:
-                outcome = write_passthrough(target, writer, options, count_content, artifacts)
+                outcome = write_passthrough(target, writer, options, artifacts, count_content)
             staged.records = writer.records
     except OSError as exc:
         shutil.rmtree(run_dir, ignore_errors=True)

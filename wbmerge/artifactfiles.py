@@ -1,0 +1,111 @@
+"""The files of a rank's artifacts: found where the rank left them, only where the user
+allows, and copied into the staged run, so that the upload reads copies.
+
+An artifact's manifest names each file by an absolute `local_path`: a copy wandb made in
+its artifact staging directory (`$WANDB_DATA_DIR/artifacts/staging/`, by default under
+the home directory) or, with the `immutable` policy, the user's own file. wandb's uploader
+reads whatever path a record names, so a hostile `.wandb` file could make it upload any
+file the user can read; and a path names the machine the rank ran on, not the one the run
+was copied to. A file is therefore read only from these directories (real paths):
+
+- the rank's own run directory (where `wbmerge.init` keeps the rank's artifact staging);
+- the directory the rank ran in (its environment record's `root`, taken only where the
+  run was found in it, as for saved files: `savedfiles.ran_in`);
+- a directory given with `--files-from` (for wandb's default data directory, e.g.
+  `--files-from ~/.local/share/wandb`).
+
+A run directory that was copied elsewhere (a Flyte hand-off, rsync) is followed: a path
+under the run directory where the rank wrote it is read under the directory the run is now
+in, and a path under the recorded root is found again under a `--files-from` directory at
+the same relative path (`savedfiles.moved_file`). A file that is gone, outside these
+directories, not a regular file, or whose bytes are no longer those the manifest's MD5
+names, is a WbmergeError naming the artifact and the path: the sync fails before the run
+is uploaded, never with a warning.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import WbmergeError
+from .plan import Source
+from .safepaths import is_within
+from .savedfiles import is_regular_file, moved_file, ran_in, recorded_root, resolved_file
+
+_OPTION = "--files-from"
+_PLACES = (
+    f"an artifact's files are read only under the rank's run directory, the directory it "
+    f"ran in, or a {_OPTION} directory"
+)
+
+
+class ArtifactFileFinder:
+    """Where the files of one source's artifacts may be read (see the module's rules)."""
+
+    def __init__(self, source: Source, files_from: Sequence[Path]) -> None:
+        self.source = source
+        self.run_dir = source.path.parent
+        self.root = recorded_root(source.path)
+        self.files_from = tuple(files_from)
+        allowed = [self.run_dir] + list(self.files_from)
+        if self.root and ran_in(self.root, self.run_dir):
+            allowed.append(Path(self.root))
+        self.allowed = [Path(os.path.realpath(place)) for place in allowed]
+
+    def find(self, raw: str, artifact: str, name: str) -> Path:
+        """The regular file that the manifest entry `name` of `artifact` reads from `raw`
+        (its `local_path`); a WbmergeError naming them when it may not be read."""
+        where = f"{self.source.label}: artifact {artifact!r} file {name!r} ({raw!r})"
+        if not raw or "\x00" in raw or not os.path.isabs(raw):
+            raise WbmergeError(f"{where}: not an absolute path; it cannot be read")
+        found = resolved_file(Path(raw))
+        if found is not None and any(is_within(found, base) for base in self.allowed):
+            if is_regular_file(found):
+                return found
+            raise WbmergeError(f"{where}: not a regular file; it is not read")
+        for candidate in (self._in_moved_run(raw), moved_file(raw, self.root, self.files_from)):
+            if candidate is not None:
+                return candidate
+        why = "does not exist" if found is None else "lies outside the allowed directories"
+        raise WbmergeError(f"{where}: {why}; {_PLACES}: add {_OPTION} DIR where the file is")
+
+    def _in_moved_run(self, raw: str) -> Path | None:
+        """The file `raw` names under the run directory where the rank wrote it (the
+        recorded root's `wandb/` or `.wandb/`), read under the run directory as it is now."""
+        if not self.root:
+            return None
+        lexical = Path(os.path.normpath(raw))
+        for hidden in ("wandb", ".wandb"):
+            written = Path(os.path.normpath(self.root), hidden, self.run_dir.name)
+            if lexical != written and is_within(lexical, written):
+                candidate = resolved_file(self.run_dir / lexical.relative_to(written))
+                base = Path(os.path.realpath(self.run_dir))
+                if candidate and is_within(candidate, base) and is_regular_file(candidate):
+                    return candidate
+        return None
+
+
+def copy_and_hash(source: Path, dest: Path, what: str) -> tuple[int, str]:
+    """Copy the regular file `source` to `dest` (created exclusively), without following
+    a link at `source` and without blocking on a FIFO put in its place since it was
+    checked; returns its size and MD5 (base64, as a manifest writes it)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(source, flags)
+    except OSError as exc:
+        raise WbmergeError(f"{what}: cannot read {source} ({exc.strerror or exc})") from None
+    digest = hashlib.md5()
+    with open(fd, "rb") as reader:
+        if not stat.S_ISREG(os.fstat(reader.fileno()).st_mode):
+            raise WbmergeError(f"{what}: {source} is no longer a regular file; not read")
+        with open(dest, "xb") as writer:
+            while chunk := reader.read(1 << 20):
+                digest.update(chunk)
+                writer.write(chunk)
+            size = writer.tell()
+    return size, base64.b64encode(digest.digest()).decode()
