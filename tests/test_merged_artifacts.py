@@ -228,3 +228,26 @@ def test_an_artifact_file_outside_the_allowed_directories_is_read_only_when_name
     committed = sink.client.committed_files("local", PROJECT, "ckpt:v0")
     assert committed["files"] == {p: (len(d), md5_b64(d)) for p, d in files.items()}
     assert Path(outside).read_bytes() == b"plain weights"  # the user's copy is still there
+
+
+def test_an_artifact_that_did_not_commit_fails_the_sync_and_a_rerun_sends_it_once(
+    make_sink, tmp_path, artifact_job
+):
+    """wandb's uploader says a failed artifact only in its debug log and finishes the run:
+    the check after the upload finds it missing, the run is not recorded as synced, and
+    the next sync sends it again, into the same version."""
+    sink = make_sink(faults=["graphql:CommitArtifact=400@1"])
+    args = ("sync", artifact_job, "--run-mode", "new", "-p", PROJECT, "-e", "local")
+    first = cli(sink, tmp_path, *args)
+    assert first.exit_code != 0, first.stdout
+    assert "artifact 'ckpt'" in first.stderr + first.stdout
+    assert "not committed" in first.stderr + first.stdout
+
+    second = cli(sink, tmp_path, *args)
+    assert second.exit_code == 0, second.stderr
+    for rank in RANKS:
+        (node,) = [n for (name, _), n in output_artifacts(sink, f"{JOB_ID}-rank-{rank}").items()
+                   if name == "ckpt"]  # fmt: skip
+        assert_checkpoint_of(sink, node, rank)
+    versions = [sink.client.committed_files("local", PROJECT, f"ckpt:v{i}") for i in range(3)]
+    assert [v is not None for v in versions] == [True, True, False]  # one per rank, no more

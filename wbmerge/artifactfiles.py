@@ -30,6 +30,7 @@ import hashlib
 import os
 import stat
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import WbmergeError
@@ -38,6 +39,20 @@ from .safepaths import is_within
 from .savedfiles import is_regular_file, moved_file, ran_in, recorded_root, resolved_file
 
 _OPTION = "--files-from"
+
+
+@dataclass(frozen=True)
+class LoggedArtifact:
+    """An artifact a staged run must leave committed on the server, as the rank logged it:
+    its name (as the merge files it), its digest (None where the manifest's digests are
+    not MD5s: wandb's uploader may then hash it again), and each file's path, size and MD5
+    (base64), read from where the rank left the file."""
+
+    name: str
+    digest: str | None
+    files: tuple[tuple[str, int, str], ...]
+
+
 _PLACES = (
     f"an artifact's files are read only under the rank's run directory, the directory it "
     f"ran in, or a {_OPTION} directory"

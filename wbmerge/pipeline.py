@@ -489,7 +489,8 @@ def _start_job(
             delivery = Delivery(target.id, staged.run_dir, staged.log_path, key, fingerprint,
                                 content=staged.content, verified_before=verified_before,
                                 exit_code=staged.exit_code,
-                                saved_files=staged.saved_files)  # fmt: skip
+                                saved_files=staged.saved_files,
+                                artifacts=staged.artifacts)  # fmt: skip
             upload.todo.append((target, delivery))
             deliverer.submit(delivery)
     except BaseException:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from ..artifactfiles import ArtifactFileFinder, copy_and_hash
+from ..artifactfiles import ArtifactFileFinder, LoggedArtifact, copy_and_hash
 from ..errors import WbmergeError
 from ..log.proto import pb
 from ..plan import Source, Target
@@ -48,6 +48,7 @@ class ArtifactRecords:
         self.finders: dict[Path, ArtifactFileFinder] = {}
         self.copies: dict[Path, tuple[Path, int, str]] = {}  # read -> (copy, size, MD5)
         self.count = 0  # artifact records rewritten
+        self.logged: list[LoggedArtifact] = []  # what the upload must leave on the server
 
     def rewrite(self, payload: bytes, source: Source) -> bytes:
         """The artifact record `payload` of `source` as the target run's."""
@@ -82,6 +83,7 @@ class ArtifactRecords:
         if finder is None:
             finder = self.finders[source.path] = ArtifactFileFinder(source, self.options.files_from)
         self.count += 1
+        files = []
         for index, entry in enumerate(artifact.manifest.contents):
             if not entry.local_path:
                 continue  # a reference: the uploader reads nothing
@@ -96,6 +98,10 @@ class ArtifactRecords:
                     "differs from the manifest's)"
                 )
             entry.local_path = str(copy)
+            files.append((entry.path, size, md5))
+        md5_digest = artifact.digest_algorithm in _MD5_DIGESTS
+        digest = artifact.digest if md5_digest else None
+        self.logged.append(LoggedArtifact(artifact.name, digest, tuple(files)))
 
     def _copy(self, found: Path, index: int, what: str) -> tuple[Path, int, str]:
         directory = self.dest / str(self.count)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import safepaths
+from ..artifactfiles import LoggedArtifact
 from ..errors import WbmergeError
 from ..log.txlog import LogWriter
 from ..plan import Target
@@ -41,6 +42,10 @@ class Staged:
     # The saved files (`wandb.save` links of the sources, followed) by their staged names,
     # with the sizes read from the sources: what the upload must put on the server.
     saved_files: dict[str, int] = field(default_factory=dict)
+    # The artifacts of the sources the staged run logs (`merge.artifacts`), with their files'
+    # sizes and MD5s read from the sources: each must be committed on the server after the
+    # upload.
+    artifacts: list[LoggedArtifact] = field(default_factory=list)
 
     @property
     def log_path(self) -> Path:
@@ -90,6 +95,7 @@ def stage(
             else:
                 outcome = write_passthrough(target, writer, options, artifacts, count_content)
             staged.records = writer.records
+        staged.artifacts = artifacts.logged
     except OSError as exc:
         shutil.rmtree(run_dir, ignore_errors=True)
         if not _writing(exc, out_dir):

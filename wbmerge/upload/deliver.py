@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..wandbcore.content import StagedContent, read_staged
+from .artifactcheck import artifacts_missing
 from .batches import UploadSlots, batch_lanes, batch_size, runs_to_ask
 from .credentials import Credentials
 from .delivery import Delivery, DeliveryReport, Progress
@@ -148,7 +149,7 @@ class Deliverer:
             problems = not_whole_on_server(
                 self.client, self.entity, self.project, delivery, held, content
             ) or rows_held(self.client, self.entity, self.project, delivery, held, content,
-                           self.every_value)  # fmt: skip
+                           self.every_value) or self._artifacts_missing(delivery)  # fmt: skip
             if delivery.refused:  # (rows lost inside the run: sending cannot fill them)
                 raise RowsLost(problems)
             if not problems:
@@ -489,6 +490,8 @@ class Deliverer:
         problems = shortfall(content, held) + list(dict.fromkeys(errors))
         if not problems and delivery.saved_files:
             problems = saved_files_missing(self.client, self.entity, self.project, delivery)
+        if not problems:
+            problems = self._artifacts_missing(delivery)
         if problems:
             delivery.problems.extend(problems)
             return
@@ -498,6 +501,13 @@ class Deliverer:
             delivery.problems.extend(problems)
             return
         self._verified(delivery, ledger)
+
+    def _artifacts_missing(self, delivery: Delivery) -> list[str]:
+        """The artifacts of `delivery` the server lacks committed (`artifactcheck`)."""
+        if not delivery.artifacts:
+            return []
+        entity = self.entity or self._entity_seen
+        return artifacts_missing(self.client, entity, self.project, delivery)
 
     def _verified(self, delivery: Delivery, ledger: Ledger) -> None:
         """Record a run found whole (unless a live round sent it), and drop its staging."""

@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..artifactfiles import LoggedArtifact
 from ..wandbcore.content import StagedContent
 
 
@@ -44,6 +45,9 @@ class Delivery:
     # read from the sources (`Staged.saved_files`): each must be on the server after the
     # upload, whatever the staged `files/` holds.
     saved_files: dict[str, int] = field(default_factory=dict)
+    # The artifacts the run logs, as read from the sources (`Staged.artifacts`): each must
+    # be committed under the run with its digest and every file's size and MD5.
+    artifacts: list[LoggedArtifact] = field(default_factory=list)
     # held by the thread counting what the staged log holds (`content`), so it is counted once
     counting: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 

@@ -189,6 +189,11 @@ class ServerClient:
         for old in stale:
             old.close()
 
+    def query(self, query: str, variables: dict[str, Any], name: str) -> dict[str, Any]:
+        """The `data` of the answer to the read-only query `query` (operation `name`), with
+        this client's retries; a ServerError for anything but an answer."""
+        return self._query(query, variables, name)
+
     def _query(self, query: str, variables: dict[str, Any], name: str) -> dict[str, Any]:
         body = json.dumps({"query": query, "variables": variables, "operationName": name})
         waited, attempt = 0.0, 0

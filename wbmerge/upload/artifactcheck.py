@@ -1,0 +1,170 @@
+"""Whether the server holds a run's artifacts: each artifact the sources logged (as the
+merge read them, `artifactfiles.LoggedArtifact`) committed under the run with its digest,
+and every file at its size and MD5, asked the way wandb's public API asks
+(`RunOutputArtifacts`, then `ArtifactVersionFiles` of the version found).
+
+wandb's uploader reports a failed artifact only in its debug log, and goes on to finish
+the run: without this check a sync whose artifact never committed said "verified".
+The answers are untrusted: one of another shape is a ServerError, said as the run's
+problem, and the run is sent again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..artifactfiles import LoggedArtifact
+from .delivery import Delivery
+from .server import ServerClient, ServerError
+
+# The public API's queries of a run's logged versions (`run.logged_artifacts()`) and of one
+# version's files (`project.artifact(name).files()`), asking only for fields W&B's schema has.
+RUN_OUTPUT_ARTIFACTS = """query RunOutputArtifacts($entity: String!, $project: String!,
+    $run: String!, $cursor: String, $perPage: Int) {
+  project(entityName: $entity, name: $project) { run(name: $run) {
+    artifacts: outputArtifacts(after: $cursor, first: $perPage) {
+      pageInfo { endCursor hasNextPage }
+      edges { node { id digest state versionIndex artifactSequence { name } } }
+    } } } }"""
+ARTIFACT_VERSION_FILES = """query ArtifactVersionFiles($entity: String!, $project: String!,
+    $name: String!, $after: String) {
+  project(name: $project, entityName: $entity) { artifact(name: $name) {
+    id digest state versionIndex
+    files(after: $after, first: 1000) {
+      edges { node { name sizeBytes md5 } } pageInfo { endCursor hasNextPage }
+    } } } }"""
+MAX_PAGES = 100  # pages of a run's versions, or of a version's files, read at most
+
+
+def artifacts_missing(
+    client: ServerClient, entity: str | None, project: str, delivery: Delivery
+) -> list[str]:
+    """A line for each artifact of `delivery` that the server does not hold committed
+    under the run with its digest and files; [] when it holds every one."""
+    try:
+        entity = entity or client.viewer_entity() or ""
+        versions = logged_artifacts(client, entity, project, delivery.run_id) or []
+        problems = []
+        # each once: two ranks that logged the same content made one version
+        for artifact in dict.fromkeys(delivery.artifacts):
+            problems += _missing(client, entity, project, artifact, versions)
+        return problems
+    except ServerError as exc:
+        return [f"artifacts could not be verified: {exc}"]
+
+
+def logged_artifacts(
+    client: ServerClient, entity: str, project: str, run_id: str
+) -> list[dict] | None:
+    """The name, version index, digest and state of each artifact version the run logged;
+    None when there is no such run."""
+    versions, cursor = [], None
+    for _ in range(MAX_PAGES):
+        variables = {"entity": entity, "project": project, "run": run_id,
+                     "cursor": cursor, "perPage": 100}  # fmt: skip
+        data = client.query(RUN_OUTPUT_ARTIFACTS, variables, "RunOutputArtifacts")
+        run = _field(_field(data, "project"), "run")
+        if not isinstance(run, dict):
+            return None
+        nodes, cursor = _page(run.get("artifacts"), f"the artifacts of {run_id}")
+        for node in nodes:
+            versions.append({"name": _text(_field(node.get("artifactSequence"), "name")),
+                             "version": node.get("versionIndex"),
+                             "digest": _text(node.get("digest")),
+                             "state": _text(node.get("state"))})  # fmt: skip
+        if cursor is None:
+            return versions
+    raise ServerError(f"the server lists over {MAX_PAGES} pages of {run_id}'s artifacts")
+
+
+def artifact_files(
+    client: ServerClient, entity: str, project: str, version: str
+) -> dict[str, tuple[int, str]] | None:
+    """{path: (size, MD5)} of the files of the version `version` (`name:vN`); None when
+    there is no such version."""
+    files: dict[str, tuple[int, str]] = {}
+    cursor = None
+    for _ in range(MAX_PAGES):
+        variables = {"entity": entity, "project": project, "name": version, "after": cursor}
+        data = client.query(ARTIFACT_VERSION_FILES, variables, "ArtifactVersionFiles")
+        found = _field(_field(data, "project"), "artifact")
+        if not isinstance(found, dict):
+            return None
+        nodes, cursor = _page(found.get("files"), f"the files of {version}")
+        for node in nodes:
+            size = node.get("sizeBytes")
+            files[_text(node.get("name"))] = (size if isinstance(size, int) else -1,
+                                              _text(node.get("md5")))  # fmt: skip
+        if cursor is None:
+            return files
+    raise ServerError(f"the server lists over {MAX_PAGES} pages of {version}'s files")
+
+
+def _missing(
+    client: ServerClient,
+    entity: str,
+    project: str,
+    artifact: LoggedArtifact,
+    versions: list[dict],
+) -> list[str]:
+    name = f"artifact {artifact.name!r}"
+    candidates = [
+        v for v in versions
+        if v["name"] == artifact.name and artifact.digest in (None, v["digest"])
+        and isinstance(v["version"], int)
+    ]  # fmt: skip
+    committed = [v for v in candidates if v["state"] == "COMMITTED"]
+    if not committed:
+        state = f" (it is {candidates[0]['state'] or 'in no state'})" if candidates else ""
+        digest = f" with digest {artifact.digest}" if artifact.digest else ""
+        return [f"{name}{digest} is not committed under the run{state}"]
+    expected = {path: (size, md5) for path, size, md5 in artifact.files}
+    problems: list[str] = []
+    for version in committed:
+        held = artifact_files(client, entity, project, f"{artifact.name}:v{version['version']}")
+        problems = [
+            _file_problem(name, path, size_md5, (held or {}).get(path))
+            for path, size_md5 in sorted(expected.items())
+            if (held or {}).get(path) != size_md5
+        ]
+        if not problems:
+            return []
+    return problems
+
+
+def _file_problem(
+    name: str, path: str, expected: tuple[int, str], held: tuple[int, str] | None
+) -> str:
+    if held is None:
+        return f"{name} holds no file {path!r}"
+    if held[0] != expected[0]:
+        return f"{name} file {path!r} holds {held[0]} bytes of {expected[0]}"
+    return f"{name} file {path!r} is not the one the rank logged (MD5)"
+
+
+def _field(value: object, name: str) -> Any:
+    """`value[name]` when `value` is a JSON object, else None."""
+    return value.get(name) if isinstance(value, dict) else None
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _page(connection: object, what: str) -> tuple[list[dict], str | None]:
+    """The nodes of a page of a GraphQL connection and the cursor of the next page (None:
+    the last); a ServerError for an answer of another shape, or a next page without a
+    cursor."""
+    edges = _field(connection, "edges")
+    info = _field(connection, "pageInfo")
+    if not isinstance(edges, list) or not isinstance(info, dict):
+        raise ServerError(f"the server answered with no list of {what}")
+    nodes = [node for edge in edges if isinstance(node := _field(edge, "node"), dict)]
+    if len(nodes) != len(edges):
+        raise ServerError(f"the server answered with a malformed entry among {what}")
+    if not info.get("hasNextPage"):
+        return nodes, None
+    cursor = info.get("endCursor")
+    if not (isinstance(cursor, str) and cursor):
+        raise ServerError(f"the server answered with more of {what} but no cursor")
+    return nodes, cursor
