@@ -15,7 +15,8 @@ given by keyword and typed by `RequestOptions` (a run mode is a `RunMode`, `"aut
 `"shared"` or `"new"`, a rank scope a `RankScope`): `run_mode`, `rank_scope`, `base_id`, `job`, `allow_missing_ranks`,
 `system_metrics`, `key_format`, `skew_metrics`, `rank_stats`, `per_rank`, `project`,
 `entity`, `job_type`, `label_pattern`, `ranks_file`, `primary`, `rank_order`,
-`files_from` (the CLI's repeatable `--files-from`: one directory or a list). `paths` is one
+`files_from` (the CLI's repeatable `--files-from`: one directory or a list),
+`unknown_records` ("refuse", the default, or "copy"). `paths` is one
 path or a list of them.
 
 Every function raises `WbmergeError` (one line, with the exit code the CLI uses) for bad

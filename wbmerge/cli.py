@@ -144,6 +144,9 @@ def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--files-from", "files_from", multiple=True, type=click.Path(), metavar="DIR",
                      help="Also follow saved-file links (wandb.save) to files under DIR, and find "
                      "moved ones there (repeatable). Default: only the directory each rank ran in."),
+        click.option("--unknown-records", type=click.Choice(["refuse", "copy"]), default="refuse",
+                     show_default=True, help="A record of a kind this wbmerge does not know (a "
+                     "newer wandb's): refuse the run in one line, or copy it as it is."),
         *rank_options(),
         click.option("--rank-order", type=click.Choice(["start"]), default=None,
                      help="Accept the order wbmerge assumed for a job whose runs do not say "

@@ -68,6 +68,8 @@ class PlannedJob:
         settings is not the same upload (`sync` and `sync --follow` must agree)."""
         options = dict(self.options(request).__dict__)
         del options["files_from"]  # (where files are found, not what is merged)
+        if options["unknown_records"] == "refuse":
+            del options["unknown_records"]  # (the default: the fingerprint it always had)
         if not options["rank_stats"] and options["per_rank"] == PerRank():
             # (the defaults: the same fingerprint as before these options existed)
             del options["rank_stats"], options["per_rank"]
@@ -88,6 +90,7 @@ class PlannedJob:
             rank_stats=request.rank_stats,
             per_rank=PerRank.parse(request.per_rank),
             files_from=files_from_dirs(request.files_from),
+            unknown_records=request.unknown_records,
         )
 
 

@@ -42,9 +42,11 @@ class MergeRequest:
     rank_order: Literal["start"] | None = None  # accept a rank 0 that only started first
     files_from: Sequence[str | Path] = ()  # directories saved files may be read from too
     verify: Verify = "sample"  # "full": compare every row's values read back, not a sample
+    unknown_records: Literal["refuse", "copy"] = "refuse"  # "copy": kinds unknown to wbmerge
 
     def __post_init__(self) -> None:
-        for name, allowed in (("rank_order", (None, "start")), ("verify", ("sample", "full"))):
+        for name, allowed in (("rank_order", (None, "start")), ("verify", ("sample", "full")),
+                              ("unknown_records", ("refuse", "copy"))):  # fmt: skip
             if getattr(self, name) not in allowed:
                 raise WbmergeError(f"{name} takes {' or '.join(map(repr, allowed))}, not "
                                    f"{getattr(self, name)!r}")  # fmt: skip
@@ -74,6 +76,7 @@ class RequestOptions(TypedDict, total=False):
     rank_order: Literal["start"] | None
     files_from: Sequence[str | Path]
     verify: Verify
+    unknown_records: Literal["refuse", "copy"]
 
 
 def option_names() -> set[str]:

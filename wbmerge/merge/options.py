@@ -62,3 +62,9 @@ class MergeOptions:
     # Where saved files (`wandb.save` links) may also be read, beside the directory each
     # rank ran in (`savedfiles`); it changes where files are found, never what is merged.
     files_from: tuple[Path, ...] = ()
+    # A record of a kind this wbmerge does not know: "refuse" (one line) or "copy" it as it is.
+    unknown_records: str = "refuse"
+
+    @property
+    def copy_unknown(self) -> bool:
+        return self.unknown_records == "copy"

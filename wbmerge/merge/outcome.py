@@ -7,10 +7,14 @@ from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 
+from ..errors import WbmergeError
 from ..log.proto import pb
 from ..log.txlog import ReadReport
+from ..log.wire import skip_field, varint
 from ..plan import Source
 from ..wandbcore.content import StagedContent
+
+_RECORD_FIELDS = frozenset(pb.Record.DESCRIPTOR.fields_by_number)
 
 
 @dataclass
@@ -57,3 +61,30 @@ def is_record(payload: bytes) -> bool:
 def not_a_record(source: Source) -> str:
     """The warning for a record of `source` that `is_record` refused."""
     return f"{source.label}: a record with a valid checksum is not valid protobuf; left out"
+
+
+def unknown_field(payload: bytes) -> int | None:
+    """The number of the first top-level field of the Record `payload` that this wandb's
+    Record does not have (a record kind of a newer wandb), or None. `payload` is a valid
+    Record (`is_record`), so its tags can be walked."""
+    pos, end = 0, len(payload)
+    while pos < end:
+        tag, pos = varint(payload, pos)
+        if tag >> 3 not in _RECORD_FIELDS:
+            return tag >> 3
+        pos = skip_field(payload, pos, tag & 7)
+    return None
+
+
+def check_known(payload: bytes, source: Source, copy_unknown: bool) -> None:
+    """Refuse (WbmergeError, one line) the record `payload` of `source` if it is of a kind
+    this wbmerge does not know, unless `copy_unknown` (`--unknown-records copy`): the
+    merge could only drop it, or copy it as it is to an uploader that may not know it
+    either, and neither should happen silently."""
+    field_number = unknown_field(payload)
+    if field_number is not None and not copy_unknown:
+        raise WbmergeError(
+            f"{source.label}: {source.path} holds a record of a kind this wbmerge does not "
+            f"know (Record field {field_number}; written by a newer wandb?); upgrade wbmerge, "
+            "or pass --unknown-records copy to hand it to wandb's uploader as it is"
+        )

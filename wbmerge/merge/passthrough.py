@@ -20,7 +20,7 @@ from ..wandbcore.content import ContentCounter
 from .artifacts import ArtifactRecords
 from .console import console_and_stats
 from .options import MergeOptions
-from .outcome import Outcome, damage_warnings, is_record, not_a_record
+from .outcome import Outcome, check_known, damage_warnings, is_record, not_a_record
 from .runrecord import exit_code, exit_record, rewrite_run
 
 _PASSTHROUGH_READ = 128 * BLOCK_SIZE
@@ -87,6 +87,7 @@ def write_passthrough(
                     body.write(artifacts.rewrite(payload, source))
                 elif kind is None:
                     if is_record(payload):
+                        check_known(payload, source, options.copy_unknown)
                         body.write(payload)
                     else:
                         warnings.append(not_a_record(source))
@@ -187,7 +188,11 @@ def write_spliced(
             payload = frames.payload(index)
             copyable = copyable and files_record(payload, source, []) == payload
         for index in np.flatnonzero(read.codes == _UNKNOWN).tolist():
-            copyable = copyable and is_record(frames.payload(index))
+            payload = frames.payload(index)
+            valid = is_record(payload)
+            copyable = copyable and valid
+            if valid:
+                check_known(payload, source, options.copy_unknown)
     if report.damaged or counts[_EXIT] != 1 or counts[_ARTIFACT] or not copyable:
         return None
     with open(source.path, "rb") as stream:

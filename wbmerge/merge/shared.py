@@ -32,7 +32,14 @@ from .console import PASS_TWO, Spools, SpoolWriter, write_console_and_stats
 from .labels import KeyTable, Labelled, RankKeys, fold_summaries, label_rows
 from .metricglobs import glob_definitions, label_prefixes
 from .options import MergeOptions
-from .outcome import Outcome, damage_warnings, is_record, not_a_record
+from .outcome import (
+    Outcome,
+    check_known,
+    damage_warnings,
+    is_record,
+    not_a_record,
+    unknown_field,
+)
 from .readers import RankReaders, SourceRead
 from .rows import Rows, final_summary, write_merged
 from .runrecord import exit_code, exit_record, rewrite_run
@@ -389,6 +396,9 @@ class SharedMerge:
             pass  # written once by the caller
         elif kind == "artifact":  # every rank's, filed under the merged run
             return self.artifacts.rewrite(payload, source)
+        elif kind is None and is_record(payload) and unknown_field(payload) is not None:
+            check_known(payload, source, self.options.copy_unknown)
+            return payload  # (copied as it is, from every rank: --unknown-records copy)
         elif state.source.rank.rank == self.primary:
             if restart == 0 or kind not in ("environment", "telemetry"):
                 return self._checked(
