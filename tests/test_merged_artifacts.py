@@ -10,10 +10,12 @@ their offline ids read from their directories), never from wbmerge's staging.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,7 @@ from wbmerge.log.records import read_records
 from .artifact_job import weights_text
 from .conftest import ROOT
 from .hostile import tree_digest
-from .test_sink_artifacts import manifest_digest, md5_b64
+from .test_sink_artifacts import CLIENT_ID_MAPPING, manifest_digest, md5_b64
 
 pytestmark = pytest.mark.e2e
 
@@ -113,6 +115,21 @@ def assert_checkpoint_of(sink, node, rank: int) -> None:
     assert committed["files"] == {path: (len(d), md5_b64(d)) for path, d in files.items()}
 
 
+def table_reference(sink, run_id: str) -> str:
+    """The server id of the artifact the run's one logged Table refers to from its history
+    value (`wandb-client-artifact://CLIENT_ID:latest/...`, resolved as W&B resolves it)."""
+    values = [
+        value for row in sink.client.run("local", PROJECT, run_id)["history"]
+        for value in row.values() if isinstance(value, dict) and "artifact_path" in value
+    ]  # fmt: skip
+    (value,) = values
+    reference = urllib.parse.urlparse(value["artifact_path"])
+    assert reference.scheme == "wandb-client-artifact"
+    client_id = reference.netloc.split(":")[0]
+    answer = sink.client.graphql(CLIENT_ID_MAPPING, {"clientID": client_id})
+    return answer["data"]["clientIDMapping"]["serverID"]
+
+
 # (mode, scope) -> {target run id: the ranks whose checkpoint it holds}
 TARGETS = {
     ("auto", "global"): {JOB_ID: [0]},
@@ -145,6 +162,8 @@ def test_each_artifact_is_committed_under_the_run_it_belongs_to(
             assert_checkpoint_of(sink, node, rank)
         tables = [name for name, _ in logged if name != "ckpt"]
         assert tables == ([f"run-{run_id}-samples"] if 0 in ranks else [])
+        if 0 in ranks:  # the Table's history value finds its run_table artifact
+            assert table_reference(sink, run_id) == logged[(tables[0], 0)].id
 
 
 def test_a_job_copied_elsewhere_sends_its_artifacts_from_its_run_directories(sink, tmp_path):
@@ -251,3 +270,18 @@ def test_an_artifact_that_did_not_commit_fails_the_sync_and_a_rerun_sends_it_onc
         assert_checkpoint_of(sink, node, rank)
     versions = [sink.client.committed_files("local", PROJECT, f"ckpt:v{i}") for i in range(3)]
     assert [v is not None for v in versions] == [True, True, False]  # one per rank, no more
+
+
+def test_an_artifact_file_the_server_holds_other_bytes_of_fails_the_sync(sink, tmp_path):
+    """The check reads each file's MD5 back from the server: bytes changed there after a
+    verified upload make the next (forced) sync fail, naming the artifact and the file."""
+    run_dir = plain_run(tmp_path / "ran", tmp_path / "ran" / "data")
+    args = ("sync", "--json", run_dir, "-p", PROJECT, "-e", "local")
+    assert cli(sink, tmp_path, *args).exit_code == 0
+    blob = hashlib.md5(b"plain weights").hexdigest()
+    (sink.data_dir / "artifacts" / blob[:2] / blob).write_bytes(b"plain weightz")
+    result = cli(sink, tmp_path, *args, "--force")
+    assert result.exit_code == 1, result.stdout
+    assert "artifact 'ckpt' file 'weights.bin' is not the one the rank logged (MD5)" in (
+        result.stderr
+    )
