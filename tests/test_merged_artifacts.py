@@ -23,11 +23,14 @@ from click.testing import CliRunner
 from wandb.sdk.artifacts._generated.operations import RUN_OUTPUT_ARTIFACTS_GQL
 from wandb.sdk.artifacts._generated.run_output_artifacts import RunOutputArtifacts
 
+from wbmerge import api
+from wbmerge.artifactfiles import LoggedArtifact
 from wbmerge.cli import main
 from wbmerge.log.records import read_records
 
 from .artifact_job import weights_text
 from .conftest import ROOT
+from .distributed_artifact_run import PARTS
 from .hostile import tree_digest
 from .test_sink_artifacts import CLIENT_ID_MAPPING, manifest_digest, md5_b64
 
@@ -285,3 +288,28 @@ def test_an_artifact_file_the_server_holds_other_bytes_of_fails_the_sync(sink, t
     assert "artifact 'ckpt' file 'weights.bin' is not the one the rank logged (MD5)" in (
         result.stderr
     )
+
+
+def test_a_distributed_artifact_is_expected_whole_once_finished(sink, tmp_path):
+    """The parts of a distributed artifact are not committed by their own records: what the
+    upload must leave is the one artifact the finishing record commits, with every part's
+    files. The sink takes no patch manifests, so there it is missing, and the sync says so
+    rather than 'verified'."""
+    root = tmp_path / "ran"
+    root.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "WBMERGE_"))}
+    env.update(PYTHONPATH=str(ROOT), WANDB_DATA_DIR=str(root / "data"), WANDB_SILENT="true",
+               WANDB_CACHE_DIR=str(root / "cache"), WANDB_CONFIG_DIR=str(root / "config"))  # fmt: skip
+    cmd = [sys.executable, "-m", "tests.distributed_artifact_run", str(root)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run_dir,) = (root / "wandb").glob("offline-run-*-dist")
+
+    (staged,) = api.merge(run_dir, tmp_path / "out", files_from=root)
+    parts = {name: text.encode() for name, text in PARTS.items()}
+    files = tuple((name, len(data), md5_b64(data)) for name, data in parts.items())
+    assert staged.artifacts == [LoggedArtifact("shards", None, files)]
+
+    result = cli(sink, tmp_path, "sync", run_dir, "-p", PROJECT, "-e", "local")
+    assert result.exit_code == 1, result.stdout
+    assert "artifact 'shards' is not committed under the run" in result.stderr

@@ -48,7 +48,9 @@ class ArtifactRecords:
         self.finders: dict[Path, ArtifactFileFinder] = {}
         self.copies: dict[Path, tuple[Path, int, str]] = {}  # read -> (copy, size, MD5)
         self.count = 0  # artifact records rewritten
-        self.logged: list[LoggedArtifact] = []  # what the upload must leave on the server
+        self.whole: list[LoggedArtifact] = []  # committed each by its own record
+        self.parts: dict[tuple[str, str], list[tuple[str, int, str]]] = {}  # distributed
+        self.finished: list[tuple[str, str]] = []  # distributed artifacts committed
 
     def rewrite(self, payload: bytes, source: Source) -> bytes:
         """The artifact record `payload` of `source` as the target run's."""
@@ -99,9 +101,28 @@ class ArtifactRecords:
                 )
             entry.local_path = str(copy)
             files.append((entry.path, size, md5))
-        md5_digest = artifact.digest_algorithm in _MD5_DIGESTS
-        digest = artifact.digest if md5_digest else None
-        self.logged.append(LoggedArtifact(artifact.name, digest, tuple(files)))
+        if artifact.distributed_id:
+            # A part of a distributed artifact (`upsert_artifact`, from any rank); the one
+            # `finish_artifact` record commits them all, under a digest no record holds.
+            key = (artifact.name, artifact.distributed_id)
+            self.parts.setdefault(key, []).extend(files)
+            if artifact.finalize:
+                self.finished.append(key)
+        elif artifact.finalize:
+            whole = artifact.digest_algorithm in _MD5_DIGESTS and not artifact.incremental_beta1
+            digest = artifact.digest if whole else None
+            self.whole.append(LoggedArtifact(artifact.name, digest, tuple(files)))
+
+    @property
+    def logged(self) -> list[LoggedArtifact]:
+        """The artifacts the records commit, as the sources logged them: what the upload
+        must leave on the server. A distributed artifact is one, holding every part's
+        files, once the merge has read its `finish_artifact` record."""
+        distributed = [
+            LoggedArtifact(name, None, tuple(dict.fromkeys(self.parts[(name, key)])))
+            for name, key in dict.fromkeys(self.finished)
+        ]
+        return self.whole + distributed
 
     def _copy(self, found: Path, index: int, what: str) -> tuple[Path, int, str]:
         directory = self.dest / str(self.count)
