@@ -25,6 +25,7 @@ from .conftest import MANIFEST, job_dir
 from .ranklogs import console_record, exit_record, history_record, rank_log
 from .sinktools import console_text, expected_from_log, system_metric_values
 from .test_plan import TABLE
+from .test_sink_artifacts import CLIENT_ID_MAPPING
 
 pytestmark = pytest.mark.e2e
 UNLABELLED = {"_step", "_runtime", "_timestamp"}
@@ -171,6 +172,30 @@ def test_shared_media_from_a_non_zero_rank(sink, tmp_path):
     assert image["path"] in got["files"] and table["path"] in got["files"]
     assert got["summary"]["eval/notes/rank-1"] == "summary-only keys from rank 1"
     assert_shared(got, list(sources_of("media").values()))
+    # The Table's run_table artifact, which rank 1 logged under its own offline id, is
+    # the merged run's: committed, its files the ones rank 1's manifest names, and the
+    # Table's value refers to it.
+    name, files, client_id = table_artifact_of(job_dir("media"))
+    (logged,) = got["artifacts"]["logged"]
+    assert (logged["name"], logged["type"], logged["state"]) == (
+        f"run-fx-media-{name.split('-', 2)[2]}", "run_table", "COMMITTED"
+    )  # fmt: skip
+    committed = sink.client.committed_files("local", "media", f"{logged['name']}:v0")
+    assert committed["files"] == files
+    assert table["artifact_path"].startswith(f"wandb-client-artifact://{client_id}/")
+    mapping = sink.client.graphql(CLIENT_ID_MAPPING, {"clientID": client_id})
+    assert mapping["data"]["clientIDMapping"]["serverID"] == logged["id"]
+
+
+def table_artifact_of(job: Path) -> tuple[str, dict, str]:
+    """(name, {path: (size, MD5)}, client id) of the one artifact the job's ranks logged,
+    read from their logs with protobuf."""
+    (artifact,) = [
+        record.artifact for log in job.glob("wandb/*/run-*.wandb")
+        for record in read_records(log) if record.WhichOneof("record_type") == "artifact"
+    ]  # fmt: skip
+    files = {e.path: (e.size, e.digest) for e in artifact.manifest.contents}
+    return artifact.name, files, artifact.client_id
 
 
 def test_killed_non_primary_rank_warns_and_keeps_its_data(sink, tmp_path):
@@ -418,8 +443,12 @@ def arrived(sink, project, run_id):
         ("killed_rank", "auto", "global"),
     ],
 )
-def test_a_merge_directory_syncs_as_its_runs_were_merged(sink, tmp_path, name, mode, scope):
-    """`merge --out DIR` then `sync DIR` gives the runs a direct sync gives, verified, once."""
+def test_a_merge_directory_syncs_as_its_runs_were_merged(
+    sink, make_sink, tmp_path, name, mode, scope
+):
+    """`merge --out DIR` then `sync DIR` gives the runs a direct sync gives, verified, once.
+    (The direct sync goes to a server of its own: an artifact's client id, the same in
+    both, names one version on a server, which the sink keeps in the first project.)"""
     options = ["--run-mode", mode, "--rank-scope", scope, "-e", "local"]
     out = tmp_path / "merged"
     merged = CliRunner().invoke(main, ["merge", str(job_dir(name)), *options, "--out", str(out)])
@@ -428,14 +457,15 @@ def test_a_merge_directory_syncs_as_its_runs_were_merged(sink, tmp_path, name, m
     later = cli_sync(sink, tmp_path, out, "-p", f"later-{mode}", "-e", "local")
     assert later.exit_code == 0, later.output + later.stderr
     assert tree_digest(out) == before, "a merge directory is a source: never written"
-    direct = cli_sync(sink, tmp_path, job_dir(name), *options, "-p", f"direct-{mode}")
+    other = make_sink()
+    direct = cli_sync(other, tmp_path / "direct", job_dir(name), *options, "-p", f"direct-{mode}")
     assert direct.exit_code == 0, direct.output + direct.stderr
     ids = sorted(r["id"] for r in json.loads(direct.stdout)["runs"])
     assert sorted(r["id"] for r in json.loads(later.stdout)["runs"]) == ids
     assert {r["status"] for r in json.loads(later.stdout)["runs"]} == {"uploaded"}
     assert sorted(r["id"] for r in sink.client.runs(project=f"later-{mode}")) == ids
     for run_id in ids:
-        want = arrived(sink, f"direct-{mode}", run_id)
+        want = arrived(other, f"direct-{mode}", run_id)
         assert want["history"] and want["console"] and "requirements.txt" in want["files"]
         assert arrived(sink, f"later-{mode}", run_id) == want, run_id
     if name == "media":
@@ -445,7 +475,7 @@ def test_a_merge_directory_syncs_as_its_runs_were_merged(sink, tmp_path, name, m
     assert again.exit_code == 0, again.output + again.stderr
     for run_id in ids:
         got = sink.client.run("local", f"later-{mode}", run_id)["history"]
-        assert got == arrived(sink, f"direct-{mode}", run_id)["history"]
+        assert got == arrived(other, f"direct-{mode}", run_id)["history"]
 
 
 def test_a_merge_directory_refuses_merge_options_and_runs_of_ranks(tmp_path):
