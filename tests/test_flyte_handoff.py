@@ -83,10 +83,14 @@ def test_a_node_hands_on_each_runs_log_and_files_once(tmp_path):
     (run_dir / "run-abc.wandb").write_bytes(b"x" * 7)
     (run_dir / "files" / "output.log").write_text("hi")
     (run_dir / "logs" / "debug-core.log").write_text("still being written")
+    staged = run_dir / "wandb-data" / "artifacts" / "staging"  # (as wbmerge.init keeps it)
+    staged.mkdir(parents=True)
+    (staged / "tmpab12").write_bytes(b"weights")
     os.symlink(run_dir, tmp_path / "wandb" / "latest-run")
     assert node_files(tmp_path) == {
         "wandb/offline-run-1-abc/files/output.log": 2,
         "wandb/offline-run-1-abc/run-abc.wandb": 7,
+        "wandb/offline-run-1-abc/wandb-data/artifacts/staging/tmpab12": 7,
     }
 
 

@@ -37,6 +37,7 @@ from flyte.syncify import syncify
 from .. import training
 from ..errors import WbmergeError
 from ..topology import RankInfo
+from ..training import RUN_DATA_DIR
 from .context import worker_folder
 from .rank import RankState, finish_run, rank_state
 
@@ -149,7 +150,8 @@ def _all_gather(value: Any, group: Any, info: RankInfo) -> list[Any]:
 
 def node_files(runs_dir: Path, patience: float = CLOSE_PATIENCE) -> dict[str, int]:
     """The files of a node's runs that the merge reads, relative to the node's folder, with
-    their sizes: each run's `run-*.wandb` log and its `files/` folder. Not its `logs/`, which
+    their sizes: each run's `run-*.wandb` log, its `files/` folder and the staging of its
+    artifacts' files (`wandb-data/`, where `wbmerge.init` keeps it). Not its `logs/`, which
     wandb's service goes on writing until the process ends, nor wandb's `latest-run` link,
     which would hand every latest run on twice.
 
@@ -238,7 +240,10 @@ def _is_log(name: str) -> bool:
 
 def _handed_on(run_dir: Path) -> list[Path]:
     logs = sorted(p for p in run_dir.iterdir() if _is_log(p.name) and p.is_file())
-    files = sorted(p for p in (run_dir / RUN_FILES).rglob("*") if p.is_file())
+    files = sorted(
+        p for folder in (RUN_FILES, RUN_DATA_DIR) for p in (run_dir / folder).rglob("*")
+        if p.is_file()
+    )  # fmt: skip
     return logs + files
 
 
