@@ -313,3 +313,22 @@ def test_a_distributed_artifact_is_expected_whole_once_finished(sink, tmp_path):
     result = cli(sink, tmp_path, "sync", run_dir, "-p", PROJECT, "-e", "local")
     assert result.exit_code == 1, result.stdout
     assert "artifact 'shards' is not committed under the run" in result.stderr
+
+
+def test_a_merge_directory_moved_elsewhere_sends_the_artifacts_it_holds(
+    sink, tmp_path, artifact_job
+):
+    """`merge --out` copies each artifact file into the merged run; moved since (another
+    machine, another disk), the merged run still sends them from where it now is."""
+    out = tmp_path / "merged"
+    merged = CliRunner().invoke(main, ["merge", str(artifact_job), "--run-mode", "shared",
+                                       "--out", str(out)])  # fmt: skip
+    assert merged.exit_code == 0, merged.stderr
+    moved = out.rename(tmp_path / "moved")
+    result = cli(sink, tmp_path, "sync", moved, "-p", PROJECT, "-e", "local")
+    assert result.exit_code == 0, result.stderr
+    logged = output_artifacts(sink, JOB_ID)
+    checkpoints = {json.loads(n.metadata)["rank"]: n for (k, _), n in logged.items() if k == "ckpt"}
+    assert sorted(checkpoints) == list(RANKS)
+    for rank, node in checkpoints.items():
+        assert_checkpoint_of(sink, node, rank)

@@ -14,9 +14,9 @@ was copied to. A file is therefore read only from these directories (real paths)
 - a directory given with `--files-from` (for wandb's default data directory, e.g.
   `--files-from ~/.local/share/wandb`).
 
-A run directory that was copied elsewhere (a Flyte hand-off, rsync) is followed: a path
-under the run directory where the rank wrote it is read under the directory the run is now
-in, and a path under the recorded root is found again under a `--files-from` directory at
+A run directory that was copied elsewhere (a Flyte hand-off, rsync, a `merge --out`
+directory moved) is followed: a path inside a directory of the run directory's name is read
+at the same place inside the run directory as it is now, and a path under the recorded root is found again under a `--files-from` directory at
 the same relative path (`savedfiles.moved_file`). A file that is gone, outside these
 directories, not a regular file, or whose bytes are no longer those the manifest's MD5
 names, is a WbmergeError naming the artifact and the path: the sync fails before the run
@@ -90,18 +90,19 @@ class ArtifactFileFinder:
         raise WbmergeError(f"{where}: {why}; {_PLACES}: add {_OPTION} DIR where the file is")
 
     def _in_moved_run(self, raw: str) -> Path | None:
-        """The file `raw` names under the run directory where the rank wrote it (the
-        recorded root's `wandb/` or `.wandb/`), read under the run directory as it is now."""
-        if not self.root:
+        """The file `raw` names inside the run directory where it was written (a path
+        holding the run directory's name), read at the same place inside the run
+        directory as it is now: a rank's run, or a merged one, copied elsewhere. Only a
+        regular file inside the run directory is taken."""
+        parts = Path(os.path.normpath(raw)).parts
+        folders = parts[:-1]
+        if self.run_dir.name not in folders:
             return None
-        lexical = Path(os.path.normpath(raw))
-        for hidden in ("wandb", ".wandb"):
-            written = Path(os.path.normpath(self.root), hidden, self.run_dir.name)
-            if lexical != written and is_within(lexical, written):
-                candidate = resolved_file(self.run_dir / lexical.relative_to(written))
-                base = Path(os.path.realpath(self.run_dir))
-                if candidate and is_within(candidate, base) and is_regular_file(candidate):
-                    return candidate
+        at = len(folders) - 1 - folders[::-1].index(self.run_dir.name)  # (the last one)
+        candidate = resolved_file(self.run_dir.joinpath(*parts[at + 1 :]))
+        base = Path(os.path.realpath(self.run_dir))
+        if candidate and is_within(candidate, base) and is_regular_file(candidate):
+            return candidate
         return None
 
 
