@@ -142,8 +142,9 @@ def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--job-type", help="Job type of the runs created. Default: the ranks' "
                      "own (shared: the primary's); a run given none keeps the server's."),
         click.option("--files-from", "files_from", multiple=True, type=click.Path(), metavar="DIR",
-                     help="Also follow saved-file links (wandb.save) to files under DIR, and find "
-                     "moved ones there (repeatable). Default: only the directory each rank ran in."),
+                     help="Also read saved files (wandb.save links) and artifact files under DIR, "
+                     "and find moved ones there (repeatable). Default: only each rank's run "
+                     "directory and the directory it ran in."),
         click.option("--unknown-records", type=click.Choice(["refuse", "copy"]), default="refuse",
                      show_default=True, help="A record of a kind this wbmerge does not know (a "
                      "newer wandb's): refuse the run in one line, or copy it as it is."),
