@@ -339,3 +339,19 @@ def test_a_merge_directory_moved_elsewhere_sends_the_artifacts_it_holds(
     assert sorted(checkpoints) == list(RANKS)
     for rank, node in checkpoints.items():
         assert_checkpoint_of(sink, node, rank)
+
+
+def test_a_gone_artifact_file_stops_the_merge_before_any_run_is_written(sink, tmp_path):
+    """Checked with the saved files, before anything is merged or uploaded: in `new` mode
+    rank 0's run, which has every file, is neither written nor sent."""
+    job = write_job(tmp_path / "job")
+    (staging,) = (job / "rank-1" / "wandb").glob("offline-run-*/wandb-data/artifacts/staging")
+    for staged in staging.iterdir():
+        staged.unlink()
+    out = tmp_path / "out"
+    for command in (["merge", "--out", out], ["sync", "-p", PROJECT, "-e", "local"]):
+        result = cli(sink, tmp_path, command[0], job, "--run-mode", "new", *command[1:])
+        line = one_error_line(result)
+        assert "artifact 'ckpt'" in line and str(staging) in line and "does not exist" in line
+    assert not out.exists() or not list(out.iterdir())
+    assert sink.client.runs() == []

@@ -29,12 +29,17 @@ import base64
 import hashlib
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from google.protobuf.message import DecodeError
+
 from .errors import WbmergeError
-from .plan import Source
+from .log import records
+from .log.proto import pb
+from .log.txlog import ReadReport
+from .plan import Source, Target
 from .safepaths import is_within
 from .savedfiles import is_regular_file, moved_file, ran_in, recorded_root, resolved_file
 
@@ -104,6 +109,37 @@ class ArtifactFileFinder:
         if candidate and is_within(candidate, base) and is_regular_file(candidate):
             return candidate
         return None
+
+
+def check_inline_manifest(artifact: pb.ArtifactRecord, label: str) -> None:
+    """Refuse an artifact whose manifest wandb wrote to a file of its own (beyond 100000
+    files), which this merge does not copy."""
+    if artifact.manifest.manifest_file_path:
+        raise WbmergeError(
+            f"{label}: artifact {artifact.name!r} keeps its manifest in a file of its own "
+            "(wandb does so beyond 100000 files), which wbmerge does not copy yet"
+        )
+
+
+def check_artifact_files(targets: Iterable[Target], files_from: Sequence[Path] = ()) -> None:
+    """Raise the WbmergeError the merge would raise for a file of an artifact of the
+    targets' sources (gone, or where it may not be read), without copying anything: a
+    merge or sync says it before any run is written or uploaded. Reads only the kinds of
+    the sources' records, and parses their artifact records."""
+    for target in targets:
+        for source in target.sources:
+            finder: ArtifactFileFinder | None = None
+            for read in records.read_indexed(source.path, ReadReport()):
+                for index in read.of("artifact").tolist():
+                    try:
+                        artifact = pb.Record.FromString(read.frames.payload(index)).artifact
+                    except (DecodeError, RecursionError):
+                        continue  # (said where the merge reads it)
+                    check_inline_manifest(artifact, source.label)
+                    finder = finder or ArtifactFileFinder(source, files_from)
+                    for entry in artifact.manifest.contents:
+                        if entry.local_path:
+                            finder.find(entry.local_path, artifact.name, entry.path)
 
 
 def copy_and_hash(source: Path, dest: Path, what: str) -> tuple[int, str]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import safepaths
+from .artifactfiles import check_artifact_files
 from .errors import WbmergeError
 from .log.proto import pb
 from .plan import Source, Target
@@ -90,13 +91,16 @@ def files_from_dirs(paths: Sequence[str | Path] | str | Path) -> tuple[Path, ...
 
 def check_files(targets: Iterable[Target], files_from: Sequence[Path] = ()) -> None:
     """Raise the WbmergeError `stage_files` would raise for an entry of the targets'
-    sources (a link out of the allowed directories: `savedfiles`), without copying
-    anything: a merge or sync says it before any run is written or uploaded. Runs merged
-    already (`merged` targets) hold copies, and are not looked at."""
+    sources (a link out of the allowed directories: `savedfiles`), and the merge for a
+    file of their artifacts (`artifactfiles`), without copying anything: a merge or sync
+    says it before any run is written or uploaded. The saved files of runs merged already
+    (`merged` targets) are copies, and are not looked at."""
+    targets = list(targets)
     for target in targets:
         if target.kind != "merged":
             for _ in _entries(target, files_from):
                 pass
+    check_artifact_files(targets, files_from)
 
 
 def _entries(

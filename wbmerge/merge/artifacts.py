@@ -27,7 +27,12 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from ..artifactfiles import ArtifactFileFinder, LoggedArtifact, copy_and_hash
+from ..artifactfiles import (
+    ArtifactFileFinder,
+    LoggedArtifact,
+    check_inline_manifest,
+    copy_and_hash,
+)
 from ..errors import WbmergeError
 from ..log.proto import pb
 from ..plan import Source, Target
@@ -76,11 +81,7 @@ class ArtifactRecords:
     def _copy_files(self, artifact: pb.ArtifactRecord, source: Source) -> None:
         """Copy every file the manifest of `artifact` names, and point it at the copy."""
         label = source.label
-        if artifact.manifest.manifest_file_path:
-            raise WbmergeError(
-                f"{label}: artifact {artifact.name!r} keeps its manifest in a file of its own "
-                "(wandb does so beyond 100000 files), which wbmerge does not copy yet"
-            )
+        check_inline_manifest(artifact, label)
         finder = self.finders.get(source.path)
         if finder is None:
             finder = self.finders[source.path] = ArtifactFileFinder(source, self.options.files_from)
