@@ -30,6 +30,7 @@ from .credentials import Credentials
 from .delivery import Delivery, DeliveryReport, Progress
 from .ledger import Ledger
 from .onserver import RowsLost, not_whole_on_server, rows_held, saved_files_missing
+from .relay import Relay
 from .remainder import (
     Mismatch,
     history_row,
@@ -115,6 +116,12 @@ class Deliverer:
         # The line counts each run had before its upload: a run being sent holds more.
         self._before: dict[str, tuple[int, int, int]] = {}
         self._asked_at: dict[str, float] = {}  # when each run was last asked how far it is
+        # wandb-core sends through a relay that holds each run's lines to the offsets
+        # planned here, so that another sync of the same runs rewrites them instead of
+        # adding them again (see `relay`); the uploader of each run being sent, to stop it
+        # when its lines cannot be placed.
+        self.relay = Relay(credentials.base_url, self._cannot_place)
+        self._uploader_of: dict[str, Uploader] = {}
         # Daemon threads: a Ctrl-C does not wait for a question to the server to end.
         for number in range(PREPARERS):
             threading.Thread(target=self._prepare_each, name=f"wbmerge-prepare-{number}",
@@ -141,6 +148,9 @@ class Deliverer:
         counts = (held.history_lines, held.events_lines, held.log_lines)
         with self.lock:  # (so the first question during the upload can see it move)
             self._before[delivery.run_id] = self._counts[delivery.run_id] = counts
+        # Whatever is sent of the run continues at the rows held now (the remainder below
+        # cuts exactly these), wherever wandb-core would begin.
+        self.relay.plan(delivery.run_id, held.history_lines if held.exists else 0)
         if not held.exists or not (held.history_lines or delivery.verified_before):
             return  # (nothing to cut, nor to find whole: counted while the upload starts)
         content = self._content(delivery)
@@ -261,6 +271,7 @@ class Deliverer:
         for delivery in self.deliveries:
             if self.timed_out and not (delivery.verified or delivery.problems):
                 delivery.problems.append("not complete when the upload was given up")
+        self.relay.close()
         report = DeliveryReport(self.entity or self._entity_seen, self.timed_out)
         report.failed = [d for d in self.deliveries if not d.verified]
         return report
@@ -284,6 +295,19 @@ class Deliverer:
         self._dispatcher.join(_JOIN)
         for thread in list(self._threads):
             thread.join(_JOIN)
+        self.relay.close()
+
+    def _cannot_place(self, run_id: str, why: str) -> None:
+        """The relay could not place `run_id`'s lines where planned (and sent none of
+        them): the run fails with `why`, and its upload is stopped, from a thread of its
+        own (the relay's thread waits for the answer to give wandb-core)."""
+        with self.lock:
+            delivery = self._uploading.get(run_id)
+            uploader = self._uploader_of.get(run_id)
+            if delivery is not None and why not in delivery.problems:
+                delivery.problems.append(why)
+        if uploader is not None:
+            threading.Thread(target=uploader.stop, daemon=True).start()
 
     def _say_settling(self, seconds: float) -> None:
         """Say once why the runs wait before anything is asked (after a stopped upload)."""
@@ -309,7 +333,8 @@ class Deliverer:
         """A new uploader, working in a directory of its own (called holding the lock)."""
         number = self._uploaders_made
         self._uploaders_made += 1
-        return Uploader(self.credentials, self.project, self.entity,
+        relayed = Credentials(self.relay.url, self.credentials.api_key)
+        return Uploader(relayed, self.project, self.entity,
                         self.workdir / f"batch-{number}", self.timeout,
                         owner=self.owner)  # fmt: skip
 
@@ -355,6 +380,8 @@ class Deliverer:
                     for delivery in batch:
                         self._uploading[delivery.run_id] = delivery
                     uploader = self._take_uploader()
+                    for delivery in batch:
+                        self._uploader_of[delivery.run_id] = uploader
                     self._uploaders.append(uploader)
                     thread = threading.Thread(
                         target=self._upload, args=(batch, lanes, uploader), daemon=True
