@@ -211,8 +211,14 @@ def test_a_state_dir_that_cannot_be_written_loses_the_note_but_stops_nothing(mon
         ("http://127.0.0.1:80", "http://127.0.0.1"),
         ("http://127.0.0.1:8765/", "http://127.0.0.1:8765"),
         ("https://wandb.example.com:8443/prefix/", "https://wandb.example.com:8443/prefix"),
-        ("http://[::1]:8080", "http://[::1]:8080"),
-        ("http://localhost:8080", "http://localhost:8080"),  # (not 127.0.0.1: maybe ::1)
+        ("http://[::1]:8080", "http://127.0.0.1:8080"),  # every name of the loopback
+        ("http://localhost:8080", "http://127.0.0.1:8080"),
+        ("http://LocalHost.:8080/", "http://127.0.0.1:8080"),
+        ("http://wandb.localhost:8080", "http://127.0.0.1:8080"),
+        ("http://127.0.1.1:8080", "http://127.0.0.1:8080"),
+        ("http://[fe80::1]:8080", "http://[fe80::1]:8080"),
+        ("http://10.0.0.1:8080", "http://10.0.0.1:8080"),  # other addresses as they are
+        ("http://localhost.example.com", "http://localhost.example.com"),
     ],
 )
 def test_one_server_spelled_two_ways_is_one_ledger_key(base_url, key):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import ipaddress
 import json
 import os
 import sqlite3
@@ -218,8 +219,16 @@ def run_locks(
 
 def server_key(base_url: str) -> str:
     """The server of a base URL, spelled one way: scheme and host in lower case, no default
-    port, no trailing slash. `HTTPS://API.wandb.ai:443/` gives `https://api.wandb.ai`.
-    (`localhost` and `127.0.0.1` stay two: they need not be the same server.)"""
+    port, no trailing slash, and every name of this machine's loopback (`localhost`,
+    `*.localhost`, 127.0.0.0/8, `::1`) as `127.0.0.1`. `HTTPS://API.wandb.ai:443/` gives
+    `https://api.wandb.ai`, `http://localhost:8765` gives `http://127.0.0.1:8765`.
+
+    The key is what the ledger and the run locks know a server by, so a sync to the sink
+    named `localhost` finds the runs a sync to `127.0.0.1` recorded, and waits for it.
+    Limits: other names are not resolved (an address behind a load balancer changes, and
+    resolving needs the network), so two DNS names or an address of one remote server stay
+    two keys (the relay still keeps their rows once, see `relay`); and two servers on one
+    port of the loopback, one on `::1` and one on 127.0.0.1, would be taken for one."""
     try:
         parts = urllib.parse.urlsplit(base_url.strip())
         port = parts.port
@@ -227,7 +236,21 @@ def server_key(base_url: str) -> str:
         return base_url
     default = {"http": 80, "https": 443}.get(parts.scheme.lower())
     host = parts.hostname or ""
-    if ":" in host:  # (an IPv6 address is written in brackets)
+    if _is_loopback(host):
+        host = "127.0.0.1"
+    elif ":" in host:  # (an IPv6 address is written in brackets)
         host = f"[{host}]"
     netloc = host if port in (None, default) else f"{host}:{port}"
     return f"{parts.scheme.lower()}://{netloc}{parts.path.rstrip('/')}"
+
+
+def _is_loopback(host: str) -> bool:
+    """True for a name of this machine's loopback that needs no lookup (RFC 6761 reserves
+    `localhost` and the names below it for the loopback; a final dot names the root)."""
+    name = host.rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
