@@ -1,0 +1,148 @@
+"""The upload relay: where it places each run's lines, and who may use it.
+
+The placing is checked on file_stream bodies shaped as wandb-core 0.31 posts them; the relay
+itself is checked against a real sink: what it forwards arrives as sent (the key included),
+what it refuses never reaches the sink.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from wbmerge.errors import WbmergeError
+from wbmerge.upload.relay import Relay
+from wbmerge.upload.relayserver import Offsets
+
+HISTORY, EVENTS, CONSOLE = "wandb-history.jsonl", "wandb-events.jsonl", "output.log"
+
+
+def body(**files: tuple[int, list[str]]) -> bytes:
+    """A file_stream body: for each file (by keyword: history, events, console) its offset
+    and lines, as wandb-core posts them."""
+    names = {"history": HISTORY, "events": EVENTS, "console": CONSOLE}
+    return json.dumps({
+        "files": {names[k]: {"offset": o, "content": lines} for k, (o, lines) in files.items()},
+        "dropped": 0,
+    }).encode()  # fmt: skip
+
+
+def offsets_of(placed: bytes | None) -> dict[str, int]:
+    assert placed is not None
+    return {name: chunk["offset"] for name, chunk in json.loads(placed)["files"].items()}
+
+
+def test_lines_land_where_planned_whatever_offset_wandb_core_begins_at():
+    offsets = Offsets()
+    offsets.plan("run", 1000)  # the server held 1,000 rows when the remainder was planned
+    # another writer added 500 more since: wandb-core begins at 1,500, and its console and
+    # system metrics where the server's counts were
+    first, _ = offsets.placed("run", body(history=(1500, ["a"] * 200), events=(40, ["e"]),
+                                          console=(12, ["c"])))  # fmt: skip
+    assert offsets_of(first) == {HISTORY: 1000, EVENTS: 0, CONSOLE: 0}
+    later, _ = offsets.placed("run", body(history=(1700, ["b"]), console=(13, ["d"])))
+    assert offsets_of(later) == {HISTORY: 1200, CONSOLE: 1}
+    retried, _ = offsets.placed("run", body(history=(1500, ["a"] * 200)))  # the same again
+    assert offsets_of(retried) == {HISTORY: 1000}
+    assert json.loads(retried)["files"][HISTORY]["content"] == ["a"] * 200
+    assert json.loads(retried)["dropped"] == 0
+
+
+def test_a_new_plan_forgets_where_the_last_upload_of_the_run_began():
+    offsets = Offsets()
+    offsets.plan("run", 0)
+    offsets.placed("run", body(history=(7, ["a"])))
+    offsets.plan("run", 30)  # a later round of a follow, from what the server then held
+    placed, _ = offsets.placed("run", body(history=(31, ["b"])))
+    assert offsets_of(placed) == {HISTORY: 30}
+
+
+def test_a_server_holding_fewer_rows_than_planned_is_a_conflict_said_once():
+    offsets = Offsets()
+    offsets.plan("run", 1000)
+    placed, why = offsets.placed("run", body(history=(990, ["a"])))
+    assert placed is None
+    assert why is not None and "held 990 history rows" in why and "the 1000 wbmerge planned" in why
+    assert offsets.placed("run", body(history=(991, ["b"]), events=(0, ["e"]))) == (None, None)
+    offsets.plan("run", 990)  # planned again, from what the server holds now: sent
+    assert offsets_of(offsets.placed("run", body(history=(990, ["a"])))[0]) == {HISTORY: 990}
+
+
+@pytest.mark.parametrize(
+    "raw", [b"not json", b"[1, 2]", b'{"files": [1]}', b'{"complete": true, "exitcode": 0}']
+)
+def test_bodies_without_files_to_place_go_as_they_came(raw):
+    offsets = Offsets()
+    offsets.plan("run", 5)
+    assert offsets.placed("run", raw) == (raw, None)
+
+
+def test_runs_without_a_plan_go_as_they_came():
+    offsets = Offsets()
+    offsets.plan("other", 5)
+    raw = body(history=(9, ["a"]))
+    assert offsets.placed("run", raw) == (raw, None)
+
+
+VIEWER = json.dumps({"query": "query Viewer { viewer { id entity username } }"}).encode()
+
+
+def ask(url: str, key: str, data: bytes = VIEWER) -> tuple[int, bytes]:
+    token = base64.b64encode(f"api:{key}".encode()).decode()
+    request = urllib.request.Request(url, data, {"Authorization": f"Basic {token}",
+                                                 "Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_the_relay_forwards_only_requests_under_its_own_prefix(sink):
+    relay = Relay(sink.url)
+    try:
+        status, answer = ask(relay.url + "/graphql", sink.api_key)
+        assert status == 200 and json.loads(answer)["data"]["viewer"]["entity"] == "local"
+        assert ask(relay.url + "/graphql", "x" * 40)[0] in (401, 403)  # (the caller's key)
+        unprefixed = relay.url.rsplit("/", 1)[0]
+        assert ask(unprefixed + "/graphql", sink.api_key)[0] == 404
+        assert ask(unprefixed + "/wrong-token/graphql", sink.api_key)[0] == 404
+    finally:
+        relay.close()
+
+
+def test_a_conflict_is_not_forwarded_and_is_told(sink):
+    told: list[tuple[str, str]] = []
+    came = threading.Event()
+
+    def on_conflict(run_id: str, why: str) -> None:
+        told.append((run_id, why))
+        came.set()
+
+    relay = Relay(sink.url, on_conflict)
+    try:
+        relay.plan("gap", 3)
+        url = f"{relay.url}/files/local/relayed/gap/file_stream"
+        status, _ = ask(url, sink.api_key, body(history=(0, ['{"_step": 0}'])))
+        assert status == 409
+        assert came.wait(30)
+        assert told[0][0] == "gap" and "fewer than the 3 wbmerge planned" in told[0][1]
+        assert sink.client.runs("local", "relayed") == []  # nothing reached the sink
+        relay.plan("kept", 0)
+        url = f"{relay.url}/files/local/relayed/kept/file_stream"
+        lines = ['{"_step": 0, "x": 1}', '{"_step": 1, "x": 2}']
+        assert ask(url, sink.api_key, body(history=(5, lines)))[0] == 200
+        held = sink.client.run("local", "relayed", "kept")["history"]
+        assert held == [{"_step": 0, "x": 1}, {"_step": 1, "x": 2}]  # at 0 and 1, not 5 and 6
+    finally:
+        relay.close()
+
+
+def test_a_base_url_that_is_not_http_is_refused():
+    with pytest.raises(WbmergeError, match="not an http"):
+        Relay("ftp://127.0.0.1:1")
