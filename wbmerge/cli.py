@@ -320,6 +320,9 @@ def follow_options(prefix: str) -> Callable[[Callable[..., Any]], Callable[..., 
     "date, round after round, until every rank has finished (or --idle-timeout).",
 )
 @follow_options("--follow: ")
+@click.option("--resend", is_flag=True, help="Send the runs the server holds rows of whole "
+              "again, each line over the one at its place: the way out of a run refused as "
+              "not a beginning (its sources changed) or of rows lost inside it.")  # fmt: skip
 @one_line_errors
 def sync(
     parallel: int,
@@ -347,7 +350,7 @@ def sync(
 
     if follow:
         for flag, given in (("--dry-run", dry_run), ("--keep-staging", keep_staging),
-                            ("--force", force)):  # fmt: skip
+                            ("--force", force), ("--resend", kw.get("resend"))):  # fmt: skip
             if given:
                 raise WbmergeError(f"{flag} cannot be used with --follow")
         find_credentials()

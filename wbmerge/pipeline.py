@@ -339,6 +339,7 @@ def _sync(
     upload_progress: Callable[[Progress], None] | None,
     on_wait: Callable[[str], None] | None,
 ) -> SyncReport:
+    force = force or request.resend  # (a run to send again whole is asked about, not skipped)
     credentials = find_credentials()
     planned = plan_jobs(request) if planned is None else planned
     for job in planned:  # (bad input first: exit 2 whether the server answers or not)
@@ -476,6 +477,7 @@ def _start_job(
         session.parallel, workdir / "uploader", session.timeout, session.upload_progress,
         staging=session.owner, slots=session.slots, expected=len(pending),
         remove_verified=session.remove_verified, every_value=request.verify == "full",
+        resend=request.resend,
     )  # fmt: skip
     upload.deliverer = deliverer
     try:
@@ -531,7 +533,8 @@ def _finish_job(upload: _JobUpload, session: _Session) -> list[str]:
         # A merged run's id was chosen by its merge: --base-id goes to `merge`, not `sync`.
         merged = any(target.kind == "merged" for target, _ in upload.todo)
         how = "merge them again with --base-id ID" if merged else "with --base-id ID"
-        lines.append(f"{REFUSED} ({how}), or delete the runs on the server first")
+        lines.append(f"{REFUSED} ({how}), delete the runs on the server first, or send them "
+                     "whole again over what the server holds (`wbmerge sync --resend`)")  # fmt: skip
     return lines
 
 

@@ -43,6 +43,8 @@ class MergeRequest:
     files_from: Sequence[str | Path] = ()  # directories saved files may be read from too
     verify: Verify = "sample"  # "full": compare every row's values read back, not a sample
     unknown_records: Literal["refuse", "copy"] = "refuse"  # "copy": kinds unknown to wbmerge
+    # sync: send runs the server holds rows of whole again, over those rows (not only the rest)
+    resend: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (("rank_order", (None, "start")), ("verify", ("sample", "full")),
@@ -77,6 +79,7 @@ class RequestOptions(TypedDict, total=False):
     files_from: Sequence[str | Path]
     verify: Verify
     unknown_records: Literal["refuse", "copy"]
+    resend: bool
 
 
 def option_names() -> set[str]:

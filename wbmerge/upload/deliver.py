@@ -35,6 +35,7 @@ from .remainder import (
     Mismatch,
     history_row,
     remainder,
+    resend_whole,
     sends_no_row,
     shortfall,
     write_remainder,
@@ -86,8 +87,13 @@ class Deliverer:
         expected: int = 0,
         remove_verified: bool = False,
         every_value: bool = False,
+        resend: bool = False,
     ) -> None:
+        """`resend`: send each run the server holds rows of whole again, from its first
+        row, over what the server holds (`wbmerge sync --resend`, the way out of a run
+        refused as not a beginning, or of rows lost inside it)."""
         self.client, self.ledger_path = client, ledger.path
+        self.resend = resend
         self.credentials, self.project, self.entity = credentials, project, entity
         self.workdir, self.timeout, self.owner = workdir, timeout, staging
         self.slots = slots or UploadSlots(parallel)
@@ -149,8 +155,14 @@ class Deliverer:
         with self.lock:  # (so the first question during the upload can see it move)
             self._before[delivery.run_id] = self._counts[delivery.run_id] = counts
         # Whatever is sent of the run continues at the rows held now (the remainder below
-        # cuts exactly these), wherever wandb-core would begin.
-        self.relay.plan(delivery.run_id, held.history_lines if held.exists else 0)
+        # cuts exactly these), wherever wandb-core would begin; a run sent again whole
+        # begins at its first row, and each line replaces the one at its place.
+        resend = self.resend and held.exists and held.history_lines > 0
+        self.relay.plan(delivery.run_id, 0 if resend else held.history_lines * held.exists)
+        if resend:  # (each line replaces the one at its place: none may be left beyond)
+            resend_whole(self._content(delivery), held)
+            self._tell(f"sending {delivery.run_id} again whole, over the server's rows")
+            return
         if not held.exists or not (held.history_lines or delivery.verified_before):
             return  # (nothing to cut, nor to find whole: counted while the upload starts)
         content = self._content(delivery)
@@ -215,8 +227,9 @@ class Deliverer:
             except Mismatch as exc:
                 delivery.refused = True
                 delivery.problems.append(
-                    f"{exc}: the server's run is not a beginning of this one (an upload of "
-                    "another run mode or other options?) and is left as it is"
+                    f"{exc}: the server's run is not a beginning of this one (its sources "
+                    "changed since an earlier upload, or it was uploaded with another run "
+                    "mode or other options?) and is left as it is"
                 )
             except BaseException as exc:  # said by `failure`, and raised by finish()
                 with self.lock:

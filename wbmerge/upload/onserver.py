@@ -155,7 +155,8 @@ class RowsLost(Exception):
 
 LOST_ROWS = (
     "the line counts reach past these rows, and wandb's uploader sends only rows past the "
-    "server's line count, so a rerun cannot send them again"
+    "server's line count, so a rerun cannot send them again (`wbmerge sync --resend` sends "
+    "the run whole again over what the server holds)"
 )
 
 

@@ -94,6 +94,21 @@ def remainder(
     return Remainder(have, resteps)
 
 
+def resend_whole(staged: StagedContent, held: Held) -> Remainder:
+    """The plan of `sync --resend`: all of `staged` again, each line over the one at its
+    place (the relay puts wandb-core's first line at line 0). Lines are replaced, never
+    removed, so a server holding more than is staged is a Mismatch."""
+    rows = len(staged.step_items)
+    if held.history_lines > rows:
+        raise Mismatch(
+            f"the server holds {held.history_lines} history rows, more than the {rows} staged, "
+            "and sending the run again cannot remove rows"
+        )
+    if extra := held_beyond(staged, held):
+        raise Mismatch(extra[0])
+    return Remainder(0)
+
+
 def sends_no_row(staged: StagedContent, plan: Remainder) -> str | None:
     """What a user should know of a run sent again with none of its rows, the server
     holding all of them (its files, names or state were not whole): wandb-core gives the
