@@ -140,3 +140,8 @@ class Relay:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+        reader = getattr(self, "_reader", None)
+        if reader is not None:
+            reader.join(grace)  # (it has read to the end of the relay's output)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
