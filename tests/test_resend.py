@@ -9,10 +9,10 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from wbmerge import synthetic
 from wbmerge.cli import main
 from wbmerge.topology import RankInfo
 
+from . import synthetic
 from .sinktools import expected_from_log
 from .test_upload_faults import assert_exactly_once
 

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge import synthetic
-
+from . import synthetic
 from .sinktools import expected_from_log
 from .test_upload_faults import assert_exactly_once
 
