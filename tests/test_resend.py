@@ -39,12 +39,22 @@ def test_a_run_whose_sources_changed_is_refused_saying_why_and_resend_rewrites_i
     refused = sync(sink, tmp_path, tmp_path / "after")
     assert refused.exit_code == 1
     assert "the server's row 400 differs from the staged row 400" in refused.stderr
-    assert "its sources changed since an earlier upload" in refused.stderr
+    assert "this machine verified it from other files or settings before" in refused.stderr
     assert "`wbmerge sync --resend`" in refused.stderr
     resent = sync(sink, tmp_path, tmp_path / "after", "--resend")
     assert resent.exit_code == 0, resent.output + resent.stderr
     assert [run["status"] for run in json.loads(resent.stdout)["runs"]] == ["uploaded"]
     assert_exactly_once(sink.client.run("local", "resent", JOB), expected_from_log(after))
+
+
+def test_a_refusal_without_this_machines_record_names_the_likely_causes(sink, tmp_path):
+    write(tmp_path / "before", seed=0)
+    write(tmp_path / "after", seed=1)
+    assert sync(sink, tmp_path, tmp_path / "before").exit_code == 0
+    (tmp_path / "state" / "ledger.sqlite3").unlink()  # as from another machine
+    refused = sync(sink, tmp_path, tmp_path / "after")
+    assert refused.exit_code == 1
+    assert "its sources changed since an earlier upload, or it was uploaded with" in refused.stderr
 
 
 def test_resend_refuses_a_run_the_server_holds_more_rows_of(sink, tmp_path):

@@ -34,6 +34,7 @@ from .relay import Relay
 from .remainder import (
     Mismatch,
     history_row,
+    not_a_beginning,
     remainder,
     resend_whole,
     sends_no_row,
@@ -226,11 +227,9 @@ class Deliverer:
                 delivery.problems.extend(exc.args[0])
             except Mismatch as exc:
                 delivery.refused = True
-                delivery.problems.append(
-                    f"{exc}: the server's run is not a beginning of this one (its sources "
-                    "changed since an earlier upload, or it was uploaded with another run "
-                    "mode or other options?) and is left as it is"
-                )
+                ledger = ledger or Ledger(self.ledger_path)
+                changed = ledger.recorded_otherwise(delivery.key, delivery.fingerprint)
+                delivery.problems.append(not_a_beginning(str(exc), changed))
             except BaseException as exc:  # said by `failure`, and raised by finish()
                 with self.lock:
                     self._error = self._error or exc

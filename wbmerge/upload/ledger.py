@@ -145,6 +145,17 @@ class Ledger:
             raise self._problem(exc) from None
         return {"entity": row[0], "time": row[1]} if row else None
 
+    def recorded_otherwise(self, key: str, fingerprint: str) -> bool:
+        """True when this ledger verified the run `key` from other files or settings than
+        `fingerprint` says: its sources (or the options of its merge) changed since."""
+        try:
+            row = self._db.execute(
+                "SELECT 1 FROM synced WHERE key = ? AND fingerprint != ?", (key, fingerprint)
+            ).fetchone()
+        except sqlite3.OperationalError as exc:
+            raise self._problem(exc) from None
+        return row is not None
+
     def unsynced(
         self,
         base_url: str,

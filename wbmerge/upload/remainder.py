@@ -109,6 +109,20 @@ def resend_whole(staged: StagedContent, held: Held) -> Remainder:
     return Remainder(0)
 
 
+def not_a_beginning(what: str, sources_changed: bool) -> str:
+    """The refusal of a run the server holds other rows of: what differs (`what`), and
+    why; `sources_changed` when this machine's ledger verified the run from other files
+    or settings (the likeliest cause, said for sure)."""
+    why = (
+        "this machine verified it from other files or settings before: its sources or "
+        "options changed since"
+        if sources_changed
+        else "its sources changed since an earlier upload, or it was uploaded with another "
+        "run mode or other options?"
+    )
+    return f"{what}: the server's run is not a beginning of this one ({why}) and is left as it is"
+
+
 def sends_no_row(staged: StagedContent, plan: Remainder) -> str | None:
     """What a user should know of a run sent again with none of its rows, the server
     holding all of them (its files, names or state were not whole): wandb-core gives the
