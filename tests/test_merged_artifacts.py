@@ -27,12 +27,13 @@ from wandb.sdk.artifacts._generated.run_output_artifacts import RunOutputArtifac
 from wbmerge import api
 from wbmerge.artifactfiles import LoggedArtifact
 from wbmerge.cli import main
+from wbmerge.log.proto import pb
 from wbmerge.log.records import read_records
 
 from .artifact_job import weights_text
 from .conftest import ROOT
 from .distributed_artifact_run import PARTS
-from .hostile import tree_digest
+from .hostile import rewrite_log, tree_digest
 from .test_sink_artifacts import CLIENT_ID_MAPPING, manifest_digest, md5_b64
 
 pytestmark = pytest.mark.e2e
@@ -355,3 +356,37 @@ def test_a_gone_artifact_file_stops_the_merge_before_any_run_is_written(sink, tm
         assert "artifact 'ckpt'" in line and str(staging) in line and "does not exist" in line
     assert not out.exists() or not list(out.iterdir())
     assert sink.client.runs() == []
+
+
+SECRET = b"a private key of the user\n"
+
+
+@pytest.mark.parametrize("where", ["secret", "relative", "dotdot"])
+def test_an_artifact_record_naming_another_file_never_sends_it(sink, tmp_path, where):
+    """A hostile record points a manifest entry at a file of the user's outside the run
+    (with its size and MD5, so that the uploader would take it): nothing is read from
+    there, the sync stops in one line, and the file's bytes are nowhere on the server."""
+    run_dir = plain_run(tmp_path / "ran", tmp_path / "ran" / "data")
+    secret = tmp_path / "home" / "id_rsa"
+    secret.parent.mkdir()
+    secret.write_bytes(SECRET)
+    path = {
+        "secret": str(secret),
+        "relative": "../../home/id_rsa",
+        "dotdot": str(tmp_path / "ran" / ".." / "home" / "id_rsa"),
+    }[where]
+
+    def point_at_secret(record: pb.Record) -> pb.Record | None:
+        if record.WhichOneof("record_type") != "artifact" or record.artifact.name != "ckpt":
+            return None
+        entry = record.artifact.manifest.contents[0]
+        entry.local_path, entry.size, entry.digest = path, len(SECRET), md5_b64(SECRET)
+        return record
+
+    rewrite_log(run_dir / "run-plain.wandb", point_at_secret)
+    result = cli(sink, tmp_path, "sync", run_dir, "-p", PROJECT, "-e", "local")
+    line = one_error_line(result)
+    assert "'ckpt'" in line and path in line
+    assert sink.client.runs() == []
+    kept = [p.read_bytes() for p in (sink.data_dir / "artifacts").rglob("*") if p.is_file()]
+    assert SECRET not in kept
