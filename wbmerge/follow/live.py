@@ -21,8 +21,9 @@ from pathlib import Path
 from ..errors import InputWarning, WbmergeError
 from ..identify.discover import Job, find_run_files, group_jobs, identify, merged_runs
 from ..identify.jobs import Hints
-from ..identify.offlinerun import OfflineRun, read_identity, scan
+from ..identify.offlinerun import OfflineRun, RunStats, read_identity, scan
 from ..plan import Source, Target
+from .tails import NotIncremental, ScannedLog
 
 NO_ROWS = -1  # the watermark of a target that may show no merged row yet
 
@@ -109,8 +110,9 @@ def _size(path: Path) -> tuple[int, int]:
 def progress(
     job: Job, sizes: dict[Path, tuple[int, int]], seen: dict[Path, tuple] | None = None
 ) -> dict[int, Progress]:
-    """Every rank's progress, from a full read of each of its files that changed since it
-    was last read (`seen` remembers the reads: path -> (size and mtime, RunStats)).
+    """Every rank's progress, from a read of each of its files that changed since it was
+    last read: of what it gained when it goes on from that read, else of all of it (`seen`
+    remembers the reads: path -> (size and mtime, RunStats, its ScannedLog or None)).
 
     Restarts continue each other's steps as the merge places them: a restart's rows go
     after the last row of the restarts before it. So a restart's rows are final only when
@@ -133,8 +135,8 @@ def progress(
                 stats = seen[run.path][1]
                 still = True
             else:
-                stats = scan(run)
-                seen[run.path] = (now, stats)
+                stats, scanned = _rescan(run, seen.get(run.path))
+                seen[run.path] = (now, stats, scanned)
                 still = stats.complete
             if settled and stats.first_step is not None and stats.last_step is not None:
                 shift = max(0, last + 1 - stats.first_step)
@@ -143,6 +145,18 @@ def progress(
         assert stats is not None
         result[rank] = Progress(rank, last, stats.complete, stats.exit_code)
     return result
+
+
+def _rescan(run: OfflineRun, last: tuple | None) -> tuple[RunStats, ScannedLog | None]:
+    """A changed log's stats, and how far it was read: only its new records read when it
+    goes on from the last look (`tails.ScannedLog`), else all of it (`scan`)."""
+    scanned = last[2] if last is not None else ScannedLog(run.path)
+    if scanned is not None:
+        try:
+            return scanned.update(), scanned
+        except NotIncremental:
+            pass
+    return scan(run), None
 
 
 def expected_ranks(target: Target) -> set[int]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..errors import WbmergeError
 from ..identify.discover import Job
 from ..identify.hints import make_hints
-from ..merge import stage
+from ..merge import Staged, stage
 from ..pipeline import MergeRequest, PlannedJob, check_key_format, plan_found
 from ..plan import Target, app_url, check_destination
 from ..upload import (
@@ -39,7 +39,9 @@ from ..upload import (
     run_locks,
     state_dir,
 )
+from ..wandbcore.content import StagedContent
 from .cut import cut_live
+from .incremental import LiveShared, NotIncremental, sources_of
 from .live import Progress, find_live_runs, finished, progress, signature, watermark
 
 RESTART_GRACE = 60.0  # seconds (see `Follower`)
@@ -56,6 +58,8 @@ class TargetRound:
     final: bool = False  # sent with its exit record: the run has its final state
     exit_code: int | None = None  # the final exit code, when final
     problems: list[str] = field(default_factory=list)
+    # merged only what the ranks wrote since the last round, by the merge kept from it
+    continued: bool = False
 
 
 @dataclass
@@ -123,6 +127,10 @@ class Follower:
         self.number = 0
         self.planned: list[PlannedJob] = []
         self._said: set[str] = set()  # warnings given in earlier rounds
+        # shared targets merged a round at a time (`incremental`), and those staged so now
+        self._live: dict[str, LiveShared] = {}
+        self._staged_live: set[str] = set()
+        self._live_made = 0  # (each merge's scratch directory is named by its number)
 
     def __enter__(self) -> Follower:
         return self
@@ -132,6 +140,8 @@ class Follower:
 
     def close(self) -> None:
         """Release the runs' locks, the ledger, the server's connections and the staging."""
+        for run_id in list(self._live):
+            self._drop_live(run_id)
         self._locks.close()
         self.ledger.close()
         self.client.close()
@@ -223,8 +233,15 @@ class Follower:
             report.targets.append(known.unchanged(target.id))
             return None
         fingerprint = Ledger.fingerprint(target, settings)
+        staged, content = None, None
+        if target.kind == "shared" and not done:
+            server_rows = self._server_rows(known, entity, plan.project, target.id)
+            found = self._stage_live(plan, target, ranks, workdir, server_rows)
+            staged, content = found or (None, None)
+        else:
+            self._drop_live(target.id)  # (the last round: merged from scratch, as sync does)
         try:
-            staged = stage(target, workdir / "runs", plan.options(self.request))
+            staged = staged or stage(target, workdir / "runs", plan.options(self.request))
         except WbmergeError as exc:
             if done:
                 raise  # the files are whole: bad input, as for a one-shot sync
@@ -237,6 +254,8 @@ class Follower:
             report.warnings.append(staged.bound_notice)
         if done:  # what a one-shot sync says of these runs (of a live one it would mislead)
             report.warnings += [f"{target.id}: {w}" for w in staged.warnings]
+        elif target.id in self._staged_live:
+            pass  # (cut at the watermark as it was merged, its last row held back)
         else:
             cut = staged.log_path.with_name(staged.log_path.name + ".cut")
             server_rows = self._server_rows(known, entity, plan.project, target.id)
@@ -254,7 +273,46 @@ class Follower:
                 return None
         delivery = Delivery(target.id, staged.run_dir, staged.log_path, known.key, fingerprint,
                             final=done, saved_files=staged.saved_files)  # fmt: skip
+        if content is not None:  # (a log that continues the rounds sent: `incremental`)
+            live = self._live[target.id]
+            delivery.content, delivery.rows_cut = content, live.rows_sent
+            delivery.row_before, delivery.rows_checked = live.row_before, live.rows_sent
         return target, delivery, now, staged.exit_code if done else None
+
+    def _stage_live(
+        self, plan: PlannedJob, target: Target, ranks: dict[int, Progress], workdir: Path,
+        server_rows: int,
+    ) -> tuple[Staged, StagedContent | None] | None:  # fmt: skip
+        """Stage a shared target's round from its merge kept since the last round (made
+        now if there is none, or if its sources changed); None when that merge cannot go
+        on (`incremental`): it is dropped, and the round merges from scratch."""
+        self._staged_live.discard(target.id)
+        live = self._live.get(target.id)
+        if live is not None and live.made_of != sources_of(target):
+            self._drop_live(target.id)
+            live = None
+        found = None
+        try:
+            if live is None:
+                scratch = self.staging / "live" / str(self._live_made)
+                self._live_made += 1
+                live = self._live[target.id] = LiveShared(
+                    target, plan.options(self.request), scratch
+                )
+            found = live.stage(workdir / "runs", watermark(target, ranks), server_rows)
+        except (NotIncremental, WbmergeError, OSError):
+            found = None
+        if found is None:
+            self._drop_live(target.id)
+            return None
+        self._staged_live.add(target.id)
+        return found
+
+    def _drop_live(self, run_id: str) -> None:
+        self._staged_live.discard(run_id)
+        live = self._live.pop(run_id, None)
+        if live is not None:
+            live.close()
 
     def _deliver(
         self,
@@ -287,13 +345,23 @@ class Follower:
                     TargetRound(target.id, "failed", known.rows or 0, problems=delivery.problems)
                 )
                 known.rows = None  # (what the server holds now is asked again next round)
+                self._drop_live(target.id)
                 continue
             assert delivery.content is not None
             rows = len(delivery.content.step_items)
+            continued = False
+            if target.id in self._staged_live:
+                live = self._live[target.id]
+                continued = live.rounds > 1
+                live.sent(delivery.content)
             added = rows - (known.rows or 0)
             known.rows, known.final, known.exit_code = rows, delivery.final, code
             known.signature = now
-            report.targets.append(TargetRound(target.id, "sent", rows, added, delivery.final, code))
+            report.targets.append(
+                TargetRound(
+                    target.id, "sent", rows, added, delivery.final, code, continued=continued
+                )
+            )
 
     def _server_rows(self, known: _Known, entity: str | None, project: str, run_id: str) -> int:
         """The history rows the server holds of a target: asked in the first round that

@@ -11,9 +11,11 @@ passes over the ranks' logs, so memory does not grow with the number of steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -53,6 +55,15 @@ _MAX_BLOCKS = 64
 _HISTORY = records.code("history")
 _SUMMARY = records.code("summary")
 _BEFORE_ALL = (-2, 0)  # a key before every row and record: a rank that has read nothing yet
+
+
+class Readers(Protocol):
+    """The ranks' logs read in turns (`RankReaders`, or a follow's reads of what is new)."""
+
+    def live(self) -> list[int]: ...
+
+    def read(self, ranks: list[int], blocks: int) -> tuple[Frames, list[SourceRead]]: ...
+
 
 # The records other than rows that pass 1 writes, keyed (step of the row before, 1, rank, n)
 Events = list[tuple[tuple, bytes]]
@@ -142,61 +153,101 @@ class SharedMerge:
 
     def run(self, scratch: Path) -> Outcome:
         writer = self.writer
-        for payload in read_payloads(self.by_rank[self.primary][0].path):
-            kind = record_kind(payload)
-            if kind == "header":
-                writer.write(payload)
-            elif kind == "run":
-                writer.write(rewrite_run(payload, self.target, self.options))
-                break
+        self.write_head()
         with Spools(scratch) as spools:
             self._write_rows(spools)
-            self._write_glob_definitions()
+            for payload in self.glob_definitions():
+                self.seen.add(payload)
+                writer.write(payload)
             write_console_and_stats(self.by_rank, writer, spools)
         for rank, sources in self.by_rank.items():  # in the order of the sources
             for index in range(len(sources)):
                 self.outcome.warnings += self.warnings.get((rank, index), [])
         # The end: every rank's final summary, one exit record (the primary's).
-        summaries = {rank: (state.keys, state.summary) for rank, state in self.states.items()}
-        writer.write(final_summary(summaries, self.primary, self.across))
+        writer.write(self.summary_record())
         self._count_metrics()
         self.outcome.exit_code = exit_code(self.states[self.primary].exit_payload)
         writer.write(exit_record(self.outcome.exit_code))
         return self.outcome
 
-    def _write_glob_definitions(self) -> None:
-        """Every rank's metric globs, bound to its own labelled keys (`metricglobs`), once
-        every row is written and so every key each rank logged is known."""
+    def summary_record(self) -> bytes:
+        """Every rank's summary as folded so far, as the merged run's one summary record."""
+        summaries = {rank: (state.keys, state.summary) for rank, state in self.states.items()}
+        return final_summary(summaries, self.primary, self.across)
+
+    def write_head(self) -> None:
+        """The primary's file header and its run record, rewritten for the merged run."""
+        for payload in read_payloads(self.by_rank[self.primary][0].path):
+            kind = record_kind(payload)
+            if kind == "header":
+                self.writer.write(payload)
+            elif kind == "run":
+                self.writer.write(rewrite_run(payload, self.target, self.options))
+                break
+
+    def glob_definitions(self) -> list[bytes]:
+        """Every rank's metric globs, bound to its own labelled keys (`metricglobs`), that
+        are not written yet: written once every row is, and so every key each rank logged
+        is known. (A follow asks at every round, for the keys known so far: nothing here
+        changes the merge.)"""
         if self.options.per_rank.patterns == ():
-            return  # (no key is kept per rank: a glob binds nothing)
+            return []  # (no key is kept per rank: a glob binds nothing)
         labels = [state.source.label for state in self.states.values()]
         prefixes = label_prefixes(self.options.key_format, labels) or {}
+        found: dict[bytes, None] = {}
         for state in self.states.values():
             for payload in glob_definitions(
                 state.globs, state.named, state.keys.user_keys, state.source.label,
                 self.options.key_format, self.options.per_rank, prefixes.get(state.source.label),
             ):  # fmt: skip
                 if payload not in self.seen:
-                    self.seen.add(payload)
-                    self.writer.write(payload)
+                    found[payload] = None
+        return list(found)
 
     def _write_rows(self, spools: Spools) -> None:
         """Pass 1: rows by step, with what travels with them, a turn at a time."""
-        ranks = len(self.by_rank)
-        blocks = max(1, min(_MAX_BLOCKS, READ_BUDGET // (BLOCK_SIZE * ranks)))
-        per_turn = max(1, min(READ_BUDGET, TURN_BUDGET) // (BLOCK_SIZE * blocks))
         readers = RankReaders(
             {rank: [s.path for s in sources] for rank, sources in self.by_rank.items()}
         )
         try:
-            while live := readers.live():
-                frames, reads = readers.read(self._due(live, per_turn), blocks)
-                self._take_in(frames, reads, spools)
-                left = readers.live()
-                self._write_ready(min(self.states[r].last_key for r in left) if left else None)
+            self.take_turns(readers, spools)
         finally:
             readers.close()
         self._write_ready(None)
+
+    def take_turns(
+        self, readers: Readers, spools: Spools, open_ranks: Callable[[], list[int]] | None = None,
+        cap: tuple | None = None,
+    ) -> None:  # fmt: skip
+        """Read `readers` in turns until they have nothing more, writing after each turn
+        everything every rank in `open_ranks()` (ranks that may still give records: by
+        default those with records left) has reached, and no further than `cap`.
+
+        A follow reads each rank's log as far as it is written and goes on from there in its
+        next round: a rank at the end of what is written is open, and holds the rows back
+        at its place as a rank still to read does; `cap` holds them back at the watermark."""
+        ranks = len(self.by_rank)
+        blocks = max(1, min(_MAX_BLOCKS, READ_BUDGET // (BLOCK_SIZE * ranks)))
+        per_turn = max(1, min(READ_BUDGET, TURN_BUDGET) // (BLOCK_SIZE * blocks))
+        open_ranks = open_ranks or readers.live
+        while live := readers.live():
+            # (a follow's ranks may all be held back by an open rank that has nothing more
+            # to read yet: then those furthest behind read on)
+            due = self._due(live, per_turn) or sorted(live, key=self._last_key)[:per_turn]
+            frames, reads = readers.read(due, blocks)
+            self._take_in(frames, reads, spools)
+            self.write_ready(open_ranks(), cap)
+        self.write_ready(open_ranks(), cap)
+
+    def _last_key(self, rank: int) -> tuple:
+        return self.states[rank].last_key
+
+    def write_ready(self, open_ranks: list[int], cap: tuple | None = None) -> None:
+        """Write what every rank of `open_ranks` has reached (all when none), up to `cap`."""
+        bound = min((self.states[r].last_key for r in open_ranks), default=None)
+        if cap is not None:
+            bound = cap if bound is None else min(bound, cap)
+        self._write_ready(bound)
 
     def _due(self, live: list[int], most: int) -> list[int]:
         """The ranks to read next: those whose rows read are written but for half a read,
@@ -355,17 +406,20 @@ class SharedMerge:
         """The distinct metric keys of the merged run (labelled keys of history and summary,
         statistics, spreads; not W&B's own), the one line past W&B's bound, and the
         `--per-rank` patterns that matched no key."""
-        entries = [entry for state in self.states.values() for entry in state.keys.known.values()]
-        labelled = {out for out, name in entries if name is None and out is not None}
-        metrics = len(labelled) + sum(statistics.metrics for statistics in self.across)
         per_rank: PerRank = self.options.per_rank
-        self.outcome.metrics = metrics
-        self.outcome.bound_notice = bound_notice(
-            self.target.id, metrics, len(self.states), per_rank
-        )
+        self.outcome.metrics, self.outcome.bound_notice = self.metrics()
         user_keys = set().union(*(state.keys.user_keys for state in self.states.values()))
         for pattern in per_rank.unmatched(user_keys):
             self.outcome.warnings.append(f"--per-rank {pattern!r} matches no key of the runs")
+
+    def metrics(self) -> tuple[int, str | None]:
+        """The distinct metric keys merged so far, and the line to say when they pass W&B's
+        bound (None while they do not)."""
+        entries = [entry for state in self.states.values() for entry in state.keys.known.values()]
+        labelled = {out for out, name in entries if name is None and out is not None}
+        metrics = len(labelled) + sum(statistics.metrics for statistics in self.across)
+        notice = bound_notice(self.target.id, metrics, len(self.states), self.options.per_rank)
+        return metrics, notice
 
     def _warn(self, rank: int, restart: int, warnings: list[str]) -> None:
         self.warnings.setdefault((rank, restart), []).extend(warnings)

@@ -155,6 +155,9 @@ class Deliverer:
         counts = (held.history_lines, held.events_lines, held.log_lines)
         with self.lock:  # (so the first question during the upload can see it move)
             self._before[delivery.run_id] = self._counts[delivery.run_id] = counts
+        if delivery.row_before is not None and held.history_lines != delivery.rows_cut:
+            raise Mismatch(f"the server holds {held.history_lines} history rows, not the "
+                           f"{delivery.rows_cut} the rounds before sent")  # fmt: skip
         # Whatever is sent of the run continues at the rows held now (the remainder below
         # cuts exactly these), wherever wandb-core would begin; a run sent again whole
         # begins at its first row, and each line replaces the one at its place.
@@ -167,7 +170,7 @@ class Deliverer:
         if not held.exists or not (held.history_lines or delivery.verified_before):
             return  # (nothing to cut, nor to find whole: counted while the upload starts)
         content = self._content(delivery)
-        plan = remainder(content, held, lambda index: history_row(delivery.log, index))
+        plan = remainder(content, held, lambda index: _staged_row(delivery, index))
         if plan.skip_history == len(content.step_items) and not shortfall(content, held):
             problems = not_whole_on_server(
                 self.client, self.entity, self.project, delivery, held, content
@@ -181,9 +184,12 @@ class Deliverer:
                     self._rows[delivery.run_id] = held.history_lines
                 return
             self._tell(f"sending {delivery.run_id} again: {'; '.join(problems)}")
+        if delivery.row_before is not None and plan.resteps:
+            raise Mismatch("rows of a log cut already would be sent at other steps")
         if (warning := sends_no_row(content, plan)) and delivery.final:
             delivery.warnings.append(warning)
-        if plan.resends and not self.given_up:  # (after a stop, staging is being removed)
+        if plan.resends and not self.given_up and delivery.row_before is None:
+            # (a log cut already holds only the rest; after a stop, staging is being removed)
             cut = delivery.log.with_name(delivery.log.name + ".remainder")
             write_remainder(delivery.log, cut, plan)
             cut.replace(delivery.log)
@@ -605,3 +611,11 @@ class Deliverer:
     def _unsubmitted(self) -> int:
         """Runs still to be handed over (called holding the lock)."""
         return 0 if self._sealed else max(0, self.expected - len(self.deliveries))
+
+
+def _staged_row(delivery: Delivery, index: int) -> dict:
+    """The staged run's history row `index`, from the staged log, or the row before a log
+    that comes cut already (`Delivery.row_before`)."""
+    if delivery.row_before is not None and index == delivery.rows_cut - 1:
+        return delivery.row_before
+    return history_row(delivery.log, index - (delivery.rows_cut if delivery.row_before else 0))

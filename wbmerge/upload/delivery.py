@@ -40,6 +40,13 @@ class Delivery:
     # The first rows of the staged log that the server held already, cut from `log` before
     # the upload (`remainder`): `log`'s row i is the staged run's row `rows_cut + i`.
     rows_cut: int = 0
+    # Given when `log` comes cut already (a round of a follow that continues the rounds
+    # before): the staged run's row `rows_cut - 1`, the last the server must hold, as
+    # wandb-core sends it. `content` then counts the whole run, not the log.
+    row_before: dict | None = None
+    # The first rows of the staged run that an earlier verified upload of this process
+    # read back from the server: only the rows after them are read back again.
+    rows_checked: int = 0
     warnings: list[str] = field(default_factory=list)  # what the user should know of it
     # The saved files (`wandb.save` links) of the sources by staged name, with their sizes
     # read from the sources (`Staged.saved_files`): each must be on the server after the

@@ -89,11 +89,16 @@ def rows_not_held(
     # Only the rows still in the staged log are read: the first `rows_cut` were on the
     # server before this upload, cut from the log (their steps are checked all the same).
     cut = delivery.rows_cut
-    wanted = range(len(sent)) if every_value else sampled(len(sent))
+    # The rows an earlier upload of this process read back are not read again (a follow's
+    # rounds): the rest, each step sent after theirs, are read from the step after theirs.
+    checked = delivery.rows_checked if rising and delivery.rows_checked <= len(sent) else 0
+    floor = sent[checked - 1] + 1 if checked else None
+    wanted = [checked + i for i in (range if every_value else sampled)(len(sent) - checked)]
     staged = (
         (cut + i, row)
         for i, row in staged_rows(delivery.log, [i - cut for i in wanted if i >= cut])
     )
+    order = order[checked:]
     if not rising:  # (steps that wrapped past int64: compare the rows of steps sent once)
         once = {step for step, count in Counter(order).items() if count == 1}
         by_sent = {sent[i]: row for i, row in staged if sent[i] in once}
@@ -104,6 +109,8 @@ def rows_not_held(
     held_steps: list[int | None] = []
     differing: list[str] = []
     todo = windows(order, held.last_step)
+    if floor is not None:
+        todo = [(max(lo, floor), hi) for lo, hi in todo if hi > floor]
     budget = MAX_REQUESTS_PER_WINDOW * len(todo) + MAX_REQUESTS_SPARE
     while todo:
         window = todo.pop(0)

@@ -1,0 +1,196 @@
+"""A shared target merged a round at a time: the merge kept between rounds, fed only what
+the ranks wrote since, and the log a round stages holding only what the server lacks.
+
+The merge of a shared run (`merge.shared.SharedMerge`) writes rows in step order as soon as
+every rank has passed their step, and keeps per rank only what is O(keys): the key table,
+the summary folded so far, where its steps stand. A follow keeps one such merge per target
+and, each round, reads each rank's log from where the last round stopped (`tails`), so a
+round costs what the ranks wrote since, not what the run holds.
+
+What the server already holds is known from the rounds sent: the rows, and the records
+other than rows (config, metric definitions, files, telemetry), kept in order. A round's
+log is then what `upload.remainder` would cut a whole log down to: the header and run
+record, every record other than a row sent so far, the rows written since (the last one
+held back while no row is left out, as `cut` does), then the globs, console lines, system
+metrics and summary as of now (the uploader sends these whole every time), and an exit
+record that leaves the run running. Its `Delivery` says so (`rows_cut`, `row_before`), with
+what the whole log would hold (`content`), so the upload checks the server's count and last
+row, sends the log as it is, and reads back only the new rows.
+
+The merge is given up, and the next round merges from scratch, when anything does not go
+on from what it read: a source added (a rank or restart started), a log truncated,
+rewritten or damaged (`tails.NotIncremental`), an upload not verified, or a server that
+holds other rows than this follow sent. The final round (every rank finished) is always a
+one-shot merge of the files, so the run ends as `wbmerge sync` makes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from pathlib import Path
+
+from .. import safepaths
+from ..errors import WbmergeError
+from ..log.proto import pb
+from ..log.txlog import LogWriter
+from ..merge import MergeOptions, Staged
+from ..merge.console import Spools, write_console_and_stats
+from ..merge.shared import SharedMerge
+from ..plan import Target
+from ..stagefiles import stage_files
+from ..streaming import allow_open_files
+from ..wandbcore import sentrows
+from ..wandbcore.content import StagedContent, read_staged
+from .cut import running_exit_record
+from .tails import LiveReaders, NotIncremental
+
+
+class _Recorder:
+    """Stands in for the merged log's writer: keeps what the merge writes, in order. The
+    shared merge writes its rows with `write_many` (`rows.write_merged`) and every other
+    record with `write`."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[bool, bytes]] = []  # (is a row, payload)
+
+    def write(self, payload: bytes) -> None:
+        self.items.append((False, payload))
+
+    def write_many(self, data: bytes, starts: list[int], ends: list[int]) -> None:
+        view = memoryview(data)
+        self.items += [(True, bytes(view[s:e])) for s, e in zip(starts, ends, strict=True)]
+
+
+def sources_of(target: Target) -> tuple:
+    """What a target's merge is made of: a merge kept between rounds goes on only while it
+    is the same."""
+    return tuple(
+        (str(s.path), s.rank.rank, s.rank.restart, s.label, s.run_id) for s in target.sources
+    ) + (target.primary_rank, target.id)
+
+
+class LiveShared:
+    """One shared target's merge, kept between the rounds of a follow."""
+
+    def __init__(self, target: Target, options: MergeOptions, scratch: Path) -> None:
+        self.target, self.made_of = target, sources_of(target)
+        self.options = options
+        scratch.mkdir(parents=True, exist_ok=True)
+        self._recorder = _Recorder()
+        self.merge = SharedMerge(target, self._recorder, options, {})  # type: ignore[arg-type]
+        self.merge.write_head()
+        self._head = [payload for _, payload in self._recorder.items]
+        self._recorder.items.clear()
+        self._spools = Spools(scratch)
+        self._readers = LiveReaders(
+            {rank: [s.path for s in sources] for rank, sources in self.merge.by_rank.items()}
+        )
+        # What the server holds of what this merge wrote (as the verified rounds left it):
+        self.rows_sent = 0
+        self._others_sent: list[bytes] = []  # records other than rows, in order
+        self._held: bytes | None = None  # the last row written, held back
+        self._step_items: tuple[int | None, ...] = ()
+        self._last_row: dict | None = None  # the last row sent, as wandb-core sends it
+        self._round: tuple[list[bytes], bytes | None, list[bytes]] | None = None
+        self.rounds = 0  # rounds staged
+
+    def close(self) -> None:
+        self._spools.close()
+
+    def stage(
+        self, out_dir: Path, watermark: int | None, server_rows: int
+    ) -> tuple[Staged, StagedContent | None] | None:
+        """Read what the ranks wrote since the last round, merge it up to `watermark` (None:
+        no bound) and stage the round's log in `out_dir`; its whole content when the log
+        continues the rounds sent (None: the log is whole, rows_cut 0). None when the
+        server holds other rows than this merge sent: merge from scratch.
+        Raises NotIncremental, WbmergeError (a file went away)."""
+        target = self.target
+        self.rounds += 1
+        allow_open_files(len(target.sources) + 1)
+        run_dir = _run_dir(target, out_dir)
+        try:
+            (run_dir / "files").mkdir()
+            staged = Staged(target, run_dir)
+            files = stage_files(target, run_dir / "files", staged.warnings, self.options.files_from)
+            staged.saved_files = files.saved
+            self.merge.file_map = files.names
+            self._readers.begin_round()
+            cap = None if watermark is None else (watermark, 2)  # (rows to it, and records after)
+            self.merge.take_turns(self._readers, self._spools, self._readers.open_ranks, cap)
+            written = self._recorder.items
+            self._recorder.items = []
+            rows = [p for is_row, p in written if is_row]
+            fresh = self._held is None and self.rows_sent == 0
+            if server_rows > len(rows) if fresh else server_rows != self.rows_sent:
+                # (rows another sync sent, past the watermark or since the last round)
+                shutil.rmtree(run_dir, ignore_errors=True)
+                return None
+            held = self._held
+            if held is not None:
+                written.insert(0, (True, held))
+                rows.insert(0, held)
+            if rows and not len(self.merge.pending) and server_rows < self.rows_sent + len(rows):
+                held = rows[-1]  # (no row left out: the last waits for the round after)
+                last_at = max(i for i, (is_row, _) in enumerate(written) if is_row)
+                del written[last_at]
+            else:
+                held = None
+            with open(staged.log_path, "xb") as stream, LogWriter(stream) as writer:
+                for payload in [*self._head, *self._others_sent]:
+                    writer.write(payload)
+                for _, payload in written:
+                    writer.write(payload)
+                for payload in self.merge.glob_definitions():
+                    writer.write(payload)
+                write_console_and_stats(self.merge.by_rank, writer, self._spools)
+                writer.write(self.merge.summary_record())
+                writer.write(running_exit_record())
+                staged.records = writer.records
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        staged.metrics, staged.bound_notice = self.merge.metrics()
+        sent_rows = [p for is_row, p in written if is_row]
+        self._round = ([p for is_row, p in written if not is_row], held, sent_rows)
+        if not self.rows_sent:
+            return staged, None
+        new = read_staged(staged.log_path)
+        content = dataclasses.replace(new, step_items=self._step_items + new.step_items)
+        return staged, content
+
+    @property
+    def row_before(self) -> dict | None:
+        """The last row the server holds of this merge, as wandb-core sent it."""
+        return self._last_row
+
+    def sent(self, content: StagedContent) -> None:
+        """The round's log was uploaded and verified: the server holds what it sent."""
+        assert self._round is not None
+        others, held, rows = self._round
+        self._others_sent += others
+        self._held = held
+        self.rows_sent = len(content.step_items)
+        self._step_items = content.step_items
+        if rows:
+            self._last_row = sentrows.row_of(pb.Record.FromString(rows[-1]).history)
+        self._round = None
+
+
+def _run_dir(target: Target, out_dir: Path) -> Path:
+    """A new staged run directory, named as `merge.stage` names it."""
+    start = target.sources[0].start_time
+    stamp = time.strftime("%Y%m%d_%H%M%S", time.gmtime(start or time.time()))
+    name = f"offline-run-{stamp}-{safepaths.check_component(target.id, 'run id')}"
+    run_dir = out_dir / name
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir()
+    except OSError as exc:
+        raise WbmergeError(f"{run_dir}: cannot create ({exc.strerror or exc})") from None
+    return run_dir
+
+
+__all__ = ["LiveShared", "NotIncremental", "sources_of"]

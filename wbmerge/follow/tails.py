@@ -1,0 +1,238 @@
+"""The ranks' logs read from where the last round stopped: each round reads only the bytes
+written since, up to the last whole chunk, and gives them to a merge that goes on.
+
+A source is remembered as the block where reading resumes (`offset`, a block boundary), the
+place in that block after the last whole chunk taken (`resume`), the record left open
+across blocks (`partial`), and a hash of the bytes of that block before `resume`. Every
+round checks that the file still holds those bytes, at that place, in the same file: a log
+truncated, rewritten or replaced raises `NotIncremental`, and the follow merges from
+scratch. So does any damage (a bad CRC or chunk): the one-shot reader accounts for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..identify.offlinerun import RunStats
+from ..log import records
+from ..log.proto import pb
+from ..log.txlog import (
+    BLOCK_SIZE,
+    CHUNK_HEADER_SIZE,
+    FILE_HEADER,
+    Frames,
+    ReadReport,
+    walk_segments,
+)
+from ..merge.readers import SourceRead
+
+_EXIT = records.code("exit")
+_HEAD = CHUNK_HEADER_SIZE
+
+
+class NotIncremental(Exception):
+    """The files do not go on from what a follow read of them (or are damaged): merge them
+    from scratch."""
+
+
+@dataclass
+class _Source:
+    """How far one source of a rank has been read."""
+
+    path: Path
+    offset: int = 0  # the block where the next read starts
+    resume: int = len(FILE_HEADER)  # where in that block the next chunk starts
+    partial: list[bytes] = field(default_factory=list)  # a record going on in a later block
+    digest: bytes = b""  # of the bytes `offset:offset + resume`
+    identity: tuple[int, int] | None = None  # the file's device and inode
+    started: bool = False  # records given out already (a restart begins at its first read)
+    ended: bool = False  # read to its end: an earlier restart, or a log with its exit record
+    size_at_end: int = -1
+    exit_seen: bool = False
+
+    def check(self) -> int:
+        """The file's size now; raises NotIncremental unless it still holds what was read."""
+        try:
+            with open(self.path, "rb") as stream:
+                stat = os.fstat(stream.fileno())
+                consumed = (
+                    os.pread(stream.fileno(), self.resume, self.offset) if self.digest else b""
+                )
+        except OSError as exc:
+            raise NotIncremental(f"{self.path}: {exc.strerror or exc}") from None
+        if self.identity is not None and (stat.st_dev, stat.st_ino) != self.identity:
+            raise NotIncremental(f"{self.path} was replaced")
+        if self.ended and stat.st_size != self.size_at_end:
+            raise NotIncremental(f"{self.path} changed after its end was read")
+        if self.digest and _digest(consumed) != self.digest:
+            raise NotIncremental(f"{self.path} no longer holds what was read of it")
+        return stat.st_size
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+class LiveReaders:
+    """The sources of every rank (rank -> paths, in restart order), read in turns as
+    `merge.readers.RankReaders` reads whole logs, each only as far as it is written.
+
+    `begin_round()` checks every source and makes the new bytes readable; `read()` gives
+    them; `live()` names the ranks with bytes left this round; `open_ranks()` the ranks
+    whose last source may still grow (its rows hold the merge back at its place)."""
+
+    def __init__(self, paths: dict[int, list[Path]]) -> None:
+        self._sources = {
+            rank: [_Source(path) for path in sources] for rank, sources in paths.items()
+        }
+        self._current = dict.fromkeys(self._sources, 0)
+        self._left: set[int] = set()
+
+    def begin_round(self) -> None:
+        """Check each source against what was read of it; raises NotIncremental."""
+        for sources in self._sources.values():
+            for source in sources:
+                source.check()
+        self._left = set(self._sources)
+
+    def live(self) -> list[int]:
+        return [rank for rank in self._sources if rank in self._left]
+
+    def open_ranks(self) -> list[int]:
+        return [rank for rank, sources in self._sources.items() if not sources[-1].ended]
+
+    def read(self, ranks: list[int], blocks: int) -> tuple[Frames, list[SourceRead]]:
+        """The records of the next `blocks` blocks of each of `ranks` (as far as written)."""
+        want = blocks * BLOCK_SIZE
+        pieces: list[bytes] = []
+        starts, ends = [], []
+        reads = []
+        at = 0
+        for rank in ranks:
+            sources = self._sources[rank]
+            index = self._current[rank]
+            source = sources[index]
+            last = index == len(sources) - 1
+            data, found_starts, found_ends, at_end, whole = _read_source(source, want)
+            frames = Frames(data, found_starts, found_ends)
+            if len(found_starts) and (records.kinds(frames) == _EXIT).any():
+                source.exit_seen = True
+            read = SourceRead(
+                rank, index, not source.started, False, ReadReport(), len(found_starts)
+            )
+            source.started = True
+            if at_end:
+                if not last or (source.exit_seen and whole):
+                    source.ended, source.size_at_end = True, source.check()
+                    read.ended = True
+                if not last:
+                    self._current[rank] = index + 1
+                else:
+                    self._left.discard(rank)
+            reads.append(read)
+            pieces.append(data)
+            starts.append(found_starts + at)
+            ends.append(found_ends + at)
+            at += len(data)
+        empty = np.empty(0, np.int64)
+        return (
+            Frames(
+                b"".join(pieces), np.concatenate([empty, *starts]), np.concatenate([empty, *ends])
+            ),
+            reads,
+        )
+
+
+def _read_source(source: _Source, want: int) -> tuple[bytes, np.ndarray, np.ndarray, bool, bool]:
+    """The records of a source's next bytes (up to `want` from the block it resumes in, as
+    far as whole chunks are written): its bytes and the records' spans in them, whether it
+    read to the end of what is written, and whether that left nothing unread (no chunk or
+    record written in part). Moves the source on."""
+    try:
+        with open(source.path, "rb") as stream:
+            stat = os.fstat(stream.fileno())
+            data = os.pread(stream.fileno(), want, source.offset)
+    except OSError as exc:
+        raise NotIncremental(f"{source.path}: {exc.strerror or exc}") from None
+    source.identity = (stat.st_dev, stat.st_ino)
+    if source.offset == 0 and not data.startswith(FILE_HEADER):
+        if FILE_HEADER.startswith(data):  # (not even its header written yet)
+            return b"", np.empty(0, np.int64), np.empty(0, np.int64), True, False
+        raise NotIncremental(f"{source.path}: not a W&B transaction log")
+    at_end = len(data) < want
+    base, resume = source.offset, source.resume
+    end = len(data)
+    if at_end:  # (the last block may be partly written: up to its last whole chunk)
+        end = _whole_chunks_end(data, max(resume, end - end % BLOCK_SIZE))
+    found_starts = found_ends = np.empty(0, np.int64)
+    buffer = data
+    if end > resume:
+        walked = walk_segments(data, [resume], [end], [source.partial])
+        if not walked.ok[0]:
+            raise NotIncremental(f"{source.path}: damaged after byte {base + resume}")
+        source.partial = walked.partials[0]
+        buffer = data + walked.joined if walked.joined else data
+        found_starts, found_ends = walked.starts, walked.ends
+    stop = max(end, resume)
+    source.offset = base + stop - (base + stop) % BLOCK_SIZE
+    source.resume = (base + stop) % BLOCK_SIZE
+    block_start = source.offset - base
+    source.digest = _digest(data[block_start:stop])
+    whole = at_end and stop == len(data) and not source.partial
+    return buffer, found_starts, found_ends, at_end, whole
+
+
+def _whole_chunks_end(data: bytes, pos: int) -> int:
+    """Where the last whole chunk in `data` from `pos` (a chunk's start) ends: a chunk whose
+    bytes are not all written yet, or a block not filled yet, is read next round."""
+    end = len(data)
+    while True:
+        block_end = pos - pos % BLOCK_SIZE + BLOCK_SIZE
+        if block_end - pos < _HEAD or not any(data[pos : pos + _HEAD]):
+            if block_end > end:  # (its trailer, or the rest of it, not written yet)
+                return pos
+            pos = block_end
+            continue
+        if pos + _HEAD > end:
+            return pos
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        if pos + _HEAD + length > end:
+            return pos
+        pos += _HEAD + length
+
+
+class ScannedLog:
+    """What `offlinerun.scan` counts of a log (`RunStats`: its steps, its exit record), kept
+    up to date by reading only what was written since the last look."""
+
+    def __init__(self, path: Path) -> None:
+        self._readers = LiveReaders({0: [path]})
+        self.stats = RunStats()
+
+    def update(self) -> RunStats:
+        """The stats with the new records counted; raises NotIncremental when the log does
+        not go on from what was read of it (or is damaged): then scan it whole."""
+        stats = self.stats
+        self._readers.begin_round()
+        while ranks := self._readers.live():
+            frames, _ = self._readers.read(ranks, _SCAN_BLOCKS)
+            index = records.RecordIndex(frames)
+            stats.records += len(index)
+            steps = index.rows.steps
+            if len(steps):
+                stats.history_rows += len(steps)
+                if stats.first_step is None:
+                    stats.first_step = int(steps[0])
+                stats.last_step = int(steps[-1])
+            for record in index.of("exit").tolist():
+                stats.complete = True
+                stats.exit_code = pb.Record.FromString(frames.payload(record)).exit.exit_code
+        return stats
+
+
+_SCAN_BLOCKS = 64  # (2 MiB a read)
