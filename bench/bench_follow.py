@@ -9,8 +9,13 @@ wandb 0.31 writes) appears in a live directory a tenth of each file at a time, c
 arbitrary bytes; after each slice one round runs against a local sink. Reported per round:
 wall seconds, the follower's own CPU seconds (discover, scan, merge, cut, remainder,
 verify), the uploader's (`wandb sync` and wandb-core, the round's child processes), the
-merged rows on the server, and the CPU of one `stage()` of the same files (the merge from
-scratch that every round repeats).
+merged rows on the server, whether the round went on from the last one's merge
+(`continued`), the follower's peak and current resident memory (the peak reset before each
+round), and the CPU of one `stage()` of the same files (a merge from scratch, what every
+round cost before rounds were incremental; `--no-scratch-merge` skips it).
+
+    python bench/bench_follow.py cpu --steps 170000 --rounds 34 --no-scratch-merge
+                                  # 5k steps a round, to 165k steps held
 
 `lag`: real wandb ranks (`wbmerge.init`) log `t = time.time()` at a given rate while
 `wbmerge sync --follow --interval I` runs; the sink is polled every 0.25 s and each step's
@@ -53,13 +58,27 @@ def grow(logs: list[Path], live: Path, fraction: float) -> None:
     for log in logs:
         dest = live / log.parent.name / log.name
         dest.parent.mkdir(parents=True, exist_ok=True)
-        data = log.read_bytes()
         have = dest.stat().st_size if dest.exists() else 0
-        with open(dest, "ab") as out:
-            out.write(data[have : max(have, int(len(data) * fraction))])
+        want = max(have, int(log.stat().st_size * fraction))
+        with open(log, "rb") as source, open(dest, "ab") as out:  # (only the new slice)
+            source.seek(have)
+            out.write(source.read(want - have))
 
 
-def bench_cpu(steps: int, rounds: int, ranks: int) -> list[dict]:
+def _reset_peak_memory() -> None:
+    """Start the process's peak resident memory (VmHWM) again from its current size, so
+    that each round's peak is its own (Linux: 5 written to /proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as out:
+        out.write("5")
+
+
+def _memory_mb() -> tuple[float, float]:
+    """The process's resident memory now and its peak since the last reset, in MB."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return tuple(int(fields[name].split()[0]) / 1024 for name in ("VmRSS", "VmHWM"))  # type: ignore[return-value]
+
+
+def bench_cpu(steps: int, rounds: int, ranks: int, scratch_merge: bool = True) -> list[dict]:
     scratch = Path(tempfile.mkdtemp(prefix="bench-follow-"))
     sink = SinkProcess(scratch / "sink")
     (scratch / "sink").mkdir()
@@ -75,21 +94,27 @@ def bench_cpu(steps: int, rounds: int, ranks: int) -> list[dict]:
         with Follower(request, parallel=4, timeout=600) as follower:
             for number in range(1, rounds + 1):
                 grow(logs, live, number / rounds)
+                _reset_peak_memory()
                 wall, own, children = time.perf_counter(), time.process_time(), _children_cpu()
                 report = follower.round()
                 wall = time.perf_counter() - wall
                 own, children = time.process_time() - own, _children_cpu() - children
+                rss, peak = _memory_mb()
                 (target,) = report.targets
-                began = time.process_time()
-                (job,) = plan_jobs(request)
-                stage(job.targets[0], scratch / f"stage-{number}", job.options(request))
-                merge = time.process_time() - began
-                shutil.rmtree(scratch / f"stage-{number}")
+                merge = None
+                if scratch_merge:
+                    began = time.process_time()
+                    (job,) = plan_jobs(request)
+                    stage(job.targets[0], scratch / f"stage-{number}", job.options(request))
+                    merge = round(time.process_time() - began, 2)
+                    shutil.rmtree(scratch / f"stage-{number}")
                 results.append({
                     "round": number, "source_mb": round(sum(p.stat().st_size for p in (live.rglob("*.wandb"))) / 1e6, 1),
                     "rows": target.rows, "added": target.added, "final": target.final,
+                    "continued": target.continued,
                     "wall_s": round(wall, 2), "follower_cpu_s": round(own, 2),
-                    "uploader_cpu_s": round(children, 2), "merge_from_scratch_cpu_s": round(merge, 2),
+                    "uploader_cpu_s": round(children, 2), "merge_from_scratch_cpu_s": merge,
+                    "follower_peak_mb": round(peak, 1), "follower_rss_mb": round(rss, 1),
                 })  # fmt: skip
                 print(json.dumps(results[-1]), flush=True)
         return results
@@ -188,6 +213,8 @@ def main() -> None:
     cpu.add_argument("--steps", type=int, default=20_000)
     cpu.add_argument("--rounds", type=int, default=10)
     cpu.add_argument("--ranks", type=int, default=8)
+    cpu.add_argument("--no-scratch-merge", action="store_true",
+                     help="skip the merge from scratch after each round (long at 100k steps)")  # fmt: skip
     lag = sub.add_parser("lag")
     lag.add_argument("--ranks", type=int, default=2)
     lag.add_argument("--interval", type=float, default=10.0)
@@ -195,7 +222,7 @@ def main() -> None:
     lag.add_argument("--flush-every", type=float, default=2.0)
     args = parser.parse_args()
     if args.what == "cpu":
-        bench_cpu(args.steps, args.rounds, args.ranks)
+        bench_cpu(args.steps, args.rounds, args.ranks, not args.no_scratch_merge)
         return
     fast, slow = 0.05, 5.0
     for pace, metrics, flush in (
