@@ -21,7 +21,7 @@ from wbmerge.follow.lines import round_lines
 from wbmerge.follow.tails import LiveReaders, NotIncremental, ScannedLog
 from wbmerge.identify.offlinerun import read_identity, scan
 from wbmerge.log.txlog import BLOCK_SIZE, FILE_HEADER, read_payloads
-from wbmerge.pipeline import MergeRequest
+from wbmerge.pipeline import MergeRequest, sync
 
 from .test_follow import (
     MODES,
@@ -238,3 +238,37 @@ def test_a_follower_restarted_or_a_rank_rewritten_merges_again_from_scratch(
     # the restarted follower merges from scratch once, then goes on; a rewrite, again
     assert [t.continued for r in seen for t in r.targets] == [False, True, False, True]
     assert_same_runs(sink, want)
+
+
+def test_a_round_never_continues_on_rows_another_sync_sent_since(
+    job, make_sink, monkeypatch, tmp_path, state
+):
+    """A one-shot sync of the live files between two rounds sends rows the follower's merge
+    did not: the next round's log, which continues the rounds sent, is refused by the
+    server's count instead of being sent on top of them, and the follower merges from
+    scratch after it."""
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared", rank_scope="global")
+    sink = follow_sink(make_sink, monkeypatch, state)
+    growing = Growing(job, tmp_path / "live")
+    (tmp_path / "live").mkdir()
+    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
+        for fraction in (0.3, 0.5):
+            growing.grow(fraction)
+            [target] = follower.round().targets
+            assert target.status == "sent", target.problems
+        assert target.continued
+        # (from another machine: its own ledger and locks; every row written so far)
+        monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "other-state"))
+        sync(request, timeout=UPLOAD_TIMEOUT)
+        monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+        [run] = sink_runs(sink).values()
+        held = run["history"]
+        assert len(held) > target.rows
+        growing.grow(0.7)
+        report = follower.round()
+        [target] = report.targets
+        assert target.status == "failed" and not target.continued
+        assert f"not the {target.rows} the rounds before sent" in target.problems[0]
+        assert sink_runs(sink)[run["id"]]["history"] == held  # nothing sent on top
+        [target] = follower.round().targets  # (merged from scratch: it names the rows)
+        assert not target.continued
