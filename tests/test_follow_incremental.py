@@ -9,13 +9,13 @@ header, on a block boundary, inside the file header.
 
 from __future__ import annotations
 
+import json
 import shutil
 import struct
 from pathlib import Path
 
 import pytest
 
-from wbmerge import synthetic
 from wbmerge.follow import Follower
 from wbmerge.follow.lines import round_lines
 from wbmerge.follow.tails import LiveReaders, NotIncremental, ScannedLog
@@ -23,6 +23,7 @@ from wbmerge.identify.offlinerun import read_identity, scan
 from wbmerge.log.txlog import BLOCK_SIZE, FILE_HEADER, read_payloads
 from wbmerge.pipeline import MergeRequest, sync
 
+from . import synthetic
 from .test_follow import (
     MODES,
     UPLOAD_TIMEOUT,
@@ -31,6 +32,7 @@ from .test_follow import (
     one_shot,
     sink_runs,
 )
+from .test_merged_artifacts import JOB_ID, assert_checkpoint_of, output_artifacts, write_job
 
 
 def chunk_places(data: bytes) -> tuple[list[int], list[int]]:
@@ -272,3 +274,35 @@ def test_a_round_never_continues_on_rows_another_sync_sent_since(
         assert sink_runs(sink)[run["id"]]["history"] == held  # nothing sent on top
         [target] = follower.round().targets  # (merged from scratch: it names the rows)
         assert not target.continued
+
+
+def test_a_shared_follow_of_ranks_that_log_artifacts_files_them_under_the_merged_run(
+    make_sink, monkeypatch, tmp_path, state
+):
+    """Real ranks that log a checkpoint artifact each and, on rank 0, a Table, followed
+    while their logs grow: every artifact ends committed under the merged run with the
+    bytes each rank wrote (a kept merge gives way to one from scratch at an artifact)."""
+    job = write_job(tmp_path / "job")
+    live = tmp_path / "live"
+    live.mkdir()
+    growing = Growing(job, live)
+    request = MergeRequest(paths=[live], run_mode="shared", files_from=[job])
+    sink = follow_sink(make_sink, monkeypatch, state)
+    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
+        for fraction in (0.3, 0.6, 0.9):
+            growing.grow(fraction)
+            report = follower.round()
+            assert all(t.status != "failed" for t in report.targets), round_lines(report)
+        growing.grow(1.0)
+        report = follower.round()
+        assert report.done, round_lines(report)
+    logged = output_artifacts(sink, JOB_ID)
+    checkpoints = sorted(
+        (json.loads(node.metadata)["rank"], node)
+        for (name, _), node in logged.items()
+        if name == "ckpt"
+    )
+    assert [rank for rank, _ in checkpoints] == [0, 1]
+    for rank, node in checkpoints:
+        assert_checkpoint_of(sink, node, rank)
+    assert [name for name, _ in logged if name != "ckpt"] == [f"run-{JOB_ID}-samples"]

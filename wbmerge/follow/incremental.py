@@ -71,6 +71,16 @@ def sources_of(target: Target) -> tuple:
     ) + (target.primary_rank, target.id)
 
 
+class _NoArtifacts:
+    """What a kept merge does with an artifact record: give up. The record's files are
+    copied into one round's staging, and a later round would name them after that staging
+    is gone; a round whose ranks logged an artifact merges from scratch, which copies them
+    again (and the server keeps one version per digest)."""
+
+    def rewrite(self, payload: bytes, source: object) -> bytes:
+        raise NotIncremental("an artifact record: merged from scratch")
+
+
 class LiveShared:
     """One shared target's merge, kept between the rounds of a follow."""
 
@@ -79,7 +89,13 @@ class LiveShared:
         self.options = options
         scratch.mkdir(parents=True, exist_ok=True)
         self._recorder = _Recorder()
-        self.merge = SharedMerge(target, self._recorder, options, {})  # type: ignore[arg-type]
+        self.merge = SharedMerge(
+            target,
+            self._recorder,
+            options,
+            {},
+            _NoArtifacts(),  # type: ignore[arg-type]
+        )
         self.merge.write_head()
         self._head = [payload for _, payload in self._recorder.items]
         self._recorder.items.clear()

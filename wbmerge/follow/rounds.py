@@ -272,7 +272,8 @@ class Follower:
                                                   problems=[problem]))  # fmt: skip
                 return None
         delivery = Delivery(target.id, staged.run_dir, staged.log_path, known.key, fingerprint,
-                            final=done, saved_files=staged.saved_files)  # fmt: skip
+                            final=done, saved_files=staged.saved_files,
+                            artifacts=staged.artifacts)  # fmt: skip
         if content is not None:  # (a log that continues the rounds sent: `incremental`)
             live = self._live[target.id]
             delivery.content, delivery.rows_cut = content, live.rows_sent
