@@ -108,6 +108,11 @@ RECIPES = {
     "tensorboard": "x_label='rank-{rank}', sync_tensorboard=True, each rank in its own "
     "directory writing TensorBoard scalars (tb/loss, tb/lr) with torch's SummaryWriter; "
     "nothing logged with run.log",
+    "mnist-like": "group='mnist', x_label='rank-{rank}', each rank in its own directory, as "
+    "the Flyte MNIST tutorial logs: run.watch(model, log='all'), define_metric('val/*', "
+    "step_metric='epoch'), config.update mid-run, summary best_acc, wandb.save('*.pt'); "
+    "rank 0 alone logs epoch, val/acc, a Table of predictions with images and a "
+    "'model-ckpt' artifact aliased 'best'",
 }
 
 # The upload policy of each rank's `wandb.save` in the `saved-files` recipe, by rank.
@@ -168,7 +173,7 @@ def start_recipe_run(args: argparse.Namespace, config: dict) -> wandb.Run | None
         return wandb.init(**init)
     if args.recipe == "rank0-only":
         return wandb.init(**init) if rank == 0 else None
-    if args.recipe in ("saved-files", "tensorboard"):
+    if args.recipe in ("saved-files", "tensorboard", "mnist-like"):
         return start_saved_files_run(args, init, settings, rank, world)
     raise ValueError(f"unknown recipe {args.recipe!r}")
 
@@ -188,6 +193,10 @@ def start_saved_files_run(
     init["config"] = {**init["config"], "rank": rank, "world_size": world}
     if args.recipe == "tensorboard":  # (its runs log through TensorBoard alone)
         return wandb.init(**init, sync_tensorboard=True)
+    if args.recipe == "mnist-like":
+        run = wandb.init(**init, group="mnist")
+        run.define_metric("val/*", step_metric="epoch")
+        return run
     run = wandb.init(**init)
     run.define_metric("epoch", hidden=True)
     run.define_metric("val/*", step_metric="epoch", summary="max")
@@ -225,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(1234)  # same initial weights on every rank
     model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05 if run is None else run.config["lr"])
+    if args.recipe == "mnist-like":  # gradients and parameters as histograms, every 5th step
+        run.watch(model, log="all", log_freq=5)
     generator = torch.Generator().manual_seed(rank)
     target = torch.randn(16, 1, generator=torch.Generator().manual_seed(7))
 
@@ -234,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 
         board = SummaryWriter(log_dir="tb")  # in this rank's own directory
 
-    start, best = 0, float("inf")
+    start, best, best_acc = 0, float("inf"), 0.0
     ckpt = checkpoint_path(args)
     if restart and ckpt.exists():  # an elastic restart resumes after the last finished step
         start = json.loads(ckpt.read_text())["step"] + 1
@@ -285,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                 run.log({"epoch": step // 5, "val/acc": 1.0 / (1.0 + loss.item())}, step=step)
             if step in (args.steps // 3, args.steps - 1):
                 save_checkpoint(run, model.module, rank, first=step == args.steps // 3)
+        if args.recipe == "mnist-like":
+            best_acc = log_mnist_like(run, rank, step, loss.item(), args.steps, best_acc)
         if rank == args.media_rank and step == args.steps // 2:
             log_media(run, rank, step)
         if step % 10 == 0:
@@ -300,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     if run is not None and args.recipe == "legacy":
         run.summary["final/loss"] = float(loss.item())
         run.summary["final/rank"] = rank
+    if args.recipe == "mnist-like":
+        finish_mnist_like(run, model.module, rank, best_acc)
     if board is not None:
         board.close()  # its last events written before wandb reads them at finish
     dist.barrier()
@@ -340,6 +355,49 @@ def log_media(run: wandb.Run, rank: int, step: int) -> None:
         step=step,
     )
     print(f"rank {rank} logged media at step {step}", flush=True)
+
+
+def log_mnist_like(
+    run: wandb.Run, rank: int, step: int, loss: float, steps: int, best: float
+) -> float:
+    """One step of the `mnist-like` recipe (every rank logs its training loss as the other
+    recipes do): rank 0 evaluates every 5th step (an "epoch"), and the last time also logs a Table of test
+    predictions with their images. The config changes halfway, as a scheduler's would.
+    Returns the best accuracy so far."""
+    if step == steps // 2:
+        run.config.update({"lr_schedule": "halved", "lr_after": 0.025})
+    if rank != 0 or step % 5 != 4:
+        return best
+    epoch, accuracy = step // 5, 1.0 / (1.0 + loss)
+    row: dict = {"epoch": epoch, "val/acc": accuracy}
+    if step + 5 >= steps:  # the last evaluation
+        row["test/predictions"] = predictions_table(epoch)
+    run.log(row, step=step)
+    return max(best, accuracy)
+
+
+def predictions_table(epoch: int) -> wandb.Table:
+    """Four small test images with a predicted and a true digit, as MNIST guides log them."""
+    import numpy as np
+
+    table = wandb.Table(columns=["image", "prediction", "label", "epoch"])
+    for digit in range(4):
+        pixels = (np.arange(28 * 28, dtype=np.uint8).reshape(28, 28) * (digit + 3)) % 251
+        table.add_data(wandb.Image(pixels, caption=f"digit {digit}"), digit, digit, epoch)
+    return table
+
+
+def finish_mnist_like(run: wandb.Run, model: nn.Module, rank: int, best: float) -> None:
+    """Every rank saves its checkpoint with `wandb.save`; rank 0 also logs it as the
+    `model-ckpt` artifact aliased `best`, and records the best accuracy."""
+    torch.save({"rank": rank, "state": model.state_dict()}, "model.pt")
+    run.save("*.pt")
+    if rank != 0:
+        return
+    run.summary["best_acc"] = best
+    artifact = wandb.Artifact("model-ckpt", type="model", metadata={"best_acc": best})
+    artifact.add_file("model.pt")
+    run.log_artifact(artifact, aliases=["best"])
 
 
 def kill_self_and_writer() -> None:

@@ -51,9 +51,9 @@ def truth(row):
 
 
 def test_every_recipe_fixture_is_covered():
-    # (recipe_saved_files: test_saved_files, recipe_tensorboard: test_tensorboard, with
-    # --files-from, as their links need)
-    covered = {"recipe_rank0_only", "recipe_saved_files", "recipe_tensorboard"}
+    # (recipe_saved_files: test_saved_files, recipe_tensorboard: test_tensorboard,
+    # recipe_mnist_like: test_mnist_like, with --files-from, as their links need)
+    covered = {"recipe_rank0_only", "recipe_saved_files", "recipe_tensorboard", "recipe_mnist_like"}
     assert set(RECIPES) | covered == set(MANIFEST["recipes"]) - {
         n for n in MANIFEST["recipes"] if n.startswith("wandb_")
     }
