@@ -192,6 +192,7 @@ def test_a_job_logged_as_the_mnist_guides_log_arrives_whole(sink, tmp_path, mode
             assert committed["files"] == {p: (len(d), md5_b64(d)) for p, d in files.items()}
         checkpoint = sink.client.artifact_file("local", PROJECT, "model-ckpt:best", "model.pt")
         assert checkpoint == checkpoints[0]
+        assert json.loads(logged["model"].metadata) == {"best_acc": want[0].summary["best_acc"]}
 
         # The Table: its history value names the run_table artifact that arrived, whose
         # table holds the four images the artifact carries.
@@ -202,6 +203,9 @@ def test_a_job_logged_as_the_mnist_guides_log_arrives_whole(sink, tmp_path, mode
         client_id = reference.netloc.split(":")[0]
         answer = sink.client.graphql(CLIENT_ID_MAPPING, {"clientID": client_id})
         assert answer["data"]["clientIDMapping"]["serverID"] == logged["run_table"].id
+        latest = urllib.parse.urlparse(value["_latest_artifact_path"]).netloc.split(":")[0]
+        answer = sink.client.graphql(CLIENT_ID_MAPPING, {"clientID": latest})
+        assert answer["data"]["clientIDMapping"] is not None  # (its artifact sequence)
         table_files = artifacts["run_table"]
         table = json.loads(table_files[f"{TABLE_KEY}.table.json"][1])
         images = sorted(row[0]["path"] for row in table["data"])
