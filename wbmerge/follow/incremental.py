@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import time
 from pathlib import Path
 
-from .. import safepaths
-from ..errors import WbmergeError
 from ..log.proto import pb
 from ..log.txlog import LogWriter
 from ..merge import MergeOptions, Staged
 from ..merge.console import Spools, write_console_and_stats
 from ..merge.shared import SharedMerge
+from ..merge.staging import new_run_dir
 from ..plan import Target
 from ..stagefiles import stage_files
 from ..streaming import allow_open_files
@@ -126,7 +124,7 @@ class LiveShared:
         target = self.target
         self.rounds += 1
         allow_open_files(len(target.sources) + 1)
-        run_dir = _run_dir(target, out_dir)
+        run_dir = new_run_dir(target, out_dir)
         try:
             (run_dir / "files").mkdir()
             staged = Staged(target, run_dir)
@@ -193,20 +191,3 @@ class LiveShared:
         if rows:
             self._last_row = sentrows.row_of(pb.Record.FromString(rows[-1]).history)
         self._round = None
-
-
-def _run_dir(target: Target, out_dir: Path) -> Path:
-    """A new staged run directory, named as `merge.stage` names it."""
-    start = target.sources[0].start_time
-    stamp = time.strftime("%Y%m%d_%H%M%S", time.gmtime(start or time.time()))
-    name = f"offline-run-{stamp}-{safepaths.check_component(target.id, 'run id')}"
-    run_dir = out_dir / name
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        run_dir.mkdir()
-    except OSError as exc:
-        raise WbmergeError(f"{run_dir}: cannot create ({exc.strerror or exc})") from None
-    return run_dir
-
-
-__all__ = ["LiveShared", "NotIncremental", "sources_of"]

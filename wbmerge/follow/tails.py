@@ -20,7 +20,6 @@ import numpy as np
 
 from ..identify.offlinerun import RunStats
 from ..log import records
-from ..log.proto import pb
 from ..log.txlog import (
     BLOCK_SIZE,
     CHUNK_HEADER_SIZE,
@@ -221,17 +220,7 @@ class ScannedLog:
         self._readers.begin_round()
         while ranks := self._readers.live():
             frames, _ = self._readers.read(ranks, _SCAN_BLOCKS)
-            index = records.RecordIndex(frames)
-            stats.records += len(index)
-            steps = index.rows.steps
-            if len(steps):
-                stats.history_rows += len(steps)
-                if stats.first_step is None:
-                    stats.first_step = int(steps[0])
-                stats.last_step = int(steps[-1])
-            for record in index.of("exit").tolist():
-                stats.complete = True
-                stats.exit_code = pb.Record.FromString(frames.payload(record)).exit.exit_code
+            stats.count(frames)
         return stats
 
 

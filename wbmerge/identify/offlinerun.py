@@ -48,6 +48,21 @@ class RunStats:
     exit_code: int | None = None
     report: ReadReport = field(default_factory=ReadReport)
 
+    def count(self, frames: Frames) -> records.RecordIndex:
+        """Count one read's records (rows, steps, the exit record); its index, for more."""
+        index = records.RecordIndex(frames)
+        self.records += len(index)
+        steps = index.rows.steps
+        if len(steps):
+            self.history_rows += len(steps)
+            if self.first_step is None:
+                self.first_step = int(steps[0])
+            self.last_step = int(steps[-1])
+        for record in index.of("exit").tolist():
+            self.complete = True
+            self.exit_code = pb.Record.FromString(frames.payload(record)).exit.exit_code
+        return index
+
 
 @dataclass
 class OfflineRun:
@@ -289,17 +304,7 @@ def scan(run: OfflineRun) -> RunStats:
     """One full pass: history rows, steps, exit record, damage. Parses only what it counts."""
     stats = RunStats()
     for frames in _frames(run.path, stats.report):
-        index = records.RecordIndex(frames)
-        stats.records += len(index)
-        steps = index.rows.steps
-        if len(steps):
-            stats.history_rows += len(steps)
-            if stats.first_step is None:
-                stats.first_step = int(steps[0])
-            stats.last_step = int(steps[-1])
-        for record in index.of("exit").tolist():
-            stats.complete = True
-            stats.exit_code = pb.Record.FromString(frames.payload(record)).exit.exit_code
+        index = stats.count(frames)
         if run.label is None:
             for record in index.of("stats")[:1].tolist():
                 run.label = _label_from_stats(pb.Record.FromString(frames.payload(record)).stats)

@@ -65,20 +65,7 @@ def stage(
     it, never replaced (it may be a source, or another merge's output). On any failure the
     directory this call created is removed again, and nothing else.
     """
-    start = target.sources[0].start_time
-    stamp = time.strftime("%Y%m%d_%H%M%S", time.gmtime(start or time.time()))
-    name = f"offline-run-{stamp}-{safepaths.check_component(target.id, 'run id')}"
-    run_dir = out_dir / name
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        run_dir.mkdir()
-    except FileExistsError:
-        raise WbmergeError(
-            f"{run_dir} exists already; merged runs are never written over an existing "
-            "directory (choose an empty --out, or remove it)"
-        ) from None
-    except OSError as exc:
-        raise WbmergeError(f"{run_dir}: cannot create ({exc.strerror or exc})") from None
+    run_dir = new_run_dir(target, out_dir)
     try:
         (run_dir / "files").mkdir()
         staged = Staged(target, run_dir)
@@ -126,3 +113,24 @@ def _writing(exc: OSError, out_dir: Path) -> bool:
     if exc.errno in _WRITE_ERRORS:
         return True
     return exc.filename is not None and safepaths.is_within(Path(exc.filename), out_dir)
+
+
+def new_run_dir(target: Target, out_dir: Path) -> Path:
+    """A new, empty staged run directory for `target` under `out_dir`, named as wandb names
+    an offline run's (`offline-run-<start>-<id>`); one that exists already is an error
+    naming it, never replaced (it may be a source, or another merge's output)."""
+    start = target.sources[0].start_time
+    stamp = time.strftime("%Y%m%d_%H%M%S", time.gmtime(start or time.time()))
+    name = f"offline-run-{stamp}-{safepaths.check_component(target.id, 'run id')}"
+    run_dir = out_dir / name
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir()
+    except FileExistsError:
+        raise WbmergeError(
+            f"{run_dir} exists already; merged runs are never written over an existing "
+            "directory (choose an empty --out, or remove it)"
+        ) from None
+    except OSError as exc:
+        raise WbmergeError(f"{run_dir}: cannot create ({exc.strerror or exc})") from None
+    return run_dir
