@@ -435,14 +435,14 @@ def gpu_stats(real_gpu: int, gpus: int = 4) -> list[pb.StatsItem]:
     return items
 
 
-def test_recorded_gpu_stats_rank_a_plain_job(tmp_path):
-    """The reversed-start job's runs with the GPU metrics a GPU machine records in their
-    stats records: each process used the GPU of its true rank (as torchrun jobs bind it)."""
+def job_on_gpus(tmp_path, first_gpu: int, gpus: int) -> tuple[Path, dict[str, int]]:
+    """The reversed-start job's runs with the GPU metrics a GPU machine of `gpus` GPUs
+    records in their stats records, each process on GPU `first_gpu + its true rank`; the
+    job's directory and each run's true rank."""
     job = tmp_path / "job"
     shutil.copytree(job_dir("recipe_group_reversed"), job)
     logs = sorted(job.glob("wandb/offline-run-*/run-*.wandb"))
     truth = {log.parent.name[-8:]: logged_rank(log.parent) for log in logs}
-
     for log in logs:
         rank = truth[log.parent.name[-8:]]
         seen = []
@@ -451,11 +451,17 @@ def test_recorded_gpu_stats_rank_a_plain_job(tmp_path):
             if record.WhichOneof("record_type") != "stats":
                 return None
             seen.append(1)
-            record.stats.item.extend(gpu_stats(rank))
+            record.stats.item.extend(gpu_stats(first_gpu + rank, gpus))
             return record
 
         rewrite_log(log, add_gpu)
         assert seen, f"{log} has stats records to carry the GPU metrics"
+    return job, truth
+
+
+def test_recorded_gpu_stats_rank_a_plain_job(tmp_path):
+    """Each process used the GPU of its true rank (as torchrun jobs bind it)."""
+    job, truth = job_on_gpus(tmp_path, 0, 4)
     rows = inspect_rows(job)
     assert {r["run_id"]: (r["rank"], r["source"], r["rank_guessed"]) for r in rows} == {
         run_id: (rank, "gpu", False) for run_id, rank in truth.items()
@@ -468,20 +474,7 @@ def test_a_job_on_gpus_4_to_7_is_numbered_by_gpu_order_and_auto_asks_first(tmp_p
     """The same runs recorded on GPUs 4-7 of an 8-GPU machine (`CUDA_VISIBLE_DEVICES`):
     local ranks by the GPUs' order, marked a guess, so `auto` names the ways out and
     `--rank-order start` accepts the order."""
-    job = tmp_path / "job"
-    shutil.copytree(job_dir("recipe_group_reversed"), job)
-    logs = sorted(job.glob("wandb/offline-run-*/run-*.wandb"))
-    truth = {log.parent.name[-8:]: logged_rank(log.parent) for log in logs}
-    for log in logs:
-        rank = truth[log.parent.name[-8:]]
-
-        def add_gpu(record, rank=rank):
-            if record.WhichOneof("record_type") != "stats":
-                return None
-            record.stats.item.extend(gpu_stats(4 + rank, gpus=8))
-            return record
-
-        rewrite_log(log, add_gpu)
+    job, truth = job_on_gpus(tmp_path, 4, 8)
     rows = inspect_rows(job)
     assert {r["run_id"]: (r["rank"], r["source"], r["rank_guessed"]) for r in rows} == {
         run_id: (rank, "gpu", True) for run_id, rank in truth.items()
