@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,13 @@ JOBS = sorted(MANIFEST["jobs"])
 
 def job_dir(name: str) -> Path:
     return FIXTURES / name
+
+
+def interruptible() -> None:
+    """`preexec_fn` of a child the test will send SIGINT: Ctrl-C's default action, also when
+    the suite runs where SIGINT is ignored (a background job of a shell without job
+    control, as `cmd &` in a script), which every child would inherit and keep."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def fixture_logs(include_damaged: bool = False) -> list[Path]:

@@ -28,7 +28,7 @@ from wbmerge.log.records import read_records
 from wbmerge.pipeline import MergeRequest, UploadFailed, sync
 from wbmerge.topology import RankInfo
 
-from .conftest import job_dir
+from .conftest import interruptible, job_dir
 from .ranklogs import console_record, exit_record, history_record, rank_log, summary_record
 from .sinktools import console_text
 from .test_rank_stats_merge import over_the_bound
@@ -209,7 +209,7 @@ def test_ctrl_c_leaves_the_runs_running_and_a_later_sync_completes_them(
     cmd = [sys.executable, "-m", "wbmerge.cli", "sync", str(tmp_path / "live"),
            "--run-mode", "shared", "--follow", "--interval", "60"]  # fmt: skip
     follower = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)  # fmt: skip
+                                text=True, preexec_fn=interruptible)  # fmt: skip
     try:
         assert follower.stdout is not None
         first = follower.stdout.readline()  # the first round's line: then it sleeps

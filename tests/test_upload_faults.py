@@ -24,7 +24,7 @@ from wbmerge.cli import main
 from wbmerge.upload.server import RUN_RESUME_STATUS
 
 from . import synthetic
-from .conftest import job_dir
+from .conftest import interruptible, job_dir
 from .sinktools import (
     console_text,
     expected_from_log,
@@ -420,7 +420,8 @@ def spawn(sink, tmp_path, args, cwd=None):
     (tmp_path / "tmp").mkdir(exist_ok=True)
     (tmp_path / "home").mkdir(exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "wbmerge.cli", *args], env=env, cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=interruptible)  # fmt: skip
 
 
 def processes_in(directory: Path) -> list[int]:
