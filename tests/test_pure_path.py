@@ -9,10 +9,9 @@ import sys
 
 from .conftest import ROOT
 
-# The tests of the framing, the records, the merge's rows and the pass-through: where the
-# block walk and the history proof are used. (Uploads take the same code paths after.)
-CORE = ["test_txlog.py", "test_walk_segments.py", "test_records.py", "test_merged_rows.py",
-        "test_passthrough.py", "test_steps.py", "test_sentrows.py", "test_items.py"]  # fmt: skip
+# The tests of the framing, the records and the merge's rows: where the block walk and the
+# history proof are used (the rest of the suite goes through the same two functions).
+CORE = ["test_txlog.py", "test_walk_segments.py", "test_records.py", "test_merged_rows.py"]
 
 
 def test_the_core_passes_on_the_python_twins_of_the_compiled_kernels():
