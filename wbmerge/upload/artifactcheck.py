@@ -11,6 +11,7 @@ problem, and the run is sent again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..artifactfiles import LoggedArtifact
@@ -58,23 +59,18 @@ def logged_artifacts(
 ) -> list[dict] | None:
     """The name, version index, digest and state of each artifact version the run logged;
     None when there is no such run."""
-    versions, cursor = [], None
-    for _ in range(MAX_PAGES):
-        variables = {"entity": entity, "project": project, "run": run_id,
-                     "cursor": cursor, "perPage": 100}  # fmt: skip
-        data = client.query(RUN_OUTPUT_ARTIFACTS, variables, "RunOutputArtifacts")
-        run = _field(_field(data, "project"), "run")
-        if not isinstance(run, dict):
-            return None
-        nodes, cursor = _page(run.get("artifacts"), f"the artifacts of {run_id}")
-        for node in nodes:
-            versions.append({"name": _text(_field(node.get("artifactSequence"), "name")),
-                             "version": node.get("versionIndex"),
-                             "digest": _text(node.get("digest")),
-                             "state": _text(node.get("state"))})  # fmt: skip
-        if cursor is None:
-            return versions
-    raise ServerError(f"the server lists over {MAX_PAGES} pages of {run_id}'s artifacts")
+    variables = {"entity": entity, "project": project, "run": run_id, "perPage": 100}
+    nodes = _all_pages(
+        client, RUN_OUTPUT_ARTIFACTS, "RunOutputArtifacts", variables, "cursor",
+        lambda data: _field(_field(data, "project"), "run"), "artifacts",
+        f"the artifacts of {run_id}", f"{run_id}'s artifacts",
+    )  # fmt: skip
+    if nodes is None:
+        return None
+    return [{"name": _text(_field(node.get("artifactSequence"), "name")),
+             "version": node.get("versionIndex"),
+             "digest": _text(node.get("digest")),
+             "state": _text(node.get("state"))} for node in nodes]  # fmt: skip
 
 
 def artifact_files(
@@ -82,22 +78,48 @@ def artifact_files(
 ) -> dict[str, tuple[int, str]] | None:
     """{path: (size, MD5)} of the files of the version `version` (`name:vN`); None when
     there is no such version."""
+    variables = {"entity": entity, "project": project, "name": version}
+    nodes = _all_pages(
+        client, ARTIFACT_VERSION_FILES, "ArtifactVersionFiles", variables, "after",
+        lambda data: _field(_field(data, "project"), "artifact"), "files",
+        f"the files of {version}", f"{version}'s files",
+    )  # fmt: skip
+    if nodes is None:
+        return None
     files: dict[str, tuple[int, str]] = {}
+    for node in nodes:
+        size = node.get("sizeBytes")
+        files[_text(node.get("name"))] = (size if isinstance(size, int) else -1,
+                                          _text(node.get("md5")))  # fmt: skip
+    return files
+
+
+def _all_pages(
+    client: ServerClient,
+    query: str,
+    operation: str,
+    variables: dict,
+    cursor_name: str,
+    holder: Callable[[object], object],
+    connection: str,
+    page_of: str,
+    listed: str,
+) -> list[dict] | None:
+    """Every node of a paged connection (`holder(answer)[connection]`), asked page after
+    page with the cursor in `cursor_name`; None when the holder does not exist. A server
+    that keeps answering pages is asked `MAX_PAGES` times, then refused."""
+    nodes: list[dict] = []
     cursor = None
     for _ in range(MAX_PAGES):
-        variables = {"entity": entity, "project": project, "name": version, "after": cursor}
-        data = client.query(ARTIFACT_VERSION_FILES, variables, "ArtifactVersionFiles")
-        found = _field(_field(data, "project"), "artifact")
+        data = client.query(query, {**variables, cursor_name: cursor}, operation)
+        found = holder(data)
         if not isinstance(found, dict):
             return None
-        nodes, cursor = _page(found.get("files"), f"the files of {version}")
-        for node in nodes:
-            size = node.get("sizeBytes")
-            files[_text(node.get("name"))] = (size if isinstance(size, int) else -1,
-                                              _text(node.get("md5")))  # fmt: skip
+        page, cursor = _page(found.get(connection), page_of)
+        nodes += page
         if cursor is None:
-            return files
-    raise ServerError(f"the server lists over {MAX_PAGES} pages of {version}'s files")
+            return nodes
+    raise ServerError(f"the server lists over {MAX_PAGES} pages of {listed}")
 
 
 def _missing(
