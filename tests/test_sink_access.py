@@ -391,6 +391,13 @@ def test_serve_refuses_a_data_directory_of_another_user(tmp_path):
 PLANTED = {"api-key": "0123456789abcdef" * 2 + "01234567", "upload-secret": "ab" * 32}
 
 
+def refusal(result) -> str:
+    """The one line `sink serve` refused with (exit 2)."""
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    [line] = result.stderr.splitlines()
+    return line
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="a file of another user needs root to make")
 @pytest.mark.parametrize("name", PLANTED)
 def test_serve_refuses_a_key_file_another_user_planted(tmp_path, name):
@@ -404,8 +411,7 @@ def test_serve_refuses_a_key_file_another_user_planted(tmp_path, name):
     os.chmod(planted, 0o644)
     os.chown(planted, 65534, 65534)  # nobody's
     result = serve(data)
-    assert result.returncode == 2, (result.stdout, result.stderr)
-    [line] = result.stderr.splitlines()
+    line = refusal(result)
     assert line.startswith("wbmerge: error: cannot serve from ")
     assert "belongs to another user" in line and name in line
     assert PLANTED[name] not in result.stdout + result.stderr
@@ -420,8 +426,7 @@ def test_serve_refuses_a_key_file_with_another_name(tmp_path):
     (tmp_path / "data").mkdir(mode=0o700)
     os.link(elsewhere, tmp_path / "data" / "api-key")
     result = serve(tmp_path / "data")
-    assert result.returncode == 2, (result.stdout, result.stderr)
-    [line] = result.stderr.splitlines()
+    line = refusal(result)
     assert "hard link" in line and "api-key" in line
     assert PLANTED["api-key"] not in result.stdout + result.stderr
 
@@ -441,7 +446,6 @@ def test_serve_refuses_a_database_or_files_folder_another_user_planted(tmp_path,
         planted.write_bytes(b"")
     os.chown(planted, 65534, 65534)  # nobody's
     result = serve(data)
-    assert result.returncode == 2, (result.stdout, result.stderr)
-    [line] = result.stderr.splitlines()
+    line = refusal(result)
     assert line.startswith("wbmerge: error: cannot serve from ")
     assert "belongs to another user" in line and name in line
