@@ -95,22 +95,8 @@ def test_saved_files_arrive_with_the_bytes_each_rank_saved(sink, tmp_path, mode)
 def moved_job(tmp_path: Path) -> Path:
     """A copy of the fixture whose runs say they ran in a directory that is gone, with their
     links to it dangling: a job's directory moved to another machine."""
-    job = tmp_path / "moved"
-    shutil.copytree(job_dir(JOB), job, symlinks=True)
     gone = "/nonexistent/wbmerge-moved-job"
-
-    def old_root(record: pb.Record) -> pb.Record | None:
-        if record.WhichOneof("record_type") == "environment" and record.environment.root:
-            record.environment.root = gone
-            return record
-        return None
-
-    for rank, run in source_runs(job).items():
-        rewrite_log(next(run.glob("run-*.wandb")), old_root)
-        link = run / "files" / "model.pt"
-        link.unlink()
-        link.symlink_to(f"{gone}/rank-{rank}/model.pt")
-    return job
+    return rerooted_job(tmp_path, gone, lambda job, rank: f"{gone}/rank-{rank}/model.pt")
 
 
 def test_moved_files_are_found_under_files_from(sink, tmp_path):
