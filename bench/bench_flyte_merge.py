@@ -33,7 +33,7 @@ import wbmerge.flyte
 from tests import synthetic
 from wbmerge.flyte.handoff import node_files
 from wbmerge.sink import read_api_key
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
 
 bench_env = flyte.TaskEnvironment(name="bench_flyte_merge")
 # merge_task reads only the training task's settings (for the links it shows)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests import synthetic
 from wbmerge.log import records, txlog
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
 from wbmerge.wandbcore import content
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.log.txlog import LogWriter
-from wbmerge.topology import METADATA_KEY, RankInfo
+from wbmerge.training import METADATA_KEY, RankInfo
 
 
 @contextmanager

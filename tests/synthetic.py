@@ -13,7 +13,7 @@ from pathlib import Path
 
 from wbmerge.log.proto import pb
 from wbmerge.log.txlog import LogWriter
-from wbmerge.topology import METADATA_KEY, RankInfo
+from wbmerge.training import METADATA_KEY, RankInfo
 
 
 def write_rank(

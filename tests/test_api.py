@@ -19,8 +19,8 @@ from click.testing import CliRunner
 from wbmerge import api
 from wbmerge.cli import main
 from wbmerge.errors import WbmergeError
-from wbmerge.request import option_names
 from wbmerge.sink import SinkClient
+from wbmerge.upload.request import option_names
 
 from .conftest import MANIFEST, ROOT, job_dir
 from .sinktools import expected_from_log
@@ -130,7 +130,7 @@ def test_ranks_assumed_from_start_order_are_said_as_the_cli_says_them(tmp_path):
 
 
 def test_the_errors_a_sync_raises_are_the_apis():
-    from wbmerge.pipeline import UploadFailed
+    from wbmerge.upload.pipeline import UploadFailed
     from wbmerge.upload.server import ServerError
 
     assert api.UploadFailed is UploadFailed and api.ServerError is ServerError
@@ -239,7 +239,7 @@ def test_a_type_checker_names_a_wrong_option_or_run_mode(tmp_path):
         'error: Unexpected keyword argument "rank_scop" for "plan"; did you mean "rank_scope"?'
         "  [call-arg]",
         'note: "plan" defined in "wbmerge.api"',
-        'note: Revealed type is "list[wbmerge.pipeline.SyncedTarget]"',
+        'note: Revealed type is "list[wbmerge.upload.pipeline.SyncedTarget]"',
         'note: Revealed type is "wbmerge.follow.FollowReport"',
     ], result.stdout + result.stderr
 

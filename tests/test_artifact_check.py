@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.artifactfiles import LoggedArtifact
+from wbmerge.merge.artifactfiles import LoggedArtifact
 from wbmerge.upload import artifactcheck
 from wbmerge.upload.artifactcheck import artifacts_missing
 from wbmerge.upload.delivery import Delivery

@@ -25,8 +25,8 @@ from wbmerge.follow.cut import LiveCut, cut_live
 from wbmerge.follow.lines import round_lines
 from wbmerge.identify.discover import discover
 from wbmerge.log.records import read_records
-from wbmerge.pipeline import MergeRequest, UploadFailed, sync
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
+from wbmerge.upload.pipeline import MergeRequest, UploadFailed, sync
 
 from .conftest import interruptible, job_dir
 from .ranklogs import console_record, exit_record, history_record, rank_log, summary_record

@@ -21,7 +21,7 @@ from wbmerge.follow.lines import round_lines
 from wbmerge.follow.tails import LiveReaders, NotIncremental, ScannedLog
 from wbmerge.identify.offlinerun import read_identity, scan
 from wbmerge.log.txlog import BLOCK_SIZE, FILE_HEADER, read_payloads
-from wbmerge.pipeline import MergeRequest, sync
+from wbmerge.upload.pipeline import MergeRequest, sync
 
 from . import synthetic
 from .test_follow import (

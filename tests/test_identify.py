@@ -19,7 +19,7 @@ from wbmerge.identify.rankclaims import (
     parse_spelling,
     parse_with_pattern,
 )
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
 
 from .conftest import job_dir
 

@@ -101,6 +101,69 @@ def test_the_package_imports_form_no_cycle():
     assert cycles == []
 
 
+# The stages, lowest first: a part of the package imports only the parts before it (and
+# itself). The data flows discover -> plan -> merge -> upload; the rules and types a stage
+# consumes sit below it, the command line sits on top, and `__main__` modules, which are
+# programs rather than library, may import anything.
+LAYERS = [
+    "errors",
+    "safepaths",
+    "streaming",
+    "log",
+    "wandbcore",
+    "training",
+    "plan",
+    "identify",
+    "analyse",
+    "merge",
+    "upload",
+    "follow",
+    "sink",
+    "api",
+    "flyte",
+    "cli",
+]
+
+
+def part_of(module: str) -> str:
+    """`wbmerge.merge.shared` -> `merge`: the stage a module belongs to."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_no_stage_imports_a_later_one():
+    graph = module_imports()
+    parts = {part_of(name) for name in graph} - {"", "__main__"}
+    assert parts == set(LAYERS), "every part of the package has its place in LAYERS"
+    upward = [
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        if part_of(name) in LAYERS and not name.endswith("__main__")
+        for target in targets
+        if part_of(target) in LAYERS and LAYERS.index(part_of(target)) > LAYERS.index(part_of(name))
+    ]
+    assert upward == []
+
+
+def test_the_sink_shares_no_code_with_what_it_checks():
+    """The sink is the judge of every end-to-end test: were it to reuse the merge's or the
+    uploader's code, a bug there would agree with itself. It may share only the name
+    rules of W&B (`plan.wandbnames`), path safety and the error type."""
+    graph = module_imports()
+    shared = {
+        target
+        for name, targets in graph.items()
+        if part_of(name) == "sink" and not name.endswith("__main__")
+        for target in targets
+        if part_of(target) != "sink"
+    }
+    assert shared <= {
+        "wbmerge.plan",
+        "wbmerge.plan.wandbnames",
+        "wbmerge.safepaths",
+        "wbmerge.errors",
+    }, shared
+
+
 def test_tests_use_public_names_only():
     """Tests import no `_private` name of wbmerge, so the inside can be rebuilt."""
     private = []

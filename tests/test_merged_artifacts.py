@@ -25,10 +25,10 @@ from wandb.sdk.artifacts._generated.operations import RUN_OUTPUT_ARTIFACTS_GQL
 from wandb.sdk.artifacts._generated.run_output_artifacts import RunOutputArtifacts
 
 from wbmerge import api
-from wbmerge.artifactfiles import LoggedArtifact
 from wbmerge.cli import main
 from wbmerge.log.proto import pb
 from wbmerge.log.records import read_records
+from wbmerge.merge.artifactfiles import LoggedArtifact
 
 from .artifact_job import weights_text
 from .conftest import ROOT

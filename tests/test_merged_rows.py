@@ -15,7 +15,7 @@ from wbmerge.log.records import record_kind
 from wbmerge.log.txlog import read_payloads, write_payloads
 from wbmerge.merge import MergeOptions, stage
 from wbmerge.plan import Source, Target
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
 
 from . import reference_merge
 from .ranklogs import history_record

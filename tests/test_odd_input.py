@@ -209,7 +209,7 @@ def test_a_step_nested_past_the_recursion_limit_in_a_spliced_rank_is_merged(tmp_
     # field as JSON; a hostile value nested deeper than Python's recursion limit is no
     # step, not an internal error.
     from wbmerge.merge import stage
-    from wbmerge.pipeline import MergeRequest, plan_jobs
+    from wbmerge.upload.pipeline import MergeRequest, plan_jobs
 
     from . import synthetic
 
@@ -291,7 +291,7 @@ def test_a_step_item_that_contradicts_its_step_field_is_verified_as_sent(
 
 def odd_steps_job(root: Path, rows: list[tuple[list, int | None]], job_id: str) -> Path:
     """A one-rank job whose history rows are `rows` (items, step field), then an exit."""
-    from wbmerge.topology import RankInfo
+    from wbmerge.training import RankInfo
 
     from .ranklogs import exit_record, rank_log
 

@@ -24,7 +24,7 @@ from wbmerge.cli import main
 from wbmerge.log import records, txlog, wire
 from wbmerge.log.proto import pb
 from wbmerge.log.txlog import LogWriter, read_payloads
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
 
 from .conftest import MANIFEST, job_dir
 from .sinktools import console_text

@@ -12,8 +12,8 @@ from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.cli import main
 from wbmerge.log.txlog import BLOCK_SIZE, LogWriter, ReadReport, read_payloads
-from wbmerge.pipeline import MergeRequest, merge_jobs
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
+from wbmerge.upload.pipeline import MergeRequest, merge_jobs
 
 from . import synthetic
 from .ranklogs import exit_record, history_record, rank_log

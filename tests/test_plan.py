@@ -22,7 +22,7 @@ from wbmerge.plan import (
     run_url,
 )
 from wbmerge.sink import names as sink_names
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
 
 from .conftest import ROOT
 
@@ -180,7 +180,7 @@ def test_a_missing_primary_is_named_in_shared_and_auto(mode, scope):
     ],
 )
 def test_options_no_planned_run_mode_uses_are_said(asked, run_modes, said):
-    from wbmerge.pipeline import MergeRequest, ignored_options
+    from wbmerge.upload.pipeline import MergeRequest, ignored_options
 
     assert ignored_options(MergeRequest(["."], **asked), run_modes) == said
 

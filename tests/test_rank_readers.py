@@ -12,7 +12,7 @@ import pytest
 
 from wbmerge.log.txlog import BLOCK_SIZE, CHUNK_HEADER_SIZE, ReadReport, read_payloads
 from wbmerge.merge.readers import RankReaders
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
 
 from . import synthetic
 from .conftest import fixture_logs

@@ -1,4 +1,4 @@
-"""Statistics across ranks (`wbmerge.rankstats`) against an obviously correct reference.
+"""Statistics across ranks (`wbmerge.analyse.rankstats`) against an obviously correct reference.
 
 The reference works on one (step, key) at a time with Python's `sorted`, `min`, `max`,
 `statistics.median` and `math.fsum`, written from the rules in the module's docstring: NaN
@@ -16,8 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wbmerge.errors import WbmergeError
-from wbmerge.rankstats import (
+from wbmerge.analyse.rankstats import (
     METRIC_BOUND,
     STATS,
     PerRank,
@@ -26,6 +25,7 @@ from wbmerge.rankstats import (
     one_step,
     stat_key,
 )
+from wbmerge.errors import WbmergeError
 
 NAN, INF = math.nan, math.inf
 

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
 
 from . import synthetic
 from .sinktools import expected_from_log

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
 from wbmerge.upload.rowcheck import compare_steps, halves, room, sampled, spans, windows
 
 from . import synthetic

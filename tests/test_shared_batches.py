@@ -14,8 +14,8 @@ from wandb.proto import wandb_internal_pb2 as pb
 from wbmerge.log.records import read_records
 from wbmerge.log.txlog import BLOCK_SIZE
 from wbmerge.merge import shared
-from wbmerge.pipeline import MergeRequest, merge_jobs
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
+from wbmerge.upload.pipeline import MergeRequest, merge_jobs
 
 from .conftest import job_dir
 from .ranklogs import rank_log

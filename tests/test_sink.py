@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
 from wbmerge.upload import ServerClient
 from wbmerge.upload import server as server_module
 from wbmerge.upload.credentials import Credentials

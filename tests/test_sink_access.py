@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 from wbmerge.cli import main
 from wbmerge.sink.pages import index_html, run_html
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
 
 from . import synthetic
 from .conftest import job_dir

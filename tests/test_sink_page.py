@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
 
 from . import synthetic
 from .conftest import ROOT, job_dir

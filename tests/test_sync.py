@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from wbmerge.cli import main
 from wbmerge.log.records import read_records
 from wbmerge.log.txlog import BLOCK_SIZE, LogWriter, read_payloads
-from wbmerge.topology import RankInfo
+from wbmerge.training import RankInfo
 from wbmerge.wandbcore.content import read_staged
 
 from . import synthetic

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wbmerge.topology import RankInfo, from_env, label_for
+from wbmerge.training import RankInfo, from_env, label_for
 
 
 def env(rank, world, local_rank, local_world, group, **extra):

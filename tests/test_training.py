@@ -12,8 +12,7 @@ import pytest
 
 from wbmerge.errors import WbmergeError
 from wbmerge.identify.discover import discover, scan
-from wbmerge.topology import RankInfo
-from wbmerge.training import resolve_job_id
+from wbmerge.training import RankInfo, resolve_job_id
 
 
 def run_rank(tmp_path, code, **env):

@@ -317,7 +317,7 @@ def test_read_staged_steps_are_protobufs_on_every_fixture_and_a_merged_log(tmp_p
     """The steps are read for all rows of a read at once; they must be what protobuf says,
     on every real log (wandb 0.16, 0.19, 0.31, damaged copies) and on a shared merge."""
     from wbmerge.merge import stage
-    from wbmerge.pipeline import MergeRequest, plan_jobs
+    from wbmerge.upload.pipeline import MergeRequest, plan_jobs
 
     from . import synthetic
 
@@ -343,7 +343,7 @@ def test_what_a_splice_counts_is_what_the_staged_log_holds(tmp_path):
     reading the staged log gives. (Logs of less than a block are framed again, not spliced:
     the synthetic ranks are long enough to be spliced.)"""
     from wbmerge.merge import stage
-    from wbmerge.pipeline import MergeRequest, plan_jobs
+    from wbmerge.upload.pipeline import MergeRequest, plan_jobs
 
     from . import synthetic
 

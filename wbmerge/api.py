@@ -39,10 +39,17 @@ from .errors import InputWarning, WbmergeError
 from .identify.discover import OfflineRun
 from .identify.discover import discover as _discover_runs
 from .identify.hints import make_hints
-from .pipeline import MergeRequest, PlannedJob, SyncReport, UploadFailed, merge_jobs, plan_jobs
-from .pipeline import sync as _sync
 from .plan import RankScope, RunMode
-from .request import RequestOptions
+from .upload.pipeline import (
+    MergeRequest,
+    PlannedJob,
+    SyncReport,
+    UploadFailed,
+    merge_jobs,
+    plan_jobs,
+)
+from .upload.pipeline import sync as _sync
+from .upload.request import RequestOptions
 from .upload.server import ServerError
 
 if TYPE_CHECKING:  # (imported where used: `sync` starts faster without them)
@@ -221,14 +228,16 @@ def follow(
     on_wait: Callable[[str], None] | None = None,
     on_idle: Callable[[list[str]], None] | None = None,
     restart_grace: float = 60.0,
+    job_prefix: str | None = None,
     **options: Unpack[RequestOptions],
 ) -> FollowReport:
     """`sync --follow`: keep the merged runs of a job that is still training up to date,
     a round every `interval` seconds, until every rank has finished (or nothing changed
     for `idle_timeout` seconds; then a one-shot sync finishes the runs). A run whose ranks
     all ended, some failed, waits `restart_grace` seconds without a change for an elastic
-    restart first. Returns a `follow.FollowReport`; `on_round` is called with each round's
-    report."""
+    restart first. `job_prefix` follows only the jobs whose id starts with it (the Flyte
+    follow task passes its run's name). Returns a `follow.FollowReport`; `on_round` is
+    called with each round's report."""
     from .follow import follow as follow_job
 
     check_upload_options(parallel, timeout)
@@ -241,6 +250,7 @@ def follow(
         on_round=on_round,
         on_wait=on_wait,
         on_idle=on_idle,
+        job_prefix=job_prefix,
         restart_grace=restart_grace,
     )
 

@@ -8,7 +8,7 @@ highest and lowest rank by mean and, for metrics whose name says which way is fa
 is far from the median rank's (robust z-score over 3.5, from the median absolute deviation,
 and at least 5 % off). System metrics have no steps, so their spread is that of the means.
 With `rank_stats`, each history metric also gets the statistics across ranks
-(`wbmerge.rankstats`) at its last step: the values the merged run's summary gives the
+(`wbmerge.analyse.rankstats`) at its last step: the values the merged run's summary gives the
 `{key}/ranks/...` keys of `--rank-stats`.
 """
 
@@ -26,9 +26,9 @@ import numpy as np
 from ..errors import WbmergeError
 from ..identify.discover import Job, discover, few_ranks, group_jobs
 from ..identify.jobs import Hints
-from ..rankstats import one_step
 from ..streaming import streaming
 from .columns import HISTORY, rank_columns, rank_sources
+from .rankstats import one_step
 from .spread import spreads
 
 _FASTER_WHEN_HIGHER = re.compile(r"per_s(ec)?\b|/s$|throughput|samples_per|tokens_per|it/s|fps")

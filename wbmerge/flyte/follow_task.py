@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Awaitable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import flyte
@@ -97,21 +96,19 @@ async def with_follower(
 
 def follow_main(request: dict) -> dict:
     """`python -m wbmerge.flyte follow REQUEST RESULT`: one follow, its links as JSON."""
-    from ..follow import follow
-    from ..pipeline import MergeRequest
+    from .. import api
 
-    merge_request = MergeRequest(
-        [Path(request["path"])],
-        run_mode=request.get("run_mode"),
-        rank_scope=request.get("rank_scope"),
-        project=request.get("project"),
-        entity=request.get("entity"),
+    options: dict[str, Any] = dict(
+        run_mode=request.get("run_mode") or None,
+        rank_scope=request.get("rank_scope") or None,
+        project=request.get("project") or None,
+        entity=request.get("entity") or None,
         rank_stats=bool(request.get("rank_stats")),
         per_rank=request.get("per_rank") or None,
     )
 
     from ..follow.lines import idle_warning, round_lines
-    from ..pipeline import UploadFailed
+    from ..upload.pipeline import UploadFailed
 
     def say(report: Any) -> None:
         for line in round_lines(report):
@@ -122,9 +119,10 @@ def follow_main(request: dict) -> dict:
               file=sys.stderr, flush=True)  # fmt: skip
 
     try:
-        result = follow(
-            merge_request, float(request["interval"]), float(request["idle_timeout"]),
-            on_round=say, on_idle=say_idle, job_prefix=request["job_prefix"],
+        result = api.follow(
+            request["path"], interval=float(request["interval"]),
+            idle_timeout=float(request["idle_timeout"]), on_round=say, on_idle=say_idle,
+            job_prefix=request["job_prefix"], **options,
         )  # fmt: skip
     except UploadFailed as exc:  # the runs the last sync verified, then what failed
         for target in exc.report.targets:

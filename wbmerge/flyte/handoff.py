@@ -36,8 +36,7 @@ from flyte.syncify import syncify
 
 from .. import training
 from ..errors import WbmergeError
-from ..topology import RankInfo
-from ..training import RUN_DATA_DIR
+from ..training import RUN_DATA_DIR, RankInfo
 from .context import worker_folder
 from .rank import RankState, finish_run, rank_state
 

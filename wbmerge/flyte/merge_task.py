@@ -112,25 +112,23 @@ async def sync(
 def merge_and_upload(request: dict) -> dict:
     """Merge and upload the runs at `request["path"]`: the whole job, or with `worker` one
     node's runs, which must then be all of that node's ranks. Returns links and warnings."""
-    from ..pipeline import MergeRequest, plan_jobs
-    from ..pipeline import sync as sync_runs
+    from .. import api
 
     worker = request.get("worker")
-    merge_request = MergeRequest(
-        [request["path"]],
-        run_mode=request.get("run_mode"),
-        rank_scope=request.get("rank_scope"),
-        project=request.get("project"),
-        entity=request.get("entity"),
+    options: dict[str, Any] = dict(
+        run_mode=request.get("run_mode") or None,
+        rank_scope=request.get("rank_scope") or None,
+        project=request.get("project") or None,
+        entity=request.get("entity") or None,
         allow_missing_ranks=worker is not None,  # the other nodes' ranks are merged elsewhere
         rank_stats=bool(request.get("rank_stats")),
         per_rank=request.get("per_rank") or None,
     )
-    planned = plan_jobs(merge_request)
+    planned = api.plan(request["path"], **options)
     if worker is not None:
         for job in planned:
             check_node_complete(job.job, worker)
-    report = sync_runs(merge_request, planned=planned, progress=say_bound)
+    report = api.sync(request["path"], planned=planned, progress=say_bound, **options)
     return {"links": [link["url"] for link in report.links], "warnings": report.warnings}
 
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..errors import RERUN, WbmergeError
-from ..pipeline import MergeRequest, SyncReport, UploadFailed, sigterm_raises, sync
 from ..upload import ServerError
+from ..upload.pipeline import MergeRequest, SyncReport, UploadFailed, sigterm_raises, sync
 from .rounds import RESTART_GRACE, Follower, RoundReport, TargetRound
 
 DEFAULT_INTERVAL = 60.0  # seconds between rounds

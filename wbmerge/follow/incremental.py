@@ -34,10 +34,10 @@ from ..log.proto import pb
 from ..log.txlog import LogWriter
 from ..merge import MergeOptions, Staged
 from ..merge.console import Spools, write_console_and_stats
+from ..merge.files import stage_files
 from ..merge.shared import SharedMerge
 from ..merge.staging import new_run_dir
 from ..plan import Target
-from ..stagefiles import stage_files
 from ..streaming import allow_open_files
 from ..wandbcore import sentrows
 from ..wandbcore.content import StagedContent, read_staged

@@ -24,7 +24,6 @@ from ..errors import WbmergeError
 from ..identify.discover import Job
 from ..identify.hints import make_hints
 from ..merge import Staged, stage
-from ..pipeline import MergeRequest, PlannedJob, check_key_format, plan_found
 from ..plan import Target, app_url, check_destination
 from ..upload import (
     Deliverer,
@@ -39,6 +38,7 @@ from ..upload import (
     run_locks,
     state_dir,
 )
+from ..upload.pipeline import MergeRequest, PlannedJob, check_key_format, plan_found
 from ..wandbcore.content import StagedContent
 from .cut import cut_live
 from .incremental import LiveShared, NotIncremental, sources_of

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..errors import WbmergeError
 from ..plan import check_run_id
-from ..topology import MAX_RANKS, rank_number
+from ..training import MAX_RANKS, rank_number
 from .jobs import GivenRank, Hints
 from .rankclaims import compile_pattern
 

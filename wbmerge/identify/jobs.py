@@ -40,7 +40,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from ..topology import RankInfo, validate
+from ..training import RankInfo, validate
 from . import rankclaims
 from .placement import Place, Unresolved, place_ranks
 from .rankclaims import Claim

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import WbmergeError
 from ..plan import RANK_SCOPES, RUN_MODES, Source, Target, check_run_id
-from ..topology import RankInfo
+from ..training import RankInfo
 
 
 @dataclass(frozen=True)

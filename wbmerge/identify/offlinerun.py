@@ -25,7 +25,7 @@ from ..log.proto import pb
 from ..log.records import record_kind
 from ..log.txlog import BLOCK_SIZE, FILE_HEADER, Frames, ReadReport, read_frames, read_tail
 from ..plan import Source, Target, run_id_from_file
-from ..topology import METADATA_KEY, RankInfo
+from ..training import METADATA_KEY, RankInfo
 from . import rankclaims
 from .merged import MergedBy, is_merge_block, merged_by, merged_target
 

@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from ..topology import MAX_RANKS, rank_number, slurm_task
+from ..training import MAX_RANKS, rank_number, slurm_task
 
 SOURCES = ("wbmerge", "slurm", "args", "config", "label", "name", "gpu", "order", "given")
 

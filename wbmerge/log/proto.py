@@ -45,3 +45,10 @@ def _import_generated() -> types.ModuleType:
 
 
 pb = _import_generated()
+
+
+def item_path(item: pb.HistoryItem | pb.ConfigItem | pb.SummaryItem) -> list[str]:
+    """A history, config or summary item's path: its nested key, else its key ([""] for
+    neither, which wandb-core drops from a row). It lives with the messages because both
+    the reader of steps and the model of what wandb-core sends need it."""
+    return list(item.nested_key) or [item.key]

@@ -7,8 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import WbmergeError
-from ..wandbcore.sentrows import item_path
-from .proto import pb
+from .proto import item_path, pb
 
 # W&B's own keys: never labelled; in a merged row and summary they are the primary's
 RESERVED = ("_step", "_runtime", "_timestamp", "_wandb")

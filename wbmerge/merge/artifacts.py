@@ -27,15 +27,10 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from ..artifactfiles import (
-    ArtifactFileFinder,
-    LoggedArtifact,
-    check_inline_manifest,
-    copy_and_hash,
-)
 from ..errors import WbmergeError
 from ..log.proto import pb
 from ..plan import Source, Target
+from .artifactfiles import ArtifactFileFinder, LoggedArtifact, check_inline_manifest, copy_and_hash
 from .options import MergeOptions
 
 MAX_ARTIFACT_NAME = 128  # W&B's limit on an artifact's name

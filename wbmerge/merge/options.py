@@ -8,8 +8,8 @@ import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..analyse.rankstats import PerRank
 from ..errors import WbmergeError
-from ..rankstats import PerRank
 
 DEFAULT_KEY_FORMAT = "{key}/{label}"
 

@@ -15,10 +15,10 @@ from ..log.records import record_kind
 from ..log.steps import Steps, restep
 from ..log.txlog import BLOCK_SIZE, LogWriter, ReadReport, read_head
 from ..plan import Source, Target
-from ..stagefiles import files_record
 from ..wandbcore.content import ContentCounter
 from .artifacts import ArtifactRecords
 from .console import console_and_stats
+from .files import files_record
 from .options import MergeOptions
 from .outcome import Outcome, check_known, damage_warnings, is_record, not_a_record
 from .runrecord import exit_code, exit_record, rewrite_run

@@ -10,8 +10,8 @@ import numpy as np
 
 from ..log import wire
 from ..log.txlog import LogWriter
-from ..rankstats_merge import MergedRankStats
 from .labels import Labelled, RankKeys, Row, names_of
+from .rankstats import MergedRankStats
 
 STEP_KEY = wire.key_part(["_step"])
 

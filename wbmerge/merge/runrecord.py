@@ -7,7 +7,7 @@ import json
 
 from ..log.proto import pb
 from ..plan import Target
-from ..topology import METADATA_KEY
+from ..training import METADATA_KEY
 from .options import MergeOptions
 
 

@@ -19,18 +19,17 @@ from typing import Protocol
 
 import numpy as np
 
+from ..analyse.rankstats import PerRank, bound_notice
 from ..log import items, records
 from ..log.proto import pb
 from ..log.records import record_kind
 from ..log.steps import RESERVED, Steps
 from ..log.txlog import BLOCK_SIZE, Frames, LogWriter, read_payloads
 from ..plan import Source, Target
-from ..rankstats import PerRank, bound_notice
-from ..rankstats_merge import MergedRankStats, MergedSpreads
-from ..stagefiles import files_record
 from ..streaming import allow_open_files
 from .artifacts import ArtifactRecords
 from .console import PASS_TWO, Spools, SpoolWriter, write_console_and_stats
+from .files import files_record
 from .labels import KeyTable, Labelled, RankKeys, fold_summaries, label_rows
 from .metricglobs import glob_definitions, label_prefixes
 from .options import MergeOptions
@@ -42,6 +41,7 @@ from .outcome import (
     not_a_record,
     unknown_field,
 )
+from .rankstats import MergedRankStats, MergedSpreads
 from .readers import RankReaders, SourceRead
 from .rows import Rows, final_summary, write_merged
 from .runrecord import exit_code, exit_record, rewrite_run

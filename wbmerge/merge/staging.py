@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import safepaths
-from ..artifactfiles import LoggedArtifact
 from ..errors import WbmergeError
 from ..log.txlog import LogWriter
 from ..plan import Target
-from ..stagefiles import stage_files
 from ..streaming import streaming
 from ..wandbcore.content import StagedContent
+from .artifactfiles import LoggedArtifact
 from .artifacts import ArtifactRecords
+from .files import stage_files
 from .options import MergeOptions
 from .passthrough import write_passthrough
 

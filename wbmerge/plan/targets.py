@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from ..errors import WbmergeError
-from ..topology import RankInfo
+from ..training import RankInfo
 from .wandbnames import name_problem, run_id_problem
 
 RunMode = Literal["auto", "shared", "new"]

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..artifactfiles import LoggedArtifact
+from ..merge.artifactfiles import LoggedArtifact
 from ..wandbcore.content import StagedContent
 
 

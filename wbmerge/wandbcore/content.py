@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..log import records
-from ..log.proto import pb
+from ..log.proto import item_path, pb
 from . import sentrows, terminal
 
 
@@ -155,7 +155,7 @@ def read_logged_run(log: Path, console_limit: int = 64 << 20) -> LoggedRun:
 def _apply(tree: dict, change: pb.ConfigRecord | pb.SummaryRecord) -> None:
     """Apply a config or summary record's updates, then its removals, to `tree`."""
     for item in change.update:
-        *parents, leaf = sentrows.item_path(item)
+        *parents, leaf = item_path(item)
         place = tree
         for key in parents:  # (a value in the way is replaced by an object, as wandb-core does)
             child = place.get(key)
@@ -167,7 +167,7 @@ def _apply(tree: dict, change: pb.ConfigRecord | pb.SummaryRecord) -> None:
         except RecursionError:
             raise ValueError(f"a value of {leaf} is nested too deep") from None
     for item in change.remove:
-        *parents, leaf = sentrows.item_path(item)
+        *parents, leaf = item_path(item)
         place = tree
         for key in parents:
             place = place.get(key) if isinstance(place, dict) else None

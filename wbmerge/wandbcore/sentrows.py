@@ -31,7 +31,7 @@ import re
 from collections.abc import Sequence
 from json.decoder import scanstring
 
-from ..log.proto import pb
+from ..log.proto import item_path, pb
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 NOT_JSON = object()  # what `json_value` gives for a text wandb-core's parser refuses
@@ -168,12 +168,6 @@ def item_value(item: pb.HistoryItem) -> object:
     if typed == "json":
         return json_value(item.json)
     return None if typed == "none" else getattr(item, typed)
-
-
-def item_path(item: pb.HistoryItem | pb.ConfigItem | pb.SummaryItem) -> list[str]:
-    """A history, config or summary item's path: its nested key, else its key ([""] for
-    neither, which wandb-core drops from a row: `row_of`)."""
-    return list(item.nested_key) or [item.key]
 
 
 def row_of(history: pb.HistoryRecord, top: str | None = None) -> dict:

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from . import __version__
-from .clierrors import OneLineUsage, one_line_errors
-from .clisink import sink
-from .errors import WbmergeError
+from .. import __version__
+from ..errors import WbmergeError
+from .errors import OneLineUsage, one_line_errors
+from .sink import sink
 
 if TYPE_CHECKING:
-    from .pipeline import SyncReport
+    from ..upload.pipeline import SyncReport
 
 
 def rank_options() -> list[Callable[..., Any]]:
@@ -95,8 +95,8 @@ def inspect(
 ) -> None:
     """List the offline runs under PATHS: rank (and where it came from), label, rows,
     completeness, damage."""
-    from . import api
-    from .identify.inspection import format_report, unreadable_summary
+    from .. import api
+    from ..identify.inspection import format_report, unreadable_summary
 
     rows = api.inspect(paths, label_pattern=label_pattern, ranks_file=ranks_file, primary=primary)
     if as_json:
@@ -229,7 +229,7 @@ def _say_waiting(key: str) -> None:
 @one_line_errors
 def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
     """Merge the offline runs under PATHS into new offline runs in --out (no upload)."""
-    from . import api
+    from .. import api
 
     planned = api.plan(**kw)
     _warn_jobs(planned)
@@ -344,9 +344,9 @@ def sync(
     (the ledger knew it; nothing asked or sent) or "already complete" (the server held it
     whole already; nothing sent).
     """
-    from . import api
-    from .plan import check_destination
-    from .upload import find_credentials
+    from .. import api
+    from ..plan import check_destination
+    from ..upload import find_credentials
 
     if follow:
         for flag, given in (("--dry-run", dry_run), ("--keep-staging", keep_staging),
@@ -402,7 +402,7 @@ def follow_command(
     write offline: a round every --interval seconds merges and uploads what the ranks wrote
     since, exactly once, until every rank has finished (or --idle-timeout). The same as
     `wbmerge sync --follow`."""
-    from .upload import find_credentials
+    from ..upload import find_credentials
 
     find_credentials()
     kw["restart_grace"] = restart_grace
@@ -436,8 +436,8 @@ def _follow(
     **kw: Any,
 ) -> None:
     """`sync --follow`: a line per round (unless quiet), the links at the end."""
-    from . import api
-    from .follow.lines import idle_warning, round_lines
+    from .. import api
+    from ..follow.lines import idle_warning, round_lines
 
     def on_round(report: Any) -> None:
         lines = round_lines(report)
@@ -491,8 +491,8 @@ def export(
     primary: tuple[str, ...],
 ) -> None:
     """Write every rank's history and system metrics to one Parquet file."""
-    from . import api
-    from .identify.discover import few_ranks
+    from .. import api
+    from ..identify.discover import few_ranks
 
     result = api.export(
         paths, out, job=job, wide=wide, label_pattern=label_pattern, ranks_file=ranks_file,
@@ -530,8 +530,8 @@ def report(
     primary: tuple[str, ...],
 ) -> None:
     """Per-rank skew of each metric: which rank is slow, and by how much."""
-    from . import api
-    from .analyse.report_format import format_report
+    from .. import api
+    from ..analyse.report_format import format_report
 
     reports = api.report(
         paths, metrics=metrics, job=job, label_pattern=label_pattern, ranks_file=ranks_file,
@@ -543,7 +543,3 @@ def report(
         click.echo(json.dumps([r.to_dict() for r in reports], indent=2))
     else:
         click.echo(format_report(reports, color=sys.stdout.isatty()), nl=False)
-
-
-if __name__ == "__main__":
-    main(prog_name="wbmerge")

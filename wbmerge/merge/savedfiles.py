@@ -29,11 +29,11 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from .errors import WbmergeError
-from .log.proto import pb
-from .log.records import record_kind
-from .log.txlog import BLOCK_SIZE, read_frames
-from .safepaths import is_within
+from ..errors import WbmergeError
+from ..log.proto import pb
+from ..log.records import record_kind
+from ..log.txlog import BLOCK_SIZE, read_frames
+from ..safepaths import is_within
 
 _ROOT_SCAN_RECORDS = 2000  # wandb writes the environment record among a run's first records
 _OPTION = "--files-from"

@@ -16,8 +16,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import WbmergeError
 from . import topology
-from .errors import WbmergeError
 from .topology import METADATA_KEY, RankInfo
 
 JOB_ID_ENV = "WBMERGE_JOB_ID"

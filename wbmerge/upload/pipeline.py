@@ -16,20 +16,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import REFUSED, RERUN, InputWarning, Terminated, WbmergeError
-from .identify.discover import Job, OfflineRun, discover, group_jobs, merged_jobs, selects_merged
-from .identify.hints import make_hints
-from .merge import MergeOptions, Staged, check_key_format, stage
-from .plan import Target, app_url, check_destination, links, plan, run_url
-from .rankstats import PerRank
-from .request import (
-    MergeRequest,
-    ignored_options,
-    merge_options_given,
-)
-from .safepaths import check_out_dir, source_trees
-from .stagefiles import check_files, files_from_dirs
-from .upload import (
+from ..analyse.rankstats import PerRank
+from ..errors import REFUSED, RERUN, InputWarning, Terminated, WbmergeError
+from ..identify.discover import Job, OfflineRun, discover, group_jobs, merged_jobs, selects_merged
+from ..identify.hints import make_hints
+from ..merge import MergeOptions, Staged, check_key_format, stage
+from ..merge.files import check_files, files_from_dirs
+from ..plan import Target, app_url, check_destination, links, plan, run_url
+from ..safepaths import check_out_dir, source_trees
+from . import (
     DEFAULT_PARALLEL,
     DEFAULT_TIMEOUT,
     Credentials,
@@ -47,6 +42,7 @@ from .upload import (
     run_locks,
     state_dir,
 )
+from .request import MergeRequest, ignored_options, merge_options_given
 
 
 @dataclass

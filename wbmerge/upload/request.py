@@ -10,9 +10,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal, TypedDict
 
-from .errors import WbmergeError
-from .merge import DEFAULT_KEY_FORMAT
-from .plan import RankScope, RunMode
+from ..errors import WbmergeError
+from ..merge import DEFAULT_KEY_FORMAT
+from ..plan import RankScope, RunMode
 
 SystemMetrics = Literal["primary", "all"]
 Verify = Literal["sample", "full"]

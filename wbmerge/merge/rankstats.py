@@ -24,9 +24,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .analyse.spread import spread_of
-from .log import items, wire
-from .rankstats import STATS, AcrossRanks, across_ranks, dense_ids, last_of_each, stat_key
+from ..analyse.rankstats import STATS, AcrossRanks, across_ranks, dense_ids, last_of_each, stat_key
+from ..analyse.spread import spread_of
+from ..log import items, wire
 
 _MAX_TEXT = 64  # longer than any number's JSON text (a float64's is at most 24 characters)
 

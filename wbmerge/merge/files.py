@@ -15,11 +15,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import safepaths
+from .. import safepaths
+from ..errors import WbmergeError
+from ..log.proto import pb
+from ..plan import Source, Target
 from .artifactfiles import check_artifact_files
-from .errors import WbmergeError
-from .log.proto import pb
-from .plan import Source, Target
 from .savedfiles import copy_regular, follow_link, recorded_root
 
 # wandb's own files of a run: in a shared run, the primary's alone are kept.

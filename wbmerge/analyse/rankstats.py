@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import WbmergeError
+from ..errors import WbmergeError
 
 STATS = ("min", "median", "max", "mean", "min_rank", "max_rank")
 # W&B's recommendation: fewer distinct metrics than this in a project, for a responsive UI
