@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' wr
 
 import wbmerge.flyte
 from tests import synthetic
-from wbmerge.flyte.handoff import node_files
+from wbmerge.flyte import node_files
 from wbmerge.sink import read_api_key
 from wbmerge.training import RankInfo
 

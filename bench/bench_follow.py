@@ -46,7 +46,7 @@ from tests import synthetic  # noqa: E402
 from tests.sinktools import SinkProcess  # noqa: E402
 from wbmerge.follow import Follower  # noqa: E402
 from wbmerge.merge import stage  # noqa: E402
-from wbmerge.upload.pipeline import MergeRequest, plan_jobs  # noqa: E402
+from wbmerge.upload import MergeRequest, plan_jobs  # noqa: E402
 
 
 def _children_cpu() -> float:

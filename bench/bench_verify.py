@@ -32,9 +32,13 @@ from bench_sync_e2e import start_sink  # noqa: E402  (the same local sink, start
 from tests import synthetic  # noqa: E402
 from wbmerge.sink import read_api_key  # noqa: E402
 from wbmerge.training import RankInfo  # noqa: E402
-from wbmerge.upload import Credentials, Delivery, ServerClient  # noqa: E402
-from wbmerge.upload.onserver import rows_not_held  # noqa: E402
-from wbmerge.wandbcore.content import read_staged  # noqa: E402
+from wbmerge.upload import (  # noqa: E402
+    Credentials,
+    Delivery,
+    ServerClient,
+    rows_not_held,
+)
+from wbmerge.wandbcore import read_staged  # noqa: E402
 
 
 def measure(rows: int, repeat: int, work: Path, url: str, key: str) -> dict[str, float]:

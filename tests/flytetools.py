@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from wbmerge.identify.discover import discover
+from wbmerge.identify import discover
 
 from .conftest import ROOT
 

@@ -11,8 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from wbmerge.log.proto import pb
-from wbmerge.log.txlog import read_payloads, write_payloads
+from wbmerge.log import pb, read_payloads, write_payloads
 
 from .conftest import job_dir
 

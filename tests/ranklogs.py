@@ -11,7 +11,7 @@ from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge.log.txlog import LogWriter
+from wbmerge.log import LogWriter
 from wbmerge.training import METADATA_KEY, RankInfo
 
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge.log.steps import RESERVED
+from wbmerge.log import RESERVED
 
 Items = list[tuple[list[str], str]]  # (key path, value JSON) in record order
 

@@ -11,8 +11,7 @@ import json
 import random
 from pathlib import Path
 
-from wbmerge.log.proto import pb
-from wbmerge.log.txlog import LogWriter
+from wbmerge.log import LogWriter, pb
 from wbmerge.training import METADATA_KEY, RankInfo
 
 

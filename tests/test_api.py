@@ -20,7 +20,7 @@ from wbmerge import api
 from wbmerge.cli import main
 from wbmerge.errors import WbmergeError
 from wbmerge.sink import SinkClient
-from wbmerge.upload.request import option_names
+from wbmerge.upload import option_names
 
 from .conftest import MANIFEST, ROOT, job_dir
 from .sinktools import expected_from_log
@@ -130,8 +130,7 @@ def test_ranks_assumed_from_start_order_are_said_as_the_cli_says_them(tmp_path):
 
 
 def test_the_errors_a_sync_raises_are_the_apis():
-    from wbmerge.upload.pipeline import UploadFailed
-    from wbmerge.upload.server import ServerError
+    from wbmerge.upload import ServerError, UploadFailed
 
     assert api.UploadFailed is UploadFailed and api.ServerError is ServerError
     assert issubclass(api.UploadFailed, api.WbmergeError)

@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.merge.artifactfiles import LoggedArtifact
-from wbmerge.upload import artifactcheck
-from wbmerge.upload.artifactcheck import artifacts_missing
-from wbmerge.upload.delivery import Delivery
+from wbmerge.merge import LoggedArtifact
+from wbmerge.upload import Delivery, artifactcheck, artifacts_missing
 
 from .test_server_client import GraphQLDouble, client_of, serving
 

@@ -11,12 +11,11 @@ import pytest
 from click.testing import CliRunner
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge.analyse.columns import per_value
-from wbmerge.analyse.export import export
+from wbmerge.analyse import export, per_value
 from wbmerge.cli import main
 from wbmerge.errors import WbmergeError
-from wbmerge.identify.discover import discover
-from wbmerge.log.records import read_records
+from wbmerge.identify import discover
+from wbmerge.log import read_records
 
 from .conftest import JOBS, job_dir
 

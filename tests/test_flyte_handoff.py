@@ -13,8 +13,7 @@ import flyte.io
 import pytest
 
 from wbmerge.errors import WbmergeError
-from wbmerge.flyte import MANIFEST
-from wbmerge.flyte.handoff import check_reports, fetch_runs, node_files, read_manifest
+from wbmerge.flyte import MANIFEST, check_reports, fetch_runs, node_files, read_manifest
 
 from .flytetools import FAULT_JOB, flyte_env, run_example, run_script, start_object_store
 from .sinktools import console_text, expected_from_log

@@ -20,13 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.follow import Follower, follow
-from wbmerge.follow.cut import LiveCut, cut_live
-from wbmerge.follow.lines import round_lines
-from wbmerge.identify.discover import discover
-from wbmerge.log.records import read_records
+from wbmerge.follow import Follower, LiveCut, cut_live, follow, round_lines
+from wbmerge.identify import discover
+from wbmerge.log import read_records
 from wbmerge.training import RankInfo
-from wbmerge.upload.pipeline import MergeRequest, UploadFailed, sync
+from wbmerge.upload import MergeRequest, UploadFailed, sync
 
 from .conftest import interruptible, job_dir
 from .ranklogs import console_record, exit_record, history_record, rank_log, summary_record

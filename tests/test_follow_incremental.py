@@ -16,12 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.follow import Follower
-from wbmerge.follow.lines import round_lines
-from wbmerge.follow.tails import LiveReaders, NotIncremental, ScannedLog
-from wbmerge.identify.offlinerun import read_identity, scan
-from wbmerge.log.txlog import BLOCK_SIZE, FILE_HEADER, read_payloads
-from wbmerge.upload.pipeline import MergeRequest, sync
+from wbmerge.follow import Follower, LiveReaders, NotIncremental, ScannedLog, round_lines
+from wbmerge.identify import read_identity, scan
+from wbmerge.log import BLOCK_SIZE, FILE_HEADER, read_payloads
+from wbmerge.upload import MergeRequest, sync
 
 from . import synthetic
 from .test_follow import (

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.log.proto import pb
-from wbmerge.log.records import read_records
+from wbmerge.log import pb, read_records
 
 from .hostile import copy_job, insert_after_run_record, run_cli, run_logs, tree_digest
 

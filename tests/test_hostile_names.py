@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.log.proto import pb
-from wbmerge.log.txlog import read_payloads
+from wbmerge.log import pb, read_payloads
 
 from .hostile import copy_job, one_error_line, rewrite_log, run_cli, run_logs, tree_digest
 

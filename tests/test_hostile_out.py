@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.identify.discover import discover
+from wbmerge.identify import discover
 
 from .hostile import copy_job, one_error_line, run_cli, run_logs, tree_digest
 

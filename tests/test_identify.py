@@ -11,11 +11,14 @@ from click.testing import CliRunner
 
 from wbmerge.cli import main
 from wbmerge.errors import WbmergeError
-from wbmerge.identify.hints import make_hints
-from wbmerge.identify.jobs import GivenRank, Hints, RunFacts, identify
-from wbmerge.identify.rankclaims import (
+from wbmerge.identify import (
+    GivenRank,
+    Hints,
+    RunFacts,
     compile_pattern,
     config_claim,
+    identify,
+    make_hints,
     parse_spelling,
     parse_with_pattern,
 )
@@ -723,7 +726,7 @@ def test_the_config_warning_names_the_key_that_splits_the_runs():
 
 
 def test_missing_ranks_are_listed_short():
-    from wbmerge.identify.discover import few_ranks
+    from wbmerge.identify import few_ranks
 
     assert few_ranks([1, 3]) == "1, 3"
     assert few_ranks(list(range(1, 1024, 2))) == "1, 3, 5, 7, 9, 11, 13, 15 and 504 more"

@@ -124,7 +124,7 @@ def _start_time(run_dir: str) -> float:
     """The run record's start time, read with protobuf (not with wbmerge's reader)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    from wbmerge.log.txlog import read_payloads
+    from wbmerge.log import read_payloads
 
     for payload in read_payloads(next(Path(run_dir).glob("run-*.wandb"))):
         record = pb.Record.FromString(payload)

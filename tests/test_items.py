@@ -10,9 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge.log import items, wire
-from wbmerge.log.records import record_kind
-from wbmerge.log.txlog import read_payloads
+from wbmerge.log import items, read_payloads, record_kind, wire
 
 from .ranklogs import history_record
 

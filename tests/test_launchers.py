@@ -16,7 +16,7 @@ import textwrap
 from click.testing import CliRunner
 
 from wbmerge.cli import main
-from wbmerge.identify.discover import discover
+from wbmerge.identify import discover
 
 from .sinktools import expected_from_log
 

@@ -164,6 +164,81 @@ def test_the_sink_shares_no_code_with_what_it_checks():
     }, shared
 
 
+def exported(package: str) -> set[str]:
+    """The names a sub-package's `__init__` lists in `__all__`: what other parts may use."""
+    tree = ast.parse((ROOT / "wbmerge" / package / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == [
+            "__all__"
+        ]:
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def test_other_parts_use_a_package_through_its_door():
+    """A sub-package's modules are its inside: every other part of wbmerge, and every test,
+    benchmark and example, imports only what its `__init__` exports, so a stage can be
+    rebuilt behind its door. (`__main__` modules are programs, not users of a door.)"""
+    packages = {p.name for p in PACKAGES if p.parent == ROOT / "wbmerge"}
+    doors = {name: exported(name) for name in packages}
+    users = [
+        *MODULES,
+        *(p for d in CODE[1:] for p in (ROOT / d).rglob("*.py") if "data" not in p.parts),
+    ]
+    through_the_wall = []
+    for path in users:
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__main__":
+            continue
+        is_package = parts[-1] == "__init__"
+        here = parts[:-1] if is_package else parts
+        own = here[1] if here[0] == "wbmerge" and len(here) > 1 else None
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level and here[0] != "wbmerge":
+                    continue
+                base = (
+                    (here if is_package else here[:-1])[
+                        : len(here) - node.level + (1 if is_package else 0)
+                    ]
+                    if node.level
+                    else []
+                )
+                module = [*base, *((node.module or "").split(".") if node.module else [])]
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                module, names = None, [alias.name for alias in node.names]
+                for name in names:
+                    dotted = name.split(".")
+                    if (
+                        dotted[0] == "wbmerge"
+                        and len(dotted) > 2
+                        and dotted[1] in packages
+                        and dotted[1] != own
+                    ):
+                        through_the_wall.append(
+                            f"{path.relative_to(ROOT)}:{node.lineno} import {name}"
+                        )
+                continue
+            else:
+                continue
+            if (
+                len(module) < 2
+                or module[0] != "wbmerge"
+                or module[1] not in packages
+                or module[1] == own
+            ):
+                continue
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            if len(module) > 2:
+                through_the_wall.append(f"{where} from {'.'.join(module)}")
+            else:
+                through_the_wall += [
+                    f"{where} {module[1]}.{n}" for n in names if n not in doors[module[1]]
+                ]
+    assert through_the_wall == []
+
+
 def test_tests_use_public_names_only():
     """Tests import no `_private` name of wbmerge, so the inside can be rebuilt."""
     private = []

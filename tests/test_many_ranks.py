@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from wbmerge.log.records import read_records
+from wbmerge.log import read_records
 
 from . import synthetic
 from .conftest import ROOT

@@ -26,9 +26,8 @@ from wandb.sdk.artifacts._generated.run_output_artifacts import RunOutputArtifac
 
 from wbmerge import api
 from wbmerge.cli import main
-from wbmerge.log.proto import pb
-from wbmerge.log.records import read_records
-from wbmerge.merge.artifactfiles import LoggedArtifact
+from wbmerge.log import pb, read_records
+from wbmerge.merge import LoggedArtifact
 
 from .artifact_job import weights_text
 from .conftest import ROOT

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from wbmerge.cli import main
 from wbmerge.errors import WbmergeError
-from wbmerge.follow.live import find_live_runs
+from wbmerge.follow import find_live_runs
 
 from .conftest import job_dir
 from .hostile import one_error_line, rewrite_log, run_cli

@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge.log.records import record_kind
-from wbmerge.log.txlog import read_payloads, write_payloads
+from wbmerge.log import read_payloads, record_kind, write_payloads
 from wbmerge.merge import MergeOptions, stage
 from wbmerge.plan import Source, Target
 from wbmerge.training import RankInfo

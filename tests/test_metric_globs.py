@@ -22,9 +22,9 @@ import pytest
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge import api
-from wbmerge.analyse.rankstats import PerRank
-from wbmerge.log.txlog import read_payloads
-from wbmerge.merge.metricglobs import glob_definitions, label_prefixes
+from wbmerge.analyse import PerRank
+from wbmerge.log import read_payloads
+from wbmerge.merge import glob_definitions, label_prefixes
 
 from .conftest import job_dir
 

@@ -24,7 +24,7 @@ from wandb.sdk.artifacts._generated.operations import RUN_OUTPUT_ARTIFACTS_GQL
 from wandb.sdk.artifacts._generated.run_output_artifacts import RunOutputArtifacts
 
 from wbmerge.cli import main
-from wbmerge.log.records import read_records
+from wbmerge.log import read_records
 
 from .conftest import job_dir
 from .hostile import tree_digest

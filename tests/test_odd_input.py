@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 from google.protobuf.message import DecodeError
 
-from wbmerge.log.proto import pb
-from wbmerge.log.txlog import read_payloads
+from wbmerge.log import pb, read_payloads
 
 from .hostile import copy_job, insert_after_run_record, one_error_line, run_cli, run_logs
 from .ranklogs import history_record
@@ -209,7 +208,7 @@ def test_a_step_nested_past_the_recursion_limit_in_a_spliced_rank_is_merged(tmp_
     # field as JSON; a hostile value nested deeper than Python's recursion limit is no
     # step, not an internal error.
     from wbmerge.merge import stage
-    from wbmerge.upload.pipeline import MergeRequest, plan_jobs
+    from wbmerge.upload import MergeRequest, plan_jobs
 
     from . import synthetic
 
@@ -245,7 +244,7 @@ def _set_last_step_item(log: Path, value_json: str) -> None:
     (item,) = [i for i in record.history.item if list(i.nested_key) == ["_step"]]
     item.value_json = value_json
     payloads[last] = record.SerializeToString()
-    from wbmerge.log.txlog import write_payloads
+    from wbmerge.log import write_payloads
 
     write_payloads(log, payloads)
 
@@ -273,8 +272,7 @@ def test_a_step_item_that_contradicts_its_step_field_is_verified_as_sent(
         last_rows.append(history[-1])
     # A rerun after a cut upload compares the server's last row with the staged one: the
     # staged row, at the `_step` it was sent at, must read as the one the server holds.
-    from wbmerge.upload import Held, history_row, read_staged, remainder
-    from wbmerge.upload.remainder import Mismatch
+    from wbmerge.upload import Held, Mismatch, history_row, read_staged, remainder
 
     staged = read_staged(log)
     assert staged.history_steps[-1] == 29
@@ -366,7 +364,7 @@ def test_config_values_nested_past_the_recursion_limit_are_no_values(job, tmp_pa
     for key in ("rank", "wbmerge", "local_rank"):
         record.run.config.update.add(key=key, value_json="[" * 5000)
     payloads[first] = record.SerializeToString()
-    from wbmerge.log.txlog import write_payloads
+    from wbmerge.log import write_payloads
 
     write_payloads(log, payloads)
     for args in (["inspect", job], ["report", job],
@@ -404,7 +402,7 @@ if platform.machine() in ("x86_64", "AMD64"):  # (measured there; other CPUs con
 
 
 def test_the_run_records_before_the_first_row_say_where_steps_start(sink, tmp_path):
-    from wbmerge.log.txlog import LogWriter
+    from wbmerge.log import LogWriter
     from wbmerge.upload import read_staged
 
     from .ranklogs import exit_record
@@ -435,7 +433,7 @@ def test_rows_before_the_run_record_are_moved_after_it_and_arrive(sink, tmp_path
     from click.testing import CliRunner
 
     from wbmerge.cli import main
-    from wbmerge.log.txlog import LogWriter
+    from wbmerge.log import LogWriter
 
     from .ranklogs import exit_record
 

@@ -21,9 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
-from wbmerge.log import records, txlog, wire
-from wbmerge.log.proto import pb
-from wbmerge.log.txlog import LogWriter, read_payloads
+from wbmerge.log import LogWriter, pb, read_payloads, records, txlog, wire
 from wbmerge.training import RankInfo
 
 from .conftest import MANIFEST, job_dir

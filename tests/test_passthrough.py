@@ -11,9 +11,9 @@ from click.testing import CliRunner
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.cli import main
-from wbmerge.log.txlog import BLOCK_SIZE, LogWriter, ReadReport, read_payloads
+from wbmerge.log import BLOCK_SIZE, LogWriter, ReadReport, read_payloads
 from wbmerge.training import RankInfo
-from wbmerge.upload.pipeline import MergeRequest, merge_jobs
+from wbmerge.upload import MergeRequest, merge_jobs
 
 from . import synthetic
 from .ranklogs import exit_record, history_record, rank_log
@@ -167,8 +167,8 @@ def test_records_before_a_run_record_are_held_within_a_bound(tmp_path):
     import io
 
     from wbmerge.errors import WbmergeError
-    from wbmerge.log.txlog import LogWriter, read_payloads
-    from wbmerge.merge.passthrough import HeldUntilTheRunRecord
+    from wbmerge.log import LogWriter, read_payloads
+    from wbmerge.merge import HeldUntilTheRunRecord
 
     log = tmp_path / "run-x.wandb"
     with open(log, "wb") as stream, LogWriter(stream) as writer:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from wbmerge.errors import WbmergeError
-from wbmerge.identify.merged import MergedBy, merged_by
+from wbmerge.identify import MergedBy, merged_by
 from wbmerge.plan import (
     PROJECT_RESERVED,
     RUN_ID_RESERVED,
@@ -180,7 +180,7 @@ def test_a_missing_primary_is_named_in_shared_and_auto(mode, scope):
     ],
 )
 def test_options_no_planned_run_mode_uses_are_said(asked, run_modes, said):
-    from wbmerge.upload.pipeline import MergeRequest, ignored_options
+    from wbmerge.upload import MergeRequest, ignored_options
 
     assert ignored_options(MergeRequest(["."], **asked), run_modes) == said
 

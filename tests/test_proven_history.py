@@ -10,9 +10,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wbmerge.log import records, txlog
-from wbmerge.log.proto import pb
-from wbmerge.wandbcore.sentrows import item_step
+from wbmerge.log import pb, records, txlog
+from wbmerge.wandbcore import item_step
 
 from .ranklogs import history_record
 from .steprows import ODD_ROWS

@@ -16,15 +16,17 @@ import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
-from wbmerge.identify.jobs import Hints, RunFacts, identify
-from wbmerge.identify.rankclaims import (
+from wbmerge.identify import (
+    Hints,
+    RunFacts,
     config_claim,
     gpu_claim,
+    identify,
     launcher_claim,
     parse_spelling,
     slurm_claim,
 )
-from wbmerge.log.proto import pb
+from wbmerge.log import pb
 
 from .conftest import MANIFEST, job_dir
 from .hostile import rewrite_log

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.log.txlog import BLOCK_SIZE, CHUNK_HEADER_SIZE, ReadReport, read_payloads
-from wbmerge.merge.readers import RankReaders
+from wbmerge.log import BLOCK_SIZE, CHUNK_HEADER_SIZE, ReadReport, read_payloads
+from wbmerge.merge import RankReaders
 from wbmerge.training import RankInfo
 
 from . import synthetic

@@ -17,13 +17,12 @@ import pytest
 from click.testing import CliRunner
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge.analyse.rankstats import STATS
+from wbmerge.analyse import STATS
 from wbmerge.cli import main
-from wbmerge.log.records import read_records
-from wbmerge.log.txlog import BLOCK_SIZE
+from wbmerge.log import BLOCK_SIZE, read_records
 from wbmerge.merge import shared
 from wbmerge.training import RankInfo
-from wbmerge.upload.pipeline import MergeRequest, merge_jobs
+from wbmerge.upload import MergeRequest, merge_jobs
 
 from . import synthetic
 from .conftest import job_dir

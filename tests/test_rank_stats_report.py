@@ -8,10 +8,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from wbmerge.analyse.rankstats import STATS
-from wbmerge.analyse.report import report
+from wbmerge.analyse import STATS, report
 from wbmerge.cli import main
-from wbmerge.log.records import read_records
+from wbmerge.log import read_records
 
 from .conftest import job_dir
 from .test_rank_stats_merge import assert_statistics

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wbmerge.analyse.rankstats import (
+from wbmerge.analyse import (
     METRIC_BOUND,
     STATS,
     PerRank,

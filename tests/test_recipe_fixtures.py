@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.log.proto import pb
-from wbmerge.log.txlog import read_payloads
+from wbmerge.log import pb, read_payloads
 
 from .conftest import MANIFEST, job_dir
 

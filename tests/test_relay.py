@@ -16,8 +16,7 @@ import urllib.request
 import pytest
 
 from wbmerge.errors import WbmergeError
-from wbmerge.upload.relay import Relay
-from wbmerge.upload.relayserver import Offsets
+from wbmerge.upload import Offsets, Relay
 
 HISTORY, EVENTS, CONSOLE = "wandb-history.jsonl", "wandb-events.jsonl", "output.log"
 

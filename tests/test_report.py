@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from wbmerge.analyse.report import outliers, report
+from wbmerge.analyse import outliers, report
 from wbmerge.api import inspect as api_inspect
 from wbmerge.cli import main
 
@@ -131,7 +131,7 @@ def test_report_and_skew_metrics_share_one_spread_with_the_true_median(tmp_path)
     """Four ranks (an even count: the median is the mean of the two middle values), the
     spread recomputed here with `statistics.median` from the source values; `report`'s
     per-step spreads and the merged run's `wbmerge/spread/{key}` must both equal it."""
-    from wbmerge.log.records import read_records
+    from wbmerge.log import read_records
 
     key = "train/loss"
     source = by_rank("one_node_4", key)
@@ -184,8 +184,7 @@ def test_a_killed_rank_and_missing_ranks_are_said_not_hidden():
 
 
 def test_a_restart_without_an_exit_record_is_continued_not_ended(tmp_path):
-    from wbmerge.log.proto import pb
-    from wbmerge.log.txlog import read_payloads, write_payloads
+    from wbmerge.log import pb, read_payloads, write_payloads
 
     job = tmp_path / "job"
     shutil.copytree(job_dir("elastic_restart"), job)

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from wbmerge.cli import main
 from wbmerge.training import RankInfo
-from wbmerge.upload.rowcheck import compare_steps, halves, room, sampled, spans, windows
+from wbmerge.upload import compare_steps, halves, room, sampled, spans, windows
 
 from . import synthetic
 from .sinktools import expected_from_log
@@ -280,9 +280,8 @@ class FullPages:
 def test_a_server_that_fills_every_page_is_asked_a_bounded_number_of_times(tmp_path):
     """Halving a full window could go on for every step of the range (2 * 10**9 questions
     for steps 0 and 10**9); the check gives up after a bound and says why."""
-    from wbmerge.upload import Delivery, Held, ServerError
-    from wbmerge.upload.onserver import rows_not_held
-    from wbmerge.wandbcore.content import read_staged
+    from wbmerge.upload import Delivery, Held, ServerError, rows_not_held
+    from wbmerge.wandbcore import read_staged
 
     source = synthetic_job(tmp_path, steps=50)
     [log] = source.glob("wandb/*/run-*.wandb")

@@ -20,8 +20,7 @@ from click.testing import CliRunner
 
 from wbmerge import api
 from wbmerge.cli import main
-from wbmerge.log.proto import pb
-from wbmerge.log.records import read_records
+from wbmerge.log import pb, read_records
 from wbmerge.upload import Credentials, Deliverer, Delivery, Ledger, ServerClient
 
 from .conftest import job_dir

@@ -10,15 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from wbmerge.log.proto import pb
-from wbmerge.wandbcore.sentrows import (
-    NOT_JSON,
-    item_step,
-    json_int,
-    json_value,
-    sent_steps,
-    with_step,
-)
+from wbmerge.log import pb
+from wbmerge.wandbcore import NOT_JSON, item_step, json_int, json_value, sent_steps, with_step
 
 from .ranklogs import history_record
 from .steprows import INT64_MAX, INT64_MIN, ODD_ROWS

@@ -15,9 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from wbmerge.errors import WbmergeError
+from wbmerge.upload import Credentials, RunListing, ServerClient, ServerError
 from wbmerge.upload import server as server_module
-from wbmerge.upload.credentials import Credentials
-from wbmerge.upload.server import RunListing, ServerClient, ServerError
 
 
 class GraphQLDouble(BaseHTTPRequestHandler):

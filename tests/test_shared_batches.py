@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge.log.records import read_records
-from wbmerge.log.txlog import BLOCK_SIZE
+from wbmerge.log import BLOCK_SIZE, read_records
 from wbmerge.merge import shared
 from wbmerge.training import RankInfo
-from wbmerge.upload.pipeline import MergeRequest, merge_jobs
+from wbmerge.upload import MergeRequest, merge_jobs
 
 from .conftest import job_dir
 from .ranklogs import rank_log

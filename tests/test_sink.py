@@ -9,9 +9,8 @@ import urllib.request
 import pytest
 
 from wbmerge.training import RankInfo
-from wbmerge.upload import ServerClient
+from wbmerge.upload import Credentials, ServerClient
 from wbmerge.upload import server as server_module
-from wbmerge.upload.credentials import Credentials
 
 from . import synthetic
 from .conftest import FIXTURES, MANIFEST, job_dir

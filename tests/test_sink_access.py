@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
-from wbmerge.sink.pages import index_html, run_html
+from wbmerge.sink import index_html, run_html
 from wbmerge.training import RankInfo
 
 from . import synthetic

@@ -22,10 +22,17 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.sink import Store
-from wbmerge.sink.access import UploadTokens, is_loopback_host
-from wbmerge.sink.names import BadName, check_file_name, check_run_id, check_run_path
-from wbmerge.sink.protocol import ProtocolError, decode_body
+from wbmerge.sink import (
+    BadName,
+    ProtocolError,
+    Store,
+    UploadTokens,
+    check_file_name,
+    check_run_id,
+    check_run_path,
+    decode_body,
+    is_loopback_host,
+)
 
 from .sinktools import SinkProcess
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wbmerge.merge.console import Spools
+from wbmerge.merge import Spools
 
 # (source number, payload) in the order pass 1 writes them
 writes = st.lists(st.tuples(st.integers(0, 4), st.binary(max_size=40)), min_size=1, max_size=200)

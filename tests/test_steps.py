@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wbmerge.errors import WbmergeError
-from wbmerge.log.steps import Steps
+from wbmerge.log import Steps
 
 
 @settings(max_examples=300, deadline=None)

@@ -15,10 +15,9 @@ import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
-from wbmerge.log.records import read_records
-from wbmerge.log.txlog import BLOCK_SIZE, LogWriter, read_payloads
+from wbmerge.log import BLOCK_SIZE, LogWriter, read_payloads, read_records
 from wbmerge.training import RankInfo
-from wbmerge.wandbcore.content import read_staged
+from wbmerge.wandbcore import read_staged
 
 from . import synthetic
 from .conftest import MANIFEST, job_dir

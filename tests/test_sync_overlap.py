@@ -16,8 +16,16 @@ from itertools import pairwise
 
 import pytest
 
-from wbmerge.upload import PATIENCE, START_COST, batch_lanes, batch_size, runs_to_ask
-from wbmerge.upload.pipeline import MergeRequest, UploadFailed, sync
+from wbmerge.upload import (
+    PATIENCE,
+    START_COST,
+    MergeRequest,
+    UploadFailed,
+    batch_lanes,
+    batch_size,
+    runs_to_ask,
+    sync,
+)
 
 from .conftest import job_dir
 from .test_sync import assert_shared, sources_of

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.wandbcore.terminal import MAX_LINE, TERMINAL_HEIGHT, Console, output_log
+from wbmerge.wandbcore import MAX_LINE, TERMINAL_HEIGHT, Console, output_log
 
 from .emulator_reference import reference_output_log
 

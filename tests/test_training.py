@@ -11,7 +11,7 @@ import time
 import pytest
 
 from wbmerge.errors import WbmergeError
-from wbmerge.identify.discover import discover, scan
+from wbmerge.identify import discover, scan
 from wbmerge.training import RankInfo, resolve_job_id
 
 

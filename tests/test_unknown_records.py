@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.log.proto import pb
-from wbmerge.log.records import read_records
-from wbmerge.log.txlog import read_payloads
+from wbmerge.log import pb, read_payloads, read_records
 
 from .hostile import copy_job, insert_after_run_record, one_error_line, run_cli, run_logs
 

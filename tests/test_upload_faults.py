@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
-from wbmerge.upload.server import RUN_RESUME_STATUS
+from wbmerge.upload import RUN_RESUME_STATUS
 
 from . import synthetic
 from .conftest import interruptible, job_dir

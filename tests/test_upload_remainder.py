@@ -10,26 +10,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wbmerge.errors import NotATransactionLog
-from wbmerge.log import txlog
-from wbmerge.log.proto import pb
-from wbmerge.log.records import read_records
+from wbmerge.log import pb, read_records, txlog
 from wbmerge.upload import (
     Held,
-    StagedContent,
-    read_staged,
-    remainder,
-    shortfall,
-)
-from wbmerge.upload.remainder import (
     Mismatch,
     Remainder,
+    StagedContent,
     history_row,
+    read_staged,
+    remainder,
     same_value,
     sends_no_row,
+    shortfall,
     write_remainder,
 )
-from wbmerge.wandbcore.content import read_logged_run
-from wbmerge.wandbcore.terminal import Console
+from wbmerge.wandbcore import Console, read_logged_run
 
 from .conftest import fixture_logs, job_dir
 from .emulator_reference import reference_output_log
@@ -229,7 +224,7 @@ def test_remainder_refuses_rows_a_continued_upload_cannot_send_where_they_belong
 
 
 def test_a_cut_log_is_sent_at_the_steps_of_the_whole_log(tmp_path):
-    from wbmerge.log.txlog import write_payloads
+    from wbmerge.log import write_payloads
 
     log = tmp_path / "odd.wandb"
     write_payloads(log, [history_record(items, field) for items, field, _, _ in ODD_ROWS])
@@ -249,7 +244,7 @@ def test_a_cut_log_is_sent_at_the_steps_of_the_whole_log(tmp_path):
 
 @pytest.mark.parametrize("padding", [0, 2000])  # 2,000 more items: rows over 2 MiB of reads
 def test_read_staged_counts_each_row_at_the_step_wandb_core_sends(tmp_path, padding):
-    from wbmerge.log.txlog import write_payloads
+    from wbmerge.log import write_payloads
 
     log = tmp_path / "odd.wandb"
     pad = [([f"pad/{i}/rank-{i % 8}"], "0.25") for i in range(padding)]
@@ -264,7 +259,7 @@ def test_steps_that_are_all_plain_integers_are_read_as_protobuf_reads_them(tmp_p
     """Rows whose `_step` texts are all plain integers are read at once, not one by one:
     the same values, negative and 18-digit ones included; each row is then sent one above
     the row before where its own step is behind it."""
-    from wbmerge.log.txlog import write_payloads
+    from wbmerge.log import write_payloads
 
     steps = [0, 1, -7, 10**17 + 3, 999_999_999_999_999_999, 42] * 50
     log = tmp_path / "plain.wandb"
@@ -280,7 +275,7 @@ def test_steps_that_are_all_plain_integers_are_read_as_protobuf_reads_them(tmp_p
 
 
 def test_a_run_records_starting_step_moves_the_rows_behind_it(tmp_path):
-    from wbmerge.log.txlog import write_payloads
+    from wbmerge.log import write_payloads
 
     run = pb.Record()
     run.run.run_id, run.run.starting_step = "started", 10
@@ -317,7 +312,7 @@ def test_read_staged_steps_are_protobufs_on_every_fixture_and_a_merged_log(tmp_p
     """The steps are read for all rows of a read at once; they must be what protobuf says,
     on every real log (wandb 0.16, 0.19, 0.31, damaged copies) and on a shared merge."""
     from wbmerge.merge import stage
-    from wbmerge.upload.pipeline import MergeRequest, plan_jobs
+    from wbmerge.upload import MergeRequest, plan_jobs
 
     from . import synthetic
 
@@ -343,7 +338,7 @@ def test_what_a_splice_counts_is_what_the_staged_log_holds(tmp_path):
     reading the staged log gives. (Logs of less than a block are framed again, not spliced:
     the synthetic ranks are long enough to be spliced.)"""
     from wbmerge.merge import stage
-    from wbmerge.upload.pipeline import MergeRequest, plan_jobs
+    from wbmerge.upload import MergeRequest, plan_jobs
 
     from . import synthetic
 
@@ -394,8 +389,7 @@ def test_counting_a_console_does_not_hold_its_text(tmp_path):
     not gathered first (20 MB of console text here)."""
     import tracemalloc
 
-    from wbmerge.log.proto import pb
-    from wbmerge.log.txlog import write_payloads
+    from wbmerge.log import pb, write_payloads
 
     def line(i: int) -> bytes:
         record = pb.Record()

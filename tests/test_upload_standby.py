@@ -14,8 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.upload import Credentials, Deliverer, Delivery, Ledger, ServerClient, last_stop
-from wbmerge.upload.uploader import Uploader
+from wbmerge.upload import (
+    Credentials,
+    Deliverer,
+    Delivery,
+    Ledger,
+    ServerClient,
+    Uploader,
+    last_stop,
+)
 
 from .conftest import job_dir
 from .sinktools import console_text, expected_from_log

@@ -19,7 +19,7 @@ from wbmerge.upload import (
     made_files_stale,
     not_held_whole,
 )
-from wbmerge.wandbcore.content import LoggedRun
+from wbmerge.wandbcore import LoggedRun
 
 STAGED = StagedContent(step_items=(0, 1, 2, 5, 9), events=3, console_lines=4)
 

@@ -8,8 +8,7 @@ is reported once, under its run, whatever the reads' boundaries.
 
 import json
 
-from wbmerge.upload.credentials import Credentials
-from wbmerge.upload.uploader import Uploader
+from wbmerge.upload import Credentials, Uploader
 
 
 def failure_line(run_id: str, name: str) -> str:

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wbmerge.log.txlog import (
+from wbmerge.log import (
     BLOCK_SIZE,
     CHUNK_HEADER_SIZE,
     FILE_HEADER,
@@ -33,7 +33,7 @@ from wbmerge.log.txlog import (
     walk_segments,
     write_payloads,
 )
-from wbmerge.merge.readers import RankReaders
+from wbmerge.merge import RankReaders
 
 EMPTY_MIDDLE = struct.pack("<IHB", zlib.crc32(bytes([MIDDLE])), 0, MIDDLE)
 

@@ -36,27 +36,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import InputWarning, WbmergeError
-from .identify.discover import OfflineRun
-from .identify.discover import discover as _discover_runs
-from .identify.hints import make_hints
+from .identify import OfflineRun, make_hints
+from .identify import discover as _discover_runs
 from .plan import RankScope, RunMode
-from .upload.pipeline import (
+from .upload import (
     MergeRequest,
     PlannedJob,
+    RequestOptions,
+    ServerError,
     SyncReport,
     UploadFailed,
     merge_jobs,
     plan_jobs,
 )
-from .upload.pipeline import sync as _sync
-from .upload.request import RequestOptions
-from .upload.server import ServerError
+from .upload import sync as _sync
 
 if TYPE_CHECKING:  # (imported where used: `sync` starts faster without them)
     from typing_extensions import Unpack
 
-    from .analyse.export import ExportResult
-    from .analyse.report import JobReport
+    from .analyse import ExportResult, JobReport
     from .follow import FollowReport, RoundReport
     from .merge import Staged
     from .sink import LocalSink
@@ -141,7 +139,7 @@ def inspect(
     primary: Sequence[str] | str = (),
 ) -> list[dict[str, Any]]:
     """What `wbmerge inspect --json` prints: a dict per run, after a full read of each."""
-    from .identify.inspection import inspect_runs
+    from .identify import inspect_runs
 
     return inspect_runs(path_list(paths), make_hints(label_pattern, ranks_file, primary))
 
@@ -267,7 +265,7 @@ def export(
 ) -> ExportResult:
     """Write every rank's history and system metrics under `paths` to the Parquet file `out`:
     a value per row (long), or with `wide` a row per rank and step."""
-    from .analyse.export import export as _export
+    from .analyse import export as _export
 
     hints = make_hints(label_pattern, ranks_file, primary)
     return _export(path_list(paths), out, job=job, wide=wide, hints=hints)
@@ -287,7 +285,7 @@ def report(
     how much; `metrics` narrows the keys (default: the ones that tell most). `rank_stats`
     adds each history metric's statistics across ranks at its last step."""
     hints = make_hints(label_pattern, ranks_file, primary)
-    from .analyse.report import report as _report
+    from .analyse import report as _report
 
     named = [metrics] if isinstance(metrics, str) else list(metrics)
     return _report(path_list(paths), named, job, hints=hints, rank_stats=rank_stats)

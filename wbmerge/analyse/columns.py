@@ -19,11 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..identify.discover import Job
-from ..log import items, records, wire
-from ..log.proto import pb
-from ..log.steps import RESERVED, Steps
-from ..log.txlog import ReadReport
+from ..identify import Job
+from ..log import RESERVED, ReadReport, Steps, items, pb, records, wire
 from ..plan import Source
 
 HISTORY = "history"

@@ -18,7 +18,7 @@ from .errors import OneLineUsage, one_line_errors
 from .sink import sink
 
 if TYPE_CHECKING:
-    from ..upload.pipeline import SyncReport
+    from ..upload import SyncReport
 
 
 def rank_options() -> list[Callable[..., Any]]:
@@ -96,7 +96,7 @@ def inspect(
     """List the offline runs under PATHS: rank (and where it came from), label, rows,
     completeness, damage."""
     from .. import api
-    from ..identify.inspection import format_report, unreadable_summary
+    from ..identify import format_report, unreadable_summary
 
     rows = api.inspect(paths, label_pattern=label_pattern, ranks_file=ranks_file, primary=primary)
     if as_json:
@@ -437,7 +437,7 @@ def _follow(
 ) -> None:
     """`sync --follow`: a line per round (unless quiet), the links at the end."""
     from .. import api
-    from ..follow.lines import idle_warning, round_lines
+    from ..follow import idle_warning, round_lines
 
     def on_round(report: Any) -> None:
         lines = round_lines(report)
@@ -492,7 +492,7 @@ def export(
 ) -> None:
     """Write every rank's history and system metrics to one Parquet file."""
     from .. import api
-    from ..identify.discover import few_ranks
+    from ..identify import few_ranks
 
     result = api.export(
         paths, out, job=job, wide=wide, label_pattern=label_pattern, ranks_file=ranks_file,
@@ -531,7 +531,7 @@ def report(
 ) -> None:
     """Per-rank skew of each metric: which rank is slow, and by how much."""
     from .. import api
-    from ..analyse.report_format import format_report
+    from ..analyse import format_report
 
     reports = api.report(
         paths, metrics=metrics, job=job, label_pattern=label_pattern, ranks_file=ranks_file,

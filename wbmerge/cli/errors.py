@@ -85,7 +85,7 @@ _default_show_warning = warnings.showwarning
 def _hostile_input(paths: Any) -> str | None:
     if not paths:
         return None
-    from ..identify.discover import find_invalid_records
+    from ..identify import find_invalid_records
 
     try:
         return find_invalid_records(paths)

@@ -40,8 +40,7 @@ def sink_serve(
     port: int, data_dir: str, allow_faults: bool, faults: tuple[str, ...], port_file: str | None
 ) -> None:
     """Serve the sink on 127.0.0.1 until interrupted (stop it with `kill PID`)."""
-    from ..sink.faults import parse_fault
-    from ..sink.server import serve
+    from ..sink import parse_fault, serve
 
     for spec in faults:
         try:
@@ -78,7 +77,7 @@ def sink_show(run_path: str | None, url: str, data_dir: str | None, as_json: boo
     """List the sink's runs, or show one: RUN_PATH is ENTITY/PROJECT/RUN_ID."""
     import urllib.error
 
-    from ..sink.client import SinkClient
+    from ..sink import SinkClient
 
     client = SinkClient(url, _sink_key(data_dir))
     try:
@@ -128,7 +127,7 @@ def sink_show(run_path: str | None, url: str, data_dir: str | None, as_json: boo
 
 def _sink_key(data_dir: str | None) -> str:
     """The key `sink show` sends: --data's, else WANDB_API_KEY, else ./wbmerge-sink's."""
-    from ..sink.access import read_api_key
+    from ..sink import read_api_key
 
     if data_dir is None and os.environ.get("WANDB_API_KEY"):
         return os.environ["WANDB_API_KEY"]

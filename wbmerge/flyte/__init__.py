@@ -31,7 +31,7 @@ to the merge task through the blob store), `merge_task` (the final task and `syn
 from .context import RUNS_DIR_ENV, Settings, runs_root, wandb_config
 from .decorator import wandb_init
 from .follow_task import follow_task, with_follower
-from .handoff import MANIFEST, offline_runs
+from .handoff import MANIFEST, check_reports, fetch_runs, node_files, offline_runs, read_manifest
 from .links import RunLink, run_links, training_links
 from .merge_task import merge_task, sync
 from .rank import get_wandb_run
@@ -41,10 +41,14 @@ __all__ = [
     "RUNS_DIR_ENV",
     "RunLink",
     "Settings",
+    "check_reports",
+    "fetch_runs",
     "follow_task",
     "get_wandb_run",
     "merge_task",
+    "node_files",
     "offline_runs",
+    "read_manifest",
     "run_links",
     "runs_root",
     "sync",

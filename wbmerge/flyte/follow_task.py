@@ -107,8 +107,8 @@ def follow_main(request: dict) -> dict:
         per_rank=request.get("per_rank") or None,
     )
 
-    from ..follow.lines import idle_warning, round_lines
-    from ..upload.pipeline import UploadFailed
+    from ..follow import idle_warning, round_lines
+    from ..upload import UploadFailed
 
     def say(report: Any) -> None:
         for line in round_lines(report):

@@ -21,9 +21,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..errors import RERUN, WbmergeError
-from ..upload import ServerError
-from ..upload.pipeline import MergeRequest, SyncReport, UploadFailed, sigterm_raises, sync
+from ..upload import MergeRequest, ServerError, SyncReport, UploadFailed, sigterm_raises, sync
+from .cut import LiveCut, cut_live
+from .lines import idle_warning, round_lines
+from .live import find_live_runs
 from .rounds import RESTART_GRACE, Follower, RoundReport, TargetRound
+from .tails import LiveReaders, NotIncremental, ScannedLog
+
+__all__ = [
+    "DEFAULT_IDLE_TIMEOUT",
+    "DEFAULT_INTERVAL",
+    "FollowReport",
+    "Follower",
+    "LiveCut",
+    "LiveReaders",
+    "NotIncremental",
+    "RoundReport",
+    "ScannedLog",
+    "TargetRound",
+    "check_seconds",
+    "cut_live",
+    "find_live_runs",
+    "follow",
+    "idle_warning",
+    "round_lines",
+]
 
 DEFAULT_INTERVAL = 60.0  # seconds between rounds
 DEFAULT_IDLE_TIMEOUT = 600.0  # seconds without a changed file before the job is taken as over
@@ -115,15 +137,3 @@ def follow(
     if failures:
         raise UploadFailed(failures, final)
     return FollowReport(report.number, final.links, report.targets, unfinished, final)
-
-
-__all__ = [
-    "DEFAULT_IDLE_TIMEOUT",
-    "DEFAULT_INTERVAL",
-    "FollowReport",
-    "Follower",
-    "RoundReport",
-    "TargetRound",
-    "check_seconds",
-    "follow",
-]

@@ -34,9 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..log import records
-from ..log.proto import pb
-from ..log.txlog import LogWriter, ReadReport
+from ..log import LogWriter, ReadReport, pb, records
 
 
 @dataclass(frozen=True)

@@ -30,17 +30,19 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from ..log.proto import pb
-from ..log.txlog import LogWriter
-from ..merge import MergeOptions, Staged
-from ..merge.console import Spools, write_console_and_stats
-from ..merge.files import stage_files
-from ..merge.shared import SharedMerge
-from ..merge.staging import new_run_dir
+from ..log import LogWriter, pb
+from ..merge import (
+    MergeOptions,
+    SharedMerge,
+    Spools,
+    Staged,
+    new_run_dir,
+    stage_files,
+    write_console_and_stats,
+)
 from ..plan import Target
 from ..streaming import allow_open_files
-from ..wandbcore import sentrows
-from ..wandbcore.content import StagedContent, read_staged
+from ..wandbcore import StagedContent, read_staged, sentrows
 from .cut import running_exit_record
 from .tails import LiveReaders, NotIncremental
 

@@ -19,9 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputWarning, WbmergeError
-from ..identify.discover import Job, find_run_files, group_jobs, identify, merged_runs
-from ..identify.jobs import Hints
-from ..identify.offlinerun import OfflineRun, RunStats, read_identity, scan
+from ..identify import (
+    Hints,
+    Job,
+    OfflineRun,
+    RunStats,
+    find_run_files,
+    group_jobs,
+    identify_runs,
+    merged_runs,
+    read_identity,
+    scan,
+)
 from ..plan import Source, Target
 from .tails import NotIncremental, ScannedLog
 
@@ -75,7 +84,7 @@ def find_live_runs(
         present = {r.run_id for r in started}
         given = {k: v for k, v in hints.given.items() if k in present}
         hints = dataclasses.replace(hints, given=given)
-    identify(started, hints)
+    identify_runs(started, hints)
     known = [r for r in started if r.rank is not None]
     waiting += [r.path for r in started if r.rank is None]
     if job is not None:

@@ -21,25 +21,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import WbmergeError
-from ..identify.discover import Job
-from ..identify.hints import make_hints
+from ..identify import Job, make_hints
 from ..merge import Staged, stage
 from ..plan import Target, app_url, check_destination
 from ..upload import (
     Deliverer,
     Delivery,
     Ledger,
+    MergeRequest,
     OwnerRecord,
+    PlannedJob,
     ServerClient,
     ServerError,
+    check_key_format,
     clean_stale,
     find_credentials,
     make_staging,
+    plan_found,
     run_locks,
     state_dir,
 )
-from ..upload.pipeline import MergeRequest, PlannedJob, check_key_format, plan_found
-from ..wandbcore.content import StagedContent
+from ..wandbcore import StagedContent
 from .cut import cut_live
 from .incremental import LiveShared, NotIncremental, sources_of
 from .live import Progress, find_live_runs, finished, progress, signature, watermark

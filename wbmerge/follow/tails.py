@@ -18,17 +18,17 @@ from pathlib import Path
 
 import numpy as np
 
-from ..identify.offlinerun import RunStats
-from ..log import records
-from ..log.txlog import (
+from ..identify import RunStats
+from ..log import (
     BLOCK_SIZE,
     CHUNK_HEADER_SIZE,
     FILE_HEADER,
     Frames,
     ReadReport,
+    records,
     walk_segments,
 )
-from ..merge.readers import SourceRead
+from ..merge import SourceRead
 
 _EXIT = records.code("exit")
 _HEAD = CHUNK_HEADER_SIZE

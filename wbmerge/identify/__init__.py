@@ -8,3 +8,65 @@ job's claims into ranks, local ranks and workers. `hints` is the user's own word
 (`--label-pattern`, `--ranks`, `--primary`), `merged` knows the runs a merge wrote, and
 `inspection` is the `inspect` command's report.
 """
+
+from .discover import (
+    Job,
+    discover,
+    few_ranks,
+    find_invalid_records,
+    find_run_files,
+    group_jobs,
+    identify_runs,
+    merged_jobs,
+    merged_runs,
+    selects_merged,
+)
+from .hints import make_hints
+from .inspection import format_report, inspect_runs, unreadable_summary
+from .jobs import GivenRank, Hints, RunFacts, few, identify
+from .merged import MergedBy, merged_by
+from .offlinerun import OfflineRun, RunStats, read_identity, scan
+from .rankclaims import (
+    compile_pattern,
+    config_claim,
+    gpu_claim,
+    launcher_claim,
+    parse_spelling,
+    parse_with_pattern,
+    slurm_claim,
+)
+
+__all__ = [
+    "GivenRank",
+    "Hints",
+    "Job",
+    "MergedBy",
+    "OfflineRun",
+    "RunFacts",
+    "RunStats",
+    "compile_pattern",
+    "config_claim",
+    "discover",
+    "few",
+    "few_ranks",
+    "find_invalid_records",
+    "find_run_files",
+    "format_report",
+    "gpu_claim",
+    "group_jobs",
+    "identify",
+    "identify_runs",
+    "inspect_runs",
+    "launcher_claim",
+    "make_hints",
+    "merged_by",
+    "merged_jobs",
+    "merged_runs",
+    "parse_spelling",
+    "parse_with_pattern",
+    "read_identity",
+    "scan",
+    "selects_merged",
+    "slurm_claim",
+    "unreadable_summary",
+]

@@ -94,7 +94,7 @@ def find_invalid_records(paths: Iterable[str | Path]) -> str | None:
     return None
 
 
-def identify(runs: list[OfflineRun], hints: Hints | None = None) -> None:
+def identify_runs(runs: list[OfflineRun], hints: Hints | None = None) -> None:
     """Give every run its rank, job, label and rank source (`jobs.identify`'s rules).
 
     A run that cannot be identified keeps `rank` None and says why in `problem`. A run
@@ -186,7 +186,7 @@ def discover(
     says why, so that a diagnosis can list it beside the others.
     """
     runs = [_read_identity_or_why(p, keep_unreadable) for p in find_run_files(paths)]
-    identify(runs, hints)
+    identify_runs(runs, hints)
     if full_scan:
         for run in runs:
             if run.unreadable is None:

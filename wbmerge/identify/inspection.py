@@ -14,9 +14,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from ..errors import NotATransactionLog
-from ..log.proto import pb
-from ..log.records import record_kind
-from ..log.txlog import read_frames
+from ..log import pb, read_frames, record_kind
 from .discover import OfflineRun, discover, job_problem
 from .jobs import Hints
 

@@ -20,10 +20,17 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from ..errors import NotATransactionLog, WbmergeError
-from ..log import records
-from ..log.proto import pb
-from ..log.records import record_kind
-from ..log.txlog import BLOCK_SIZE, FILE_HEADER, Frames, ReadReport, read_frames, read_tail
+from ..log import (
+    BLOCK_SIZE,
+    FILE_HEADER,
+    Frames,
+    ReadReport,
+    pb,
+    read_frames,
+    read_tail,
+    record_kind,
+    records,
+)
 from ..plan import Source, Target, run_id_from_file
 from ..training import METADATA_KEY, RankInfo
 from . import rankclaims

@@ -7,3 +7,64 @@ never looks inside a record; its block walk is compiled (`_walk.c`) with a Pytho
 the step rule that merge, export and report share. Nothing here knows ranks, jobs or
 servers: every later stage reads logs through this package.
 """
+
+from .proto import item_path, pb
+from .records import read_records, record_kind
+from .steps import RESERVED, Steps, restep
+from .txlog import (
+    BLOCK_SIZE,
+    CHUNK_HEADER_SIZE,
+    FILE_HEADER,
+    FIRST,
+    FULL,
+    LAST,
+    MIDDLE,
+    WALKS,
+    Frames,
+    LogWriter,
+    ReadReport,
+    Walked,
+    iter_payloads,
+    read_frames,
+    read_head,
+    read_payloads,
+    read_tail,
+    walk_segments,
+    write_payloads,
+)
+from .wire import skip_field, varint
+
+__all__ = [
+    "BLOCK_SIZE",
+    "CHUNK_HEADER_SIZE",
+    "FILE_HEADER",
+    "FIRST",
+    "FULL",
+    "Frames",
+    "LAST",
+    "LogWriter",
+    "MIDDLE",
+    "RESERVED",
+    "ReadReport",
+    "Steps",
+    "WALKS",
+    "Walked",
+    "item_path",
+    "items",
+    "iter_payloads",
+    "pb",
+    "read_frames",
+    "read_head",
+    "read_payloads",
+    "read_records",
+    "read_tail",
+    "record_kind",
+    "records",
+    "restep",
+    "skip_field",
+    "txlog",
+    "varint",
+    "walk_segments",
+    "wire",
+    "write_payloads",
+]

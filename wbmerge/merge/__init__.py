@@ -17,16 +17,53 @@ run, in two streaming passes over the ranks' logs (`shared`). The modules, one j
 - `console`: console lines and system metrics, labelled and merged by time.
 """
 
-from ..log.steps import RESERVED, Steps
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+from .artifactfiles import LoggedArtifact
+from .console import Spools, write_console_and_stats
+from .files import check_files, files_from_dirs, stage_files
+from .metricglobs import glob_definitions, label_prefixes
 from .options import DEFAULT_KEY_FORMAT, MergeOptions, check_key_format
-from .staging import Staged, stage
+from .passthrough import HeldUntilTheRunRecord
+from .readers import RankReaders, SourceRead
+from .staging import Staged, new_run_dir, stage
+
+if TYPE_CHECKING:
+    from .shared import SharedMerge
+
+# Imported on first use: these modules need pyarrow (85 ms of a start), which a
+# pass-through sync and the command line's start do without.
+_ON_FIRST_USE = {
+    "SharedMerge": "shared",
+}
+
+
+def __getattr__(name: str) -> object:
+    """A name of `_ON_FIRST_USE`, imported from its module when first asked for."""
+    if name in _ON_FIRST_USE:
+        return getattr(import_module(f".{_ON_FIRST_USE[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_KEY_FORMAT",
-    "RESERVED",
+    "HeldUntilTheRunRecord",
+    "LoggedArtifact",
     "MergeOptions",
+    "RankReaders",
+    "SharedMerge",
+    "SourceRead",
+    "Spools",
     "Staged",
-    "Steps",
+    "check_files",
     "check_key_format",
+    "files_from_dirs",
+    "glob_definitions",
+    "label_prefixes",
+    "new_run_dir",
+    "shared",
     "stage",
+    "stage_files",
+    "write_console_and_stats",
 ]

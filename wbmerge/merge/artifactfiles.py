@@ -36,9 +36,7 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from ..errors import WbmergeError
-from ..log import records
-from ..log.proto import pb
-from ..log.txlog import ReadReport
+from ..log import ReadReport, pb, records
 from ..plan import Source, Target
 from ..safepaths import is_within
 from .savedfiles import is_regular_file, moved_file, ran_in, recorded_root, resolved_file

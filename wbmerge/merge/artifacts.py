@@ -28,7 +28,7 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from ..errors import WbmergeError
-from ..log.proto import pb
+from ..log import pb
 from ..plan import Source, Target
 from .artifactfiles import ArtifactFileFinder, LoggedArtifact, check_inline_manifest, copy_and_hash
 from .options import MergeOptions

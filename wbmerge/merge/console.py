@@ -15,9 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 from pathlib import Path
 
-from ..log.proto import pb
-from ..log.records import record_kind
-from ..log.txlog import LogWriter
+from ..log import LogWriter, pb, record_kind
 from ..plan import Source
 
 # the record kinds pass 2 writes

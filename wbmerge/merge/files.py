@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import safepaths
 from ..errors import WbmergeError
-from ..log.proto import pb
+from ..log import pb
 from ..plan import Source, Target
 from .artifactfiles import check_artifact_files
 from .savedfiles import copy_regular, follow_link, recorded_root

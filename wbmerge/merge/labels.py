@@ -15,10 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..analyse.rankstats import PerRank
-from ..log import items, records, wire
-from ..log.steps import RESERVED
-from ..log.txlog import Frames
+from ..analyse import PerRank
+from ..log import RESERVED, Frames, items, records, wire
 
 # A raw key's (output key part, reserved name); the part is None for a user key not kept
 # per rank.

@@ -18,8 +18,8 @@ from __future__ import annotations
 import string
 from collections.abc import Iterable, Iterator
 
-from ..analyse.rankstats import PerRank
-from ..log.proto import pb
+from ..analyse import PerRank
+from ..log import pb
 
 
 def label_prefixes(key_format: str, labels: Iterable[str]) -> dict[str, str] | None:

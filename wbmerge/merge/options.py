@@ -8,7 +8,7 @@ import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..analyse.rankstats import PerRank
+from ..analyse import PerRank
 from ..errors import WbmergeError
 
 DEFAULT_KEY_FORMAT = "{key}/{label}"

@@ -8,11 +8,9 @@ from dataclasses import dataclass, field
 from google.protobuf.message import DecodeError
 
 from ..errors import WbmergeError
-from ..log.proto import pb
-from ..log.txlog import ReadReport
-from ..log.wire import skip_field, varint
+from ..log import ReadReport, pb, skip_field, varint
 from ..plan import Source
-from ..wandbcore.content import StagedContent
+from ..wandbcore import StagedContent
 
 _RECORD_FIELDS = frozenset(pb.Record.DESCRIPTOR.fields_by_number)
 

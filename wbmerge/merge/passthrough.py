@@ -10,12 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import WbmergeError
-from ..log import records
-from ..log.records import record_kind
-from ..log.steps import Steps, restep
-from ..log.txlog import BLOCK_SIZE, LogWriter, ReadReport, read_head
+from ..log import BLOCK_SIZE, LogWriter, ReadReport, Steps, read_head, record_kind, records, restep
 from ..plan import Source, Target
-from ..wandbcore.content import ContentCounter
+from ..wandbcore import ContentCounter
 from .artifacts import ArtifactRecords
 from .console import console_and_stats
 from .files import files_record

@@ -24,8 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..analyse.rankstats import STATS, AcrossRanks, across_ranks, dense_ids, last_of_each, stat_key
-from ..analyse.spread import spread_of
+from ..analyse import STATS, AcrossRanks, across_ranks, dense_ids, last_of_each, spread_of, stat_key
 from ..log import items, wire
 
 _MAX_TEXT = 64  # longer than any number's JSON text (a float64's is at most 24 characters)

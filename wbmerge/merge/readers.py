@@ -20,15 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..log.txlog import (
-    BLOCK_SIZE,
-    FILE_HEADER,
-    Frames,
-    ReadReport,
-    Walked,
-    read_frames,
-    walk_segments,
-)
+from ..log import BLOCK_SIZE, FILE_HEADER, Frames, ReadReport, Walked, read_frames, walk_segments
 
 
 @dataclass

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..log import wire
-from ..log.txlog import LogWriter
+from ..log import LogWriter, wire
 from .labels import Labelled, RankKeys, Row, names_of
 from .rankstats import MergedRankStats
 

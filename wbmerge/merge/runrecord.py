@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ..log.proto import pb
+from ..log import pb
 from ..plan import Target
 from ..training import METADATA_KEY
 from .options import MergeOptions

@@ -30,9 +30,7 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from ..errors import WbmergeError
-from ..log.proto import pb
-from ..log.records import record_kind
-from ..log.txlog import BLOCK_SIZE, read_frames
+from ..log import BLOCK_SIZE, pb, read_frames, record_kind
 from ..safepaths import is_within
 
 _ROOT_SCAN_RECORDS = 2000  # wandb writes the environment record among a run's first records

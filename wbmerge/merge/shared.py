@@ -19,12 +19,19 @@ from typing import Protocol
 
 import numpy as np
 
-from ..analyse.rankstats import PerRank, bound_notice
-from ..log import items, records
-from ..log.proto import pb
-from ..log.records import record_kind
-from ..log.steps import RESERVED, Steps
-from ..log.txlog import BLOCK_SIZE, Frames, LogWriter, read_payloads
+from ..analyse import PerRank, bound_notice
+from ..log import (
+    BLOCK_SIZE,
+    RESERVED,
+    Frames,
+    LogWriter,
+    Steps,
+    items,
+    pb,
+    read_payloads,
+    record_kind,
+    records,
+)
 from ..plan import Source, Target
 from ..streaming import allow_open_files
 from .artifacts import ArtifactRecords

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from .. import safepaths
 from ..errors import WbmergeError
-from ..log.txlog import LogWriter
+from ..log import LogWriter
 from ..plan import Target
 from ..streaming import streaming
-from ..wandbcore.content import StagedContent
+from ..wandbcore import StagedContent
 from .artifactfiles import LoggedArtifact
 from .artifacts import ArtifactRecords
 from .files import stage_files

@@ -19,14 +19,41 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 
 from __future__ import annotations
 
-from ..wandbcore.content import StagedContent, read_staged
+from ..wandbcore import StagedContent, read_staged
+from .artifactcheck import artifacts_missing
 from .batches import PATIENCE, START_COST, UploadSlots, batch_lanes, batch_size, runs_to_ask
 from .credentials import Credentials, find_credentials
 from .deliver import Deliverer
 from .delivery import Delivery, DeliveryReport, Progress
 from .ledger import Ledger, run_locks, server_key, state_dir
-from .remainder import Remainder, history_row, remainder, same_value, shortfall
-from .server import Held, RunListing, ServerClient, ServerError
+from .onserver import rows_not_held
+from .pipeline import (
+    PlannedJob,
+    SyncReport,
+    UploadFailed,
+    check_key_format,
+    merge_jobs,
+    plan_found,
+    plan_jobs,
+    sigterm_raises,
+    sync,
+)
+from .processes import command_line
+from .relay import Relay
+from .relayserver import Offsets
+from .remainder import (
+    Mismatch,
+    Remainder,
+    history_row,
+    remainder,
+    same_value,
+    sends_no_row,
+    shortfall,
+    write_remainder,
+)
+from .request import MergeRequest, RequestOptions, ignored_options, option_names
+from .rowcheck import compare_steps, halves, room, sampled, spans, windows
+from .server import RUN_RESUME_STATUS, Held, RunListing, ServerClient, ServerError
 from .settle import SETTLE, last_stop, note_stopped, wait_settled
 from .staging import (
     OwnerRecord,
@@ -37,7 +64,7 @@ from .staging import (
     staging_root,
 )
 from .standby import STANDBY
-from .uploader import DEFAULT_TIMEOUT
+from .uploader import DEFAULT_PARALLEL, DEFAULT_TIMEOUT, Uploader
 from .whole import (
     READ_BACK,
     files_changed,
@@ -47,53 +74,82 @@ from .whole import (
     not_held_whole,
 )
 
-DEFAULT_PARALLEL = 4  # below wandb sync's own default of 5: one job may be many runs
-
 __all__ = [
+    "Credentials",
     "DEFAULT_PARALLEL",
     "DEFAULT_TIMEOUT",
-    "PATIENCE",
-    "READ_BACK",
-    "SETTLE",
-    "STANDBY",
-    "START_COST",
-    "Credentials",
     "Deliverer",
     "Delivery",
     "DeliveryReport",
     "Held",
     "Ledger",
+    "MergeRequest",
+    "Mismatch",
+    "Offsets",
     "OwnerRecord",
+    "PATIENCE",
+    "PlannedJob",
     "Progress",
+    "READ_BACK",
+    "RUN_RESUME_STATUS",
+    "Relay",
     "Remainder",
+    "RequestOptions",
     "RunListing",
+    "SETTLE",
+    "STANDBY",
+    "START_COST",
     "ServerClient",
     "ServerError",
     "StagedContent",
+    "SyncReport",
+    "UploadFailed",
     "UploadSlots",
+    "Uploader",
+    "artifactcheck",
+    "artifacts_missing",
     "batch_lanes",
     "batch_size",
+    "check_key_format",
     "clean_stale",
+    "command_line",
+    "compare_steps",
     "files_changed",
     "files_expected",
     "files_missing",
     "find_credentials",
+    "halves",
     "history_row",
+    "ignored_options",
     "last_stop",
     "made_files_stale",
     "make_staging",
+    "merge_jobs",
     "not_held_whole",
     "note_stopped",
+    "option_names",
+    "plan_found",
+    "plan_jobs",
     "read_staged",
     "remainder",
+    "room",
+    "rows_not_held",
     "run_locks",
     "runs_to_ask",
     "same_value",
+    "sampled",
+    "sends_no_row",
+    "server",
     "server_key",
     "shortfall",
+    "sigterm_raises",
+    "spans",
     "staged_files",
     "staged_md5s",
     "staging_root",
     "state_dir",
+    "sync",
     "wait_settled",
+    "windows",
+    "write_remainder",
 ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..merge.artifactfiles import LoggedArtifact
+from ..merge import LoggedArtifact
 from .delivery import Delivery
 from .server import ServerClient, ServerError
 

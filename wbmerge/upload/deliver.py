@@ -23,7 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from ..wandbcore.content import StagedContent, read_staged
+from ..wandbcore import StagedContent, read_staged
 from .artifactcheck import artifacts_missing
 from .batches import UploadSlots, batch_lanes, batch_size, runs_to_ask
 from .credentials import Credentials

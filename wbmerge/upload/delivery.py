@@ -10,8 +10,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..merge.artifactfiles import LoggedArtifact
-from ..wandbcore.content import StagedContent
+from ..merge import LoggedArtifact
+from ..wandbcore import StagedContent
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..wandbcore.content import StagedContent, read_logged_run
+from ..wandbcore import StagedContent, read_logged_run
 from .delivery import Delivery
 from .remainder import staged_rows
 from .rowcheck import (

@@ -16,33 +16,29 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..analyse.rankstats import PerRank
+from ..analyse import PerRank
 from ..errors import REFUSED, RERUN, InputWarning, Terminated, WbmergeError
-from ..identify.discover import Job, OfflineRun, discover, group_jobs, merged_jobs, selects_merged
-from ..identify.hints import make_hints
-from ..merge import MergeOptions, Staged, check_key_format, stage
-from ..merge.files import check_files, files_from_dirs
+from ..identify import (
+    Job,
+    OfflineRun,
+    discover,
+    group_jobs,
+    make_hints,
+    merged_jobs,
+    selects_merged,
+)
+from ..merge import MergeOptions, Staged, check_files, check_key_format, files_from_dirs, stage
 from ..plan import Target, app_url, check_destination, links, plan, run_url
 from ..safepaths import check_out_dir, source_trees
-from . import (
-    DEFAULT_PARALLEL,
-    DEFAULT_TIMEOUT,
-    Credentials,
-    Deliverer,
-    Delivery,
-    Ledger,
-    OwnerRecord,
-    Progress,
-    ServerClient,
-    ServerError,
-    UploadSlots,
-    clean_stale,
-    find_credentials,
-    make_staging,
-    run_locks,
-    state_dir,
-)
+from .batches import UploadSlots
+from .credentials import Credentials, find_credentials
+from .deliver import Deliverer
+from .delivery import Delivery, Progress
+from .ledger import Ledger, run_locks, state_dir
 from .request import MergeRequest, ignored_options, merge_options_given
+from .server import ServerClient, ServerError
+from .staging import OwnerRecord, clean_stale, make_staging
+from .uploader import DEFAULT_PARALLEL, DEFAULT_TIMEOUT
 
 
 @dataclass

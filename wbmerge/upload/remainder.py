@@ -29,11 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..log import records
-from ..log.proto import pb
-from ..log.txlog import LogWriter, read_frames
-from ..wandbcore import sentrows
-from ..wandbcore.content import StagedContent
+from ..log import LogWriter, pb, read_frames, records
+from ..wandbcore import StagedContent, sentrows
 from .server import Held
 
 

@@ -68,10 +68,13 @@ def last_stop() -> float:
 
 
 def wait_settled(
-    stop: threading.Event | None = None, on_wait: Callable[[float], None] | None = None
+    stop: threading.Event | None = None,
+    on_wait: Callable[[float], None] | None = None,
+    settle: float = SETTLE,
 ) -> float:
-    """Wait until `SETTLE` seconds have passed since the last stop, or `stop` is set; the
-    seconds waited. `on_wait(seconds)` is told before a wait.
+    """Wait until `settle` seconds (`SETTLE` unless a test wants less) have passed since
+    the last stop, or `stop` is set; the seconds waited. `on_wait(seconds)` is told before
+    a wait.
 
     A stop noted in the future (the clock was set back since, or a dead sync's files carry
     a time ahead of this clock) is taken as a stop now: it is waited for once, not before
@@ -80,7 +83,7 @@ def wait_settled(
     last = last_stop()
     if last > now:
         note_stopped(now)
-    wait = SETTLE if last > now else last + SETTLE - now
+    wait = settle if last > now else last + settle - now
     if wait <= 0:
         return 0.0
     if on_wait is not None:

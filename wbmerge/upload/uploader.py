@@ -37,6 +37,7 @@ from .staging import OwnerRecord
 from .standby import STANDBY
 
 DEFAULT_TIMEOUT = 300.0  # seconds without progress before an upload is given up
+DEFAULT_PARALLEL = 4  # below wandb sync's own default of 5: one job may be many runs
 # Seconds between two recordings of an uploader's process tree in the staging's owner
 # record (a walk of /proc and a file written): often enough to name wandb-core soon after
 # it starts, and apart from how often the server is asked how far the runs are.

@@ -14,8 +14,8 @@ import re
 
 import yaml
 
-from ..identify.jobs import few
-from ..wandbcore.content import LoggedRun, StagedContent
+from ..identify import few
+from ..wandbcore import LoggedRun, StagedContent
 from .remainder import same_value, shortfall
 from .server import Held, RunListing
 

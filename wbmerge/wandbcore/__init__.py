@@ -6,3 +6,27 @@ will send of a log: `sentrows` the `_step` it sends each history row at, `termin
 of its terminal emulator (the console lines and `output.log` it makes), and `content` the
 counts of a whole log a read at a time. All of it is pure: it reads logs, never a server.
 """
+
+from .content import ContentCounter, LoggedRun, StagedContent, read_logged_run, read_staged
+from .sentrows import NOT_JSON, item_step, json_int, json_value, sent_steps, with_step
+from .terminal import MAX_LINE, TERMINAL_HEIGHT, Console, output_log
+
+__all__ = [
+    "Console",
+    "ContentCounter",
+    "LoggedRun",
+    "MAX_LINE",
+    "NOT_JSON",
+    "StagedContent",
+    "TERMINAL_HEIGHT",
+    "content",
+    "item_step",
+    "json_int",
+    "json_value",
+    "output_log",
+    "read_logged_run",
+    "read_staged",
+    "sent_steps",
+    "sentrows",
+    "with_step",
+]

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..log import records
-from ..log.proto import item_path, pb
+from ..log import item_path, pb, records
 from . import sentrows, terminal
 
 

@@ -31,7 +31,7 @@ import re
 from collections.abc import Sequence
 from json.decoder import scanstring
 
-from ..log.proto import item_path, pb
+from ..log import item_path, pb
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 NOT_JSON = object()  # what `json_value` gives for a text wandb-core's parser refuses

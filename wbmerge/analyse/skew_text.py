@@ -6,7 +6,7 @@ import math
 
 import click
 
-from .report import JobReport, MetricReport
+from .skew import JobReport, MetricReport
 
 
 def format_report(reports: list[JobReport], color: bool = False) -> str:

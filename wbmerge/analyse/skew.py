@@ -24,8 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import WbmergeError
-from ..identify.discover import Job, discover, few_ranks, group_jobs
-from ..identify.jobs import Hints
+from ..identify import Hints, Job, discover, few_ranks, group_jobs
 from ..streaming import streaming
 from .columns import HISTORY, rank_columns, rank_sources
 from .rankstats import one_step

@@ -20,8 +20,7 @@ import pyarrow.parquet as pq
 
 from .. import safepaths
 from ..errors import WbmergeError
-from ..identify.discover import Job, discover, group_jobs
-from ..identify.jobs import Hints
+from ..identify import Hints, Job, discover, group_jobs
 from ..plan import Source
 from ..streaming import streaming
 from .columns import HISTORY, Columns, rank_columns, rank_sources
