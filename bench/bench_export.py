@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from pinned import READ_ONLY, run_pinned  # noqa: E402
 
-from tests import synthetic  # noqa: E402
+from tests.support import synthetic  # noqa: E402
 
 EXPORT = """
 from wbmerge.analyse.export import export

@@ -30,7 +30,7 @@ import flyte.io
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' writer
 
 import wbmerge.flyte
-from tests import synthetic
+from tests.support import synthetic
 from wbmerge.flyte import node_files
 from wbmerge.sink import read_api_key
 from wbmerge.training import RankInfo

@@ -42,8 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests import synthetic  # noqa: E402
-from tests.sinktools import SinkProcess  # noqa: E402
+from tests.support import synthetic  # noqa: E402
+from tests.support.sinktools import SinkProcess  # noqa: E402
 from wbmerge.follow import Follower  # noqa: E402
 from wbmerge.merge import stage  # noqa: E402
 from wbmerge.upload import MergeRequest, plan_jobs  # noqa: E402

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from pinned import READ_ONLY, run_pinned  # noqa: E402
 
-from tests import synthetic  # noqa: E402
+from tests.support import synthetic  # noqa: E402
 from wbmerge.sink import read_api_key  # noqa: E402
 
 MERGE = """

@@ -5,7 +5,7 @@ short ones.
     python bench/bench_ranks.py --repeat 5 --rows 32000
     python bench/bench_ranks.py --ranks 8 256 --merge-args="--rank-stats"   # what it costs
 
-Each job is written with `tests/synthetic.py`, then `wbmerge merge --run-mode shared` runs in
+Each job is written with `tests/support/synthetic.py`, then `wbmerge merge --run-mode shared` runs in
 a fresh process pinned to one core, `--repeat` times, into a fresh directory each time.
 Reported: the median wall time of the command (its start-up included) and its CPU time
 (user + system, which other work on a busy machine moves less), each with its ratio to the
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests import synthetic  # noqa: E402
+from tests.support import synthetic  # noqa: E402
 
 RANKS = (8, 256, 1024)
 PER_NODE = 8

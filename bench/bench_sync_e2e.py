@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests import synthetic  # noqa: E402
+from tests.support import synthetic  # noqa: E402
 from wbmerge.sink import SinkClient, read_api_key  # noqa: E402
 
 RANKS = (8, 64, 256)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests import synthetic
+from tests.support import synthetic
 from wbmerge.log import records, txlog
 from wbmerge.training import RankInfo
 from wbmerge.wandbcore import content

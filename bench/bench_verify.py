@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_sync_e2e import start_sink  # noqa: E402  (the same local sink, started alike)
 
-from tests import synthetic  # noqa: E402
+from tests.support import synthetic  # noqa: E402
 from wbmerge.sink import read_api_key  # noqa: E402
 from wbmerge.training import RankInfo  # noqa: E402
 from wbmerge.upload import (  # noqa: E402

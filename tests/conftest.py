@@ -49,7 +49,7 @@ def manifest() -> dict:
 @pytest.fixture
 def sink(tmp_path_factory):
     """A real sink on a free loopback port with a fresh data dir; `.env` points wandb at it."""
-    from .sinktools import SinkProcess
+    from .support.sinktools import SinkProcess
 
     process = SinkProcess(tmp_path_factory.mktemp("sink") / "data")
     process.data_dir.mkdir()
@@ -61,7 +61,7 @@ def sink(tmp_path_factory):
 @pytest.fixture
 def make_sink(tmp_path_factory):
     """Start sinks with options (faults); all are stopped after the test."""
-    from .sinktools import SinkProcess
+    from .support.sinktools import SinkProcess
 
     started = []
 

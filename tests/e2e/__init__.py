@@ -1,0 +1,1 @@
+"""End-to-end tests: real jobs synced through the real uploader into the sink."""

@@ -1,0 +1,306 @@
+"""Incremental rounds of `sync --follow`: a round merges only what the ranks wrote since the
+last one, and the runs end byte for byte as a one-shot sync of the final files makes them.
+
+The reference is the merge from scratch: the one-shot reader of a log cut where a round
+found it (`txlog.read_payloads`), and a one-shot `sync` of the whole job. Logs are cut at
+every kind of place: after a whole record, inside a record's payload, inside a chunk
+header, on a block boundary, inside the file header.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from wbmerge.follow import Follower, LiveReaders, NotIncremental, ScannedLog, round_lines
+from wbmerge.identify import read_identity, scan
+from wbmerge.log import BLOCK_SIZE, FILE_HEADER, read_payloads
+from wbmerge.upload import MergeRequest, sync
+
+from ..merge.test_merged_artifacts import JOB_ID, assert_checkpoint_of, output_artifacts, write_job
+from ..support import synthetic
+from .test_follow import (
+    MODES,
+    UPLOAD_TIMEOUT,
+    assert_same_runs,
+    follow_sink,
+    one_shot,
+    sink_runs,
+)
+
+
+def chunk_places(data: bytes) -> tuple[list[int], list[int]]:
+    """Where each chunk of a log ends, and where each record ends (after a FULL or LAST
+    chunk): walked here from the format, not with the reader under test."""
+    chunks, record_ends = [], []
+    pos = len(FILE_HEADER)
+    while pos < len(data):
+        room = BLOCK_SIZE - pos % BLOCK_SIZE
+        if room < 7 or not any(data[pos : pos + 7]):
+            pos += room
+            continue
+        _, length, kind = struct.unpack_from("<IHB", data, pos)
+        pos += 7 + length
+        chunks.append(pos)
+        if kind in (1, 4):
+            record_ends.append(pos)
+    return chunks, record_ends
+
+
+def cut_points(data: bytes) -> list[int]:
+    """Cuts of every kind, rising: in the file header, after whole records, inside a
+    record's payload, inside a chunk header, on block boundaries, at the end."""
+    chunks, record_ends = chunk_places(data)
+    picks = {3, len(FILE_HEADER)}
+    picks.update(record_ends[:: max(1, len(record_ends) // 6)])
+    picks.update(end - 5 for end in record_ends[1 :: max(1, len(record_ends) // 5)])
+    picks.update(end + 3 for end in chunks[2 :: max(1, len(chunks) // 5)])
+    picks.update(range(BLOCK_SIZE, len(data), BLOCK_SIZE))
+    picks.update(range(BLOCK_SIZE - 4, len(data), BLOCK_SIZE))  # (in a block's trailer)
+    picks.add(len(data))
+    return sorted(p for p in picks if 0 < p <= len(data))
+
+
+@pytest.fixture
+def state(tmp_path, monkeypatch):
+    """Point wbmerge's ledger at a directory of the test's own."""
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path / "state"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Path:
+    """A job of 2 nodes x 2 ranks whose logs span several blocks (with console lines and
+    system metrics), written by the synthetic writer in the shapes wandb 0.31 writes."""
+    root = tmp_path_factory.mktemp("job")
+    synthetic.write_job(root, 2, 2, 300, metrics=12, job_id="incremental")
+    return root
+
+
+def test_live_reads_give_each_record_once_as_the_one_shot_reader_does_and_scan_counts(
+    job, tmp_path
+):
+    source = sorted(job.rglob("run-*.wandb"))[0]
+    data = source.read_bytes()
+    assert len(data) > 2 * BLOCK_SIZE
+    live = tmp_path / "run.wandb"
+    live.write_bytes(b"")
+    readers = LiveReaders({0: [live]})
+    scanned = ScannedLog(live)
+    taken: list[bytes] = []
+    for cut in cut_points(data):
+        with open(live, "ab") as out:
+            out.write(data[live.stat().st_size : cut])
+        readers.begin_round()
+        while ranks := readers.live():
+            frames, reads = readers.read(ranks, 1)
+            assert sum(read.records for read in reads) == len(frames)
+            taken += list(frames.payloads())
+        assert taken == list(read_payloads(live)), f"cut at byte {cut}"
+        whole = scan(read_identity(live))
+        counted = scanned.update()
+        assert (counted.records, counted.history_rows, counted.first_step, counted.last_step,
+                counted.complete, counted.exit_code) == (
+                whole.records, whole.history_rows, whole.first_step, whole.last_step,
+                whole.complete, whole.exit_code), f"cut at byte {cut}"  # fmt: skip
+    assert len(taken) > 100
+    assert readers.open_ranks() == []  # (its exit record read, and all of it: ended)
+
+
+def test_a_log_truncated_rewritten_or_replaced_is_not_continued(job, tmp_path):
+    data, other = (log.read_bytes() for log in sorted(job.rglob("run-*.wandb"))[:2])
+    half = BLOCK_SIZE + 1000
+    for change in ("truncated", "rewritten", "replaced"):
+        live = tmp_path / f"{change}.wandb"
+        live.write_bytes(data[:half])
+        readers = LiveReaders({0: [live]})
+        readers.begin_round()
+        while ranks := readers.live():
+            readers.read(ranks, 4)
+        readers.begin_round()  # (nothing changed: it goes on)
+        if change == "truncated":
+            live.write_bytes(data[: half - 300])
+        elif change == "rewritten":
+            changed = bytearray(data[:half])
+            changed[BLOCK_SIZE + 100] ^= 1
+            live.write_bytes(bytes(changed))
+        else:  # (by another rank's log: a new file in its place)
+            live.unlink()
+            live.write_bytes(other[:half])
+        with pytest.raises(NotIncremental):
+            readers.begin_round()
+
+
+class Growing:
+    """Each rank's log appearing in `live` up to given cut points, its run directory first."""
+
+    def __init__(self, job: Path, live: Path) -> None:
+        self.logs = sorted(job.rglob("run-*.wandb"))
+        self.live = live
+        self.cuts = {log: cut_points(log.read_bytes()) for log in self.logs}
+
+    def grow(self, fraction: float, behind: float = 1.0) -> None:
+        """Each log to the cut point at `fraction` of its cut points (1.0: all of it), the
+        last rank's at `fraction * behind`."""
+        for log in self.logs:
+            if log == self.logs[-1]:
+                fraction *= behind
+            dest = self.live / log.parent.name / log.name
+            if not dest.parent.exists():
+                shutil.copytree(log.parent, dest.parent, ignore=shutil.ignore_patterns("*.wandb"))
+            cuts = self.cuts[log]
+            cut = cuts[min(len(cuts) - 1, int(fraction * (len(cuts) - 1)))]
+            data = log.read_bytes()
+            have = dest.stat().st_size if dest.exists() else 0
+            with open(dest, "ab") as out:
+                out.write(data[have : max(have, cut)])
+
+    def truncate(self, fraction: float) -> None:
+        """Every rank's log cut back to `fraction` of what it holds (a rank rewritten)."""
+        for log in self.logs:
+            dest = self.live / log.parent.name / log.name
+            dest.write_bytes(dest.read_bytes()[: int(dest.stat().st_size * fraction)])
+
+
+def follow_rounds(
+    follower: Follower, growing: Growing, fractions, sink, want, seen, behind: float = 1.0
+) -> None:
+    for fraction in fractions:
+        growing.grow(fraction, behind)
+        report = follower.round()
+        assert not report.done
+        assert all(t.status != "failed" for t in report.targets), round_lines(report)
+        seen.append(report)
+        for run_id, run in sink_runs(sink).items():  # running, and a beginning of the end
+            assert (run["state"], run["exit_code"]) == ("running", None)
+            rows = run["history"]
+            assert rows == want[run_id]["history"][: len(rows)]
+
+
+FRACTIONS = (0.05, 0.2, 0.35, 0.5, 0.65, 0.8, 0.95)
+
+
+@pytest.mark.parametrize(
+    ("run_mode", "rank_scope", "behind"),
+    [*((mode, scope, 1.0) for mode, scope in MODES), ("shared", "global", 0.3)],
+)
+def test_incremental_rounds_end_as_one_sync(
+    run_mode, rank_scope, behind, job, make_sink, monkeypatch, tmp_path, state
+):
+    """Every run_mode x rank_scope; and a shared run whose last rank lags far behind the
+    others (their rows wait for it, round after round)."""
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode=run_mode, rank_scope=rank_scope)
+    want = one_shot(monkeypatch, make_sink, job, request, tmp_path)
+    sink = follow_sink(make_sink, monkeypatch, state)
+    growing = Growing(job, tmp_path / "live")
+    (tmp_path / "live").mkdir()
+    seen: list = []
+    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
+        follow_rounds(follower, growing, FRACTIONS, sink, want, seen, behind)
+        growing.grow(1.0)
+        report = follower.round()
+        assert report.done, round_lines(report)
+    assert_same_runs(sink, want)
+    sent = [t for report in seen for t in report.targets if t.status == "sent"]
+    assert sum(t.added for t in sent) > 0
+    continued = [t for t in sent if t.continued and t.added > 0]
+    if run_mode == "shared":  # (the targets merged by step; the others are copies)
+        assert len(continued) >= len(want) * 3
+    else:
+        assert not continued
+
+
+def test_a_follower_restarted_or_a_rank_rewritten_merges_again_from_scratch(
+    job, make_sink, monkeypatch, tmp_path, state
+):
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared", rank_scope="global")
+    want = one_shot(monkeypatch, make_sink, job, request, tmp_path)
+    sink = follow_sink(make_sink, monkeypatch, state)
+    growing = Growing(job, tmp_path / "live")
+    (tmp_path / "live").mkdir()
+    seen: list = []
+    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:  # then "killed"
+        follow_rounds(follower, growing, (0.05, 0.2, 0.35, 0.5), sink, want, seen)
+    assert [t.continued for r in seen for t in r.targets] == [False, True, True]
+    seen.clear()
+    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
+        follow_rounds(follower, growing, (0.65, 0.8), sink, want, seen)
+        growing.truncate(0.9)  # every rank loses its tail (then writes it again)
+        report = follower.round()  # (the server holds rows the files lack now: refused)
+        assert [t.continued for t in report.targets] == [False]
+        follow_rounds(follower, growing, (0.9, 0.95), sink, want, seen)
+        growing.grow(1.0)
+        assert follower.round().done
+    # the restarted follower merges from scratch once, then goes on; a rewrite, again
+    assert [t.continued for r in seen for t in r.targets] == [False, True, False, True]
+    assert_same_runs(sink, want)
+
+
+def test_a_round_never_continues_on_rows_another_sync_sent_since(
+    job, make_sink, monkeypatch, tmp_path, state
+):
+    """A one-shot sync of the live files between two rounds sends rows the follower's merge
+    did not: the next round's log, which continues the rounds sent, is refused by the
+    server's count instead of being sent on top of them, and the follower merges from
+    scratch after it."""
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared", rank_scope="global")
+    sink = follow_sink(make_sink, monkeypatch, state)
+    growing = Growing(job, tmp_path / "live")
+    (tmp_path / "live").mkdir()
+    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
+        for fraction in (0.3, 0.5):
+            growing.grow(fraction)
+            [target] = follower.round().targets
+            assert target.status == "sent", target.problems
+        assert target.continued
+        # (from another machine: its own ledger and locks; every row written so far)
+        monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "other-state"))
+        sync(request, timeout=UPLOAD_TIMEOUT)
+        monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+        [run] = sink_runs(sink).values()
+        held = run["history"]
+        assert len(held) > target.rows
+        growing.grow(0.7)
+        report = follower.round()
+        [target] = report.targets
+        assert target.status == "failed" and not target.continued
+        assert f"not the {target.rows} the rounds before sent" in target.problems[0]
+        assert sink_runs(sink)[run["id"]]["history"] == held  # nothing sent on top
+        [target] = follower.round().targets  # (merged from scratch: it names the rows)
+        assert not target.continued
+
+
+def test_a_shared_follow_of_ranks_that_log_artifacts_files_them_under_the_merged_run(
+    make_sink, monkeypatch, tmp_path, state
+):
+    """Real ranks that log a checkpoint artifact each and, on rank 0, a Table, followed
+    while their logs grow: every artifact ends committed under the merged run with the
+    bytes each rank wrote (a kept merge gives way to one from scratch at an artifact)."""
+    job = write_job(tmp_path / "job")
+    live = tmp_path / "live"
+    live.mkdir()
+    growing = Growing(job, live)
+    request = MergeRequest(paths=[live], run_mode="shared", files_from=[job])
+    sink = follow_sink(make_sink, monkeypatch, state)
+    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
+        for fraction in (0.3, 0.6, 0.9):
+            growing.grow(fraction)
+            report = follower.round()
+            assert all(t.status != "failed" for t in report.targets), round_lines(report)
+        growing.grow(1.0)
+        report = follower.round()
+        assert report.done, round_lines(report)
+    logged = output_artifacts(sink, JOB_ID)
+    checkpoints = sorted(
+        (json.loads(node.metadata)["rank"], node)
+        for (name, _), node in logged.items()
+        if name == "ckpt"
+    )
+    assert [rank for rank, _ in checkpoints] == [0, 1]
+    for rank, node in checkpoints:
+        assert_checkpoint_of(sink, node, rank)
+    assert [name for name, _ in logged if name != "ckpt"] == [f"run-{JOB_ID}-samples"]

@@ -1,0 +1,1 @@
+"""Tests of the project itself: lint, docs, README, the typed API."""

@@ -1,0 +1,74 @@
+"""The way out of a run that a rerun refuses: `sync --resend` sends it whole again, each line
+over the one at its place, through the real uploader into the sink; what arrived is compared
+with the source records row by row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from wbmerge.cli import main
+from wbmerge.training import RankInfo
+
+from ..support import synthetic
+from ..support.sinktools import expected_from_log
+from .test_upload_faults import assert_exactly_once
+
+pytestmark = pytest.mark.e2e
+JOB = "edited"  # the job's id, and so its run's id
+
+
+def write(root, seed, steps=400):
+    """One rank of job `JOB`, its values drawn with `seed`; returns its `.wandb` path."""
+    return synthetic.write_rank(root, RankInfo(0, 0, 1, 1, 0, job_id=JOB), steps, 5, seed=seed)
+
+
+def sync(sink, tmp_path, source, *more):
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
+    args = ["sync", "--json", str(source), "-p", "resent", "-e", "local", *more]
+    return CliRunner().invoke(main, args, env=env)
+
+
+def test_a_run_whose_sources_changed_is_refused_saying_why_and_resend_rewrites_it(sink, tmp_path):
+    write(tmp_path / "before", seed=0)
+    after = write(tmp_path / "after", seed=1)  # the same steps, other values
+    first = sync(sink, tmp_path, tmp_path / "before")
+    assert first.exit_code == 0, first.output + first.stderr
+    refused = sync(sink, tmp_path, tmp_path / "after")
+    assert refused.exit_code == 1
+    assert "the server's row 400 differs from the staged row 400" in refused.stderr
+    assert "this machine verified it from other files or settings before" in refused.stderr
+    assert "`wbmerge sync --resend`" in refused.stderr
+    resent = sync(sink, tmp_path, tmp_path / "after", "--resend")
+    assert resent.exit_code == 0, resent.output + resent.stderr
+    assert [run["status"] for run in json.loads(resent.stdout)["runs"]] == ["uploaded"]
+    assert_exactly_once(sink.client.run("local", "resent", JOB), expected_from_log(after))
+
+
+def test_a_refusal_without_this_machines_record_names_the_likely_causes(sink, tmp_path):
+    write(tmp_path / "before", seed=0)
+    write(tmp_path / "after", seed=1)
+    assert sync(sink, tmp_path, tmp_path / "before").exit_code == 0
+    (tmp_path / "state" / "ledger.sqlite3").unlink()  # as from another machine
+    refused = sync(sink, tmp_path, tmp_path / "after")
+    assert refused.exit_code == 1
+    assert "its sources changed since an earlier upload, or it was uploaded with" in refused.stderr
+
+
+def test_resend_refuses_a_run_the_server_holds_more_rows_of(sink, tmp_path):
+    write(tmp_path / "long", seed=0, steps=400)
+    write(tmp_path / "short", seed=0, steps=300)
+    assert sync(sink, tmp_path, tmp_path / "long").exit_code == 0
+    resent = sync(sink, tmp_path, tmp_path / "short", "--resend")
+    assert resent.exit_code == 1
+    assert "the server holds 400 history rows, more than the 300 staged" in resent.stderr
+    assert "cannot remove rows" in resent.stderr
+    assert len(sink.client.run("local", "resent", JOB)["history"]) == 400  # left as it was
+
+
+def test_resend_cannot_be_used_with_follow(tmp_path):
+    result = CliRunner().invoke(main, ["sync", str(tmp_path), "--follow", "--resend"])
+    assert result.exit_code == 2
+    assert "--resend cannot be used with --follow" in result.stderr

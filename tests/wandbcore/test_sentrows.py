@@ -1,0 +1,132 @@
+"""How wandb-core reads history rows and the `_step` it sends each at (`wbmerge.wandbcore.sentrows`),
+as table tests.
+
+The tables are wandb-core 0.31's behaviour as measured through `wandb sync` into the sink;
+`tests/support/steprows.py` holds the rows, and `test_odd_input` sends them through the real
+uploader again.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from wbmerge.log import pb
+from wbmerge.wandbcore import NOT_JSON, item_step, json_int, json_value, sent_steps, with_step
+
+from ..support.ranklogs import history_record
+from ..support.steprows import INT64_MAX, INT64_MIN, ODD_ROWS
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("0", 0),
+        ("-0", 0),
+        ("42", 42),
+        (" 42\n", 42),
+        ("\t42\r", 42),
+        ("0042", 42),
+        ("-0042", -42),
+        (str(INT64_MAX), INT64_MAX),
+        (str(INT64_MIN), INT64_MIN),
+        ("0000000000000000042", 42),  # 19 characters: as long as int64's largest
+        ("00000000000000000042", None),  # 20: a float to wandb-core's parser
+        ("9223372036854775808", None),  # one past int64's largest
+        ("-9223372036854775809", None),
+        ("+42", None),
+        ("42.0", None),
+        ("4e1", None),
+        ("42x", None),
+        ("4 2", None),
+        ("-", None),
+        ("1-2", None),
+        ("", None),
+        ('"42"', None),
+        ("true", None),
+        ("\u00a042", None),  # a blank JSON does not know
+    ],
+)
+def test_json_int_reads_integers_as_wandb_cores_parser(text, value):
+    assert json_int(text) == value
+
+
+def test_item_step_and_sent_steps_follow_the_measured_rows():
+    payloads = [history_record(items, field) for items, field, _, _ in ODD_ROWS]
+    items = [item_step(payload) for payload in payloads]
+    assert items == [item for _, _, item, _ in ODD_ROWS]
+    assert sent_steps(items) == [sent for *_, sent in ODD_ROWS]
+
+
+@pytest.mark.parametrize(
+    "items, start, sent",
+    [
+        ([0, 1, None, 2, 9, None, 5], 0, [0, 1, 2, 3, 9, 10, 11]),  # the module's example
+        ([], 0, []),
+        ([None, None], 0, [0, 1]),
+        ([0, 1, 2], 10, [10, 11, 12]),  # a run record's starting step moves rows behind it
+        ([-5, None], -100, [-5, -4]),
+        ([INT64_MAX, 6, None], 0, [INT64_MAX, 6, 7]),  # after int64's largest: int64's least
+        ([INT64_MAX, None, INT64_MIN], 0, [INT64_MAX, INT64_MIN, INT64_MIN + 1]),
+    ],
+)
+def test_sent_steps(items, start, sent):
+    assert sent_steps(items, start) == sent
+
+
+def test_with_step_makes_the_row_sent_at_that_step_and_keeps_its_other_items():
+    payload = history_record(
+        [(["loss"], "0.5"), (["_step"], "3"), (["_step", "x"], "1"), ("_step", '"y"'), ("a", "2")],
+        3,
+    )
+    moved = pb.Record.FromString(with_step(payload, 17))
+    assert item_step(with_step(payload, 17)) == 17
+    assert moved.history.step.num == 17
+    kept = {tuple(i.nested_key) or (i.key,): i.value_json for i in moved.history.item}
+    assert kept == {("loss",): "0.5", ("a",): "2", ("_step",): "17"}
+
+
+DEEP = 500  # a value inside 500 arrays is read; inside 501 it is refused
+
+
+def nested(inner: object, depth: int) -> object:
+    for _ in range(depth):
+        inner = [inner]
+    return inner
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("0100", 100),
+        ("01.5", 1.5),  # Python's json refuses leading zeros; wandb-core's parser takes them
+        ("[01, -0]", [1, 0]),
+        ('{"a": 01}', {"a": 1}),
+        ("[1.]", [1.0]),
+        ("Infinity", float("inf")),
+        ("[-Inf]", [float("-inf")]),
+        ("1e400", float("inf")),  # past a float's range: kept as infinite
+        ("99999999999999999999", 1e20),  # past int64: a float
+        ('{"a": [1, {"b": null}], "c": true}', {"a": [1, {"b": None}], "c": True}),
+        (' \t"x"\n', "x"),
+        ("[" * DEEP + "1" + "]" * DEEP, nested(1, DEEP)),
+        ("[" * (DEEP + 1) + "]" * (DEEP + 1), nested([], DEEP)),  # an empty list at 501
+        ("-nan", NOT_JSON),  # Go's float parser takes no sign before NaN
+        ("nan", NOT_JSON),
+        ("[" * (DEEP + 1) + "1" + "]" * (DEEP + 1), NOT_JSON),
+        ("[1,]", NOT_JSON),
+        ("[,1]", NOT_JSON),
+        ('{"a":1,}', NOT_JSON),
+        ("{]", NOT_JSON),
+        ("[1 2]", NOT_JSON),
+        ('"a\tb"', NOT_JSON),  # a control character inside a string
+        ("+1", NOT_JSON),
+        ("1-2", NOT_JSON),
+        ("nul", NOT_JSON),
+        ("truex", NOT_JSON),
+        ("", NOT_JSON),
+        ("  ", NOT_JSON),
+    ],
+)
+def test_json_value_reads_as_wandb_cores_parser(text, value):
+    found = json_value(text)
+    assert found == value and type(found) is type(value)
