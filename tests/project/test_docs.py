@@ -70,3 +70,18 @@ def test_the_readme_links_lead_to_files():
     assert targets
     missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
     assert missing == []
+
+
+def test_the_docs_state_the_name_rules_the_code_holds():
+    """W&B's name rules live once, in `plan` (read by the planner and the sink); the page
+    that tells users which names fail says the same characters and lengths."""
+    from wbmerge.plan import NAME_MAX_BYTES, NAME_MAX_CHARS, PROJECT_RESERVED, RUN_ID_RESERVED
+
+    text = (ROOT / "docs" / "sync.md").read_text()
+    names = re.search(
+        r"project or entity name W&B cannot take \(any of `([^`]+)`.*?over (\d+) characters\)", text
+    )
+    run_ids = re.search(r"a run id it cannot take \(.*?any of `([^`]+)`.*?over (\d+) bytes\)", text)
+    assert names and run_ids, "docs/sync.md no longer states the name rules"
+    assert sorted(names[1]) == sorted(PROJECT_RESERVED) and int(names[2]) == NAME_MAX_CHARS
+    assert sorted(run_ids[1]) == sorted(RUN_ID_RESERVED) and int(run_ids[2]) == NAME_MAX_BYTES
