@@ -175,88 +175,128 @@ def exported(package: str) -> set[str]:
     return set()
 
 
+def where_of(path):
+    """A file's dotted place (`wbmerge.merge.shared`, `tests.merge.test_rows`) and whether
+    it is a package's `__init__`."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    return (parts[:-1] if is_package else parts), is_package
+
+
+def imported_from(node: ast.ImportFrom, here: list[str], is_package: bool) -> list[str]:
+    """The dotted module an import takes names from, relative imports resolved."""
+    if not node.level:
+        return (node.module or "").split(".")
+    package = here if is_package else here[:-1]
+    base = package[: len(package) - node.level + 1]
+    return [*base, *((node.module or "").split(".") if node.module else [])]
+
+
+def bindings(tree: ast.AST, here: list[str], is_package: bool) -> dict[str, str]:
+    """Each local name a file binds by importing from wbmerge -> what it names, dotted
+    (`from wbmerge import merge` binds merge -> wbmerge.merge)."""
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = ".".join(imported_from(node, here, is_package))
+            for alias in node.names:
+                bound[alias.asname or alias.name] = f"{module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    bound[alias.asname] = alias.name
+                else:
+                    bound[alias.name.split(".")[0]] = alias.name.split(".")[0]
+    return {name: target for name, target in bindings_in_wbmerge(bound)}
+
+
+def bindings_in_wbmerge(bound: dict[str, str]):
+    for name, target in bound.items():
+        if target == "wbmerge" or target.startswith("wbmerge."):
+            yield name, target
+
+
+def dotted_uses(tree: ast.AST, bound: dict[str, str]):
+    """Each attribute chain on a name bound from wbmerge, spelled out with what the name
+    names: `merge.rows` with merge -> wbmerge.merge gives (line, wbmerge.merge.rows)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and not isinstance(
+            getattr(node, "parent", None), ast.Attribute
+        ):
+            chain, value = [], node
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in bound:
+                yield node.lineno, ".".join([bound[value.id], *reversed(chain)])
+
+
+def users_of_the_package():
+    yield from MODULES
+    for folder in CODE[1:]:
+        yield from (p for p in (ROOT / folder).rglob("*.py") if "data" not in p.parts)
+
+
 def test_other_parts_use_a_package_through_its_door():
     """A sub-package's modules are its inside: every other part of wbmerge, and every test,
-    benchmark and example, imports only what its `__init__` exports, so a stage can be
-    rebuilt behind its door. (`__main__` modules are programs, not users of a door.)"""
+    benchmark and example, uses only what its `__init__` exports (in `__all__`), by import
+    or by attribute, so a stage can be rebuilt behind its door. A door may list a module
+    as a whole (its public names are then part of the door). `__main__` modules are
+    programs, not users of a door."""
     packages = {p.name for p in PACKAGES if p.parent == ROOT / "wbmerge"}
     doors = {name: exported(name) for name in packages}
-    users = [
-        *MODULES,
-        *(p for d in CODE[1:] for p in (ROOT / d).rglob("*.py") if "data" not in p.parts),
-    ]
     through_the_wall = []
-    for path in users:
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__main__":
+    for path in users_of_the_package():
+        here, is_package = where_of(path)
+        if here[-1] == "__main__":
             continue
-        is_package = parts[-1] == "__init__"
-        here = parts[:-1] if is_package else parts
         own = here[1] if here[0] == "wbmerge" and len(here) > 1 else None
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                if node.level and here[0] != "wbmerge":
-                    continue
-                base = (
-                    (here if is_package else here[:-1])[
-                        : len(here) - node.level + (1 if is_package else 0)
-                    ]
-                    if node.level
-                    else []
-                )
-                module = [*base, *((node.module or "").split(".") if node.module else [])]
-                names = [alias.name for alias in node.names]
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            for child in ast.iter_child_nodes(node):
+                child.parent = node  # (so that only whole attribute chains are read)
+        uses = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (here[0] == "wbmerge" or not node.level):
+                module = imported_from(node, here, is_package)
+                uses += [(node.lineno, ".".join([*module, alias.name])) for alias in node.names]
             elif isinstance(node, ast.Import):
-                module, names = None, [alias.name for alias in node.names]
-                for name in names:
-                    dotted = name.split(".")
-                    if (
-                        dotted[0] == "wbmerge"
-                        and len(dotted) > 2
-                        and dotted[1] in packages
-                        and dotted[1] != own
-                    ):
-                        through_the_wall.append(
-                            f"{path.relative_to(ROOT)}:{node.lineno} import {name}"
-                        )
-                continue
-            else:
-                continue
+                uses += [(node.lineno, alias.name) for alias in node.names]
+        uses += dotted_uses(tree, bindings(tree, here, is_package))
+        for line, dotted in uses:
+            parts = dotted.split(".")
             if (
-                len(module) < 2
-                or module[0] != "wbmerge"
-                or module[1] not in packages
-                or module[1] == own
+                len(parts) < 3
+                or parts[0] != "wbmerge"
+                or parts[1] not in packages
+                or parts[1] == own
             ):
                 continue
-            where = f"{path.relative_to(ROOT)}:{node.lineno}"
-            if len(module) > 2:
-                through_the_wall.append(f"{where} from {'.'.join(module)}")
-            else:
-                through_the_wall += [
-                    f"{where} {module[1]}.{n}" for n in names if n not in doors[module[1]]
-                ]
+            if parts[2] not in doors[parts[1]]:
+                through_the_wall.append(f"{path.relative_to(ROOT)}:{line} {dotted}")
     assert through_the_wall == []
 
 
 def test_tests_use_public_names_only():
-    """Tests import no `_private` name of wbmerge, so the inside can be rebuilt."""
+    """Tests use no `_private` name of wbmerge, imported or reached by attribute through
+    anything they imported from it, so the inside can be rebuilt."""
     private = []
     for path in sorted((ROOT / "tests").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("wbmerge"):
-                private += [f"{path.name}:{node.lineno} {alias.name}" for alias in node.names
-                            if _private(alias.name)]  # fmt: skip
-            if (
-                isinstance(node, ast.Attribute)
-                and _private(node.attr)
-                and (isinstance(node.value, ast.Name) and node.value.id in WBMERGE_MODULES)
-            ):
-                private.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
+        here, is_package = where_of(path)
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            for child in ast.iter_child_nodes(node):
+                child.parent = node
+        uses = [
+            (node.lineno, f"{node.module}.{alias.name}")
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("wbmerge")
+            for alias in node.names
+        ]
+        uses += dotted_uses(tree, bindings(tree, here, is_package))
+        private += [f"{path.relative_to(ROOT)}:{line} {dotted}" for line, dotted in uses
+                    if dotted.startswith("wbmerge") and any(map(_private, dotted.split(".")))]  # fmt: skip
     assert private == []
-
-
-WBMERGE_MODULES = {p.stem for p in MODULES} - {"__init__", "__main__"}
 
 
 def _private(name: str) -> bool:

@@ -2,8 +2,8 @@
 
 `columns` reads one rank's values as columns, `parquet` exports every value of a job to
 one Parquet file, `skew` (with `skew_text`, its text) answers which rank is slow and by how
-much, `rankstats` computes statistics across ranks, and `spread` is the one definition of a metric's spread across ranks, which the shared
-merge's `--skew-metrics` uses too.
+much, `rankstats` computes statistics across ranks, and `spread` is the one definition of
+a metric's spread across ranks, which the shared merge's `--skew-metrics` uses too.
 """
 
 from importlib import import_module

@@ -2,4 +2,5 @@
 
 from .commands import main
 
-main(prog_name="wbmerge")
+if __name__ == "__main__":
+    main(prog_name="wbmerge")

@@ -96,13 +96,13 @@ def inspect(
     """List the offline runs under PATHS: rank (and where it came from), label, rows,
     completeness, damage."""
     from .. import api
-    from ..identify import format_report, unreadable_summary
+    from ..identify import format_inspection, unreadable_summary
 
     rows = api.inspect(paths, label_pattern=label_pattern, ranks_file=ranks_file, primary=primary)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     else:
-        click.echo(format_report(rows), nl=False)
+        click.echo(format_inspection(rows), nl=False)
     unreadable = unreadable_summary(rows)
     if unreadable:
         raise WbmergeError(unreadable)  # listed above; the exit status says it too

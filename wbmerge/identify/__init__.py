@@ -22,7 +22,7 @@ from .discover import (
     selects_merged,
 )
 from .hints import make_hints
-from .inspection import format_report, inspect_runs, unreadable_summary
+from .inspection import format_inspection, inspect_runs, unreadable_summary
 from .jobs import GivenRank, Hints, RunFacts, few, identify
 from .merged import MergedBy, merged_by
 from .offlinerun import OfflineRun, RunStats, read_identity, scan
@@ -51,7 +51,7 @@ __all__ = [
     "few_ranks",
     "find_invalid_records",
     "find_run_files",
-    "format_report",
+    "format_inspection",
     "gpu_claim",
     "group_jobs",
     "identify",

@@ -170,7 +170,7 @@ COLUMNS = [
 ]
 
 
-def format_report(rows: list[dict[str, Any]]) -> str:
+def format_inspection(rows: list[dict[str, Any]]) -> str:
     """Human tables, one per job, each followed by what was assumed about the job; then
     the runs of unknown rank, with why."""
     jobs: dict[tuple[str | None, bool], list[dict[str, Any]]] = {}

@@ -8,6 +8,8 @@ the step rule that merge, export and report share. Nothing here knows ranks, job
 servers: every later stage reads logs through this package.
 """
 
+from importlib import import_module
+
 from .proto import item_path, pb
 from .records import read_records, record_kind
 from .steps import RESERVED, Steps, restep
@@ -33,6 +35,15 @@ from .txlog import (
     write_payloads,
 )
 from .wire import skip_field, varint
+
+
+def __getattr__(name: str) -> object:
+    """`items`, imported when first asked for: it needs pyarrow (85 ms of a start), which a
+    pass-through sync and the command line's start do without."""
+    if name == "items":
+        return import_module(".items", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BLOCK_SIZE",
