@@ -9,13 +9,30 @@ from wbmerge.errors import WbmergeError
 from wbmerge.log import Steps
 
 
+class OneByOne:
+    """The step rule one row at a time, the reference `Steps` is held to: a restart's first
+    row fixes its shift, `max(0, last + 1 - step)`, and every row of the restart moves by it."""
+
+    def __init__(self) -> None:
+        self.last, self.shift = -1, None
+
+    def restart(self) -> None:
+        self.shift = None
+
+    def place(self, step: int) -> int:
+        if self.shift is None:
+            self.shift = max(0, self.last + 1 - step)
+        self.last = max(self.last, step + self.shift)
+        return step + self.shift
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.lists(st.lists(st.integers(0, 50), max_size=6), max_size=4), max_size=4))
 def test_a_read_at_a_time_is_place_in_turn(restarts):
     """`restarts`: each restart's reads, each read's raw steps (repeats and rewinds too).
-    `place_rows` drops what `place_row` drops; `shifted` keeps every row (as a pass-through
-    does) and moves it as `place` does."""
-    one, rows, shifted = Steps(), Steps(), Steps()
+    `place_rows` drops a row placed at or before the last; `shifted` keeps every row (as a
+    pass-through does); both move a row as the one-row reference does."""
+    one, rows, shifted = OneByOne(), Steps(), Steps()
     for reads in restarts:
         for steps in (one, rows, shifted):
             steps.restart()

@@ -18,9 +18,11 @@ _LARGEST_STEP = 2**63 - 1
 class Steps:
     """Elastic restarts continue the steps: a restart that repeats steps is moved after them.
 
-    Call `restart()` before each restart's records and `place(step)` for each of its rows
-    (or `shifted` for a read's rows at once; or `place_rows`, which also drops a row at or
-    before the last one: never two rows at one step).
+    Call `restart()` before each restart's records, then `shifted` for each read's rows
+    (every row kept, as a pass-through keeps them) or `place_rows`, which also drops a row
+    at or before the last one: never two rows at one step. The rule, one row at a time: the
+    first row of a restart fixes its shift, `max(0, last + 1 - step)`, and every row of the
+    restart moves by it (the tests hold both methods to that reference).
     """
 
     def __init__(self) -> None:
@@ -30,15 +32,8 @@ class Steps:
     def restart(self) -> None:
         self._shift = None
 
-    def place(self, step: int) -> int:
-        if self._shift is None:
-            self._shift = max(0, self.last + 1 - step)
-        step += self._shift
-        self.last = max(self.last, step)
-        return step
-
     def shifted(self, steps: np.ndarray) -> np.ndarray:
-        """`place` of each step in turn, every row kept (as a pass-through keeps them). A
+        """Each step moved by its restart's shift, every row kept (as a pass-through keeps them). A
         row moved past the largest step a record holds is bad input (`WbmergeError`), not a
         step wrapped around to a negative one."""
         if not len(steps):
@@ -59,7 +54,7 @@ class Steps:
         return placed
 
     def place_rows(self, steps: np.ndarray) -> np.ndarray:
-        """`place` of each step in turn: the placed steps, -1 where a row is dropped (placed
+        """Each step moved by its restart's shift: the placed steps, -1 where a row is dropped (placed
         at or before the last row placed)."""
         last = self.last
         placed = self.shifted(steps)
