@@ -117,6 +117,8 @@ class Deliverer:
         self._error: BaseException | None = None
         self._done = 0
         self._settling_said = False  # (the wait after a stopped upload is said once)
+        # The entity the server answered it holds the runs under (`Held.entity`): the one
+        # wandb-core used when none was given, for the links of the report.
         self._entity_seen: str | None = None
         self._rows: dict[str, int] = {}  # history rows the server holds, per run
         self._counts: dict[str, tuple[int, int, int]] = {}  # all its line counts, per run
@@ -155,6 +157,7 @@ class Deliverer:
         counts = (held.history_lines, held.events_lines, held.log_lines)
         with self.lock:  # (so the first question during the upload can see it move)
             self._before[delivery.run_id] = self._counts[delivery.run_id] = counts
+            self._entity_seen = self._entity_seen or held.entity
         if delivery.row_before is not None and held.history_lines != delivery.rows_cut:
             raise Mismatch(f"the server holds {held.history_lines} history rows, not the "
                            f"{delivery.rows_cut} the rounds before sent")  # fmt: skip
@@ -473,7 +476,6 @@ class Deliverer:
             threading.Thread(target=self._read_contents, args=(batch,), daemon=True).start()
             outcome = uploader.run([d.run_dir for d in batch], lanes, finished, probe, PROBE_EVERY)
             with self.lock:
-                self._entity_seen = self._entity_seen or outcome.entity
                 if outcome.timed_out and not self._stopping:
                     self.timed_out = True
                     others = [u for u in self._uploaders if u is not uploader]
@@ -532,6 +534,7 @@ class Deliverer:
             return
         with self.lock:
             self._rows[delivery.run_id] = held.history_lines
+            self._entity_seen = self._entity_seen or held.entity
         problems = shortfall(content, held) + list(dict.fromkeys(errors))
         if not problems and delivery.saved_files:
             problems = saved_files_missing(self.client, self.entity, self.project, delivery)

@@ -111,6 +111,9 @@ class Held:
     summary_json: str = ""
     config_json: str = ""
     tags: tuple[str, ...] = ()
+    # The entity the server holds the run under, as it answered: asked with no entity, the
+    # server's default for the key, which is where wandb-core put the run too.
+    entity: str | None = None
 
 
 @dataclass(frozen=True)
@@ -304,6 +307,7 @@ class ServerClient:
             summary_json=_text(bucket.get("summaryMetrics")),
             config_json=_text(bucket.get("config")),
             tags=_tags(bucket.get("tags")),
+            entity=_entity_name(model),
         )
 
     def history_page(
@@ -515,6 +519,13 @@ def _file_of(edge: object) -> tuple[str, int] | None:
 def _tags(value: object) -> tuple[str, ...]:
     """The tags of the server's answer: the strings of a list (anything else: none)."""
     return tuple(t for t in value if isinstance(t, str)) if isinstance(value, list) else ()
+
+
+def _entity_name(model: object) -> str | None:
+    """The name of the entity a RunResumeStatus answer's project belongs to, if it says one."""
+    entity = model.get("entity") if isinstance(model, dict) else None
+    name = entity.get("name") if isinstance(entity, dict) else None
+    return name if isinstance(name, str) and name else None
 
 
 def _text(value: object) -> str:

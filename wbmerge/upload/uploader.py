@@ -43,7 +43,6 @@ DEFAULT_PARALLEL = 4  # below wandb sync's own default of 5: one job may be many
 # it starts, and apart from how often the server is asked how far the runs are.
 RECORD_EVERY = 2.0
 _FINISHED = re.compile(r"\[[^\]]*?/(?P<run>[^/\]\s]+)\] Finished syncing")
-_VIEW_RUN = re.compile(r"View run \S+ at (?P<url>\S+/(?P<entity>[^/\s]+)/[^/\s]+/runs/\S+)")
 _RUN_ERROR = re.compile(r"^wandb: ERROR \[[^\]]*?/(?P<run>[^/\]\s]+)\] (?P<message>.*)$")
 _LOG_NAME = re.compile(r"run-(?P<run>[^/]+)\.wandb$")
 
@@ -53,7 +52,6 @@ class UploadOutcome:
     returncode: int | None  # None: stopped by wbmerge (timeout or signal)
     output: str
     timed_out: bool = False
-    entity: str | None = None  # as the uploader reported it
     errors: dict[str, list[str]] = field(default_factory=dict)  # run id -> what failed
 
 
@@ -215,8 +213,6 @@ class Uploader:
         if proc.returncode < 0 and not timed_out:  # killed by a signal, not by us
             note_stopped()
         outcome = UploadOutcome(None if timed_out else proc.returncode, output, timed_out)
-        reported = {m["entity"] for m in _VIEW_RUN.finditer(output)}
-        outcome.entity = next(iter(reported)) if len(reported) == 1 else None
         outcome.errors = self.errors()
         if self.owner is not None:
             self.owner.uploader(id(self), [])
