@@ -18,6 +18,7 @@ from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.log import txlog
 from wbmerge.upload import Credentials, Deliverer, Delivery, Ledger, ServerClient
+from wbmerge.upload.uploader import Uploader
 
 from .conftest import job_dir
 
@@ -32,6 +33,45 @@ def credentials(sink) -> Credentials:
 
 def copies(tmp_path: Path, count: int = 2, where: str = "runs") -> list[Path]:
     return [shutil.copytree(run, tmp_path / where / run.name) for run in RUNS[:count]]
+
+
+def upload(sink, tmp_path: Path, project: str, runs: list[Path]):
+    """One real `wandb sync` of `runs`; the outcome and the runs said finished, in order."""
+    uploader = Uploader(credentials(sink), project, "local", tmp_path / "staging")
+    finished: list[str] = []
+    outcome = uploader.run(runs, len(runs), finished.append, lambda: False)
+    return outcome, finished
+
+
+def test_each_run_is_finished_once_when_wandb_core_marks_it_synced(sink, tmp_path):
+    outcome, finished = upload(sink, tmp_path, "a]b c", copies(tmp_path))
+    assert outcome.returncode == 0, outcome.output
+    assert sorted(finished) == IDS  # each once, though the printed lines cannot be parsed
+    assert outcome.errors == {}
+    assert {run["id"] for run in sink.client.runs(project="a]b c")} == set(IDS)
+
+
+def test_runs_the_server_refuses_to_create_fail_with_its_answer(make_sink, tmp_path):
+    """wandb prints this failure without naming the run; its debug log names it."""
+    sink = make_sink(["graphql:UpsertBucket=400"])
+    outcome, finished = upload(sink, tmp_path, "refused", copies(tmp_path))
+    assert finished == []  # never synced: wandb-core writes no marker
+    assert sorted(outcome.errors) == IDS
+    for messages in outcome.errors.values():
+        [message] = messages
+        assert "failed to init run" in message and "injected fault 400" in message
+
+
+def test_a_run_whose_data_stream_gives_up_fails_with_the_servers_answer(make_sink, tmp_path):
+    """The filestream's second request (the rows) is refused: wandb-core stops sending the
+    run's data but still finishes it; the failure names the request and the answer."""
+    sink = make_sink(["file_stream=400@2"])
+    outcome, finished = upload(sink, tmp_path, "lost", copies(tmp_path, count=1))
+    first = RUNS[0].name.rsplit("-", 1)[1]
+    assert finished == [first]
+    [(run_id, [message])] = outcome.errors.items()
+    assert run_id == first
+    assert "/file_stream" in message and "400" in message and "injected fault 400" in message
 
 
 def named(log: Path, display_name: str) -> None:

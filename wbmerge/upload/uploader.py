@@ -2,9 +2,11 @@
 
 The uploader runs in its own session (so a terminal's Ctrl-C reaches wbmerge, which stops
 it), with its working and log directories inside staging (its debug logs go to `./wandb`
-under its cwd, which must be neither the user's cwd nor a source directory). Its output
-is read as it comes: `Finished syncing` marks a run done, and silence from both the
-uploader and the server for `timeout` seconds ends it. `stop()` ends the whole process
+under its cwd, which must be neither the user's cwd nor a source directory). What it
+reports is read from what wandb-core writes, never from its printed lines: a run is done
+when its `.wandb.synced` marker appears (`synced_markers`), what failed comes from the
+JSON lines of its debug log (`file_failures`), and silence from both the uploader (its
+output, whatever it says) and the server for `timeout` seconds ends it. `stop()` ends the whole process
 tree, wandb-core included (wandb starts wandb-core in a session of its own).
 
 An uploader can be started before its runs are known (`start`): the process imports wandb's
@@ -42,8 +44,8 @@ DEFAULT_PARALLEL = 4  # below wandb sync's own default of 5: one job may be many
 # record (a walk of /proc and a file written): often enough to name wandb-core soon after
 # it starts, and apart from how often the server is asked how far the runs are.
 RECORD_EVERY = 2.0
-_FINISHED = re.compile(r"\[[^\]]*?/(?P<run>[^/\]\s]+)\] Finished syncing")
-_RUN_ERROR = re.compile(r"^wandb: ERROR \[[^\]]*?/(?P<run>[^/\]\s]+)\] (?P<message>.*)$")
+_FILE_NAME = re.compile(r"\bName: (?P<name>[^,{}]+),")
+SHOWN_CHARS = 200  # of a failure wandb-core logs, in the line that says a run failed
 _LOG_NAME = re.compile(r"run-(?P<run>[^/]+)\.wandb$")
 
 
@@ -84,8 +86,7 @@ class Uploader:
         # What failed so far, gathered as the output and the debug logs grow: each run's end
         # asks, and reading everything again each time cost O(runs^2) (0.3 s at 256 runs).
         self._failures_lock = threading.Lock()
-        self._error_lines: dict[str, list[str]] = {}  # run id -> the uploader's ERROR lines
-        self._lines_seen = 0
+        self._run_failures: dict[str, list[str]] = {}  # run id -> the run not created or sent
         self._file_failures: dict[str, list[str]] = {}  # run id -> failed file transfers
         self._log_offsets: dict[Path, int] = {}  # bytes of each debug log read (whole lines)
 
@@ -159,6 +160,7 @@ class Uploader:
         except OSError:
             pass  # it ended before it was given its runs: its output and exit code say why
         self._record_processes()
+        unfinished = synced_markers(run_dirs)
         # The server is asked how far the runs are in a thread of its own, so that its
         # questions (a round trip each) never hold up the reading of the output, where each
         # run's end is seen: asked in this loop, they put a batch's last check up to 0.4 s
@@ -185,12 +187,11 @@ class Uploader:
                 done = proc.poll() is not None
                 with self._lock:
                     new = self._lines[seen:]
-                for line in new:
-                    seen += 1
+                if new:
+                    seen += len(new)
                     last_progress = time.monotonic()
-                    match = _FINISHED.search(line)
-                    if match:
-                        on_finished(match["run"])
+                for run_id in newly_synced(unfinished):
+                    on_finished(run_id)
                 if done and not reader.is_alive():
                     break
                 now = time.monotonic()
@@ -201,7 +202,10 @@ class Uploader:
                 if not done and now - last_progress > self.timeout:
                     timed_out = True
                     self.stop()
-                with self._lock:  # until the next line comes (`_read` says so), or a while
+                # Until the next line comes (`_read` says so), or a while: wandb-core writes
+                # a run's marker just before the uploader prints that the run finished, so
+                # that line wakes this loop to find the marker.
+                with self._lock:
                     if len(self._lines) == seen:
                         self._line_came.wait(0.1 if done else 0.25)
         finally:
@@ -219,16 +223,12 @@ class Uploader:
         return outcome
 
     def errors(self) -> dict[str, list[str]]:
-        """What failed so far, per run id: the uploader's ERROR lines and failed files."""
-        with self._failures_lock:  # (then `_lock`: `_read` takes only that one)
-            with self._lock:
-                lines = self._lines[self._lines_seen :]
-            self._lines_seen += len(lines)
-            for match in map(_RUN_ERROR.match, lines):
-                if match:
-                    self._error_lines.setdefault(match["run"], []).append(match["message"].strip())
-            errors = {run_id: list(found) for run_id, found in self._error_lines.items()}
-        for run_id, failures in self.file_failures().items():
+        """What failed so far, per run id, as wandb-core's debug logs say (`file_failures`):
+        runs it could not create or stopped uploading, then files it did not upload."""
+        files = self.file_failures()
+        with self._failures_lock:
+            errors = {run_id: list(found) for run_id, found in self._run_failures.items()}
+        for run_id, failures in files.items():
             errors.setdefault(run_id, []).extend(failures)
         return errors
 
@@ -251,8 +251,9 @@ class Uploader:
         """Failed file transfers per run id, from the uploader's debug logs.
 
         `wandb sync` reports these only there (it exits 0 and prints nothing), as JSON lines
-        at level ERROR whose message starts `file transfer:` or `runfiles:`. Each log is read
-        from where the last call stopped, a whole line at a time.
+        at level ERROR whose message starts `file transfer:` or `runfiles:`. The same read
+        notes the other failures `errors` gives (see `_note_failure`). Each log is read from
+        where the last call stopped, a whole line at a time.
         """
         with self._failures_lock:
             for log in sorted(self.workdir.glob("wandb/logs/debug-sync.*.log")):
@@ -265,12 +266,22 @@ class Uploader:
                 whole = text[: text.rfind(b"\n") + 1]  # a line still being written waits
                 self._log_offsets[log] = self._log_offsets.get(log, 0) + len(whole)
                 for line in whole.decode(errors="replace").splitlines():
-                    self._note_file_failure(line)
+                    self._note_failure(line)
             return {run_id: list(found) for run_id, found in self._file_failures.items()}
 
-    def _note_file_failure(self, line: str) -> None:
-        """Note the failed transfer a debug log's `line` reports, if it reports one."""
-        if '"ERROR"' not in line:
+    def _note_failure(self, line: str) -> None:
+        """Note the failure a debug log's `line` reports, if it reports one.
+
+        wandb-core writes the log with Go's `slog` JSON handler: `level`, `msg`, and the
+        `.wandb` file the line is about as `sync_path` (for lines about one run). Three
+        kinds of line say that something of a run did not reach the server: a failed file
+        transfer (`file transfer:`, `runfiles:`); a run it could not create or update
+        (`runupserter:`, with the server's answer in `error`); and any line at its fatal
+        level, `ERROR+4` (`observability.LevelFatal`), after which it sends no more of the
+        run's data (its filestream gave up). Other ERROR lines are passed over: a request
+        that failed once (`api: HTTP error`) is retried, and wandb-core may still succeed.
+        """
+        if '"ERROR' not in line:
             return
         try:
             entry = json.loads(line)
@@ -278,13 +289,18 @@ class Uploader:
             return
         if not isinstance(entry, dict):
             return
-        message = str(entry.get("msg", ""))
-        if entry.get("level") != "ERROR" or not message.startswith(("file transfer:", "runfiles:")):
+        level, message = entry.get("level"), str(entry.get("msg", ""))
+        if not isinstance(level, str) or not level.startswith("ERROR"):
             return
         match = _LOG_NAME.search(str(entry.get("sync_path", "")))
-        name = re.search(r"Name: ([^,]+),", str(entry.get("task", "")))
-        what = f"file {name[1]} not uploaded" if name else message[:160]
-        self._file_failures.setdefault(match["run"] if match else "?", []).append(what)
+        if message.startswith(("file transfer:", "runfiles:")):
+            name = _failed_file_name(entry.get("task"))
+            what = f"file {name} not uploaded" if name else _shown(message)
+            self._file_failures.setdefault(match["run"] if match else "?", []).append(what)
+        elif match and (level != "ERROR" or message.startswith("runupserter:")):
+            detail = entry.get("error")
+            what = _shown(f"{message}: {detail}" if detail else message)
+            self._run_failures.setdefault(match["run"], []).append(what)
 
     def stop(self, grace: float = 5.0) -> None:
         """End the uploader and everything it started (wandb-core too); wait for them.
@@ -302,6 +318,55 @@ class Uploader:
         finally:
             if sent:
                 note_stopped()  # what it sent last may still be landing (see `settle`)
+
+
+def _failed_file_name(task: object) -> str | None:
+    """The name of the file a failed transfer's `task` names, or None.
+
+    This is the one place where wbmerge reads text meant for people from wandb-core: the
+    `task` field of a `file transfer:` line is Go's rendering of the upload task
+    (`DefaultUploadTask{FileKind: 1, Path: ..., Name: config.yaml, Url: ..., Size: 3}`),
+    and no field of the line holds the file's name alone. When the rendering changes, the
+    failure is said with wandb-core's message instead of the file's name.
+    """
+    match = _FILE_NAME.search(task) if isinstance(task, str) else None
+    return match["name"].strip() if match else None
+
+
+def _shown(text: str) -> str:
+    """A message of wandb-core's (which may quote the server's answer) fit for one line."""
+    flat = "".join(c if c.isprintable() else " " for c in text)
+    return flat if len(flat) <= SHOWN_CHARS else flat[: SHOWN_CHARS - 3] + "..."
+
+
+def synced_markers(run_dirs: Sequence[Path]) -> dict[str, list[Path]]:
+    """The markers wandb-core will write as it finishes each run of `run_dirs`, by run id.
+
+    wandb-core writes `<log>.synced` beside each `.wandb` log it has synced, once the log is
+    read to its end and its sender has closed, just before it prints `Finished syncing`;
+    it writes none for a run it failed to sync. wandb's own `wandb sync` reads the marker
+    to pass over runs synced already, so it is a contract between wandb's command line and
+    wandb-core, where the printed line is only text. The run id is the one of the log's
+    name (`run-<id>.wandb`, as wandb and wbmerge's staging name logs). A marker there
+    before the upload is left out: `wandb sync` passes over that log and never finishes it.
+    """
+    markers: dict[str, list[Path]] = {}
+    for run_dir in run_dirs:
+        for log in sorted(Path(run_dir).glob("run-*.wandb")):
+            marker = log.with_name(log.name + ".synced")
+            match = _LOG_NAME.search(log.name)
+            if match and not marker.exists():
+                markers.setdefault(match["run"], []).append(marker)
+    return markers
+
+
+def newly_synced(unfinished: dict[str, list[Path]]) -> list[str]:
+    """The runs of `unfinished` (`synced_markers`) whose every log is marked synced now;
+    they are taken out of it, so each run is given once."""
+    done = [run_id for run_id, markers in unfinished.items() if all(map(Path.exists, markers))]
+    for run_id in done:
+        del unfinished[run_id]
+    return done
 
 
 def _end_tree(proc: subprocess.Popen, grace: float) -> None:
