@@ -13,14 +13,17 @@ from collections.abc import Collection, Sequence
 
 # What the uploader's process runs (`python -c`): the `wandb` command's own entry point,
 # given its arguments on standard input once wandb is imported and wandb-core has started.
-# The working directory leaves sys.path first (it is staging, never a place to import from).
-# An end of input before any arguments (wbmerge stopped, or died) ends it, sending nothing.
+# `wandb.setup()` is wandb's public call that starts wandb-core for the process (it loads
+# the settings from the environment, as `wandb sync` does, and `wandb sync` then uses the
+# wandb-core it started). The working directory leaves sys.path first (it is staging,
+# never a place to import from). An end of input before any arguments (wbmerge stopped,
+# or died) ends it, sending nothing.
 STANDBY = """\
 import json, sys
 del sys.path[0]
+import wandb
 from wandb.cli.cli import cli
-from wandb.sdk import wandb_setup
-wandb_setup.singleton().ensure_service()
+wandb.setup()
 arguments = sys.stdin.readline()
 if not arguments:
     sys.exit(0)
