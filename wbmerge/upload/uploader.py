@@ -3,11 +3,13 @@
 The uploader runs in its own session (so a terminal's Ctrl-C reaches wbmerge, which stops
 it), with its working and log directories inside staging (its debug logs go to `./wandb`
 under its cwd, which must be neither the user's cwd nor a source directory). What it
-reports is read from what wandb-core writes, never from its printed lines: a run is done
-when its `.wandb.synced` marker appears (`synced_markers`), what failed comes from the
-JSON lines of its debug log (`file_failures`), and silence from both the uploader (its
-output, whatever it says) and the server for `timeout` seconds ends it. `stop()` ends the whole process
-tree, wandb-core included (wandb starts wandb-core in a session of its own).
+reports is read from what wandb-core writes, never from the lines it prints (which put
+the project's name as it is inside `[entity/project/run]`, and name no run for some
+failures): a run is done when its `.wandb.synced` marker appears (`synced_markers`), and
+what failed comes from the JSON lines of its debug log (`file_failures`). Its output is
+only a sign of life: silence from both the uploader and the server for `timeout` seconds
+ends it. `stop()` ends the whole process tree, wandb-core included (wandb starts
+wandb-core in a session of its own).
 
 An uploader can be started before its runs are known (`start`): the process imports wandb's
 command line and starts wandb-core, then waits for its arguments on standard input, and runs
@@ -83,8 +85,8 @@ class Uploader:
         self._reader: threading.Thread | None = None
         self._stopped = False  # stop() came first: nothing more is started
         self._sent = False  # its runs were handed to the process: it may have sent some
-        # What failed so far, gathered as the output and the debug logs grow: each run's end
-        # asks, and reading everything again each time cost O(runs^2) (0.3 s at 256 runs).
+        # What failed so far, gathered as the debug logs grow: each run's end asks, and
+        # reading everything again each time cost O(runs^2) (0.3 s at 256 runs).
         self._failures_lock = threading.Lock()
         self._run_failures: dict[str, list[str]] = {}  # run id -> the run not created or sent
         self._file_failures: dict[str, list[str]] = {}  # run id -> failed file transfers
@@ -162,9 +164,9 @@ class Uploader:
         self._record_processes()
         unfinished = synced_markers(run_dirs)
         # The server is asked how far the runs are in a thread of its own, so that its
-        # questions (a round trip each) never hold up the reading of the output, where each
-        # run's end is seen: asked in this loop, they put a batch's last check up to 0.4 s
-        # late against a server 50 ms away.
+        # questions (a round trip each) never hold up this loop, where each run's end is
+        # seen: asked in this loop, they put a batch's last check up to 0.4 s late against
+        # a server 50 ms away.
         moved_at = [time.monotonic()]  # when the server was last seen to move
         ending = threading.Event()
         probe_failed: list[BaseException] = []  # raised here once the prober has ended
