@@ -156,13 +156,15 @@ class Uploader:
             self._sent = True
             proc, reader = self.proc, self._reader
         assert proc.stdin is not None and reader is not None  # (set together by `start`)
+        # (the markers looked for before the runs are handed over: a small run may be synced,
+        # and marked, before this thread runs again, and a marker found already is passed over)
+        unfinished = synced_markers(run_dirs)
         try:
             proc.stdin.write(json.dumps(self.arguments(run_dirs, parallel)) + "\n")
             proc.stdin.close()
         except OSError:
             pass  # it ended before it was given its runs: its output and exit code say why
         self._record_processes()
-        unfinished = synced_markers(run_dirs)
         # The server is asked how far the runs are in a thread of its own, so that its
         # questions (a round trip each) never hold up this loop, where each run's end is
         # seen: asked in this loop, they put a batch's last check up to 0.4 s late against
