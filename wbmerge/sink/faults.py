@@ -12,16 +12,21 @@ chosen request numbers (counted per kind: `file_stream@2` is the second file_str
 success, the line counts still reach past the lost lines (they are the highest offset
 held, plus one), and only reading the rows back shows the hole. W&B has lost rows so
 (wandb#12269); it is how the tests prove that verification reads every row back.
+
+`nometrics` (UpsertBucket only) keeps the run's config without the metric definitions
+wandb-core sends in it (`_wandb` -> `m`) and answers as if it kept them all: how the tests
+prove that a definition missing on the server fails the sync.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from dataclasses import dataclass, field
 
 _SPEC = re.compile(
-    r"^(?P<kind>[\w:*.-]+)=(?P<action>\d{3}|drop|lose|delay:[\d.]+)"
+    r"^(?P<kind>[\w:*.-]+)=(?P<action>\d{3}|drop|lose|nometrics|delay:[\d.]+)"
     r"(?:@(?P<nth>[\d,]+))?(?:x(?P<times>\d+))?$"
 )
 
@@ -56,6 +61,8 @@ def parse_fault(spec: str) -> Fault:
         raise ValueError(f"bad fault spec {spec!r} (e.g. 'file_stream=500@2', '*=delay:0.1')")
     if match["action"] == "lose" and match["kind"].split(":")[0] != "file_stream":
         raise ValueError(f"bad fault spec {spec!r}: only file_stream requests can be lost")
+    if match["action"] == "nometrics" and match["kind"] != "graphql:UpsertBucket":
+        raise ValueError(f"bad fault spec {spec!r}: only UpsertBucket configs lose metrics")
     nth = tuple(int(n) for n in match["nth"].split(",")) if match["nth"] else ()
     times = int(match["times"]) if match["times"] else (len(nth) or None)
     return Fault(match["kind"], match["action"], nth, times)
@@ -98,3 +105,17 @@ class FaultPlan:
                     for f in self.faults
                 ],
             }
+
+
+def without_metric_definitions(variables: dict) -> None:
+    """Drop the metric definitions (`_wandb` -> `m`) from an UpsertBucket's config, in place
+    (the `nometrics` fault); a config not in wandb-core's shape is left as it is."""
+    try:
+        config = json.loads(variables.get("config") or "{}")
+    except (ValueError, TypeError, RecursionError):
+        return
+    wandb = config.get("_wandb") if isinstance(config, dict) else None
+    inner = wandb.get("value") if isinstance(wandb, dict) else None
+    if isinstance(inner, dict) and "m" in inner:
+        del inner["m"]
+        variables["config"] = json.dumps(config)

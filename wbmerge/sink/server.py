@@ -28,12 +28,13 @@ from aiohttp import web
 from ..safepaths import check_out_file
 from . import access, pages, protocol
 from .artifact_values import ArtifactError
-from .faults import FaultPlan, parse_fault
+from .faults import FaultPlan, parse_fault, without_metric_definitions
 from .store import Store
 
 STORE = web.AppKey("store", Store)
 FAULTS = web.AppKey("faults", FaultPlan)
 FAULTS_ALLOWED = web.AppKey("faults_allowed", bool)
+WITHOUT_METRICS = "without_metrics"  # (a request's key: the `nometrics` fault fired for it)
 ENCODED_SEPARATORS = ("%2f", "%5c", "%00")  # "/", "\\" and NUL hidden in a path segment
 BASIC_CHALLENGE = {"WWW-Authenticate": 'Basic realm="wbmerge sink", charset="UTF-8"'}
 # The pages are server-rendered HTML with one inline stylesheet and inline SVG charts: no
@@ -152,12 +153,16 @@ async def fault_injection(request: web.Request, handler: Any) -> web.StreamRespo
             )
         if fault.action == "lose":  # (acknowledged as file_stream does, nothing kept)
             return web.json_response({"exitcode": None, "limits": {}})
+        if fault.action == "nometrics":
+            request[WITHOUT_METRICS] = True
     return await handler(request)
 
 
 async def graphql(request: web.Request) -> web.Response:
     try:
         payload = protocol.decode_body(await request.read())
+        if request.get(WITHOUT_METRICS) and isinstance(payload, dict):
+            without_metric_definitions(payload.get("variables") or {})
         answer = protocol.graphql(request.app[STORE], payload, _base_url(request))
     except protocol.ProtocolError as exc:
         return web.json_response({"errors": [{"message": str(exc)}]}, status=exc.status)

@@ -45,6 +45,7 @@ from .server import ServerClient, ServerError
 from .settle import wait_settled
 from .staging import OwnerRecord
 from .uploader import DEFAULT_TIMEOUT, Uploader
+from .whole import metric_definitions_missing
 
 # Runs of one batch checked at once after their upload: one at a time, the checks of 256
 # small runs fell 2 s behind the upload (each waits on a server busy with the upload).
@@ -538,6 +539,8 @@ class Deliverer:
         problems = shortfall(content, held) + list(dict.fromkeys(errors))
         if not problems and delivery.saved_files:
             problems = saved_files_missing(self.client, self.entity, self.project, delivery)
+        if not problems:
+            problems = metric_definitions_missing(content, held)
         if not problems:
             problems = self._artifacts_missing(delivery)
         if problems:

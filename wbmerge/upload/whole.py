@@ -16,6 +16,7 @@ import yaml
 
 from ..identify import few
 from ..wandbcore import LoggedRun, StagedContent
+from ..wandbcore.metricdefs import definitions_missing, held_definitions
 from .remainder import same_value, shortfall
 from .server import Held, RunListing
 
@@ -104,7 +105,21 @@ def not_held_whole(
                   and not (key in theirs and same_value(value, theirs[key]))]  # fmt: skip
         if differ:
             problems.append(f"{what} keys differ: {few(differ)}")
+    problems += metric_definitions_missing(staged, held)
     return problems + files_missing(expected_files, listing.sizes)
+
+
+def metric_definitions_missing(staged: StagedContent, held: Held) -> list[str]:
+    """The metric definitions a whole upload of the staged run leaves in its config (as
+    wandb-core folds them, `metricdefs`) that the server's config does not hold as they
+    are, a line each naming it; [] when it holds every one.
+
+    Example: a shared run whose rank 0 defined `val/*` with step metric `epoch` and logged
+    `val/acc` must hold the definition `val/acc/rank-0` stepped by `epoch/rank-0`; a
+    server that kept the config without `_wandb.m` gives ["metric definition name
+    'val/acc/rank-0' not on the server", ...]."""
+    expected = dict(staged.metric_definitions)
+    return definitions_missing(expected, held_definitions(held.config_json) if expected else {})
 
 
 # The files a whole upload writes from what it sends, read back to tell whether they came

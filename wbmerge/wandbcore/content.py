@@ -1,5 +1,5 @@
 """What a log will put on the server when `wandb sync` sends it whole: its history rows'
-steps, its system-metric rows and its console lines. An upload is verified against this.
+steps, its system-metric rows, its console lines and its metric definitions. An upload is verified against this.
 
 The counts are taken a read at a time (`ContentCounter.add`), so that a step that reads a
 log for its own purpose anyway, such as the check before a log is spliced into staging,
@@ -17,6 +17,7 @@ import numpy as np
 
 from ..log import item_path, pb, records
 from . import sentrows, terminal
+from .metricdefs import Definition, DefinitionKey, fold
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class StagedContent:
     console_lines: int  # output.log lines (`terminal.Console.lines`)
     starting_step: int = 0  # where wandb-core numbers the rows from (`sentrows.starting_step`)
     metadata: bool = False  # an environment record, which wandb-core puts as wandb-metadata.json
+    # The metric definitions wandb-core folds the log's metric records into and sends in the
+    # run's config (`metricdefs`), as (key, definition) pairs in the order first defined.
+    metric_definitions: tuple[tuple[DefinitionKey, Definition], ...] = ()
 
     @cached_property
     def history_steps(self) -> tuple[int, ...]:
@@ -62,6 +66,7 @@ class ContentCounter:
         self.events = 0
         self.console = terminal.Console(keep_text=False)
         self.metadata = False
+        self.metrics: dict[DefinitionKey, Definition] = {}
 
     def add(self, read: records.RecordIndex) -> None:
         frames = read.frames
@@ -76,12 +81,15 @@ class ContentCounter:
         for index in read.of("output_raw", "output_logger").tolist():
             record = pb.Record.FromString(frames.payload(index))
             _write_console(self.console, record)
+        metrics = read.of("metric").tolist()
+        fold((pb.Record.FromString(frames.payload(i)).metric for i in metrics), self.metrics)
 
     def content(self) -> StagedContent:
         start = sentrows.starting_step(self.runs)
         return StagedContent(
-            tuple(self.step_items), self.events, self.console.lines, start, self.metadata
-        )
+            tuple(self.step_items), self.events, self.console.lines, start, self.metadata,
+            tuple(self.metrics.items()),
+        )  # fmt: skip
 
 
 def read_staged(log: Path) -> StagedContent:
