@@ -1,5 +1,7 @@
 """The nodes' hand-off through Flyte's blob store: a real S3-compatible server on 127.0.0.1
-(moto), a node whose upload fails or silently does nothing, and the manifest as hostile input."""
+(moto), a node whose upload fails or silently does nothing, the manifest as hostile input,
+and a job whose ranks log a checkpoint artifact and `wandb.save` it, handed on and uploaded
+whole."""
 
 from __future__ import annotations
 
@@ -11,11 +13,21 @@ import time
 
 import flyte.io
 import pytest
+from wandb.sdk.artifacts._generated.operations import RUN_OUTPUT_ARTIFACTS_GQL
+from wandb.sdk.artifacts._generated.run_output_artifacts import RunOutputArtifacts
 
 from wbmerge.errors import WbmergeError
 from wbmerge.flyte import MANIFEST, check_reports, fetch_runs, node_files, read_manifest
 
-from ..support.flytetools import FAULT_JOB, flyte_env, run_example, run_script, start_object_store
+from ..sink.test_sink_artifacts import manifest_digest, md5_b64
+from ..support.flytetools import (
+    ARTIFACT_JOB,
+    FAULT_JOB,
+    flyte_env,
+    run_example,
+    run_script,
+    start_object_store,
+)
 from ..support.sinktools import console_text, expected_from_log
 
 
@@ -178,3 +190,63 @@ def test_the_shared_volume_handoff_stays_available(sink, tmp_path):
             for key, value in row.items():
                 if not key.startswith("_"):
                     assert rows[row["_step"]][f"{key}/{run.rank.label}"] == value
+
+
+def output_artifacts(sink, project: str, run_id: str) -> list:
+    """The artifact versions a run logged, read with the query wandb's public API sends
+    (`run.logged_artifacts()`)."""
+    variables = {"entity": "local", "project": project, "run": run_id, "perPage": 100}
+    answer = sink.client.graphql(RUN_OUTPUT_ARTIFACTS_GQL, variables)
+    run = RunOutputArtifacts.model_validate(answer["data"]).project.run
+    assert run is not None, f"no run {run_id}"
+    return [edge.node for edge in run.artifacts.edges]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["shared", "new"])
+def test_a_checkpoint_artifact_and_saved_file_arrive_through_the_handoff(sink, tmp_path, mode):
+    """Each rank's `log_artifact` of its checkpoint is committed under the target run with
+    the checkpoint's bytes (manifest digest, size and MD5 of the file), and its
+    `wandb.save` of it is uploaded: shared mode holds both ranks' (rank 1's artifact a
+    second version of `ckpt`, its saved file under `rank-1/`), new mode one rank's each.
+    The bytes are those each rank wrote in the ranks' working directory."""
+    env = flyte_env(sink, tmp_path, 1, 2, {"RUN_MODE": mode})
+    proc = run_script(ARTIFACT_JOB, env, tmp_path, str(tmp_path / "raw-data"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    checkpoints = {rank: (tmp_path / f"ckpt-rank-{rank}" / "model.pt").read_bytes()
+                   for rank in (0, 1)}  # fmt: skip
+    assert checkpoints[0] != checkpoints[1]
+
+    # What went through the store: each rank's log, its files and its artifact staging.
+    [manifest] = (tmp_path / "raw-data").glob(f"**/{MANIFEST}")
+    handed = json.loads(manifest.read_text())["workers"]["0"]["files"]
+    staged = [name for name in handed if "/wandb-data/artifacts/staging/" in name]
+    assert sorted(handed[name] for name in staged) == sorted(map(len, checkpoints.values()))
+    saved_copies = sorted((manifest.parent / "worker-0").glob("wandb/*/files/model.pt"))
+    assert not any(path.is_symlink() for path in saved_copies)  # (resolved on the node)
+    assert sorted(p.read_bytes() for p in saved_copies) == sorted(checkpoints.values())
+
+    runs = sorted(run["id"] for run in sink.client.runs(project="handoff"))
+    if mode == "shared":
+        [base] = runs
+        holds = {base: {0: "model.pt", 1: "rank-1/model.pt"}}
+    else:
+        base = runs[0].rsplit("-rank-", 1)[0]
+        holds = {f"{base}-rank-{rank}": {rank: "model.pt"} for rank in (0, 1)}
+    assert runs == sorted(holds)
+    versions = []
+    for run_id, saved in holds.items():
+        for rank, name in saved.items():
+            assert sink.client.file("local", "handoff", run_id, name) == checkpoints[rank]
+        nodes = output_artifacts(sink, "handoff", run_id)
+        want = {manifest_digest({"model.pt": checkpoints[rank]}): rank for rank in saved}
+        assert sorted(node.digest for node in nodes) == sorted(want)
+        for node in nodes:
+            assert node.state == "COMMITTED" and node.artifact_sequence.name == "ckpt"
+            data = checkpoints[want[node.digest]]
+            version = f"ckpt:v{node.version_index}"
+            committed = sink.client.committed_files("local", "handoff", version)
+            assert committed["files"] == {"model.pt": (len(data), md5_b64(data))}
+            assert sink.client.artifact_file("local", "handoff", version, "model.pt") == data
+        versions += [node.version_index for node in nodes]
+    assert sorted(versions) == [0, 1]  # (two ranks' `ckpt`: two versions of one artifact)

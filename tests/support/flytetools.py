@@ -17,6 +17,7 @@ from ..conftest import ROOT
 
 EXAMPLE = ROOT / "examples" / "flyte_workflow.py"
 FAULT_JOB = Path(__file__).with_name("flyte_fault_job.py")
+ARTIFACT_JOB = Path(__file__).with_name("flyte_artifact_job.py")
 
 
 def flyte_env(sink, tmp_path: Path, nodes: int, nproc: int, extra: dict | None = None) -> dict:
