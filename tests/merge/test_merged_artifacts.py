@@ -10,6 +10,7 @@ their offline ids read from their directories), never from wbmerge's staging.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -389,3 +390,86 @@ def test_an_artifact_record_naming_another_file_never_sends_it(sink, tmp_path, w
     assert sink.client.runs() == []
     kept = [p.read_bytes() for p in (sink.data_dir / "artifacts").rglob("*") if p.is_file()]
     assert SECRET not in kept
+
+
+REFERENCES = 100_000  # wandb writes a manifest of more entries to a file of its own
+
+
+def digest_of(digests: dict[str, str]) -> str:
+    """A manifest's digest from its entries' digests (wandb's documented algorithm)."""
+    text = "wandb-artifact-manifest-v1\n" + "".join(
+        f"{path}:{digest}\n" for path, digest in sorted(digests.items())
+    )
+    return hashlib.md5(text.encode()).hexdigest()
+
+
+def move_manifest_to_a_file(run_dir: Path, data_dir: Path) -> tuple[Path, str]:
+    """Rewrite the `ckpt` record of a plain run as wandb writes an artifact of more than
+    100000 entries (`interface._make_artifact_manifest`): no entries in the record, and
+    `manifest_file_path` naming a gzip file of one JSON entry a line in wandb's staging
+    (`artifact_manifests/`), here its two files and 100000 references. Returns the
+    manifest file and the artifact's new digest."""
+    manifest = (
+        data_dir / "artifacts" / "staging" / "artifact_manifests" / "1.manifest_contents.jl.gz"
+    )
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    digests: dict[str, str] = {}
+
+    def to_file(record: pb.Record) -> pb.Record | None:
+        if record.WhichOneof("record_type") != "artifact" or record.artifact.name != "ckpt":
+            return None
+        lines = []
+        for entry in record.artifact.manifest.contents:
+            lines.append({"path": entry.path, "digest": entry.digest, "size": entry.size,
+                          "extra": {}, "local_path": entry.local_path, "skip_cache": False})  # fmt: skip
+        for i in range(REFERENCES):
+            lines.append({"path": f"refs/{i:06d}.bin", "digest": f"etag-{i}", "size": i,
+                          "ref": f"s3://bucket/refs/{i:06d}.bin", "extra": {},
+                          "skip_cache": False})  # fmt: skip
+        digests.update((line["path"], line["digest"]) for line in lines)
+        with gzip.open(manifest, "wt", compresslevel=1) as out:
+            out.writelines(json.dumps(line) + "\n" for line in lines)
+        del record.artifact.manifest.contents[:]
+        del record.artifact.manifest.storage_policy_config[:]
+        record.artifact.manifest.manifest_file_path = str(manifest)
+        record.artifact.digest = digest_of(digests)
+        return record
+
+    rewrite_log(run_dir / "run-plain.wandb", to_file)
+    return manifest, digest_of(digests)
+
+
+def test_an_artifact_whose_manifest_is_a_file_of_its_own_arrives_whole(sink, tmp_path):
+    """Beyond 100000 entries wandb writes the manifest to a file, which wandb-core deletes
+    once it has read it: the merge copies it (and the files it names) into staging, so
+    the artifact arrives committed with every entry and the rank's manifest stays."""
+    data_dir = tmp_path / "ran" / "data"
+    run_dir = plain_run(tmp_path / "ran", data_dir)
+    manifest, digest = move_manifest_to_a_file(run_dir, data_dir)
+    before = manifest.read_bytes()
+    result = cli(sink, tmp_path, "sync", "--json", run_dir, "-p", PROJECT, "-e", "local")
+    assert result.exit_code == 0, result.stderr
+    (run_id,) = [run["id"] for run in json.loads(result.stdout)["runs"]]
+    node = output_artifacts(sink, run_id)[("ckpt", 0)]
+    assert node.state == "COMMITTED" and node.digest == digest
+    committed = sink.client.committed_files("local", PROJECT, "ckpt:v0")
+    assert len(committed["files"]) == REFERENCES + 2
+    weights = b"plain weights"
+    for path in ("weights.bin", "nested/copy.bin"):
+        assert committed["files"][path] == (len(weights), md5_b64(weights))
+        assert sink.client.artifact_file("local", PROJECT, "ckpt:v0", path) == weights
+    assert manifest.read_bytes() == before  # (wandb-core deleted only the staged copy)
+
+
+def test_a_manifest_file_that_is_not_wandbs_stops_the_sync_in_one_line(sink, tmp_path):
+    data_dir = tmp_path / "ran" / "data"
+    run_dir = plain_run(tmp_path / "ran", data_dir)
+    manifest, _ = move_manifest_to_a_file(run_dir, data_dir)
+    manifest.write_bytes(gzip.compress(b'{"path": "a"}\n'))  # (no digest)
+    result = cli(sink, tmp_path, "sync", run_dir, "-p", PROJECT, "-e", "local")
+    line = one_error_line(result)
+    assert "'ckpt' manifest file" in line and str(manifest) in line and "line 1" in line
+    manifest.write_bytes(b"not gzip")
+    line = one_error_line(cli(sink, tmp_path, "sync", run_dir, "-p", PROJECT, "-e", "local"))
+    assert "not a manifest file as wandb writes one" in line
+    assert sink.client.runs() == []

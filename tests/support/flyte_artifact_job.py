@@ -2,7 +2,7 @@
 `torch.save`, log it as a `model` artifact `ckpt` (alias `best`) and `wandb.save` it; the
 runs are handed to the merge task through the raw data store, which uploads them.
 
-    RUN_MODE=shared python tests/flyte_artifact_job.py RAW_DATA_PATH
+    RUN_MODE=shared python tests/support/flyte_artifact_job.py RAW_DATA_PATH
 
 Each rank writes its checkpoint to `ckpt-rank-{rank}/model.pt` under the working directory
 (where the ranks ran), so the test can read the bytes each rank wrote. It prints the

@@ -21,16 +21,24 @@ the same relative path (`savedfiles.moved_file`). A file that is gone, outside t
 directories, not a regular file, or whose bytes are no longer those the manifest's MD5
 names, is a WbmergeError naming the artifact and the path: the sync fails before the run
 is uploaded, never with a warning.
+
+Beyond 100000 entries wandb writes an artifact's manifest to a file of its own in its
+artifact staging directory (`artifact_manifests/*.manifest_contents.jl.gz`, named by the
+record's `manifest_file_path`), which wandb-core deletes once it has read it. That file is
+found under the same rules, and read as untrusted input (`manifest_file_entries`).
 """
 
 from __future__ import annotations
 
 import base64
+import gzip
 import hashlib
+import json
 import os
 import stat
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -42,6 +50,7 @@ from ..safepaths import is_within
 from .savedfiles import is_regular_file, moved_file, ran_in, recorded_root, resolved_file
 
 _OPTION = "--files-from"
+MANIFEST_FILE = "(its manifest file)"  # how a manifest file of its own is named in errors
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,10 @@ class LoggedArtifact:
     name: str
     digest: str | None
     files: tuple[tuple[str, int, str], ...]
+    # Every entry of its manifest, references too: as many files as the server lists of it
+    # (beyond 100000 in a manifest that wandb wrote to a file of its own). How far to read
+    # the server's listing, not what the artifact is: not compared.
+    entries: int = field(default=0, compare=False)
 
 
 _PLACES = (
@@ -109,14 +122,54 @@ class ArtifactFileFinder:
         return None
 
 
-def check_inline_manifest(artifact: pb.ArtifactRecord, label: str) -> None:
-    """Refuse an artifact whose manifest wandb wrote to a file of its own (beyond 100000
-    files), which this merge does not copy."""
-    if artifact.manifest.manifest_file_path:
-        raise WbmergeError(
-            f"{label}: artifact {artifact.name!r} keeps its manifest in a file of its own "
-            "(wandb does so beyond 100000 files), which wbmerge does not copy yet"
-        )
+# The longest line of one entry read from a manifest file (a path, a digest, a local path
+# and a few small fields: some KB at most); a longer one is not a manifest wandb wrote.
+MAX_MANIFEST_LINE = 1 << 20
+_MANIFEST_ERRORS = (OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError, RecursionError)
+
+
+def manifest_file_entries(path: Path, what: str) -> Iterator[dict]:
+    """The entries of a manifest that wandb wrote to a file of its own (beyond 100000
+    entries: `manifest_file_path`, read by wandb-core's `ManifestContentsFromFile`): a
+    gzip file of one JSON object a line, each with a string `path` and `digest`, and
+    maybe `size`, `local_path`, `ref`, `extra`. The regular file `path` is opened without
+    following a link at it, and read a line at a time (memory bounded by the longest
+    line, however many entries); anything else is a WbmergeError naming `what`."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise WbmergeError(f"{what}: cannot read {path} ({exc.strerror or exc})") from None
+    with open(fd, "rb") as raw:
+        if not stat.S_ISREG(os.fstat(raw.fileno()).st_mode):
+            raise WbmergeError(f"{what}: {path} is no longer a regular file; not read")
+        number = 0
+        try:
+            with gzip.GzipFile(fileobj=raw, mode="rb") as lines:
+                while line := lines.readline(MAX_MANIFEST_LINE + 1):
+                    number += 1
+                    if len(line) > MAX_MANIFEST_LINE:
+                        raise ValueError(f"line {number} is longer than {MAX_MANIFEST_LINE}")
+                    if line.strip():
+                        yield _manifest_entry(json.loads(line), number)
+        except _MANIFEST_ERRORS as exc:
+            raise WbmergeError(
+                f"{what}: {path} is not a manifest file as wandb writes one ({exc})"
+            ) from None
+
+
+def _manifest_entry(entry: object, number: int) -> dict:
+    """One line of a manifest file, checked for the fields wandb-core reads."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"line {number} is not a JSON object")
+    if not isinstance(entry.get("path"), str) or not isinstance(entry.get("digest"), str):
+        raise ValueError(f"line {number} lacks a string path or digest")
+    size = entry.get("size", 0)
+    if isinstance(size, bool) or not isinstance(size, int | float) or size < 0:
+        raise ValueError(f"line {number}: the size is not a count of bytes")
+    if not isinstance(entry.get("local_path", ""), str):
+        raise ValueError(f"line {number}: the local path is not a string")
+    return entry
 
 
 def check_artifact_files(targets: Iterable[Target], files_from: Sequence[Path] = ()) -> None:
@@ -133,11 +186,25 @@ def check_artifact_files(targets: Iterable[Target], files_from: Sequence[Path] =
                         artifact = pb.Record.FromString(read.frames.payload(index)).artifact
                     except (DecodeError, RecursionError):
                         continue  # (said where the merge reads it)
-                    check_inline_manifest(artifact, source.label)
                     finder = finder or ArtifactFileFinder(source, files_from)
-                    for entry in artifact.manifest.contents:
-                        if entry.local_path:
-                            finder.find(entry.local_path, artifact.name, entry.path)
+                    for path, local_path in manifest_local_paths(artifact, finder, source):
+                        finder.find(local_path, artifact.name, path)
+
+
+def manifest_local_paths(
+    artifact: pb.ArtifactRecord, finder: ArtifactFileFinder, source: Source
+) -> Iterator[tuple[str, str]]:
+    """(path, local path) of each entry of an artifact's manifest that names a file to
+    upload, whether the record holds the manifest or names a file of its own."""
+    for entry in artifact.manifest.contents:
+        if entry.local_path:
+            yield entry.path, entry.local_path
+    if artifact.manifest.manifest_file_path:
+        found = finder.find(artifact.manifest.manifest_file_path, artifact.name, MANIFEST_FILE)
+        what = f"{source.label}: artifact {artifact.name!r} manifest file"
+        for entry in manifest_file_entries(found, what):
+            if entry.get("local_path"):
+                yield entry["path"], entry["local_path"]
 
 
 def copy_and_hash(source: Path, dest: Path, what: str) -> tuple[int, str]:

@@ -18,11 +18,15 @@ Every file a manifest names is copied into the staged run (`artifacts/{n}/{m}`, 
 wbmerge's own making) from where the rank left it, under the rules of `artifactfiles`, and
 the manifest points at the copy: the uploader reads and may delete only copies, never the
 user's files, and a later sync copies them again. Its size and MD5 are checked against
-the manifest as it is copied.
+the manifest as it is copied. A manifest that wandb wrote to a file of its own (beyond
+100000 entries) is copied the same way, a line at a time, to `artifacts/{n}/manifest.jl.gz`,
+and the record names the copy: wandb-core deletes the manifest file once it has read it.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -30,7 +34,13 @@ from google.protobuf.message import DecodeError
 from ..errors import WbmergeError
 from ..log import pb
 from ..plan import Source, Target
-from .artifactfiles import ArtifactFileFinder, LoggedArtifact, check_inline_manifest, copy_and_hash
+from .artifactfiles import (
+    MANIFEST_FILE,
+    ArtifactFileFinder,
+    LoggedArtifact,
+    copy_and_hash,
+    manifest_file_entries,
+)
 from .options import MergeOptions
 
 MAX_ARTIFACT_NAME = 128  # W&B's limit on an artifact's name
@@ -50,6 +60,7 @@ class ArtifactRecords:
         self.count = 0  # artifact records rewritten
         self.whole: list[LoggedArtifact] = []  # committed each by its own record
         self.parts: dict[tuple[str, str], list[tuple[str, int, str]]] = {}  # distributed
+        self.part_entries: dict[tuple[str, str], int] = {}  # their manifests' entries
         self.finished: list[tuple[str, str]] = []  # distributed artifacts committed
 
     def rewrite(self, payload: bytes, source: Source) -> bytes:
@@ -76,38 +87,38 @@ class ArtifactRecords:
     def _copy_files(self, artifact: pb.ArtifactRecord, source: Source) -> None:
         """Copy every file the manifest of `artifact` names, and point it at the copy."""
         label = source.label
-        check_inline_manifest(artifact, label)
         finder = self.finders.get(source.path)
         if finder is None:
             finder = self.finders[source.path] = ArtifactFileFinder(source, self.options.files_from)
         self.count += 1
+        md5s = artifact.digest_algorithm in _MD5_DIGESTS
         files = []
         for index, entry in enumerate(artifact.manifest.contents):
             if not entry.local_path:
                 continue  # a reference: the uploader reads nothing
-            found = finder.find(entry.local_path, artifact.name, entry.path)
-            what = f"{label}: artifact {artifact.name!r} file {entry.path!r}"
-            copy, size, md5 = self.copies.get(found) or self._copy(found, index, what)
-            if (entry.size and size != entry.size) or (
-                artifact.digest_algorithm in _MD5_DIGESTS and md5 != entry.digest
-            ):
-                raise WbmergeError(
-                    f"{what}: {found} is no longer the file the rank logged (its size or MD5 "
-                    "differs from the manifest's)"
-                )
+            copy, size, md5 = self._take(
+                finder, artifact.name, label, entry.path, entry.local_path, index,
+                entry.size, entry.digest if md5s else None,
+            )  # fmt: skip
             entry.local_path = str(copy)
             files.append((entry.path, size, md5))
+        entries = len(artifact.manifest.contents)
+        if artifact.manifest.manifest_file_path:
+            in_file = self._copy_manifest_file(artifact, finder, label, md5s)
+            files += in_file.files
+            entries += in_file.entries
         if artifact.distributed_id:
             # A part of a distributed artifact (`upsert_artifact`, from any rank); the one
             # `finish_artifact` record commits them all, under a digest no record holds.
             key = (artifact.name, artifact.distributed_id)
             self.parts.setdefault(key, []).extend(files)
+            self.part_entries[key] = self.part_entries.get(key, 0) + entries
             if artifact.finalize:
                 self.finished.append(key)
         elif artifact.finalize:
             whole = artifact.digest_algorithm in _MD5_DIGESTS and not artifact.incremental_beta1
             digest = artifact.digest if whole else None
-            self.whole.append(LoggedArtifact(artifact.name, digest, tuple(files)))
+            self.whole.append(LoggedArtifact(artifact.name, digest, tuple(files), entries))
 
     @property
     def logged(self) -> list[LoggedArtifact]:
@@ -115,10 +126,65 @@ class ArtifactRecords:
         must leave on the server. A distributed artifact is one, holding every part's
         files, once the merge has read its `finish_artifact` record."""
         distributed = [
-            LoggedArtifact(name, None, tuple(dict.fromkeys(self.parts[(name, key)])))
+            LoggedArtifact(name, None, tuple(dict.fromkeys(self.parts[(name, key)])),
+                           self.part_entries[(name, key)])
             for name, key in dict.fromkeys(self.finished)
-        ]
+        ]  # fmt: skip
         return self.whole + distributed
+
+    def _take(
+        self,
+        finder: ArtifactFileFinder,
+        artifact: str,
+        label: str,
+        path: str,
+        local_path: str,
+        index: int,
+        size: int,
+        md5: str | None,
+    ) -> tuple[Path, int, str]:
+        """The copy of the file a manifest entry names (`local_path`), made once, checked
+        against the entry's `size` (0: not given) and `md5` (None: not an MD5)."""
+        found = finder.find(local_path, artifact, path)
+        what = f"{label}: artifact {artifact!r} file {path!r}"
+        copy, copied_size, copied_md5 = self.copies.get(found) or self._copy(found, index, what)
+        if (size and copied_size != size) or (md5 is not None and copied_md5 != md5):
+            raise WbmergeError(
+                f"{what}: {found} is no longer the file the rank logged (its size or MD5 "
+                "differs from the manifest's)"
+            )
+        return copy, copied_size, copied_md5
+
+    def _copy_manifest_file(
+        self, artifact: pb.ArtifactRecord, finder: ArtifactFileFinder, label: str, md5s: bool
+    ) -> LoggedArtifact:
+        """Copy a manifest that wandb wrote to a file of its own (beyond 100000 entries)
+        into the staged run, each entry's file copied and the entry pointing at the copy,
+        and point the record at the copied manifest: wandb-core deletes the manifest file
+        it reads, which must never be the rank's. Returns its entries: (path, size, MD5) of
+        each file, and how many entries it holds, references too."""
+        found = finder.find(artifact.manifest.manifest_file_path, artifact.name, MANIFEST_FILE)
+        what = f"{label}: artifact {artifact.name!r} manifest file"
+        directory = self.dest / str(self.count)
+        directory.mkdir(parents=True, exist_ok=True)
+        staged = directory / "manifest.jl.gz"
+        files = []
+        with (
+            open(staged, "xb") as out,
+            gzip.GzipFile(fileobj=out, mode="wb", compresslevel=1) as zipped,
+        ):
+            for index, entry in enumerate(manifest_file_entries(found, what)):
+                if entry.get("local_path"):
+                    at = len(artifact.manifest.contents) + index
+                    copy, size, md5 = self._take(
+                        finder, artifact.name, label, entry["path"], entry["local_path"], at,
+                        int(entry.get("size") or 0), entry["digest"] if md5s else None,
+                    )  # fmt: skip
+                    entry["local_path"] = str(copy)
+                    files.append((entry["path"], size, md5))
+                zipped.write(json.dumps(entry).encode() + b"\n")
+        artifact.manifest.manifest_file_path = str(staged.resolve())
+        return LoggedArtifact(artifact.name, None, tuple(files), index + 1)
 
     def _copy(self, found: Path, index: int, what: str) -> tuple[Path, int, str]:
         directory = self.dest / str(self.count)

@@ -35,6 +35,7 @@ ARTIFACT_VERSION_FILES = """query ArtifactVersionFiles($entity: String!, $projec
       edges { node { name sizeBytes md5 } } pageInfo { endCursor hasNextPage }
     } } } }"""
 MAX_PAGES = 100  # pages of a run's versions, or of a version's files, read at most
+FILES_PER_PAGE = 1000  # (as `ArtifactVersionFiles` asks)
 
 
 def artifacts_missing(
@@ -74,15 +75,17 @@ def logged_artifacts(
 
 
 def artifact_files(
-    client: ServerClient, entity: str, project: str, version: str
+    client: ServerClient, entity: str, project: str, version: str, entries: int = 0
 ) -> dict[str, tuple[int, str]] | None:
     """{path: (size, MD5)} of the files of the version `version` (`name:vN`); None when
-    there is no such version."""
+    there is no such version. `entries`: how many files the version should list (its
+    manifest's entries), so that a version of many is read to its end."""
     variables = {"entity": entity, "project": project, "name": version}
     nodes = _all_pages(
         client, ARTIFACT_VERSION_FILES, "ArtifactVersionFiles", variables, "after",
         lambda data: _field(_field(data, "project"), "artifact"), "files",
         f"the files of {version}", f"{version}'s files",
+        MAX_PAGES + entries // FILES_PER_PAGE,
     )  # fmt: skip
     if nodes is None:
         return None
@@ -104,13 +107,16 @@ def _all_pages(
     connection: str,
     page_of: str,
     listed: str,
+    most: int | None = None,
 ) -> list[dict] | None:
     """Every node of a paged connection (`holder(answer)[connection]`), asked page after
     page with the cursor in `cursor_name`; None when the holder does not exist. A server
-    that keeps answering pages is asked `MAX_PAGES` times, then refused."""
+    that keeps answering pages is asked `most` times (`MAX_PAGES` unless given), then
+    refused."""
+    most = MAX_PAGES if most is None else most
     nodes: list[dict] = []
     cursor = None
-    for _ in range(MAX_PAGES):
+    for _ in range(most):
         data = client.query(query, {**variables, cursor_name: cursor}, operation)
         found = holder(data)
         if not isinstance(found, dict):
@@ -119,7 +125,7 @@ def _all_pages(
         nodes += page
         if cursor is None:
             return nodes
-    raise ServerError(f"the server lists over {MAX_PAGES} pages of {listed}")
+    raise ServerError(f"the server lists over {most} pages of {listed}")
 
 
 def _missing(
@@ -143,7 +149,8 @@ def _missing(
     expected = {path: (size, md5) for path, size, md5 in artifact.files}
     problems: list[str] = []
     for version in committed:
-        held = artifact_files(client, entity, project, f"{artifact.name}:v{version['version']}")
+        version_name = f"{artifact.name}:v{version['version']}"
+        held = artifact_files(client, entity, project, version_name, artifact.entries)
         problems = [
             _file_problem(name, path, size_md5, (held or {}).get(path))
             for path, size_md5 in sorted(expected.items())
