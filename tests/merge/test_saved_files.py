@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from wbmerge import api
 from wbmerge.cli import main
 from wbmerge.log import pb, read_records
+from wbmerge.merge.files import moved_files_notice
 from wbmerge.upload import Credentials, Deliverer, Delivery, Ledger, ServerClient
 
 from ..conftest import job_dir
@@ -288,3 +289,27 @@ def test_a_run_found_where_it_ran_follows_its_links_without_files_from(sink, tmp
     for rank in range(4):
         got = sink.client.file("local", "ranhere", f"{base}-rank-{rank}", "model.pt")
         assert got == saved[rank]
+
+
+def test_files_every_rank_saves_are_said_once_not_once_a_file(tmp_path):
+    """Shared mode keeps another rank's different `model.pt` under its label, as documented;
+    with four ranks that each save one that is three files, said in one line, not three."""
+    job = job_dir(JOB)
+    assert len(set(saved_bytes(job).values())) == 4  # (each rank saved other bytes)
+    [staged] = api.merge(job / "wandb", tmp_path / "out", run_mode="shared", files_from=job)
+    said = [line for line in staged.warnings if "also written by another rank" in line]
+    assert said == [
+        "3 files also written by another rank kept under their rank's label: "
+        "rank-1/model.pt, rank-2/model.pt, rank-3/model.pt"
+    ]
+    for rank in (1, 2, 3):  # (and each is where the line says)
+        kept = staged.run_dir / "files" / f"rank-{rank}" / "model.pt"
+        assert kept.read_bytes() == saved_bytes(job)[rank]
+
+
+def test_the_line_of_moved_files_stays_one_line_at_many_ranks():
+    line = moved_files_notice([f"rank-{rank}/model.pt" for rank in range(1, 1024)])
+    assert line == ("1023 files also written by another rank kept under their rank's label: "
+                    "rank-1/model.pt, rank-2/model.pt, rank-3/model.pt, rank-4/model.pt "
+                    "and 1019 more")  # fmt: skip
+    assert moved_files_notice(["rank-1/a.pt"]).startswith("1 file also written")

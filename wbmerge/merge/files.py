@@ -58,14 +58,13 @@ def stage_files(
     directory, a FIFO, a device) is a WbmergeError naming it, as is one that cannot be read.
     """
     staged = StagedFiles()
+    moved: list[str] = []
     for source, name, readable, linked in _entries(target, files_from):
         staged_name = name
         existing = dest / name
         if existing.exists() and not _same_file(existing, readable):
             staged_name = f"{safepaths.component(source.label)}/{name}"
-            warnings.append(
-                f"{source.label}: file {name} also written by another rank; kept as {staged_name}"
-            )
+            moved.append(staged_name)
         staged.names[(source.path, name)] = staged_name
         target_path = dest / staged_name
         if target_path.exists():
@@ -75,7 +74,25 @@ def stage_files(
             size = copy_regular(readable, target_path, f"{source.label}: file {name!r}")
         if linked and name not in WANDB_FILES:
             staged.saved[staged_name] = size
+    if moved:
+        warnings.append(moved_files_notice(moved))
     return staged
+
+
+def moved_files_notice(moved: Sequence[str]) -> str:
+    """One line for every file of a shared run kept under its rank's label because another
+    rank wrote different content under its name (`moved`: the staged names). Shared mode
+    always does this (two ranks that each save `model.pt`), so it is said once, however
+    many files and ranks, not once a file. Example: ["rank-1/model.pt", "rank-2/model.pt"]
+    gives "2 files also written by another rank kept under their rank's label:
+    rank-1/model.pt, rank-2/model.pt"."""
+    shown = ", ".join(moved[:MOVED_SHOWN])
+    more = f" and {len(moved) - MOVED_SHOWN} more" if len(moved) > MOVED_SHOWN else ""
+    files = "1 file" if len(moved) == 1 else f"{len(moved)} files"
+    return f"{files} also written by another rank kept under their rank's label: {shown}{more}"
+
+
+MOVED_SHOWN = 4  # staged names a notice of moved files lists (a line at 1024 ranks too)
 
 
 def files_from_dirs(paths: Sequence[str | Path] | str | Path) -> tuple[Path, ...]:
