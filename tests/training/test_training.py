@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -163,3 +164,36 @@ def test_flush_every_must_be_a_positive_number(seconds):
 
     with pytest.raises(WbmergeError, match="flush_every must be a positive number"):
         wbmerge.init(project="p", flush_every=seconds)
+
+
+@pytest.mark.parametrize("before", [None, "/elsewhere/data"])
+def test_the_callers_wandb_data_dir_is_back_once_the_run_finishes(tmp_path, before):
+    """`wbmerge.init` points WANDB_DATA_DIR into the run's directory while the run lives
+    (its artifacts' staging travels with it); after `run.finish()`, `wandb.finish()` or a
+    `with` block the process has its own value again, or none, as before the run."""
+    env = {} if before is None else {"WANDB_DATA_DIR": before}
+    result = run_rank(
+        tmp_path,
+        """
+        import json, os
+        import wandb, wbmerge
+        seen = []
+        for end in ("run.finish", "wandb.finish", "with"):
+            if end == "with":
+                with wbmerge.init(project="p") as run:
+                    seen.append((os.environ.get("WANDB_DATA_DIR"), run.settings.sync_dir))
+            else:
+                run = wbmerge.init(project="p")
+                seen.append((os.environ.get("WANDB_DATA_DIR"), run.settings.sync_dir))
+                run.finish() if end == "run.finish" else wandb.finish()
+            seen.append(os.environ.get("WANDB_DATA_DIR"))
+        print(json.dumps(seen))
+        """,
+        **env,
+    )
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    for during, after in zip(seen[0::2], seen[1::2], strict=True):
+        data_dir, sync_dir = during
+        assert data_dir == os.path.join(sync_dir, "wandb-data")  # (while the run lives)
+        assert after == before

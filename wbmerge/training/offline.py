@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import WbmergeError
@@ -148,11 +148,42 @@ def keep_artifact_staging(run: Any) -> Any:
     the run: a run directory copied to another machine (the Flyte hand-off, rsync) keeps
     them, and `wbmerge sync` reads them there. wandb 0.31 has no setting for the staging
     directory; it reads the variable each time a file is added, so setting it after
-    `wandb.init` takes effect for every artifact the run logs. Returns `run`."""
+    `wandb.init` takes effect for every artifact the run logs. When the run finishes the
+    variable is given back the value it had before (unset if it was). Returns `run`."""
     sync_dir = getattr(getattr(run, "settings", None), "sync_dir", None)
     if sync_dir:
-        os.environ[DATA_DIR_ENV] = os.path.join(sync_dir, RUN_DATA_DIR)
+        before = os.environ.get(DATA_DIR_ENV)
+        ours = os.environ[DATA_DIR_ENV] = os.path.join(sync_dir, RUN_DATA_DIR)
+        _at_finish(run, lambda: _restore_data_dir(before, ours))
     return run
+
+
+def _restore_data_dir(before: str | None, ours: str) -> None:
+    """Give the process back the `WANDB_DATA_DIR` it had before the run (`before`; None:
+    unset), so that what it does after the run (another `wandb.init`, a `wandb.Artifact`
+    of its own) does not stage files in a finished run's directory. A value set since
+    (not `ours`) is the caller's, and kept."""
+    if os.environ.get(DATA_DIR_ENV) != ours:
+        return
+    if before is None:
+        os.environ.pop(DATA_DIR_ENV, None)
+    else:
+        os.environ[DATA_DIR_ENV] = before
+
+
+def _at_finish(run: Any, call: Callable[[], None]) -> None:
+    """Have `call` run when `run` finishes, however it does (`run.finish()`,
+    `wandb.finish()`, the end of a `with` block), after its last records are written.
+    wandb 0.31 has no public hook for this: its runs keep a list of teardown hooks
+    (`Run._teardown_hooks`, a late stage after the last records), which is used where it
+    is found; elsewhere the variable stays set (see ARCHITECTURE.md, seams)."""
+    hooks = getattr(run, "_teardown_hooks", None)
+    try:
+        from wandb.sdk.wandb_run import TeardownHook, TeardownStage
+    except ImportError:
+        return
+    if isinstance(hooks, list):
+        hooks.append(TeardownHook(call, TeardownStage.LATE))
 
 
 def _with_label(settings: Any, label: str) -> Any:
