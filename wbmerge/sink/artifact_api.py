@@ -148,11 +148,11 @@ def artifact_version_files(store: Store, v: dict[str, Any], base_url: str) -> di
     found = store.artifacts.find(entity, project, name)
     if found is None:
         return {"project": {"artifact": None}}
-    facts = store.artifacts.version(found, files=True)
     after, first = v.get("after"), v.get("first")
     start = int(after) + 1 if isinstance(after, str) and after.isdigit() and len(after) < 10 else 0
     first = first if isinstance(first, int) and 0 < first <= MAX_PAGE else MAX_PAGE
-    page = facts["files"][start : start + first]
+    facts = store.artifacts.version(found, files=True, window=(start, first))
+    page = facts["files"]
     edges = [
         {
             "node": {
@@ -170,7 +170,7 @@ def artifact_version_files(store: Store, v: dict[str, Any], base_url: str) -> di
     ]
     info = {
         "endCursor": edges[-1]["cursor"] if edges else None,
-        "hasNextPage": start + first < len(facts["files"]),
+        "hasNextPage": start + first < facts["file_count"],
     }
     version = facts["version"]
     artifact = {

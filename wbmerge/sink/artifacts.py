@@ -358,10 +358,18 @@ class ArtifactStore:
                 tag,
             )
 
-    def version(self, artifact: int, files: bool = False, reread: bool = True) -> dict:
+    def version(
+        self,
+        artifact: int,
+        files: bool = False,
+        reread: bool = True,
+        window: tuple[int, int] | None = None,
+    ) -> dict:
         """What a version is: names, version, digest, state, aliases, metadata and its file
-        count; with `files` every manifest entry with the size of the stored file and (if
-        `reread`) the MD5 of the stored bytes, read again from the disk."""
+        count; with `files` every manifest entry (only `window`'s, (first, how many) by
+        path, when given: a page of a version of 100,000 files reads one page, not all)
+        with the size of the stored file and (if `reread`) the MD5 of the stored bytes,
+        read again from the disk."""
         with self._lock:
             row = self._db.execute(
                 "SELECT s.entity, s.project, s.name, s.type, a.version, a.digest, a.state, "
@@ -383,12 +391,21 @@ class ArtifactStore:
             ]
             if self._latest(seq) == artifact:
                 aliases.append("latest")
-            entries = self._db.execute(
-                "SELECT e.path, e.digest, e.size, e.ref, f.size FROM artifact_entries e "
-                "LEFT JOIN artifact_files f ON f.artifact = e.artifact AND f.path = e.path "
-                "WHERE e.artifact = ? ORDER BY e.path",
+            count, total = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM artifact_entries WHERE artifact = ?",
                 (artifact,),
-            ).fetchall()
+            ).fetchone()
+            start, most = window if window is not None else (0, -1)
+            entries = (
+                self._db.execute(
+                    "SELECT e.path, e.digest, e.size, e.ref, f.size FROM artifact_entries e "
+                    "LEFT JOIN artifact_files f ON f.artifact = e.artifact AND f.path = e.path "
+                    "WHERE e.artifact = ? ORDER BY e.path LIMIT ? OFFSET ?",
+                    (artifact, most, start),
+                ).fetchall()
+                if files
+                else []
+            )
         facts: dict[str, Any] = {
             "id": server_id("Artifact", artifact),
             "entity": entity,
@@ -401,8 +418,8 @@ class ArtifactStore:
             "aliases": sorted(aliases),
             "metadata": json.loads(metadata),
             "description": description,
-            "file_count": len(entries),
-            "size": sum(entry[2] or 0 for entry in entries),  # as the manifest gives them
+            "file_count": count,
+            "size": total,  # as the manifest gives them
             "collection_id": server_id("ArtifactSequence", seq),
             "created": _iso(created),
             "committed": None if committed is None else _iso(committed),
