@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from .artifactfiles import LoggedArtifact
 from .console import Spools, write_console_and_stats
-from .files import check_files, files_from_dirs, stage_files
+from .files import check_files, files_from_dirs, moved_files_notice, stage_files
 from .metricglobs import glob_definitions, label_prefixes
 from .options import DEFAULT_KEY_FORMAT, MergeOptions, check_key_format
 from .passthrough import HeldUntilTheRunRecord
@@ -63,6 +63,7 @@ __all__ = [
     "files_from_dirs",
     "glob_definitions",
     "label_prefixes",
+    "moved_files_notice",
     "new_run_dir",
     "shared",
     "stage",

@@ -15,8 +15,7 @@ import re
 import yaml
 
 from ..identify import few
-from ..wandbcore import LoggedRun, StagedContent
-from ..wandbcore.metricdefs import definitions_missing, held_definitions
+from ..wandbcore import LoggedRun, StagedContent, definitions_missing, held_definitions
 from .remainder import same_value, shortfall
 from .server import Held, RunListing
 

@@ -9,18 +9,22 @@ read at a time. All of it is pure: it reads logs, never a server.
 """
 
 from .content import ContentCounter, LoggedRun, StagedContent, read_logged_run, read_staged
+from .metricdefs import Definition, definitions_missing, held_definitions
 from .sentrows import NOT_JSON, item_step, json_int, json_value, sent_steps, with_step
 from .terminal import MAX_LINE, TERMINAL_HEIGHT, Console, output_log
 
 __all__ = [
     "Console",
     "ContentCounter",
+    "Definition",
     "LoggedRun",
     "MAX_LINE",
     "NOT_JSON",
     "StagedContent",
     "TERMINAL_HEIGHT",
     "content",
+    "definitions_missing",
+    "held_definitions",
     "item_step",
     "json_int",
     "json_value",

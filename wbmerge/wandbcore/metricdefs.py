@@ -19,7 +19,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..log.proto import pb
+from ..log import pb
 
 # Field numbers of `MetricOptions` and `MetricSummary` that a definition is compared on.
 # (`defined`, option 3, says only whether the record named the key; `best` and `copy` of

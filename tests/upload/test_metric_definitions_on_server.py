@@ -20,10 +20,10 @@ from click.testing import CliRunner
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.cli import main
-from wbmerge.log.txlog import read_payloads
-from wbmerge.wandbcore.metricdefs import Definition, definitions_missing, held_definitions
+from wbmerge.log import read_payloads
+from wbmerge.wandbcore import Definition, definitions_missing, held_definitions
 
-from .conftest import job_dir
+from ..conftest import job_dir
 
 pytestmark = pytest.mark.e2e
 JOB = "recipe_saved_files"

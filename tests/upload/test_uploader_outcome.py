@@ -17,10 +17,9 @@ import pytest
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.log import txlog
-from wbmerge.upload import Credentials, Deliverer, Delivery, Ledger, ServerClient
-from wbmerge.upload.uploader import Uploader
+from wbmerge.upload import Credentials, Deliverer, Delivery, Ledger, ServerClient, Uploader
 
-from .conftest import job_dir
+from ..conftest import job_dir
 
 pytestmark = pytest.mark.e2e
 RUNS = sorted(job_dir("one_node_4").glob("wandb/offline-run-*"))[:2]
