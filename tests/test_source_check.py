@@ -1,0 +1,187 @@
+"""A staged run is compared with its ranks' own logs before it is sent (`sourcecheck`): on
+the real fixtures every mode and scope holds what its ranks logged, and a staged run that
+lacks one value, line, key or definition is named, by rank, kind and key, and not sent."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from wandb.proto import wandb_internal_pb2 as pb
+
+import wbmerge.pipeline
+from wbmerge.log.records import read_records
+from wbmerge.log.txlog import LogWriter, read_payloads
+from wbmerge.pipeline import MergeRequest, merge_jobs
+from wbmerge.upload.sourcecheck import expected_of, source_shortfall
+
+from .conftest import job_dir
+
+RESERVED = ("_step", "_runtime", "_timestamp", "_wandb")
+
+
+def staged_runs(tmp_path: Path, name: str, mode: str, scope: str = "global", **request):
+    root = job_dir(name)
+    return merge_jobs(
+        MergeRequest([root], run_mode=mode, rank_scope=scope, files_from=[root], **request),
+        tmp_path / "out",
+    )
+
+
+def user_values(logs: list[Path]) -> int:
+    """The history values a user logged in `logs`, read with protobuf."""
+    count = 0
+    for log in logs:
+        for record in read_records(log):
+            if record.HasField("history"):
+                for item in record.history.item:
+                    top = item.nested_key[0] if item.nested_key else item.key
+                    count += top not in RESERVED
+    return count
+
+
+@pytest.mark.parametrize("name", ["two_nodes_2x2", "recipe_mnist_like", "elastic_restart"])
+@pytest.mark.parametrize("mode", ["auto", "shared", "new"])
+@pytest.mark.parametrize("scope", ["global", "worker"])
+def test_every_mode_and_scope_holds_what_its_ranks_logged(tmp_path, name, mode, scope):
+    staged = staged_runs(tmp_path, name, mode, scope)
+    assert staged
+    for run in staged:
+        assert source_shortfall(run.target, run.log_path) == []
+        expected = expected_of(run.target)
+        # What is expected is what the sources hold, read here with protobuf: every value
+        # of every rank the run takes, and a summary, config and console of its own.
+        logged = user_values([source.path for source in run.target.sources])
+        assert sum(count for count, _ in expected.history.values()) == logged > 0
+        assert expected.summary and expected.config and expected.stats
+        assert sum(count for count, _ in expected.console.values()) > 0
+
+
+def rewrite(log: Path, change: Callable[[pb.Record], pb.Record | None]) -> None:
+    """Write `log` again with our own writer, each record through `change` (None: dropped)."""
+    records = [change(pb.Record.FromString(payload)) for payload in read_payloads(log)]
+    with open(log, "wb") as stream, LogWriter(stream) as writer:
+        for record in records:
+            if record is not None:
+                writer.write(record.SerializeToString())
+
+
+def once(change: Callable[[pb.Record], pb.Record | None | bool]):
+    """`change` applied to the first record it takes (returns other than False for)."""
+    done = []
+
+    def apply(record: pb.Record) -> pb.Record | None:
+        if done:
+            return record
+        changed = change(record)
+        if changed is False:
+            return record
+        done.append(True)
+        return changed
+
+    return apply
+
+
+def item_named(items, name: str):
+    return next((i for i in items if (list(i.nested_key) or [i.key]) == [name]), None)
+
+
+def drop_item(kind: str, name: str):
+    def change(record: pb.Record):
+        if not record.HasField(kind):
+            return False
+        items = record.summary.update if kind == "summary" else record.history.item
+        item = item_named(items, name)
+        if item is None:
+            return False
+        items.remove(item)
+        return record
+
+    return once(change)
+
+
+def set_value(kind: str, name: str, value: str):
+    def change(record: pb.Record):
+        if not record.HasField(kind):
+            return False
+        items = record.config.update if kind == "config" else record.history.item
+        item = item_named(items, name)
+        if item is None:
+            return False
+        item.value_json = value
+        return record
+
+    return once(change)
+
+
+def drop_console_line(label: str):
+    def change(record: pb.Record):
+        if not record.output_raw.line.startswith(f"[{label}] "):
+            return False
+        return None
+
+    return once(change)
+
+
+def drop_definition(name: str):
+    def change(record: pb.Record):
+        return None if record.metric.name == name else False
+
+    return once(change)
+
+
+def drop_sample(key: str):
+    def change(record: pb.Record):
+        item = next((i for i in record.stats.item if i.key == key), None)
+        if item is None:
+            return False
+        record.stats.item.remove(item)
+        return record
+
+    return once(change)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (drop_item("history", "train/loss/rank-1"),
+         "rank 1's history key 'train/loss/rank-1': 15 values logged, 14 staged"),
+        (set_value("history", "train/loss/rank-1", "0.5"),
+         "rank 1's history key 'train/loss/rank-1': 15 values logged, other values staged"),
+        (drop_item("summary", "rank/rank-1"), "rank 1's summary key 'rank/rank-1': not in"),
+        (set_value("config", "lr_after", "0.5"),
+         "rank 0's config key 'lr_after': 0.025 logged, 0.5 staged"),
+        (drop_console_line("rank-1"), "rank 1's console 'rank-1': 2 lines logged, 1 staged"),
+        (drop_sample("cpu/l:rank-1"), "rank 1's system metric 'cpu/l:rank-1'"),
+        (drop_definition("val/acc/rank-0"),
+         "rank 0's metric glob 'val/acc/rank-0': not bound to its step metric 'epoch/rank-0'"),
+    ],
+)  # fmt: skip
+def test_a_shared_run_lacking_what_a_rank_logged_is_named(tmp_path, change, named):
+    [run] = staged_runs(tmp_path, "recipe_mnist_like", "shared")
+    rewrite(run.log_path, change)
+    problems = source_shortfall(run.target, run.log_path)
+    assert len(problems) == 1 and problems[0].startswith(named), problems
+
+
+def test_a_pass_through_lacking_a_row_or_a_definition_is_named(tmp_path):
+    runs = staged_runs(tmp_path, "recipe_mnist_like", "new")
+    run = next(r for r in runs if r.target.primary_rank == 1)
+    rewrite(run.log_path, once(lambda r: None if r.HasField("history") else False))
+    problems = source_shortfall(run.target, run.log_path)
+    assert "rank 1's history key 'train/loss': 15 values logged, 14 staged" in problems
+    run = next(r for r in runs if r.target.primary_rank == 0)
+    rewrite(run.log_path, once(lambda r: None if r.HasField("metric") else False))
+    [problem] = source_shortfall(run.target, run.log_path)
+    assert problem == "rank 0's metric definition 'val/*' (step metric 'epoch'): not staged"
+
+
+def test_keys_left_out_by_per_rank_are_not_expected_but_the_rest_are(tmp_path):
+    [run] = staged_runs(tmp_path, "two_nodes_2x2", "shared", per_rank=["train/*"],
+                        rank_stats=True)  # fmt: skip
+    per_rank = wbmerge.pipeline.PerRank.parse(["train/*"])
+    assert source_shortfall(run.target, run.log_path, per_rank=per_rank) == []
+    rewrite(run.log_path, drop_item("history", "train/loss/worker-1-rank-1"))
+    [problem] = source_shortfall(run.target, run.log_path, per_rank=per_rank)
+    assert problem.startswith("rank 3's history key 'train/loss/worker-1-rank-1'")

@@ -1,0 +1,551 @@
+"""Whether a staged run holds what its ranks logged, counted from the ranks' own logs.
+
+The check after an upload compares the server with the staged run; whatever the merge left
+out of the staged run would be invisible to it. So before a staged run is sent, what it
+must hold is counted from its sources' `.wandb` files (`expected_of`) and compared with
+what the staged log holds (`held_by`), read on its own: the chain is then source ->
+staged (here, every value) -> server (`onserver`, after the upload).
+
+Nothing here uses the merge's own relabelling path, or the check could not catch a fault
+of it: only the record reader (`wbmerge.log`) and the naming rules the docs state (a user
+key `k` of a rank labelled `l` becomes `--key-format`'s `k/l` in a shared run; a system
+metric gets the suffix `/l:l`). Memory does not grow with the steps: a history key (and a
+system metric, and a rank's console) is a count and an order-independent digest of its
+values (the sum of their hashes), however many rows hold it.
+
+What legitimately differs, and so is not counted:
+- W&B's own history and summary keys (`_step`, `_runtime`, `_timestamp`, `_wandb`):
+  wandb-core sets them, a pass-through renumbers `_step` across restarts, and a shared run
+  keeps one rank's.
+- The `_wandb` and `wbmerge` config keys: the first is wandb's own, the second is
+  replaced by the merge's block naming the target's topology and sources.
+- In a shared run, the config of ranks other than the primary, wandb's logger lines
+  (`output_logger`: what wandb printed, not what the user did) of ranks other than the
+  primary, and the keys `--per-rank` leaves out: the docs say a shared run is made so.
+- The run record of a restart, which repeats the config the rank started with.
+- Keys the merge adds (statistics, spreads): more than the sources is not a shortfall.
+- Rows or records a damaged log loses: both sides are read by the same reader, so what
+  it cannot read of a source (said as a warning naming the damage) is not expected.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from ..log import items, records, wire
+from ..log.proto import pb
+from ..log.steps import RESERVED
+from ..plan import Source, Target
+from ..rankstats import PerRank
+
+DEFAULT_KEY_FORMAT = "{key}/{label}"
+
+KeyPath = tuple[str, ...]  # a key path (`nested_key`, or the one `key`)
+# A key's tally: how many values, and the sum of their hashes (mod 2**64).
+Tally = list[int]
+
+
+def _add(tallies: dict, key: object, count: int, digest: int) -> None:
+    found = tallies.get(key)
+    if found is None:
+        tallies[key] = [count, digest & _MASK]
+    else:
+        found[0] += count
+        found[1] = (found[1] + digest) & _MASK
+
+
+_MASK = (1 << 64) - 1
+
+
+@dataclass
+class Holdings:
+    """What a log holds (or what the sources say a target must hold) of each kind, by the
+    target's key; `origin`: the rank each expected key came from, for the failure line."""
+
+    history: dict[KeyPath, Tally] = field(default_factory=dict)
+    summary: dict[KeyPath, bytes] = field(default_factory=dict)  # key -> value part
+    config: dict[KeyPath, str] = field(default_factory=dict)  # key -> JSON text
+    console: dict[str | None, Tally] = field(default_factory=dict)  # label (None) -> lines
+    stats: dict[str, Tally] = field(default_factory=dict)
+    metrics: Counter[bytes] = field(default_factory=Counter)  # definitions, serialized
+    # A shared run's keys a rank's glob definition binds: target key -> the step metrics
+    # (labelled) of the globs that match it; one of them must be bound to it.
+    bindings: dict[str, set[str]] = field(default_factory=dict)
+    origin: dict[tuple[str, object], int] = field(default_factory=dict)
+
+
+# A key's name in the target: None for a key not counted.
+Rename = Callable[[KeyPath], KeyPath | None]
+
+
+def _own(path: KeyPath) -> KeyPath | None:
+    """A staged key as it is; W&B's own keys are not counted (see the module docstring)."""
+    return None if path[0] in RESERVED else path
+
+
+def _labeller(label: str, key_format: str, per_rank: PerRank) -> Rename:
+    """A rank's user key as a shared run names it (the docs' rule): the top-level key
+    labelled; W&B's own keys and keys `--per-rank` leaves out are not counted."""
+
+    def rename(path: KeyPath) -> KeyPath | None:
+        top = path[0]
+        if top in RESERVED or not per_rank.keeps(top):
+            return None
+        return (key_format.format(key=top, label=label), *path[1:])
+
+    return rename
+
+
+class _History:
+    """Tallies history values by target key, a read at a time, with each raw key part's
+    path and target key worked out once."""
+
+    def __init__(self, tallies: dict[KeyPath, Tally], rename: Rename) -> None:
+        self.tallies, self.rename = tallies, rename
+        self.known: dict[bytes, tuple[KeyPath, KeyPath | None]] = {}
+        self.tops: set[str] = set()  # the top-level keys seen (a rank's keys, for globs)
+
+    def target(self, raw: bytes) -> KeyPath | None:
+        found = self.known.get(raw)
+        if found is None:
+            path = tuple(wire.key_path(raw))
+            found = self.known[raw] = (path, self.rename(path))
+            self.tops.add(path[0])
+        return found[1]
+
+    def add(self, read: records.RecordIndex) -> None:
+        rows = read.rows
+        if not len(rows):
+            return
+        batch = items.split_spans(rows.data, rows.starts, rows.ends) if rows.in_place else None
+        if batch is not None:
+            try:
+                self._add_batch(batch)
+                return
+            except ValueError:
+                pass  # a key part that is not one: item by item
+        tallies = {}
+        for start, end in zip(rows.starts.tolist(), rows.ends.tolist(), strict=True):
+            for item in wire.region_items(rows.data[start:end]):
+                raw, value = wire.split_item(item)
+                key = self.target(raw)
+                if key is not None:
+                    _add(tallies, key, 1, hash(value_identity(value)))
+        for key, (count, digest) in tallies.items():
+            _add(self.tallies, key, count, digest)
+
+    def _add_batch(self, batch: items.Items) -> None:
+        codes, raw_keys = batch.key_codes()
+        keys = [self.target(raw) for raw in raw_keys]  # (ValueError: not a key part)
+        values = batch.value.to_pylist()
+        hashes = np.fromiter(map(hash, values), np.int64, len(values)).view(np.uint64)
+        sums = np.zeros(len(raw_keys), np.uint64)
+        np.add.at(sums, codes, hashes)  # (wraps around: a sum mod 2**64)
+        counts = np.bincount(codes, minlength=len(raw_keys))
+        for key, count, digest in zip(keys, counts.tolist(), sums.tolist(), strict=True):
+            if key is not None and count:
+                _add(self.tallies, key, count, digest)
+
+
+def value_identity(value: bytes) -> bytes:
+    """What a history item's value part says, in one spelling: the part itself when it is
+    one JSON text (as wandb writes values, and as the batch split takes them), else its
+    fields in protobuf's own order. A value wandb wrote typed beside its JSON text
+    (`x_history_value_encoding`) is written back in that order by a record re-serialized
+    (a restart's row moved to its step), saying the same."""
+    if value.startswith(b"\x82\x01"):
+        length, start = wire.varint(value, 2)
+        if start + length == len(value):
+            return value
+    return pb.HistoryItem.FromString(value).SerializeToString(deterministic=True)
+
+
+def _fold_summary(payload: bytes, summary: dict, target: Callable[[bytes], KeyPath | None]) -> None:
+    """Apply a summary record's updates, then its removals (as wandb-core does)."""
+    updates, removes = wire.summary_items(payload)
+    for item in updates:
+        raw, value = wire.split_item(item)
+        key = target(raw)
+        if key is not None:
+            summary[key] = value
+    for item in removes:
+        key = target(wire.split_item(item)[0])
+        if key is not None:
+            summary.pop(key, None)
+
+
+_UNCOUNTED_CONFIG = ("_wandb", "wbmerge")  # (see the module docstring)
+
+
+def _fold_config(change: pb.ConfigRecord, config: dict[KeyPath, str]) -> None:
+    for item in change.update:
+        path = tuple(item.nested_key) or (item.key,)
+        if path[0] not in _UNCOUNTED_CONFIG:
+            config[path] = item.value_json
+    for item in change.remove:
+        config.pop(tuple(item.nested_key) or (item.key,), None)
+
+
+class _Lines:
+    """Console text as lines, per stream: a line ends at a newline; what a log leaves
+    open at its end is a line too (`finish`). A line is tallied under the label its text
+    starts with (`[label] `, a shared run's), or under None."""
+
+    def __init__(self, tallies: dict[str | None, Tally], labelled: bool = False) -> None:
+        self.tallies, self.labelled = tallies, labelled
+        self.open: dict[int, str] = {}
+
+    def write(self, stream: int, text: str) -> None:
+        text = self.open.pop(stream, "") + text
+        *lines, rest = text.split("\n")
+        for line in lines:
+            self._line(stream, line)
+        if rest:
+            self.open[stream] = rest
+
+    def finish(self) -> None:
+        for stream, rest in self.open.items():
+            self._line(stream, rest)
+        self.open.clear()
+
+    def _line(self, stream: int, line: str) -> None:
+        label = None
+        if self.labelled and line.startswith("["):
+            label, sep, _ = line[1:].partition("] ")
+            if sep:
+                # (a shared run writes each line as `[label] text`, and a carriage
+                # return inside it as `\r[label] `: the rank's own text comes back)
+                prefix = f"[{label}] "
+                line = line[len(prefix) :].replace("\r" + prefix, "\r")
+            else:
+                label = None
+        _add(self.tallies, label, 1, hash((stream, line)))
+
+
+def _console(read: records.RecordIndex, lines: _Lines) -> None:
+    """Feed a read's console text (stdout and stderr; `output` is the older record of it)."""
+    for index in read.of("output_raw", "output").tolist():
+        record = pb.Record.FromString(read.frames.payload(index))
+        out = record.output_raw if record.HasField("output_raw") else record.output
+        lines.write(out.output_type, out.line)
+
+
+def _stats(
+    read: records.RecordIndex, tallies: dict[str, Tally], rename: Callable[[str], str]
+) -> None:
+    for index in read.of("stats").tolist():
+        for item in pb.Record.FromString(read.frames.payload(index)).stats.item:
+            _add(tallies, rename(item.key), 1, hash(item.value_json))
+
+
+def _system_label(label: str) -> Callable[[str], str]:
+    """A system metric of a rank in a run of several ranks (the docs' rule): W&B's
+    `/l:{label}` suffix added, unless the key carries a `/l:` label already."""
+    suffix = f"/l:{label}"
+    return lambda key: key if "/l:" in key else key + suffix
+
+
+def _definition(metric: pb.MetricRecord) -> bytes:
+    return metric.SerializeToString(deterministic=True)
+
+
+def held_by(log: Path, labelled: bool = False) -> Holdings:
+    """What a staged log holds, read on its own: history values, summary and config as
+    wandb-core applies them, console lines (per `[label]` of a shared run: `labelled`),
+    system metric values and metric definitions."""
+    held = Holdings()
+    history = _History(held.history, _own)
+    lines = _Lines(held.console, labelled)
+    for read in records.read_indexed(log):
+        history.add(read)
+        for index in read.of("summary").tolist():
+            _fold_summary(read.frames.payload(index), held.summary, history.target)
+        for index in read.of("run", "config", "metric").tolist():
+            record = pb.Record.FromString(read.frames.payload(index))
+            if record.HasField("metric"):
+                held.metrics[_definition(record.metric)] += 1
+            else:
+                _fold_config(record.run.config if record.HasField("run") else record.config,
+                             held.config)  # fmt: skip
+        _console(read, lines)
+        _stats(read, held.stats, str)
+    lines.finish()
+    return held
+
+
+@dataclass
+class _Rank:
+    """One rank's logs, and how its keys are named in the target."""
+
+    rank: int
+    label: str
+    sources: list[Source]
+    rename: Rename
+    system_rename: Callable[[str], str]
+    primary: bool
+
+
+def expected_of(
+    target: Target, key_format: str = DEFAULT_KEY_FORMAT, per_rank: PerRank | None = None
+) -> Holdings:
+    """What `target`'s staged run must hold, counted from its sources' own logs (see the
+    module docstring for what is not counted, and why)."""
+    per_rank = per_rank or PerRank()
+    shared = target.kind == "shared"
+    by_rank: dict[int, list[Source]] = {}
+    for source in target.sources:
+        by_rank.setdefault(source.rank.rank, []).append(source)
+    ranks = []
+    for rank, sources in by_rank.items():
+        label = sources[0].label
+        rename = _labeller(label, key_format, per_rank) if shared else _own
+        system = _system_label(label) if shared else str
+        ranks.append(_Rank(rank, label, sources, rename, system, rank == target.primary_rank))
+    expected = Holdings()
+    for rank in ranks:
+        _expect_rank(expected, rank, shared, key_format, per_rank)
+    for source in target.extra_system_sources:  # (auto --system-metrics all)
+        stats: dict[str, Tally] = {}
+        for read in records.read_indexed(source.path):
+            _stats(read, stats, _system_label(source.label))
+        _merge_into(expected, "system metric", expected.stats, stats, source.rank.rank)
+    return expected
+
+
+def _merge_into(expected: Holdings, kind: str, into: dict, tallies: dict, rank: int) -> None:
+    for key, (count, digest) in tallies.items():
+        _add(into, key, count, digest)
+        expected.origin[(kind, key)] = rank
+
+
+def _expect_rank(
+    expected: Holdings, rank: _Rank, shared: bool, key_format: str, per_rank: PerRank
+) -> None:
+    history: dict[KeyPath, Tally] = {}
+    counter = _History(history, rank.rename)
+    summary: dict[KeyPath, bytes] = {}
+    config: dict[KeyPath, str] = {}
+    console: dict[str | None, Tally] = {}
+    stats: dict[str, Tally] = {}
+    definitions: list[pb.MetricRecord] = []
+    # A pass-through concatenates a rank's restarts, so a line one leaves open is continued
+    # by the next; a shared run ends it where the rank restarted (each line is labelled).
+    lines = _Lines(console)
+    for index, source in enumerate(rank.sources):
+        for read in records.read_indexed(source.path):
+            counter.add(read)
+            for at in read.of("summary").tolist():
+                _fold_summary(read.frames.payload(at), summary, counter.target)
+            for at in read.of("run", "config", "metric").tolist():
+                record = pb.Record.FromString(read.frames.payload(at))
+                if record.HasField("metric"):
+                    definitions.append(record.metric)
+                elif record.HasField("config") and rank.primary:
+                    _fold_config(record.config, config)
+                elif record.HasField("run") and rank.primary and index == 0:
+                    _fold_config(record.run.config, config)
+            _console(read, lines)
+            _stats(read, stats, rank.system_rename)
+        if shared:
+            lines.finish()
+    lines.finish()
+    label = rank.label if shared else None
+    _merge_into(expected, "history key", expected.history, history, rank.rank)
+    _merge_into(expected, "system metric", expected.stats, stats, rank.rank)
+    if None in console:
+        _merge_into(expected, "console", expected.console, {label: console[None]}, rank.rank)
+    for key, value in summary.items():
+        expected.summary[key] = value
+        expected.origin[("summary key", key)] = rank.rank
+    for key, value in config.items():
+        expected.config[key] = value
+        expected.origin[("config key", key)] = rank.rank
+    for definition in _definitions(definitions, rank, shared, key_format, per_rank, counter):
+        expected.metrics[definition] += 1
+        expected.origin[("metric definition", definition)] = rank.rank
+    if shared:
+        for key, steps in _glob_bindings(definitions, rank.label, key_format, per_rank,
+                                         counter.tops).items():  # fmt: skip
+            expected.bindings[key] = steps
+            expected.origin[("metric glob", key)] = rank.rank
+
+
+def _glob_bindings(
+    definitions: list[pb.MetricRecord],
+    label: str,
+    key_format: str,
+    per_rank: PerRank,
+    keys: set[str],
+) -> dict[str, set[str]]:
+    """The keys of a rank's shared run a glob definition of the rank binds: each top-level
+    key the rank logged that a glob matches (wandb takes a glob as a prefix with a trailing
+    `*`) and that the rank did not define by name (an explicit definition shadows globs in
+    wandb-core), by its labelled name, with the labelled step metrics of the globs that
+    match it. W&B's own `_` keys, and keys `--per-rank` leaves out, are not bound."""
+    globs = [m for m in definitions if m.glob_name]
+    named = {m.name for m in definitions if m.name}
+    bound: dict[str, set[str]] = {}
+    for key in keys:
+        if key.startswith("_") or key in named or not per_rank.keeps(key):
+            continue
+        for metric in globs:
+            if key.startswith(metric.glob_name.removesuffix("*")):
+                step = metric.step_metric
+                if step and not step.startswith("_"):
+                    step = key_format.format(key=step, label=label)
+                bound.setdefault(key_format.format(key=key, label=label), set()).add(step)
+    return bound
+
+
+def _definitions(
+    definitions: list[pb.MetricRecord],
+    rank: _Rank,
+    shared: bool,
+    key_format: str,
+    per_rank: PerRank,
+    history: _History,
+) -> Iterable[bytes]:
+    """A rank's metric definitions as the target must hold them: as they are in a
+    pass-through; in a shared run a name and its step metric labelled (W&B's own `_` keys
+    as they are; a name `--per-rank` leaves out is gone). A shared run's glob definitions
+    are written as one definition per key of the rank they bind to, or as a labelled glob,
+    as `--key-format` allows; which of the two is the merge's choice, so they are checked
+    by key in `shortfall` (`glob_bindings`), not here."""
+    if not shared:
+        yield from map(_definition, definitions)
+        return
+    for metric in definitions:
+        if metric.glob_name:
+            continue
+        labelled = pb.MetricRecord()
+        labelled.CopyFrom(metric)
+        if metric.name and not metric.name.startswith("_"):
+            if not per_rank.keeps(metric.name):
+                continue
+            labelled.name = key_format.format(key=metric.name, label=rank.label)
+        if metric.step_metric and not metric.step_metric.startswith("_"):
+            labelled.step_metric = key_format.format(key=metric.step_metric, label=rank.label)
+        yield _definition(labelled)
+
+
+def shortfall(expected: Holdings, held: Holdings) -> list[str]:
+    """What `held` (a staged run) lacks of `expected` (its sources'), a line each naming
+    the rank, the kind and the key; [] when it holds everything."""
+    problems = []
+
+    def lack(kind: str, key: object, what: str) -> None:
+        rank = expected.origin.get((kind, key))
+        shown = ".".join(key) if isinstance(key, tuple) else key
+        problems.append(f"rank {rank}'s {kind} {shown!r}: {what}")
+
+    for key, (count, digest) in expected.history.items():
+        found = held.history.get(key)
+        if found is None:
+            lack("history key", key, f"{count} values logged, none staged")
+        elif found[0] != count:
+            lack("history key", key, f"{count} values logged, {found[0]} staged")
+        elif found[1] != digest:
+            lack("history key", key, f"{count} values logged, other values staged")
+    for key, value in expected.summary.items():
+        if key not in held.summary:
+            lack("summary key", key, "not in the staged summary")
+        elif held.summary[key] != value:
+            lack("summary key", key, f"{_text(value)} logged, {_text(held.summary[key])} staged")
+    for key, text in expected.config.items():
+        if key not in held.config:
+            lack("config key", key, "not in the staged config")
+        elif held.config[key] != text:
+            lack("config key", key, f"{_short(text)} logged, {_short(held.config[key])} staged")
+    for label, (count, digest) in expected.console.items():
+        found = held.console.get(label, [0, 0])
+        if found[0] != count:
+            lack("console", label, f"{count} lines logged, {found[0]} staged")
+        elif found[1] != digest:
+            lack("console", label, f"{count} lines logged, other lines staged")
+    for key, (count, digest) in expected.stats.items():
+        found = held.stats.get(key, [0, 0])
+        if found[0] != count:
+            lack("system metric", key, f"{count} samples logged, {found[0]} staged")
+        elif found[1] != digest:
+            lack("system metric", key, f"{count} samples logged, other values staged")
+    for definition, count in expected.metrics.items():
+        if held.metrics[definition] < count:
+            metric = pb.MetricRecord.FromString(definition)
+            key = ("metric definition", definition)
+            rank = expected.origin.get(key)
+            name = metric.name or metric.glob_name
+            problems.append(f"rank {rank}'s metric definition {name!r} "
+                            f"(step metric {metric.step_metric!r}): not staged")  # fmt: skip
+    if expected.bindings:
+        steps_of = _staged_bindings(held.metrics)
+        for key, steps in expected.bindings.items():
+            if not steps & steps_of(key):
+                wanted = " or ".join(sorted(map(repr, steps)))
+                lack("metric glob", key, f"not bound to its step metric {wanted}")
+    return problems
+
+
+def _staged_bindings(metrics: Iterable[bytes]) -> Callable[[str], set[str]]:
+    """The step metrics a staged run's definitions bind a key to: a definition by its
+    name, else every glob that matches it (as a prefix)."""
+    named: dict[str, set[str]] = {}
+    globs: list[tuple[str, str]] = []
+    for definition in metrics:
+        metric = pb.MetricRecord.FromString(definition)
+        if metric.glob_name:
+            globs.append((metric.glob_name.removesuffix("*"), metric.step_metric))
+        elif metric.name:
+            named.setdefault(metric.name, set()).add(metric.step_metric)
+
+    def steps_of(key: str) -> set[str]:
+        if key in named:
+            return named[key]
+        return {step for prefix, step in globs if key.startswith(prefix)}
+
+    return steps_of
+
+
+def _text(value: bytes) -> str:
+    return _short(wire.value_json(value).decode(errors="replace"))
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def source_shortfall(
+    target: Target,
+    staged_log: Path,
+    key_format: str = DEFAULT_KEY_FORMAT,
+    per_rank: PerRank | None = None,
+) -> list[str]:
+    """What the staged log of `target` lacks of what its ranks logged (`expected_of`,
+    `held_by`, `shortfall`): [] when it holds everything."""
+    expected = expected_of(target, key_format, per_rank)
+    return shortfall(expected, held_by(staged_log, labelled=target.kind == "shared"))
+
+
+def lacking_line(check: Callable[[], list[str]] | None) -> str | None:
+    """The one line that says what a staged run lacks of its sources (`check`, say a
+    `source_shortfall` with its arguments bound), or that they could not be compared; None
+    when it lacks nothing (or there is nothing to check). Such a run is not sent: sending
+    it would record as synced a run that lacks what a rank logged."""
+    if check is None:
+        return None
+    try:
+        problems = check()
+    except (OSError, ValueError, DecodeError) as exc:  # (ValueError: a key that is no text)
+        return f"not sent: it could not be compared with its ranks' logs ({exc})"
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return (
+        f"not sent: the staged run lacks what its ranks logged: {problems[0]}{more}; this is "
+        "a fault of wbmerge's merge (please report it with the line above)"
+    )
