@@ -8,17 +8,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from wandb.proto import wandb_internal_pb2 as pb
 
 import wbmerge.pipeline
+from wbmerge.cli import main
 from wbmerge.log.records import read_records
 from wbmerge.log.txlog import LogWriter, read_payloads
-from wbmerge.pipeline import MergeRequest, merge_jobs
+from wbmerge.upload.pipeline import MergeRequest, merge_jobs
 from wbmerge.upload.sourcecheck import expected_of, source_shortfall
 
 from .conftest import job_dir
 
 RESERVED = ("_step", "_runtime", "_timestamp", "_wandb")
+MNIST = job_dir("recipe_mnist_like")
 
 
 def staged_runs(tmp_path: Path, name: str, mode: str, scope: str = "global", **request):
@@ -185,3 +188,33 @@ def test_keys_left_out_by_per_rank_are_not_expected_but_the_rest_are(tmp_path):
     rewrite(run.log_path, drop_item("history", "train/loss/worker-1-rank-1"))
     [problem] = source_shortfall(run.target, run.log_path, per_rank=per_rank)
     assert problem.startswith("rank 3's history key 'train/loss/worker-1-rank-1'")
+
+
+def test_a_sync_whose_merge_lost_a_line_fails_naming_it_and_records_nothing(
+    sink, tmp_path, monkeypatch
+):
+    """The check runs in `wbmerge sync`: a merge that loses a rank's console line (here, a
+    stand-in that drops one after staging) fails the run with one line, sends nothing,
+    and records nothing, so the next sync (with the merge whole again) sends it."""
+    stage = wbmerge.pipeline.stage
+
+    def losing_stage(target, out_dir, options, **kwargs):
+        staged = stage(target, out_dir, options, **kwargs)
+        rewrite(staged.log_path, drop_console_line("rank-1"))
+        return staged
+
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
+    args = ["sync", str(MNIST), "--run-mode", "shared", "-p", "checked", "--files-from", MNIST]
+    monkeypatch.setattr(wbmerge.pipeline, "stage", losing_stage)
+    result = CliRunner().invoke(main, args, env=env)
+    assert result.exit_code == 1
+    lines = [line for line in result.stderr.splitlines() if line.startswith("wbmerge: error")]
+    assert len(lines) == 1  # (no advice to rerun: a rerun would merge it alike)
+    assert "run n0s6mi50: not sent: the staged run lacks what its ranks logged: rank 1's " \
+           "console 'rank-1': 2 lines logged, 1 staged" in lines[0]  # fmt: skip
+    assert "verified" not in result.stdout
+    assert sink.client.runs(project="checked") == []
+    monkeypatch.setattr(wbmerge.pipeline, "stage", stage)
+    result = CliRunner().invoke(main, args, env=env)
+    assert result.exit_code == 0, result.stderr
+    assert [run["id"] for run in sink.client.runs(project="checked")] == ["n0s6mi50"]

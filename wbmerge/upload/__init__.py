@@ -14,6 +14,7 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 | `standby` | what the uploader's process runs, and how a later sync knows it (and its wandb-core) again |
 | `settle` | stopped uploads noted, so that no sync reads counts while their last requests land |
 | `batches` | pure: how many ready runs a new `wandb sync` takes, its lanes, and which runs to ask about |
+| `sourcecheck` | what a staged run must hold, counted from its ranks' own logs, and what it lacks of it |
 | `deliver` | the exactly-once flow over one project's staged runs |
 """
 
@@ -55,6 +56,7 @@ from .request import MergeRequest, RequestOptions, ignored_options, option_names
 from .rowcheck import compare_steps, halves, room, sampled, spans, windows
 from .server import RUN_RESUME_STATUS, Held, RunListing, ServerClient, ServerError
 from .settle import SETTLE, last_stop, note_stopped, wait_settled
+from .sourcecheck import source_shortfall
 from .staging import (
     OwnerRecord,
     clean_stale,
@@ -144,6 +146,7 @@ __all__ = [
     "shortfall",
     "sigterm_raises",
     "spans",
+    "source_shortfall",
     "staged_files",
     "staged_md5s",
     "staging_root",

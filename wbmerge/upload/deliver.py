@@ -43,6 +43,7 @@ from .remainder import (
 )
 from .server import ServerClient, ServerError
 from .settle import wait_settled
+from .sourcecheck import lacking_line
 from .staging import OwnerRecord
 from .uploader import DEFAULT_TIMEOUT, Uploader
 from .whole import metric_definitions_missing
@@ -225,6 +226,9 @@ class Deliverer:
             try:
                 if self.given_up:
                     delivery.problems.append("not sent: the upload was given up")
+                elif lacking := lacking_line(delivery.source_check):
+                    delivery.problems.append(lacking)  # (before `prepare` may cut the log)
+                    delivery.merge_fault = True
                 else:
                     self.prepare(delivery)
                     if delivery.held_already and not self.given_up:

@@ -7,6 +7,7 @@ reads them to compare the server's run with the staged one.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +56,13 @@ class Delivery:
     # The artifacts the run logs, as read from the sources (`Staged.artifacts`): each must
     # be committed under the run with its digest and every file's size and MD5.
     artifacts: list[LoggedArtifact] = field(default_factory=list)
+    # What the staged run lacks of what its ranks logged, compared before it is sent
+    # (`sourcecheck.source_shortfall` with its arguments bound); None: not compared (a
+    # round of a follow, whose log is cut).
+    source_check: Callable[[], list[str]] | None = field(default=None, repr=False, compare=False)
+    # The staged run lacks what its ranks logged (`source_check`): not sent, and neither a
+    # rerun nor other run ids would help, so no advice follows its line.
+    merge_fault: bool = False
     # held by the thread counting what the staged log holds (`content`), so it is counted once
     counting: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from ..analyse import PerRank
@@ -37,6 +38,7 @@ from .delivery import Delivery, Progress
 from .ledger import Ledger, run_locks, state_dir
 from .request import MergeRequest, ignored_options, merge_options_given
 from .server import ServerClient, ServerError
+from .sourcecheck import source_shortfall
 from .staging import OwnerRecord, clean_stale, make_staging
 from .uploader import DEFAULT_PARALLEL, DEFAULT_TIMEOUT
 
@@ -488,6 +490,11 @@ def _start_job(
                                 exit_code=staged.exit_code,
                                 saved_files=staged.saved_files,
                                 artifacts=staged.artifacts)  # fmt: skip
+            # What a rank logged either arrives or the run fails: the staged run is compared
+            # with its sources' own logs before it is sent (and the server with the staged
+            # run after), so nothing the merge left out passes as verified.
+            delivery.source_check = partial(source_shortfall, target, staged.log_path,
+                                            options.key_format, options.per_rank)  # fmt: skip
             upload.todo.append((target, delivery))
             deliverer.submit(delivery)
     except BaseException:
@@ -519,9 +526,10 @@ def _finish_job(upload: _JobUpload, session: _Session) -> list[str]:
             f"no progress for {session.timeout:.0f} s, upload stopped; complete: "
             f"{', '.join(complete) or 'none'} (rerun to send the rest)"
         )
-    if any(not d.refused for d in result.failed) or result.timed_out:
+    advised = [d for d in result.failed if not d.merge_fault]  # (see `Delivery.merge_fault`)
+    if any(not d.refused for d in advised) or result.timed_out:
         lines.append(RERUN)
-    elif lines:  # (every run refused: a rerun would refuse them again)
+    elif advised:  # (every run refused: a rerun would refuse them again)
         # A merged run's id was chosen by its merge: --base-id goes to `merge`, not `sync`.
         merged = any(target.kind == "merged" for target, _ in upload.todo)
         how = "merge them again with --base-id ID" if merged else "with --base-id ID"

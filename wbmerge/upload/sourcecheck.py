@@ -38,11 +38,11 @@ from pathlib import Path
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from ..analyse.rankstats import PerRank
 from ..log import items, records, wire
 from ..log.proto import pb
 from ..log.steps import RESERVED
 from ..plan import Source, Target
-from ..rankstats import PerRank
 
 DEFAULT_KEY_FORMAT = "{key}/{label}"
 
@@ -547,5 +547,5 @@ def lacking_line(check: Callable[[], list[str]] | None) -> str | None:
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     return (
         f"not sent: the staged run lacks what its ranks logged: {problems[0]}{more}; this is "
-        "a fault of wbmerge's merge (please report it with the line above)"
+        "a fault of wbmerge's merge (please report it)"
     )
