@@ -166,6 +166,38 @@ def value_identity(value: bytes) -> bytes:
     return pb.HistoryItem.FromString(value).SerializeToString(deterministic=True)
 
 
+def _fold_summaries(
+    read: records.RecordIndex, summary: dict, target: Callable[[bytes], KeyPath | None]
+) -> None:
+    """Apply a read's summary records in order. wandb writes one with every row, so they
+    are taken as columns where they split (`items`: updates only), each key to its last
+    value; record by record where they do not."""
+    which = read.summaries
+    if not len(which):
+        return
+    starts, ends = read.summary_spans
+    batch = None
+    if (starts >= 0).all():
+        batch = items.split_spans(read.frames.data, starts, ends)
+    if batch is not None:
+        try:
+            codes, raw_keys = batch.key_codes()
+            keys = [target(raw) for raw in raw_keys]  # (ValueError: not a key part)
+        except ValueError:
+            batch = None
+    if batch is None:
+        for index in which.tolist():
+            _fold_summary(read.frames.payload(index), summary, target)
+        return
+    last = np.full(len(raw_keys), -1, np.int64)
+    np.maximum.at(last, codes, np.arange(len(codes)))
+    seen = np.flatnonzero(last >= 0)
+    values = batch.values(last[seen]).to_pylist()
+    for code, value in zip(seen.tolist(), values, strict=True):
+        if keys[code] is not None:
+            summary[keys[code]] = value
+
+
 def _fold_summary(payload: bytes, summary: dict, target: Callable[[bytes], KeyPath | None]) -> None:
     """Apply a summary record's updates, then its removals (as wandb-core does)."""
     updates, removes = wire.summary_items(payload)
@@ -264,8 +296,7 @@ def held_by(log: Path, labelled: bool = False) -> Holdings:
     lines = _Lines(held.console, labelled)
     for read in records.read_indexed(log):
         history.add(read)
-        for index in read.of("summary").tolist():
-            _fold_summary(read.frames.payload(index), held.summary, history.target)
+        _fold_summaries(read, held.summary, history.target)
         for index in read.of("run", "config", "metric").tolist():
             record = pb.Record.FromString(read.frames.payload(index))
             if record.HasField("metric"):
@@ -340,8 +371,7 @@ def _expect_rank(
     for index, source in enumerate(rank.sources):
         for read in records.read_indexed(source.path):
             counter.add(read)
-            for at in read.of("summary").tolist():
-                _fold_summary(read.frames.payload(at), summary, counter.target)
+            _fold_summaries(read, summary, counter.target)
             for at in read.of("run", "config", "metric").tolist():
                 record = pb.Record.FromString(read.frames.payload(at))
                 if record.HasField("metric"):
