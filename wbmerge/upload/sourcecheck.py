@@ -45,6 +45,10 @@ from ..log.steps import RESERVED
 from ..plan import Source, Target
 
 DEFAULT_KEY_FORMAT = "{key}/{label}"
+# How much of a staged log is read at a time. A shared run's rows hold every rank's items,
+# and the readers split a read's rows one item of every row a step: steps cost per read, so
+# a wide row is read in fewer, larger reads (memory is bounded by this, not by the log).
+STAGED_READ = 16 << 20
 
 KeyPath = tuple[str, ...]  # a key path (`nested_key`, or the one `key`)
 # A key's tally: how many values, and the sum of their hashes (mod 2**64).
@@ -294,7 +298,7 @@ def held_by(log: Path, labelled: bool = False) -> Holdings:
     held = Holdings()
     history = _History(held.history, _own)
     lines = _Lines(held.console, labelled)
-    for read in records.read_indexed(log):
+    for read in records.read_indexed(log, read_size=STAGED_READ):
         history.add(read)
         _fold_summaries(read, held.summary, history.target)
         for index in read.of("run", "config", "metric").tolist():
