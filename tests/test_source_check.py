@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 from wandb.proto import wandb_internal_pb2 as pb
 
+import wbmerge.follow.rounds
 import wbmerge.pipeline
 from wbmerge.cli import main
 from wbmerge.log.records import read_records
@@ -218,3 +219,33 @@ def test_a_sync_whose_merge_lost_a_line_fails_naming_it_and_records_nothing(
     result = CliRunner().invoke(main, args, env=env)
     assert result.exit_code == 0, result.stderr
     assert [run["id"] for run in sink.client.runs(project="checked")] == ["n0s6mi50"]
+
+
+def test_the_last_round_of_a_follow_whose_merge_lost_a_line_fails_naming_it(
+    sink, tmp_path, monkeypatch
+):
+    """`sync --follow` checks its last round (every rank's log whole) the same way."""
+    from wbmerge.follow import Follower
+    from wbmerge.follow.lines import round_lines
+
+    from .test_follow import GrowingJob, use_sink
+
+    stage = wbmerge.follow.rounds.stage
+
+    def losing_stage(target, out_dir, options, **kwargs):
+        staged = stage(target, out_dir, options, **kwargs)
+        rewrite(staged.log_path, drop_console_line("worker-1-rank-0"))
+        return staged
+
+    use_sink(monkeypatch, sink)
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(wbmerge.follow.rounds, "stage", losing_stage)
+    (tmp_path / "live").mkdir()
+    GrowingJob(job_dir("two_nodes_2x2"), tmp_path / "live").grow(1.0)
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
+    with Follower(request, parallel=4, timeout=120.0) as follower:
+        report = follower.round()
+    said = "\n".join(round_lines(report))
+    assert "not sent: the staged run lacks what its ranks logged: rank 2's console " \
+           "'worker-1-rank-0': 3 lines logged, 2 staged" in said  # fmt: skip
+    assert sink.client.runs() == []

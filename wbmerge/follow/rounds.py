@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from ..errors import WbmergeError
@@ -39,6 +40,7 @@ from ..upload import (
     make_staging,
     plan_found,
     run_locks,
+    source_shortfall,
     state_dir,
 )
 from ..wandbcore import StagedContent
@@ -276,6 +278,10 @@ class Follower:
         delivery = Delivery(target.id, staged.run_dir, staged.log_path, known.key, fingerprint,
                             final=done, saved_files=staged.saved_files,
                             artifacts=staged.artifacts)  # fmt: skip
+        if done:  # (a live round's sources grow past what it staged: only the last is whole)
+            options = plan.options(self.request)
+            delivery.source_check = partial(source_shortfall, target, staged.log_path,
+                                            options.key_format, options.per_rank)  # fmt: skip
         if content is not None:  # (a log that continues the rounds sent: `incremental`)
             live = self._live[target.id]
             delivery.content, delivery.rows_cut = content, live.rows_sent

@@ -42,9 +42,9 @@ from ..analyse.rankstats import PerRank
 from ..log import items, records, wire
 from ..log.proto import pb
 from ..log.steps import RESERVED
+from ..merge.options import DEFAULT_KEY_FORMAT  # (the naming rule the docs state)
 from ..plan import Source, Target
 
-DEFAULT_KEY_FORMAT = "{key}/{label}"
 # How much of a staged log is read at a time. A shared run's rows hold every rank's items,
 # and the readers split a read's rows one item of every row a step: steps cost per read, so
 # a wide row is read in fewer, larger reads (memory is bounded by this, not by the log).
@@ -55,6 +55,9 @@ KeyPath = tuple[str, ...]  # a key path (`nested_key`, or the one `key`)
 Tally = list[int]
 
 
+_MASK = (1 << 64) - 1
+
+
 def _add(tallies: dict, key: object, count: int, digest: int) -> None:
     found = tallies.get(key)
     if found is None:
@@ -62,9 +65,6 @@ def _add(tallies: dict, key: object, count: int, digest: int) -> None:
     else:
         found[0] += count
         found[1] = (found[1] + digest) & _MASK
-
-
-_MASK = (1 << 64) - 1
 
 
 @dataclass
