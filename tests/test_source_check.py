@@ -4,6 +4,7 @@ lacks one value, line, key or definition is named, by rank, kind and key, and no
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -249,3 +250,24 @@ def test_the_last_round_of_a_follow_whose_merge_lost_a_line_fails_naming_it(
     assert "not sent: the staged run lacks what its ranks logged: rank 2's console " \
            "'worker-1-rank-0': 3 lines logged, 2 staged" in said  # fmt: skip
     assert sink.client.runs() == []
+
+
+def test_wandb_logger_lines_of_the_primary_are_expected(tmp_path):
+    """Every rank's log gets a line of wandb's logger: a shared run keeps the primary's,
+    which must be staged; the other ranks' are not expected."""
+    job = tmp_path / "job"
+    shutil.copytree(job_dir("two_nodes_2x2"), job)
+    for log in sorted(job.glob("wandb/offline-run-*/run-*.wandb")):
+        payloads = list(read_payloads(log))
+        line = pb.Record()
+        line.output_logger.line = "wandb: a line of wandb's own\n"
+        payloads.insert(len(payloads) - 1, line.SerializeToString())  # (before the exit)
+        with open(log, "wb") as stream, LogWriter(stream) as writer:
+            for payload in payloads:
+                writer.write(payload)
+    [run] = merge_jobs(MergeRequest([job], run_mode="shared"), tmp_path / "out")
+    assert source_shortfall(run.target, run.log_path) == []
+    rewrite(run.log_path, once(lambda r: None if r.HasField("output_logger") else False))
+    assert source_shortfall(run.target, run.log_path) == [
+        "rank 0's wandb logger 'wandb': 1 lines logged, 0 staged"
+    ]

@@ -22,6 +22,8 @@ What legitimately differs, and so is not counted:
 - In a shared run, the config of ranks other than the primary, wandb's logger lines
   (`output_logger`: what wandb printed, not what the user did) of ranks other than the
   primary, and the keys `--per-rank` leaves out: the docs say a shared run is made so.
+  (The primary's logger lines are counted, apart from the console's: they are not
+  labelled.)
 - The run record of a restart, which repeats the config the rank started with.
 - Keys the merge adds (statistics, spreads): more than the sources is not a shortfall.
 - Rows or records a damaged log loses: both sides are read by the same reader, so what
@@ -76,6 +78,7 @@ class Holdings:
     summary: dict[KeyPath, bytes] = field(default_factory=dict)  # key -> value part
     config: dict[KeyPath, str] = field(default_factory=dict)  # key -> JSON text
     console: dict[str | None, Tally] = field(default_factory=dict)  # label (None) -> lines
+    logger: dict[str, Tally] = field(default_factory=dict)  # wandb's own logger lines
     stats: dict[str, Tally] = field(default_factory=dict)
     metrics: Counter[bytes] = field(default_factory=Counter)  # definitions, serialized
     # A shared run's keys a rank's glob definition binds: target key -> the step metrics
@@ -264,6 +267,13 @@ class _Lines:
         _add(self.tallies, label, 1, hash((stream, line)))
 
 
+def _logger(read: records.RecordIndex, tallies: dict[str, Tally]) -> None:
+    """Tally a read's lines of wandb's own logger (each record is one line)."""
+    for index in read.of("output_logger").tolist():
+        line = pb.Record.FromString(read.frames.payload(index)).output_logger.line
+        _add(tallies, "wandb", 1, hash(line))
+
+
 def _console(read: records.RecordIndex, lines: _Lines) -> None:
     """Feed a read's console text (stdout and stderr; `output` is the older record of it)."""
     for index in read.of("output_raw", "output").tolist():
@@ -309,6 +319,7 @@ def held_by(log: Path, labelled: bool = False) -> Holdings:
                 _fold_config(record.run.config if record.HasField("run") else record.config,
                              held.config)  # fmt: skip
         _console(read, lines)
+        _logger(read, held.logger)
         _stats(read, held.stats, str)
     lines.finish()
     return held
@@ -367,6 +378,7 @@ def _expect_rank(
     summary: dict[KeyPath, bytes] = {}
     config: dict[KeyPath, str] = {}
     console: dict[str | None, Tally] = {}
+    logger: dict[str, Tally] = {}
     stats: dict[str, Tally] = {}
     definitions: list[pb.MetricRecord] = []
     # A pass-through concatenates a rank's restarts, so a line one leaves open is continued
@@ -385,6 +397,8 @@ def _expect_rank(
                 elif record.HasField("run") and rank.primary and index == 0:
                     _fold_config(record.run.config, config)
             _console(read, lines)
+            if rank.primary:
+                _logger(read, logger)
             _stats(read, stats, rank.system_rename)
         if shared:
             lines.finish()
@@ -392,6 +406,7 @@ def _expect_rank(
     label = rank.label if shared else None
     _merge_into(expected, "history key", expected.history, history, rank.rank)
     _merge_into(expected, "system metric", expected.stats, stats, rank.rank)
+    _merge_into(expected, "wandb logger", expected.logger, logger, rank.rank)
     if None in console:
         _merge_into(expected, "console", expected.console, {label: console[None]}, rank.rank)
     for key, value in summary.items():
@@ -502,6 +517,12 @@ def shortfall(expected: Holdings, held: Holdings) -> list[str]:
             lack("console", label, f"{count} lines logged, {found[0]} staged")
         elif found[1] != digest:
             lack("console", label, f"{count} lines logged, other lines staged")
+    for key, (count, digest) in expected.logger.items():
+        found = held.logger.get(key, [0, 0])
+        if found[0] != count:
+            lack("wandb logger", key, f"{count} lines logged, {found[0]} staged")
+        elif found[1] != digest:
+            lack("wandb logger", key, f"{count} lines logged, other lines staged")
     for key, (count, digest) in expected.stats.items():
         found = held.stats.get(key, [0, 0])
         if found[0] != count:
