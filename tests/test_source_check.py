@@ -17,10 +17,12 @@ import wbmerge.pipeline
 from wbmerge.cli import main
 from wbmerge.log.records import read_records
 from wbmerge.log.txlog import LogWriter, read_payloads
+from wbmerge.training.topology import RankInfo
 from wbmerge.upload.pipeline import MergeRequest, merge_jobs
 from wbmerge.upload.sourcecheck import expected_of, source_shortfall
 
 from .conftest import job_dir
+from .ranklogs import exit_record, history_record, rank_log
 
 RESERVED = ("_step", "_runtime", "_timestamp", "_wandb")
 MNIST = job_dir("recipe_mnist_like")
@@ -271,3 +273,23 @@ def test_wandb_logger_lines_of_the_primary_are_expected(tmp_path):
     assert source_shortfall(run.target, run.log_path) == [
         "rank 0's wandb logger 'wandb': 1 lines logged, 0 staged"
     ]
+
+
+def test_a_summary_key_written_in_two_spellings_is_expected_at_its_last_value(tmp_path):
+    """wandb-core reads a `key` and a one-element `nested_key` as one key: its last write
+    counts, whichever spelling came first."""
+    with rank_log(tmp_path / "job", RankInfo(0, 0, 1, 1, 0, job_id="sp"), "sp-0", "p") as log:
+        for step, spelling in enumerate(["nested", "key", "nested"]):
+            log.write(history_record([("loss", str(step))], step, num=2 * step + 2))
+            record = pb.Record(num=2 * step + 3)
+            item = record.summary.update.add()
+            item.value_json = str(step)
+            if spelling == "key":
+                item.key = "best"
+            else:
+                item.nested_key.append("best")
+            log.write(record.SerializeToString())
+        log.write(exit_record(0))
+    [run] = merge_jobs(MergeRequest([tmp_path / "job"], run_mode="new"), tmp_path / "out")
+    assert expected_of(run.target).summary[("best",)].endswith(b"2")
+    assert source_shortfall(run.target, run.log_path) == []

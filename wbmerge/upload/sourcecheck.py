@@ -25,6 +25,11 @@ What legitimately differs, and so is not counted:
   (The primary's logger lines are counted, apart from the console's: they are not
   labelled.)
 - The run record of a restart, which repeats the config the rank started with.
+- Steps: a value is counted under its key whatever row or step it lands in, since a
+  shared run aligns the ranks' rows by step and a pass-through moves a restart's rows
+  after the steps before it; which step wandb-core sends each row at is the check after
+  the upload's (`content`, `sentrows`).
+- Summary values a later write replaced: only each key's last value is expected.
 - Keys the merge adds (statistics, spreads): more than the sources is not a shortfall.
 - Rows or records a damaged log loses: both sides are read by the same reader, so what
   it cannot read of a source (said as a warning naming the damage) is not expected.
@@ -199,6 +204,7 @@ def _fold_summaries(
     last = np.full(len(raw_keys), -1, np.int64)
     np.maximum.at(last, codes, np.arange(len(codes)))
     seen = np.flatnonzero(last >= 0)
+    seen = seen[np.argsort(last[seen])]  # (two spellings of one key: the later one wins)
     values = batch.values(last[seen]).to_pylist()
     for code, value in zip(seen.tolist(), values, strict=True):
         if keys[code] is not None:
