@@ -10,7 +10,9 @@ of about 1,000 steps at a time, each step once, and the values of a sample of 64
 timed alone on the staged run, `--repeat` times, and so is `--verify full` (every row's
 values). Reported: the median seconds of the sync and of each check, the check's CPU in
 this process (the rest is the sink answering, on the same machine), and the ratio of each
-check to the sync, as a markdown table.
+check to the sync, as a markdown table. So is the check before the upload
+(`upload.sourcecheck.source_shortfall`: the staged run against the rank's own log, every
+value), which a sync runs on each staged run.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from wbmerge.upload import (  # noqa: E402
     ServerClient,
     rows_not_held,
 )
+from wbmerge.upload.pipeline import MergeRequest, plan_jobs  # noqa: E402
+from wbmerge.upload.sourcecheck import source_shortfall  # noqa: E402
 from wbmerge.wandbcore import read_staged  # noqa: E402
 
 
@@ -75,6 +79,17 @@ def measure(rows: int, repeat: int, work: Path, url: str, key: str) -> dict[str,
                 raise SystemExit(f"the check of {rows} rows failed: {problems}")
         result[name], result[f"{name} cpu"] = statistics.median(walls), statistics.median(cpus)
     client.close()
+    [job_plan] = plan_jobs(MergeRequest([job], run_mode="auto", base_id=f"v{rows}"))
+    [target] = job_plan.targets
+    walls, cpus = [], []
+    for _ in range(repeat):
+        wall, cpu = time.perf_counter(), time.process_time()
+        problems = source_shortfall(target, log)
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+        if problems:
+            raise SystemExit(f"the source check of {rows} rows failed: {problems}")
+    result["source"], result["source cpu"] = statistics.median(walls), statistics.median(cpus)
     return result
 
 
@@ -94,15 +109,16 @@ def main() -> None:
             sink.wait(timeout=30)
     print(f"\nmedian of {args.repeat}, 20 metrics a row; check CPU is this process's alone:\n")
     print(
-        "| rows | sync s | sample s | sample CPU s | full s | full CPU s | sample / sync "
-        "| full / sync |"
+        "| rows | sync s | sample s | sample CPU s | full s | full CPU s | source s "
+        "| source CPU s | sample / sync | full / sync | source / sync |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for rows, r in results.items():
         print(
             f"| {rows:,} | {r['sync']:.2f} | {r['sample']:.2f} | {r['sample cpu']:.2f} | "
-            f"{r['full']:.2f} | {r['full cpu']:.2f} | {r['sample'] / r['sync']:.2f} | "
-            f"{r['full'] / r['sync']:.2f} |"
+            f"{r['full']:.2f} | {r['full cpu']:.2f} | {r['source']:.2f} | "
+            f"{r['source cpu']:.2f} | {r['sample'] / r['sync']:.2f} | "
+            f"{r['full'] / r['sync']:.2f} | {r['source'] / r['sync']:.2f} |"
         )
 
 
