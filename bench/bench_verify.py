@@ -34,14 +34,15 @@ from bench_sync_e2e import start_sink  # noqa: E402  (the same local sink, start
 from tests.support import synthetic  # noqa: E402
 from wbmerge.sink import read_api_key  # noqa: E402
 from wbmerge.training import RankInfo  # noqa: E402
-from wbmerge.upload import (  # noqa: E402
+from wbmerge.upload import (  # noqa: E402  # noqa: E402
     Credentials,
     Delivery,
+    MergeRequest,
     ServerClient,
+    plan_jobs,
     rows_not_held,
+    source_shortfall,
 )
-from wbmerge.upload.pipeline import MergeRequest, plan_jobs  # noqa: E402
-from wbmerge.upload.sourcecheck import source_shortfall  # noqa: E402
 from wbmerge.wandbcore import read_staged  # noqa: E402
 
 

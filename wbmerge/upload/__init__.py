@@ -56,7 +56,7 @@ from .request import MergeRequest, RequestOptions, ignored_options, option_names
 from .rowcheck import compare_steps, halves, room, sampled, spans, windows
 from .server import RUN_RESUME_STATUS, Held, RunListing, ServerClient, ServerError
 from .settle import SETTLE, last_stop, note_stopped, wait_settled
-from .sourcecheck import source_shortfall
+from .sourcecheck import expected_of, source_shortfall
 from .staging import (
     OwnerRecord,
     clean_stale,
@@ -116,6 +116,7 @@ __all__ = [
     "clean_stale",
     "command_line",
     "compare_steps",
+    "expected_of",
     "files_changed",
     "files_expected",
     "files_missing",
@@ -145,8 +146,8 @@ __all__ = [
     "server_key",
     "shortfall",
     "sigterm_raises",
-    "spans",
     "source_shortfall",
+    "spans",
     "staged_files",
     "staged_md5s",
     "staging_root",

@@ -45,11 +45,9 @@ from pathlib import Path
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ..analyse.rankstats import PerRank
-from ..log import items, records, wire
-from ..log.proto import pb
-from ..log.steps import RESERVED
-from ..merge.options import DEFAULT_KEY_FORMAT  # (the naming rule the docs state)
+from ..analyse import PerRank
+from ..log import RESERVED, items, pb, records, wire
+from ..merge import DEFAULT_KEY_FORMAT  # (the naming rule the docs state)
 from ..plan import Source, Target
 
 # How much of a staged log is read at a time. A shared run's rows hold every rank's items,

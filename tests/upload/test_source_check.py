@@ -12,17 +12,15 @@ import pytest
 from click.testing import CliRunner
 from wandb.proto import wandb_internal_pb2 as pb
 
-import wbmerge.follow.rounds
-import wbmerge.pipeline
+from wbmerge import merge
+from wbmerge.analyse import PerRank
 from wbmerge.cli import main
-from wbmerge.log.records import read_records
-from wbmerge.log.txlog import LogWriter, read_payloads
-from wbmerge.training.topology import RankInfo
-from wbmerge.upload.pipeline import MergeRequest, merge_jobs
-from wbmerge.upload.sourcecheck import expected_of, source_shortfall
+from wbmerge.log import LogWriter, read_payloads, read_records
+from wbmerge.training import RankInfo
+from wbmerge.upload import MergeRequest, expected_of, merge_jobs, source_shortfall
 
-from .conftest import job_dir
-from .ranklogs import exit_record, history_record, rank_log
+from ..conftest import job_dir
+from ..support.ranklogs import exit_record, history_record, rank_log
 
 RESERVED = ("_step", "_runtime", "_timestamp", "_wandb")
 MNIST = job_dir("recipe_mnist_like")
@@ -187,7 +185,7 @@ def test_a_pass_through_lacking_a_row_or_a_definition_is_named(tmp_path):
 def test_keys_left_out_by_per_rank_are_not_expected_but_the_rest_are(tmp_path):
     [run] = staged_runs(tmp_path, "two_nodes_2x2", "shared", per_rank=["train/*"],
                         rank_stats=True)  # fmt: skip
-    per_rank = wbmerge.pipeline.PerRank.parse(["train/*"])
+    per_rank = PerRank.parse(["train/*"])
     assert source_shortfall(run.target, run.log_path, per_rank=per_rank) == []
     rewrite(run.log_path, drop_item("history", "train/loss/worker-1-rank-1"))
     [problem] = source_shortfall(run.target, run.log_path, per_rank=per_rank)
@@ -200,7 +198,7 @@ def test_a_sync_whose_merge_lost_a_line_fails_naming_it_and_records_nothing(
     """The check runs in `wbmerge sync`: a merge that loses a rank's console line (here, a
     stand-in that drops one after staging) fails the run with one line, sends nothing,
     and records nothing, so the next sync (with the merge whole again) sends it."""
-    stage = wbmerge.pipeline.stage
+    stage = merge.stage
 
     def losing_stage(target, out_dir, options, **kwargs):
         staged = stage(target, out_dir, options, **kwargs)
@@ -209,7 +207,7 @@ def test_a_sync_whose_merge_lost_a_line_fails_naming_it_and_records_nothing(
 
     env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
     args = ["sync", str(MNIST), "--run-mode", "shared", "-p", "checked", "--files-from", MNIST]
-    monkeypatch.setattr(wbmerge.pipeline, "stage", losing_stage)
+    monkeypatch.setattr(merge, "stage", losing_stage)
     result = CliRunner().invoke(main, args, env=env)
     assert result.exit_code == 1
     lines = [line for line in result.stderr.splitlines() if line.startswith("wbmerge: error")]
@@ -218,7 +216,7 @@ def test_a_sync_whose_merge_lost_a_line_fails_naming_it_and_records_nothing(
            "console 'rank-1': 2 lines logged, 1 staged" in lines[0]  # fmt: skip
     assert "verified" not in result.stdout
     assert sink.client.runs(project="checked") == []
-    monkeypatch.setattr(wbmerge.pipeline, "stage", stage)
+    monkeypatch.setattr(merge, "stage", stage)
     result = CliRunner().invoke(main, args, env=env)
     assert result.exit_code == 0, result.stderr
     assert [run["id"] for run in sink.client.runs(project="checked")] == ["n0s6mi50"]
@@ -228,12 +226,11 @@ def test_the_last_round_of_a_follow_whose_merge_lost_a_line_fails_naming_it(
     sink, tmp_path, monkeypatch
 ):
     """`sync --follow` checks its last round (every rank's log whole) the same way."""
-    from wbmerge.follow import Follower
-    from wbmerge.follow.lines import round_lines
+    from wbmerge.follow import Follower, round_lines
 
-    from .test_follow import GrowingJob, use_sink
+    from ..follow.test_follow import GrowingJob, use_sink
 
-    stage = wbmerge.follow.rounds.stage
+    stage = merge.stage
 
     def losing_stage(target, out_dir, options, **kwargs):
         staged = stage(target, out_dir, options, **kwargs)
@@ -242,7 +239,7 @@ def test_the_last_round_of_a_follow_whose_merge_lost_a_line_fails_naming_it(
 
     use_sink(monkeypatch, sink)
     monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setattr(wbmerge.follow.rounds, "stage", losing_stage)
+    monkeypatch.setattr(merge, "stage", losing_stage)
     (tmp_path / "live").mkdir()
     GrowingJob(job_dir("two_nodes_2x2"), tmp_path / "live").grow(1.0)
     request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
