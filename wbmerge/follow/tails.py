@@ -7,6 +7,10 @@ across blocks (`partial`), and a hash of the bytes of that block before `resume`
 round checks that the file still holds those bytes, at that place, in the same file: a log
 truncated, rewritten or replaced raises `NotIncremental`, and the follow merges from
 scratch. So does any damage (a bad CRC or chunk): the one-shot reader accounts for it.
+
+`LiveReaders.positions()` gives all of this as plain values (and a hash of each file's first
+bytes read, which a follower restarted from them checks too: `saved`), and
+`LiveReaders.resumed` reads on from them.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class _Source:
     ended: bool = False  # read to its end: an earlier restart, or a log with its exit record
     size_at_end: int = -1
     exit_seen: bool = False
+    last_read: int = 0  # bytes the last `_read_source` read
 
     def check(self) -> int:
         """The file's size now; raises NotIncremental unless it still holds what was read."""
@@ -73,8 +78,21 @@ class _Source:
         return stat.st_size
 
 
+# What `LiveReaders.positions` keeps of each source (`_Source`'s fields but its path)
+PLACE = ("offset", "resume", "partial", "digest", "identity", "started", "ended",
+         "size_at_end", "exit_seen")  # fmt: skip
+
+
 def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _read_at(path: Path, offset: int, length: int) -> bytes:
+    try:
+        with open(path, "rb") as stream:
+            return os.pread(stream.fileno(), length, offset)
+    except OSError as exc:
+        raise NotIncremental(f"{path}: {exc.strerror or exc}") from None
 
 
 class LiveReaders:
@@ -91,6 +109,52 @@ class LiveReaders:
         }
         self._current = dict.fromkeys(self._sources, 0)
         self._left: set[int] = set()
+        self.bytes_read = 0  # of the logs, by `read` (a block read again where it resumes)
+
+    def positions(self) -> dict[int, dict]:
+        """Where every source stands, as plain values (rank -> its current source and each
+        source's place): what `resumed` goes on from. Each source also gets a hash of the
+        file's first bytes read (up to a block), which `resumed` checks besides the bytes
+        of the block where reading resumes, so that a log rewritten while no follower ran
+        is not continued."""
+        found = {}
+        for rank, sources in self._sources.items():
+            places = []
+            for source in sources:
+                place = {name: getattr(source, name) for name in PLACE}
+                length = min(BLOCK_SIZE, source.offset + source.resume)
+                place["head"] = _digest(_read_at(source.path, 0, length)) if source.digest else b""
+                places.append(place)
+            found[rank] = {"current": self._current[rank], "sources": places}
+        return found
+
+    @classmethod
+    def resumed(cls, paths: dict[int, list[Path]], positions: dict[int, dict]) -> LiveReaders:
+        """Readers of `paths` that go on from `positions` (as `positions()` gave them for
+        the same paths). Raises NotIncremental when the files do not hold what was read."""
+        readers = cls(paths)
+        if set(positions) != set(paths):
+            raise NotIncremental("other ranks than the saved state's")
+        for rank, sources in readers._sources.items():
+            saved = positions[rank]
+            if len(saved["sources"]) != len(sources):
+                raise NotIncremental(f"rank {rank} has other restarts than the saved state's")
+            readers._current[rank] = saved["current"]
+            for source, place in zip(sources, saved["sources"], strict=True):
+                for name in PLACE:
+                    setattr(source, name, place[name])
+                if source.identity is not None:
+                    source.identity = tuple(source.identity)
+                if source.offset % BLOCK_SIZE or not 0 <= source.resume <= BLOCK_SIZE:
+                    raise ValueError(f"{source.path}: a saved place that is not one")
+            if not 0 <= readers._current[rank] < len(sources):
+                raise ValueError(f"rank {rank}: a saved restart that is not one")
+                if source.digest:
+                    length = min(BLOCK_SIZE, source.offset + source.resume)
+                    if _digest(_read_at(source.path, 0, length)) != place["head"]:
+                        raise NotIncremental(f"{source.path} no longer begins as it did")
+                source.check()
+        return readers
 
     def begin_round(self) -> None:
         """Check each source against what was read of it; raises NotIncremental."""
@@ -118,6 +182,7 @@ class LiveReaders:
             source = sources[index]
             last = index == len(sources) - 1
             data, found_starts, found_ends, at_end, whole = _read_source(source, want)
+            self.bytes_read += source.last_read
             frames = Frames(data, found_starts, found_ends)
             if len(found_starts) and (records.kinds(frames) == _EXIT).any():
                 source.exit_seen = True
@@ -159,6 +224,7 @@ def _read_source(source: _Source, want: int) -> tuple[bytes, np.ndarray, np.ndar
     except OSError as exc:
         raise NotIncremental(f"{source.path}: {exc.strerror or exc}") from None
     source.identity = (stat.st_dev, stat.st_ino)
+    source.last_read = len(data)
     if source.offset == 0 and not data.startswith(FILE_HEADER):
         if FILE_HEADER.startswith(data):  # (not even its header written yet)
             return b"", np.empty(0, np.int64), np.empty(0, np.int64), True, False

@@ -32,6 +32,18 @@ class Steps:
     def restart(self) -> None:
         self._shift = None
 
+    def place_state(self) -> tuple[int, int | None]:
+        """(the last step placed, the current restart's shift, None before its first row):
+        all a follow must keep to place the rows it reads next (`at`)."""
+        return self.last, self._shift
+
+    @classmethod
+    def at(cls, last: int, shift: int | None) -> Steps:
+        """Steps that go on from `place_state()`."""
+        steps = cls()
+        steps.last, steps._shift = last, shift
+        return steps
+
     def shifted(self, steps: np.ndarray) -> np.ndarray:
         """Each step moved by its restart's shift, every row kept (as a pass-through keeps them). A
         row moved past the largest step a record holds is bad input (`WbmergeError`), not a
