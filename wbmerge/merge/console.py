@@ -6,6 +6,7 @@ their rows; pass 2 (`write_console_and_stats`) merges them by timestamp.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import os
 import struct
@@ -114,6 +115,70 @@ class Spools:
         self._file = tempfile.TemporaryFile(prefix=".wbmerge-spool-", dir=scratch, buffering=0)
         self._end = 0
         self._writers: dict[Path, SpoolWriter] = {}
+        self._hash = hashlib.blake2b(digest_size=16)  # of the file's bytes up to `_end`
+
+    @classmethod
+    def kept(cls, path: Path, state: dict | None = None) -> Spools:
+        """Spools in the file `path`, which outlives the process (a follow's, `state()` saved
+        beside it): made empty, or with `state` (as `state()` gave it) going on from what
+        the file held then. Bytes past that (a round that did not end) are written over.
+        Raises ValueError when the file does not hold what `state` says, OSError."""
+        spools = cls.__new__(cls)
+        spools.segment, spools._writers = cls.SEGMENT, {}
+        spools._hash = hashlib.blake2b(digest_size=16)
+        if state is None:
+            spools._file = open(path, "w+b", buffering=0)
+            spools._end = 0
+            return spools
+        spools._file = open(path, "r+b", buffering=0)
+        try:
+            end = state["end"]
+            at = 0
+            while at < end:  # (the spool is small beside the logs: console and system metrics)
+                data = os.pread(spools._file.fileno(), min(1 << 20, end - at), at)
+                if not data:
+                    raise ValueError(f"{path} is shorter than its saved state says")
+                spools._hash.update(data)
+                at += len(data)
+            if spools._hash.digest() != state["digest"]:
+                raise ValueError(f"{path} does not hold what its saved state says")
+            spools._end = end
+            os.ftruncate(spools._file.fileno(), end)  # (what a round that did not end wrote)
+            for source_path, (offsets, sizes, pending) in state["writers"].items():
+                writer = SpoolWriter(spools._append, spools.segment)
+                writer.offsets.extend(offsets)
+                writer.sizes.extend(sizes)
+                if any(o < 0 or n < 0 or o + n > end for o, n in zip(offsets, sizes, strict=True)):
+                    raise ValueError(f"{path}: a segment past its saved end")
+                writer.pending += pending
+                spools._writers[source_path] = writer
+        except BaseException:
+            spools._file.close()
+            raise
+        return spools
+
+    def state(self) -> dict:
+        """What `kept` goes on from, once `sync()` made the file's bytes durable: the end,
+        a hash of the bytes to it, and each source's segments and buffer."""
+        return {
+            "end": self._end,
+            "digest": self._hash.digest(),
+            "writers": {
+                path: (list(w.offsets), list(w.sizes), bytes(w.pending))
+                for path, w in self._writers.items()
+            },
+        }
+
+    def sync(self) -> None:
+        os.fsync(self._file.fileno())
+
+    def writer_of(self, source_path: Path) -> SpoolWriter | None:
+        """The writer `writer()` last gave for the source at `source_path`."""
+        return self._writers.get(source_path)
+
+    def path_of(self, writer: SpoolWriter | None) -> Path | None:
+        """The source path whose writer `writer` is (None for None)."""
+        return next((path for path, w in self._writers.items() if w is writer), None)
 
     def __enter__(self) -> Spools:
         return self
@@ -128,6 +193,7 @@ class Spools:
     def _append(self, segment: bytes | bytearray) -> int:
         """Write `segment` at the end of the file; returns where it starts."""
         offset = self._end
+        self._hash.update(segment)
         view = memoryview(segment)
         while view:
             written = os.pwrite(self._file.fileno(), view, self._end)
