@@ -214,7 +214,7 @@ def test_incremental_rounds_end_as_one_sync(
         assert not continued
 
 
-def test_a_follower_restarted_or_a_rank_rewritten_merges_again_from_scratch(
+def test_a_follower_restarted_goes_on_and_a_rank_rewritten_merges_again_from_scratch(
     job, make_sink, monkeypatch, tmp_path, state
 ):
     request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared", rank_scope="global")
@@ -227,16 +227,25 @@ def test_a_follower_restarted_or_a_rank_rewritten_merges_again_from_scratch(
         follow_rounds(follower, growing, (0.05, 0.2, 0.35, 0.5), sink, want, seen)
     assert [t.continued for r in seen for t in r.targets] == [False, True, True]
     seen.clear()
+    logs = sorted((tmp_path / "live").rglob("run-*.wandb"))
+    held = sum(log.stat().st_size for log in logs)
     with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
-        follow_rounds(follower, growing, (0.65, 0.8), sink, want, seen)
+        growing.grow(0.65)
+        now = sum(log.stat().st_size for log in logs)
+        seen.append(follower.round())
+        follow_rounds(follower, growing, (0.8,), sink, want, seen)
         growing.truncate(0.9)  # every rank loses its tail (then writes it again)
         report = follower.round()  # (the server holds rows the files lack now: refused)
         assert [t.continued for t in report.targets] == [False]
         follow_rounds(follower, growing, (0.9, 0.95), sink, want, seen)
         growing.grow(1.0)
         assert follower.round().done
-    # the restarted follower merges from scratch once, then goes on; a rewrite, again
-    assert [t.continued for r in seen for t in r.targets] == [False, True, False, True]
+    # the restarted follower goes on from the state the first one saved, reading only the
+    # bytes written since (and the block where each log was left); a rewrite merges again
+    assert [t.continued for r in seen for t in r.targets] == [True, True, False, True]
+    [first] = seen[0].targets
+    assert first.status == "sent" and first.added > 0, first.problems
+    assert 0 < first.bytes_read <= now - held + len(logs) * BLOCK_SIZE < now
     assert_same_runs(sink, want)
 
 

@@ -22,6 +22,13 @@ on from what it read: a source added (a rank or restart started), a log truncate
 rewritten or damaged (`tails.NotIncremental`), an upload not verified, or a server that
 holds other rows than this follow sent. The final round (every rank finished) is always a
 one-shot merge of the files, so the run ends as `wbmerge sync` makes it.
+
+`state()` gives what a round needs to go on as plain values, O(keys) per rank plus the rows
+and records held back and the steps of the rows sent; the console and system-metric spool
+is a file of its own beside it (`Spools.kept`). A follower saves both after each verified
+round (`saved`) and a restarted one goes on from them (`LiveShared(..., saved=state)`).
+A merge with statistics across ranks (`--skew-metrics`, `--rank-stats`) keeps their
+running numbers in arrays that are not saved: it merges from scratch after a restart.
 """
 
 from __future__ import annotations
@@ -30,7 +37,10 @@ import dataclasses
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 from ..log import LogWriter, pb
+from ..log.steps import Steps
 from ..merge import (
     MergeOptions,
     SharedMerge,
@@ -40,6 +50,8 @@ from ..merge import (
     stage_files,
     write_console_and_stats,
 )
+from ..merge.labels import KeyTable, name_id, names_of
+from ..merge.rows import Rows
 from ..plan import Target
 from ..streaming import allow_open_files
 from ..wandbcore import StagedContent, read_staged, sentrows
@@ -82,9 +94,21 @@ class _NoArtifacts:
 
 
 class LiveShared:
-    """One shared target's merge, kept between the rounds of a follow."""
+    """One shared target's merge, kept between the rounds of a follow.
 
-    def __init__(self, target: Target, options: MergeOptions, scratch: Path) -> None:
+    `spool`: the file for its console lines and system metrics, when it is to outlive the
+    process (else a temporary file in `scratch`); `saved`: a `state()` of the same target
+    and options to go on from (its spool in `spool`). Raises NotIncremental when the files
+    do not hold what `saved` read of them, ValueError when `saved` does not fit."""
+
+    def __init__(
+        self,
+        target: Target,
+        options: MergeOptions,
+        scratch: Path,
+        spool: Path | None = None,
+        saved: dict | None = None,
+    ) -> None:
         self.target, self.made_of = target, sources_of(target)
         self.options = options
         scratch.mkdir(parents=True, exist_ok=True)
@@ -99,18 +123,134 @@ class LiveShared:
         self.merge.write_head()
         self._head = [payload for _, payload in self._recorder.items]
         self._recorder.items.clear()
-        self._spools = Spools(scratch)
-        self._readers = LiveReaders(
-            {rank: [s.path for s in sources] for rank, sources in self.merge.by_rank.items()}
-        )
+        paths = {rank: [s.path for s in sources] for rank, sources in self.merge.by_rank.items()}
         # What the server holds of what this merge wrote (as the verified rounds left it):
         self.rows_sent = 0
         self._others_sent: list[bytes] = []  # records other than rows, in order
         self._held: bytes | None = None  # the last row written, held back
         self._step_items: tuple[int | None, ...] = ()
         self._last_row: dict | None = None  # the last row sent, as wandb-core sends it
+        self._last_payload: bytes | None = None  # (its record)
         self._round: tuple[list[bytes], bytes | None, list[bytes]] | None = None
         self.rounds = 0  # rounds staged
+        self.bytes_read = 0  # of the ranks' logs, by the last round
+        if saved is None:
+            self._spools = Spools(scratch) if spool is None else Spools.kept(spool)
+            self._readers = LiveReaders(paths)
+            return
+        assert spool is not None
+        self._readers = LiveReaders.resumed(paths, saved["readers"])
+        self._restore(saved)
+        known = {str(path): path for sources in paths.values() for path in sources}
+        writers = saved["spool"]["writers"]
+        if not set(writers) <= set(known):
+            raise ValueError("a spool of a file that is not a source")
+        spool_state = {**saved["spool"], "writers": {known[p]: w for p, w in writers.items()}}
+        self._spools = Spools.kept(spool, spool_state)
+        for rank, state in self.merge.states.items():
+            path = saved["ranks"][rank]["spool"]
+            state.spool = None if path is None else self._spools.writer_of(known.get(path))
+            if path is not None and state.spool is None:
+                self._spools.close()
+                raise ValueError(f"rank {rank}: no spool of {path}")
+
+    @property
+    def saveable(self) -> bool:
+        """Whether `state()` holds all of the merge (statistics across ranks are not kept)."""
+        return not self.merge.across
+
+    def state(self) -> dict:
+        """What a round needs to go on from this one, as plain values (bytes, numbers,
+        strings, lists and dicts): how far each rank's logs were read, each rank's keys,
+        folded summary and step placement, the rows and records held back, and what the
+        server holds of this merge. The spool file must be `sync`ed with it."""
+        merge = self.merge
+        ranks = {}
+        for rank, state in merge.states.items():
+            last, shift = state.steps.place_state()
+            spool = self._spools.path_of(state.spool)
+            ranks[rank] = {
+                "known": list(state.keys.known),
+                "summary": [[out, value] for out, value in state.summary.items()],
+                "exit": state.exit_payload,
+                "steps": [last, shift],
+                "seq": state.seq,
+                "last_key": list(state.last_key),
+                "last_rows": state.last_rows,
+                "globs": list(state.globs),
+                "named": sorted(state.named),
+                "spool": None if spool is None else str(spool),
+            }
+        pending = merge.pending
+        spool = self._spools.state()
+        return {
+            "rounds": self.rounds,
+            "rows_sent": self.rows_sent,
+            "others_sent": list(self._others_sent),
+            "held": self._held,
+            "step_items": list(self._step_items),
+            "last_row": self._last_payload,
+            "readers": self._readers.positions(),
+            "ranks": ranks,
+            "pending": {
+                "steps": pending.steps.tolist(),
+                "ranks": pending.ranks.tolist(),
+                "labelled": pending.labelled.tolist(),
+                "names": [list(names_of(n)) for n in pending.names.tolist()],
+                "reserved": pending.reserved.tolist(),
+            },
+            "events": [[list(key), event] for key, event in merge.events],
+            "seen": sorted(merge.seen),
+            "spool": {**spool, "writers": {str(p): w for p, w in spool["writers"].items()}},
+        }
+
+    def sync(self) -> None:
+        """Make the spool's bytes durable (before a `state()` of them is saved)."""
+        self._spools.sync()
+
+    def _restore(self, saved: dict) -> None:
+        """Set the merge (made for the same target and options) to `saved` (`state()`)."""
+        merge = self.merge
+        if set(saved["ranks"]) != set(merge.states) or not self.saveable:
+            raise ValueError("other ranks or options than the saved state's")
+        for rank, state in merge.states.items():
+            kept = saved["ranks"][rank]
+            for raw in kept["known"]:
+                state.keys.learn(raw)
+            state.summary.update((out, value) for out, value in kept["summary"])
+            state.exit_payload = kept["exit"]
+            state.steps = Steps.at(*kept["steps"])
+            state.seq, state.last_rows = kept["seq"], kept["last_rows"]
+            state.last_key = tuple(kept["last_key"])
+            state.globs, state.named = list(kept["globs"]), set(kept["named"])
+        merge.table = KeyTable([state.keys for state in merge.states.values()])
+        pending = saved["pending"]
+        objects = []
+        for column in (pending["labelled"], pending["reserved"]):
+            array = np.empty(len(column), object)
+            array[:] = column
+            objects.append(array)
+        merge.pending = Rows(
+            np.array(pending["steps"], np.int64),
+            np.array(pending["ranks"], np.int64),
+            objects[0],
+            np.array([name_id(tuple(n)) for n in pending["names"]], np.int64),
+            objects[1],
+        )
+        if not len(set(map(len, (merge.pending.steps, merge.pending.ranks, *objects)))) == 1:
+            raise ValueError("rows held back of unequal columns")
+        if not set(merge.pending.ranks.tolist()) <= set(merge.states):
+            raise ValueError("rows held back of a rank not merged")
+        merge.events = [(tuple(key), event) for key, event in saved["events"]]
+        merge.seen = set(saved["seen"])
+        self.rounds, self.rows_sent = saved["rounds"], saved["rows_sent"]
+        self._others_sent, self._held = list(saved["others_sent"]), saved["held"]
+        self._step_items = tuple(saved["step_items"])
+        if self.rows_sent != len(self._step_items):
+            raise ValueError("rows sent and their steps disagree")
+        self._last_payload = saved["last_row"]
+        if self._last_payload is not None:
+            self._last_row = sentrows.row_of(pb.Record.FromString(self._last_payload).history)
 
     def close(self) -> None:
         self._spools.close()
@@ -134,8 +274,10 @@ class LiveShared:
             staged.saved_files = files.saved
             self.merge.file_map = files.names
             self._readers.begin_round()
+            read_before = self._readers.bytes_read
             cap = None if watermark is None else (watermark, 2)  # (rows to it, and records after)
             self.merge.take_turns(self._readers, self._spools, self._readers.open_ranks, cap)
+            self.bytes_read = self._readers.bytes_read - read_before
             written = self._recorder.items
             self._recorder.items = []
             rows = [p for is_row, p in written if is_row]
@@ -191,5 +333,6 @@ class LiveShared:
         self.rows_sent = len(content.step_items)
         self._step_items = content.step_items
         if rows:
+            self._last_payload = rows[-1]
             self._last_row = sentrows.row_of(pb.Record.FromString(rows[-1]).history)
         self._round = None

@@ -9,6 +9,11 @@ so a row goes out once however many rounds stage it. A target whose ranks have a
 is staged whole, with its real exit record: its run gets its final state, and it is recorded
 in the ledger as a one-shot sync records it, so that a `wbmerge sync` afterwards finds it
 synced. Until then the ledger is not touched.
+
+A shared target's merge kept between rounds (`incremental`) is saved in the state directory
+after each verified round (`saved`), so that a follower started again goes on from it; a
+saved state that does not fit the files or the server is said in one line and the round
+merges from scratch.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from ..upload import (
     state_dir,
 )
 from ..wandbcore import StagedContent
+from . import saved
 from .cut import cut_live
 from .incremental import LiveShared, NotIncremental, sources_of
 from .live import Progress, find_live_runs, finished, progress, signature, watermark
@@ -64,7 +70,11 @@ class TargetRound:
     exit_code: int | None = None  # the final exit code, when final
     problems: list[str] = field(default_factory=list)
     # merged only what the ranks wrote since the last round, by the merge kept from it
+    # (in this process, or saved by a follower before it)
     continued: bool = False
+    # bytes of the ranks' logs the round's merge read: when continued, what was written
+    # since the last round (from the block where that one stopped); else the whole logs
+    bytes_read: int = 0
 
 
 @dataclass
@@ -136,6 +146,8 @@ class Follower:
         self._live: dict[str, LiveShared] = {}
         self._staged_live: set[str] = set()
         self._live_made = 0  # (each merge's scratch directory is named by its number)
+        self._saved_at: dict[str, tuple[Path, str]] = {}  # run id -> (`saved` place, made for)
+        self._bytes_read: dict[str, int] = {}  # run id -> the bytes its staging read
 
     def __enter__(self) -> Follower:
         return self
@@ -156,6 +168,7 @@ class Follower:
         """Read, merge and upload what the ranks wrote since the last round."""
         self.number += 1
         report = RoundReport(self.number)
+        self._bytes_read.clear()
         live = find_live_runs(self.request.paths, self.hints, self.request.job, self.job_prefix)
         report.changed = live.sizes != self._sizes
         report.started = bool(live.sizes)
@@ -241,10 +254,12 @@ class Follower:
         staged, content = None, None
         if target.kind == "shared" and not done:
             server_rows = self._server_rows(known, entity, plan.project, target.id)
-            found = self._stage_live(plan, target, ranks, workdir, server_rows)
+            found = self._stage_live(plan, target, ranks, workdir, server_rows, known, report)
             staged, content = found or (None, None)
         else:
             self._drop_live(target.id)  # (the last round: merged from scratch, as sync does)
+        if staged is None:
+            self._bytes_read[target.id] = sum(_size(s.path) for s in target.sources)
         try:
             staged = staged or merge.stage(target, workdir / "runs", plan.options(self.request))
         except WbmergeError as exc:
@@ -291,38 +306,100 @@ class Follower:
 
     def _stage_live(
         self, plan: PlannedJob, target: Target, ranks: dict[int, Progress], workdir: Path,
-        server_rows: int,
+        server_rows: int, known: _Known, report: RoundReport,
     ) -> tuple[Staged, StagedContent | None] | None:  # fmt: skip
         """Stage a shared target's round from its merge kept since the last round (made
-        now if there is none, or if its sources changed); None when that merge cannot go
-        on (`incremental`): it is dropped, and the round merges from scratch."""
+        now if there is none, or if its sources changed: from the state a follower before
+        this one saved, when it fits); None when that merge cannot go on (`incremental`):
+        it is dropped, and the round merges from scratch."""
         self._staged_live.discard(target.id)
         live = self._live.get(target.id)
         if live is not None and live.made_of != sources_of(target):
-            self._drop_live(target.id)
+            self._drop_live(target.id, forget=True)
             live = None
-        found = None
+        found, resumed, why = None, False, None
         try:
             if live is None:
-                scratch = self.staging / "live" / str(self._live_made)
-                self._live_made += 1
-                live = self._live[target.id] = LiveShared(
-                    target, plan.options(self.request), scratch
-                )
+                live, resumed = self._make_live(plan, target, known, server_rows, report)
             found = live.stage(workdir / "runs", watermark(target, ranks), server_rows)
-        except (NotIncremental, WbmergeError, OSError):
-            found = None
+            self._bytes_read[target.id] = live.bytes_read
+            if found is None:
+                why = (
+                    f"the server holds {server_rows} history rows, not the {live.rows_sent} it sent"
+                )
+        except (NotIncremental, WbmergeError, OSError) as exc:
+            found, why = None, str(exc)
+        except ValueError as exc:  # (a saved state that passed its checks, yet does not fit)
+            if not resumed:
+                raise
+            found, why = None, str(exc)
         if found is None:
-            self._drop_live(target.id)
+            if resumed:
+                report.warnings.append(f"{target.id}: the state a follower before this one "
+                                       f"saved does not fit ({why}): merged from scratch")  # fmt: skip
+            self._drop_live(target.id, forget=True)
             return None
         self._staged_live.add(target.id)
         return found
 
-    def _drop_live(self, run_id: str) -> None:
+    def _make_live(
+        self, plan: PlannedJob, target: Target, known: _Known, server_rows: int,
+        report: RoundReport,
+    ) -> tuple[LiveShared, bool]:  # fmt: skip
+        """A target's merge to go on with: from its saved state when there is one that
+        fits (and then True), else a new one (whose saved state is removed first: its spool
+        is made anew). Raises NotIncremental, OSError (a new one's spool)."""
+        settings = plan.ledger_settings(self.request)
+        place = saved.directory(state_dir(), known.key)
+        made = saved.made_for(known.key, settings, sources_of(target))
+        self._saved_at[target.id] = (place, made)
+        scratch = self.staging / "live" / str(self._live_made)
+        self._live_made += 1
+        options = plan.options(self.request)
+        spool = place / saved.SPOOL_FILE
+        try:
+            state = saved.load(place, made)
+            if state is not None:
+                live = self._live[target.id] = LiveShared(target, options, scratch, spool, state)
+                return live, True
+            if server_rows:  # (rows sent before: by a follower whose state is lost, or a sync)
+                report.warnings.append(f"{target.id}: no state saved by a follower before "
+                                       "this one: merged from scratch")  # fmt: skip
+        except (saved.Unusable, NotIncremental, ValueError, OSError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            report.warnings.append(f"{target.id}: {why}: merged from scratch"
+                                   if isinstance(exc, saved.Unusable) else
+                                   f"{target.id}: the state a follower before this one saved "
+                                   f"does not fit ({why}): merged from scratch")  # fmt: skip
+        saved.discard(place)
+        place.mkdir(parents=True, exist_ok=True)
+        live = self._live[target.id] = LiveShared(target, options, scratch, spool)
+        return live, False
+
+    def _drop_live(self, run_id: str, forget: bool = False) -> None:
+        """Let go of a target's merge; `forget`: also of its saved state (it went wrong, and
+        a follower started again must not go on from it)."""
         self._staged_live.discard(run_id)
         live = self._live.pop(run_id, None)
         if live is not None:
             live.close()
+        if forget and run_id in self._saved_at:
+            saved.discard(self._saved_at[run_id][0])
+
+    def _save_live(self, run_id: str, live: LiveShared, report: RoundReport) -> None:
+        """Save a target's merge after a verified round (`saved`); a state that cannot be
+        saved is said, and removed (a follower started again merges from scratch)."""
+        place, made = self._saved_at[run_id]
+        if not live.saveable:
+            return  # (statistics across ranks: a follower started again merges from scratch)
+        try:
+            live.sync()
+            saved.save(place, made, live.state())
+        except OSError as exc:
+            saved.discard(place)
+            report.warnings.append(f"{run_id}: the follow's state could not be saved in "
+                                   f"{place} ({exc.strerror or exc}); a follower started "
+                                   "again merges this run from scratch")  # fmt: skip
 
     def _deliver(
         self,
@@ -355,7 +432,7 @@ class Follower:
                     TargetRound(target.id, "failed", known.rows or 0, problems=delivery.problems)
                 )
                 known.rows = None  # (what the server holds now is asked again next round)
-                self._drop_live(target.id)
+                self._drop_live(target.id, forget=True)
                 continue
             assert delivery.content is not None
             rows = len(delivery.content.step_items)
@@ -364,12 +441,22 @@ class Follower:
                 live = self._live[target.id]
                 continued = live.rounds > 1
                 live.sent(delivery.content)
+                self._save_live(target.id, live, report)
+            elif delivery.final:
+                saved.remove(saved.directory(state_dir(), known.key))
             added = rows - (known.rows or 0)
             known.rows, known.final, known.exit_code = rows, delivery.final, code
             known.signature = now
             report.targets.append(
                 TargetRound(
-                    target.id, "sent", rows, added, delivery.final, code, continued=continued
+                    target.id,
+                    "sent",
+                    rows,
+                    added,
+                    delivery.final,
+                    code,
+                    continued=continued,
+                    bytes_read=self._bytes_read.pop(target.id, 0),
                 )
             )
 
@@ -410,6 +497,13 @@ class Follower:
         """Let other syncs take the runs' locks (the last, one-shot sync needs them)."""
         self._locks.close()
         self._locks = ExitStack()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _job_finished(job: Job, ranks: dict[int, Progress]) -> bool:
