@@ -91,13 +91,15 @@ def test_a_follower_killed_goes_on_from_its_saved_state(
         assert target.status == "sent" and target.added > 0, round_lines(report)
         assert target.continued
         assert 0 < target.bytes_read <= now - held + 4 * BLOCK_SIZE < now
+        # (and the ranks' steps are counted on from where it stopped too)
+        assert 0 < report.bytes_scanned <= now - held + 4 * BLOCK_SIZE
         assert report.warnings == []
         follow_rounds(again, growing, (0.8, 0.95), sink, want, seen)
         assert all(t.continued for r in seen for t in r.targets)
         growing.grow(1.0)
         assert again.round().done
     assert_same_runs(sink, want)
-    assert saved_states(state) == []  # (the run is final: nothing goes on from it)
+    assert list(state.glob("follow/*/*")) == []  # (the run is final: nothing goes on from it)
 
 
 def truncate_a_rank(live: Path, state: Path) -> None:

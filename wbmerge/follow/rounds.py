@@ -18,6 +18,7 @@ merges from scratch.
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Callable
@@ -54,6 +55,7 @@ from . import saved
 from .cut import cut_live
 from .incremental import LiveShared, NotIncremental, sources_of
 from .live import Progress, find_live_runs, finished, progress, signature, watermark
+from .tails import ScannedLog
 
 RESTART_GRACE = 60.0  # seconds (see `Follower`)
 
@@ -84,6 +86,9 @@ class RoundReport:
     waiting: list[str] = field(default_factory=list)  # what the round could not read yet
     warnings: list[str] = field(default_factory=list)  # each said once in a follow
     changed: bool = False  # some file changed since the last round
+    # bytes of the logs read to count the ranks' steps and exit records: of a log counted
+    # before (in this process, or by a follower before it), only what was written since
+    bytes_scanned: int = 0
     started: bool = False  # some run file exists under the paths
     done: bool = False  # every rank of every job finished, every run final and verified
 
@@ -147,6 +152,16 @@ class Follower:
         self._staged_live: set[str] = set()
         self._live_made = 0  # (each merge's scratch directory is named by its number)
         self._saved_at: dict[str, tuple[Path, str]] = {}  # run id -> (`saved` place, made for)
+        # how far a follower before this one counted each log (`saved.SCANS`), by path,
+        # taken up when the log is found (so only the logs under the paths are read)
+        follows = json.dumps([[str(p) for p in request.paths], request.job, job_prefix])
+        self._scans_at = saved.directory(state_dir(), f"scans|{follows}")
+        self._scans_made = saved.made_for(f"scans|{follows}", {}, ())
+        try:
+            found = saved.load(self._scans_at, self._scans_made, saved.SCANS_FILE, saved.SCANS)
+        except (saved.Unusable, OSError):
+            found = None  # (a shortcut only: each log is counted from its start, as at first)
+        self._saved_scans: dict[str, dict] = found or {}
         self._bytes_read: dict[str, int] = {}  # run id -> the bytes its staging read
 
     def __enter__(self) -> Follower:
@@ -191,7 +206,10 @@ class Follower:
                 check_destination(plan.project, plan.entity)
                 planned.append(plan)
                 report.warnings += plan.warnings  # what was assumed about its ranks
+                self._resume_scans(job)
+                scanned = self._scanned()
                 ranks = progress(job, live.sizes, self._scans)
+                report.bytes_scanned += self._scanned_since(scanned)
                 all_done &= _job_finished(job, ranks)
                 for target in plan.targets:
                     entry = self._target_round(plan, target, ranks, workdir, report)
@@ -210,7 +228,43 @@ class Follower:
         report.done = all_done and all(
             self.known[t.id].final for plan in planned for t in plan.targets
         )
+        if report.done:
+            saved.remove(self._scans_at)
+        elif report.changed:
+            self._save_scans()
         return report
+
+    def _resume_scans(self, job: Job) -> None:
+        """Count the job's logs on from where a follower before this one stopped, those
+        that go on from it (the others are counted from their start)."""
+        for run in job.runs:
+            state = self._saved_scans.pop(str(run.path), None)
+            if state is None or run.path in self._scans:
+                continue
+            try:
+                scanned = ScannedLog.resumed(run.path, state)
+            except (NotIncremental, ValueError):
+                continue
+            self._scans[run.path] = ((-1, -1), scanned.stats, scanned)  # (read on next look)
+
+    def _scanned(self) -> dict[Path, tuple[ScannedLog, int]]:
+        return {path: (e[2], e[2].bytes_read) for path, e in self._scans.items() if e[2]}
+
+    def _scanned_since(self, before: dict[Path, tuple[ScannedLog, int]]) -> int:
+        """The bytes the logs' counts read since `before` (`_scanned()`)."""
+        total = 0
+        for path, (scanned, read) in self._scanned().items():
+            was = before.get(path)
+            total += read - was[1] if was is not None and was[0] is scanned else read
+        return total
+
+    def _save_scans(self) -> None:
+        """Save how far each log was counted (`saved.SCANS`), for a follower started again."""
+        scans = {str(path): scanned.state() for path, (scanned, _) in self._scanned().items()}
+        try:
+            saved.save(self._scans_at, self._scans_made, scans, saved.SCANS_FILE, saved.SCANS)
+        except OSError:
+            saved.discard(self._scans_at, saved.SCANS_FILE)  # (the next counts all)
 
     def _target_round(
         self,
@@ -492,6 +546,12 @@ class Follower:
             if open_ranks:
                 phrases.append(f"job {plan.job.job_id}: rank(s) {', '.join(map(str, open_ranks))}")
         return phrases
+
+    def saved_places(self) -> list[Path]:
+        """Where the runs followed keep their merge (`saved`), whether or not they have one,
+        and where the follower keeps how far it counted the logs."""
+        runs = [saved.directory(state_dir(), known.key) for known in self.known.values()]
+        return [*runs, self._scans_at]
 
     def release(self) -> None:
         """Let other syncs take the runs' locks (the last, one-shot sync needs them)."""

@@ -3,11 +3,14 @@ its last verified round instead of merging every shared run from scratch.
 
 Each shared target has a directory under the state directory, `follow/<hash of the run's
 key>`, holding `state.json` (the `LiveShared.state()` of its last verified round) and
-`spool` (its console and system-metric spool, `Spools.kept`). The state is written after
+`spool` (its console and system-metric spool, `Spools.kept`); one more directory per set
+of paths followed holds `scans.json`, how far each log's steps and exit record were counted
+(`tails.ScannedLog`), a shortcut that is checked as the merge is. The state is written after
 the round's upload was verified, to a temporary file that is synced and then renamed over
 the last one (the spool synced first), so a follower killed at any point leaves the state
-of a round the server holds, or of the round before it: then the server's count differs
-from the state's and the round merges from scratch.
+of a round the server holds, or of the round before it: then the server holds more rows
+than the state says, and the round merges from scratch, or the same rows (the lost round
+sent none), and the round reads again what the lost one read.
 
 The state directory may hold anything, so the file is data only: one line of JSON naming
 the format, its version and a hash of the rest, then the state as JSON, bytes in base64.
@@ -32,6 +35,7 @@ FORMAT = "wbmerge follow state"
 VERSION = 1
 STATE_FILE = "state.json"
 SPOOL_FILE = "spool"
+SCANS_FILE = "scans.json"
 _LARGEST_FILE = 1 << 30  # bytes: far past the state of a long run (a few MB at 160k steps)
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -79,6 +83,8 @@ def pair(*kinds: object) -> tuple:
     return ("tuple", kinds)
 
 
+_PLAIN = (INT, STR, opt(INT))  # (lists of these are JSON as they are)
+
 SOURCE = {
     "offset": INT, "resume": INT, "partial": list_of(BYTES), "digest": BYTES,
     "identity": opt(pair(INT, INT)), "started": BOOL, "ended": BOOL, "size_at_end": INT,
@@ -115,6 +121,13 @@ STATE = {
 }
 
 
+# How far a follower counted each log's steps (`tails.ScannedLog.state`), by path
+SCANS = str_map({
+    "counts": pair(INT, INT, opt(INT), opt(INT), BOOL, opt(INT)),
+    "place": {"current": INT, "sources": list_of(SOURCE)},
+})  # fmt: skip
+
+
 def encode(value: object, kind: object) -> object:
     """`value` as JSON values, by `kind` (see `STATE`)."""
     if kind == BYTES:
@@ -127,7 +140,7 @@ def encode(value: object, kind: object) -> object:
     if shape == "opt":
         return None if value is None else encode(value, inner)
     if shape == "list":
-        if inner in (INT, STR):
+        if inner in _PLAIN:  # (a step per row sent: the one list as long as the run)
             return list(value)  # type: ignore[call-overload]
         return [encode(item, inner) for item in value]  # type: ignore[attr-defined]
     if shape in ("int_map", "str_map"):
@@ -166,6 +179,10 @@ def decode(value: object, kind: object) -> object:
     if not isinstance(value, list):
         raise ValueError("not a list")
     if shape == "list":
+        if inner == opt(INT) and all(type(item) is int for item in value):
+            if value and not _INT64[0] <= min(value) <= max(value) <= _INT64[1]:
+                raise ValueError("not a 64-bit integer")
+            return value
         return [decode(item, inner) for item in value]
     if shape in ("int_map", "str_map"):
         found = {}
@@ -181,11 +198,12 @@ def decode(value: object, kind: object) -> object:
     return tuple(decode(item, each) for item, each in zip(value, inner, strict=True))
 
 
-def load(place: Path, made: str) -> dict | None:
+def load(place: Path, made: str, name: str = STATE_FILE, shape: object = STATE) -> dict | None:
     """The state saved in `place` for what `made` (`made_for`) names; None when there is
     none. Raises Unusable (why, as a phrase) when there is one that must not be used, and
-    OSError when it cannot be read."""
-    path = place / STATE_FILE
+    OSError when it cannot be read. (`name` and `shape`: the follower's `SCANS_FILE` of
+    `SCANS` instead of a merge's state.)"""
+    path = place / name
     try:
         with open(path, "rb") as stream:
             data = stream.read(_LARGEST_FILE + 1)
@@ -216,24 +234,26 @@ def load(place: Path, made: str) -> dict | None:
                 "its saved state is of other sources or options (a rank or an elastic "
                 "restart joined, or the options changed)"
             )
-        return decode(saved["state"], STATE)  # type: ignore[return-value]
+        return decode(saved["state"], shape)  # type: ignore[return-value]
     except (ValueError, RecursionError) as exc:
         raise Unusable(f"its saved state {path} is damaged ({exc})") from None
 
 
-def save(place: Path, made: str, state: dict) -> None:
+def save(
+    place: Path, made: str, state: dict, name: str = STATE_FILE, shape: object = STATE
+) -> None:
     """Replace the state saved in `place` by `state`, atomically; raises OSError."""
     place.mkdir(parents=True, exist_ok=True)
-    body = json.dumps({"made_for": made, "state": encode(state, STATE)},
+    body = json.dumps({"made_for": made, "state": encode(state, shape)},
                       separators=(",", ":")).encode()  # fmt: skip
     header = {"format": FORMAT, "version": VERSION, "digest": body_digest(body)}
-    temporary = place / f".{STATE_FILE}.{os.getpid()}"
+    temporary = place / f".{name}.{os.getpid()}"
     try:
         with open(temporary, "wb") as stream:
             stream.write(json.dumps(header).encode() + b"\n" + body)
             stream.flush()
             os.fsync(stream.fileno())
-        os.replace(temporary, place / STATE_FILE)
+        os.replace(temporary, place / name)
     finally:
         temporary.unlink(missing_ok=True)
     _sync_directory(place)
@@ -244,11 +264,11 @@ def body_digest(body: bytes) -> str:
     return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
-def discard(place: Path) -> None:
+def discard(place: Path, name: str = STATE_FILE) -> None:
     """Remove the state saved in `place` (before its spool is made anew): from now on a
     follower started again merges from scratch."""
     try:
-        (place / STATE_FILE).unlink(missing_ok=True)
+        (place / name).unlink(missing_ok=True)
         _sync_directory(place)
     except OSError:
         pass  # (a directory never made, or gone: there is nothing to go on from either)

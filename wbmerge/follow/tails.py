@@ -58,6 +58,7 @@ class _Source:
     size_at_end: int = -1
     exit_seen: bool = False
     last_read: int = 0  # bytes the last `_read_source` read
+    head: bytes = b""  # the hash of the first block, once it was read whole (`positions`)
 
     def check(self) -> int:
         """The file's size now; raises NotIncremental unless it still holds what was read."""
@@ -85,6 +86,19 @@ PLACE = ("offset", "resume", "partial", "digest", "identity", "started", "ended"
 
 def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _head(source: _Source) -> bytes:
+    """The hash of the bytes of a source's first block read so far (b"" before any)."""
+    if not source.digest:
+        return b""
+    if source.head:
+        return source.head
+    length = min(BLOCK_SIZE, source.offset + source.resume)
+    head = _digest(_read_at(source.path, 0, length))
+    if length == BLOCK_SIZE:
+        source.head = head  # (the hash of the block as it was read whole, kept)
+    return head
 
 
 def _read_at(path: Path, offset: int, length: int) -> bytes:
@@ -122,8 +136,7 @@ class LiveReaders:
             places = []
             for source in sources:
                 place = {name: getattr(source, name) for name in PLACE}
-                length = min(BLOCK_SIZE, source.offset + source.resume)
-                place["head"] = _digest(_read_at(source.path, 0, length)) if source.digest else b""
+                place["head"] = _head(source)
                 places.append(place)
             found[rank] = {"current": self._current[rank], "sources": places}
         return found
@@ -149,10 +162,8 @@ class LiveReaders:
                     raise ValueError(f"{source.path}: a saved place that is not one")
             if not 0 <= readers._current[rank] < len(sources):
                 raise ValueError(f"rank {rank}: a saved restart that is not one")
-                if source.digest:
-                    length = min(BLOCK_SIZE, source.offset + source.resume)
-                    if _digest(_read_at(source.path, 0, length)) != place["head"]:
-                        raise NotIncremental(f"{source.path} no longer begins as it did")
+                if source.digest and _head(source) != place["head"]:
+                    raise NotIncremental(f"{source.path} no longer begins as it did")
                 source.check()
         return readers
 
@@ -278,6 +289,27 @@ class ScannedLog:
     def __init__(self, path: Path) -> None:
         self._readers = LiveReaders({0: [path]})
         self.stats = RunStats()
+
+    @property
+    def bytes_read(self) -> int:
+        """The bytes of the log read so far (a block again at each look)."""
+        return self._readers.bytes_read
+
+    def state(self) -> dict:
+        """What `resumed` goes on from, as plain values: the counts so far and where the log
+        was read to (`LiveReaders.positions`)."""
+        s = self.stats
+        counts = (s.records, s.history_rows, s.first_step, s.last_step, s.complete, s.exit_code)
+        return {"counts": counts, "place": self._readers.positions()[0]}
+
+    @classmethod
+    def resumed(cls, path: Path, state: dict) -> ScannedLog:
+        """The scan of `path` going on from `state()`. Raises NotIncremental when the log
+        does not hold what was read of it, ValueError when `state` is not a place in it."""
+        scanned = cls(path)
+        scanned._readers = LiveReaders.resumed({0: [path]}, {0: state["place"]})
+        scanned.stats = RunStats(*state["counts"])
+        return scanned
 
     def update(self) -> RunStats:
         """The stats with the new records counted; raises NotIncremental when the log does
