@@ -187,6 +187,8 @@ def test_follow_waits_for_a_late_rank_and_ends_idle_on_a_killed_one(
     )  # fmt: skip
     assert result.unfinished == ["job fx-killed-rank: rank(s) 2"]
     assert_same_runs(sink, want)
+    # (the run is synced whole: the merge the rounds saved is removed with it)
+    assert list(state.glob("follow/*/*")) == []
 
 
 def test_ctrl_c_leaves_the_runs_running_and_a_later_sync_completes_them(

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import RERUN, WbmergeError
 from ..upload import MergeRequest, ServerError, SyncReport, UploadFailed, sigterm_raises, sync
+from . import saved
 from .cut import LiveCut, cut_live
 from .lines import idle_warning, round_lines
 from .live import find_live_runs
@@ -116,6 +117,7 @@ def follow(
             time.sleep(max(0.0, min(interval - (time.monotonic() - started), idle_timeout)))
         unfinished = follower.unfinished()
         jobs = sorted({plan.job.job_id for plan in follower.planned})
+        places = follower.saved_places()
         follower.release()
     if on_idle:
         on_idle(unfinished)
@@ -138,4 +140,6 @@ def follow(
         final.warnings += part.warnings
     if failures:
         raise UploadFailed(failures, final)
+    for place in places:  # (the runs are synced whole: nothing goes on from their merges)
+        saved.remove(place)
     return FollowReport(report.number, final.links, report.targets, unfinished, final)
