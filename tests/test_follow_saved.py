@@ -7,6 +7,7 @@ answer.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -127,11 +128,27 @@ def lose_it(live: Path, state: Path) -> None:
     path.unlink()
 
 
+def hostile_values(live: Path, state: Path) -> None:
+    """Values of the right types and a right hash that are not what a follower saves: a
+    key that is not a key part, a last row that is not a record."""
+    [path] = saved_states(state)
+    head, _, body = path.read_bytes().partition(b"\n")
+    content = json.loads(body)
+    rank = content["state"]["ranks"][0][1]
+    rank["known"].append(base64.b64encode(b"\x0a\xff").decode())
+    content["state"]["last_row"] = base64.b64encode(b"\xff\xff\xff").decode()
+    body = json.dumps(content).encode()
+    header = json.loads(head)
+    header["digest"] = saved.body_digest(body)
+    path.write_bytes(json.dumps(header).encode() + b"\n" + body)
+
+
 FALLBACKS = {
     # case: (what changes while no follower runs, what the restarted round says)
     "truncated rank": (truncate_a_rank, "does not fit"),
     "corrupt state": (flip_a_byte, "is damaged"),
     "other version": (another_version, "is of another wbmerge"),
+    "hostile values": (hostile_values, "does not fit"),
 }
 
 

@@ -38,6 +38,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from ..log import LogWriter, pb
 from ..log.steps import Steps
@@ -140,7 +141,10 @@ class LiveShared:
             return
         assert spool is not None
         self._readers = LiveReaders.resumed(paths, saved["readers"])
-        self._restore(saved)
+        try:
+            self._restore(saved)
+        except (IndexError, KeyError, TypeError, DecodeError) as exc:  # (of the right types)
+            raise ValueError(f"a saved value that is not one ({type(exc).__name__})") from None
         known = {str(path): path for sources in paths.values() for path in sources}
         writers = saved["spool"]["writers"]
         if not set(writers) <= set(known):
