@@ -10,7 +10,8 @@ arbitrary bytes; after each slice one round runs against a local sink. Reported 
 wall seconds, the follower's own CPU seconds (discover, scan, merge, cut, remainder,
 verify), the uploader's (`wandb sync` and wandb-core, the round's child processes), the
 merged rows on the server, whether the round went on from the last one's merge
-(`continued`), the follower's peak and current resident memory (the peak reset before each
+(`continued`), the bytes of the logs its merge read (`read_mb`), the size of the merge's
+state saved in the state directory (`saved_state_mb`: state and spool), the follower's peak and current resident memory (the peak reset before each
 round), and the CPU of one `stage()` of the same files (a merge from scratch, what every
 round cost before rounds were incremental; `--no-scratch-merge` skips it).
 
@@ -111,7 +112,8 @@ def bench_cpu(steps: int, rounds: int, ranks: int, scratch_merge: bool = True) -
                 results.append({
                     "round": number, "source_mb": round(sum(p.stat().st_size for p in (live.rglob("*.wandb"))) / 1e6, 1),
                     "rows": target.rows, "added": target.added, "final": target.final,
-                    "continued": target.continued,
+                    "continued": target.continued, "read_mb": round(target.bytes_read / 1e6, 1),
+                    "saved_state_mb": round(sum(p.stat().st_size for p in (scratch / "state").glob("follow/*/*")) / 1e6, 2),
                     "wall_s": round(wall, 2), "follower_cpu_s": round(own, 2),
                     "uploader_cpu_s": round(children, 2), "merge_from_scratch_cpu_s": merge,
                     "follower_peak_mb": round(peak, 1), "follower_rss_mb": round(rss, 1),
