@@ -48,7 +48,9 @@ __all__ = [
     "follow",
     "idle_warning",
     "round_lines",
+    "saved",
 ]
+
 
 DEFAULT_INTERVAL = 60.0  # seconds between rounds
 DEFAULT_IDLE_TIMEOUT = 600.0  # seconds without a changed file before the job is taken as over

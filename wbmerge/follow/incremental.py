@@ -40,19 +40,20 @@ from pathlib import Path
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ..log import LogWriter, pb
-from ..log.steps import Steps
+from ..log import LogWriter, Steps, pb
 from ..merge import (
+    KeyTable,
     MergeOptions,
+    Rows,
     SharedMerge,
     Spools,
     Staged,
+    name_id,
+    names_of,
     new_run_dir,
     stage_files,
     write_console_and_stats,
 )
-from ..merge.labels import KeyTable, name_id, names_of
-from ..merge.rows import Rows
 from ..plan import Target
 from ..streaming import allow_open_files
 from ..wandbcore import StagedContent, read_staged, sentrows

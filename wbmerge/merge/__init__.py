@@ -29,12 +29,45 @@ from .passthrough import HeldUntilTheRunRecord
 from .readers import RankReaders, SourceRead
 from .staging import Staged, new_run_dir, stage
 
+__all__ = [
+    "DEFAULT_KEY_FORMAT",
+    "HeldUntilTheRunRecord",
+    "KeyTable",
+    "LoggedArtifact",
+    "MergeOptions",
+    "RankReaders",
+    "Rows",
+    "SharedMerge",
+    "SourceRead",
+    "Spools",
+    "Staged",
+    "check_files",
+    "check_key_format",
+    "files_from_dirs",
+    "glob_definitions",
+    "label_prefixes",
+    "moved_files_notice",
+    "name_id",
+    "names_of",
+    "new_run_dir",
+    "shared",
+    "stage",
+    "stage_files",
+    "write_console_and_stats",
+]
+
 if TYPE_CHECKING:
+    from .labels import KeyTable, name_id, names_of
+    from .rows import Rows
     from .shared import SharedMerge
 
 # Imported on first use: these modules need pyarrow (85 ms of a start), which a
 # pass-through sync and the command line's start do without.
 _ON_FIRST_USE = {
+    "KeyTable": "labels",
+    "name_id": "labels",
+    "names_of": "labels",
+    "Rows": "rows",
     "SharedMerge": "shared",
 }
 
@@ -46,27 +79,3 @@ def __getattr__(name: str) -> object:
     if name == "shared":  # the module, whose constants tests tune
         return import_module(".shared", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = [
-    "DEFAULT_KEY_FORMAT",
-    "HeldUntilTheRunRecord",
-    "LoggedArtifact",
-    "MergeOptions",
-    "RankReaders",
-    "SharedMerge",
-    "SourceRead",
-    "Spools",
-    "Staged",
-    "check_files",
-    "check_key_format",
-    "files_from_dirs",
-    "glob_definitions",
-    "label_prefixes",
-    "moved_files_notice",
-    "new_run_dir",
-    "shared",
-    "stage",
-    "stage_files",
-    "write_console_and_stats",
-]

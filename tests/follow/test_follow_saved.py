@@ -19,13 +19,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from wbmerge.follow import Follower, saved
-from wbmerge.follow.lines import round_lines
-from wbmerge.log.txlog import BLOCK_SIZE
-from wbmerge.merge.console import Spools
-from wbmerge.upload.pipeline import MergeRequest
+from wbmerge.follow import Follower, round_lines, saved
+from wbmerge.log import BLOCK_SIZE
+from wbmerge.merge import Spools
+from wbmerge.upload import MergeRequest
 
-from . import synthetic
+from ..support import synthetic
 from .test_follow import UPLOAD_TIMEOUT, assert_same_runs, follow_sink, one_shot
 from .test_follow_incremental import Growing, follow_rounds
 
