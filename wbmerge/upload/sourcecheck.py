@@ -41,14 +41,27 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from google.protobuf.message import DecodeError
 
 from ..analyse import PerRank
-from ..log import RESERVED, items, pb, records, wire
+from ..log import RESERVED, pb, records, wire
 from ..merge import DEFAULT_KEY_FORMAT  # (the naming rule the docs state)
 from ..plan import Source, Target
+
+if TYPE_CHECKING:
+    from ..log import items
+
+
+def _split_spans(data: bytes, starts: np.ndarray, ends: np.ndarray) -> items.Items | None:
+    """`log.items.split_spans`, imported on first use: it needs pyarrow (85 ms of a start),
+    which the command line does without at its start."""
+    from ..log import items
+
+    return items.split_spans(data, starts, ends)
+
 
 # How much of a staged log is read at a time. A shared run's rows hold every rank's items,
 # and the readers split a read's rows one item of every row a step: steps cost per read, so
@@ -122,10 +135,16 @@ class _History:
         self.tops: set[str] = set()  # the top-level keys seen (a rank's keys, for globs)
 
     def target(self, raw: bytes) -> KeyPath | None:
+        """The target key of an item's raw key part; None for an item not counted: one
+        without a key, or with an empty `key` and no nested key, which wandb-core leaves
+        out of the row it sends (`sentrows.row_of`), or one the rename leaves out."""
         found = self.known.get(raw)
         if found is None:
+            if not raw:  # (no key field at all)
+                self.known[raw] = ((), None)
+                return None
             path = tuple(wire.key_path(raw))
-            found = self.known[raw] = (path, self.rename(path))
+            found = self.known[raw] = (path, None if path == ("",) else self.rename(path))
             self.tops.add(path[0])
         return found[1]
 
@@ -133,7 +152,7 @@ class _History:
         rows = read.rows
         if not len(rows):
             return
-        batch = items.split_spans(rows.data, rows.starts, rows.ends) if rows.in_place else None
+        batch = _split_spans(rows.data, rows.starts, rows.ends) if rows.in_place else None
         if batch is not None:
             try:
                 self._add_batch(batch)
@@ -188,7 +207,7 @@ def _fold_summaries(
     starts, ends = read.summary_spans
     batch = None
     if (starts >= 0).all():
-        batch = items.split_spans(read.frames.data, starts, ends)
+        batch = _split_spans(read.frames.data, starts, ends)
     if batch is not None:
         try:
             codes, raw_keys = batch.key_codes()
