@@ -3,6 +3,7 @@
     python bench/bench_follow.py cpu              # 8 ranks x 20 metrics, 10 rounds
     python bench/bench_follow.py cpu --steps 2000 --rounds 5
     python bench/bench_follow.py lag              # real wandb ranks at two logging rates
+    python bench/bench_follow.py lag-held --held 160000   # the lag once a run holds 160k steps
 
 `cpu`: a synthetic shared job of 8 ranks x 20 metrics x STEPS steps (our writer, the shapes
 wandb 0.31 writes) appears in a live directory a tenth of each file at a time, cut at
@@ -46,8 +47,10 @@ sys.path.insert(0, str(ROOT))
 from tests.support import synthetic  # noqa: E402
 from tests.support.sinktools import SinkProcess  # noqa: E402
 from wbmerge.follow import Follower  # noqa: E402
+from wbmerge.log import LogWriter, pb  # noqa: E402
 from wbmerge.merge import stage  # noqa: E402
-from wbmerge.upload import MergeRequest, plan_jobs  # noqa: E402
+from wbmerge.training import RankInfo  # noqa: E402
+from wbmerge.upload import Credentials, MergeRequest, ServerClient, plan_jobs  # noqa: E402
 
 
 def _children_cpu() -> float:
@@ -208,6 +211,143 @@ def bench_lag(pace: float, steps: int, metrics: int, ranks: int, interval: float
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+class LiveRank:
+    """One rank's log written by our own writer and kept open, so that rows can be added
+    while a follower reads it: `held` rows first (their `t` in the past), then live rows
+    whose `t` is the time they are written, each flushed to the file at once."""
+
+    def __init__(self, live: Path, info: RankInfo, metrics: int) -> None:
+        run_id = f"held{info.rank:04d}"
+        run_dir = live / f"offline-run-20260101_000000-{run_id}"
+        run_dir.mkdir(parents=True)
+        self.stream = open(run_dir / f"run-{run_id}.wandb", "wb")
+        self.writer = LogWriter(self.stream)
+        self.num, self.step, self.metrics = 0, 0, metrics
+        header = pb.Record()
+        header.header.version_info.producer = "wbmerge-bench"
+        self.emit(header)
+        run = pb.Record()
+        run.run.run_id, run.run.project = run_id, "follow-lag"
+        run.run.start_time.FromNanoseconds(time.time_ns())
+        item = run.run.config.update.add()
+        item.key, item.value_json = "wbmerge", json.dumps(info.to_metadata())
+        self.emit(run)
+
+    def emit(self, record: pb.Record) -> None:
+        self.num += 1
+        record.num = self.num
+        self.writer.write(record.SerializeToString())
+
+    def row(self, t: float) -> None:
+        history = pb.Record()
+        values = [(f"m{i:02d}", repr(self.step * i)) for i in range(self.metrics - 1)]
+        values += [("t", repr(t)), ("_step", str(self.step)), ("_timestamp", repr(t))]
+        for key, value in values:
+            item = history.history.item.add()
+            item.nested_key.append(key)
+            item.value_json = value
+        history.history.step.num = self.step
+        self.emit(history)
+        self.step += 1
+
+    def flush(self) -> None:
+        self.writer.flush()
+        self.stream.flush()
+
+    def finish(self) -> None:
+        end = pb.Record()
+        end.exit.exit_code = 0
+        self.emit(end)
+        self.writer.close()
+        self.stream.close()
+
+
+def bench_lag_held(held: int, ranks: int, metrics: int, pace: float, seconds: float,
+                   interval: float) -> dict:  # fmt: skip
+    """The lag of values logged once each rank's run holds `held` steps: the ranks' logs
+    are written up to `held` at once, a follower syncs them, then every rank adds a row
+    every `pace` seconds for `seconds`, and the server is asked for the new rows only."""
+    scratch = Path(tempfile.mkdtemp(prefix="bench-lag-held-"))
+    sink = SinkProcess(scratch / "sink")
+    (scratch / "sink").mkdir()
+    sink.start()
+    live = scratch / "live"
+    live.mkdir()
+    writers = [LiveRank(live, RankInfo(r, r, ranks, ranks, 0, 0, "lag-held"), metrics)
+               for r in range(ranks)]  # fmt: skip
+    for writer in writers:
+        for _ in range(held):
+            writer.row(1_767_225_600.0)
+        writer.flush()
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(scratch / "state")}
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "wbmerge.cli", "follow", str(live), "--run-mode", "shared",
+         "--interval", str(interval), "--quiet"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    client = ServerClient(Credentials(env["WANDB_BASE_URL"], env["WANDB_API_KEY"]))
+    seen: dict[int, float] = {}
+    logged: dict[int, float] = {}
+    try:
+        began = time.monotonic()
+        # (a shared row is sent once every running rank has passed its step, and the last
+        # row waits while no row is left out: the held rows are in once row held - 2 is)
+        while not (runs := sink.client.runs()) or not client.history_page(
+            runs[0]["entity"], runs[0]["project"], runs[0]["id"], (held - 2, held - 1), 1
+        ):
+            if follower.poll() is not None:
+                raise RuntimeError(f"the follower ended: {follower.stderr.read()[-2000:]}")
+            time.sleep(1.0)
+        caught_up = time.monotonic() - began
+        run = runs[0]
+
+        def poll() -> None:
+            start = max(seen, default=held - 2) + 1
+            rows = client.history_page(run["entity"], run["project"], run["id"],
+                                       (start, 2**62), 10_000)  # fmt: skip
+            now = time.time()
+            for row in rows:
+                step = row["_step"]
+                if step not in seen:
+                    seen[step] = now
+                    logged[step] = max(v for k, v in row.items() if k.startswith("t/"))
+
+        end = time.monotonic() + seconds
+        next_row = time.monotonic()
+        while time.monotonic() < end:
+            if time.monotonic() >= next_row:
+                for writer in writers:
+                    writer.row(time.time())
+                    writer.flush()
+                next_row += pace
+            poll()
+            time.sleep(min(0.25, pace))
+        added = writers[0].step - held
+        for writer in writers:
+            writer.finish()
+        deadline = time.monotonic() + 5 * interval + 600
+        while follower.poll() is None and time.monotonic() < deadline:
+            poll()
+            time.sleep(0.5)
+        poll()
+        if len(seen) != added + 1:  # (the live rows, and the held row that waited for them)
+            raise RuntimeError(f"{len(seen)} of {added + 1} rows arrived after the held ones")
+        lags = sorted(seen[s] - logged[s] for s in seen if s >= held)  # (the live rows)
+        return {
+            "held_steps": held, "ranks": ranks, "metrics": metrics, "pace_s": pace,
+            "interval_s": interval, "first_sync_s": round(caught_up, 1), "live_rows": added,
+            "lag_median_s": round(statistics.median(lags), 1), "lag_max_s": round(max(lags), 1),
+            "follower_exit": follower.returncode,
+        }  # fmt: skip
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        follower.wait(timeout=30)
+        client.close()
+        sink.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -222,7 +362,18 @@ def main() -> None:
     lag.add_argument("--interval", type=float, default=10.0)
     lag.add_argument("--duration", type=float, default=60.0, help="seconds each rank logs")
     lag.add_argument("--flush-every", type=float, default=2.0)
+    held = sub.add_parser("lag-held")
+    held.add_argument("--held", type=int, default=160_000, help="steps each rank holds first")
+    held.add_argument("--ranks", type=int, default=8)
+    held.add_argument("--metrics", type=int, default=20)
+    held.add_argument("--pace", type=float, default=0.5, help="seconds between a rank's rows")
+    held.add_argument("--seconds", type=float, default=120.0, help="how long rows are added")
+    held.add_argument("--interval", type=float, default=10.0)
     args = parser.parse_args()
+    if args.what == "lag-held":
+        print(json.dumps(bench_lag_held(args.held, args.ranks, args.metrics, args.pace,
+                                        args.seconds, args.interval)), flush=True)  # fmt: skip
+        return
     if args.what == "cpu":
         bench_cpu(args.steps, args.rounds, args.ranks, not args.no_scratch_merge)
         return
