@@ -48,6 +48,19 @@ def job(tmp_path_factory) -> Path:
 REQUEST = {"run_mode": "shared", "rank_scope": "global"}
 
 
+def followed_job(job, make_sink, monkeypatch, tmp_path, state):
+    """A follow of `job` set up: the live folder its files grow in (empty yet), the request,
+    the runs a one-shot sync of the whole files makes (what the follow must end as), the
+    sink the follow sends to and the files that grow."""
+    live = tmp_path / "live"
+    request = MergeRequest(paths=[live], **REQUEST)
+    want = one_shot(monkeypatch, make_sink, job, request, tmp_path)
+    sink = follow_sink(make_sink, monkeypatch, state)
+    growing = Growing(job, live)
+    live.mkdir()
+    return live, request, want, sink, growing
+
+
 def saved_states(state: Path) -> list[Path]:
     return sorted(state.glob(f"follow/*/{saved.STATE_FILE}"))
 
@@ -61,12 +74,7 @@ def test_a_follower_killed_goes_on_from_its_saved_state(
 ):
     """A real `wbmerge follow` killed with SIGKILL after its first round: the next follower
     goes on from the state it saved, reading only the bytes written since."""
-    live = tmp_path / "live"
-    request = MergeRequest(paths=[live], **REQUEST)
-    want = one_shot(monkeypatch, make_sink, job, request, tmp_path)
-    sink = follow_sink(make_sink, monkeypatch, state)
-    growing = Growing(job, live)
-    live.mkdir()
+    live, request, want, sink, growing = followed_job(job, make_sink, monkeypatch, tmp_path, state)
     growing.grow(0.3)
     cmd = [sys.executable, "-m", "wbmerge.cli", "follow", str(live), "--run-mode", "shared",
            "--interval", "0.5"]  # fmt: skip
@@ -155,12 +163,7 @@ FALLBACKS = {
 def test_a_saved_state_that_does_not_fit_merges_from_scratch(
     case, job, make_sink, monkeypatch, tmp_path, state
 ):
-    live = tmp_path / "live"
-    request = MergeRequest(paths=[live], **REQUEST)
-    want = one_shot(monkeypatch, make_sink, job, request, tmp_path)
-    sink = follow_sink(make_sink, monkeypatch, state)
-    growing = Growing(job, live)
-    live.mkdir()
+    live, request, want, sink, growing = followed_job(job, make_sink, monkeypatch, tmp_path, state)
     seen: list = []
     with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
         follow_rounds(follower, growing, (0.2, 0.4), sink, want, seen)
@@ -194,12 +197,7 @@ def test_a_lost_state_or_one_a_round_did_not_save_merges_from_scratch(
     """A follower killed after its upload was verified, before it saved the state: the
     state saved is of the round before, the server holds more rows than it says; then the
     state is lost altogether. Each time the round merges from scratch, right."""
-    live = tmp_path / "live"
-    request = MergeRequest(paths=[live], **REQUEST)
-    want = one_shot(monkeypatch, make_sink, job, request, tmp_path)
-    sink = follow_sink(make_sink, monkeypatch, state)
-    growing = Growing(job, live)
-    live.mkdir()
+    live, request, want, sink, growing = followed_job(job, make_sink, monkeypatch, tmp_path, state)
     seen: list = []
     with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
         follow_rounds(follower, growing, (0.2,), sink, want, seen)
@@ -237,12 +235,7 @@ def test_a_source_added_while_no_follower_ran_merges_from_scratch(
 ):
     """A rank whose log was not on disk yet when the state was saved joins the run: the
     state was made of other sources, so the round merges all of them from scratch."""
-    live = tmp_path / "live"
-    request = MergeRequest(paths=[live], **REQUEST)
-    want = one_shot(monkeypatch, make_sink, job, request, tmp_path)
-    sink = follow_sink(make_sink, monkeypatch, state)
-    growing = Growing(job, live)
-    live.mkdir()
+    live, request, want, sink, growing = followed_job(job, make_sink, monkeypatch, tmp_path, state)
     late = growing.logs.pop()  # (the last rank starts late)
     with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
         growing.grow(0.3)
@@ -265,12 +258,7 @@ def test_a_source_added_while_no_follower_ran_merges_from_scratch(
 def test_the_spool_past_its_saved_end_is_written_over(job, make_sink, monkeypatch, tmp_path, state):
     """A round that set console lines aside and was killed before its upload leaves bytes
     in the spool past the saved end: the next follower goes on and writes over them."""
-    live = tmp_path / "live"
-    request = MergeRequest(paths=[live], **REQUEST)
-    want = one_shot(monkeypatch, make_sink, job, request, tmp_path)
-    sink = follow_sink(make_sink, monkeypatch, state)
-    growing = Growing(job, live)
-    live.mkdir()
+    live, request, want, sink, growing = followed_job(job, make_sink, monkeypatch, tmp_path, state)
     seen: list = []
     with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
         follow_rounds(follower, growing, (0.2, 0.4), sink, want, seen)
