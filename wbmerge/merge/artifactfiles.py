@@ -35,7 +35,6 @@ import gzip
 import hashlib
 import json
 import os
-import stat
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -47,7 +46,14 @@ from ..errors import WbmergeError
 from ..log import ReadReport, pb, records
 from ..plan import Source, Target
 from ..safepaths import is_within
-from .savedfiles import is_regular_file, moved_file, ran_in, recorded_root, resolved_file
+from .savedfiles import (
+    is_regular_file,
+    moved_file,
+    open_regular,
+    ran_in,
+    recorded_root,
+    resolved_file,
+)
 
 _OPTION = "--files-from"
 MANIFEST_FILE = "(its manifest file)"  # how a manifest file of its own is named in errors
@@ -135,14 +141,7 @@ def manifest_file_entries(path: Path, what: str) -> Iterator[dict]:
     maybe `size`, `local_path`, `ref`, `extra`. The regular file `path` is opened without
     following a link at it, and read a line at a time (memory bounded by the longest
     line, however many entries); anything else is a WbmergeError naming `what`."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        raise WbmergeError(f"{what}: cannot read {path} ({exc.strerror or exc})") from None
-    with open(fd, "rb") as raw:
-        if not stat.S_ISREG(os.fstat(raw.fileno()).st_mode):
-            raise WbmergeError(f"{what}: {path} is no longer a regular file; not read")
+    with open_regular(path, what) as raw:
         number = 0
         try:
             with gzip.GzipFile(fileobj=raw, mode="rb") as lines:
@@ -208,21 +207,12 @@ def manifest_local_paths(
 
 
 def copy_and_hash(source: Path, dest: Path, what: str) -> tuple[int, str]:
-    """Copy the regular file `source` to `dest` (created exclusively), without following
-    a link at `source` and without blocking on a FIFO put in its place since it was
-    checked; returns its size and MD5 (base64, as a manifest writes it)."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    try:
-        fd = os.open(source, flags)
-    except OSError as exc:
-        raise WbmergeError(f"{what}: cannot read {source} ({exc.strerror or exc})") from None
+    """Copy the regular file `source` (`savedfiles.open_regular`) to `dest` (created
+    exclusively); returns its size and MD5 (base64, as a manifest writes it)."""
     digest = hashlib.md5()
-    with open(fd, "rb") as reader:
-        if not stat.S_ISREG(os.fstat(reader.fileno()).st_mode):
-            raise WbmergeError(f"{what}: {source} is no longer a regular file; not read")
-        with open(dest, "xb") as writer:
-            while chunk := reader.read(1 << 20):
-                digest.update(chunk)
-                writer.write(chunk)
-            size = writer.tell()
+    with open_regular(source, what) as reader, open(dest, "xb") as writer:
+        while chunk := reader.read(1 << 20):
+            digest.update(chunk)
+            writer.write(chunk)
+        size = writer.tell()
     return size, base64.b64encode(digest.digest()).decode()

@@ -24,8 +24,10 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from google.protobuf.message import DecodeError
 
@@ -145,18 +147,25 @@ def _refuse(label: str, name: str, raw: str, why: str, root: str | None, trusted
     )
 
 
-def copy_regular(source: Path, dest: Path, name: str) -> int:
-    """Copy the regular file `source` to `dest` (created exclusively), without following a
-    link at `source` and without blocking on a FIFO put in its place since it was checked;
-    returns the bytes copied."""
+@contextmanager
+def open_regular(path: Path, name: str) -> Iterator[BinaryIO]:
+    """The regular file `path`, open for reading: a link at `path` is not followed, and a
+    FIFO put in its place since it was checked does not block the open (the type is
+    checked on the open file). Anything else is a WbmergeError naming `name`."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(source, flags)
+        fd = os.open(path, flags)
     except OSError as exc:
-        raise WbmergeError(f"{name}: cannot read {source} ({exc.strerror or exc})") from None
+        raise WbmergeError(f"{name}: cannot read {path} ({exc.strerror or exc})") from None
     with open(fd, "rb") as reader:
         if not stat.S_ISREG(os.fstat(reader.fileno()).st_mode):
-            raise WbmergeError(f"{name}: {source} is no longer a regular file; not read")
-        with open(dest, "xb") as writer:
-            shutil.copyfileobj(reader, writer, 1 << 20)
-            return writer.tell()
+            raise WbmergeError(f"{name}: {path} is no longer a regular file; not read")
+        yield reader
+
+
+def copy_regular(source: Path, dest: Path, name: str) -> int:
+    """Copy the regular file `source` (`open_regular`) to `dest` (created exclusively);
+    returns the bytes copied."""
+    with open_regular(source, name) as reader, open(dest, "xb") as writer:
+        shutil.copyfileobj(reader, writer, 1 << 20)
+        return writer.tell()

@@ -516,14 +516,8 @@ def shortfall(expected: Holdings, held: Holdings) -> list[str]:
         shown = ".".join(key) if isinstance(key, tuple) else key
         problems.append(f"rank {rank}'s {kind} {shown!r}: {what}")
 
-    for key, (count, digest) in expected.history.items():
-        found = held.history.get(key)
-        if found is None:
-            lack("history key", key, f"{count} values logged, none staged")
-        elif found[0] != count:
-            lack("history key", key, f"{count} values logged, {found[0]} staged")
-        elif found[1] != digest:
-            lack("history key", key, f"{count} values logged, other values staged")
+    for key, what in _tally_shortfall(expected.history, held.history, "values", "values", "none"):
+        lack("history key", key, what)
     for key, value in expected.summary.items():
         if key not in held.summary:
             lack("summary key", key, "not in the staged summary")
@@ -534,24 +528,13 @@ def shortfall(expected: Holdings, held: Holdings) -> list[str]:
             lack("config key", key, "not in the staged config")
         elif held.config[key] != text:
             lack("config key", key, f"{_short(text)} logged, {_short(held.config[key])} staged")
-    for label, (count, digest) in expected.console.items():
-        found = held.console.get(label, [0, 0])
-        if found[0] != count:
-            lack("console", label, f"{count} lines logged, {found[0]} staged")
-        elif found[1] != digest:
-            lack("console", label, f"{count} lines logged, other lines staged")
-    for key, (count, digest) in expected.logger.items():
-        found = held.logger.get(key, [0, 0])
-        if found[0] != count:
-            lack("wandb logger", key, f"{count} lines logged, {found[0]} staged")
-        elif found[1] != digest:
-            lack("wandb logger", key, f"{count} lines logged, other lines staged")
-    for key, (count, digest) in expected.stats.items():
-        found = held.stats.get(key, [0, 0])
-        if found[0] != count:
-            lack("system metric", key, f"{count} samples logged, {found[0]} staged")
-        elif found[1] != digest:
-            lack("system metric", key, f"{count} samples logged, other values staged")
+    for kind, logged, staged, unit, other in (
+        ("console", expected.console, held.console, "lines", "lines"),
+        ("wandb logger", expected.logger, held.logger, "lines", "lines"),
+        ("system metric", expected.stats, held.stats, "samples", "values"),
+    ):
+        for key, what in _tally_shortfall(logged, staged, unit, other, "0"):
+            lack(kind, key, what)
     for definition, count in expected.metrics.items():
         if held.metrics[definition] < count:
             metric = pb.MetricRecord.FromString(definition)
@@ -567,6 +550,22 @@ def shortfall(expected: Holdings, held: Holdings) -> list[str]:
                 wanted = " or ".join(sorted(map(repr, steps)))
                 lack("metric glob", key, f"not bound to its step metric {wanted}")
     return problems
+
+
+def _tally_shortfall(
+    expected: dict, held: dict, unit: str, other: str, absent: str
+) -> Iterable[tuple[object, str]]:
+    """Each key whose tally `held` lacks of `expected`: fewer (or more) of them staged than
+    logged (`absent` says how many when the key is not staged at all), or as many with
+    other values (the digests differ)."""
+    for key, (count, digest) in expected.items():
+        found = held.get(key)
+        if found is None:
+            yield key, f"{count} {unit} logged, {absent} staged"
+        elif found[0] != count:
+            yield key, f"{count} {unit} logged, {found[0]} staged"
+        elif found[1] != digest:
+            yield key, f"{count} {unit} logged, other {other} staged"
 
 
 def _staged_bindings(metrics: Iterable[bytes]) -> Callable[[str], set[str]]:
