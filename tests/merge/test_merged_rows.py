@@ -118,6 +118,7 @@ def rank_logs(draw: st.DrawFn) -> tuple[dict[int, tuple[str, list[bytes]]], int]
             if draw(st.integers(0, 5)) == 0:
                 metric = pb.Record()
                 metric.metric.name = draw(st.sampled_from(["loss", "acc", "_runtime"]))
+                metric.metric.summary.max = draw(st.booleans())  # (defined again, changed)
                 payloads.append(metric.SerializeToString())
         ranks[rank] = (f"rank-{rank}", payloads)
     return ranks, primary
@@ -206,3 +207,21 @@ def test_summary_keys_keep_the_order_they_were_first_set_in(tmp_path):
         (["a/rank-0"], "3"),
         (["b/rank-0"], "2"),
     ]
+
+
+def loss_defined(summary: str) -> bytes:
+    record = pb.Record()
+    record.metric.name = "loss"
+    setattr(record.metric.summary, summary, True)
+    return record.SerializeToString()
+
+
+def test_a_definition_set_back_to_an_earlier_one_is_written_again(tmp_path):
+    """The primary defines `loss` with min, then max, then min again: the run must end with
+    min, so all three are written."""
+    row = history_payload(0, [(["loss"], "1.0")])
+    ranks = {0: ("rank-0", [row, loss_defined("min"), loss_defined("max"), loss_defined("min")])}
+    merged, _ = stage_shared(tmp_path, ranks, primary=0)
+    records = [pb.Record.FromString(p) for p in merged]
+    defined = [r.metric.summary.max for r in records if r.HasField("metric")]
+    assert defined == [False, True, False]

@@ -7,7 +7,8 @@ others by rank, each user key labelled; W&B's own keys (`_runtime`, `_timestamp`
 from the first row that has them; `_step` set by the merged row; with `skew`, the spread
 of every one-level numeric key across the step's rows (a rank's number is its row's last
 JSON number for the key, counted when finite), in the order of the keys' names. Metric definitions are labelled and
-follow the row they were written after (the same definition once). The summary holds every
+follow the row they were written after (one the same as the last written for its name is
+left out). The summary holds every
 rank's last values under labelled keys, in the order they were first set, W&B's own keys
 the primary's only.
 """
@@ -87,13 +88,14 @@ def merged_records(
         out.append(((step, 0), merged_row(step, by_rank, labels, primary, skew, key_format)))
     out += [((after, 1, rank, n), record) for (after, rank, n), record in events]
     written: list[pb.Record] = []
-    seen: set[bytes] = set()
+    last_definition: dict[tuple[str, str], bytes] = {}
     for _, record in sorted(out, key=lambda pair: pair[0]):
         payload = record.SerializeToString()
         if record.HasField("metric"):
-            if payload in seen:
+            defines = (record.metric.name, record.metric.glob_name)
+            if last_definition.get(defines) == payload:
                 continue
-            seen.add(payload)
+            last_definition[defines] = payload
         written.append(record)
     final = pb.Record()
     final.summary.SetInParent()

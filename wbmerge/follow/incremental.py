@@ -247,7 +247,7 @@ class LiveShared:
         if not set(merge.pending.ranks.tolist()) <= set(merge.states):
             raise ValueError("rows held back of a rank not merged")
         merge.events = [(tuple(key), event) for key, event in saved["events"]]
-        merge.seen = set(saved["seen"])
+        merge.remember(saved["seen"])
         self.rounds, self.rows_sent = saved["rounds"], saved["rows_sent"]
         self._others_sent, self._held = list(saved["others_sent"]), saved["held"]
         self._step_items = tuple(saved["step_items"])

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 FORMAT = "wbmerge follow state"
-VERSION = 1
+VERSION = 2  # 2: a definition written again when it changes the run
 STATE_FILE = "state.json"
 SPOOL_FILE = "spool"
 SCANS_FILE = "scans.json"

@@ -156,7 +156,10 @@ class SharedMerge:
         self.warnings: dict[tuple[int, int], list[str]] = {}  # by (rank, restart index)
         self.pending = Rows.empty()  # rows read, not yet written
         self.events: Events = []  # other records read, not yet written
-        self.seen: set[bytes] = set()  # the same definition or file list from several ranks
+        # the metric definitions and file lists written, so that one is not written again
+        # when it changes nothing (`is_news`): the same from several ranks, or every round
+        self.seen: set[bytes] = set()
+        self._definition_of: dict[tuple[str, str], bytes] = {}  # (name, glob) -> the last
 
     def run(self, scratch: Path) -> Outcome:
         writer = self.writer
@@ -164,7 +167,7 @@ class SharedMerge:
         with Spools(scratch) as spools:
             self._write_rows(spools)
             for payload in self.glob_definitions():
-                self.seen.add(payload)
+                self.wrote(payload)
                 writer.write(payload)
             write_console_and_stats(self.by_rank, writer, spools)
         for rank, sources in self.by_rank.items():  # in the order of the sources
@@ -207,9 +210,36 @@ class SharedMerge:
                 state.globs, state.named, state.keys.user_keys, state.source.label,
                 self.options.key_format, self.options.per_rank, prefixes.get(state.source.label),
             ):  # fmt: skip
-                if payload not in self.seen:
+                if self.is_news(payload):
                     found[payload] = None
         return list(found)
+
+    def is_news(self, payload: bytes) -> bool:
+        """Whether writing `payload` would change what the merged log says. Every record
+        would but two kinds: a file list already written (file lists only add), and a
+        metric definition that is the last one written for its key (a definition replaces
+        the one before: rank 0's `loss` defined with min, then max, then min again is
+        written three times, or the run would end with max)."""
+        kind = record_kind(payload)
+        if kind == "metric":
+            return self._definition_of.get(_defines(payload)) != payload
+        return kind != "files" or payload not in self.seen
+
+    def wrote(self, payload: bytes) -> None:
+        """Note that `payload` was written (see `is_news`)."""
+        kind = record_kind(payload)
+        if kind == "metric":
+            before = self._definition_of.get(key := _defines(payload))
+            self.seen.discard(before)  # type: ignore[arg-type]
+            self._definition_of[key] = payload
+            self.seen.add(payload)
+        elif kind == "files":
+            self.seen.add(payload)
+
+    def remember(self, written: list[bytes]) -> None:
+        """Go on from another merge's `seen`: these definitions and file lists written."""
+        for payload in written:
+            self.wrote(payload)
 
     def _write_rows(self, spools: Spools) -> None:
         """Pass 1: rows by step, with what travels with them, a turn at a time."""
@@ -400,8 +430,8 @@ class SharedMerge:
             at = int(np.searchsorted(rows.steps, key[0], side="right"))
             self._write_merged(rows.take(slice(done, at)))
             done = max(done, at)
-            if event not in self.seen:
-                self.seen.add(event)
+            if self.is_news(event):
+                self.wrote(event)
                 self.writer.write(event)
         self._write_merged(rows.take(slice(done, None)))
 
@@ -474,6 +504,12 @@ class SharedMerge:
             return payload
         self._warn(source.rank.rank, restart, [not_a_record(source)])
         return None
+
+
+def _defines(payload: bytes) -> tuple[str, str]:
+    """What a metric definition defines: (its name, its glob)."""
+    metric = pb.Record.FromString(payload).metric
+    return metric.name, metric.glob_name
 
 
 def _labelled_metric(payload: bytes, state: RankState, options: MergeOptions) -> bytes | None:
