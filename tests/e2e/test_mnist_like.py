@@ -161,7 +161,12 @@ def test_a_job_logged_as_the_mnist_guides_log_arrives_whole(sink, tmp_path, mode
         assert_history(run["history"], {rank: want[rank] for rank in ranks}, label)
         primary = want[ranks[0]]
         config = {k: v for k, v in run["config"].items() if k != "wbmerge"}
-        assert config == primary.config  # (the mid-run update included)
+        # The primary's config (the mid-run update included), and another rank's key where
+        # its value is not the primary's, labelled: rank 1's own `rank`.
+        others = {label(k, r): v for r in ranks[1:] for k, v in want[r].config.items()
+                  if primary.config.get(k) != v}  # fmt: skip
+        assert config == {**primary.config, **others}
+        assert others == ({"rank/rank-1": 1} if mode == "shared" else {})
         for rank in ranks:
             for key, value in want[rank].summary.items():
                 if not key.startswith("_"):

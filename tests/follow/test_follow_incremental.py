@@ -18,7 +18,7 @@ import pytest
 
 from wbmerge.follow import Follower, LiveReaders, NotIncremental, ScannedLog, round_lines
 from wbmerge.identify import read_identity, scan
-from wbmerge.log import BLOCK_SIZE, FILE_HEADER, read_payloads
+from wbmerge.log import BLOCK_SIZE, FILE_HEADER, pb, read_payloads, write_payloads
 from wbmerge.upload import MergeRequest, sync
 
 from ..merge.test_merged_artifacts import JOB_ID, assert_checkpoint_of, output_artifacts, write_job
@@ -313,3 +313,50 @@ def test_a_shared_follow_of_ranks_that_log_artifacts_files_them_under_the_merged
     for rank, node in checkpoints:
         assert_checkpoint_of(sink, node, rank)
     assert [name for name, _ in logged if name != "ckpt"] == [f"run-{JOB_ID}-samples"]
+
+
+def test_the_other_ranks_config_arrives_with_the_last_round_as_a_one_shot_sync_has_it(
+    job, make_sink, monkeypatch, tmp_path, state
+):
+    """Each rank sets its own `seed` early on; ranks 1-3 set `shards` early, and the primary
+    sets it to the same value only near its end. A one-shot sync labels each other rank's
+    `seed` and no `shards`. Live rounds (before and after the follower is started again)
+    hold the primary's config only: had a round sent `shards/...` while the primary lacked
+    it, the server would keep it (an upload resumes from the server's config)."""
+    own = tmp_path / "own"
+    shutil.copytree(job, own)
+    for rank, log in enumerate(sorted(own.rglob("run-*.wandb"))):
+        payloads = list(read_payloads(log))
+        seed, shards = pb.Record(), pb.Record()
+        seed.config.update.add(key="seed", value_json=json.dumps(rank))
+        shards.config.update.add(key="shards", value_json="8")
+        payloads.insert(len(payloads) - 2 if rank == 0 else 3, shards.SerializeToString())
+        payloads.insert(3, seed.SerializeToString())  # (after the header and run record)
+        log.unlink()
+        write_payloads(log, payloads)
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
+    want = one_shot(monkeypatch, make_sink, own, request, tmp_path)
+    [(run_id, whole)] = want.items()
+    added = {k: v for k, v in whole["config"].items() if k.startswith(("seed", "shards"))}
+    assert added == {"seed": 0, "shards": 8, "seed/worker-0-rank-1": 1,
+                     "seed/worker-1-rank-0": 2, "seed/worker-1-rank-1": 3}  # fmt: skip
+    sink = follow_sink(make_sink, monkeypatch, state)
+    growing = Growing(own, tmp_path / "live")
+    (tmp_path / "live").mkdir()
+    seen: list = []
+
+    def live_config() -> dict:
+        config = sink_runs(sink)[run_id]["config"]
+        return {k: v for k, v in config.items() if k.startswith(("seed", "shards"))}
+
+    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
+        follow_rounds(follower, growing, (0.2, 0.4), sink, want, seen)
+        assert live_config() == {"seed": 0}
+    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:  # started again
+        follow_rounds(follower, growing, (0.7,), sink, want, seen)
+        assert live_config() == {"seed": 0}
+        growing.grow(1.0)
+        assert follower.round().done
+    assert [t.continued for r in seen for t in r.targets] == [False, True, True]
+    assert live_config() == added
+    assert_same_runs(sink, want)

@@ -20,7 +20,7 @@ from ..log.test_items import history_records
 from ..support import reference_merge
 from ..support.ranklogs import history_record
 
-MERGED_KINDS = ("history", "metric", "summary")
+MERGED_KINDS = ("history", "metric", "config", "summary")
 
 
 def run_record(run_id: str) -> bytes:
@@ -36,11 +36,15 @@ def exit_record() -> bytes:
 
 
 def stage_shared(
-    root: Path, ranks: dict[int, tuple[str, list[bytes]]], primary: int, skew: bool = False
+    root: Path,
+    ranks: dict[int, tuple[str, list[bytes]]],
+    primary: int,
+    skew: bool = False,
+    live: bool = False,
 ) -> tuple[list[bytes], object]:
     """`ranks` (rank -> (label, records)) written as one log each and staged as one shared
-    run; returns the staged run's history, metric and summary records, and what `stage`
-    said."""
+    run (`live`: as a follow's round before the last); returns the staged run's history,
+    metric, config and summary records, and what `stage` said."""
     sources = []
     world = max(ranks) + 1
     for rank, (label, payloads) in sorted(ranks.items()):
@@ -54,7 +58,7 @@ def stage_shared(
         id="reference-shared", group=None, display_name="reference-shared", job_type=None,
         primary_rank=primary, kind="shared", sources=tuple(sources),
     )  # fmt: skip
-    options = MergeOptions(run_mode="shared", skew_metrics=skew)
+    options = MergeOptions(run_mode="shared", skew_metrics=skew, live=live)
     staged = stage(target, root / "out", options)
     merged = [p for p in read_payloads(staged.log_path) if record_kind(p) in MERGED_KINDS]
     return merged, staged
@@ -99,6 +103,22 @@ def summary_of(payload: bytes) -> bytes:
 
 
 @st.composite
+def config_records(draw: st.DrawFn) -> bytes:
+    """A `config.update` (or a removal) of a few keys, top-level or nested, whose values
+    often agree across ranks, as most of a job's config does."""
+    record = pb.Record()
+    paths = [["lr"], ["seed"], ["opt", "beta"], ["opt"]]
+    for path in draw(st.lists(st.sampled_from(paths), min_size=1, max_size=3, unique_by=tuple)):
+        item = record.config.update.add() if draw(st.integers(0, 4)) else record.config.remove.add()
+        if len(path) == 1:
+            item.key = path[0]
+        else:
+            item.nested_key.extend(path)
+        item.value_json = json.dumps(draw(st.integers(0, 2)))
+    return record.SerializeToString()
+
+
+@st.composite
 def rank_logs(draw: st.DrawFn) -> tuple[dict[int, tuple[str, list[bytes]]], int]:
     """Ranks 0-4 (some without a log), each logging rows at some of up to 6 steps: some
     steps without the primary's row, rows with different W&B keys (`_runtime` here, not
@@ -120,6 +140,8 @@ def rank_logs(draw: st.DrawFn) -> tuple[dict[int, tuple[str, list[bytes]]], int]
                 metric.metric.name = draw(st.sampled_from(["loss", "acc", "_runtime"]))
                 metric.metric.summary.max = draw(st.booleans())  # (defined again, changed)
                 payloads.append(metric.SerializeToString())
+            if draw(st.integers(0, 3)) == 0:
+                payloads.append(draw(config_records()))
         ranks[rank] = (f"rank-{rank}", payloads)
     return ranks, primary
 
@@ -209,6 +231,13 @@ def test_summary_keys_keep_the_order_they_were_first_set_in(tmp_path):
     ]
 
 
+def config_payload(**values: object) -> bytes:
+    record = pb.Record()
+    for key, value in values.items():
+        record.config.update.add(key=key, value_json=json.dumps(value))
+    return record.SerializeToString()
+
+
 def loss_defined(summary: str) -> bytes:
     record = pb.Record()
     record.metric.name = "loss"
@@ -216,12 +245,33 @@ def loss_defined(summary: str) -> bytes:
     return record.SerializeToString()
 
 
-def test_a_definition_set_back_to_an_earlier_one_is_written_again(tmp_path):
-    """The primary defines `loss` with min, then max, then min again: the run must end with
-    min, so all three are written."""
+def test_a_config_key_or_definition_set_back_to_an_earlier_value_is_written_again(tmp_path):
+    """The primary sets `a` to 1, 2, then 1 again, and defines `loss` with min, max, then
+    min again: the run must end with a = 1 and min, so all three of each are written. Rank
+    1's config keys that differ from the primary's (`seed`, and `b`, which the primary lacks)
+    are added labelled; `lr`, the same on both, once."""
     row = history_payload(0, [(["loss"], "1.0")])
-    ranks = {0: ("rank-0", [row, loss_defined("min"), loss_defined("max"), loss_defined("min")])}
+    ranks = {
+        0: ("rank-0", [config_payload(lr=0.1, seed=0), row, config_payload(a=1),
+                       loss_defined("min"), config_payload(a=2), loss_defined("max"),
+                       config_payload(a=1), loss_defined("min")]),
+        1: ("rank-1", [config_payload(lr=0.1, seed=1), row, config_payload(b=5)]),
+    }  # fmt: skip
     merged, _ = stage_shared(tmp_path, ranks, primary=0)
     records = [pb.Record.FromString(p) for p in merged]
+    configs = [
+        [(i.key, i.value_json) for i in r.config.update] for r in records if r.HasField("config")
+    ]
+    assert configs == [
+        [("lr", "0.1"), ("seed", "0")], [("a", "1")], [("a", "2")], [("a", "1")],
+        [("seed/rank-1", "1"), ("b/rank-1", "5")],
+    ]  # fmt: skip
     defined = [r.metric.summary.max for r in records if r.HasField("metric")]
     assert defined == [False, True, False]
+    # A follow's round before the last leaves the other ranks' config for the last one.
+    merged, _ = stage_shared(tmp_path / "live", ranks, primary=0, live=True)
+    records = [pb.Record.FromString(p) for p in merged]
+    configs = [
+        [(i.key, i.value_json) for i in r.config.update] for r in records if r.HasField("config")
+    ]
+    assert configs == [[("lr", "0.1"), ("seed", "0")], [("a", "1")], [("a", "2")], [("a", "1")]]

@@ -8,9 +8,11 @@ from the first row that has them; `_step` set by the merged row; with `skew`, th
 of every one-level numeric key across the step's rows (a rank's number is its row's last
 JSON number for the key, counted when finite), in the order of the keys' names. Metric definitions are labelled and
 follow the row they were written after (one the same as the last written for its name is
-left out). The summary holds every
-rank's last values under labelled keys, in the order they were first set, W&B's own keys
-the primary's only.
+left out). The primary's config records follow the row they were written after; the other
+ranks' config, folded, comes after everything else but the summary, in one record: each
+key whose final value is not the primary's final one, labelled, rank by rank. The summary
+holds every rank's last values under labelled keys, in the order they were first set, W&B's
+own keys the primary's only.
 """
 
 from __future__ import annotations
@@ -57,9 +59,11 @@ def merged_records(
     rows: dict[int, dict[int, Items]] = {}  # step -> rank -> the row's items
     events: list[tuple[tuple, pb.Record]] = []  # ((step of the row before, rank, n), record)
     summaries: dict[int, dict[tuple[str, ...], str]] = {}
+    configs: dict[int, dict[tuple[str, ...], str]] = {}
     for rank, (label, payloads) in ranks.items():
         last = -1
         summary = summaries.setdefault(rank, {})
+        config = configs.setdefault(rank, {})
         for n, payload in enumerate(payloads):
             record = pb.Record.FromString(payload)
             if record.HasField("history"):
@@ -73,6 +77,13 @@ def merged_records(
                 for item in record.summary.remove:
                     path = list(item.nested_key) or [item.key]
                     summary.pop(tuple(_labelled(path, label, key_format)), None)
+            elif record.HasField("config"):
+                for path, value in _items(record.config.update):
+                    config[tuple(path)] = value
+                for path, _ in _items(record.config.remove):
+                    config.pop(tuple(path), None)
+                if rank == primary:
+                    events.append(((last, rank, n), record))
             elif record.HasField("metric"):
                 metric = record.metric
                 if metric.name and not metric.name.startswith("_"):
@@ -97,6 +108,19 @@ def merged_records(
                 continue
             last_definition[defines] = payload
         written.append(record)
+    others = pb.Record()
+    for rank in ranks:
+        for path, value in configs[rank].items():
+            if rank != primary and configs[primary].get(path) != value:
+                item = others.config.update.add()
+                labelled = key_format.format(key=path[0], label=ranks[rank][0])
+                if len(path) == 1:
+                    item.key = labelled
+                else:
+                    item.nested_key.extend([labelled, *path[1:]])
+                item.value_json = value
+    if others.config.update:
+        written.append(others)
     final = pb.Record()
     final.summary.SetInParent()
     for rank in sorted(summaries):

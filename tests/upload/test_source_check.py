@@ -96,7 +96,9 @@ def drop_item(kind: str, name: str):
     def change(record: pb.Record):
         if not record.HasField(kind):
             return False
-        items = record.summary.update if kind == "summary" else record.history.item
+        items = {"summary": record.summary.update, "config": record.config.update}.get(
+            kind, record.history.item
+        )
         item = item_named(items, name)
         if item is None:
             return False
@@ -157,6 +159,7 @@ def drop_sample(key: str):
         (drop_item("summary", "rank/rank-1"), "rank 1's summary key 'rank/rank-1': not in"),
         (set_value("config", "lr_after", "0.5"),
          "rank 0's config key 'lr_after': 0.025 logged, 0.5 staged"),
+        (drop_item("config", "rank/rank-1"), "rank 1's config key 'rank/rank-1': not in"),
         (drop_console_line("rank-1"), "rank 1's console 'rank-1': 2 lines logged, 1 staged"),
         (drop_sample("cpu/l:rank-1"), "rank 1's system metric 'cpu/l:rank-1'"),
         (drop_definition("val/acc/rank-0"),
@@ -251,9 +254,9 @@ def test_the_last_round_of_a_follow_whose_merge_lost_a_line_fails_naming_it(
     assert sink.client.runs() == []
 
 
-def test_wandb_logger_lines_of_the_primary_are_expected(tmp_path):
-    """Every rank's log gets a line of wandb's logger: a shared run keeps the primary's,
-    which must be staged; the other ranks' are not expected."""
+def test_wandb_logger_lines_of_every_rank_are_staged_labelled_and_expected(tmp_path):
+    """Every rank's log gets a line of wandb's logger: a shared run holds each rank's,
+    `[label] ` prefixed as its console lines are, and a staged run lacking one is named."""
     job = tmp_path / "job"
     shutil.copytree(job_dir("two_nodes_2x2"), job)
     for log in sorted(job.glob("wandb/offline-run-*/run-*.wandb")):
@@ -265,10 +268,19 @@ def test_wandb_logger_lines_of_the_primary_are_expected(tmp_path):
             for payload in payloads:
                 writer.write(payload)
     [run] = merge_jobs(MergeRequest([job], run_mode="shared"), tmp_path / "out")
+    staged = [r.output_logger.line for r in read_records(run.log_path)
+              if r.HasField("output_logger")]  # fmt: skip
+    assert sorted(staged) == [
+        f"[worker-{worker}-rank-{local}] wandb: a line of wandb's own\n"
+        for worker in (0, 1) for local in (0, 1)
+    ]  # fmt: skip
     assert source_shortfall(run.target, run.log_path) == []
-    rewrite(run.log_path, once(lambda r: None if r.HasField("output_logger") else False))
+    rank_2 = "[worker-1-rank-0] "
+    rewrite(
+        run.log_path, once(lambda r: None if r.output_logger.line.startswith(rank_2) else False)
+    )
     assert source_shortfall(run.target, run.log_path) == [
-        "rank 0's wandb logger 'wandb': 1 lines logged, 0 staged"
+        "rank 2's wandb logger 'worker-1-rank-0': 1 lines logged, 0 staged"
     ]
 
 

@@ -23,7 +23,7 @@ import shutil
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -315,7 +315,8 @@ class Follower:
         if staged is None:
             self._bytes_read[target.id] = sum(_size(s.path) for s in target.sources)
         try:
-            staged = staged or merge.stage(target, workdir / "runs", plan.options(self.request))
+            options = replace(plan.options(self.request), live=not done)
+            staged = staged or merge.stage(target, workdir / "runs", options)
         except WbmergeError as exc:
             if done:
                 raise  # the files are whole: bad input, as for a one-shot sync

@@ -13,6 +13,7 @@ run, in two streaming passes over the ranks' logs (`shared`). The modules, one j
 - `readers`: many ranks' logs read side by side, all their blocks walked at once;
 - `labels`: the ranks' keys labelled, their rows as columns, their summaries folded;
 - `rows`: merged rows and the final summary;
+- `rankconfig`: the other ranks' config, where it is not the primary's, labelled;
 - `artifacts`: artifact records filed under the target run, their files copied in;
 - `console`: console lines and system metrics, labelled and merged by time.
 """

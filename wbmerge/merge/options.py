@@ -64,6 +64,10 @@ class MergeOptions:
     files_from: tuple[Path, ...] = ()
     # A record of a kind this wbmerge does not know: "refuse" (one line) or "copy" it as it is.
     unknown_records: str = "refuse"
+    # Whether the run is staged while its ranks still write (a follow's round before the
+    # last): a shared run then leaves the other ranks' config for the last round, since
+    # what differs from the primary's may not differ once the primary sets it (`rankconfig`).
+    live: bool = False
 
     @property
     def copy_unknown(self) -> bool:

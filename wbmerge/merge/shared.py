@@ -4,7 +4,8 @@ passes over the ranks' logs, so memory does not grow with the number of steps.
 1. history, merged by step across ranks (rows with the same `_step` become one row, keys
    labelled per rank), with the records that travel with it (metric definitions, files,
    the primary's config, telemetry and environment); summaries are folded per rank and
-   written once at the end, as every rank's final values under labelled keys;
+   written once at the end, as every rank's final values under labelled keys, and so is
+   the config of the other ranks, where it is not the primary's (`rankconfig`);
 2. console lines and system metrics of all ranks, merged by timestamp and labelled
    (`console`).
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from ..analyse import PerRank, bound_notice
 from ..log import (
@@ -48,6 +50,7 @@ from .outcome import (
     not_a_record,
     unknown_field,
 )
+from .rankconfig import ConfigPath, fold_config, other_ranks_config
 from .rankstats import MergedRankStats, MergedSpreads
 from .readers import RankReaders, SourceRead
 from .rows import Rows, final_summary, write_merged
@@ -92,6 +95,7 @@ class RankState:
     last_rows: int = 0  # rows in its last read
     globs: list[bytes] = field(default_factory=list)  # its glob definitions, as read
     named: set[str] = field(default_factory=set)  # the keys it defined by name
+    config: dict[ConfigPath, str] = field(default_factory=dict)  # folded so far (`rankconfig`)
 
 
 def write_shared(
@@ -170,6 +174,9 @@ class SharedMerge:
                 self.wrote(payload)
                 writer.write(payload)
             write_console_and_stats(self.by_rank, writer, spools)
+        config = None if self.options.live else self.config_record()
+        if config is not None:
+            writer.write(config)
         for rank, sources in self.by_rank.items():  # in the order of the sources
             for index in range(len(sources)):
                 self.outcome.warnings += self.warnings.get((rank, index), [])
@@ -184,6 +191,17 @@ class SharedMerge:
         """Every rank's summary as folded so far, as the merged run's one summary record."""
         summaries = {rank: (state.keys, state.summary) for rank, state in self.states.items()}
         return final_summary(summaries, self.primary, self.across)
+
+    def config_record(self) -> bytes | None:
+        """The other ranks' config as folded so far, where it is not the primary's, as one
+        config record (`rankconfig`); None when every rank's config is the primary's."""
+        others = [
+            (state.source.label, state.config)
+            for rank, state in self.states.items()
+            if rank != self.primary
+        ]
+        return other_ranks_config(self.states[self.primary].config, others,
+                                  self.options.key_format)  # fmt: skip
 
     def write_head(self) -> None:
         """The primary's file header and its run record, rewritten for the merged run."""
@@ -474,6 +492,10 @@ class SharedMerge:
         an event for the merged log, or set aside (console, system metrics, the exit)."""
         if kind == "exit":
             state.exit_payload = payload
+        elif kind in ("config", "run"):
+            return self._config(payload, kind, state, restart, source)
+        elif kind == "output_logger":  # wandb's own lines, labelled as the console's are
+            return self._labelled_logger_line(payload, state.source.label, source, restart)
         elif kind == "metric":
             return _labelled_metric(payload, state, self.options)
         elif kind == "files":
@@ -483,7 +505,7 @@ class SharedMerge:
             return record
         elif kind in PASS_TWO:
             spool.write(payload)
-        elif kind in ("header", "run"):
+        elif kind == "header":
             pass  # written once by the caller
         elif kind == "artifact":  # every rank's, filed under the merged run
             return self.artifacts.rewrite(payload, source)
@@ -498,6 +520,36 @@ class SharedMerge:
         elif kind in ("use_artifact", "alert"):
             return self._checked(payload, source, restart)
         return None
+
+    def _config(
+        self, payload: bytes, kind: str, state: RankState, restart: int, source: Source
+    ) -> bytes | None:
+        """Fold a rank's config record, or its first run record's config (a restart's
+        repeats the config it started with); the primary's config records are written in
+        place, the other ranks' are written at the end (`config_record`)."""
+        try:
+            record = pb.Record.FromString(payload)
+        except DecodeError:
+            self._warn(source.rank.rank, restart, [not_a_record(source)])
+            return None
+        if kind == "run":
+            if restart == 0:
+                fold_config(state.config, record.run.config)
+            return None  # (the primary's is written once by the caller)
+        fold_config(state.config, record.config)
+        return payload if state.source.rank.rank == self.primary else None
+
+    def _labelled_logger_line(
+        self, payload: bytes, label: str, source: Source, restart: int
+    ) -> bytes | None:
+        """A line of wandb's own logger, `[label] ` prefixed as each console line is."""
+        try:
+            record = pb.Record.FromString(payload)
+        except DecodeError:
+            self._warn(source.rank.rank, restart, [not_a_record(source)])
+            return None
+        record.output_logger.line = f"[{label}] {record.output_logger.line}"
+        return record.SerializeToString()
 
     def _checked(self, payload: bytes, source: Source, restart: int) -> bytes | None:
         if is_record(payload):

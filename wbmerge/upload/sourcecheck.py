@@ -8,8 +8,9 @@ staged (here, every value) -> server (`onserver`, after the upload).
 
 Nothing here uses the merge's own relabelling path, or the check could not catch a fault
 of it: only the record reader (`wbmerge.log`) and the naming rules the docs state (a user
-key `k` of a rank labelled `l` becomes `--key-format`'s `k/l` in a shared run; a system
-metric gets the suffix `/l:l`). Memory does not grow with the steps: a history key (and a
+key `k` of a rank labelled `l` becomes `--key-format`'s `k/l` in a shared run, and so
+does a config key of a rank other than the primary whose value is not the primary's; a
+system metric gets the suffix `/l:l`; a console or wandb logger line the prefix `[l] `). Memory does not grow with the steps: a history key (and a
 system metric, and a rank's console) is a count and an order-independent digest of its
 values (the sum of their hashes), however many rows hold it.
 
@@ -19,11 +20,9 @@ What legitimately differs, and so is not counted:
   keeps one rank's.
 - The `_wandb` and `wbmerge` config keys: the first is wandb's own, the second is
   replaced by the merge's block naming the target's topology and sources.
-- In a shared run, the config of ranks other than the primary, wandb's logger lines
-  (`output_logger`: what wandb printed, not what the user did) of ranks other than the
-  primary, and the keys `--per-rank` leaves out: the docs say a shared run is made so.
-  (The primary's logger lines are counted, apart from the console's: they are not
-  labelled.)
+- In a shared run, the keys `--per-rank` leaves out, and the config keys of another rank
+  that hold the primary's value: the docs say a shared run is made so (another rank's key
+  is expected, labelled, only where its value is not the primary's).
 - The run record of a restart, which repeats the config the rank started with.
 - Steps: a value is counted under its key whatever row or step it lands in, since a
   shared run aligns the ranks' rows by step and a pass-through moves a restart's rows
@@ -290,11 +289,17 @@ class _Lines:
         _add(self.tallies, label, 1, hash((stream, line)))
 
 
-def _logger(read: records.RecordIndex, tallies: dict[str, Tally]) -> None:
-    """Tally a read's lines of wandb's own logger (each record is one line)."""
+def _logger(read: records.RecordIndex, tallies: dict[str, Tally], labelled: bool) -> None:
+    """Tally a read's lines of wandb's own logger (each record is one line) under "wandb",
+    or when `labelled` (a shared run's, `[label] ` prefixed) under their label."""
     for index in read.of("output_logger").tolist():
         line = pb.Record.FromString(read.frames.payload(index)).output_logger.line
-        _add(tallies, "wandb", 1, hash(line))
+        key = "wandb"
+        if labelled and line.startswith("["):
+            label, sep, rest = line[1:].partition("] ")
+            if sep:
+                key, line = label, rest
+        _add(tallies, key, 1, hash(line))
 
 
 def _console(read: records.RecordIndex, lines: _Lines) -> None:
@@ -342,7 +347,7 @@ def held_by(log: Path, labelled: bool = False) -> Holdings:
                 _fold_config(record.run.config if record.HasField("run") else record.config,
                              held.config)  # fmt: skip
         _console(read, lines)
-        _logger(read, held.logger)
+        _logger(read, held.logger, labelled)
         _stats(read, held.stats, str)
     lines.finish()
     return held
@@ -377,8 +382,8 @@ def expected_of(
         system = _system_label(label) if shared else str
         ranks.append(_Rank(rank, label, sources, rename, system, rank == target.primary_rank))
     expected = Holdings()
-    for rank in ranks:
-        _expect_rank(expected, rank, shared, key_format, per_rank)
+    configs = [(rank, _expect_rank(expected, rank, shared, key_format, per_rank)) for rank in ranks]
+    _expect_config(expected, configs, key_format)
     for source in target.extra_system_sources:  # (auto --system-metrics all)
         stats: dict[str, Tally] = {}
         for read in records.read_indexed(source.path):
@@ -393,9 +398,27 @@ def _merge_into(expected: Holdings, kind: str, into: dict, tallies: dict, rank: 
         expected.origin[(kind, key)] = rank
 
 
+def _expect_config(
+    expected: Holdings, configs: list[tuple[_Rank, dict[KeyPath, str]]], key_format: str
+) -> None:
+    """The config the target must hold (the docs' rule): the primary's; and of each other
+    rank (a shared run's), every key whose value is not the primary's, labelled."""
+    primary = next((config for rank, config in configs if rank.primary), {})
+    for rank, config in configs:
+        for key, value in config.items():
+            if not rank.primary:
+                if primary.get(key) == value:
+                    continue
+                key = (key_format.format(key=key[0], label=rank.label), *key[1:])
+            expected.config[key] = value
+            expected.origin[("config key", key)] = rank.rank
+
+
 def _expect_rank(
     expected: Holdings, rank: _Rank, shared: bool, key_format: str, per_rank: PerRank
-) -> None:
+) -> dict[KeyPath, str]:
+    """Count what `rank`'s logs say the target must hold into `expected`; returns the
+    rank's config, folded (the target's config depends on the primary's: `_expect_config`)."""
     history: dict[KeyPath, Tally] = {}
     counter = _History(history, rank.rename)
     summary: dict[KeyPath, bytes] = {}
@@ -415,13 +438,12 @@ def _expect_rank(
                 record = pb.Record.FromString(read.frames.payload(at))
                 if record.HasField("metric"):
                     definitions.append(record.metric)
-                elif record.HasField("config") and rank.primary:
+                elif record.HasField("config"):
                     _fold_config(record.config, config)
-                elif record.HasField("run") and rank.primary and index == 0:
+                elif record.HasField("run") and index == 0:
                     _fold_config(record.run.config, config)
             _console(read, lines)
-            if rank.primary:
-                _logger(read, logger)
+            _logger(read, logger, labelled=False)
             _stats(read, stats, rank.system_rename)
         if shared:
             lines.finish()
@@ -429,15 +451,14 @@ def _expect_rank(
     label = rank.label if shared else None
     _merge_into(expected, "history key", expected.history, history, rank.rank)
     _merge_into(expected, "system metric", expected.stats, stats, rank.rank)
+    if shared and "wandb" in logger:  # (each rank's lines under its label)
+        logger = {rank.label: logger.pop("wandb")}
     _merge_into(expected, "wandb logger", expected.logger, logger, rank.rank)
     if None in console:
         _merge_into(expected, "console", expected.console, {label: console[None]}, rank.rank)
     for key, value in summary.items():
         expected.summary[key] = value
         expected.origin[("summary key", key)] = rank.rank
-    for key, value in config.items():
-        expected.config[key] = value
-        expected.origin[("config key", key)] = rank.rank
     for definition in _definitions(definitions, rank, shared, key_format, per_rank, counter):
         expected.metrics[definition] += 1
         expected.origin[("metric definition", definition)] = rank.rank
@@ -446,6 +467,7 @@ def _expect_rank(
                                          counter.tops).items():  # fmt: skip
             expected.bindings[key] = steps
             expected.origin[("metric glob", key)] = rank.rank
+    return config
 
 
 def _glob_bindings(
