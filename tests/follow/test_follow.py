@@ -9,6 +9,7 @@ rows, summary, config, console, system metrics, files, state and exit code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -77,11 +78,12 @@ def use_sink(monkeypatch, sink) -> None:
 
 
 def one_shot(monkeypatch, make_sink, fixture: Path, request: MergeRequest, tmp_path) -> dict:
-    """What `wbmerge sync` of the whole runs puts on a fresh sink."""
+    """What `wbmerge sync` of the whole runs, with the options of `request`, puts on a fresh
+    sink."""
     sink = make_sink()
     use_sink(monkeypatch, sink)
     monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "one-shot-state"))
-    whole = MergeRequest(paths=[fixture], run_mode=request.run_mode, rank_scope=request.rank_scope)
+    whole = dataclasses.replace(request, paths=[fixture])  # (the same options)
     sync(whole, timeout=UPLOAD_TIMEOUT)
     return sink_runs(sink)
 

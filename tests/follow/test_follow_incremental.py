@@ -249,6 +249,42 @@ def test_a_follower_restarted_goes_on_and_a_rank_rewritten_merges_again_from_scr
     assert_same_runs(sink, want)
 
 
+@pytest.mark.parametrize("statistics", ["rank_stats", "skew_metrics"])
+def test_a_follower_restarted_goes_on_with_statistics_across_ranks(
+    statistics, job, make_sink, monkeypatch, tmp_path, state
+):
+    """`--rank-stats` or `--skew-metrics`: the numbers waiting for their step, each key's
+    last statistics and the key ids are saved with the merge, so the restarted follower
+    reads only the new bytes, and its rows hold the statistics a one-shot sync writes."""
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared", **{statistics: True})
+    want = one_shot(monkeypatch, make_sink, job, request, tmp_path)
+    [whole] = want.values()
+    stat_key = "wbmerge/spread/" if statistics == "skew_metrics" else "/ranks/median"
+    assert any(stat_key in key for key in whole["history"][-1])  # (the options reached it)
+    sink = follow_sink(make_sink, monkeypatch, state)
+    growing = Growing(job, tmp_path / "live")
+    (tmp_path / "live").mkdir()
+    seen: list = []
+    # (the last rank behind the others: their numbers past its step wait across the restart)
+    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:  # then "killed"
+        follow_rounds(follower, growing, (0.3, 0.5), sink, want, seen, behind=0.5)
+    logs = sorted((tmp_path / "live").rglob("run-*.wandb"))
+    held = sum(log.stat().st_size for log in logs)
+    growing.grow(0.7, behind=0.5)
+    now = sum(log.stat().st_size for log in logs)
+    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
+        # (the rows of each round: the first rows of the one-shot sync's)
+        follow_rounds(follower, growing, (0.7, 0.85), sink, want, seen, behind=0.5)
+        growing.grow(1.0)
+        assert follower.round().done
+    assert [t.continued for r in seen for t in r.targets] == [False, True, True, True]
+    [first] = seen[2].targets
+    assert first.status == "sent" and first.added > 0, first.problems
+    assert seen[2].warnings == []
+    assert 0 < first.bytes_read <= now - held + len(logs) * BLOCK_SIZE < now
+    assert_same_runs(sink, want)
+
+
 def test_a_round_never_continues_on_rows_another_sync_sent_since(
     job, make_sink, monkeypatch, tmp_path, state
 ):

@@ -150,12 +150,30 @@ def hostile_values(live: Path, state: Path) -> None:
     path.write_bytes(json.dumps(header).encode() + b"\n" + body)
 
 
+def statistics_not_asked_for(live: Path, state: Path) -> None:
+    """The state of a merge with statistics across ranks (`--rank-stats`), for a follower
+    without them (its hash right): the options differ in a way its name does not say."""
+    [path] = saved_states(state)
+    head, _, body = path.read_bytes().partition(b"\n")
+    content = json.loads(body)
+    assert content["state"]["across"] == []
+    columns = [["f", ""]] * 4 + [["i", ""]] * 2
+    content["state"]["across"] = [{"statistics": ["min", "median", "max", "mean", "min_rank",
+                                   "max_rank"], "keys": [], "pending": [],
+                                   "last": {"keys": "", "columns": columns}}]  # fmt: skip
+    body = json.dumps(content).encode()
+    header = json.loads(head)
+    header["digest"] = saved.body_digest(body)
+    path.write_bytes(json.dumps(header).encode() + b"\n" + body)
+
+
 FALLBACKS = {
     # case: (what changes while no follower runs, what the restarted round says)
     "truncated rank": (truncate_a_rank, "does not fit"),
     "corrupt state": (flip_a_byte, "is damaged"),
     "other version": (another_version, "is of another wbmerge"),
     "hostile values": (hostile_values, "does not fit"),
+    "statistics not asked for": (statistics_not_asked_for, "does not fit"),
 }
 
 
@@ -286,7 +304,9 @@ HOSTILE = {
     "a missing field": {"seen": DROP},
     "a rank twice": {"ranks": [[0, {}], [0, {}]]},
     "deep nesting": {"events": [[[[[[[[[[1]]]]]]]]]] * 3},
-}
+    "statistics' arrays of 3": {"across": [{"statistics": [], "keys": [], "pending": [["", "", ""]],
+                                            "last": {"keys": "", "columns": []}}]},
+}  # fmt: skip
 
 
 def test_a_state_file_of_any_shape_is_refused_in_one_phrase(tmp_path):
@@ -296,6 +316,9 @@ def test_a_state_file_of_any_shape_is_refused_in_one_phrase(tmp_path):
         "last_row": None, "readers": {}, "ranks": {},
         "pending": {"steps": [], "ranks": [], "labelled": [], "names": [], "reserved": []},
         "events": [], "seen": [], "spool": {"end": 0, "digest": b"", "writers": {}},
+        "across": [{"statistics": ["spread"], "keys": [b"\n\x01a"],
+                    "pending": [(b"\x01" * 8, b"\0" * 8, b"\0" * 8, b"\x7f\xf8" + b"\0" * 6)],
+                    "last": {"keys": b"", "columns": [("f", b"")]}}],
     }  # fmt: skip
     saved.save(place, "made", good)
     assert saved.load(place, "made") == good

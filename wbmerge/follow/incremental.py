@@ -26,9 +26,9 @@ one-shot merge of the files, so the run ends as `wbmerge sync` makes it.
 `state()` gives what a round needs to go on as plain values, O(keys) per rank plus the rows
 and records held back and the steps of the rows sent; the console and system-metric spool
 is a file of its own beside it (`Spools.kept`). A follower saves both after each verified
-round (`saved`) and a restarted one goes on from them (`LiveShared(..., saved=state)`).
-A merge with statistics across ranks (`--skew-metrics`, `--rank-stats`) keeps their
-running numbers in arrays that are not saved: it merges from scratch after a restart.
+round (`saved`) and a restarted one goes on from them (`LiveShared(..., saved=state)`),
+also with statistics across ranks (`--skew-metrics`, `--rank-stats`): their keys, the
+numbers read and not yet written and each key's last statistics (`MergedRankStats.state`).
 """
 
 from __future__ import annotations
@@ -159,11 +159,6 @@ class LiveShared:
                 self._spools.close()
                 raise ValueError(f"rank {rank}: no spool of {path}")
 
-    @property
-    def saveable(self) -> bool:
-        """Whether `state()` holds all of the merge (statistics across ranks are not kept)."""
-        return not self.merge.across
-
     def state(self) -> dict:
         """What a round needs to go on from this one, as plain values (bytes, numbers,
         strings, lists and dicts): how far each rank's logs were read, each rank's keys,
@@ -206,6 +201,7 @@ class LiveShared:
             },
             "events": [[list(key), event] for key, event in merge.events],
             "seen": sorted(merge.seen),
+            "across": [statistics.state() for statistics in merge.across],
             "spool": {**spool, "writers": {str(p): w for p, w in spool["writers"].items()}},
         }
 
@@ -216,8 +212,10 @@ class LiveShared:
     def _restore(self, saved: dict) -> None:
         """Set the merge (made for the same target and options) to `saved` (`state()`)."""
         merge = self.merge
-        if set(saved["ranks"]) != set(merge.states) or not self.saveable:
+        if set(saved["ranks"]) != set(merge.states) or len(saved["across"]) != len(merge.across):
             raise ValueError("other ranks or options than the saved state's")
+        for statistics, kept in zip(merge.across, saved["across"], strict=True):
+            statistics.restore(kept)  # (in the order of the options: refused if not theirs)
         for rank, state in merge.states.items():
             kept = saved["ranks"][rank]
             for raw in kept["known"]:

@@ -445,8 +445,6 @@ class Follower:
         """Save a target's merge after a verified round (`saved`); a state that cannot be
         saved is said, and removed (a follower started again merges from scratch)."""
         place, made = self._saved_at[run_id]
-        if not live.saveable:
-            return  # (statistics across ranks: a follower started again merges from scratch)
         try:
             live.sync()
             saved.save(place, made, live.state())

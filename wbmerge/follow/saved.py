@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 FORMAT = "wbmerge follow state"
-VERSION = 2  # 2: a definition written again when it changes the run
+# 2: a definition written again when it changes the run; 3: the statistics across ranks
+VERSION = 3
 STATE_FILE = "state.json"
 SPOOL_FILE = "spool"
 SCANS_FILE = "scans.json"
@@ -95,6 +96,13 @@ RANK = {
     "steps": pair(INT, opt(INT)), "seq": INT, "last_key": list_of(INT), "last_rows": INT,
     "globs": list_of(BYTES), "named": list_of(STR), "spool": opt(STR),
 }  # fmt: skip
+# `MergedRankStats.state()`, one per kind of statistics (`--skew-metrics`, `--rank-stats`):
+# its arrays as their bytes
+ACROSS = {
+    "statistics": list_of(STR), "keys": list_of(BYTES),
+    "pending": list_of(pair(BYTES, BYTES, BYTES, BYTES)),
+    "last": {"keys": BYTES, "columns": list_of(pair(STR, BYTES))},
+}  # fmt: skip
 STATE = {
     "rounds": INT,
     "rows_sent": INT,
@@ -113,6 +121,7 @@ STATE = {
     },  # fmt: skip
     "events": list_of(pair(list_of(INT), BYTES)),
     "seen": list_of(BYTES),
+    "across": list_of(ACROSS),
     "spool": {
         "end": INT,
         "digest": BYTES,

@@ -36,6 +36,8 @@ __all__ = [
     "KeyTable",
     "LoggedArtifact",
     "MergeOptions",
+    "MergedRankStats",
+    "MergedSpreads",
     "RankReaders",
     "Rows",
     "SharedMerge",
@@ -59,6 +61,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .labels import KeyTable, name_id, names_of
+    from .rankstats import MergedRankStats, MergedSpreads
     from .rows import Rows
     from .shared import SharedMerge
 
@@ -68,6 +71,8 @@ _ON_FIRST_USE = {
     "KeyTable": "labels",
     "name_id": "labels",
     "names_of": "labels",
+    "MergedRankStats": "rankstats",
+    "MergedSpreads": "rankstats",
     "Rows": "rows",
     "SharedMerge": "shared",
 }

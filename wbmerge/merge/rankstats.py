@@ -13,6 +13,14 @@ A key's statistics are of the key as logged, a nested key by its full name joine
 `.` (`eval.loss` gets `eval.loss/ranks/max`). The merged run's summary holds each statistic
 key's last value, the statistics of the last step at which a rank logged a number for the
 key: the last point of its chart.
+
+`state()` gives all it holds as plain values and `restore` sets a new one to them, so a
+follower started again goes on (`follow.incremental`): the raw key parts that were given
+an id, in the order they were met (replayed, they give the same ids; a key part without
+statistics gives none, and is found again when it is met), the numbers read and not yet
+written, and each key's last statistics. Arrays are their bytes (NaN and the infinities
+as they are, which JSON cannot hold), so the state is O(keys + numbers waiting), never
+O(steps).
 """
 
 from __future__ import annotations
@@ -211,6 +219,47 @@ class MergedRankStats:
         for position, key in enumerate(found.tolist()):
             self._last[key] = tuple(column[position] for column in latest)
 
+    def state(self) -> dict:
+        """All this holds, as plain values (see the module's docstring), for `restore`."""
+        last = [np.asarray(column) for column in zip(*self._last.values(), strict=True)]
+        if not last:
+            last = [np.empty(0, np.float64)] * len(self.statistics)
+        return {
+            "statistics": list(self.statistics),
+            "keys": [raw for raw, found in self._key_of_raw.items() if found >= 0],
+            "pending": [[_array_bytes(column) for column in chunk] for chunk in self._pending],
+            "last": {
+                "keys": _array_bytes(np.array(list(self._last), np.int64)),
+                "columns": [[column.dtype.kind, _array_bytes(column)] for column in last],
+            },
+        }
+
+    def restore(self, state: dict) -> None:
+        """Set this one, new and made with the same key format, to `state` (`state()`).
+        Raises ValueError when `state` is of other statistics or not one `state()` gives."""
+        if tuple(state["statistics"]) != self.statistics:
+            raise ValueError(f"statistics {state['statistics']} saved, not {list(self.statistics)}")
+        for raw in state["keys"]:
+            if self._key_id(raw) < 0:
+                raise ValueError("a saved statistic key of no statistics")
+        keys = len(self._key_parts)
+        for chunk in state["pending"]:
+            step, key, rank = (_array_of(part, "i") for part in chunk[:3])
+            values = _array_of(chunk[3], "f")
+            if not len(step) or len({len(step), len(key), len(rank), len(values)}) != 1:
+                raise ValueError("numbers waiting in columns of unequal lengths")
+            if (step[1:] < step[:-1]).any() or key.min() < 0 or key.max() >= keys:
+                raise ValueError("numbers waiting out of step order or of keys not saved")
+            self._pending.append((step, key, rank, values))
+        last = state["last"]
+        ids = _array_of(last["keys"], "i")
+        columns = [_array_of(data, kind).tolist() for kind, data in last["columns"]]
+        if len(columns) != len(self.statistics) or any(len(c) != len(ids) for c in columns):
+            raise ValueError("last statistics of other columns than the keys'")
+        if len(ids) and (ids.min() < 0 or ids.max() >= keys or len(np.unique(ids)) < len(ids)):
+            raise ValueError("last statistics of keys not saved")
+        self._last = dict(zip(ids.tolist(), zip(*columns, strict=True), strict=True))
+
     def summary_fields(self) -> bytes:
         """The summary items of every statistic key: its last value."""
         if not self.in_summary:
@@ -243,6 +292,20 @@ class MergedSpreads(MergedRankStats):
 def _firsts(ascending: np.ndarray) -> np.ndarray:
     """Where each run of equal values of `ascending` starts."""
     return np.flatnonzero(np.concatenate([[True], ascending[1:] != ascending[:-1]]))
+
+
+_SAVED_KINDS = {"i": "<i8", "f": "<f8"}  # how a saved array's kind is held: 64 bits
+
+
+def _array_bytes(column: np.ndarray) -> bytes:
+    return np.ascontiguousarray(column, _SAVED_KINDS[column.dtype.kind]).tobytes()
+
+
+def _array_of(data: bytes, kind: str) -> np.ndarray:
+    """The array `_array_bytes` gave `data` as (a copy: it is written to)."""
+    if kind not in _SAVED_KINDS:
+        raise ValueError(f"a saved array of kind {kind!r:.10}")
+    return np.frombuffer(data, _SAVED_KINDS[kind]).copy()
 
 
 def _json_texts(numbers: np.ndarray) -> pa.Array:
