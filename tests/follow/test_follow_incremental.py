@@ -135,6 +135,27 @@ def test_a_log_truncated_rewritten_or_replaced_is_not_continued(job, tmp_path):
             readers.begin_round()
 
 
+def test_a_log_whose_first_block_was_rewritten_is_not_continued_after_a_restart(job, tmp_path):
+    """The block where reading resumes is as it was, an earlier one is not (a rank's log
+    written again while no follower ran): a follower started again must not go on."""
+    data = sorted(job.rglob("run-*.wandb"))[0].read_bytes()
+    assert len(data) > 3 * BLOCK_SIZE
+    live = tmp_path / "run.wandb"
+    live.write_bytes(data[: 2 * BLOCK_SIZE + 500])
+    readers = LiveReaders({0: [live]})
+    readers.begin_round()
+    while ranks := readers.live():
+        readers.read(ranks, 1)
+    positions = readers.positions()
+    LiveReaders.resumed({0: [live]}, positions).begin_round()  # (as it was: goes on)
+    changed = bytearray(live.read_bytes())
+    changed[100] ^= 1  # (in the first block)
+    with open(live, "r+b") as stream:  # (in place: the same file)
+        stream.write(bytes(changed))
+    with pytest.raises(NotIncremental, match="no longer begins as it did"):
+        LiveReaders.resumed({0: [live]}, positions)
+
+
 class Growing:
     """Each rank's log appearing in `live` up to given cut points, its run directory first."""
 

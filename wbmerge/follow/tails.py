@@ -160,11 +160,11 @@ class LiveReaders:
                     source.identity = tuple(source.identity)
                 if source.offset % BLOCK_SIZE or not 0 <= source.resume <= BLOCK_SIZE:
                     raise ValueError(f"{source.path}: a saved place that is not one")
-            if not 0 <= readers._current[rank] < len(sources):
-                raise ValueError(f"rank {rank}: a saved restart that is not one")
                 if source.digest and _head(source) != place["head"]:
                     raise NotIncremental(f"{source.path} no longer begins as it did")
                 source.check()
+            if not 0 <= readers._current[rank] < len(sources):
+                raise ValueError(f"rank {rank}: a saved restart that is not one")
         return readers
 
     def begin_round(self) -> None:
