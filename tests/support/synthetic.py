@@ -24,11 +24,13 @@ def write_rank(
     print_every: int = 50,
     seed: int = 0,
     key_labels: tuple[str, ...] = (),
+    exit_code: int = 0,
 ) -> Path:
     """Write one rank's offline run under `root/wandb/`; returns the `.wandb` path.
 
     With `key_labels`, every metric is written once per label as `{key}/{label}`: the shape
-    of a merged shared run, for tests of what displays it.
+    of a merged shared run, for tests of what displays it. `exit_code`: the exit record's
+    (a run that failed, for torch elastic to start again).
     """
     run_id = f"syn{info.rank:04d}r{info.restart}{seed:x}"
     run_dir = root / "wandb" / f"offline-run-20260101_000000-{run_id}"
@@ -94,7 +96,7 @@ def write_rank(
                 out.output_raw.timestamp.FromNanoseconds(int(now * 1e9))
                 emit(out)
         exit_record = pb.Record()
-        exit_record.exit.exit_code = 0
+        exit_record.exit.exit_code = exit_code
         exit_record.exit.runtime = int(steps * 0.1)
         emit(exit_record)
     return path

@@ -10,9 +10,10 @@ that never finished is a crashed rank) and the runs not found still running are 
 
 The modules, one job each: `live` (reading runs still being written: which exist, how far
 each rank is, which rows are final), `tails` (logs read on from where the last round
-stopped), `incremental` (a shared merge kept between rounds), `saved` (that merge kept in
-the state directory, for a follower started again), `cut` (a staged run as a round sends
-it), `rounds` (one round: discover, plan, stage, cut, upload exactly once).
+stopped), `incremental` (a shared merge kept between rounds), `passlive` (a pass-through
+target kept so), `saved` (either kept in the state directory, for a follower started
+again), `cut` (a staged run as a round sends it), `rounds` (one round: discover, plan,
+stage, cut, upload exactly once).
 """
 
 from __future__ import annotations

@@ -92,10 +92,109 @@ class _NoArtifacts:
     again (and the server keeps one version per digest)."""
 
     def rewrite(self, payload: bytes, source: object) -> bytes:
-        raise NotIncremental("an artifact record: merged from scratch")
+        raise NotIncremental("its ranks logged an artifact")
 
 
-class LiveShared:
+class NotYet(NotIncremental):
+    """A log that cannot be continued yet (its run record is not written): the round
+    merges from scratch, which is no fault to be said."""
+
+
+class LiveRounds:
+    """What the server holds of a target's rounds, and how a round's log continues them:
+    the part a kept shared merge (`LiveShared`) and a kept pass-through
+    (`passlive.LivePassthrough`) share. A round gives its records in order (`written`,
+    each a row or not); `_arrange` puts the row the last round held back before them and
+    holds the last one back as `cut` does, `_finish` says what the staged log continues,
+    and `sent` records what the server holds once the upload was verified. What is sent of
+    the records other than rows is the subclass's to keep (`_keep`)."""
+
+    def __init__(self) -> None:
+        self.rows_sent = 0
+        self._held: bytes | None = None  # the last row written, held back
+        self._step_items: tuple[int | None, ...] = ()
+        self._last_row: dict | None = None  # the last row sent, as wandb-core sends it
+        self._last_payload: bytes | None = None  # (its record)
+        self._round: tuple[list[bytes], bytes | None, list[bytes]] | None = None
+        self.rounds = 0  # rounds staged
+        self.bytes_read = 0  # of the ranks' logs, by the last round
+
+    def _arrange(
+        self, written: list[tuple[bool, bytes]], left_out: bool, server_rows: int
+    ) -> tuple[list[tuple[bool, bytes]], bytes | None] | None:
+        """The round's records after the row held back by the rounds before, without its
+        last row when no row is left out and the server lacks it (it waits for the round
+        after, as `cut` holds it back), and that row; None when the server holds other rows
+        than the rounds sent (another sync sent rows past the watermark, or since)."""
+        rows = sum(is_row for is_row, _ in written)
+        fresh = self._held is None and self.rows_sent == 0
+        if server_rows > rows if fresh else server_rows != self.rows_sent:
+            return None
+        if self._held is not None:
+            written.insert(0, (True, self._held))
+            rows += 1
+        held = None
+        if rows and not left_out and server_rows < self.rows_sent + rows:
+            last_at = max(i for i, (is_row, _) in enumerate(written) if is_row)
+            held = written.pop(last_at)[1]
+        return written, held
+
+    def _finish(
+        self, log: Path, written: list[tuple[bool, bytes]], held: bytes | None
+    ) -> StagedContent | None:
+        """The round's log is staged: its whole content when it continues the rounds sent
+        (None: the log is whole, rows_cut 0)."""
+        sent_rows = [p for is_row, p in written if is_row]
+        self._round = ([p for is_row, p in written if not is_row], held, sent_rows)
+        if not self.rows_sent:
+            return None
+        new = read_staged(log)
+        return dataclasses.replace(new, step_items=self._step_items + new.step_items)
+
+    @property
+    def row_before(self) -> dict | None:
+        """The last row the server holds of this merge, as wandb-core sent it."""
+        return self._last_row
+
+    def _keep(self, others: list[bytes]) -> None:
+        """Keep the records other than rows that a verified round sent, for the next."""
+        raise NotImplementedError
+
+    def sent(self, content: StagedContent) -> None:
+        """The round's log was uploaded and verified: the server holds what it sent."""
+        assert self._round is not None
+        others, held, rows = self._round
+        self._keep(others)
+        self._held = held
+        self.rows_sent = len(content.step_items)
+        self._step_items = content.step_items
+        if rows:
+            self._last_payload = rows[-1]
+            self._last_row = sentrows.row_of(pb.Record.FromString(rows[-1]).history)
+        self._round = None
+
+    def _rounds_state(self) -> dict:
+        """What `_restore_rounds` goes on from: what the server holds of the rounds."""
+        return {
+            "rounds": self.rounds,
+            "rows_sent": self.rows_sent,
+            "held": self._held,
+            "step_items": list(self._step_items),
+            "last_row": self._last_payload,
+        }
+
+    def _restore_rounds(self, saved: dict) -> None:
+        self.rounds, self.rows_sent = saved["rounds"], saved["rows_sent"]
+        self._held = saved["held"]
+        self._step_items = tuple(saved["step_items"])
+        if self.rows_sent != len(self._step_items):
+            raise ValueError("rows sent and their steps disagree")
+        self._last_payload = saved["last_row"]
+        if self._last_payload is not None:
+            self._last_row = sentrows.row_of(pb.Record.FromString(self._last_payload).history)
+
+
+class LiveShared(LiveRounds):
     """One shared target's merge, kept between the rounds of a follow.
 
     `spool`: the file for its console lines and system metrics, when it is to outlive the
@@ -127,15 +226,8 @@ class LiveShared:
         self._recorder.items.clear()
         paths = {rank: [s.path for s in sources] for rank, sources in self.merge.by_rank.items()}
         # What the server holds of what this merge wrote (as the verified rounds left it):
-        self.rows_sent = 0
+        super().__init__()
         self._others_sent: list[bytes] = []  # records other than rows, in order
-        self._held: bytes | None = None  # the last row written, held back
-        self._step_items: tuple[int | None, ...] = ()
-        self._last_row: dict | None = None  # the last row sent, as wandb-core sends it
-        self._last_payload: bytes | None = None  # (its record)
-        self._round: tuple[list[bytes], bytes | None, list[bytes]] | None = None
-        self.rounds = 0  # rounds staged
-        self.bytes_read = 0  # of the ranks' logs, by the last round
         if saved is None:
             self._spools = Spools(scratch) if spool is None else Spools.kept(spool)
             self._readers = LiveReaders(paths)
@@ -184,12 +276,8 @@ class LiveShared:
         pending = merge.pending
         spool = self._spools.state()
         return {
-            "rounds": self.rounds,
-            "rows_sent": self.rows_sent,
+            **self._rounds_state(),
             "others_sent": list(self._others_sent),
-            "held": self._held,
-            "step_items": list(self._step_items),
-            "last_row": self._last_payload,
             "readers": self._readers.positions(),
             "ranks": ranks,
             "pending": {
@@ -246,14 +334,8 @@ class LiveShared:
             raise ValueError("rows held back of a rank not merged")
         merge.events = [(tuple(key), event) for key, event in saved["events"]]
         merge.remember(saved["seen"])
-        self.rounds, self.rows_sent = saved["rounds"], saved["rows_sent"]
-        self._others_sent, self._held = list(saved["others_sent"]), saved["held"]
-        self._step_items = tuple(saved["step_items"])
-        if self.rows_sent != len(self._step_items):
-            raise ValueError("rows sent and their steps disagree")
-        self._last_payload = saved["last_row"]
-        if self._last_payload is not None:
-            self._last_row = sentrows.row_of(pb.Record.FromString(self._last_payload).history)
+        self._restore_rounds(saved)
+        self._others_sent = list(saved["others_sent"])
 
     def close(self) -> None:
         self._spools.close()
@@ -283,22 +365,11 @@ class LiveShared:
             self.bytes_read = self._readers.bytes_read - read_before
             written = self._recorder.items
             self._recorder.items = []
-            rows = [p for is_row, p in written if is_row]
-            fresh = self._held is None and self.rows_sent == 0
-            if server_rows > len(rows) if fresh else server_rows != self.rows_sent:
-                # (rows another sync sent, past the watermark or since the last round)
+            arranged = self._arrange(written, bool(len(self.merge.pending)), server_rows)
+            if arranged is None:
                 shutil.rmtree(run_dir, ignore_errors=True)
                 return None
-            held = self._held
-            if held is not None:
-                written.insert(0, (True, held))
-                rows.insert(0, held)
-            if rows and not len(self.merge.pending) and server_rows < self.rows_sent + len(rows):
-                held = rows[-1]  # (no row left out: the last waits for the round after)
-                last_at = max(i for i, (is_row, _) in enumerate(written) if is_row)
-                del written[last_at]
-            else:
-                held = None
+            written, held = arranged
             with open(staged.log_path, "xb") as stream, LogWriter(stream) as writer:
                 for payload in [*self._head, *self._others_sent]:
                     writer.write(payload)
@@ -314,28 +385,7 @@ class LiveShared:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
         staged.metrics, staged.bound_notice = self.merge.metrics()
-        sent_rows = [p for is_row, p in written if is_row]
-        self._round = ([p for is_row, p in written if not is_row], held, sent_rows)
-        if not self.rows_sent:
-            return staged, None
-        new = read_staged(staged.log_path)
-        content = dataclasses.replace(new, step_items=self._step_items + new.step_items)
-        return staged, content
+        return staged, self._finish(staged.log_path, written, held)
 
-    @property
-    def row_before(self) -> dict | None:
-        """The last row the server holds of this merge, as wandb-core sent it."""
-        return self._last_row
-
-    def sent(self, content: StagedContent) -> None:
-        """The round's log was uploaded and verified: the server holds what it sent."""
-        assert self._round is not None
-        others, held, rows = self._round
+    def _keep(self, others: list[bytes]) -> None:
         self._others_sent += others
-        self._held = held
-        self.rows_sent = len(content.step_items)
-        self._step_items = content.step_items
-        if rows:
-            self._last_payload = rows[-1]
-            self._last_row = sentrows.row_of(pb.Record.FromString(rows[-1]).history)
-        self._round = None

@@ -10,10 +10,10 @@ is staged whole, with its real exit record: its run gets its final state, and it
 in the ledger as a one-shot sync records it, so that a `wbmerge sync` afterwards finds it
 synced. Until then the ledger is not touched.
 
-A shared target's merge kept between rounds (`incremental`) is saved in the state directory
-after each verified round (`saved`), so that a follower started again goes on from it; a
-saved state that does not fit the files or the server is said in one line and the round
-merges from scratch.
+A shared or pass-through target's merge kept between rounds (`incremental`, `passlive`) is
+saved in the state directory after each verified round (`saved`), so that a follower
+started again goes on from it; a saved state that does not fit the files or the server, or
+a kept merge that cannot go on, is said in one line and the round merges from scratch.
 """
 
 from __future__ import annotations
@@ -53,11 +53,18 @@ from ..upload import (
 from ..wandbcore import StagedContent
 from . import saved
 from .cut import cut_live
-from .incremental import LiveShared, NotIncremental, sources_of
+from .incremental import LiveShared, NotIncremental, NotYet, sources_of
 from .live import Progress, find_live_runs, finished, progress, signature, watermark
+from .passlive import LivePassthrough
 from .tails import ScannedLog
 
 RESTART_GRACE = 60.0  # seconds (see `Follower`)
+# The targets merged a round at a time, by kind: what keeps them, and its saved state's shape
+# (`auto` with every rank's system metrics, "auto+system", is merged from scratch).
+_KEPT: dict[str, tuple[type, object]] = {
+    "shared": (LiveShared, saved.STATE),
+    "passthrough": (LivePassthrough, saved.PASSTHROUGH),
+}
 
 
 @dataclass
@@ -147,8 +154,8 @@ class Follower:
         self.number = 0
         self.planned: list[PlannedJob] = []
         self._said: set[str] = set()  # warnings given in earlier rounds
-        # shared targets merged a round at a time (`incremental`), and those staged so now
-        self._live: dict[str, LiveShared] = {}
+        # targets merged a round at a time (`incremental`, `passlive`), and those staged so now
+        self._live: dict[str, LiveShared | LivePassthrough] = {}
         self._staged_live: set[str] = set()
         self._live_made = 0  # (each merge's scratch directory is named by its number)
         self._saved_at: dict[str, tuple[Path, str]] = {}  # run id -> (`saved` place, made for)
@@ -306,7 +313,7 @@ class Follower:
             return None
         fingerprint = Ledger.fingerprint(target, settings)
         staged, content = None, None
-        if target.kind == "shared" and not done:
+        if target.kind in _KEPT and not done:
             server_rows = self._server_rows(known, entity, plan.project, target.id)
             found = self._stage_live(plan, target, ranks, workdir, server_rows, known, report)
             staged, content = found or (None, None)
@@ -363,25 +370,29 @@ class Follower:
         self, plan: PlannedJob, target: Target, ranks: dict[int, Progress], workdir: Path,
         server_rows: int, known: _Known, report: RoundReport,
     ) -> tuple[Staged, StagedContent | None] | None:  # fmt: skip
-        """Stage a shared target's round from its merge kept since the last round (made
-        now if there is none, or if its sources changed: from the state a follower before
-        this one saved, when it fits); None when that merge cannot go on (`incremental`):
-        it is dropped, and the round merges from scratch."""
+        """Stage a target's round from its merge kept since the last round (made now if
+        there is none, or if its sources changed: from the state a follower before this one
+        saved, when it fits); None when that merge cannot go on (`incremental`): it is
+        dropped, said in one line (but while a log has no run record yet), and the round
+        merges from scratch."""
         self._staged_live.discard(target.id)
         live = self._live.get(target.id)
         if live is not None and live.made_of != sources_of(target):
             self._drop_live(target.id, forget=True)
             live = None
+            report.warnings.append(f"{target.id}: a rank or restart started: merged from scratch")
         found, resumed, why = None, False, None
         try:
             if live is None:
                 live, resumed = self._make_live(plan, target, known, server_rows, report)
             found = live.stage(workdir / "runs", watermark(target, ranks), server_rows)
             self._bytes_read[target.id] = live.bytes_read
-            if found is None:
+            if found is None and live.rows_sent:  # (not when it sent none: `cut` says it)
                 why = (
                     f"the server holds {server_rows} history rows, not the {live.rows_sent} it sent"
                 )
+        except NotYet:
+            found, resumed = None, False  # (nothing to say: its run record comes soon)
         except (NotIncremental, WbmergeError, OSError) as exc:
             found, why = None, str(exc)
         except ValueError as exc:  # (a saved state that passed its checks, yet does not fit)
@@ -392,6 +403,8 @@ class Follower:
             if resumed:
                 report.warnings.append(f"{target.id}: the state a follower before this one "
                                        f"saved does not fit ({why}): merged from scratch")  # fmt: skip
+            elif why is not None:
+                report.warnings.append(f"{target.id}: {why}: merged from scratch")
             self._drop_live(target.id, forget=True)
             return None
         self._staged_live.add(target.id)
@@ -400,24 +413,26 @@ class Follower:
     def _make_live(
         self, plan: PlannedJob, target: Target, known: _Known, server_rows: int,
         report: RoundReport,
-    ) -> tuple[LiveShared, bool]:  # fmt: skip
+    ) -> tuple[LiveShared | LivePassthrough, bool]:  # fmt: skip
         """A target's merge to go on with: from its saved state when there is one that
         fits (and then True), else a new one (whose saved state is removed first: its spool
         is made anew). Raises NotIncremental, OSError (a new one's spool)."""
         settings = plan.ledger_settings(self.request)
         place = saved.directory(state_dir(), known.key)
         made = saved.made_for(known.key, settings, sources_of(target))
+        first = target.id not in self._saved_at  # (later, this follower removed its state)
         self._saved_at[target.id] = (place, made)
         scratch = self.staging / "live" / str(self._live_made)
         self._live_made += 1
         options = plan.options(self.request)
         spool = place / saved.SPOOL_FILE
+        kind, shape = _KEPT[target.kind]
         try:
-            state = saved.load(place, made)
+            state = saved.load(place, made, shape=shape)
             if state is not None:
-                live = self._live[target.id] = LiveShared(target, options, scratch, spool, state)
+                live = self._live[target.id] = kind(target, options, scratch, spool, state)
                 return live, True
-            if server_rows:  # (rows sent before: by a follower whose state is lost, or a sync)
+            if server_rows and first:  # (rows sent: by a follower whose state is lost, a sync)
                 report.warnings.append(f"{target.id}: no state saved by a follower before "
                                        "this one: merged from scratch")  # fmt: skip
         except (saved.Unusable, NotIncremental, ValueError, OSError) as exc:
@@ -428,7 +443,7 @@ class Follower:
                                    f"does not fit ({why}): merged from scratch")  # fmt: skip
         saved.discard(place)
         place.mkdir(parents=True, exist_ok=True)
-        live = self._live[target.id] = LiveShared(target, options, scratch, spool)
+        live = self._live[target.id] = kind(target, options, scratch, spool)
         return live, False
 
     def _drop_live(self, run_id: str, forget: bool = False) -> None:
@@ -441,13 +456,15 @@ class Follower:
         if forget and run_id in self._saved_at:
             saved.discard(self._saved_at[run_id][0])
 
-    def _save_live(self, run_id: str, live: LiveShared, report: RoundReport) -> None:
+    def _save_live(
+        self, run_id: str, live: LiveShared | LivePassthrough, report: RoundReport
+    ) -> None:
         """Save a target's merge after a verified round (`saved`); a state that cannot be
         saved is said, and removed (a follower started again merges from scratch)."""
         place, made = self._saved_at[run_id]
         try:
             live.sync()
-            saved.save(place, made, live.state())
+            saved.save(place, made, live.state(), shape=_KEPT[live.target.kind][1])
         except OSError as exc:
             saved.discard(place)
             report.warnings.append(f"{run_id}: the follow's state could not be saved in "

@@ -1,11 +1,13 @@
 """A follow's merge kept on disk, so that a follower killed and started again goes on from
-its last verified round instead of merging every shared run from scratch.
+its last verified round instead of merging every run from scratch.
 
-Each shared target has a directory under the state directory, `follow/<hash of the run's
-key>`, holding `state.json` (the `LiveShared.state()` of its last verified round) and
-`spool` (its console and system-metric spool, `Spools.kept`); one more directory per set
-of paths followed holds `scans.json`, how far each log's steps and exit record were counted
-(`tails.ScannedLog`), a shortcut that is checked as the merge is. The state is written after
+Each target followed a round at a time has a directory under the state directory,
+`follow/<hash of the run's key>`, holding `state.json` (the `LiveShared.state()` of a
+shared target's last verified round, or a pass-through's `LivePassthrough.state()`) and
+`spool` (its console and system-metric spool, or the pass-through's records sent:
+`Spools.kept`); one more directory per set of paths followed holds `scans.json`, how far
+each log's steps and exit record were counted (`tails.ScannedLog`), a shortcut that is
+checked as the merge is. The state is written after
 the round's upload was verified, to a temporary file that is synced and then renamed over
 the last one (the spool synced first), so a follower killed at any point leaves the state
 of a round the server holds, or of the round before it: then the server holds more rows
@@ -129,6 +131,18 @@ STATE = {
     },  # fmt: skip
 }
 
+
+# The shape of `LivePassthrough.state()` (a pass-through target: `new`, `auto`).
+PASSTHROUGH = {
+    **{name: STATE[name] for name in ("rounds", "rows_sent", "held", "step_items", "last_row",
+                                      "readers", "spool")},
+    "head": list_of(BYTES),
+    "has_run": BOOL,
+    "before_run": list_of(BYTES),
+    "waiting": list_of(pair(opt(STR), INT, BYTES)),
+    "steps": pair(INT, opt(INT)),
+    "summary": list_of(pair(list_of(STR), BOOL, BYTES)),
+}  # fmt: skip
 
 # How far a follower counted each log's steps (`tails.ScannedLog.state`), by path
 SCANS = str_map({

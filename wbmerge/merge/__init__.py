@@ -26,8 +26,9 @@ from .console import Spools, write_console_and_stats
 from .files import check_files, files_from_dirs, moved_files_notice, stage_files
 from .metricglobs import glob_definitions, label_prefixes
 from .options import DEFAULT_KEY_FORMAT, MergeOptions, check_key_format
-from .passthrough import HeldUntilTheRunRecord
+from .passthrough import HeldUntilTheRunRecord, passed_record
 from .readers import RankReaders, SourceRead
+from .runrecord import rewrite_run
 from .staging import Staged, new_run_dir, stage
 
 __all__ = [
@@ -53,6 +54,8 @@ __all__ = [
     "name_id",
     "names_of",
     "new_run_dir",
+    "passed_record",
+    "rewrite_run",
     "shared",
     "stage",
     "stage_files",

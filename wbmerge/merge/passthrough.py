@@ -78,20 +78,14 @@ def write_passthrough(
                         body.release()
                 elif kind == "exit":
                     exit_payload = payload
-                elif kind == "files":
-                    body.write(files_record(payload, source, warnings))
-                elif kind == "artifact":
-                    body.write(artifacts.rewrite(payload, source))
-                elif kind is None:
-                    if is_record(payload):
-                        check_known(payload, source, options.copy_unknown)
-                        body.write(payload)
-                    else:
-                        warnings.append(not_a_record(source))
-                elif kind == "history":
-                    body.write(restep(payload, moved[at]))
-                elif index == 0:  # the header: once
-                    writer.write(payload)
+                elif kind == "header":
+                    if index == 0:  # (once)
+                        writer.write(payload)
+                else:
+                    passed = passed_record(kind, payload, source, options, artifacts,
+                                           warnings, moved.get(at))  # fmt: skip
+                    if passed is not None:
+                        body.write(passed)
             body.write_many(frames.data, starts[done:], ends[done:])
         warnings += damage_warnings(source, report, exit_payload is not None, target.primary_rank)
     for extra in target.extra_system_sources:
@@ -102,6 +96,34 @@ def write_passthrough(
     body.write(exit_payload if exit_payload is not None else exit_record(outcome.exit_code))
     body.release()  # (a log without a run record: as it was)
     return outcome
+
+
+def passed_record(
+    kind: str | None,
+    payload: bytes,
+    source: Source,
+    options: MergeOptions,
+    artifacts: ArtifactRecords,
+    warnings: list[str],
+    placed: int | None = None,
+) -> bytes | None:
+    """What a pass-through writes of a `files`, artifact, unknown or history record of
+    `source` (`placed`: the step a restart moves a history record to), None when it is left
+    out. One rule for the one-shot pass-through and a follow's rounds (`follow.incremental`),
+    so that both write every record alike."""
+    if kind == "files":
+        return files_record(payload, source, warnings)
+    if kind == "artifact":
+        return artifacts.rewrite(payload, source)
+    if kind is None:
+        if not is_record(payload):
+            warnings.append(not_a_record(source))
+            return None
+        check_known(payload, source, options.copy_unknown)
+        return payload
+    if kind == "history" and placed is not None:
+        return restep(payload, placed)
+    return payload
 
 
 class HeldUntilTheRunRecord:

@@ -1,0 +1,284 @@
+"""A pass-through target (`new`, `auto`) followed a round at a time: each round reads only
+what its rank wrote since the last one and stages a log that continues the rounds sent.
+
+A pass-through run is one rank's records as they are, its restarts concatenated (a restart
+that repeats steps moved after them), the run record rewritten (`merge.passthrough`). Kept
+between rounds, per source (the rank's first run and each restart): where its log was read
+to (`tails`), where the restarts' steps stand (`Steps`), the header and rewritten run record
+(the log's head), the records read past the watermark (they wait for a round that may send
+them), and what the server holds: the rows sent (`incremental.LiveRounds`), every record
+other than a row sent so far, in order, in a spool file beside the state (`Spools.kept`),
+and the summary records sent, folded into the last update or removal of each key.
+
+A round's log is what `cut` and `upload.remainder` would make of the one-shot pass-through
+of the files as they are: the head, the records other than rows sent before, the folded
+summary, then the records read since (up to the first row past the watermark), the last
+row held back while none is left out, and an exit record that leaves the run running.
+
+Anything a round cannot continue gives way to a merge from scratch (`NotIncremental`): a
+log truncated, rewritten or damaged, a restart added, an artifact record (its files are
+copied into one round's staging), a head that is not what the one-shot would keep. The
+final round (every rank finished) is a one-shot merge of the files, so the run ends as
+`wbmerge sync` makes it. A target whose system metrics come from every rank (`auto` with
+`--system-metrics all`) is merged from scratch every round.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from google.protobuf.message import DecodeError
+
+from ..log import BLOCK_SIZE, LogWriter, Steps, pb, records
+from ..merge import (
+    MergeOptions,
+    Spools,
+    Staged,
+    new_run_dir,
+    passed_record,
+    rewrite_run,
+    stage_files,
+)
+from ..plan import Target
+from ..wandbcore import StagedContent
+from .cut import running_exit_record
+from .incremental import LiveRounds, NotIncremental, NotYet, sources_of
+from .tails import LiveReaders
+
+_READ_BLOCKS = 128  # blocks a read takes (as the one-shot pass-through reads)
+_HEAD_LIMIT = 64 * BLOCK_SIZE  # records before the run record (`HeldUntilTheRunRecord`)
+
+
+class _NoArtifacts:
+    """An artifact record's files are copied into one round's staging: merged from scratch."""
+
+    def rewrite(self, payload: bytes, source: object) -> bytes:
+        raise NotIncremental("its rank logged an artifact")
+
+
+class LivePassthrough(LiveRounds):
+    """One pass-through target, kept between the rounds of a follow.
+
+    `spool`: the file for the records other than rows sent, when it is to outlive the
+    process (else a temporary file in `scratch`); `saved`: a `state()` of the same target
+    and options to go on from. Raises NotIncremental when the files do not hold what
+    `saved` read of them, ValueError when `saved` does not fit."""
+
+    saveable = True
+
+    def __init__(
+        self,
+        target: Target,
+        options: MergeOptions,
+        scratch: Path,
+        spool: Path | None = None,
+        saved: dict | None = None,
+    ) -> None:
+        super().__init__()
+        if target.extra_system_sources:
+            raise NotIncremental("every rank's system metrics are merged from scratch")
+        self.target, self.made_of = target, sources_of(target)
+        self.options = options
+        self._several = len(target.sources) > 1  # (only restarts are moved: as the one-shot)
+        self._steps = Steps()
+        self._head: list[bytes] = []  # the header and rewritten run record
+        self._has_run = False
+        self._before_run: list[bytes] = []  # records read before the run record
+        # records read and not sent yet: (kind, the step of a row, as the run holds it)
+        self._waiting: list[tuple[str | None, int, bytes]] = []
+        # the summary sent: each key's last update (False) or removal (True), in order
+        self._summary: dict[tuple[str, ...], tuple[bool, bytes]] = {}
+        self._warnings: list[str] = []  # (said by the final, one-shot round)
+        scratch.mkdir(parents=True, exist_ok=True)
+        paths = {0: [s.path for s in target.sources]}
+        first = target.sources[0]
+        if saved is None:
+            self._spools = Spools(scratch) if spool is None else Spools.kept(spool)
+            self._kept = self._spools.writer(first)
+            self._readers = LiveReaders(paths)
+            return
+        assert spool is not None
+        self._readers = LiveReaders.resumed(paths, saved["readers"])
+        try:
+            self._restore(saved)
+        except (IndexError, KeyError, TypeError, DecodeError) as exc:  # (of the right types)
+            raise ValueError(f"a saved value that is not one ({type(exc).__name__})") from None
+        writers = saved["spool"]["writers"]
+        if set(writers) != {str(first.path)}:
+            raise ValueError("a spool of a file that is not the first source")
+        self._spools = Spools.kept(spool, {**saved["spool"], "writers": {first.path: writers[str(first.path)]}})  # fmt: skip
+        kept = self._spools.writer_of(first.path)
+        assert kept is not None
+        self._kept = kept
+
+    def state(self) -> dict:
+        """What a round needs to go on from this one, as plain values (`saved.PASSTHROUGH`):
+        how far each source was read, the head, the records waiting, where the steps stand,
+        the summary sent and what the server holds. The spool must be `sync`ed with it."""
+        spool = self._spools.state()
+        return {
+            **self._rounds_state(),
+            "readers": self._readers.positions(),
+            "head": list(self._head),
+            "has_run": self._has_run,
+            "before_run": list(self._before_run),
+            "waiting": [list(item) for item in self._waiting],
+            "steps": list(self._steps.place_state()),
+            "summary": [[list(path), removed, item] for path, (removed, item) in self._summary.items()],
+            "spool": {**spool, "writers": {str(p): w for p, w in spool["writers"].items()}},
+        }  # fmt: skip
+
+    def _restore(self, saved: dict) -> None:
+        self._restore_rounds(saved)
+        self._head, self._has_run = list(saved["head"]), saved["has_run"]
+        self._before_run = list(saved["before_run"])
+        self._waiting = [(kind, step, payload) for kind, step, payload in saved["waiting"]]
+        if any(kind not in records.KIND_NAMES for kind, _, _ in self._waiting):
+            raise ValueError("a record waiting of no kind")
+        self._steps = Steps.at(*saved["steps"])
+        self._summary = {tuple(path): (removed, item) for path, removed, item in saved["summary"]}
+        for _, item in self._summary.values():
+            pb.SummaryItem.FromString(item)  # (DecodeError: not one)
+
+    def sync(self) -> None:
+        """Make the spool's bytes durable (before a `state()` of them is saved)."""
+        self._spools.sync()
+
+    def close(self) -> None:
+        self._spools.close()
+
+    def stage(
+        self, out_dir: Path, watermark: int | None, server_rows: int
+    ) -> tuple[Staged, StagedContent | None] | None:
+        """Read what the rank wrote since the last round and stage the round's log in
+        `out_dir`, its rows up to `watermark` (None: all); its whole content when the log
+        continues the rounds sent (None: the log is whole). None when the server holds
+        other rows than were sent: merge from scratch. Raises NotIncremental (NotYet: no
+        run record yet), WbmergeError (a file went away)."""
+        target = self.target
+        self.rounds += 1
+        self._readers.begin_round()
+        read_before = self._readers.bytes_read
+        while self._readers.live():
+            frames, reads = self._readers.read([0], _READ_BLOCKS)
+            self._take(records.RecordIndex(frames), reads[0].source, reads[0].starts)
+        self.bytes_read = self._readers.bytes_read - read_before
+        if not self._has_run:
+            raise NotYet("its run record is not written yet")
+        waiting = self._waiting
+        cut = len(waiting)
+        if watermark is not None:
+            cut = next((i for i, (kind, step, _) in enumerate(waiting)
+                        if kind == "history" and step > watermark), cut)  # fmt: skip
+        written = [(kind == "history", payload) for kind, _, payload in waiting[:cut]]
+        arranged = self._arrange(written, cut < len(waiting), server_rows)
+        if arranged is None:
+            return None
+        written, held = arranged
+        run_dir = new_run_dir(target, out_dir)
+        try:
+            (run_dir / "files").mkdir()
+            staged = Staged(target, run_dir)
+            files = stage_files(target, run_dir / "files", staged.warnings, self.options.files_from)
+            staged.saved_files = files.saved
+            with open(staged.log_path, "xb") as stream, LogWriter(stream) as writer:
+                for payload in self._head:
+                    writer.write(payload)
+                for payload in self._spools.read(target.sources[0]):
+                    writer.write(payload)
+                for payload in self._summary_records():
+                    writer.write(payload)
+                for _, payload in written:
+                    writer.write(payload)
+                writer.write(running_exit_record())
+                staged.records = writer.records
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        del waiting[:cut]  # (what is left waits for the next round)
+        return staged, self._finish(staged.log_path, written, held)
+
+    def _take(self, read: records.RecordIndex, index: int, starts: bool) -> None:
+        """One read's records of source `index` as the one-shot pass-through writes them,
+        added to those waiting (or to the head, and before the run record)."""
+        source = self.target.sources[index]
+        if starts:
+            self._steps.restart()
+        steps: dict[int, int] = {}
+        moved: dict[int, int] = {}
+        if len(read.history):
+            at = read.history.tolist()
+            if self._several:
+                placed = self._steps.shifted(read.rows.steps).tolist()
+                moved = {i: s for i, s, was in zip(at, placed, read.rows.steps.tolist(),
+                                                   strict=True) if s != was}  # fmt: skip
+            else:
+                placed = read.rows.steps.tolist()
+            steps = dict(zip(at, placed, strict=True))
+        frames = read.frames
+        view = memoryview(frames.data)
+        names = records.KIND_NAMES
+        spans = zip(read.codes.tolist(), frames.starts.tolist(), frames.ends.tolist(), strict=True)
+        for i, (code, start, end) in enumerate(spans):
+            kind = names[code]
+            payload = bytes(view[start:end])
+            if kind == "exit":
+                continue  # (a round ends with one that leaves the run running)
+            if kind in ("run", "header"):
+                if index:
+                    continue  # (a restart's: the first run's stand for the run)
+                if kind == "run":
+                    payload = rewrite_run(payload, self.target, self.options)
+                if not self._has_run:
+                    self._head.append(payload)
+                    if kind == "run":
+                        self._has_run = True
+                        self._waiting += [(records.record_kind(p), -1, p) for p in self._before_run]
+                        self._before_run = []
+                    continue
+            elif kind in ("files", "artifact", None) or i in moved:
+                passed = passed_record(kind, payload, source, self.options, _NoArtifacts(),  # type: ignore[arg-type]
+                                       self._warnings, moved.get(i))  # fmt: skip
+                if passed is None:
+                    continue
+                payload = passed
+            if not self._has_run:
+                self._before_run.append(payload)
+                if sum(map(len, self._before_run)) > _HEAD_LIMIT:
+                    raise NotIncremental("records before its run record")
+                continue
+            self._waiting.append((kind, steps.get(i, -1), payload))
+
+    def _summary_records(self) -> list[bytes]:
+        """The summary sent so far as records: each key's last update or removal, in the
+        order they were made, consecutive updates (removals) in one record."""
+        found: list[bytes] = []
+        record: pb.Record | None = None
+        removing = False
+        for removed, item in self._summary.values():
+            if record is None or removed != removing:
+                if record is not None:
+                    found.append(record.SerializeToString())
+                record, removing = pb.Record(), removed
+                record.summary.SetInParent()
+            (record.summary.remove if removed else record.summary.update).add().MergeFromString(
+                item
+            )
+        if record is not None:
+            found.append(record.SerializeToString())
+        return found
+
+    def _keep(self, others: list[bytes]) -> None:
+        """The records other than rows a verified round sent: to the spool, in order, but
+        the summary records, folded (a key's last update or removal stands for all)."""
+        for payload in others:
+            if records.record_kind(payload) != "summary":
+                self._kept.write(payload)
+                continue
+            summary = pb.Record.FromString(payload).summary
+            for removed, items in ((False, summary.update), (True, summary.remove)):
+                for item in items:
+                    path = tuple(item.nested_key) or (item.key,)
+                    self._summary.pop(path, None)
+                    self._summary[path] = (removed, item.SerializeToString())
