@@ -28,9 +28,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 from google.protobuf.message import DecodeError
 
-from ..log import BLOCK_SIZE, LogWriter, Steps, pb, records
+from ..log import BLOCK_SIZE, Frames, LogWriter, Steps, items, pb, records, wire
 from ..merge import (
     MergeOptions,
     Spools,
@@ -272,13 +273,51 @@ class LivePassthrough(LiveRounds):
     def _keep(self, others: list[bytes]) -> None:
         """The records other than rows a verified round sent: to the spool, in order, but
         the summary records, folded (a key's last update or removal stands for all)."""
+        summaries = []
         for payload in others:
-            if records.record_kind(payload) != "summary":
+            if records.record_kind(payload) == "summary":
+                summaries.append(payload)
+            else:
                 self._kept.write(payload)
-                continue
-            summary = pb.Record.FromString(payload).summary
-            for removed, items in ((False, summary.update), (True, summary.remove)):
-                for item in items:
-                    path = tuple(item.nested_key) or (item.key,)
-                    self._summary.pop(path, None)
-                    self._summary[path] = (removed, item.SerializeToString())
+        last = _last_updates(summaries) if summaries else {}
+        if last is None:  # (a summary not in wandb's shape, or with removals: one by one)
+            last = {}
+            for payload in summaries:
+                summary = pb.Record.FromString(payload).summary
+                for removed, items in ((False, summary.update), (True, summary.remove)):
+                    for item in items:
+                        path = tuple(item.nested_key) or (item.key,)
+                        last.pop(path, None)
+                        last[path] = (removed, item.SerializeToString())
+        for path, change in last.items():
+            self._summary.pop(path, None)
+            self._summary[path] = change
+
+
+def _last_updates(summaries: list[bytes]) -> dict[tuple[str, ...], tuple[bool, bytes]] | None:
+    """Each key's last update in `summaries` (summary records), in the order of those last
+    updates, found as columns (`log.items`): a round of 10k steps whose summaries set the
+    same keys each step folds in milliseconds, not a Python step per value. None when a
+    record is not in wandb's shape (or removes a key): fold them one by one."""
+    lengths = np.fromiter(map(len, summaries), np.int64, len(summaries))
+    ends = np.cumsum(lengths)
+    frames = Frames(b"".join(summaries), ends - lengths, ends)
+    starts, stops = records.summary_spans(frames, np.arange(len(summaries)))
+    if (starts < 0).any():
+        return None
+    found = items.split_spans(frames.data, starts, stops)
+    if found is None:
+        return None
+    codes, keys = found.key_codes()
+    _, first_from_end = np.unique(codes[::-1], return_index=True)
+    taken = np.sort(len(codes) - 1 - first_from_end)
+    last: dict[tuple[str, ...], tuple[bool, bytes]] = {}
+    try:
+        for at, value in zip(taken.tolist(), found.values(taken).to_pylist(), strict=True):
+            key = keys[codes[at]]
+            path = tuple(wire.key_path(key))
+            last.pop(path, None)
+            last[path] = (False, key + value)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return last
