@@ -115,7 +115,8 @@ class LiveRounds:
         self._step_items: tuple[int | None, ...] = ()
         self._last_row: dict | None = None  # the last row sent, as wandb-core sends it
         self._last_payload: bytes | None = None  # (its record)
-        self._round: tuple[list[bytes], bytes | None, list[bytes]] | None = None
+        # the round staged: what `_keep` is to keep of it, the row held back, the last row sent
+        self._round: tuple[object, bytes | None, bytes | None] | None = None
         self.rounds = 0  # rounds staged
         self.bytes_read = 0  # of the ranks' logs, by the last round
 
@@ -144,8 +145,8 @@ class LiveRounds:
     ) -> StagedContent | None:
         """The round's log is staged: its whole content when it continues the rounds sent
         (None: the log is whole, rows_cut 0)."""
-        sent_rows = [p for is_row, p in written if is_row]
-        self._round = ([p for is_row, p in written if not is_row], held, sent_rows)
+        last_row = next((p for is_row, p in reversed(written) if is_row), None)
+        self._round = (self._to_keep([p for is_row, p in written if not is_row]), held, last_row)
         if not self.rows_sent:
             return None
         new = read_staged(log)
@@ -156,21 +157,26 @@ class LiveRounds:
         """The last row the server holds of this merge, as wandb-core sent it."""
         return self._last_row
 
-    def _keep(self, others: list[bytes]) -> None:
-        """Keep the records other than rows that a verified round sent, for the next."""
+    def _to_keep(self, others: list[bytes]) -> object:
+        """What `_keep` is given of the records other than rows a round staged, once it is
+        verified (held until then: the least of them that will do)."""
+        return others
+
+    def _keep(self, kept: object) -> None:
+        """Keep what a verified round sent of the records other than rows, for the next."""
         raise NotImplementedError
 
     def sent(self, content: StagedContent) -> None:
         """The round's log was uploaded and verified: the server holds what it sent."""
         assert self._round is not None
-        others, held, rows = self._round
-        self._keep(others)
+        kept, held, last_row = self._round
+        self._keep(kept)
         self._held = held
         self.rows_sent = len(content.step_items)
         self._step_items = content.step_items
-        if rows:
-            self._last_payload = rows[-1]
-            self._last_row = sentrows.row_of(pb.Record.FromString(rows[-1]).history)
+        if last_row is not None:
+            self._last_payload = last_row
+            self._last_row = sentrows.row_of(pb.Record.FromString(last_row).history)
         self._round = None
 
     def _rounds_state(self) -> dict:
@@ -387,5 +393,5 @@ class LiveShared(LiveRounds):
         staged.metrics, staged.bound_notice = self.merge.metrics()
         return staged, self._finish(staged.log_path, written, held)
 
-    def _keep(self, others: list[bytes]) -> None:
-        self._others_sent += others
+    def _keep(self, kept: object) -> None:
+        self._others_sent += kept  # type: ignore[arg-type]

@@ -270,15 +270,13 @@ class LivePassthrough(LiveRounds):
             found.append(record.SerializeToString())
         return found
 
-    def _keep(self, others: list[bytes]) -> None:
-        """The records other than rows a verified round sent: to the spool, in order, but
-        the summary records, folded (a key's last update or removal stands for all)."""
-        summaries = []
+    def _to_keep(self, others: list[bytes]) -> object:
+        """The records other than rows of a round, but the summary records, and those
+        folded (a key's last update or removal stands for all): held until the round is
+        verified, O(keys) rather than a summary record a step."""
+        kept, summaries = [], []
         for payload in others:
-            if records.record_kind(payload) == "summary":
-                summaries.append(payload)
-            else:
-                self._kept.write(payload)
+            (summaries if records.record_kind(payload) == "summary" else kept).append(payload)
         last = _last_updates(summaries) if summaries else {}
         if last is None:  # (a summary not in wandb's shape, or with removals: one by one)
             last = {}
@@ -289,6 +287,14 @@ class LivePassthrough(LiveRounds):
                         path = tuple(item.nested_key) or (item.key,)
                         last.pop(path, None)
                         last[path] = (removed, item.SerializeToString())
+        return kept, last
+
+    def _keep(self, kept: object) -> None:
+        """A verified round's records other than rows: to the spool, in order, and its
+        summary folded into the summary sent."""
+        others, last = kept  # type: ignore[misc]
+        for payload in others:
+            self._kept.write(payload)
         for path, change in last.items():
             self._summary.pop(path, None)
             self._summary[path] = change
