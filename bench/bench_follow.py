@@ -18,6 +18,9 @@ round cost before rounds were incremental; `--no-scratch-merge` skips it).
 
     python bench/bench_follow.py cpu --steps 170000 --rounds 34 --no-scratch-merge
                                   # 5k steps a round, to 165k steps held
+    python bench/bench_follow.py cpu --run-mode new --steps 40000 --rounds 4
+                                  # pass-through runs, one per rank (`rows`, `added`, `read_mb`
+                                  # summed over them; `continued` of every one)
 
 `lag`: real wandb ranks (`wbmerge.init`) log `t = time.time()` at a given rate while
 `wbmerge sync --follow --interval I` runs; the sink is polled every 0.25 s and each step's
@@ -82,7 +85,9 @@ def _memory_mb() -> tuple[float, float]:
     return tuple(int(fields[name].split()[0]) / 1024 for name in ("VmRSS", "VmHWM"))  # type: ignore[return-value]
 
 
-def bench_cpu(steps: int, rounds: int, ranks: int, scratch_merge: bool = True) -> list[dict]:
+def bench_cpu(
+    steps: int, rounds: int, ranks: int, scratch_merge: bool = True, run_mode: str = "shared"
+) -> list[dict]:
     scratch = Path(tempfile.mkdtemp(prefix="bench-follow-"))
     sink = SinkProcess(scratch / "sink")
     (scratch / "sink").mkdir()
@@ -93,7 +98,7 @@ def bench_cpu(steps: int, rounds: int, ranks: int, scratch_merge: bool = True) -
         synthetic.write_job(scratch / "job", 1, ranks, steps, metrics=20, job_id="follow-bench")
         logs = sorted((scratch / "job").rglob("run-*.wandb"))
         live = scratch / "live"
-        request = MergeRequest([live], run_mode="shared", project="follow-bench")
+        request = MergeRequest([live], run_mode=run_mode, project="follow-bench")
         results = []
         with Follower(request, parallel=4, timeout=600) as follower:
             for number in range(1, rounds + 1):
@@ -104,18 +109,21 @@ def bench_cpu(steps: int, rounds: int, ranks: int, scratch_merge: bool = True) -
                 wall = time.perf_counter() - wall
                 own, children = time.process_time() - own, _children_cpu() - children
                 rss, peak = _memory_mb()
-                (target,) = report.targets
+                targets = report.targets  # (one shared run, or a run per rank for `new`)
                 merge = None
                 if scratch_merge:
                     began = time.process_time()
                     (job,) = plan_jobs(request)
-                    stage(job.targets[0], scratch / f"stage-{number}", job.options(request))
+                    for target in job.targets:
+                        stage(target, scratch / f"stage-{number}", job.options(request))
                     merge = round(time.process_time() - began, 2)
                     shutil.rmtree(scratch / f"stage-{number}")
                 results.append({
                     "round": number, "source_mb": round(sum(p.stat().st_size for p in (live.rglob("*.wandb"))) / 1e6, 1),
-                    "rows": target.rows, "added": target.added, "final": target.final,
-                    "continued": target.continued, "read_mb": round(target.bytes_read / 1e6, 1),
+                    "rows": sum(t.rows for t in targets), "added": sum(t.added for t in targets),
+                    "final": all(t.final for t in targets),
+                    "continued": all(t.continued for t in targets),
+                    "read_mb": round(sum(t.bytes_read for t in targets) / 1e6, 1),
                     "saved_state_mb": round(sum(p.stat().st_size for p in (scratch / "state").glob("follow/*/*")) / 1e6, 2),
                     "wall_s": round(wall, 2), "follower_cpu_s": round(own, 2),
                     "uploader_cpu_s": round(children, 2), "merge_from_scratch_cpu_s": merge,
@@ -355,6 +363,8 @@ def main() -> None:
     cpu.add_argument("--steps", type=int, default=20_000)
     cpu.add_argument("--rounds", type=int, default=10)
     cpu.add_argument("--ranks", type=int, default=8)
+    cpu.add_argument("--run-mode", choices=("shared", "new", "auto"), default="shared",
+                     help="new: a pass-through run per rank; auto: rank 0's")  # fmt: skip
     cpu.add_argument("--no-scratch-merge", action="store_true",
                      help="skip the merge from scratch after each round (long at 100k steps)")  # fmt: skip
     lag = sub.add_parser("lag")
@@ -375,7 +385,7 @@ def main() -> None:
                                         args.seconds, args.interval)), flush=True)  # fmt: skip
         return
     if args.what == "cpu":
-        bench_cpu(args.steps, args.rounds, args.ranks, not args.no_scratch_merge)
+        bench_cpu(args.steps, args.rounds, args.ranks, not args.no_scratch_merge, args.run_mode)
         return
     fast, slow = 0.05, 5.0
     for pace, metrics, flush in (
