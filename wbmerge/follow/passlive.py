@@ -66,8 +66,6 @@ class LivePassthrough(LiveRounds):
     and options to go on from. Raises NotIncremental when the files do not hold what
     `saved` read of them, ValueError when `saved` does not fit."""
 
-    saveable = True
-
     def __init__(
         self,
         target: Target,
