@@ -20,6 +20,7 @@ from wbmerge.training import RankInfo
 from wbmerge.upload import MergeRequest, expected_of, merge_jobs, source_shortfall
 
 from ..conftest import job_dir
+from ..merge.test_merged_rows import history_payload, loss_defined, stage_shared
 from ..support.ranklogs import exit_record, history_record, rank_log
 
 RESERVED = ("_step", "_runtime", "_timestamp", "_wandb")
@@ -302,3 +303,30 @@ def test_a_summary_key_written_in_two_spellings_is_expected_at_its_last_value(tm
     [run] = merge_jobs(MergeRequest([tmp_path / "job"], run_mode="new"), tmp_path / "out")
     assert expected_of(run.target).summary[("best",)].endswith(b"2")
     assert source_shortfall(run.target, run.log_path) == []
+
+
+@pytest.mark.parametrize(
+    ("summaries", "named"),
+    [
+        (["min", "min"], "rank 0's metric definition 'loss/rank-0' (step metric ''): not staged"),
+        (["min", "max", "max", "min"],
+         "rank 0's metric definition 'loss/rank-0': not the last one staged of its name"),
+    ],
+)  # fmt: skip
+def test_a_definition_written_again_unchanged_is_expected_once_and_the_last_last(
+    tmp_path, summaries, named
+):
+    """A rank that defines `loss` again as it stands (in a loop, or after an elastic
+    restart) needs it staged once; the run is sent. A staged run without the rank's last
+    definition of `loss` at the end is named: wandb-core would end with another one."""
+    row = history_payload(0, [(["loss"], "1.0")])
+    ranks = {0: ("rank-0", [row, *map(loss_defined, summaries)]),
+             1: ("rank-1", [row, loss_defined("max")])}  # fmt: skip
+    _, staged = stage_shared(tmp_path, ranks, primary=0)
+    assert source_shortfall(staged.target, staged.log_path) == []
+    records = list(read_records(staged.log_path))
+    last = max(i for i, r in enumerate(records) if r.metric.name == "loss/rank-0")
+    with open(staged.log_path, "wb") as stream, LogWriter(stream) as writer:
+        for record in records[:last] + records[last + 1 :]:
+            writer.write(record.SerializeToString())
+    assert source_shortfall(staged.target, staged.log_path) == [named]

@@ -96,6 +96,10 @@ class Holdings:
     logger: dict[str, Tally] = field(default_factory=dict)  # wandb's own logger lines
     stats: dict[str, Tally] = field(default_factory=dict)
     metrics: Counter[bytes] = field(default_factory=Counter)  # definitions, serialized
+    # The last definition of each (name, glob), which decides what wandb-core ends with
+    # (a definition is merged into the one before it, or replaces it): None where two
+    # ranks' definitions of one name (W&B's own `_` keys) leave the order to the merge.
+    last_definitions: dict[tuple[str, str], bytes | None] = field(default_factory=dict)
     # A shared run's keys a rank's glob definition binds: target key -> the step metrics
     # (labelled) of the globs that match it; one of them must be bound to it.
     bindings: dict[str, set[str]] = field(default_factory=dict)
@@ -329,6 +333,11 @@ def _definition(metric: pb.MetricRecord) -> bytes:
     return metric.SerializeToString(deterministic=True)
 
 
+def _defines(metric: pb.MetricRecord) -> tuple[str, str]:
+    """What a metric definition defines: (its name, its glob)."""
+    return metric.name, metric.glob_name
+
+
 def held_by(log: Path, labelled: bool = False) -> Holdings:
     """What a staged log holds, read on its own: history values, summary and config as
     wandb-core applies them, console lines (per `[label]` of a shared run: `labelled`),
@@ -343,6 +352,7 @@ def held_by(log: Path, labelled: bool = False) -> Holdings:
             record = pb.Record.FromString(read.frames.payload(index))
             if record.HasField("metric"):
                 held.metrics[_definition(record.metric)] += 1
+                held.last_definitions[_defines(record.metric)] = _definition(record.metric)
             else:
                 _fold_config(record.run.config if record.HasField("run") else record.config,
                              held.config)  # fmt: skip
@@ -459,9 +469,16 @@ def _expect_rank(
     for key, value in summary.items():
         expected.summary[key] = value
         expected.origin[("summary key", key)] = rank.rank
+    last = expected.last_definitions
     for definition in _definitions(definitions, rank, shared, key_format, per_rank, counter):
         expected.metrics[definition] += 1
         expected.origin[("metric definition", definition)] = rank.rank
+        defines = _defines(pb.MetricRecord.FromString(definition))
+        if expected.origin.get(("metric defined", defines), rank.rank) != rank.rank:
+            last[defines] = None  # (another rank's too: either may come last)
+        elif last.get(defines, b"") is not None:
+            last[defines] = definition
+        expected.origin[("metric defined", defines)] = rank.rank
     if shared:
         for key, steps in _glob_bindings(definitions, rank.label, key_format, per_rank,
                                          counter.tops).items():  # fmt: skip
@@ -557,14 +574,22 @@ def shortfall(expected: Holdings, held: Holdings) -> list[str]:
     ):
         for key, what in _tally_shortfall(logged, staged, unit, other, "0"):
             lack(kind, key, what)
-    for definition, count in expected.metrics.items():
-        if held.metrics[definition] < count:
+    # Every definition logged must be staged (one written again unchanged need not be
+    # staged twice: it changes nothing), and the last of each name must be staged last.
+    for definition in expected.metrics:
+        if not held.metrics[definition]:
             metric = pb.MetricRecord.FromString(definition)
-            key = ("metric definition", definition)
-            rank = expected.origin.get(key)
+            rank = expected.origin.get(("metric definition", definition))
             name = metric.name or metric.glob_name
             problems.append(f"rank {rank}'s metric definition {name!r} "
                             f"(step metric {metric.step_metric!r}): not staged")  # fmt: skip
+    for defines, definition in expected.last_definitions.items():
+        if definition is not None and definition in held.metrics:
+            if held.last_definitions.get(defines) != definition:
+                rank = expected.origin.get(("metric defined", defines))
+                name = defines[0] or defines[1]
+                problems.append(f"rank {rank}'s metric definition {name!r}: "
+                                "not the last one staged of its name")  # fmt: skip
     if expected.bindings:
         steps_of = _staged_bindings(held.metrics)
         for key, steps in expected.bindings.items():
