@@ -7,14 +7,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from wandb.proto import wandb_internal_pb2 as pb
 
+from wbmerge.errors import WbmergeError
 from wbmerge.log import read_payloads, record_kind, write_payloads
 from wbmerge.merge import MergeOptions, stage
 from wbmerge.plan import Source, Target
 from wbmerge.training import RankInfo
+from wbmerge.upload import expected_of
 
 from ..log.test_items import history_records
 from ..support import reference_merge
@@ -35,16 +38,9 @@ def exit_record() -> bytes:
     return record.SerializeToString()
 
 
-def stage_shared(
-    root: Path,
-    ranks: dict[int, tuple[str, list[bytes]]],
-    primary: int,
-    skew: bool = False,
-    live: bool = False,
-) -> tuple[list[bytes], object]:
-    """`ranks` (rank -> (label, records)) written as one log each and staged as one shared
-    run (`live`: as a follow's round before the last); returns the staged run's history,
-    metric, config and summary records, and what `stage` said."""
+def shared_target(root: Path, ranks: dict[int, tuple[str, list[bytes]]], primary: int) -> Target:
+    """`ranks` (rank -> (label, records)) written as one log each under `root`, as the
+    sources of one shared target."""
     sources = []
     world = max(ranks) + 1
     for rank, (label, payloads) in sorted(ranks.items()):
@@ -58,6 +54,20 @@ def stage_shared(
         id="reference-shared", group=None, display_name="reference-shared", job_type=None,
         primary_rank=primary, kind="shared", sources=tuple(sources),
     )  # fmt: skip
+    return target
+
+
+def stage_shared(
+    root: Path,
+    ranks: dict[int, tuple[str, list[bytes]]],
+    primary: int,
+    skew: bool = False,
+    live: bool = False,
+) -> tuple[list[bytes], object]:
+    """`ranks` (rank -> (label, records)) written as one log each and staged as one shared
+    run (`live`: as a follow's round before the last); returns the staged run's history,
+    metric, config and summary records, and what `stage` said."""
+    target = shared_target(root, ranks, primary)
     options = MergeOptions(run_mode="shared", skew_metrics=skew, live=live)
     staged = stage(target, root / "out", options)
     merged = [p for p in read_payloads(staged.log_path) if record_kind(p) in MERGED_KINDS]
@@ -275,3 +285,19 @@ def test_a_config_key_or_definition_set_back_to_an_earlier_value_is_written_agai
         [(i.key, i.value_json) for i in r.config.update] for r in records if r.HasField("config")
     ]
     assert configs == [[("lr", "0.1"), ("seed", "0")], [("a", "1")], [("a", "2")], [("a", "1")]]
+
+
+def test_a_labelled_config_key_the_primary_holds_already_is_refused_in_one_line(tmp_path):
+    """The primary's own `seed/rank-1` and rank 1's `seed`, labelled, would be one key:
+    the merge refuses in one line, and the source check (counting on its own) names it."""
+    row = history_payload(0, [(["loss"], "1.0")])
+    ranks = {
+        0: ("rank-0", [config_payload(seed=0, **{"seed/rank-1": 5}), row]),
+        1: ("rank-1", [config_payload(seed=1), row]),
+    }
+    target = shared_target(tmp_path, ranks, primary=0)
+    with pytest.raises(WbmergeError, match=r"^rank-1: its config key 'seed' is 'seed/rank-1'"):
+        stage(target, tmp_path / "out", MergeOptions(run_mode="shared"))
+    assert expected_of(target).clashes == [
+        "rank 1's config key 'seed/rank-1': the primary's config holds it too"
+    ]

@@ -8,7 +8,7 @@ from the first row that has them; `_step` set by the merged row; with `skew`, th
 of every one-level numeric key across the step's rows (a rank's number is its row's last
 JSON number for the key, counted when finite), in the order of the keys' names. Metric definitions are labelled and
 follow the row they were written after (one the same as the last written for its name is
-left out). The primary's config records follow the row they were written after; the other
+left out: wandb-core folds a definition into the one before, so it changes nothing). The primary's config records follow the row they were written after; the other
 ranks' config, folded, comes after everything else but the summary, in one record: each
 key whose final value is not the primary's final one, labelled, rank by rank. The summary
 holds every rank's last values under labelled keys, in the order they were first set, W&B's

@@ -21,8 +21,10 @@ config key once sent (an upload resumes from the server's config).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
+from ..errors import WbmergeError
 from ..log import pb
 
 ConfigPath = tuple[str, ...]  # a key, or the path of a nested one
@@ -31,11 +33,12 @@ UNFOLDED_KEYS = ("_wandb", "wbmerge")
 
 def fold_config(config: dict[ConfigPath, str], change: pb.ConfigRecord) -> None:
     """Apply a config record's updates, then its removals (as wandb-core does), to
-    `config` (path -> value JSON)."""
+    `config` (path -> value JSON). Keys and values are interned: every rank's config is
+    kept until the end, and most of it is the same text on every rank, held once."""
     for item in change.update:
-        path = tuple(item.nested_key) or (item.key,)
+        path = tuple(map(sys.intern, item.nested_key or [item.key]))
         if path[0] not in UNFOLDED_KEYS:
-            config[path] = item.value_json
+            config[path] = sys.intern(item.value_json)
     for item in change.remove:
         config.pop(tuple(item.nested_key) or (item.key,), None)
 
@@ -47,13 +50,21 @@ def other_ranks_config(
 ) -> bytes | None:
     """The config record that adds each other rank's (label, folded config) keys that the
     primary's folded config lacks or holds with another value, labelled; None when there
-    are none."""
+    are none. A labelled name the primary's config holds already (its own `seed/rank-1`)
+    is refused in one line: one of the two values would be lost."""
     record = pb.Record()
+    primary_keys = {path[0] for path in primary}
     for label, config in others:
         for path, value in config.items():
             if primary.get(path) != value:
                 item = record.config.update.add()
                 labelled = key_format.format(key=path[0], label=label)
+                if labelled in primary_keys:
+                    raise WbmergeError(
+                        f"{label}: its config key {path[0]!r} is {labelled!r} in the shared "
+                        "run, a key the primary's config holds already; choose another "
+                        "--key-format"
+                    )
                 if len(path) == 1:
                     item.key = labelled  # (as wandb writes a top-level key)
                 else:

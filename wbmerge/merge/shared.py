@@ -235,9 +235,11 @@ class SharedMerge:
     def is_news(self, payload: bytes) -> bool:
         """Whether writing `payload` would change what the merged log says. Every record
         would but two kinds: a file list already written (file lists only add), and a
-        metric definition that is the last one written for its key (a definition replaces
-        the one before: rank 0's `loss` defined with min, then max, then min again is
-        written three times, or the run would end with max)."""
+        metric definition that is the last one written for its name or glob. wandb-core
+        folds each definition, in order, into the one before it, or puts it in its place
+        when the definition says so (`define_metric(..., overwrite=True)`): `loss` with
+        min, then max, then min again with overwrite ends as min only if all three are
+        written; a definition the same as the last one changes nothing."""
         kind = record_kind(payload)
         if kind == "metric":
             return self._definition_of.get(_defines(payload)) != payload

@@ -36,6 +36,7 @@ What legitimately differs, and so is not counted:
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -100,6 +101,7 @@ class Holdings:
     # (a definition is merged into the one before it, or replaces it): None where two
     # ranks' definitions of one name (W&B's own `_` keys) leave the order to the merge.
     last_definitions: dict[tuple[str, str], bytes | None] = field(default_factory=dict)
+    clashes: list[str] = field(default_factory=list)  # keys two ranks' values cannot share
     # A shared run's keys a rank's glob definition binds: target key -> the step metrics
     # (labelled) of the globs that match it; one of them must be bound to it.
     bindings: dict[str, set[str]] = field(default_factory=dict)
@@ -249,10 +251,12 @@ _UNCOUNTED_CONFIG = ("_wandb", "wbmerge")  # (see the module docstring)
 
 
 def _fold_config(change: pb.ConfigRecord, config: dict[KeyPath, str]) -> None:
+    """Apply a config record to `config` as wandb-core does: its updates, then its
+    removals (texts interned: every rank's config is held until all are read)."""
     for item in change.update:
-        path = tuple(item.nested_key) or (item.key,)
+        path = tuple(map(sys.intern, item.nested_key or [item.key]))
         if path[0] not in _UNCOUNTED_CONFIG:
-            config[path] = item.value_json
+            config[path] = sys.intern(item.value_json)
     for item in change.remove:
         config.pop(tuple(item.nested_key) or (item.key,), None)
 
@@ -414,12 +418,17 @@ def _expect_config(
     """The config the target must hold (the docs' rule): the primary's; and of each other
     rank (a shared run's), every key whose value is not the primary's, labelled."""
     primary = next((config for rank, config in configs if rank.primary), {})
-    for rank, config in configs:
+    primary_keys = {key[0] for key in primary}
+    for rank, config in sorted(configs, key=lambda pair: not pair[0].primary):
         for key, value in config.items():
             if not rank.primary:
                 if primary.get(key) == value:
                     continue
                 key = (key_format.format(key=key[0], label=rank.label), *key[1:])
+                if key[0] in primary_keys:  # (the primary's value, or this one, is lost)
+                    expected.clashes.append(f"rank {rank.rank}'s config key {key[0]!r}: "
+                                            "the primary's config holds it too")  # fmt: skip
+                    continue
             expected.config[key] = value
             expected.origin[("config key", key)] = rank.rank
 
@@ -548,7 +557,7 @@ def _definitions(
 def shortfall(expected: Holdings, held: Holdings) -> list[str]:
     """What `held` (a staged run) lacks of `expected` (its sources'), a line each naming
     the rank, the kind and the key; [] when it holds everything."""
-    problems = []
+    problems = list(expected.clashes)
 
     def lack(kind: str, key: object, what: str) -> None:
         rank = expected.origin.get((kind, key))
