@@ -4,6 +4,7 @@ lacks one value, line, key or definition is named, by rank, kind and key, and no
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -330,3 +331,44 @@ def test_a_definition_written_again_unchanged_is_expected_once_and_the_last_last
         for record in records[:last] + records[last + 1 :]:
             writer.write(record.SerializeToString())
     assert source_shortfall(staged.target, staged.log_path) == [named]
+
+
+def staged_config(log: Path) -> dict:
+    """A staged log's config as wandb-core applies it, read here with protobuf."""
+    config: dict = {}
+    for record in read_records(log):
+        change = record.run.config if record.HasField("run") else record.config
+        for item in change.update:
+            config[".".join(item.nested_key) or item.key] = json.loads(item.value_json)
+        for item in change.remove:
+            config.pop(".".join(item.nested_key) or item.key, None)
+    return config
+
+
+@pytest.mark.parametrize("mode", ["auto", "shared", "new"])
+def test_the_config_an_elastic_restart_starts_with_arrives(tmp_path, mode):
+    """Each rank's restart starts with `attempt` = 10 x rank + 1 in its `wandb.init`
+    config, which its first run lacked: the target run holds it (labelled for rank 1 in
+    a shared run, where it differs from the primary's), and the check expects it."""
+    job = tmp_path / "job"
+    shutil.copytree(job_dir("elastic_restart"), job)
+    [first] = merge_jobs(MergeRequest([job], run_mode="shared"), tmp_path / "plan")
+    for source in first.target.sources:
+        if source.rank.restart:
+            attempt = 10 * source.rank.rank + source.rank.restart
+
+            def add_attempt(record: pb.Record, attempt: int = attempt) -> pb.Record:
+                if record.HasField("run"):
+                    record.run.config.update.add(key="attempt", value_json=str(attempt))
+                return record
+
+            rewrite(source.path, add_attempt)
+    for run in merge_jobs(MergeRequest([job], run_mode=mode), tmp_path / "out"):
+        assert source_shortfall(run.target, run.log_path) == []
+        config = staged_config(run.log_path)
+        attempts = {k: v for k, v in config.items() if k.startswith("attempt")}
+        if mode == "shared":
+            label = next(s.label for s in run.target.sources if s.rank.rank == 1)
+            assert attempts == {"attempt": 1, f"attempt/{label}": 11}
+        else:
+            assert attempts == {"attempt": 10 * run.target.primary_rank + 1}

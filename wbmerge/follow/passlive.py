@@ -224,9 +224,15 @@ class LivePassthrough(LiveRounds):
             payload = bytes(view[start:end])
             if kind == "exit":
                 continue  # (a round ends with one that leaves the run running)
-            if kind in ("run", "header"):
+            if kind == "run" and index:  # a restart's: its config, where the restart starts
+                passed = passed_record(kind, payload, source, self.options, _NoArtifacts(),  # type: ignore[arg-type]
+                                       self._warnings)  # fmt: skip
+                if passed is None:
+                    continue
+                kind, payload = "config", passed
+            elif kind in ("run", "header"):
                 if index:
-                    continue  # (a restart's: the first run's stand for the run)
+                    continue  # (a restart's header: the first run's stands for the run)
                 if kind == "run":
                     payload = rewrite_run(payload, self.target, self.options)
                 if not self._has_run:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from ..errors import WbmergeError
 from ..log import BLOCK_SIZE, LogWriter, ReadReport, Steps, read_head, record_kind, records, restep
@@ -18,7 +19,7 @@ from .console import console_and_stats
 from .files import files_record
 from .options import MergeOptions
 from .outcome import Outcome, check_known, damage_warnings, is_record, not_a_record
-from .runrecord import exit_code, exit_record, rewrite_run
+from .runrecord import exit_code, exit_record, restart_config, rewrite_run
 
 _PASSTHROUGH_READ = 128 * BLOCK_SIZE
 # records a pass-through does not copy as they are (and history records a restart moves)
@@ -76,6 +77,9 @@ def write_passthrough(
                     if index == 0:
                         writer.write(rewrite_run(payload, target, options))
                         body.release()
+                    elif (config := passed_record(kind, payload, source, options, artifacts,
+                                                  warnings)) is not None:  # fmt: skip
+                        body.write(config)
                 elif kind == "exit":
                     exit_payload = payload
                 elif kind == "header":
@@ -108,9 +112,16 @@ def passed_record(
     placed: int | None = None,
 ) -> bytes | None:
     """What a pass-through writes of a `files`, artifact, unknown or history record of
-    `source` (`placed`: the step a restart moves a history record to), None when it is left
-    out. One rule for the one-shot pass-through and a follow's rounds (`follow.incremental`),
-    so that both write every record alike."""
+    `source` (`placed`: the step a restart moves a history record to), or of a restart's
+    run record (its config: `restart_config`), None when it is left out. One rule for the
+    one-shot pass-through and a follow's rounds (`follow.passlive`), so that both write
+    every record alike."""
+    if kind == "run":
+        try:
+            return restart_config(payload)
+        except DecodeError:
+            warnings.append(not_a_record(source))
+            return None
     if kind == "files":
         return files_record(payload, source, warnings)
     if kind == "artifact":

@@ -9,6 +9,7 @@ from ..log import pb
 from ..plan import Target
 from ..training import METADATA_KEY
 from .options import MergeOptions
+from .rankconfig import UNFOLDED_KEYS
 
 
 def wbmerge_block(target: Target, options: MergeOptions, rank_block: dict | None) -> dict:
@@ -92,3 +93,20 @@ def exit_code(exit_payload: bytes | None) -> int:
     if exit_payload is None:
         return 1
     return pb.Record.FromString(exit_payload).exit.exit_code
+
+
+def restart_config(payload: bytes) -> bytes | None:
+    """The config record an elastic restart's run record stands for in the target run,
+    None when it sets nothing. A restart is one more offline run of the rank, and its
+    `wandb.init(config=...)` may set what the first run did not (`attempt=2`); the target
+    run keeps the first run's run record, so the restart's config is written where the
+    restart starts, as an update. W&B's own `_wandb` key and the `wbmerge` block (the
+    merge writes the target's) are left out. Raises DecodeError for a record that is not
+    one."""
+    run = pb.Record.FromString(payload).run
+    record = pb.Record()
+    for item in run.config.update:
+        top = item.nested_key[0] if item.nested_key else item.key
+        if top not in UNFOLDED_KEYS:
+            record.config.update.add().CopyFrom(item)
+    return record.SerializeToString() if record.config.update else None

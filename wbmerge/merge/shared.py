@@ -54,7 +54,7 @@ from .rankconfig import ConfigPath, fold_config, other_ranks_config
 from .rankstats import MergedRankStats, MergedSpreads
 from .readers import RankReaders, SourceRead
 from .rows import Rows, final_summary, write_merged
-from .runrecord import exit_code, exit_record, rewrite_run
+from .runrecord import exit_code, exit_record, restart_config, rewrite_run
 
 # What all ranks' reads may hold at once: each rank reads this divided by the number of
 # ranks (at least a block, at most 64: 2 MiB). A turn reads at most TURN_BUDGET (or one
@@ -526,18 +526,20 @@ class SharedMerge:
     def _config(
         self, payload: bytes, kind: str, state: RankState, restart: int, source: Source
     ) -> bytes | None:
-        """Fold a rank's config record, or its first run record's config (a restart's
-        repeats the config it started with); the primary's config records are written in
-        place, the other ranks' are written at the end (`config_record`)."""
+        """Fold a rank's config record, or its run record's config (a restart's as an
+        update: `restart_config`); the primary's config records, and the config of its
+        restarts' run records, are written in place, the other ranks' config at the end
+        (`config_record`)."""
         try:
             record = pb.Record.FromString(payload)
         except DecodeError:
             self._warn(source.rank.rank, restart, [not_a_record(source)])
             return None
         if kind == "run":
-            if restart == 0:
-                fold_config(state.config, record.run.config)
-            return None  # (the primary's is written once by the caller)
+            fold_config(state.config, record.run.config)
+            if restart == 0 or state.source.rank.rank != self.primary:
+                return None  # (the primary's first is written once by the caller)
+            return restart_config(payload)
         fold_config(state.config, record.config)
         return payload if state.source.rank.rank == self.primary else None
 

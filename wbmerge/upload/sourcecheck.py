@@ -23,7 +23,6 @@ What legitimately differs, and so is not counted:
 - In a shared run, the keys `--per-rank` leaves out, and the config keys of another rank
   that hold the primary's value: the docs say a shared run is made so (another rank's key
   is expected, labelled, only where its value is not the primary's).
-- The run record of a restart, which repeats the config the rank started with.
 - Steps: a value is counted under its key whatever row or step it lands in, since a
   shared run aligns the ranks' rows by step and a pass-through moves a restart's rows
   after the steps before it; which step wandb-core sends each row at is the check after
@@ -449,7 +448,7 @@ def _expect_rank(
     # A pass-through concatenates a rank's restarts, so a line one leaves open is continued
     # by the next; a shared run ends it where the rank restarted (each line is labelled).
     lines = _Lines(console)
-    for index, source in enumerate(rank.sources):
+    for source in rank.sources:
         for read in records.read_indexed(source.path):
             counter.add(read)
             _fold_summaries(read, summary, counter.target)
@@ -459,7 +458,7 @@ def _expect_rank(
                     definitions.append(record.metric)
                 elif record.HasField("config"):
                     _fold_config(record.config, config)
-                elif record.HasField("run") and index == 0:
+                elif record.HasField("run"):  # (a restart's: an update, as the docs say)
                     _fold_config(record.run.config, config)
             _console(read, lines)
             _logger(read, logger, labelled=False)
