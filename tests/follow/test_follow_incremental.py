@@ -347,7 +347,8 @@ def test_a_shared_follow_of_ranks_that_log_artifacts_files_them_under_the_merged
 ):
     """Real ranks that log a checkpoint artifact each and, on rank 0, a Table, followed
     while their logs grow: every artifact ends committed under the merged run with the
-    bytes each rank wrote (a kept merge gives way to one from scratch at an artifact)."""
+    bytes each rank wrote (a kept merge gives way to one from scratch at an artifact).
+    Those rounds merged from scratch are live too: rank 1's own `seed` waits for the last."""
     job = write_job(tmp_path / "job")
     live = tmp_path / "live"
     live.mkdir()
@@ -359,9 +360,14 @@ def test_a_shared_follow_of_ranks_that_log_artifacts_files_them_under_the_merged
             growing.grow(fraction)
             report = follower.round()
             assert all(t.status != "failed" for t in report.targets), round_lines(report)
+            for run in sink_runs(sink).values():
+                assert not [key for key in run["config"] if key.startswith("seed/")]
+        assert not all(t.continued for r in [report] for t in r.targets)  # (from scratch)
         growing.grow(1.0)
         report = follower.round()
         assert report.done, round_lines(report)
+    [run] = sink_runs(sink).values()
+    assert (run["config"]["seed"], run["config"]["seed/worker-1-rank-0"]) == (0, 1)
     logged = output_artifacts(sink, JOB_ID)
     checkpoints = sorted(
         (json.loads(node.metadata)["rank"], node)

@@ -27,7 +27,7 @@ def weights_text(rank: int) -> str:
 
 
 def main(root: Path, rank: int, policy: str) -> None:
-    run = wbmerge.init(project="arts", dir=root)
+    run = wbmerge.init(project="arts", dir=root, config={"seed": rank})
     source = root / "source"
     source.mkdir(exist_ok=True)
     (source / "weights.bin").write_text(weights_text(rank))
