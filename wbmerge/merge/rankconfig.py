@@ -6,7 +6,9 @@ A shared run holds the primary's config as the primary wrote it (its run record 
 run record's, then each update and removal in order), and at the end each key whose final
 value differs from the primary's final value, or that the primary does not hold, is added
 under the rank's labelled name (`--key-format` on the top-level key, as for metrics). Keys
-with the same value on every rank, the usual case (`config=args`), appear once.
+with the same value on every rank, the usual case (`config=args`), appear once. A key is
+compared as the rank set it (`config.update({"trainer": {...}})` sets one key whose value
+is the whole dict), so a dict that differs in one entry is added whole.
 
 Example, with the default `{key}/{label}`: the primary (rank 0) holds `{"lr": 0.1,
 "seed": 0}`, rank 1 holds `{"lr": 0.1, "seed": 1, "local_rank": 1}`; the run gets one
