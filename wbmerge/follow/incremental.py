@@ -51,7 +51,7 @@ from ..merge import (
     name_id,
     names_of,
     new_run_dir,
-    stage_files,
+    staged_with_files,
     write_console_and_stats,
 )
 from ..plan import Target
@@ -359,11 +359,9 @@ class LiveShared(LiveRounds):
         allow_open_files(len(target.sources) + 1)
         run_dir = new_run_dir(target, out_dir)
         try:
-            (run_dir / "files").mkdir()
-            staged = Staged(target, run_dir)
-            files = stage_files(target, run_dir / "files", staged.warnings, self.options.files_from)
-            staged.saved_files = files.saved
-            self.merge.file_map = files.names
+            staged, self.merge.file_map = staged_with_files(
+                target, run_dir, self.options.files_from
+            )
             self._readers.begin_round()
             read_before = self._readers.bytes_read
             cap = None if watermark is None else (watermark, 2)  # (rows to it, and records after)

@@ -39,7 +39,7 @@ from ..merge import (
     new_run_dir,
     passed_record,
     rewrite_run,
-    stage_files,
+    staged_with_files,
 )
 from ..plan import Target
 from ..wandbcore import StagedContent
@@ -177,10 +177,7 @@ class LivePassthrough(LiveRounds):
         written, held = arranged
         run_dir = new_run_dir(target, out_dir)
         try:
-            (run_dir / "files").mkdir()
-            staged = Staged(target, run_dir)
-            files = stage_files(target, run_dir / "files", staged.warnings, self.options.files_from)
-            staged.saved_files = files.saved
+            staged, _ = staged_with_files(target, run_dir, self.options.files_from)
             with open(staged.log_path, "xb") as stream, LogWriter(stream) as writer:
                 for payload in self._head:
                     writer.write(payload)

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 
 from .artifactfiles import LoggedArtifact
 from .console import Spools, write_console_and_stats
-from .files import check_files, files_from_dirs, moved_files_notice, stage_files
+from .files import check_files, files_from_dirs, moved_files_notice
 from .metricglobs import glob_definitions, label_prefixes
 from .options import DEFAULT_KEY_FORMAT, MergeOptions, check_key_format
 from .passthrough import HeldUntilTheRunRecord, passed_record
 from .readers import RankReaders, SourceRead
 from .runrecord import rewrite_run
-from .staging import Staged, new_run_dir, stage
+from .staging import Staged, new_run_dir, stage, staged_with_files
 
 __all__ = [
     "DEFAULT_KEY_FORMAT",
@@ -58,7 +58,7 @@ __all__ = [
     "rewrite_run",
     "shared",
     "stage",
-    "stage_files",
+    "staged_with_files",
     "write_console_and_stats",
 ]
 

@@ -52,6 +52,20 @@ class Staged:
         return self.run_dir / f"run-{self.target.id}.wandb"
 
 
+def staged_with_files(
+    target: Target, run_dir: Path, files_from: tuple[Path, ...]
+) -> tuple[Staged, dict[tuple[Path, str], str]]:
+    """The staged run of `target` in its new `run_dir`, the files of its ranks' runs copied
+    into `files/` (`stage_files`), and the names they were given there: the start of a
+    one-shot stage and of each round of a follow alike. The caller removes `run_dir` on a
+    failure."""
+    (run_dir / "files").mkdir()
+    staged = Staged(target, run_dir)
+    files = stage_files(target, run_dir / "files", staged.warnings, files_from)
+    staged.saved_files = files.saved
+    return staged, files.names
+
+
 def stage(
     target: Target, out_dir: Path, options: MergeOptions, count_content: bool = False
 ) -> Staged:
@@ -67,10 +81,7 @@ def stage(
     """
     run_dir = new_run_dir(target, out_dir)
     try:
-        (run_dir / "files").mkdir()
-        staged = Staged(target, run_dir)
-        files = stage_files(target, run_dir / "files", staged.warnings, options.files_from)
-        staged.saved_files = files.saved
+        staged, file_names = staged_with_files(target, run_dir, options.files_from)
         artifacts = ArtifactRecords(target, options, run_dir / "artifacts")
         with streaming(), open(staged.log_path, "xb") as stream, LogWriter(stream) as writer:
             if target.kind == "shared":
@@ -78,7 +89,7 @@ def stage(
                 # which a pass-through (`new`, `auto`) never uses.
                 from .shared import write_shared
 
-                outcome = write_shared(target, writer, options, files.names, out_dir, artifacts)
+                outcome = write_shared(target, writer, options, file_names, out_dir, artifacts)
             else:
                 outcome = write_passthrough(target, writer, options, artifacts, count_content)
             staged.records = writer.records
