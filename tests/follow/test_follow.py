@@ -62,13 +62,6 @@ def sink_runs(sink) -> dict[str, dict]:
     return {r["id"]: client.run(r["entity"], r["project"], r["id"]) for r in client.runs()}
 
 
-@pytest.fixture
-def state(tmp_path, monkeypatch):
-    """Point wbmerge's ledger at a directory of the test's own."""
-    monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "state"))
-    return tmp_path / "state"
-
-
 def use_sink(monkeypatch, sink) -> None:
     for key in [k for k in os.environ if k.startswith("WANDB_")]:
         monkeypatch.delenv(key)

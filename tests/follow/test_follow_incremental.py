@@ -65,13 +65,6 @@ def cut_points(data: bytes) -> list[int]:
     return sorted(p for p in picks if 0 < p <= len(data))
 
 
-@pytest.fixture
-def state(tmp_path, monkeypatch):
-    """Point wbmerge's ledger at a directory of the test's own."""
-    monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "state"))
-    return tmp_path / "state"
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
     """A job of 2 nodes x 2 ranks whose logs span several blocks (with console lines and

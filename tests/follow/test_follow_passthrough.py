@@ -20,14 +20,6 @@ from ..support import synthetic
 from .test_follow import UPLOAD_TIMEOUT, assert_same_runs, follow_sink, one_shot
 from .test_follow_incremental import Growing, follow_rounds
 
-
-@pytest.fixture
-def state(tmp_path, monkeypatch):
-    """Point wbmerge's ledger at a directory of the test's own."""
-    monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "state"))
-    return tmp_path / "state"
-
-
 JOB_ID = "passing"
 
 

@@ -29,13 +29,6 @@ from .test_follow import UPLOAD_TIMEOUT, assert_same_runs, follow_sink, one_shot
 from .test_follow_incremental import Growing, follow_rounds
 
 
-@pytest.fixture
-def state(tmp_path, monkeypatch):
-    """Point wbmerge's ledger at a directory of the test's own."""
-    monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "state"))
-    return tmp_path / "state"
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
     """A job of 2 nodes x 2 ranks whose logs span several blocks, with console lines and
