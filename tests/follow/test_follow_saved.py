@@ -305,7 +305,7 @@ HOSTILE = {
 def test_a_state_file_of_any_shape_is_refused_in_one_phrase(tmp_path):
     place = tmp_path / "place"
     good = {
-        "rounds": 1, "rows_sent": 0, "others_sent": [], "held": None, "step_items": [],
+        "rounds": 1, "rows_sent": 0, "others_sent": [], "held": None, "step_runs": [],
         "last_row": None, "readers": {}, "ranks": {},
         "pending": {"steps": [], "ranks": [], "labelled": [], "names": [], "reserved": []},
         "events": [], "seen": [], "spool": {"end": 0, "digest": b"", "writers": {}},

@@ -56,7 +56,7 @@ from ..merge import (
 )
 from ..plan import Target
 from ..streaming import allow_open_files
-from ..wandbcore import StagedContent, read_staged, sentrows
+from ..wandbcore import StagedContent, StepRuns, read_staged, sentrows
 from .cut import running_exit_record
 from .tails import LiveReaders, NotIncremental
 
@@ -112,7 +112,7 @@ class LiveRounds:
     def __init__(self) -> None:
         self.rows_sent = 0
         self._held: bytes | None = None  # the last row written, held back
-        self._step_items: tuple[int | None, ...] = ()
+        self._step_items = StepRuns.of(())  # (the steps of the rows sent, as runs)
         self._last_row: dict | None = None  # the last row sent, as wandb-core sends it
         self._last_payload: bytes | None = None  # (its record)
         # the round staged: what `_keep` is to keep of it, the row held back, the last row sent
@@ -185,14 +185,14 @@ class LiveRounds:
             "rounds": self.rounds,
             "rows_sent": self.rows_sent,
             "held": self._held,
-            "step_items": list(self._step_items),
+            "step_runs": self._step_items.runs(),
             "last_row": self._last_payload,
         }
 
     def _restore_rounds(self, saved: dict) -> None:
         self.rounds, self.rows_sent = saved["rounds"], saved["rows_sent"]
         self._held = saved["held"]
-        self._step_items = tuple(saved["step_items"])
+        self._step_items = StepRuns.from_runs(saved["step_runs"])
         if self.rows_sent != len(self._step_items):
             raise ValueError("rows sent and their steps disagree")
         self._last_payload = saved["last_row"]

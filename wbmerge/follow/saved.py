@@ -34,8 +34,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 FORMAT = "wbmerge follow state"
-# 2: a definition written again when it changes the run; 3: the statistics across ranks
-VERSION = 3
+# 2: a definition written again when it changes the run; 3: the statistics across ranks;
+# 4: the steps of the rows sent as runs (`StepRuns.runs`), not one by one
+VERSION = 4
 STATE_FILE = "state.json"
 SPOOL_FILE = "spool"
 SCANS_FILE = "scans.json"
@@ -110,7 +111,7 @@ STATE = {
     "rows_sent": INT,
     "others_sent": list_of(BYTES),
     "held": opt(BYTES),
-    "step_items": list_of(opt(INT)),
+    "step_runs": list_of(pair(opt(INT), INT)),  # (`StepRuns.runs`)
     "last_row": opt(BYTES),
     "readers": int_map({"current": INT, "sources": list_of(SOURCE)}),
     "ranks": int_map(RANK),
@@ -134,7 +135,7 @@ STATE = {
 
 # The shape of `LivePassthrough.state()` (a pass-through target: `new`, `auto`).
 PASSTHROUGH = {
-    **{name: STATE[name] for name in ("rounds", "rows_sent", "held", "step_items", "last_row",
+    **{name: STATE[name] for name in ("rounds", "rows_sent", "held", "step_runs", "last_row",
                                       "readers", "spool")},
     "head": list_of(BYTES),
     "has_run": BOOL,

@@ -13,6 +13,7 @@ from .delivery import Delivery
 from .remainder import staged_rows
 from .rowcheck import (
     INT64_MAX,
+    INT64_MIN,
     compare_steps,
     halves,
     room,
@@ -83,9 +84,11 @@ def rows_not_held(
     a sample of the rows (of every row with `every_value`) must be the ones sent (see
     `rowcheck`). Every row is read back, a page at a time; [] when the server holds them
     all. Raises ServerError when the server cannot be asked or answers out of turn."""
-    sent = list(content.history_steps)  # (the step each staged row is sent at, by index)
-    order = sorted(step for step in sent if step != INT64_MAX)  # (see `rowcheck`)
-    rising = order == sent and len(set(order)) == len(order)  # (every log wandb writes)
+    steps = content.history_steps  # (the step each staged row is sent at, by index)
+    # Every log wandb writes sends its rows at rising steps; those are compared as runs
+    # (`StepRuns`), so that a follow's round costs the rows it adds, not the rows it holds.
+    rising = steps.rising_from(INT64_MIN) and not (steps and steps[-1] == INT64_MAX)
+    sent = steps if rising else list(steps)
     # Only the rows still in the staged log are read: the first `rows_cut` were on the
     # server before this upload, cut from the log (their steps are checked all the same).
     cut = delivery.rows_cut
@@ -98,7 +101,8 @@ def rows_not_held(
         (cut + i, row)
         for i, row in staged_rows(delivery.log, [i - cut for i in wanted if i >= cut])
     )
-    order = order[checked:]
+    # the steps still to read back, in the order the server gives them (see `rowcheck`)
+    order = list(steps[checked:]) if rising else sorted(s for s in sent if s != INT64_MAX)
     if not rising:  # (steps that wrapped past int64: compare the rows of steps sent once)
         once = {step for step, count in Counter(order).items() if count == 1}
         by_sent = {sent[i]: row for i, row in staged if sent[i] in once}

@@ -81,10 +81,12 @@ def remainder(
             raise Mismatch(f"the server's row {have} differs from the staged row {have}")
     whole = staged.history_steps[have:]
     cut = staged.steps_sent_from(have)
+    if cut == whole:  # (every log wandb writes: compared run by run)
+        return Remainder(have)
     resteps = {have + i: s for i, (s, c) in enumerate(zip(whole, cut, strict=True)) if s != c}
     if resteps:  # (only in an edited log) the moved rows must then be sent where they belong
         items = [resteps.get(have + i, item) for i, item in enumerate(staged.step_items[have:])]
-        if tuple(sentrows.sent_steps(items, staged.starting_step)) != whole:
+        if sentrows.sent_steps(items, staged.starting_step) != whole:
             raise Mismatch(  # (only past int64's largest step, below the starting step)
                 f"rows after the server's row {have} cannot be sent at their steps again"
             )

@@ -5,12 +5,13 @@ wbmerge verifies every upload against what the ranks wrote, so it must know what
 will send of a log: `sentrows` the `_step` it sends each history row at, `terminal` a port
 of its terminal emulator (the console lines and `output.log` it makes), `metricdefs` the
 metric definitions it sends in a run's config, and `content` the counts of a whole log a
-read at a time. All of it is pure: it reads logs, never a server.
+read at a time (its rows' steps as `stepruns`, runs of consecutive steps). All of it is pure: it reads logs, never a server.
 """
 
 from .content import ContentCounter, LoggedRun, StagedContent, read_logged_run, read_staged
 from .metricdefs import Definition, definitions_missing, held_definitions
 from .sentrows import NOT_JSON, item_step, json_int, json_value, sent_steps, with_step
+from .stepruns import StepRuns
 from .terminal import MAX_LINE, TERMINAL_HEIGHT, Console, output_log
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "MAX_LINE",
     "NOT_JSON",
     "StagedContent",
+    "StepRuns",
     "TERMINAL_HEIGHT",
     "content",
     "definitions_missing",

@@ -9,6 +9,7 @@ counts it on the way instead of reading it again.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -18,13 +19,16 @@ import numpy as np
 from ..log import item_path, pb, records
 from . import sentrows, terminal
 from .metricdefs import Definition, DefinitionKey, fold
+from .stepruns import StepRuns
 
 
 @dataclass(frozen=True)
 class StagedContent:
     """What one staged log will put on the server when sent whole."""
 
-    step_items: tuple[int | None, ...]  # each history row's `_step` item (`sentrows.item_step`)
+    # each history row's `_step` item (`sentrows.item_step`); any sequence given is kept as
+    # `StepRuns`, whose size does not grow with the rows of a run wandb wrote
+    step_items: Sequence[int | None]
     events: int  # system-metric rows
     console_lines: int  # output.log lines (`terminal.Console.lines`)
     starting_step: int = 0  # where wandb-core numbers the rows from (`sentrows.starting_step`)
@@ -33,35 +37,29 @@ class StagedContent:
     # run's config (`metricdefs`), as (key, definition) pairs in the order first defined.
     metric_definitions: tuple[tuple[DefinitionKey, Definition], ...] = ()
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "step_items", StepRuns.of(self.step_items))
+
     @cached_property
-    def history_steps(self) -> tuple[int, ...]:
+    def history_steps(self) -> StepRuns:
         """The `_step` of each history row on the server once the whole log is sent."""
         return self.steps_sent_from(0)
 
-    def steps_sent_from(self, row: int) -> tuple[int, ...]:
+    def steps_sent_from(self, row: int) -> StepRuns:
         """The `_step` of history rows `row`, `row + 1`, ... when an upload sends the log from
         that row on (the rows before it cut, as the server holds them): numbered again from
         the starting step (see `sentrows`)."""
         items = self.step_items[row:]
-        if _rising_from(items, self.starting_step):
-            return items  # (every row at its own item: the same tuple, not a copy)
-        return tuple(sentrows.sent_steps(items, self.starting_step))
-
-
-def _rising_from(items: tuple[int | None, ...], start: int) -> bool:
-    """Whether every item is an integer, the first at least `start` and each above the one
-    before: then each row is sent at its own item (as in every log wandb writes)."""
-    if not items or None in items:
-        return not items
-    steps = np.array(items, np.int64)
-    return bool(steps[0] >= start and (steps[1:] > steps[:-1]).all())  # (no difference wraps)
+        if items.rising_from(self.starting_step):
+            return items  # (every row at its own item, as in every log wandb writes)
+        return StepRuns.of(sentrows.sent_steps(items, self.starting_step))
 
 
 class ContentCounter:
     """Counts what a log holds, one `records.read_indexed` read after another, in order."""
 
     def __init__(self) -> None:
-        self.step_items: list[int | None] = []
+        self.step_parts: list[StepRuns] = []  # (the steps of each read)
         self.runs: list[pb.RunRecord] = []  # the run records before the first history row
         self.events = 0
         self.console = terminal.Console(keep_text=False)
@@ -70,12 +68,12 @@ class ContentCounter:
 
     def add(self, read: records.RecordIndex) -> None:
         frames = read.frames
-        if not self.step_items:  # (no history row yet)
+        if not any(self.step_parts):  # (no history row yet)
             runs = read.of("run")
             if len(read.history):
                 runs = runs[runs < read.history[0]]
             self.runs += [pb.Record.FromString(frames.payload(i)).run for i in runs.tolist()]
-        self.step_items += step_items(read)
+        self.step_parts.append(step_items(read))
         self.events += len(read.of("stats"))
         self.metadata = self.metadata or bool(len(read.of("environment")))
         for index in read.of("output_raw", "output_logger").tolist():
@@ -87,7 +85,7 @@ class ContentCounter:
     def content(self) -> StagedContent:
         start = sentrows.starting_step(self.runs)
         return StagedContent(
-            tuple(self.step_items), self.events, self.console.lines, start, self.metadata,
+            StepRuns.join(self.step_parts), self.events, self.console.lines, start, self.metadata,
             tuple(self.metrics.items()),
         )  # fmt: skip
 
@@ -182,7 +180,7 @@ def _apply(tree: dict, change: pb.ConfigRecord | pb.SummaryRecord) -> None:
             place.pop(leaf, None)
 
 
-def step_items(read: records.RecordIndex) -> list[int | None]:
+def step_items(read: records.RecordIndex) -> StepRuns:
     """`sentrows.item_step` of each history record of a read. The compiled proof of the
     records (`records.proven_history`) reads the `_step` item of every row wandb writes;
     the rows it leaves (not proven valid, or whose last `_step` item is not a plain
@@ -190,10 +188,14 @@ def step_items(read: records.RecordIndex) -> list[int | None]:
     reports that as a record that cannot be read."""
     frames, which = read.frames, read.history
     if not len(which):
-        return []
+        return StepRuns.of(())
     proof = records.proven_history(frames, which)
-    items: list[int | None] = np.where(proof.has_step, proof.steps, 0).tolist()
+    steps = np.where(proof.has_step, proof.steps, 0).astype(np.int64)
+    known = np.array(proof.has_step, bool)
     for row in np.flatnonzero(~proof.has_step).tolist():
-        known = proof.step_known[row]
-        items[row] = None if known else sentrows.item_step(frames.payload(int(which[row])))
-    return items
+        if proof.step_known[row]:
+            continue  # (proven to have no integer `_step`)
+        item = sentrows.item_step(frames.payload(int(which[row])))
+        if item is not None:
+            steps[row], known[row] = item, True
+    return StepRuns.from_arrays(steps, known)
