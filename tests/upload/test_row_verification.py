@@ -291,3 +291,49 @@ def test_a_server_that_fills_every_page_is_asked_a_bounded_number_of_times(tmp_p
         rows_not_held(server, "e", "p", delivery, Held(True, 50, last_step=10**9),
                       read_staged(log))  # fmt: skip
     assert server.asked < 200
+
+
+class RowsAsSent:
+    """A server holding a staged log's rows as wandb-core sends them; it records the
+    windows of steps it is asked for."""
+
+    def __init__(self, log: Path) -> None:
+        from wbmerge.upload import history_row
+
+        self.rows = []
+        while True:
+            try:
+                self.rows.append(history_row(log, len(self.rows)))
+            except IndexError:
+                break
+        self.asked: list[tuple[int, int]] = []
+
+    def history_page(self, entity, project, run_id, steps, most):
+        self.asked.append(steps)
+        return [row for row in self.rows if steps[0] <= row["_step"] < steps[1]][:most]
+
+
+@pytest.mark.parametrize(
+    "checked, first_asked",
+    [
+        ((), 0),  # nothing read back before: every row
+        (range(30), 30),  # a follow's round before read back 30 rows: the rest
+        (range(1, 31), 0),  # steps the staged run does not begin with: every row again
+        (range(60), 0),  # more rows than staged: every row again
+    ],
+)
+def test_rows_read_back_before_are_not_read_again_if_the_run_begins_with_them(
+    tmp_path, checked, first_asked
+):
+    from wbmerge.upload import Delivery, Held, rows_not_held
+    from wbmerge.wandbcore import read_staged
+
+    source = synthetic_job(tmp_path, steps=50)
+    [log] = source.glob("wandb/*/run-*.wandb")
+    server = RowsAsSent(log)
+    delivery = Delivery("again", log.parent, log, "key", "fingerprint")
+    delivery.steps_checked = list(checked)
+    held = Held(True, 50, last_step=49)
+    assert rows_not_held(server, "e", "p", delivery, held, read_staged(log)) == []
+    lowest = min(lo for lo, _ in server.asked)  # (the first window begins at int64's least)
+    assert lowest == first_asked if first_asked else lowest <= 0

@@ -7,7 +7,7 @@ reads them to compare the server's run with the staged one.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,9 +45,10 @@ class Delivery:
     # before): the staged run's row `rows_cut - 1`, the last the server must hold, as
     # wandb-core sends it. `content` then counts the whole run, not the log.
     row_before: dict | None = None
-    # The first rows of the staged run that an earlier verified upload of this process
-    # read back from the server: only the rows after them are read back again.
-    rows_checked: int = 0
+    # The steps of the first rows of the staged run as an earlier verified upload of this
+    # process read them back from the server (a follow's rounds): when the staged run
+    # sends its first rows at these very steps, only the rows after them are read back.
+    steps_checked: Sequence[int] = ()
     warnings: list[str] = field(default_factory=list)  # what the user should know of it
     # The saved files (`wandb.save` links) of the sources by staged name, with their sizes
     # read from the sources (`Staged.saved_files`): each must be on the server after the

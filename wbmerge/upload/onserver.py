@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..wandbcore import StagedContent, read_logged_run
+from ..wandbcore import StagedContent, StepRuns, read_logged_run
 from .delivery import Delivery
 from .remainder import staged_rows
 from .rowcheck import (
@@ -93,8 +93,10 @@ def rows_not_held(
     # server before this upload, cut from the log (their steps are checked all the same).
     cut = delivery.rows_cut
     # The rows an earlier upload of this process read back are not read again (a follow's
-    # rounds): the rest, each step sent after theirs, are read from the step after theirs.
-    checked = delivery.rows_checked if rising and delivery.rows_checked <= len(sent) else 0
+    # rounds), if the staged run begins with them: the rest, each step sent after theirs,
+    # are read from the step after theirs.
+    before = StepRuns.of(delivery.steps_checked)
+    checked = len(before) if rising and steps[: len(before)] == before else 0
     floor = sent[checked - 1] + 1 if checked else None
     wanted = [checked + i for i in (range if every_value else sampled)(len(sent) - checked)]
     staged = (
