@@ -32,6 +32,7 @@ from ..errors import WbmergeError
 from ..identify import Job, make_hints
 from ..merge import Staged
 from ..plan import Target, app_url, check_destination
+from ..streaming import one_malloc_arena
 from ..upload import (
     Deliverer,
     Delivery,
@@ -138,6 +139,7 @@ class Follower:
         `restart_grace`: seconds a run whose ranks all ended, some failed, waits for an
         elastic restart (with no file changed) before it is sent with its final state."""
         check_key_format(request.key_format)
+        one_malloc_arena()  # (a follow runs for days: its memory must not creep up)
         self.request, self.job_prefix = request, job_prefix
         self.restart_grace = restart_grace
         self.hints = make_hints(request.label_pattern, request.ranks_file, request.primary)
