@@ -125,6 +125,21 @@ def test_a_pair_that_is_no_run_is_refused(runs):
         StepRuns.from_runs(runs)
 
 
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [[0, INT64_MAX], [None, INT64_MAX], [0, 2]],  # 2**64 rows, which int64 counts as 0
+        [[None, INT64_MAX], [None, INT64_MAX], [0, 7]],  # 2**64 + 5: as 5
+        [[None, INT64_MAX], [0, 1]],  # 2**63
+    ],
+)
+def test_runs_of_more_rows_than_int64_counts_are_refused(runs):
+    """A hostile state's runs, each a run, whose rows add up past int64: counted in int64
+    they would wrap to a count a state's `rows_sent` can agree with."""
+    with pytest.raises(ValueError, match="rows"):
+        StepRuns.from_runs(runs)
+
+
 @given(items(), st.integers(-3, 3))
 def test_a_logs_sent_steps_are_those_of_the_listed_items(listed, start):
     """`StagedContent` keeps its items as runs; the steps a whole upload and a cut upload

@@ -63,6 +63,9 @@ class StepRuns(Sequence):
                 type(start) is int and -(2**63) <= start and start + length - 1 <= INT64_MAX
             ):
                 raise ValueError(f"a run of steps from {start!r}")
+        # (counted in int64, more rows would wrap to a count a state's `rows_sent` may match)
+        if sum(length for _, length in runs) > INT64_MAX:
+            raise ValueError("runs of more rows than int64 counts")
         starts = np.array([0 if start is None else start for start, _ in runs], np.int64)
         lengths = np.array([length for _, length in runs], np.int64)
         known = np.array([start is not None for start, _ in runs], bool)
