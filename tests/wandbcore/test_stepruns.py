@@ -66,6 +66,7 @@ def test_runs_hold_the_items_in_order(listed):
     assert len(steps) == len(listed)
     assert [steps[i] for i in range(-len(listed), len(listed))] == listed + listed
     assert steps == listed and steps == tuple(listed)
+    assert hash(steps) == hash(tuple(listed))  # (equal, so the same key in a dict or set)
     # (a run never continues the one before it: the same items always give the same runs)
     runs = steps.runs()
     for (start, length), (after, _) in zip(runs, runs[1:], strict=False):

@@ -174,7 +174,9 @@ class StepRuns(Sequence):
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash((self._starts.tobytes(), self._lengths.tobytes(), self._known.tobytes()))
+        # The tuple's hash, as it compares equal to the tuple: a row at a time, but nothing
+        # on a round's path hashes the steps.
+        return hash(tuple(self))
 
     def __repr__(self) -> str:
         return f"StepRuns.from_runs({self.runs()!r})"
