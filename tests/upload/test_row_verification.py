@@ -314,25 +314,31 @@ class RowsAsSent:
 
 
 @pytest.mark.parametrize(
-    "checked, first_asked",
+    "checked, rows_cut, first_asked",
     [
-        ((), 0),  # nothing read back before: every row
-        (range(30), 30),  # a follow's round before read back 30 rows: the rest
-        (range(1, 31), 0),  # steps the staged run does not begin with: every row again
-        (range(60), 0),  # more rows than staged: every row again
+        ((), 0, 0),  # nothing read back before: every row
+        (range(30), 30, 30),  # a follow's round before read back 30 rows, held since: the rest
+        # the 30 rows read back before were sent again by this upload (the server had lost
+        # the run since): this upload's rows are read back, every one
+        (range(30), 0, 0),
+        (range(30), 20, 0),
+        (range(1, 31), 30, 0),  # steps the staged run does not begin with: every row again
+        (range(60), 30, 0),  # more rows than staged: every row again
     ],
 )
-def test_rows_read_back_before_are_not_read_again_if_the_run_begins_with_them(
-    tmp_path, checked, first_asked
+def test_rows_read_back_before_are_not_read_again_if_the_server_held_them_before(
+    tmp_path, checked, rows_cut, first_asked
 ):
-    from wbmerge.upload import Delivery, Held, rows_not_held
+    from wbmerge.upload import Delivery, Held, Remainder, rows_not_held, write_remainder
     from wbmerge.wandbcore import read_staged
 
     source = synthetic_job(tmp_path, steps=50)
     [log] = source.glob("wandb/*/run-*.wandb")
     server = RowsAsSent(log)
-    delivery = Delivery("again", log.parent, log, "key", "fingerprint")
-    delivery.steps_checked = list(checked)
+    sent = log.with_name("sent.wandb")  # (the log this upload sent: its first rows cut)
+    write_remainder(log, sent, Remainder(rows_cut))
+    delivery = Delivery("again", log.parent, sent, "key", "fingerprint")
+    delivery.rows_cut, delivery.steps_checked = rows_cut, list(checked)
     held = Held(True, 50, last_step=49)
     assert rows_not_held(server, "e", "p", delivery, held, read_staged(log)) == []
     lowest = min(lo for lo, _ in server.asked)  # (the first window begins at int64's least)

@@ -47,7 +47,8 @@ class Delivery:
     row_before: dict | None = None
     # The steps of the first rows of the staged run as an earlier verified upload of this
     # process read them back from the server (a follow's rounds): when the staged run
-    # sends its first rows at these very steps, only the rows after them are read back.
+    # sends its first rows at these very steps and the server held them before this
+    # upload (`rows_cut` reaches past them), only the rows after them are read back.
     steps_checked: Sequence[int] = ()
     warnings: list[str] = field(default_factory=list)  # what the user should know of it
     # The saved files (`wandb.save` links) of the sources by staged name, with their sizes

@@ -93,10 +93,12 @@ def rows_not_held(
     # server before this upload, cut from the log (their steps are checked all the same).
     cut = delivery.rows_cut
     # The rows an earlier upload of this process read back are not read again (a follow's
-    # rounds), if the staged run begins with them: the rest, each step sent after theirs,
-    # are read from the step after theirs.
+    # rounds), if the staged run begins with them and the server held them before this
+    # upload (they are cut from its log): the rest, each step sent after theirs, are read
+    # from the step after theirs. Rows this upload sent are read back, whatever was before.
     before = StepRuns.of(delivery.steps_checked)
-    checked = len(before) if rising and steps[: len(before)] == before else 0
+    held_before = len(before) <= cut and steps[: len(before)] == before
+    checked = len(before) if rising and held_before else 0
     floor = sent[checked - 1] + 1 if checked else None
     wanted = [checked + i for i in (range if every_value else sampled)(len(sent) - checked)]
     staged = (
