@@ -31,6 +31,7 @@ from ..conftest import interruptible, job_dir
 from ..merge.test_rank_stats_merge import over_the_bound
 from ..support.ranklogs import console_record, exit_record, history_record, rank_log, summary_record
 from ..support.sinktools import console_text
+from ..upload.test_row_verification import drop_history_lines
 
 UPLOAD_TIMEOUT = 120.0
 
@@ -415,6 +416,38 @@ def test_a_job_whose_ranks_all_failed_waits_for_its_elastic_restart(
     assert_same_runs(sink, want)
     for run in sink_runs(sink).values():
         assert (run["state"], len(run["history"])) == ("finished", 10)
+
+
+def test_rows_the_server_lost_after_a_round_are_found_by_the_last_round(
+    make_sink, monkeypatch, tmp_path, state
+):
+    """A round sends and verifies rows 0-4 of two ranks; then the server loses rows 1 and 2
+    (its line count still covers them). The last round, after which the run is recorded
+    synced, reads every row back: it names the rows lost and the run is not verified."""
+    for root, steps in ((tmp_path / "live", 6), (tmp_path / "full", 8)):
+        for rank in (0, 1):
+            info = RankInfo(rank, rank, 2, 2, 0, job_id="lostrows")
+            with rank_log(root, info, f"lostrows-{rank}", "p") as writer:
+                for step in range(steps):
+                    writer.write(history_record([("loss", str(10 * rank + step))], step))
+                if steps == 8:
+                    writer.write(exit_record(0))
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
+    sink = follow_sink(make_sink, monkeypatch, state)
+    with Follower(request, parallel=2, timeout=UPLOAD_TIMEOUT) as follower:
+        [target] = follower.round().targets
+        assert (target.status, target.rows) == ("sent", 5), target.problems
+        drop_history_lines(sink, "lostrows", range(1, 3))
+        for log in (tmp_path / "full").glob("wandb/*/run-*.wandb"):
+            live = tmp_path / "live" / log.relative_to(tmp_path / "full")
+            whole = log.read_bytes()
+            assert whole.startswith(live.read_bytes())  # (the ranks go on, and finish)
+            live.write_bytes(whole)
+        report = follower.round()
+        assert not report.done
+        [target] = report.targets
+        assert target.status == "failed"
+        assert "the server lacks 2 of 8 rows sent (steps 1-2)" in target.problems[0]
 
 
 @pytest.mark.parametrize("command", [["sync", "--follow"], ["follow"]], ids=" ".join)

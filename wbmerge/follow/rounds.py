@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -113,8 +113,6 @@ class _Known:
     finished_seen: tuple | None = None  # the signature when every rank was first seen done
     finished_at: float = 0.0  # when (time.monotonic()) it was first seen so
     over_bound_said: bool = False  # its metric count passed W&B's bound, and it was said
-    # the steps of the rows the last verified upload read back (`Delivery.steps_checked`)
-    steps_checked: Sequence[int] = ()
 
     def unchanged(self, run_id: str) -> TargetRound:
         return TargetRound(
@@ -369,8 +367,8 @@ class Follower:
             delivery.content, delivery.rows_cut = content, live.rows_sent
             delivery.row_before = live.row_before
             delivery.steps_checked = content.history_steps[: live.rows_sent]
-        else:  # (the rows read back by the rounds before, if this merge begins with them)
-            delivery.steps_checked = known.steps_checked
+        # A merge from scratch (the last round's: the run is then recorded synced) has every
+        # row read back: the server may have lost rows since a round before read them.
         return target, delivery, now, staged.exit_code if done else None
 
     def _stage_live(
@@ -509,7 +507,6 @@ class Follower:
                     TargetRound(target.id, "failed", known.rows or 0, problems=delivery.problems)
                 )
                 known.rows = None  # (what the server holds now is asked again next round)
-                known.steps_checked = ()
                 self._drop_live(target.id, forget=True)
                 continue
             assert delivery.content is not None
@@ -524,7 +521,6 @@ class Follower:
                 saved.remove(saved.directory(state_dir(), known.key))
             added = rows - (known.rows or 0)
             known.rows, known.final, known.exit_code = rows, delivery.final, code
-            known.steps_checked = delivery.content.history_steps
             known.signature = now
             report.targets.append(
                 TargetRound(
