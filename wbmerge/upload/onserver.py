@@ -112,7 +112,9 @@ def rows_not_held(
         by_sent = {sent[i]: row for i, row in staged if sent[i] in once}
         position = {step: i for i, step in enumerate(order)}
         staged = iter(sorted((position[step], row) for step, row in by_sent.items()))
-        sent = order
+    else:  # (rows from `checked` on, at their place in `order`: a list, read a row at a time)
+        staged = ((index - checked, row) for index, row in staged)
+    sent = order
     pending = next(staged, None)
     held_steps: list[int | None] = []
     differing: list[str] = []
