@@ -41,6 +41,17 @@ def fixture_logs(include_damaged: bool = False) -> list[Path]:
     return logs
 
 
+@pytest.fixture(scope="session", autouse=True)
+def state_of_this_test_process(tmp_path_factory):
+    """Each test process (pytest-xdist runs three) keeps its ledger, locks and follow
+    states apart from the others' and from the user's own (`~/.local/state/wbmerge`): a
+    sync recorded by one process's test must not be found synced by another's. A test that
+    sets WBMERGE_STATE_DIR itself still has its own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WBMERGE_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+        yield
+
+
 @pytest.fixture
 def manifest() -> dict:
     return MANIFEST
