@@ -109,7 +109,10 @@ class LiveRounds:
     and `sent` records what the server holds once the upload was verified. What is sent of
     the records other than rows is the subclass's to keep (`_keep`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, target: Target, options: MergeOptions, scratch: Path) -> None:
+        self.target, self.made_of = target, sources_of(target)
+        self.options = options
+        scratch.mkdir(parents=True, exist_ok=True)
         self.rows_sent = 0
         self._held: bytes | None = None  # the last row written, held back
         self._step_items = StepRuns.of(())  # (the steps of the rows sent, as runs)
@@ -216,9 +219,7 @@ class LiveShared(LiveRounds):
         spool: Path | None = None,
         saved: dict | None = None,
     ) -> None:
-        self.target, self.made_of = target, sources_of(target)
-        self.options = options
-        scratch.mkdir(parents=True, exist_ok=True)
+        super().__init__(target, options, scratch)
         self._recorder = _Recorder()
         self.merge = SharedMerge(
             target,
@@ -231,8 +232,7 @@ class LiveShared(LiveRounds):
         self._head = [payload for _, payload in self._recorder.items]
         self._recorder.items.clear()
         paths = {rank: [s.path for s in sources] for rank, sources in self.merge.by_rank.items()}
-        # What the server holds of what this merge wrote (as the verified rounds left it):
-        super().__init__()
+        # What the server holds of what this merge wrote, besides rows (`LiveRounds`):
         self._others_sent: list[bytes] = []  # records other than rows, in order
         if saved is None:
             self._spools = Spools(scratch) if spool is None else Spools.kept(spool)

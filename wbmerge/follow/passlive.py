@@ -44,7 +44,7 @@ from ..merge import (
 from ..plan import Target
 from ..wandbcore import StagedContent
 from .cut import running_exit_record
-from .incremental import LiveRounds, NotIncremental, NotYet, sources_of
+from .incremental import LiveRounds, NotIncremental, NotYet
 from .tails import LiveReaders
 
 _READ_BLOCKS = 128  # blocks a read takes (as the one-shot pass-through reads)
@@ -74,11 +74,9 @@ class LivePassthrough(LiveRounds):
         spool: Path | None = None,
         saved: dict | None = None,
     ) -> None:
-        super().__init__()
         if target.extra_system_sources:
             raise NotIncremental("every rank's system metrics are merged from scratch")
-        self.target, self.made_of = target, sources_of(target)
-        self.options = options
+        super().__init__(target, options, scratch)
         self._several = len(target.sources) > 1  # (only restarts are moved: as the one-shot)
         self._steps = Steps()
         self._head: list[bytes] = []  # the header and rewritten run record
@@ -89,7 +87,6 @@ class LivePassthrough(LiveRounds):
         # the summary sent: each key's last update (False) or removal (True), in order
         self._summary: dict[tuple[str, ...], tuple[bool, bytes]] = {}
         self._warnings: list[str] = []  # (said by the final, one-shot round)
-        scratch.mkdir(parents=True, exist_ok=True)
         paths = {0: [s.path for s in target.sources]}
         first = target.sources[0]
         if saved is None:

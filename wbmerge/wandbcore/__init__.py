@@ -5,7 +5,8 @@ wbmerge verifies every upload against what the ranks wrote, so it must know what
 will send of a log: `sentrows` the `_step` it sends each history row at, `terminal` a port
 of its terminal emulator (the console lines and `output.log` it makes), `metricdefs` the
 metric definitions it sends in a run's config, and `content` the counts of a whole log a
-read at a time (its rows' steps as `stepruns`, runs of consecutive steps). All of it is pure: it reads logs, never a server.
+read at a time (its rows' steps as `stepruns`, runs of consecutive steps). All of it is
+pure: it reads logs, never a server.
 """
 
 from .content import ContentCounter, LoggedRun, StagedContent, read_logged_run, read_staged

@@ -93,10 +93,6 @@ class StepRuns(Sequence):
             )
         ]
 
-    @property
-    def run_count(self) -> int:
-        return len(self._lengths)
-
     def rising_from(self, start: int) -> bool:
         """Whether every item is an integer, the first at least `start` and each above the
         one before (as in every log wandb writes): checked run by run."""
