@@ -80,7 +80,6 @@ class LivePassthrough(LiveRounds):
         self._several = len(target.sources) > 1  # (only restarts are moved: as the one-shot)
         self._steps = Steps()
         self._head: list[bytes] = []  # the header and rewritten run record
-        self._has_run = False
         self._before_run: list[bytes] = []  # records read before the run record
         # records read and not sent yet: (kind, the step of a row, as the run holds it)
         self._waiting: list[tuple[str | None, int, bytes]] = []
@@ -117,7 +116,6 @@ class LivePassthrough(LiveRounds):
             **self._rounds_state(),
             "readers": self._readers.positions(),
             "head": list(self._head),
-            "has_run": self._has_run,
             "before_run": list(self._before_run),
             "waiting": [list(item) for item in self._waiting],
             "steps": list(self._steps.place_state()),
@@ -127,7 +125,7 @@ class LivePassthrough(LiveRounds):
 
     def _restore(self, saved: dict) -> None:
         self._restore_rounds(saved)
-        self._head, self._has_run = list(saved["head"]), saved["has_run"]
+        self._head = list(saved["head"])
         self._before_run = list(saved["before_run"])
         self._waiting = [(kind, step, payload) for kind, step, payload in saved["waiting"]]
         if any(kind not in records.KIND_NAMES for kind, _, _ in self._waiting):
@@ -136,6 +134,11 @@ class LivePassthrough(LiveRounds):
         self._summary = {tuple(path): (removed, item) for path, removed, item in saved["summary"]}
         for _, item in self._summary.values():
             pb.SummaryItem.FromString(item)  # (DecodeError: not one)
+
+    @property
+    def _has_run(self) -> bool:
+        """Whether the head holds the run record yet (it holds the header and it, at most)."""
+        return any(records.record_kind(payload) == "run" for payload in self._head)
 
     def sync(self) -> None:
         """Make the spool's bytes durable (before a `state()` of them is saved)."""
@@ -212,6 +215,7 @@ class LivePassthrough(LiveRounds):
         frames = read.frames
         view = memoryview(frames.data)
         names = records.KIND_NAMES
+        has_run = self._has_run  # (asked once a read: it changes only below)
         spans = zip(read.codes.tolist(), frames.starts.tolist(), frames.ends.tolist(), strict=True)
         for i, (code, start, end) in enumerate(spans):
             kind = names[code]
@@ -229,10 +233,10 @@ class LivePassthrough(LiveRounds):
                     continue  # (a restart's header: the first run's stands for the run)
                 if kind == "run":
                     payload = rewrite_run(payload, self.target, self.options)
-                if not self._has_run:
+                if not has_run:
                     self._head.append(payload)
                     if kind == "run":
-                        self._has_run = True
+                        has_run = True
                         self._waiting += [(records.record_kind(p), -1, p) for p in self._before_run]
                         self._before_run = []
                     continue
@@ -242,7 +246,7 @@ class LivePassthrough(LiveRounds):
                 if passed is None:
                     continue
                 payload = passed
-            if not self._has_run:
+            if not has_run:
                 self._before_run.append(payload)
                 if sum(map(len, self._before_run)) > _HEAD_LIMIT:
                     raise NotIncremental("records before its run record")

@@ -138,7 +138,6 @@ PASSTHROUGH = {
     **{name: STATE[name] for name in ("rounds", "rows_sent", "held", "step_runs", "last_row",
                                       "readers", "spool")},
     "head": list_of(BYTES),
-    "has_run": BOOL,
     "before_run": list_of(BYTES),
     "waiting": list_of(pair(opt(STR), INT, BYTES)),
     "steps": pair(INT, opt(INT)),
