@@ -52,8 +52,9 @@ from tests.support.sinktools import SinkProcess  # noqa: E402
 from wbmerge.follow import Follower  # noqa: E402
 from wbmerge.log import LogWriter, pb  # noqa: E402
 from wbmerge.merge import stage  # noqa: E402
+from wbmerge.sync import MergeRequest, plan_jobs  # noqa: E402
 from wbmerge.training import RankInfo  # noqa: E402
-from wbmerge.upload import Credentials, MergeRequest, ServerClient, plan_jobs  # noqa: E402
+from wbmerge.upload import Credentials, ServerClient  # noqa: E402
 
 
 def _children_cpu() -> float:

@@ -35,7 +35,7 @@ from tests.support import synthetic  # noqa: E402
 from wbmerge.sink import read_api_key  # noqa: E402
 
 MERGE = """
-from wbmerge.upload.pipeline import MergeRequest, merge_jobs
+from wbmerge.sync import MergeRequest, merge_jobs
 began = time.perf_counter()
 staged = merge_jobs(MergeRequest([args[0]], run_mode=args[1]), out)
 result = {"rows": sum(s.source_rows for s in staged)}

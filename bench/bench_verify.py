@@ -5,13 +5,13 @@
 
 For each size, one synthetic run (`--rows` rows of 20 metrics, our own writer) is synced
 once with `wbmerge sync --keep-staging` into a fresh local sink; then the check that
-follows every upload (`upload.onserver.rows_not_held`: every row read back by step, a page
+follows every upload (`verify.readback.rows_not_held`: every row read back by step, a page
 of about 1,000 steps at a time, each step once, and the values of a sample of 64 rows) is
 timed alone on the staged run, `--repeat` times, and so is `--verify full` (every row's
 values). Reported: the median seconds of the sync and of each check, the check's CPU in
 this process (the rest is the sink answering, on the same machine), and the ratio of each
 check to the sync, as a markdown table. So is the check before the upload
-(`upload.sourcecheck.source_shortfall`: the staged run against the rank's own log, every
+(`verify.sourcecheck.source_shortfall`: the staged run against the rank's own log, every
 value), which a sync runs on each staged run.
 """
 
@@ -33,16 +33,10 @@ from bench_sync_e2e import start_sink  # noqa: E402  (the same local sink, start
 
 from tests.support import synthetic  # noqa: E402
 from wbmerge.sink import read_api_key  # noqa: E402
+from wbmerge.sync import MergeRequest, plan_jobs  # noqa: E402
 from wbmerge.training import RankInfo  # noqa: E402
-from wbmerge.upload import (  # noqa: E402  # noqa: E402
-    Credentials,
-    Delivery,
-    MergeRequest,
-    ServerClient,
-    plan_jobs,
-    rows_not_held,
-    source_shortfall,
-)
+from wbmerge.upload import Credentials, Delivery, ServerClient  # noqa: E402
+from wbmerge.verify import rows_not_held, source_shortfall  # noqa: E402
 from wbmerge.wandbcore import read_staged  # noqa: E402
 
 

@@ -39,17 +39,17 @@ from .errors import InputWarning, WbmergeError
 from .identify import OfflineRun, make_hints
 from .identify import discover as _discover_runs
 from .plan import RankScope, RunMode
-from .upload import (
+from .sync import (
     MergeRequest,
     PlannedJob,
     RequestOptions,
-    ServerError,
     SyncReport,
     UploadFailed,
     merge_jobs,
     plan_jobs,
 )
-from .upload import sync as _sync
+from .sync import sync as _sync
+from .upload import ServerError
 
 if TYPE_CHECKING:  # (imported where used: `sync` starts faster without them)
     from typing_extensions import Unpack

@@ -2,7 +2,7 @@
 
 Every stage raises these, down to the reader of a `.wandb` file, so this module imports
 nothing of the package: an error type never drags a later stage into an earlier one.
-`UploadFailed`, which carries a sync's report, lives with the sync in `upload.pipeline`.
+`UploadFailed`, which carries a sync's report, lives with the sync in `sync.pipeline`.
 """
 
 from __future__ import annotations

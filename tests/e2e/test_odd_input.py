@@ -208,7 +208,7 @@ def test_a_step_nested_past_the_recursion_limit_in_a_spliced_rank_is_merged(tmp_
     # field as JSON; a hostile value nested deeper than Python's recursion limit is no
     # step, not an internal error.
     from wbmerge.merge import stage
-    from wbmerge.upload import MergeRequest, plan_jobs
+    from wbmerge.sync import MergeRequest, plan_jobs
 
     from ..support import synthetic
 
@@ -272,7 +272,9 @@ def test_a_step_item_that_contradicts_its_step_field_is_verified_as_sent(
         last_rows.append(history[-1])
     # A rerun after a cut upload compares the server's last row with the staged one: the
     # staged row, at the `_step` it was sent at, must read as the one the server holds.
-    from wbmerge.upload import Held, Mismatch, history_row, read_staged, remainder
+    from wbmerge.upload import Held
+    from wbmerge.verify import Mismatch, history_row, remainder
+    from wbmerge.wandbcore import read_staged
 
     staged = read_staged(log)
     assert staged.history_steps[-1] == 29
@@ -317,7 +319,7 @@ def test_odd_steps_arrive_where_the_count_expects_them(sink, tmp_path, monkeypat
     sent = [sent for *_, sent in ODD_ROWS]
     assert server_steps(sink, "plain") == sent
     # and each row arrives as `history_row` builds it from the items, at its `_step`
-    from wbmerge.upload import history_row, same_value
+    from wbmerge.verify import history_row, same_value
 
     (log,) = plain.glob("offline-run-*/run-*.wandb")
     rows = sink.client.run("local", "plain", "odd-0")["history"]
@@ -403,7 +405,7 @@ if platform.machine() in ("x86_64", "AMD64"):  # (measured there; other CPUs con
 
 def test_the_run_records_before_the_first_row_say_where_steps_start(sink, tmp_path):
     from wbmerge.log import LogWriter
-    from wbmerge.upload import read_staged
+    from wbmerge.wandbcore import read_staged
 
     from ..support.ranklogs import exit_record
     from ..support.sinktools import wandb_sync

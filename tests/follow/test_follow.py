@@ -24,14 +24,14 @@ import pytest
 from wbmerge.follow import Follower, LiveCut, cut_live, follow, round_lines
 from wbmerge.identify import discover
 from wbmerge.log import read_records
+from wbmerge.sync import MergeRequest, UploadFailed, sync
 from wbmerge.training import RankInfo
-from wbmerge.upload import MergeRequest, UploadFailed, sync
 
 from ..conftest import interruptible, job_dir
 from ..merge.test_rank_stats_merge import over_the_bound
 from ..support.ranklogs import console_record, exit_record, history_record, rank_log, summary_record
 from ..support.sinktools import console_text
-from ..upload.test_row_verification import drop_history_lines
+from ..verify.test_row_verification import drop_history_lines
 
 UPLOAD_TIMEOUT = 120.0
 

@@ -19,7 +19,7 @@ import pytest
 from wbmerge.follow import Follower, LiveReaders, NotIncremental, ScannedLog, round_lines
 from wbmerge.identify import read_identity, scan
 from wbmerge.log import BLOCK_SIZE, FILE_HEADER, pb, read_payloads, write_payloads
-from wbmerge.upload import MergeRequest, sync
+from wbmerge.sync import MergeRequest, sync
 
 from ..merge.test_merged_artifacts import JOB_ID, assert_checkpoint_of, output_artifacts, write_job
 from ..support import synthetic

@@ -13,8 +13,8 @@ import pytest
 
 from wbmerge.follow import Follower, round_lines, saved
 from wbmerge.log import BLOCK_SIZE
+from wbmerge.sync import MergeRequest
 from wbmerge.training import RankInfo
-from wbmerge.upload import MergeRequest
 
 from ..support import synthetic
 from .test_follow import UPLOAD_TIMEOUT, assert_same_runs, follow_sink, one_shot

@@ -22,7 +22,7 @@ import pytest
 from wbmerge.follow import Follower, round_lines, saved
 from wbmerge.log import BLOCK_SIZE
 from wbmerge.merge import Spools
-from wbmerge.upload import MergeRequest
+from wbmerge.sync import MergeRequest
 
 from ..support import synthetic
 from .test_follow import UPLOAD_TIMEOUT, assert_same_runs, follow_sink, one_shot

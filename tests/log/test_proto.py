@@ -22,7 +22,7 @@ def test_the_cli_does_not_import_the_wandb_sdk():
 def test_a_pass_through_sync_does_not_import_pyarrow():
     # pyarrow is 85 ms of a start; only the shared merge, export and report use it.
     out = run(
-        "import sys, wbmerge.cli, wbmerge.api, wbmerge.upload.pipeline, wbmerge.upload\n"
+        "import sys, wbmerge.cli, wbmerge.api, wbmerge.sync.pipeline, wbmerge.sync, wbmerge.verify, wbmerge.upload\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'pyarrow', 'wandb'}))"
     )
     assert out == "[]"

@@ -6,8 +6,8 @@ import platform
 
 import pytest
 
-from wbmerge import streaming as module
-from wbmerge.streaming import streaming
+from wbmerge.runtime import runtime as module
+from wbmerge.runtime import streaming
 
 
 @pytest.fixture

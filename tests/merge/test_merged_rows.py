@@ -17,7 +17,7 @@ from wbmerge.log import read_payloads, record_kind, write_payloads
 from wbmerge.merge import MergeOptions, stage
 from wbmerge.plan import Source, Target
 from wbmerge.training import RankInfo
-from wbmerge.upload import expected_of
+from wbmerge.verify import expected_of
 
 from ..log.test_items import history_records
 from ..support import reference_merge

@@ -12,8 +12,8 @@ from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.cli import main
 from wbmerge.log import BLOCK_SIZE, LogWriter, ReadReport, read_payloads
+from wbmerge.sync import MergeRequest, merge_jobs
 from wbmerge.training import RankInfo
-from wbmerge.upload import MergeRequest, merge_jobs
 
 from ..support import synthetic
 from ..support.ranklogs import exit_record, history_record, rank_log

@@ -21,8 +21,8 @@ from wbmerge.analyse import STATS
 from wbmerge.cli import main
 from wbmerge.log import BLOCK_SIZE, read_records
 from wbmerge.merge import shared
+from wbmerge.sync import MergeRequest, merge_jobs
 from wbmerge.training import RankInfo
-from wbmerge.upload import MergeRequest, merge_jobs
 
 from ..analyse.test_rankstats import reference_one, same_value
 from ..conftest import job_dir

@@ -22,7 +22,8 @@ from wbmerge import api
 from wbmerge.cli import main
 from wbmerge.log import pb, read_records
 from wbmerge.merge import moved_files_notice
-from wbmerge.upload import Credentials, Deliverer, Delivery, Ledger, ServerClient
+from wbmerge.sync import Deliverer
+from wbmerge.upload import Credentials, Delivery, Ledger, ServerClient
 
 from ..conftest import job_dir
 from ..support.hostile import rewrite_log, tree_digest

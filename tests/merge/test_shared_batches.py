@@ -13,8 +13,8 @@ from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.log import BLOCK_SIZE, read_records
 from wbmerge.merge import shared
+from wbmerge.sync import MergeRequest, merge_jobs
 from wbmerge.training import RankInfo
-from wbmerge.upload import MergeRequest, merge_jobs
 
 from ..conftest import job_dir
 from ..support.ranklogs import rank_log

@@ -180,7 +180,7 @@ def test_a_missing_primary_is_named_in_shared_and_auto(mode, scope):
     ],
 )
 def test_options_no_planned_run_mode_uses_are_said(asked, run_modes, said):
-    from wbmerge.upload import MergeRequest, ignored_options
+    from wbmerge.sync import MergeRequest, ignored_options
 
     assert ignored_options(MergeRequest(["."], **asked), run_modes) == said
 

@@ -20,7 +20,7 @@ from wbmerge import api
 from wbmerge.cli import main
 from wbmerge.errors import WbmergeError
 from wbmerge.sink import SinkClient
-from wbmerge.upload import option_names
+from wbmerge.sync import option_names
 
 from ..conftest import MANIFEST, ROOT, job_dir
 from ..support.sinktools import expected_from_log
@@ -130,7 +130,8 @@ def test_ranks_assumed_from_start_order_are_said_as_the_cli_says_them(tmp_path):
 
 
 def test_the_errors_a_sync_raises_are_the_apis():
-    from wbmerge.upload import ServerError, UploadFailed
+    from wbmerge.sync import UploadFailed
+    from wbmerge.upload import ServerError
 
     assert api.UploadFailed is UploadFailed and api.ServerError is ServerError
     assert issubclass(api.UploadFailed, api.WbmergeError)
@@ -238,7 +239,7 @@ def test_a_type_checker_names_a_wrong_option_or_run_mode(tmp_path):
         'error: Unexpected keyword argument "rank_scop" for "plan"; did you mean "rank_scope"?'
         "  [call-arg]",
         'note: "plan" defined in "wbmerge.api"',
-        'note: Revealed type is "list[wbmerge.upload.pipeline.SyncedTarget]"',
+        'note: Revealed type is "list[wbmerge.sync.pipeline.SyncedTarget]"',
         'note: Revealed type is "wbmerge.follow.FollowReport"',
     ], result.stdout + result.stderr
 

@@ -108,7 +108,7 @@ def test_the_package_imports_form_no_cycle():
 LAYERS = [
     "errors",
     "safepaths",
-    "streaming",
+    "runtime",
     "log",
     "wandbcore",
     "training",
@@ -117,6 +117,8 @@ LAYERS = [
     "analyse",
     "merge",
     "upload",
+    "verify",
+    "sync",
     "follow",
     "sink",
     "api",

@@ -10,7 +10,7 @@ import pytest
 
 from wbmerge.training import RankInfo
 from wbmerge.upload import Credentials, ServerClient
-from wbmerge.upload import server as server_module
+from wbmerge.upload import serverclient as server_module
 
 from ..conftest import FIXTURES, MANIFEST, job_dir
 from ..support import synthetic

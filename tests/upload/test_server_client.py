@@ -16,7 +16,7 @@ import pytest
 
 from wbmerge.errors import WbmergeError
 from wbmerge.upload import Credentials, RunListing, ServerClient, ServerError
-from wbmerge.upload import server as server_module
+from wbmerge.upload import serverclient as server_module
 
 
 class GraphQLDouble(BaseHTTPRequestHandler):
@@ -204,7 +204,7 @@ def test_a_base_url_that_does_not_parse_is_one_error(url):
 def test_a_connection_idle_too_long_is_not_used_again(server, monkeypatch):
     # a connection dropped unsaid (a NAT's idle timeout) would hang a question until the
     # timeout: one idle longer than KEEP_IDLE is replaced before it is used
-    from wbmerge.upload import server as server_module
+    from wbmerge.upload import serverclient as server_module
 
     monkeypatch.setattr(server_module, "KEEP_IDLE", 0.0)
     client = client_of(server)

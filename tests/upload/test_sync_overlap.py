@@ -16,16 +16,8 @@ from itertools import pairwise
 
 import pytest
 
-from wbmerge.upload import (
-    PATIENCE,
-    START_COST,
-    MergeRequest,
-    UploadFailed,
-    batch_lanes,
-    batch_size,
-    runs_to_ask,
-    sync,
-)
+from wbmerge.sync import MergeRequest, UploadFailed, sync
+from wbmerge.upload import PATIENCE, START_COST, batch_lanes, batch_size, runs_to_ask
 
 from ..conftest import job_dir
 from ..e2e.test_sync import assert_shared, sources_of

@@ -17,7 +17,8 @@ import pytest
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.log import txlog
-from wbmerge.upload import Credentials, Deliverer, Delivery, Ledger, ServerClient, Uploader
+from wbmerge.sync import Deliverer
+from wbmerge.upload import Credentials, Delivery, Ledger, ServerClient, Uploader
 
 from ..conftest import job_dir
 

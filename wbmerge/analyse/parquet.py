@@ -22,7 +22,7 @@ from .. import safepaths
 from ..errors import WbmergeError
 from ..identify import Hints, Job, discover, group_jobs
 from ..plan import Source
-from ..streaming import streaming
+from ..runtime import streaming
 from .columns import HISTORY, Columns, rank_columns, rank_sources
 
 _TEXT = pa.dictionary(pa.int32(), pa.string())

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import WbmergeError
 from ..identify import Hints, Job, discover, few_ranks, group_jobs
-from ..streaming import streaming
+from ..runtime import streaming
 from .columns import HISTORY, rank_columns, rank_sources
 from .rankstats import one_step
 from .spread import spreads

@@ -14,11 +14,11 @@ import click
 
 from .. import __version__
 from ..errors import WbmergeError
-from .errors import OneLineUsage, one_line_errors
+from .exits import OneLineUsage, one_line_errors
 from .sink import sink
 
 if TYPE_CHECKING:
-    from ..upload import SyncReport
+    from ..sync import SyncReport
 
 
 def rank_options() -> list[Callable[..., Any]]:

@@ -9,7 +9,7 @@ import os
 import click
 
 from ..errors import WbmergeError
-from .errors import one_line_errors
+from .exits import one_line_errors
 
 DEFAULT_SINK_DATA = "./wbmerge-sink"
 

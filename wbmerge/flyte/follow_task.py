@@ -108,7 +108,7 @@ def follow_main(request: dict) -> dict:
     )
 
     from ..follow import idle_warning, round_lines
-    from ..upload import UploadFailed
+    from ..sync import UploadFailed
 
     def say(report: Any) -> None:
         for line in round_lines(report):

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..errors import RERUN, WbmergeError
-from ..upload import MergeRequest, ServerError, SyncReport, UploadFailed, sigterm_raises, sync
+from ..sync import MergeRequest, SyncReport, UploadFailed, sigterm_raises, sync
+from ..upload import ServerError
 from . import saved
 from .cut import LiveCut, cut_live
 from .lines import idle_warning, round_lines

@@ -9,7 +9,7 @@ round costs what the ranks wrote since, not what the run holds.
 
 What the server already holds is known from the rounds sent: the rows, and the records
 other than rows (config, metric definitions, files, telemetry), kept in order. A round's
-log is then what `upload.remainder` would cut a whole log down to: the header and run
+log is then what `verify.remainder` would cut a whole log down to: the header and run
 record, every record other than a row sent so far, the rows written since (the last one
 held back while no row is left out, as `cut` does), then the globs, console lines, system
 metrics and summary as of now (the uploader sends these whole every time), and an exit
@@ -55,7 +55,7 @@ from ..merge import (
     write_console_and_stats,
 )
 from ..plan import Target
-from ..streaming import allow_open_files
+from ..runtime import allow_open_files
 from ..wandbcore import StagedContent, StepRuns, read_staged, sentrows
 from .cut import running_exit_record
 from .tails import LiveReaders, NotIncremental

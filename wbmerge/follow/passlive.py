@@ -10,7 +10,7 @@ them), and what the server holds: the rows sent (`incremental.LiveRounds`), ever
 other than a row sent so far, in order, in a spool file beside the state (`Spools.kept`),
 and the summary records sent, folded into the last update or removal of each key.
 
-A round's log is what `cut` and `upload.remainder` would make of the one-shot pass-through
+A round's log is what `cut` and `verify.remainder` would make of the one-shot pass-through
 of the files as they are: the head, the records other than rows sent before, the folded
 summary, then the records read since (up to the first row past the watermark), the last
 row held back while none is left out, and an exit record that leaves the run running.

@@ -30,27 +30,23 @@ from pathlib import Path
 from .. import merge  # (stage is called as merge.stage: the seam a test stands a broken merge in)
 from ..errors import WbmergeError
 from ..identify import Job, make_hints
-from ..merge import Staged
+from ..merge import Staged, check_key_format
 from ..plan import Target, app_url, check_destination
-from ..streaming import one_malloc_arena
+from ..runtime import one_malloc_arena
+from ..sync import Deliverer, MergeRequest, PlannedJob, plan_found
 from ..upload import (
-    Deliverer,
     Delivery,
     Ledger,
-    MergeRequest,
     OwnerRecord,
-    PlannedJob,
     ServerClient,
     ServerError,
-    check_key_format,
     clean_stale,
     find_credentials,
     make_staging,
-    plan_found,
     run_locks,
-    source_shortfall,
     state_dir,
 )
+from ..verify import source_shortfall
 from ..wandbcore import StagedContent
 from . import saved
 from .cut import cut_live

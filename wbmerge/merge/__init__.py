@@ -64,8 +64,8 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .labels import KeyTable, name_id, names_of
-    from .rankstats import MergedRankStats, MergedSpreads
     from .rows import Rows
+    from .rowstats import MergedRankStats, MergedSpreads
     from .shared import SharedMerge
 
 # Imported on first use: these modules need pyarrow (85 ms of a start), which a
@@ -74,8 +74,8 @@ _ON_FIRST_USE = {
     "KeyTable": "labels",
     "name_id": "labels",
     "names_of": "labels",
-    "MergedRankStats": "rankstats",
-    "MergedSpreads": "rankstats",
+    "MergedRankStats": "rowstats",
+    "MergedSpreads": "rowstats",
     "Rows": "rows",
     "SharedMerge": "shared",
 }

@@ -57,7 +57,7 @@ class MergeOptions:
     rank_scope: str = "global"
     job_id: str = ""
     skew_metrics: bool = False
-    rank_stats: bool = False  # shared mode: per-step statistics across ranks (`rankstats`)
+    rank_stats: bool = False  # shared mode: per-step statistics across ranks (`rowstats`)
     per_rank: PerRank = field(default_factory=PerRank)  # shared mode: keys labelled per rank
     # Where saved files (`wandb.save` links) may also be read, beside the directory each
     # rank ran in (`savedfiles`); it changes where files are found, never what is merged.

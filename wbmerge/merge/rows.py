@@ -10,7 +10,7 @@ import numpy as np
 
 from ..log import LogWriter, wire
 from .labels import Labelled, RankKeys, Row, names_of
-from .rankstats import MergedRankStats
+from .rowstats import MergedRankStats
 
 STEP_KEY = wire.key_part(["_step"])
 

@@ -35,7 +35,7 @@ from ..log import (
     records,
 )
 from ..plan import Source, Target
-from ..streaming import allow_open_files
+from ..runtime import allow_open_files
 from .artifacts import ArtifactRecords
 from .console import PASS_TWO, Spools, SpoolWriter, write_console_and_stats
 from .files import files_record
@@ -51,9 +51,9 @@ from .outcome import (
     unknown_field,
 )
 from .rankconfig import ConfigPath, fold_config, other_ranks_config
-from .rankstats import MergedRankStats, MergedSpreads
 from .readers import RankReaders, SourceRead
 from .rows import Rows, final_summary, write_merged
+from .rowstats import MergedRankStats, MergedSpreads
 from .runrecord import exit_code, exit_record, restart_config, rewrite_run
 
 # What all ranks' reads may hold at once: each rank reads this divided by the number of

@@ -13,7 +13,7 @@ from .. import safepaths
 from ..errors import WbmergeError
 from ..log import LogWriter
 from ..plan import Target
-from ..streaming import streaming
+from ..runtime import streaming
 from ..wandbcore import StagedContent
 from .artifactfiles import LoggedArtifact
 from .artifacts import ArtifactRecords

@@ -14,7 +14,7 @@ import urllib.parse
 from typing import Any
 
 from .artifact_values import ArtifactError, md5_digest
-from .artifacts import parse_id, server_id
+from .artifactstore import parse_id, server_id
 from .names import DEFAULT_ENTITY, check_entity, check_file_name, check_project, check_run_path
 from .store import Store
 

@@ -36,7 +36,7 @@ from .access import (
     refuse_foreign,
     write_replacing,
 )
-from .artifacts import ArtifactStore
+from .artifactstore import ArtifactStore
 from .names import check_file_name, check_run_path
 
 SCHEMA = """

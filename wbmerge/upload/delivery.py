@@ -1,6 +1,6 @@
 """One staged run to deliver, what became of it, and how far an upload of many runs is.
 
-`deliver.Deliverer` fills these in as it asks the server, sends and verifies; `onserver`
+`sync.exactlyonce.Deliverer` fills these in as it asks the server, sends and verifies; `verify.readback`
 reads them to compare the server's run with the staged one.
 """
 

@@ -35,7 +35,7 @@ Who may use it: only requests under its random path prefix are forwarded (others
 nothing to a request (the API key travels in wandb-core's own headers, which the relay
 neither reads nor logs), so it reaches the server with no more rights than its caller has.
 
-The relay runs in a process of its own (`relayserver`); this is the sync's handle on it.
+The relay runs in a process of its own (`relayprocess`); this is the sync's handle on it.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from pathlib import Path
 
 from ..errors import WbmergeError
 
-SERVER = Path(__file__).with_name("relayserver.py")
+SERVER = Path(__file__).with_name("relayprocess.py")
 ANSWER_WAIT = 30.0  # seconds to wait for the relay to start, or to take a plan
 
 

@@ -37,7 +37,7 @@ from ..errors import WbmergeError
 from .credentials import Credentials
 from .processes import descendants, start_time
 from .settle import note_stopped
-from .staging import OwnerRecord
+from .stagingdirs import OwnerRecord
 from .standby import STANDBY
 
 DEFAULT_TIMEOUT = 300.0  # seconds without progress before an upload is given up

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from ..log import LogWriter, pb, read_frames, records
+from ..upload import Held
 from ..wandbcore import StagedContent, sentrows
-from .server import Held
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ The check after an upload compares the server with the staged run; whatever the 
 out of the staged run would be invisible to it. So before a staged run is sent, what it
 must hold is counted from its sources' `.wandb` files (`expected_of`) and compared with
 what the staged log holds (`held_by`), read on its own: the chain is then source ->
-staged (here, every value) -> server (`onserver`, after the upload).
+staged (here, every value) -> server (`verify.readback`, after the upload).
 
 Nothing here uses the merge's own relabelling path, or the check could not catch a fault
 of it: only the record reader (`wbmerge.log`) and the naming rules the docs state (a user

@@ -15,9 +15,9 @@ import re
 import yaml
 
 from ..identify import few
+from ..upload import Held, RunListing
 from ..wandbcore import LoggedRun, StagedContent, definitions_missing, held_definitions
 from .remainder import same_value, shortfall
-from .server import Held, RunListing
 
 # Files wandb-core writes itself as it uploads a run (from the config, the summary, the
 # console and the environment record), whatever a staged `files/` holds under these names.

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ..upload import Delivery, Held, ServerClient, ServerError, staged_files, staged_md5s
 from ..wandbcore import StagedContent, StepRuns, read_logged_run
-from .delivery import Delivery
 from .remainder import staged_rows
 from .rowcheck import (
     INT64_MAX,
@@ -21,8 +21,6 @@ from .rowcheck import (
     value_problem,
     windows,
 )
-from .server import Held, ServerClient, ServerError
-from .staging import staged_files, staged_md5s
 from .whole import (
     READ_BACK,
     files_changed,

@@ -17,8 +17,9 @@ from wbmerge import merge
 from wbmerge.analyse import PerRank
 from wbmerge.cli import main
 from wbmerge.log import LogWriter, read_payloads, read_records
+from wbmerge.sync import MergeRequest, merge_jobs
 from wbmerge.training import RankInfo
-from wbmerge.upload import MergeRequest, expected_of, merge_jobs, source_shortfall
+from wbmerge.verify import expected_of, source_shortfall
 
 from ..conftest import job_dir
 from ..merge.test_merged_rows import history_payload, loss_defined, stage_shared

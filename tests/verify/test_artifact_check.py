@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from wbmerge.merge import LoggedArtifact
-from wbmerge.upload import Delivery, artifactcheck, artifacts_missing
+from wbmerge.upload import Delivery
+from wbmerge.verify import artifactcheck, artifacts_missing
 
-from .test_server_client import GraphQLDouble, client_of, serving
+from ..upload.test_server_client import GraphQLDouble, client_of, serving
 
 CHECKPOINT = LoggedArtifact("ckpt", "0" * 32, (("weights.bin", 5, "XUFAKrxLKna5cZ2REBfFkg=="),))
 

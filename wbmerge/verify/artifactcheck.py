@@ -15,8 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..merge import LoggedArtifact
-from .delivery import Delivery
-from .server import ServerClient, ServerError
+from ..upload import Delivery, ServerClient, ServerError
 
 # The public API's queries of a run's logged versions (`run.logged_artifacts()`) and of one
 # version's files (`project.artifact(name).files()`), asking only for fields W&B's schema has.

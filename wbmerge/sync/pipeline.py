@@ -32,16 +32,26 @@ from ..identify import (
 from ..merge import MergeOptions, Staged, check_files, check_key_format, files_from_dirs
 from ..plan import Target, app_url, check_destination, links, plan, run_url
 from ..safepaths import check_out_dir, source_trees
-from .batches import UploadSlots
-from .credentials import Credentials, find_credentials
-from .deliver import Deliverer
-from .delivery import Delivery, Progress
-from .ledger import Ledger, run_locks, state_dir
+from ..upload import (
+    DEFAULT_PARALLEL,
+    DEFAULT_TIMEOUT,
+    Credentials,
+    Delivery,
+    Ledger,
+    OwnerRecord,
+    Progress,
+    ServerClient,
+    ServerError,
+    UploadSlots,
+    clean_stale,
+    find_credentials,
+    make_staging,
+    run_locks,
+    state_dir,
+)
+from ..verify import source_shortfall
+from .exactlyonce import Deliverer
 from .request import MergeRequest, ignored_options, merge_options_given
-from .server import ServerClient, ServerError
-from .sourcecheck import source_shortfall
-from .staging import OwnerRecord, clean_stale, make_staging
-from .uploader import DEFAULT_PARALLEL, DEFAULT_TIMEOUT
 
 
 @dataclass
@@ -260,7 +270,7 @@ def sync(
     """Merge and upload each run exactly once, verified on the server.
 
     Each run is uploaded as soon as it is staged, at most `parallel` at once (see
-    `upload.deliver`); the next job is merged while the last one uploads. Fails
+    `sync.exactlyonce`); the next job is merged while the last one uploads. Fails
     (WbmergeError) before any work without credentials or when the server does not answer;
     raises UploadFailed naming each run that is not whole on the server. Runs are recorded
     in the ledger as each is verified, so an interrupted sync keeps what completed.

@@ -23,30 +23,42 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from ..wandbcore import StagedContent, read_staged
-from .artifactcheck import artifacts_missing
-from .batches import UploadSlots, batch_lanes, batch_size, runs_to_ask
-from .credentials import Credentials
-from .delivery import Delivery, DeliveryReport, Progress
-from .ledger import Ledger
-from .onserver import RowsLost, not_whole_on_server, rows_held, saved_files_missing
-from .relay import Relay
-from .remainder import (
+from ..upload import (
+    DEFAULT_TIMEOUT,
+    Credentials,
+    Delivery,
+    DeliveryReport,
+    Ledger,
+    OwnerRecord,
+    Progress,
+    Relay,
+    ServerClient,
+    ServerError,
+    Uploader,
+    UploadSlots,
+    batch_lanes,
+    batch_size,
+    runs_to_ask,
+    wait_settled,
+)
+from ..verify import (
     Mismatch,
+    RowsLost,
+    artifacts_missing,
     history_row,
+    lacking_line,
+    metric_definitions_missing,
     not_a_beginning,
+    not_whole_on_server,
     remainder,
     resend_whole,
+    rows_held,
+    saved_files_missing,
     sends_no_row,
     shortfall,
     write_remainder,
 )
-from .server import ServerClient, ServerError
-from .settle import wait_settled
-from .sourcecheck import lacking_line
-from .staging import OwnerRecord
-from .uploader import DEFAULT_TIMEOUT, Uploader
-from .whole import metric_definitions_missing
+from ..wandbcore import StagedContent, read_staged
 
 # Runs of one batch checked at once after their upload: one at a time, the checks of 256
 # small runs fell 2 s behind the upload (each waits on a server busy with the upload).

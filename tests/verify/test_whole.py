@@ -9,17 +9,15 @@ from dataclasses import replace
 
 import pytest
 
-from wbmerge.upload import (
-    Held,
-    RunListing,
-    StagedContent,
+from wbmerge.upload import Held, RunListing
+from wbmerge.verify import (
     files_changed,
     files_expected,
     files_missing,
     made_files_stale,
     not_held_whole,
 )
-from wbmerge.wandbcore import LoggedRun
+from wbmerge.wandbcore import LoggedRun, StagedContent
 
 STAGED = StagedContent(step_items=(0, 1, 2, 5, 9), events=3, console_lines=4)
 

@@ -11,20 +11,18 @@ from hypothesis import strategies as st
 
 from wbmerge.errors import NotATransactionLog
 from wbmerge.log import pb, read_records, txlog
-from wbmerge.upload import (
-    Held,
+from wbmerge.upload import Held
+from wbmerge.verify import (
     Mismatch,
     Remainder,
-    StagedContent,
     history_row,
-    read_staged,
     remainder,
     same_value,
     sends_no_row,
     shortfall,
     write_remainder,
 )
-from wbmerge.wandbcore import Console, read_logged_run
+from wbmerge.wandbcore import Console, StagedContent, read_logged_run, read_staged
 
 from ..conftest import fixture_logs, job_dir
 from ..support.emulator_reference import reference_output_log
@@ -312,7 +310,7 @@ def test_read_staged_steps_are_protobufs_on_every_fixture_and_a_merged_log(tmp_p
     """The steps are read for all rows of a read at once; they must be what protobuf says,
     on every real log (wandb 0.16, 0.19, 0.31, damaged copies) and on a shared merge."""
     from wbmerge.merge import stage
-    from wbmerge.upload import MergeRequest, plan_jobs
+    from wbmerge.sync import MergeRequest, plan_jobs
 
     from ..support import synthetic
 
@@ -338,7 +336,7 @@ def test_what_a_splice_counts_is_what_the_staged_log_holds(tmp_path):
     reading the staged log gives. (Logs of less than a block are framed again, not spliced:
     the synthetic ranks are long enough to be spliced.)"""
     from wbmerge.merge import stage
-    from wbmerge.upload import MergeRequest, plan_jobs
+    from wbmerge.sync import MergeRequest, plan_jobs
 
     from ..support import synthetic
 

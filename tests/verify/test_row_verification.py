@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from wbmerge.cli import main
 from wbmerge.training import RankInfo
-from wbmerge.upload import compare_steps, halves, room, sampled, spans, windows
+from wbmerge.verify import compare_steps, halves, room, sampled, spans, windows
 
 from ..support import synthetic
 from ..support.sinktools import expected_from_log
@@ -280,7 +280,8 @@ class FullPages:
 def test_a_server_that_fills_every_page_is_asked_a_bounded_number_of_times(tmp_path):
     """Halving a full window could go on for every step of the range (2 * 10**9 questions
     for steps 0 and 10**9); the check gives up after a bound and says why."""
-    from wbmerge.upload import Delivery, Held, ServerError, rows_not_held
+    from wbmerge.upload import Delivery, Held, ServerError
+    from wbmerge.verify import rows_not_held
     from wbmerge.wandbcore import read_staged
 
     source = synthetic_job(tmp_path, steps=50)
@@ -298,7 +299,7 @@ class RowsAsSent:
     windows of steps it is asked for."""
 
     def __init__(self, log: Path) -> None:
-        from wbmerge.upload import history_row
+        from wbmerge.verify import history_row
 
         self.rows = []
         while True:
@@ -329,7 +330,8 @@ class RowsAsSent:
 def test_rows_read_back_before_are_not_read_again_if_the_server_held_them_before(
     tmp_path, checked, rows_cut, first_asked
 ):
-    from wbmerge.upload import Delivery, Held, Remainder, rows_not_held, write_remainder
+    from wbmerge.upload import Delivery, Held
+    from wbmerge.verify import Remainder, rows_not_held, write_remainder
     from wbmerge.wandbcore import read_staged
 
     source = synthetic_job(tmp_path, steps=50)
