@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
-from functools import partial
 from pathlib import Path
 
 from .. import merge  # (stage is called as merge.stage: the seam a test stands a broken merge in)
@@ -33,20 +32,13 @@ from ..identify import Job, make_hints
 from ..merge import Staged, check_key_format
 from ..plan import Target, app_url, check_destination
 from ..runtime import one_malloc_arena
-from ..sync import Deliverer, MergeRequest, PlannedJob, plan_found
+from ..sync import MergeRequest, PlannedJob, UploadSession, delivery_of, plan_found
 from ..upload import (
     Delivery,
     Ledger,
-    OwnerRecord,
-    ServerClient,
     ServerError,
-    clean_stale,
-    find_credentials,
-    make_staging,
-    run_locks,
     state_dir,
 )
-from ..verify import source_shortfall
 from ..wandbcore import StagedContent
 from . import saved
 from .cut import cut_live
@@ -137,14 +129,8 @@ class Follower:
         self.request, self.job_prefix = request, job_prefix
         self.restart_grace = restart_grace
         self.hints = make_hints(request.label_pattern, request.ranks_file, request.primary)
-        self.parallel, self.timeout, self.on_wait = parallel, timeout, on_wait
-        self.credentials = find_credentials()
-        self.client = ServerClient(self.credentials)
-        self.viewer_entity = self.client.viewer_entity()  # fails in seconds, naming the URL
-        clean_stale()
-        self.ledger = Ledger(state_dir() / "ledger.sqlite3")  # (a bad state directory first)
-        self.staging = make_staging()
-        self.owner = OwnerRecord(self.staging)  # names the uploaders running in staging
+        self.on_wait = on_wait
+        self.uploads = UploadSession(parallel, timeout, every_value=request.verify == "full")
         self._locks = ExitStack()
         self.known: dict[str, _Known] = {}
         self._scans: dict[Path, tuple] = {}
@@ -180,9 +166,7 @@ class Follower:
         for run_id in list(self._live):
             self._drop_live(run_id)
         self._locks.close()
-        self.ledger.close()
-        self.client.close()
-        shutil.rmtree(self.staging, ignore_errors=True)
+        self.uploads.close()
 
     def round(self) -> RoundReport:
         """Read, merge and upload what the ranks wrote since the last round."""
@@ -195,7 +179,7 @@ class Follower:
         self._sizes = live.sizes
         report.waiting += [f"{path.parent.name}: nothing on disk yet" for path in live.waiting]
         report.warnings += live.notes
-        workdir = self.staging / f"round-{self.number}"
+        workdir = self.uploads.staging / f"round-{self.number}"
         todo: dict[tuple[str, str | None], list[tuple[Target, Delivery, tuple, int | None]]] = {}
         all_done = bool(live.jobs) and not live.waiting
         planned = []
@@ -219,7 +203,7 @@ class Follower:
                 for target in plan.targets:
                     entry = self._target_round(plan, target, ranks, workdir, report)
                     if entry is not None:
-                        entity = plan.entity or self.viewer_entity
+                        entity = self.uploads.entity(plan.entity)
                         todo.setdefault((plan.project, entity), []).append(entry)
             self.planned = planned
             for (project, entity), entries in todo.items():
@@ -281,12 +265,11 @@ class Follower:
     ) -> tuple[Target, Delivery, tuple, int | None] | None:
         """Stage one target if it changed; None when there is nothing to send."""
         assert plan.project
-        entity = plan.entity or self.viewer_entity
+        entity = self.uploads.entity(plan.entity)
         known = self.known.get(target.id)
         if known is None:
-            key = Ledger.key(self.credentials.base_url, entity, plan.project, target)
-            if self._locks.enter_context(run_locks(state_dir() / "locks", [key], self.on_wait)):
-                clean_stale()  # the sync waited for may have been killed: its uploader first
+            key = self.uploads.key(entity, plan.project, target)
+            self._locks.enter_context(self.uploads.locks([key], self.on_wait))
             known = self.known[target.id] = _Known(key)
         if known.final:
             report.targets.append(known.unchanged(target.id))
@@ -294,7 +277,7 @@ class Follower:
         now = signature(target, self._sizes or {})
         done = finished(target, ranks)
         settings = plan.ledger_settings(self.request)
-        if done and self.ledger.synced(known.key, Ledger.fingerprint(target, settings)):
+        if done and self.uploads.ledger.synced(known.key, Ledger.fingerprint(target, settings)):
             known.final, known.signature = True, now
             known.exit_code = ranks[target.primary_rank].exit_code  # the staged run's
             report.targets.append(known.unchanged(target.id))
@@ -351,13 +334,9 @@ class Follower:
                 report.targets.append(TargetRound(target.id, "failed", server_rows,
                                                   problems=[problem]))  # fmt: skip
                 return None
-        delivery = Delivery(target.id, staged.run_dir, staged.log_path, known.key, fingerprint,
-                            final=done, saved_files=staged.saved_files,
-                            artifacts=staged.artifacts)  # fmt: skip
-        if done:  # (a live round's sources grow past what it staged: only the last is whole)
-            options = plan.options(self.request)
-            delivery.source_check = partial(source_shortfall, target, staged.log_path,
-                                            options.key_format, options.per_rank)  # fmt: skip
+        # (a live round's sources grow past what it staged: only the last is checked whole)
+        options = plan.options(self.request) if done else None
+        delivery = delivery_of(target, staged, known.key, fingerprint, options, final=done)
         if content is not None:  # (a log that continues the rounds sent: `incremental`)
             live = self._live[target.id]
             delivery.content, delivery.rows_cut = content, live.rows_sent
@@ -423,7 +402,7 @@ class Follower:
         made = saved.made_for(known.key, settings, sources_of(target))
         first = target.id not in self._saved_at  # (later, this follower removed its state)
         self._saved_at[target.id] = (place, made)
-        scratch = self.staging / "live" / str(self._live_made)
+        scratch = self.uploads.staging / "live" / str(self._live_made)
         self._live_made += 1
         options = plan.options(self.request)
         spool = place / saved.SPOOL_FILE
@@ -483,11 +462,8 @@ class Follower:
         """Upload one project's staged targets in one `wandb sync`; record the final ones."""
         for target, _, _, _ in entries:
             self._server_rows(self.known[target.id], entity, project, target.id)
-        deliverer = Deliverer(
-            self.client, self.credentials, self.ledger, project, entity,
-            self.parallel, workdir / f"uploader-{len(report.targets)}", self.timeout,
-            staging=self.owner, every_value=self.request.verify == "full",
-        )  # fmt: skip
+        uploader = workdir / f"uploader-{len(report.targets)}"
+        deliverer = self.uploads.deliverer(project, entity, uploader, progress=False)
         try:
             deliverer.deliver([d for _, d, _, _ in entries])
         except ServerError as exc:
@@ -537,7 +513,7 @@ class Follower:
         else as the last verified upload left it."""
         if known.rows is None:
             try:
-                known.rows = self.client.held(entity, project, run_id).history_lines
+                known.rows = self.uploads.client.held(entity, project, run_id).history_lines
             except ServerError:
                 return 0  # (asked again next time; the upload asks for itself anyway)
         return known.rows
@@ -546,10 +522,10 @@ class Follower:
         """The runs' (or, for `new`, the groups') links, as `sync` gives them."""
         from ..plan import links
 
-        url = app_url(self.credentials.base_url)
+        url = app_url(self.uploads.credentials.base_url)
         found = []
         for plan in self.planned:
-            entity = plan.entity or self.viewer_entity
+            entity = self.uploads.entity(plan.entity)
             if entity and plan.project:
                 found += links(plan.targets, url, entity, plan.project, plan.run_mode)
         return found

@@ -6,6 +6,7 @@ sync`; a follow runs the same flow a round at a time). The modules, one job each
 | --- | --- |
 | `request` | what the user asked for (`MergeRequest`), and the option checks that need no run |
 | `pipeline` | the flow of one command over every job found |
+| `session` | one upload session (server, ledger, staging, locks) that a sync and a follow open |
 | `exactlyonce` | the exactly-once flow over one project's staged runs: ask, send the remainder, verify |
 """
 
@@ -23,6 +24,7 @@ from .pipeline import (
     sync,
 )
 from .request import MergeRequest, RequestOptions, ignored_options, option_names
+from .session import UploadSession, delivery_of
 
 __all__ = [
     "Deliverer",
@@ -38,4 +40,6 @@ __all__ = [
     "sync",
     "SyncReport",
     "UploadFailed",
+    "UploadSession",
+    "delivery_of",
 ]

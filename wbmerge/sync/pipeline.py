@@ -7,14 +7,12 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 from .. import merge  # (stage is called as merge.stage: the seam a test stands a broken merge in)
@@ -35,23 +33,15 @@ from ..safepaths import check_out_dir, source_trees
 from ..upload import (
     DEFAULT_PARALLEL,
     DEFAULT_TIMEOUT,
-    Credentials,
     Delivery,
     Ledger,
-    OwnerRecord,
     Progress,
-    ServerClient,
     ServerError,
-    UploadSlots,
-    clean_stale,
     find_credentials,
-    make_staging,
-    run_locks,
-    state_dir,
 )
-from ..verify import source_shortfall
 from .exactlyonce import Deliverer
 from .request import MergeRequest, ignored_options, merge_options_given
+from .session import UploadSession, delivery_of
 
 
 @dataclass
@@ -305,31 +295,13 @@ def sigterm_raises() -> Iterator[None]:
 
 
 @dataclass
-class _Session:
-    """What every job of one sync shares: the server, the ledger, staging, the options, and
-    the upload slots (`-n` for the whole sync, however many jobs upload at once)."""
+class _SyncRun:
+    """One sync over its upload session: the report it fills and how it was asked."""
 
-    credentials: Credentials
-    client: ServerClient
-    viewer_entity: str | None
-    ledger: Ledger
-    staging: Path
+    uploads: UploadSession
     report: SyncReport
-    parallel: int
     force: bool
-    timeout: float
     progress: Callable[[Staged], None] | None
-    upload_progress: Callable[[Progress], None] | None
-    remove_verified: bool  # a run's staged files go once it is verified
-    slots: UploadSlots = field(init=False)
-    owner: OwnerRecord = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.slots = UploadSlots(self.parallel)
-        self.owner = OwnerRecord(self.staging)
-
-    def entity(self, job: PlannedJob) -> str | None:
-        return job.entity or self.viewer_entity
 
 
 def _sync(
@@ -350,67 +322,40 @@ def _sync(
     for job in planned:  # (bad input first: exit 2 whether the server answers or not)
         check_destination(job.project, job.entity)
     files_from = files_from_dirs(request.files_from)
-    client = ServerClient(credentials)
-    viewer_entity = client.viewer_entity()  # the preflight: fails in seconds, naming the URL
-    report = SyncReport(planned)
-    clean_stale()  # leftovers of syncs that were killed, their uploaders first
-    own_staging = staging_dir is None
     if staging_dir is not None:
         check_out_dir(
             staging_dir, source_trees(request.paths, _run_files(planned)), "--keep-staging"
         )
-    try:  # (a state directory that cannot hold it is said before anything is staged)
-        ledger = Ledger(state_dir() / "ledger.sqlite3")
-    except WbmergeError:
-        client.close()
-        raise
-    staging = make_staging() if own_staging else staging_dir
-    session = _Session(credentials, client, viewer_entity, ledger, staging, report, parallel,
-                       force, timeout, progress, _one_at_a_time(upload_progress),
-                       own_staging and not keep_staging)  # fmt: skip
+    uploads = UploadSession(
+        parallel, timeout, credentials=credentials, staging_dir=staging_dir,
+        keep_staging=keep_staging, upload_progress=upload_progress,
+        every_value=request.verify == "full", resend=request.resend,
+    )  # fmt: skip
+    report = SyncReport(planned)
+    run = _SyncRun(uploads, report, force, progress)
     keys = [
-        Ledger.key(credentials.base_url, session.entity(job), job.project or "", target)
+        uploads.key(uploads.entity(job.entity), job.project or "", target)
         for job in planned
         for target in job.targets
     ]
     try:
         for job in planned:  # (every run to send is checked before any is sent: exit 2)
-            check_files(job.targets if force else ledger.unsynced(credentials.base_url,
-                        session.entity(job), job.project or "", job.targets,
-                        job.ledger_settings(request)), files_from)  # fmt: skip
+            check_files(job.targets if force else uploads.ledger.unsynced(
+                        credentials.base_url, uploads.entity(job.entity), job.project or "",
+                        job.targets, job.ledger_settings(request)), files_from)  # fmt: skip
         # Every run's lock at once (in one sorted order, so two syncs cannot deadlock): the
         # next job is staged while the last one uploads.
-        with run_locks(state_dir() / "locks", keys, on_wait) as waited:
-            if waited:  # for a sync that may have been killed since: its uploader first
-                clean_stale()
-            failures = _sync_jobs(request, planned, session)
+        with uploads.locks(keys, on_wait):
+            failures = _sync_jobs(request, planned, run)
     except ServerError as exc:
         if not report.targets:
             raise  # (nothing verified: nothing to report but the error)
         raise UploadFailed([str(exc), RERUN], report) from None  # (with the runs it verified)
     finally:
-        ledger.close()
-        client.close()
-        if own_staging and not keep_staging:
-            shutil.rmtree(staging, ignore_errors=True)
+        uploads.close()
     if failures:
         raise UploadFailed(failures, report)
     return report
-
-
-def _one_at_a_time(
-    callback: Callable[[Progress], None] | None,
-) -> Callable[[Progress], None] | None:
-    """The upload progress callback, called by one upload at a time (they run in threads)."""
-    if callback is None:
-        return None
-    lock = threading.Lock()
-
-    def call(progress: Progress) -> None:
-        with lock:
-            callback(progress)
-
-    return call
 
 
 @dataclass
@@ -425,7 +370,7 @@ class _JobUpload:
     verified: set[str] = field(default_factory=set)  # run ids, by this sync or before it
 
 
-def _sync_jobs(request: MergeRequest, planned: list[PlannedJob], session: _Session) -> list[str]:
+def _sync_jobs(request: MergeRequest, planned: list[PlannedJob], run: _SyncRun) -> list[str]:
     """Stage and upload job after job; the failure lines. A job uploads while the next one is
     staged, and is finished before the one after is staged: one job ahead at most."""
     failures: list[str] = []
@@ -433,13 +378,13 @@ def _sync_jobs(request: MergeRequest, planned: list[PlannedJob], session: _Sessi
     try:
         for index, job in enumerate(planned):
             ahead = [u.deliverer for u in uploading if u.deliverer is not None]
-            workdir = session.staging / f"job-{index}"
-            uploading.append(_start_job(request, job, session, workdir, ahead))
+            workdir = run.uploads.staging / f"job-{index}"
+            uploading.append(_start_job(request, job, run, workdir, ahead))
             if len(uploading) == 2:
-                failures += _finish_job(uploading[0], session)
+                failures += _finish_job(uploading[0], run)
                 uploading.pop(0)
         while uploading:
-            failures += _finish_job(uploading[0], session)
+            failures += _finish_job(uploading[0], run)
             uploading.pop(0)
     except BaseException:  # Ctrl-C, SIGTERM, bad input in the next job: stop every upload
         for upload in uploading:
@@ -452,38 +397,34 @@ def _sync_jobs(request: MergeRequest, planned: list[PlannedJob], session: _Sessi
 def _start_job(
     request: MergeRequest,
     job: PlannedJob,
-    session: _Session,
+    run: _SyncRun,
     workdir: Path,
     ahead: Sequence[Deliverer] = (),
 ) -> _JobUpload:
     """Skip the job's verified runs; stage the others, each uploading as soon as it is staged.
     A failure of this job's upload or of one `ahead` (a job still uploading) stops the staging."""
     assert job.project
+    uploads = run.uploads
     options = job.options(request)
     settings = job.ledger_settings(request)
-    base_url = session.credentials.base_url
-    upload = _JobUpload(job, session.entity(job), app_url(base_url))
+    upload = _JobUpload(job, uploads.entity(job.entity), app_url(uploads.credentials.base_url))
     pending = []
     for target in job.targets:
-        key = Ledger.key(base_url, upload.entity, job.project, target)
+        key = uploads.key(upload.entity, job.project, target)
         fingerprint = Ledger.fingerprint(target, settings)
-        entry = session.ledger.synced(key, fingerprint)
-        if entry is None or session.force:
+        entry = uploads.ledger.synced(key, fingerprint)
+        if entry is None or run.force:
             pending.append((target, key, fingerprint, entry is not None))
             continue
         known = entry["entity"] or upload.entity
         link = run_url(upload.url, known, job.project, target.id) if known else ""
-        session.report.targets.append(SyncedTarget(target, "already synced", link))
+        run.report.targets.append(SyncedTarget(target, "already synced", link))
         upload.verified.add(target.id)
     if not pending:
         return upload
-    deliverer = Deliverer(
-        session.client, session.credentials, session.ledger, job.project, upload.entity,
-        session.parallel, workdir / "uploader", session.timeout, session.upload_progress,
-        staging=session.owner, slots=session.slots, expected=len(pending),
-        remove_verified=session.remove_verified, every_value=request.verify == "full",
-        resend=request.resend,
-    )  # fmt: skip
+    deliverer = uploads.deliverer(
+        job.project, upload.entity, workdir / "uploader", expected=len(pending)
+    )
     upload.deliverer = deliverer
     try:
         for target, key, fingerprint, verified_before in pending:
@@ -493,32 +434,24 @@ def _start_job(
             if deliverer.given_up:
                 break  # no progress for --timeout: the rest is not staged either
             staged = merge.stage(target, workdir / "runs", options, count_content=True)
-            session.report.warnings.extend(f"{target.id}: {w}" for w in staged.warnings)
-            if session.progress:
-                session.progress(staged)
-            delivery = Delivery(target.id, staged.run_dir, staged.log_path, key, fingerprint,
-                                content=staged.content, verified_before=verified_before,
-                                exit_code=staged.exit_code,
-                                saved_files=staged.saved_files,
-                                artifacts=staged.artifacts)  # fmt: skip
-            # What a rank logged either arrives or the run fails: the staged run is compared
-            # with its sources' own logs before it is sent (and the server with the staged
-            # run after), so nothing the merge left out passes as verified.
-            delivery.source_check = partial(source_shortfall, target, staged.log_path,
-                                            options.key_format, options.per_rank)  # fmt: skip
-            upload.todo.append((target, delivery))
-            deliverer.submit(delivery)
+            run.report.warnings.extend(f"{target.id}: {w}" for w in staged.warnings)
+            if run.progress:
+                run.progress(staged)
+            made = delivery_of(target, staged, key, fingerprint, options,
+                               verified_before=verified_before)  # fmt: skip
+            upload.todo.append((target, made))
+            deliverer.submit(made)
     except BaseException:
         deliverer.stop()
         raise
     return upload
 
 
-def _finish_job(upload: _JobUpload, session: _Session) -> list[str]:
+def _finish_job(upload: _JobUpload, run: _SyncRun) -> list[str]:
     """Wait for the job's uploads; report its runs and links; the failure lines."""
     job, url = upload.job, upload.url
     if upload.deliverer is None:
-        _add_links(session.report, job, url, upload.entity, upload.verified)
+        _add_links(run.report, job, url, upload.entity, upload.verified)
         return []
     result = upload.deliverer.finish()
     entity = upload.entity or result.entity
@@ -526,15 +459,15 @@ def _finish_job(upload: _JobUpload, session: _Session) -> list[str]:
         if delivery.verified:
             link = run_url(url, entity, job.project, target.id) if entity else ""
             status = "already complete" if delivery.held_already else "uploaded"
-            session.report.targets.append(SyncedTarget(target, status, link))
+            run.report.targets.append(SyncedTarget(target, status, link))
             upload.verified.add(target.id)
-        session.report.warnings += [f"{target.id}: {w}" for w in delivery.warnings]
-    _add_links(session.report, job, url, entity, upload.verified)
+        run.report.warnings += [f"{target.id}: {w}" for w in delivery.warnings]
+    _add_links(run.report, job, url, entity, upload.verified)
     lines = [f"run {d.run_id}: {'; '.join(d.problems)}" for d in result.failed]
     if result.timed_out:
         complete = [d.run_id for _, d in upload.todo if d.verified]
         lines.append(
-            f"no progress for {session.timeout:.0f} s, upload stopped; complete: "
+            f"no progress for {run.uploads.timeout:.0f} s, upload stopped; complete: "
             f"{', '.join(complete) or 'none'} (rerun to send the rest)"
         )
     advised = [d for d in result.failed if not d.merge_fault]  # (see `Delivery.merge_fault`)
