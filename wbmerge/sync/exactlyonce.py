@@ -28,6 +28,7 @@ from ..upload import (
     Credentials,
     Delivery,
     DeliveryReport,
+    Held,
     Ledger,
     OwnerRecord,
     Progress,
@@ -42,18 +43,18 @@ from ..upload import (
     wait_settled,
 )
 from ..verify import (
+    AFTER_UPLOAD,
+    WHOLE,
     Mismatch,
     RowsLost,
-    artifacts_missing,
+    RunOnServer,
+    counts,
     history_row,
     lacking_line,
-    metric_definitions_missing,
     not_a_beginning,
-    not_whole_on_server,
+    prove,
     remainder,
     resend_whole,
-    rows_held,
-    saved_files_missing,
     sends_no_row,
     shortfall,
     write_remainder,
@@ -189,10 +190,7 @@ class Deliverer:
         content = self._content(delivery)
         plan = remainder(content, held, lambda index: _staged_row(delivery, index))
         if plan.skip_history == len(content.step_items) and not shortfall(content, held):
-            problems = not_whole_on_server(
-                self.client, self.entity, self.project, delivery, held, content
-            ) or rows_held(self.client, self.entity, self.project, delivery, held, content,
-                           self.every_value) or self._artifacts_missing(delivery)  # fmt: skip
+            problems = prove(self._on_server(delivery, held, content), WHOLE)
             if delivery.refused:  # (rows lost inside the run: sending cannot fill them)
                 raise RowsLost(problems)
             if not problems:
@@ -552,29 +550,19 @@ class Deliverer:
         with self.lock:
             self._rows[delivery.run_id] = held.history_lines
             self._entity_seen = self._entity_seen or held.entity
-        problems = shortfall(content, held) + list(dict.fromkeys(errors))
-        if not problems and delivery.saved_files:
-            problems = saved_files_missing(self.client, self.entity, self.project, delivery)
-        if not problems:
-            problems = metric_definitions_missing(content, held)
-        if not problems:
-            problems = self._artifacts_missing(delivery)
-        if problems:
-            delivery.problems.extend(problems)
-            return
-        problems = rows_held(self.client, self.entity, self.project, delivery, held, content,
-                             self.every_value)  # fmt: skip
+        on_server = self._on_server(delivery, held, content)
+        # What the counts lack and what the uploader said of the run are said together.
+        uploader_said = list(dict.fromkeys(errors))
+        problems = counts(on_server) + uploader_said or prove(on_server, AFTER_UPLOAD)
         if problems:
             delivery.problems.extend(problems)
             return
         self._verified(delivery, ledger)
 
-    def _artifacts_missing(self, delivery: Delivery) -> list[str]:
-        """The artifacts of `delivery` the server lacks committed (`artifactcheck`)."""
-        if not delivery.artifacts:
-            return []
-        entity = self.entity or self._entity_seen
-        return artifacts_missing(self.client, entity, self.project, delivery)
+    def _on_server(self, delivery: Delivery, held: Held, content: StagedContent) -> RunOnServer:
+        """The run as staged and as the server holds it, for the checks of `verify.proof`."""
+        return RunOnServer(self.client, self.entity, self.project, delivery, held, content,
+                           self.every_value)  # fmt: skip
 
     def _verified(self, delivery: Delivery, ledger: Ledger) -> None:
         """Record a run found whole (unless a live round sent it), and drop its staging."""

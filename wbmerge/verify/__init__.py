@@ -8,6 +8,7 @@ after it, the server's run against the staged one. The modules, one job each:
 | `whole` | pure: whether the server holds a staged run whole already, its made files read back |
 | `rowcheck` | pure: every history row read back once, with the values sent |
 | `readback` | asks the server for what the checks above compare: files, rows, made files |
+| `proof` | the one list of checks that proves a run on the server, run in one place |
 | `artifactcheck` | whether the server holds a run's artifacts, each file at its size and digest |
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from . import artifactcheck
 from .artifactcheck import artifacts_missing
+from .proof import AFTER_UPLOAD, WHOLE, RunOnServer, counts, prove
 from .readback import RowsLost, not_whole_on_server, rows_held, rows_not_held, saved_files_missing
 from .remainder import (
     Mismatch,
@@ -41,6 +43,11 @@ from .whole import (
 )
 
 __all__ = [
+    "AFTER_UPLOAD",
+    "WHOLE",
+    "RunOnServer",
+    "counts",
+    "prove",
     "artifactcheck",
     "artifacts_missing",
     "compare_steps",
