@@ -44,9 +44,12 @@ from .sync import (
     PlannedJob,
     RequestOptions,
     SyncReport,
+    UploadedBy,
     UploadFailed,
+    VerifyReport,
     merge_jobs,
     plan_jobs,
+    verify_jobs,
 )
 from .sync import sync as _sync
 from .upload import ServerError
@@ -71,6 +74,7 @@ __all__ = [
     "ServerError",
     "SyncReport",
     "UploadFailed",
+    "VerifyReport",
     "WbmergeError",
     "discover",
     "export",
@@ -82,6 +86,7 @@ __all__ = [
     "request",
     "start_sink",
     "sync",
+    "verify",
 ]
 
 
@@ -213,6 +218,20 @@ def sync(
         on_wait=on_wait,
         planned=_planned(made, planned),
     )
+
+
+def verify(
+    paths: Paths, *, uploaded_by: UploadedBy = "wbmerge", **options: Unpack[RequestOptions]
+) -> VerifyReport:
+    """Whether the server holds every run the files under `paths` make, whole: read-only,
+    nothing is written on the server or in the ledger.
+
+    Give the options the runs were synced with (`run_mode`, `rank_scope`, `base_id`,
+    `project`, `entity`, ...). `uploaded_by="wandb"`: the runs were uploaded by plain
+    `wandb sync`, each offline run under its own id. Each run of the report says what
+    keeps it from being whole, with the lines `sync` gives; `ServerError` when the server
+    cannot be asked at all."""
+    return verify_jobs(request(paths, **options), uploaded_by)
 
 
 def follow(

@@ -14,6 +14,7 @@ from wbmerge.plan import (
     RUN_ID_RESERVED,
     Source,
     app_url,
+    as_logged,
     check_destination,
     check_run_id,
     group_url,
@@ -109,6 +110,26 @@ def test_auto_with_all_system_metrics():
     [target] = plan(job(2, 2), "auto", "global", system_metrics="all")
     assert [s.rank.rank for s in target.sources] == [0]
     assert [s.rank.rank for s in target.extra_system_sources] == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "names, expected",
+    [
+        # plain `wandb sync` keeps a run's own id and names; one left empty stays empty
+        (("abc123", "exp", "rank-1", "train"), ("abc123", "exp", "rank-1", "train")),
+        (("abc123", "", "", ""), ("abc123", None, "", None)),
+    ],
+)
+def test_a_run_as_logged_keeps_its_own_names(names, expected):
+    source = job(1, 2)[1]
+    target = as_logged(source, *names)
+    assert (target.id, target.group, target.display_name, target.job_type) == expected
+    assert (target.kind, target.sources, target.primary_rank) == ("as-logged", (source,), 1)
+
+
+def test_a_run_as_logged_needs_an_id_w_and_b_takes():
+    with pytest.raises(WbmergeError, match="invalid run id"):
+        as_logged(job(1, 1)[0], "a/b", "", "", "")
 
 
 @pytest.mark.parametrize("bad", ["a/b", "x:y", "q?", "h#", "", " pad", "semi;", "it's", "exp%1"])

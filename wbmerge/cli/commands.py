@@ -383,6 +383,54 @@ def sync(
         raise failure
 
 
+@main.command("verify")
+@merge_options
+@click.option(
+    "--uploaded-by",
+    type=click.Choice(["wbmerge", "wandb"]),
+    default="wbmerge",
+    show_default=True,
+    help="wandb: the runs were uploaded by plain `wandb sync`, each "
+    "offline run under its own id (--run-mode, --rank-scope and --base-id do not apply).",
+)
+@click.option(
+    "--verify",
+    type=click.Choice(["sample", "full"]),
+    default="sample",
+    show_default=True,
+    help="Every row is read back and checked present once; full: compare every row's "
+    "values too, not a sample of 64.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@one_line_errors
+def verify_command(uploaded_by: str, as_json: bool, **kw: Any) -> None:
+    """Check, read-only, that the server holds every run the offline runs under PATHS make,
+    whole: rows once, values, summary, config, files, artifacts and metric definitions.
+    Give the options the runs were synced with. Exit 0 when every run is whole, 1 when one
+    is not."""
+    from .. import api
+    from ..upload import find_credentials
+
+    find_credentials()  # before any work: no credentials, no reading of runs
+    report = api.verify(uploaded_by=uploaded_by, **kw)  # type: ignore[arg-type]
+    if as_json:
+        click.echo(json.dumps({"whole": report.whole,
+                               "runs": [run.as_json() for run in report.runs]}, indent=2))  # fmt: skip
+    else:
+        for run in report.runs:
+            if run.whole:
+                click.echo(f"{'whole':>10}: {run.target.id}  {run.link}".rstrip())
+            else:
+                click.echo(f"{'incomplete':>10}: {run.target.id}: {'; '.join(run.problems)}")
+    if not report.whole:
+        broken = sum(not run.whole for run in report.runs)
+        raise WbmergeError(
+            f"{broken} of {len(report.runs)} runs are not whole on the server; "
+            "`wbmerge sync` with the same options sends what they lack",
+            exit_code=1,
+        )
+
+
 @main.command("follow")
 @merge_options
 @upload_options

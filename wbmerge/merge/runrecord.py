@@ -46,7 +46,7 @@ def rewrite_run(payload: bytes, target: Target, options: MergeOptions) -> bytes:
     entity, and the `wbmerge` block in place of the rank's own."""
     record = pb.Record.FromString(payload)
     run = record.run
-    if target.kind == "merged":  # a merge wrote it: its block says where it came from
+    if target.kind in ("merged", "as-logged"):  # its own block says where it came from
         _set_names(run, target, options)
         return record.SerializeToString()
     rank_block = None

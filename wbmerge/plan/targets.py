@@ -56,8 +56,9 @@ class Target:
     display_name: str
     job_type: str | None
     primary_rank: int
-    # "passthrough" (one rank as is), "shared" (ranks merged), "auto+system", or "merged"
-    # (a run a merge wrote already, uploaded unchanged)
+    # "passthrough" (one rank as is), "shared" (ranks merged), "auto+system", "merged"
+    # (a run a merge wrote already, uploaded unchanged) or "as-logged" (one offline run under
+    # its own id and names, as plain `wandb sync` uploads it)
     kind: str
     sources: tuple[Source, ...]  # ordered by rank, then restart
     worker: int | None = None
@@ -206,3 +207,17 @@ def _primary(sources: Sequence[Source], worker: int | None) -> int:
         if s.rank.local_rank == 0:
             return s.rank.rank
     return sources[0].rank.worker * sources[0].rank.local_world_size
+
+
+def as_logged(source: Source, run_id: str, group: str, display_name: str, job_type: str) -> Target:
+    """One offline run as plain `wandb sync` uploads it: under its own run id, group, name
+    and job type (an empty one is left as the run has it)."""
+    return Target(
+        id=check_run_id(run_id),
+        group=group or None,
+        display_name=display_name,
+        job_type=job_type or None,
+        primary_rank=source.rank.rank,
+        kind="as-logged",
+        sources=(source,),
+    )

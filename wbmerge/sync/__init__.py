@@ -7,11 +7,13 @@ sync`; a follow runs the same flow a round at a time). The modules, one job each
 | `request` | what the user asked for (`MergeRequest`), and the option checks that need no run |
 | `pipeline` | the flow of one command over every job found |
 | `session` | one upload session (server, ledger, staging, locks) that a sync and a follow open |
+| `audit` | `wbmerge verify`: whether a server holds what the files hold, read-only |
 | `exactlyonce` | the exactly-once flow over one project's staged runs: ask, send the remainder, verify |
 """
 
 from __future__ import annotations
 
+from .audit import RunVerdict, UploadedBy, VerifyReport, verify_jobs
 from .exactlyonce import Deliverer
 from .pipeline import (
     PlannedJob,
@@ -27,6 +29,10 @@ from .request import MergeRequest, RequestOptions, ignored_options, option_names
 from .session import UploadSession, delivery_of
 
 __all__ = [
+    "RunVerdict",
+    "UploadedBy",
+    "VerifyReport",
+    "verify_jobs",
     "Deliverer",
     "ignored_options",
     "merge_jobs",

@@ -1,0 +1,133 @@
+"""`wbmerge verify` end to end: real fixtures synced into the sink by wbmerge and by plain
+`wandb sync`, then checked read-only; the sink then loses a row, a file or an artifact
+file inside its own store, as a server incident does, and verify names what is missing."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+from click.testing import CliRunner
+
+from wbmerge.cli import main
+
+from ..conftest import job_dir
+from ..merge.test_merged_artifacts import artifact_job  # noqa: F401 - a module fixture
+from ..support.sinktools import copy_runs, wandb_sync
+from ..verify.test_row_verification import drop_history_lines
+
+pytestmark = pytest.mark.e2e
+
+
+def cli(sink, tmp_path, *args):
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
+    return CliRunner().invoke(main, [*map(str, args)], env=env)
+
+
+def verify(sink, tmp_path, *args):
+    """`wbmerge verify --json`: its exit code, its report and its stderr lines."""
+    result = cli(sink, tmp_path, "verify", "--json", *args)
+    report = json.loads(result.stdout) if result.stdout.strip() else None
+    return result.exit_code, report, result.stderr.strip().splitlines()
+
+
+def server_state(sink) -> list:
+    """Everything the sink holds of runs and lines: verify must leave it as it was."""
+    with sqlite3.connect(sink.data_dir / "sink.sqlite3") as db:
+        runs = db.execute("SELECT * FROM runs ORDER BY pk").fetchall()
+        files = db.execute("SELECT * FROM files ORDER BY run, name").fetchall()
+        counts = db.execute(
+            "SELECT run, stream, count(*) FROM lines GROUP BY run, stream"
+        ).fetchall()
+    db.close()
+    return [runs, files, counts]
+
+
+def problems_by_run(report) -> dict[str, list[str]]:
+    return {run["run_id"]: run["problems"] for run in report["runs"]}
+
+
+@pytest.mark.parametrize("mode", ["shared", "new"])
+def test_runs_wbmerge_synced_are_whole_until_the_server_loses_a_row(sink, tmp_path, mode):
+    source = job_dir("one_node_4")
+    base = f"audit-{mode}"
+    synced = cli(sink, tmp_path, "sync", source, "--run-mode", mode, "--base-id", base)
+    assert synced.exit_code == 0, synced.output
+
+    before = server_state(sink)
+    code, report, errors = verify(sink, tmp_path, source, "--run-mode", mode, "--base-id", base)
+    assert (code, errors) == (0, []), errors
+    expected_ids = {base} if mode == "shared" else {f"{base}-rank-{r}" for r in range(4)}
+    assert {run["run_id"] for run in report["runs"]} == expected_ids
+    assert report["whole"] and all(run["whole"] for run in report["runs"])
+    assert server_state(sink) == before, "verify wrote to the server"
+
+    victim = sorted(expected_ids)[-1]
+    drop_history_lines(sink, victim, range(3, 5))
+    code, report, errors = verify(sink, tmp_path, source, "--run-mode", mode, "--base-id", base)
+    assert code == 1
+    assert errors == [
+        f"wbmerge: error: 1 of {len(expected_ids)} runs are not whole on the server; "
+        "`wbmerge sync` with the same options sends what they lack"
+    ]
+    problems = problems_by_run(report)
+    assert [run_id for run_id, lines in problems.items() if lines] == [victim]
+    assert "lacks 2 of" in problems[victim][0], problems[victim]
+
+
+def test_runs_plain_wandb_synced_are_checked_under_their_own_ids(sink, tmp_path):
+    source = copy_runs(job_dir("plain_labels"), tmp_path / "plain")
+    runs = sorted((source / "wandb").glob("offline-run-*"))
+    uploaded = wandb_sync(sink, runs, "--project", "plain-audit", cwd=tmp_path)
+    assert uploaded.returncode == 0, uploaded.stderr
+    ids = {run.name.rsplit("-", 1)[-1] for run in runs}
+
+    code, report, errors = verify(sink, tmp_path, source, "--uploaded-by", "wandb",
+                                  "-p", "plain-audit")  # fmt: skip
+    assert (code, errors) == (0, []), (errors, report)
+    assert {run["run_id"] for run in report["runs"]} == ids
+    assert all(run["whole"] for run in report["runs"])
+
+    # The same runs are not what a wbmerge sync would have made: no such runs.
+    code, report, _ = verify(sink, tmp_path, source, "--run-mode", "new", "-p", "plain-audit")
+    assert code == 1
+    assert all(run["problems"] == ["the server holds no such run"] for run in report["runs"])
+
+    victim = sorted(ids)[0]
+    with sqlite3.connect(sink.data_dir / "sink.sqlite3") as db:
+        [pk] = db.execute("SELECT pk FROM runs WHERE name = ?", (victim,)).fetchone()
+        gone = db.execute("DELETE FROM files WHERE run = ? AND name = 'output.log'", (pk,))
+        assert gone.rowcount == 1
+    db.close()
+    code, report, _ = verify(sink, tmp_path, source, "--uploaded-by", "wandb", "-p", "plain-audit")
+    assert code == 1
+    problems = problems_by_run(report)
+    assert [run_id for run_id, lines in problems.items() if lines] == [victim]
+    assert "output.log" in "; ".join(problems[victim])
+
+
+def test_a_lost_artifact_file_is_named(sink, tmp_path, artifact_job):  # noqa: F811
+    synced = cli(sink, tmp_path, "sync", artifact_job, "--run-mode", "new", "--base-id", "arta")
+    assert synced.exit_code == 0, synced.output
+    code, report, errors = verify(sink, tmp_path, artifact_job, "--run-mode", "new",
+                                  "--base-id", "arta")  # fmt: skip
+    assert (code, errors) == (0, []), (errors, report)
+
+    with sqlite3.connect(sink.data_dir / "sink.sqlite3") as db:
+        gone = db.execute("UPDATE artifact_files SET size = NULL WHERE path = 'nested/copy.bin'")
+        assert gone.rowcount >= 2  # (each rank's checkpoint has one)
+    db.close()
+    code, report, _ = verify(sink, tmp_path, artifact_job, "--run-mode", "new", "--base-id", "arta")
+    assert code == 1
+    for run in report["runs"]:
+        assert any("nested/copy.bin" in line for line in run["problems"]), run
+
+
+def test_options_that_plain_wandb_sync_has_no_use_for_are_refused(sink, tmp_path):
+    for extra in (["--run-mode", "shared"], ["--base-id", "x"], ["--rank-scope", "worker"]):
+        result = cli(sink, tmp_path, "verify", job_dir("plain_labels"), "--uploaded-by", "wandb",
+                     *extra)  # fmt: skip
+        assert result.exit_code == 2
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith(f"wbmerge: error: {extra[0]} does not apply to --uploaded-by wandb")
