@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
-from wbmerge.upload import RUN_RESUME_STATUS
+from wbmerge.upload import RUN_RESUME_STATUS, last_stop
 
 from ..conftest import interruptible, job_dir
 from ..e2e.test_sync import tree_digest
@@ -470,13 +470,16 @@ def wait_for_rows(sink, project, run_id, deadline=60):
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143),
                                        (signal.SIGKILL, -9)])  # fmt: skip
-def test_interrupted_upload_then_rerun_is_exactly_once(make_sink, tmp_path, long_job, sig, code):
+def test_interrupted_upload_then_rerun_is_exactly_once(
+    make_sink, tmp_path, long_job, sig, code, monkeypatch
+):
     source, want = long_job
     sink = make_sink(["file_stream=delay:1"])  # a second per request: time to be caught
     before = tree_digest(source)
     proc = spawn(sink, tmp_path, sync_args("sig", source=source))
     try:
         wait_for_rows(sink, "sig", "long")
+        signalled = time.time()
         proc.send_signal(sig)
         proc.wait(timeout=30)
     finally:
@@ -488,13 +491,16 @@ def test_interrupted_upload_then_rerun_is_exactly_once(make_sink, tmp_path, long
             tmp_path / "tmp" / f"wbmerge-{os.getuid()}"
         ], "nothing left in the temp dir"
         assert processes_in(tmp_path / "tmp") == [], "the uploader and wandb-core are stopped"
+        # The stop is noted, so that a rerun reads no counts while its last requests land
+        # (whether the rerun still has to wait depends on how long it takes to start).
+        monkeypatch.setenv("WBMERGE_STATE_DIR", str(tmp_path / "state"))
+        assert last_stop() >= signalled
     assert 0 < history_count(sink, "sig", "long") < 6000 or sig == signal.SIGKILL  # halfway
     sink.client.set_faults([])
     rerun = spawn(sink, tmp_path, sync_args("sig", source=source))
     out, err = rerun.communicate(timeout=120)
     assert rerun.returncode == 0, err
-    assert "s for the last requests of a stopped upload to land (0/1 runs)" in err  # (said once)
-    assert err.count("for the last requests of a stopped upload to land") == 1
+    assert err.count("for the last requests of a stopped upload to land") <= 1  # (said once)
     assert list((tmp_path / "tmp").rglob("*")) == [tmp_path / "tmp" / f"wbmerge-{os.getuid()}"], (
         "stale staging removed, nothing else left"
     )
