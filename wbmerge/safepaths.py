@@ -62,6 +62,35 @@ def is_within(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
+SYSTEM_TREES = ("/proc", "/sys", "/dev")
+SYSTEM_TREES_TEXT = "/proc, /sys or /dev"
+
+
+def in_system_tree(path: Path) -> bool:
+    """Whether the resolved `path` lies under /proc, /sys or /dev. Their files are the
+    kernel's (a process's environment, its memory, devices), never a run's, and are never
+    read for one, whatever directory the user allows."""
+    return any(is_within(path, Path(tree)) for tree in SYSTEM_TREES)
+
+
+def on_system_device(device: int) -> bool:
+    """Whether a file of the device number `device` (`st_dev` of an open file) lies on the
+    file system mounted at /proc, /sys or /dev (where one is mounted there): a check on
+    the open file, after its path was checked, that no link swapped since can pass."""
+    try:
+        top = os.stat("/").st_dev
+    except OSError:
+        top = None
+    for tree in SYSTEM_TREES:
+        try:
+            mounted = os.stat(tree).st_dev
+        except OSError:
+            continue
+        if mounted == device and mounted != top:
+            return True
+    return False
+
+
 def source_trees(paths: Iterable[str | Path], run_files: Iterable[Path]) -> list[Path]:
     """The directories a merge reads: every named directory (a named file's directory)
     and every run directory, with symbolic links resolved."""

@@ -10,15 +10,16 @@ was copied to. A file is therefore read only from these directories (real paths)
 
 - the rank's own run directory (where `wbmerge.init` keeps the rank's artifact staging);
 - the directory the rank ran in (its environment record's `root`, taken only where the
-  run was found in it, as for saved files: `savedfiles.ran_in`);
+  run was found in it and it is not `/`, as for saved files: `savedfiles.trusted_root`);
 - a directory given with `--files-from` (for wandb's default data directory, e.g.
   `--files-from ~/.local/share/wandb`).
 
 A run directory that was copied elsewhere (a Flyte hand-off, rsync, a `merge --out`
 directory moved) is followed: a path inside a directory of the run directory's name is read
 at the same place inside the run directory as it is now, and a path under the recorded root is found again under a `--files-from` directory at
-the same relative path (`savedfiles.moved_file`). A file that is gone, outside these
-directories, not a regular file, or whose bytes are no longer those the manifest's MD5
+the same relative path (`savedfiles.moved_file`). Nothing under /proc, /sys or /dev
+is read, whatever directory allows it. A file that is gone, outside these directories,
+not a regular file, or whose bytes are no longer those the manifest's MD5
 names, is a WbmergeError naming the artifact and the path: the sync fails before the run
 is uploaded, never with a warning.
 
@@ -45,14 +46,14 @@ from google.protobuf.message import DecodeError
 from ..errors import WbmergeError
 from ..log import ReadReport, pb, records
 from ..plan import Source, Target
-from ..safepaths import is_within
+from ..safepaths import SYSTEM_TREES_TEXT, in_system_tree, is_within
 from .savedfiles import (
     is_regular_file,
     moved_file,
     open_regular,
-    ran_in,
     recorded_root,
     resolved_file,
+    trusted_root,
 )
 
 _OPTION = "--files-from"
@@ -89,10 +90,9 @@ class ArtifactFileFinder:
         self.run_dir = source.path.parent
         self.root = recorded_root(source.path)
         self.files_from = tuple(files_from)
-        allowed = [self.run_dir] + list(self.files_from)
-        if self.root and ran_in(self.root, self.run_dir):
-            allowed.append(Path(self.root))
-        self.allowed = [Path(os.path.realpath(place)) for place in allowed]
+        allowed = [Path(os.path.realpath(place)) for place in [self.run_dir, *self.files_from]]
+        trusted = trusted_root(self.root, self.run_dir)
+        self.allowed = allowed + ([trusted] if trusted else [])
 
     def find(self, raw: str, artifact: str, name: str) -> Path:
         """The regular file that the manifest entry `name` of `artifact` reads from `raw`
@@ -101,6 +101,8 @@ class ArtifactFileFinder:
         if not raw or "\x00" in raw or not os.path.isabs(raw):
             raise WbmergeError(f"{where}: not an absolute path; it cannot be read")
         found = resolved_file(Path(raw))
+        if found is not None and in_system_tree(found):
+            raise WbmergeError(f"{where}: under {SYSTEM_TREES_TEXT}, whose files are never read")
         if found is not None and any(is_within(found, base) for base in self.allowed):
             if is_regular_file(found):
                 return found
@@ -123,7 +125,12 @@ class ArtifactFileFinder:
         at = len(folders) - 1 - folders[::-1].index(self.run_dir.name)  # (the last one)
         candidate = resolved_file(self.run_dir.joinpath(*parts[at + 1 :]))
         base = Path(os.path.realpath(self.run_dir))
-        if candidate and is_within(candidate, base) and is_regular_file(candidate):
+        if (
+            candidate
+            and is_within(candidate, base)
+            and not in_system_tree(candidate)
+            and is_regular_file(candidate)
+        ):
             return candidate
         return None
 
