@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +14,15 @@ import pytest
 
 from wbmerge.identify import discover
 
-from ..support.hostile import copy_job, one_error_line, run_cli, run_logs, tree_digest
+from ..support.hostile import (
+    CLI_TIMEOUT,
+    ROOT,
+    copy_job,
+    one_error_line,
+    run_cli,
+    run_logs,
+    tree_digest,
+)
 
 
 @pytest.fixture
@@ -189,3 +199,27 @@ def test_a_sink_port_file_that_is_a_fifo_is_refused(tmp_path):
         "of a regular file to replace"
     )
     assert stat.S_ISFIFO(os.lstat(port_file).st_mode)
+
+
+def test_a_link_planted_at_the_sink_port_files_scratch_name_is_not_written_through(tmp_path):
+    """Another user's link at `PORT_FILE.tmp` (in a shared directory) would make the sink,
+    run as root, overwrite the file it names: it is removed, never written through."""
+    victim = tmp_path / "victim"
+    victim.write_text("a root-owned file\n")
+    port_file = tmp_path / "port"
+    Path(f"{port_file}.tmp").symlink_to(victim)
+    command = [sys.executable, "-m", "wbmerge.cli", "sink", "serve", "--port", "0",
+               "--data", str(tmp_path / "data"), "--port-file", str(port_file)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    sink = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + CLI_TIMEOUT  # (a bound on a hang, not a measurement)
+        while not port_file.exists() and sink.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        sink.terminate()
+        _, err = sink.communicate(timeout=CLI_TIMEOUT)
+    assert victim.read_text() == "a root-owned file\n", err
+    assert stat.S_ISREG(os.lstat(port_file).st_mode)
+    assert 0 < int(port_file.read_text()) < 65536
+    assert not os.path.lexists(f"{port_file}.tmp")

@@ -25,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..errors import WbmergeError
 from ..safepaths import check_out_file
 from . import access, pages, protocol
 from .artifact_values import ArtifactError
@@ -373,6 +374,26 @@ async def _close_store(app: web.Application) -> None:
     app[STORE].close()
 
 
+def write_port_file(port_file: Path, port: int) -> None:
+    """Write `port` to `port_file` whole (a scratch file renamed over it). The scratch file
+    is made anew, never through a link another user planted at its name in a shared
+    directory (which would make a sink run as root overwrite the file it names): one
+    found there is removed first, the link itself."""
+    check_out_file(port_file, "--port-file")
+    scratch = Path(f"{port_file}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    try:
+        scratch.unlink(missing_ok=True)
+        fd = os.open(scratch, flags, 0o600)
+        with open(fd, "w") as out:
+            out.write(str(port))
+        scratch.replace(port_file)
+    except OSError as exc:
+        raise WbmergeError(
+            f"--port-file {port_file}: cannot write {scratch} ({exc.strerror or exc})"
+        ) from None
+
+
 def serve(
     data_dir: str | Path,
     port: int = 8765,
@@ -392,10 +413,7 @@ def serve(
     bound = sock.getsockname()[1]
     app = make_app(data_dir, faults, allow_faults)
     if port_file:
-        check_out_file(Path(port_file), "--port-file")
-        tmp = Path(str(port_file) + ".tmp")
-        tmp.write_text(str(bound))
-        tmp.replace(port_file)
+        write_port_file(Path(port_file), bound)
     key = app[STORE].api_key.key
     print(
         f"wbmerge sink: http://127.0.0.1:{bound}  (pid {os.getpid()}; data: {data_dir})\n"
