@@ -334,15 +334,18 @@ class Deliverer:
         self.relay.close()
 
     def _cannot_place(self, run_id: str, why: str) -> None:
-        """The relay could not place `run_id`'s lines where planned (and sent none of
-        them): the run fails with `why`, and its upload is stopped, from a thread of its
-        own (the relay's thread waits for the answer to give wandb-core)."""
+        """The relay could not place `run_id`'s lines where planned, or refused the
+        server's answer (and sent none of them): the run fails with `why` (every run being
+        sent, for run_id ""), and its upload is stopped, from a thread of its own (the
+        relay's thread waits for the answer to give wandb-core)."""
         with self.lock:
-            delivery = self._uploading.get(run_id)
-            uploader = self._uploader_of.get(run_id)
-            if delivery is not None and why not in delivery.problems:
-                delivery.problems.append(why)
-        if uploader is not None:
+            runs = [run_id] if run_id else list(self._uploading)
+            uploaders = {id(u): u for r in runs if (u := self._uploader_of.get(r)) is not None}
+            for run in runs:
+                delivery = self._uploading.get(run)
+                if delivery is not None and why not in delivery.problems:
+                    delivery.problems.append(why)
+        for uploader in uploaders.values():
             threading.Thread(target=uploader.stop, daemon=True).start()
 
     def _say_settling(self, seconds: float) -> None:

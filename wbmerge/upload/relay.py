@@ -30,6 +30,12 @@ read before) would leave a gap. That run's request is not forwarded, and `on_con
 told, so that the sync stops it and says why. Rows a sync without the relay (an older
 wbmerge, a plain `wandb sync`) appends cannot be kept apart either.
 
+Redirects: an answer of 3xx (but 304) is not passed on: wandb-core follows one (wandb
+0.31 measured), sending the file_stream body, and from its second try the `Authorization`
+header (Go keeps it for the same host name), to whatever address it names, such as
+another user's port on 127.0.0.1. wandb-core is answered 502 instead, and `on_conflict`
+is told (run "" for a request of no run), so that the sync fails those runs saying so.
+
 Who may use it: only requests under its random path prefix are forwarded (others get a
 404), so another local user cannot steer the offsets of the runs it relays; the relay adds
 nothing to a request (the API key travels in wandb-core's own headers, which the relay
@@ -61,7 +67,8 @@ class Relay:
         self, upstream: str, on_conflict: Callable[[str, str], None] | None = None
     ) -> None:
         """Start a relay to `upstream` (the server's base URL); `on_conflict(run_id, why)`
-        is told, from a thread of its own, when a run's lines cannot be placed as planned."""
+        is told, from a thread of its own, when a run's lines cannot be placed as planned
+        or the server answered a redirect (run "": a request of no run)."""
         parts = urllib.parse.urlsplit(upstream)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise WbmergeError(f"WANDB_BASE_URL {upstream} is not an http(s) URL")

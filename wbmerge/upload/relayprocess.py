@@ -7,7 +7,8 @@ the sync's own process, its threads waited for the interpreter lock while wbmerg
 the staged log, and a 50 MB upload took 7.1 s instead of 4.4 s. It reads its plans from
 standard input, one JSON line each (`{"plan": run, "history": rows, "seq": n}`, answered
 `{"planned": n}` once in force), says each conflict as a line on standard output
-(`{"conflict": run, "why": ...}`), and ends when its input ends.
+(`{"conflict": run, "why": ...}`; run "" for a request of no run), and ends when its input
+ends. A redirect the server answers is never passed on (see `relay`).
 
 How it places lines, who may use it, and what it cannot keep: see `relay`. It reads
 nothing of a request but its path and a file_stream body, and logs nothing.
@@ -95,6 +96,12 @@ class Offsets:
                 chunk["offset"] = (planned if name == HISTORY else 0) + offset - first
         # (wandb-core's bodies hold strings, integers and booleans: written back the same)
         return json.dumps(request, separators=(",", ":")).encode(), None
+
+
+def is_redirect(status: int) -> bool:
+    """Whether an answer of `status` sends its client elsewhere (3xx but 304, which
+    answers a conditional request and names no place)."""
+    return 300 <= status < 400 and status != 304
 
 
 class Upstream:
@@ -205,6 +212,9 @@ def handler(
                 self.send_error(502, "the server did not answer")  # (wandb-core retries)
                 self.close_connection = True
                 return
+            if is_redirect(response.status):
+                self._refuse_redirect(path, response)
+                return
             self.send_response_only(response.status, response.reason)
             length = response.getheader("Content-Length")
             bodiless = self.command == "HEAD" or response.status in (204, 304)
@@ -229,6 +239,25 @@ def handler(
             if response.will_close and self.upstream is not None:
                 self.upstream.close()
                 self.upstream = None
+
+        def _refuse_redirect(self, path: str, response: http.client.HTTPResponse) -> None:
+            """Answer a redirect with 502 instead of passing it on: wandb-core would send
+            the body, and from its second try the API key, wherever it points. The run
+            (every run being sent, for a request of none) is told why."""
+            location = (response.getheader("Location") or "")[:200]
+            response.close()
+            if self.upstream is not None:  # (its answer's body is not read: not kept)
+                self.upstream.close()
+                self.upstream = None
+            match = _FILE_STREAM.match(urllib.parse.urlsplit(path).path)
+            run_id = urllib.parse.unquote(match["run"]) if match else ""
+            said(run_id, (
+                f"the server answered {response.status} {response.reason}, a redirect to "
+                f"{location!r}: not followed (wandb-core would send the run's lines and the "
+                "API key there); nothing was sent to it. Check WANDB_BASE_URL"
+            ))  # fmt: skip
+            self.send_error(502, "the server answered a redirect: not followed")
+            self.close_connection = True
 
         def _exchange(
             self, path: str, headers: list[tuple[str, str]], body: bytes
