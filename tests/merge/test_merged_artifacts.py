@@ -15,6 +15,8 @@ import hashlib
 import json
 import os
 import re
+import resource
+import signal
 import subprocess
 import sys
 import urllib.parse
@@ -252,6 +254,34 @@ def test_an_artifact_file_outside_the_allowed_directories_is_read_only_when_name
     committed = sink.client.committed_files("local", PROJECT, "ckpt:v0")
     assert committed["files"] == {p: (len(d), md5_b64(d)) for p, d in files.items()}
     assert Path(outside).read_bytes() == b"plain weights"  # the user's copy is still there
+
+
+def limit_written_bytes() -> None:
+    """`preexec_fn`: a file the process writes may not pass 64 MiB (a larger write fails)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
+
+
+def test_an_artifact_file_grown_since_is_refused_before_it_is_copied(tmp_path):
+    """A file an entry of size 13 names that is now a sparse 3 GiB file (no disk used) is
+    refused by its size, before a byte of it is copied: the merge may write no more than
+    64 MiB a file, and copying it first would pass that."""
+    run_dir = plain_run(tmp_path / "ran", tmp_path / "ran" / "data")
+    grown = staged_file(run_dir, "ckpt", "weights.bin")
+    os.truncate(grown, 3 << 30)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "wbmerge.cli", "merge", str(run_dir), "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(PYTHONPATH=str(ROOT), WBMERGE_STATE_DIR=str(tmp_path / "state"))
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120,
+                            preexec_fn=limit_written_bytes)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line == (
+        f"wbmerge: error: plain: artifact 'ckpt' file 'weights.bin': {Path(grown).resolve()} is "
+        "no longer the file the rank logged (its size or MD5 differs from the manifest's)"
+    )
+    assert not out.exists() or not any(path.is_file() for path in out.rglob("*"))
 
 
 def test_an_artifact_that_did_not_commit_fails_the_sync_and_a_rerun_sends_it_once(

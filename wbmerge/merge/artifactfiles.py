@@ -213,13 +213,30 @@ def manifest_local_paths(
                 yield entry["path"], entry["local_path"]
 
 
-def copy_and_hash(source: Path, dest: Path, what: str) -> tuple[int, str]:
+def changed_since_logged(what: str, found: Path) -> WbmergeError:
+    return WbmergeError(
+        f"{what}: {found} is no longer the file the rank logged (its size or MD5 differs "
+        "from the manifest's)"
+    )
+
+
+def copy_and_hash(source: Path, dest: Path, what: str, size: int = 0) -> tuple[int, str]:
     """Copy the regular file `source` (`savedfiles.open_regular`) to `dest` (created
-    exclusively); returns its size and MD5 (base64, as a manifest writes it)."""
+    exclusively); returns its size and MD5 (base64, as a manifest writes it). With the
+    `size` a manifest gives (0: none), a file of another size is refused before a byte is
+    copied (a sparse file of gigabytes named by an entry of ten bytes), and one that grows
+    while it is copied is refused one byte past it."""
     digest = hashlib.md5()
-    with open_regular(source, what) as reader, open(dest, "xb") as writer:
-        while chunk := reader.read(1 << 20):
-            digest.update(chunk)
-            writer.write(chunk)
-        size = writer.tell()
-    return size, base64.b64encode(digest.digest()).decode()
+    with open_regular(source, what) as reader:
+        if size and os.fstat(reader.fileno()).st_size != size:
+            raise changed_since_logged(what, source)
+        left = size + 1 if size else -1  # (-1: to the end)
+        with open(dest, "xb") as writer:
+            while left and (chunk := reader.read(1 << 20 if left < 0 else min(left, 1 << 20))):
+                digest.update(chunk)
+                writer.write(chunk)
+                left -= len(chunk) if left > 0 else 0
+            copied = writer.tell()
+    if size and copied != size:
+        raise changed_since_logged(what, source)
+    return copied, base64.b64encode(digest.digest()).decode()

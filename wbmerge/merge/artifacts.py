@@ -18,7 +18,7 @@ Every file a manifest names is copied into the staged run (`artifacts/{n}/{m}`, 
 wbmerge's own making) from where the rank left it, under the rules of `artifactfiles`, and
 the manifest points at the copy: the uploader reads and may delete only copies, never the
 user's files, and a later sync copies them again. Its size and MD5 are checked against
-the manifest as it is copied. A manifest that wandb wrote to a file of its own (beyond
+the manifest as it is copied (its size before a byte is copied). A manifest that wandb wrote to a file of its own (beyond
 100000 entries) is copied the same way, a line at a time, to `artifacts/{n}/manifest.jl.gz`,
 and the record names the copy: wandb-core deletes the manifest file once it has read it.
 """
@@ -38,6 +38,7 @@ from .artifactfiles import (
     MANIFEST_FILE,
     ArtifactFileFinder,
     LoggedArtifact,
+    changed_since_logged,
     copy_and_hash,
     manifest_file_entries,
 )
@@ -147,12 +148,10 @@ class ArtifactRecords:
         against the entry's `size` (0: not given) and `md5` (None: not an MD5)."""
         found = finder.find(local_path, artifact, path)
         what = f"{label}: artifact {artifact!r} file {path!r}"
-        copy, copied_size, copied_md5 = self.copies.get(found) or self._copy(found, index, what)
+        copied = self.copies.get(found) or self._copy(found, index, what, size)
+        copy, copied_size, copied_md5 = copied
         if (size and copied_size != size) or (md5 is not None and copied_md5 != md5):
-            raise WbmergeError(
-                f"{what}: {found} is no longer the file the rank logged (its size or MD5 "
-                "differs from the manifest's)"
-            )
+            raise changed_since_logged(what, found)
         return copy, copied_size, copied_md5
 
     def _copy_manifest_file(
@@ -186,10 +185,11 @@ class ArtifactRecords:
         artifact.manifest.manifest_file_path = str(staged.resolve())
         return LoggedArtifact(artifact.name, None, tuple(files), index + 1)
 
-    def _copy(self, found: Path, index: int, what: str) -> tuple[Path, int, str]:
+    def _copy(self, found: Path, index: int, what: str, size: int) -> tuple[Path, int, str]:
+        """The copy of `found`, refused unless it has the entry's `size` (0: not given)."""
         directory = self.dest / str(self.count)
         directory.mkdir(parents=True, exist_ok=True)
         copy = directory / str(index)
-        size, md5 = copy_and_hash(found, copy, what)
+        size, md5 = copy_and_hash(found, copy, what, size)
         self.copies[found] = (copy.resolve(), size, md5)
         return self.copies[found]
