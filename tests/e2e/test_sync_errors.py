@@ -142,10 +142,33 @@ def test_unreachable_server_is_a_failure_not_success(tmp_path):
         ),
         (["--key-format", "{key}/{label:{key}}"], "{label} may have at most an alignment"),
         (["--key-format", "{key.__class__}/{label}"], "no field {key.__class__} (it may use"),
+        # (the docs allow an alignment, a width and a precision: a conversion is none)
+        (
+            ["--key-format", "{key}{label!r}"],
+            "bad --key-format '{key}{label!r}': {label!r} converts the label; a field may have "
+            "only an alignment and a width or precision of up to 3 digits (e.g. {label:>8})",
+        ),
+        (["--key-format", "{key!s}/{label}"], "{key!s} converts the key; a field may have"),
+        # (it holds both fields: what is wrong is that the label is cut to nothing)
+        (
+            ["--key-format", "{key:>999}/{label:.0}"],
+            "bad --key-format '{key:>999}/{label:.0}': {label:.0} cuts the label short "
+            "('rank-3' becomes ''), so the keys of two ranks could be one",
+        ),
+        (
+            ["--key-format", "{key:.4}/{label}"],
+            "{key:.4} cuts the key short ('train/loss' becomes 'trai'), so two keys could be one",
+        ),
     ],
 )
 def test_bad_options(args, fragment):
     assert_one_line_error(run("sync", job_dir("one_node_4"), "--dry-run", *args), fragment)
+
+
+def test_a_precision_that_cuts_nothing_is_taken():
+    result = run("sync", job_dir("one_node_4"), "--dry-run", "--run-mode", "shared",
+                 "--key-format", "{key:.100}/{label:>8.50}")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
 
 
 def test_nothing_there(tmp_path):

@@ -17,11 +17,14 @@ DEFAULT_KEY_FORMAT = "{key}/{label}"
 # precision, each of at most 3 digits. Any other spec is refused before it is used: a
 # width of 99999999999 made every key a string of that many characters (MemoryError).
 _KEY_SPEC = re.compile(r"(.?[<>^])?(?P<width>\d{0,3})(\.(?P<precision>\d{1,3}))?")
+# A key and a label a format is tried on: a precision that cuts either is refused.
+_SAMPLES = {"key": "train/loss", "label": "rank-3"}
 
 
 def check_key_format(key_format: str) -> str:
     """`key_format` when it is a format of the fields {key} and {label} only (each with at
-    most a small format spec, see `_KEY_SPEC`) that keeps both; else WbmergeError."""
+    most a small format spec, see `_KEY_SPEC`, and no conversion) that keeps both whole;
+    else WbmergeError saying why."""
     try:
         fields = [
             (name, conversion, spec)
@@ -30,20 +33,37 @@ def check_key_format(key_format: str) -> str:
         ]
     except ValueError as exc:
         raise WbmergeError(f"bad --key-format {key_format!r}: {exc}") from None
+    bad = f"bad --key-format {key_format!r}"
     for name, conversion, spec in fields:
         if name not in ("key", "label"):
-            raise WbmergeError(f"bad --key-format {key_format!r}: no field {{{name}}} (it "
-                               "may use {key} and {label})")  # fmt: skip
-        if not _KEY_SPEC.fullmatch(spec or "") or conversion not in (None, "s", "r", "a"):
+            raise WbmergeError(f"{bad}: no field {{{name}}} (it may use {{key}} and {{label}})")
+        if conversion is not None:
             raise WbmergeError(
-                f"bad --key-format {key_format!r}: {{{name}}} may have at most an alignment "
-                "and a width or precision of up to 3 digits (e.g. {label:>8})"
+                f"{bad}: {{{name}!{conversion}}} converts the {name}; a field may have only "
+                "an alignment and a width or precision of up to 3 digits (e.g. {label:>8})"
+            )
+        if not _KEY_SPEC.fullmatch(spec or ""):
+            raise WbmergeError(
+                f"{bad}: {{{name}}} may have at most an alignment and a width or precision "
+                "of up to 3 digits (e.g. {label:>8})"
+            )
+        sample = _SAMPLES[name]
+        try:
+            formatted = format(sample, spec)
+        except ValueError as exc:
+            raise WbmergeError(f"{bad}: {exc}") from None
+        if sample not in formatted:
+            cut = formatted.strip()
+            which = "the keys of two ranks" if name == "label" else "two keys"
+            raise WbmergeError(
+                f"{bad}: {{{name}:{spec}}} cuts the {name} short ({sample!r} becomes "
+                f"{cut!r}), so {which} could be one"
             )
     try:
-        sample = key_format.format(key="train/loss", label="rank-3")
+        sample = key_format.format(**_SAMPLES)
     except (IndexError, KeyError, ValueError) as exc:
-        raise WbmergeError(f"bad --key-format {key_format!r}: {exc}") from None
-    if "train/loss" not in sample or "rank-3" not in sample:
+        raise WbmergeError(f"{bad}: {exc}") from None
+    if _SAMPLES["key"] not in sample or _SAMPLES["label"] not in sample:
         raise WbmergeError(f"--key-format {key_format!r} must contain {{key}} and {{label}}")
     return key_format
 
