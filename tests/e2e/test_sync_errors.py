@@ -159,10 +159,21 @@ def test_unreachable_server_is_a_failure_not_success(tmp_path):
             ["--key-format", "{key:.4}/{label}"],
             "{key:.4} cuts the key short ('train/loss' becomes 'trai'), so two keys could be one",
         ),
+        (["--base-id", ""], "--base-id is empty: give the run id to upload under, or leave"),
+        (["--base-id", " "], "--base-id is empty: give the run id to upload under, or leave"),
     ],
 )
 def test_bad_options(args, fragment):
     assert_one_line_error(run("sync", job_dir("one_node_4"), "--dry-run", *args), fragment)
+
+
+@pytest.mark.parametrize("command", ["merge", "sync", "follow"])
+def test_an_empty_base_id_is_refused_by_every_command(tmp_path, command):
+    where = ["--out", tmp_path / "out"] if command == "merge" else ["-p", "x", "-e", "local"]
+    result = run(command, job_dir("one_node_4"), "--base-id", "", *where,
+                 env={"WBMERGE_STATE_DIR": str(tmp_path / "state")})  # fmt: skip
+    assert_one_line_error(result, "--base-id is empty")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_precision_that_cuts_nothing_is_taken():

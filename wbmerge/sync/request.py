@@ -52,6 +52,12 @@ class MergeRequest:
             if getattr(self, name) not in allowed:
                 raise WbmergeError(f"{name} takes {' or '.join(map(repr, allowed))}, not "
                                    f"{getattr(self, name)!r}")  # fmt: skip
+        if self.base_id is not None and not self.base_id.strip():
+            # (an empty one is not "no --base-id": the docs and every command refuse it)
+            raise WbmergeError(
+                "--base-id is empty: give the run id to upload under, or leave the option out "
+                "to use the job's id"
+            )
 
 
 class RequestOptions(TypedDict, total=False):
