@@ -23,6 +23,9 @@ replaces it (W&B's behaviour, and the sink's), and the lines are the same in eve
 writer (the merge is deterministic from the sources, `_runtime` and `_timestamp`
 included), so two writers that planned from any counts the server really held write the
 same lines at the same offsets. `wandb-summary.json` is rewritten whole each time.
+wandb-core 0.31 sends these bodies plain; one gzipped (declared or not) is unzipped,
+placed and forwarded plain, and one in an encoding the relay cannot read is not forwarded
+and `on_conflict` is told, as its lines cannot be placed.
 
 What it cannot keep: a writer whose wandb-core starts at a history count below the one
 wbmerge planned from (the server lost rows meanwhile, or its count lags behind the one

@@ -11,7 +11,9 @@ standard input, one JSON line each (`{"plan": run, "history": rows, "seq": n}`, 
 ends. A redirect the server answers is never passed on (see `relay`).
 
 How it places lines, who may use it, and what it cannot keep: see `relay`. It reads
-nothing of a request but its path and a file_stream body, and logs nothing.
+nothing of a request but its path and a file_stream body (unzipped when gzipped, and
+forwarded plain; a body in another encoding is refused: its lines cannot be placed), and
+logs nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 import threading
 import urllib.parse
 import urllib.request
+import zlib
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -39,6 +42,8 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-enco
                   "trailer", "upgrade", "proxy-authorization", "proxy-authenticate"})  # fmt: skip
 UPSTREAM_TIMEOUT = 300.0  # seconds the server may take to answer one request
 _PIECE = 1 << 16  # bytes copied at a time between the two sides
+# The most a gzipped file_stream body may unzip to (wandb-core caps a body near 10 MiB).
+MAX_UNZIPPED = 64 << 20
 
 
 class Offsets:
@@ -96,6 +101,28 @@ class Offsets:
                 chunk["offset"] = (planned if name == HISTORY else 0) + offset - first
         # (wandb-core's bodies hold strings, integers and booleans: written back the same)
         return json.dumps(request, separators=(",", ":")).encode(), None
+
+
+def decoded(body: bytes, encoding: str) -> tuple[bytes | None, str]:
+    """A file_stream `body` as plain bytes, to place its lines: unzipped when it is gzip
+    (declared, or by its first bytes: servers read both), at most MAX_UNZIPPED bytes; else
+    None and why it cannot be read. wandb-core 0.31 sends its bodies plain."""
+    gzipped = encoding == "gzip" or (encoding in ("", "identity") and body[:2] == b"\x1f\x8b")
+    if encoding not in ("", "identity", "gzip"):
+        return None, f"a file_stream body encoded as {encoding!r}, which the relay cannot read"
+    if not gzipped:
+        return body, ""
+    unzipper = zlib.decompressobj(wbits=31)
+    try:
+        plain = unzipper.decompress(body, MAX_UNZIPPED + 1)
+    except zlib.error as exc:
+        return None, f"a file_stream body encoded as 'gzip' that cannot be unzipped ({exc})"
+    if len(plain) > MAX_UNZIPPED or not unzipper.eof:
+        return None, (
+            f"a file_stream body encoded as 'gzip' that is cut short or unzips past "
+            f"{MAX_UNZIPPED} bytes"
+        )
+    return plain, ""
 
 
 def is_redirect(status: int) -> bool:
@@ -165,8 +192,16 @@ def handler(
                 self.send_error(400, "unreadable body")
                 return
             match = _FILE_STREAM.match(urllib.parse.urlsplit(path).path)
+            keep_encoding = True
             if match and self.command == "POST":
                 run_id = urllib.parse.unquote(match["run"])
+                encoding = self.headers.get("Content-Encoding", "").strip().lower()
+                body, why = decoded(body, encoding)
+                if body is None:
+                    said(run_id, f"{why}: its lines cannot be placed; not forwarded")
+                    self.send_error(415, "not forwarded: the body cannot be read")
+                    return
+                keep_encoding = False  # (forwarded plain: its Content-Encoding is dropped)
                 placed, conflict = offsets.placed(run_id, body)
                 if conflict is not None:
                     said(run_id, conflict)
@@ -174,7 +209,7 @@ def handler(
                     self.send_error(409, "not forwarded: the run's lines cannot be placed")
                     return
                 body = placed
-            self._forward(path, body)
+            self._forward(path, body, keep_encoding)
 
         do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = handle_one
 
@@ -202,9 +237,10 @@ def handler(
                 return None
             return self.rfile.read(length) if length > 0 else b""
 
-        def _forward(self, path: str, body: bytes) -> None:
+        def _forward(self, path: str, body: bytes, keep_encoding: bool = True) -> None:
+            dropped = ("host", "content-length") + (() if keep_encoding else ("content-encoding",))
             headers = [(k, v) for k, v in self.headers.items() if k.lower() not in _HOP
-                       and k.lower() not in ("host", "content-length")]  # fmt: skip
+                       and k.lower() not in dropped]  # fmt: skip
             headers += [("Host", upstream.netloc), ("Content-Length", str(len(body)))]
             try:
                 response = self._exchange(path, headers, body)
