@@ -21,18 +21,37 @@ if TYPE_CHECKING:
     from ..sync import SyncReport
 
 
+def request_option(name: str, **overrides: Any) -> Callable[..., Any]:
+    """The click option of `MergeRequest` field `name`, built from its one declaration
+    (`sync.request`): its flags, help and default, and a type from the field's: a flag for
+    a bool, a choice for a Literal, repeatable for a sequence, a path for a path."""
+    from ..sync import request_fields
+
+    field, spelling = request_fields()[name]
+    settings: dict[str, Any] = {"help": spelling.help, "show_default": spelling.show_default}
+    if spelling.metavar:
+        settings["metavar"] = spelling.metavar
+    if field.choices is not None:
+        settings["type"] = click.Choice([str(c) for c in field.choices if c is not None])
+    elif field.is_path:
+        settings["type"] = click.Path()
+    if field.is_flag:
+        settings["is_flag"] = True
+    if field.is_sequence:
+        settings["multiple"] = True
+    else:
+        settings["default"] = field.default
+    settings.update(overrides)
+    return click.option(*spelling.flags, name, **settings)
+
+
 def rank_options() -> list[Callable[..., Any]]:
     """How to read the ranks of runs written without wbmerge (every reading command)."""
     return [
-        click.option("--label-pattern", multiple=True, callback=_one_pattern,
-                     help="How the runs' labels or names spell the rank, "
-                     "e.g. 'rank_{rank}' or 'node{worker}-gpu{local_rank}'."),
-        click.option("--ranks", "ranks_file", type=click.Path(),
-                     help="JSON or CSV file of run id -> rank (optional local_rank, worker)."),
-        click.option("--primary", multiple=True, metavar="RUN_ID",
-                     help="Rank 0 of a job whose runs say nothing of their ranks (the "
-                     "others follow by start time); one per job, repeatable."),
-    ]  # fmt: skip
+        request_option("label_pattern", multiple=True, callback=_one_pattern),
+        request_option("ranks_file"),
+        request_option("primary"),
+    ]
 
 
 def _one_pattern(ctx: click.Context, param: click.Parameter, given: tuple[str, ...]) -> str | None:
@@ -114,46 +133,20 @@ def _warn_jobs(planned: list) -> None:
             click.echo(f"wbmerge: warning: {warning}", err=True)
 
 
+# The options `merge`, `sync`, `follow` and `verify` share, in the order help lists them.
+MERGE_OPTIONS = ("run_mode", "rank_scope", "base_id", "job", "allow_missing_ranks",
+                 "system_metrics", "key_format", "skew_metrics", "rank_stats", "per_rank",
+                 "project", "entity", "job_type", "files_from", "unknown_records")  # fmt: skip
+
+
 def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """The options `merge` and `sync` share: what to merge, and how."""
     options = [
         click.argument("paths", nargs=-1, required=True, type=click.Path()),
-        click.option("--run-mode", type=click.Choice(["auto", "shared", "new"]), default=None,
-                     help="auto: the primary rank only; shared: all ranks in one run; new: a run per rank. "
-                     "Default: as recorded at training time, else auto."),
-        click.option("--rank-scope", type=click.Choice(["global", "worker"]), default=None,
-                     help="global: one unit; worker: per node (primary = local rank 0). Default: global."),
-        click.option("--base-id", help="Run-id base instead of the job id ({base} in the plugin's ids)."),
-        click.option("--job", "job", help="Merge only this job id (several jobs in one directory)."),
-        click.option("--allow-missing-ranks", is_flag=True, help="Merge although ranks have no run."),
-        click.option("--system-metrics", type=click.Choice(["primary", "all"]), default="primary",
-                     show_default=True, help="auto mode: also every other rank's system metrics, labelled."),
-        click.option("--key-format", default="{key}/{label}", show_default=True,
-                     help="How shared mode labels a rank's metric keys."),
-        click.option("--skew-metrics", is_flag=True,
-                     help="shared mode: add wbmerge/spread/{key}, (max-min)/median across ranks per step."),
-        click.option("--rank-stats", is_flag=True,
-                     help="shared mode: add {key}/ranks/min, median, max, mean, min_rank, max_rank per step."),
-        click.option("--per-rank", "per_rank", multiple=True, metavar="all|none|KEY",
-                     help="shared mode: which keys keep a series per rank (repeatable; globs "
-                     "like 'train/*'). Default: all, with a warning past 10,000 metrics."),
-        click.option("--project", "-p", help="Default: the runs' project, then WANDB_PROJECT."),
-        click.option("--entity", "-e", help="Default: WANDB_ENTITY, then the runs' entity."),
-        click.option("--job-type", help="Job type of the runs created. Default: the ranks' "
-                     "own (shared: the primary's); a run given none keeps the server's."),
-        click.option("--files-from", "files_from", multiple=True, type=click.Path(), metavar="DIR",
-                     help="Also read saved files (wandb.save links) and artifact files under DIR, "
-                     "and find moved ones there (repeatable). Default: only each rank's run "
-                     "directory and the directory it ran in."),
-        click.option("--unknown-records", type=click.Choice(["refuse", "copy"]), default="refuse",
-                     show_default=True, help="A record of a kind this wbmerge does not know (a "
-                     "newer wandb's): refuse the run in one line, or copy it as it is."),
+        *(request_option(name) for name in MERGE_OPTIONS),
         *rank_options(),
-        click.option("--rank-order", type=click.Choice(["start"]), default=None,
-                     help="Accept the order wbmerge assumed for a job whose runs do not say "
-                     "it (runs by start time, hosts by name); auto and shared mode refuse "
-                     "such a job otherwise."),
-    ]  # fmt: skip
+        request_option("rank_order"),
+    ]
     for option in reversed(options):
         func = option(func)
     return func
@@ -266,11 +259,7 @@ def upload_options(func: Callable[..., Any]) -> Callable[..., Any]:
             help="Seconds without upload progress before the upload is given up (exit 1).",
         ),
         click.option("--json", "as_json", is_flag=True),
-        click.option(
-            "--verify", type=click.Choice(["sample", "full"]), default="sample",
-            show_default=True, help="After each upload every row is read back and checked "
-            "present once; full: compare every row's values too, not a sample of 64.",
-        ),
+        request_option("verify"),
     ]):  # fmt: skip
         func = option(func)
     return func
@@ -320,9 +309,7 @@ def follow_options(prefix: str) -> Callable[[Callable[..., Any]], Callable[..., 
     "date, round after round, until every rank has finished (or --idle-timeout).",
 )
 @follow_options("--follow: ")
-@click.option("--resend", is_flag=True, help="Send the runs the server holds rows of whole "
-              "again, each line over the one at its place: the way out of a run refused as "
-              "not a beginning (its sources changed) or of rows lost inside it.")  # fmt: skip
+@request_option("resend")
 @one_line_errors
 def sync(
     parallel: int,
@@ -393,11 +380,8 @@ def sync(
     help="wandb: the runs were uploaded by plain `wandb sync`, each "
     "offline run under its own id (--run-mode, --rank-scope and --base-id do not apply).",
 )
-@click.option(
-    "--verify",
-    type=click.Choice(["sample", "full"]),
-    default="sample",
-    show_default=True,
+@request_option(
+    "verify",
     help="Every row is read back and checked present once; full: compare every row's "
     "values too, not a sample of 64.",
 )

@@ -25,7 +25,15 @@ from .pipeline import (
     sigterm_raises,
     sync,
 )
-from .request import MergeRequest, RequestOptions, ignored_options, option_names
+from .request import (
+    MergeRequest,
+    OptionType,
+    RequestOptions,
+    Spelling,
+    ignored_options,
+    option_names,
+    request_fields,
+)
 from .session import UploadSession, delivery_of
 
 __all__ = [
@@ -37,6 +45,9 @@ __all__ = [
     "ignored_options",
     "merge_jobs",
     "MergeRequest",
+    "OptionType",
+    "Spelling",
+    "request_fields",
     "option_names",
     "plan_found",
     "plan_jobs",
