@@ -10,6 +10,7 @@ their offline ids read from their directories), never from wbmerge's staging.
 
 from __future__ import annotations
 
+import base64
 import gzip
 import hashlib
 import json
@@ -23,6 +24,7 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
+import xxhash
 from click.testing import CliRunner
 from wandb.sdk.artifacts._generated.operations import RUN_OUTPUT_ARTIFACTS_GQL
 from wandb.sdk.artifacts._generated.run_output_artifacts import RunOutputArtifacts
@@ -191,14 +193,16 @@ def test_a_job_copied_elsewhere_sends_its_artifacts_from_its_run_directories(sin
     assert tree_digest(moved) == before  # the ranks' staged files are all still there
 
 
-def plain_run(root: Path, data_dir: Path) -> Path:
+def plain_run(root: Path, data_dir: Path, policy: str = "mutable", digest: str = "MD5") -> Path:
     """A plain `wandb.init` offline run (tests/support/artifact_run.py) that ran in `root` with
-    wandb's data directory `data_dir`; its run directory."""
+    wandb's data directory `data_dir`, its `ckpt` files added with `policy` and hashed with
+    `digest`; its run directory."""
     root.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "WBMERGE_"))}
     env.update(PYTHONPATH=str(ROOT), WANDB_DATA_DIR=str(data_dir), WANDB_SILENT="true",
                WANDB_CACHE_DIR=str(root / "cache"), WANDB_CONFIG_DIR=str(root / "config"))  # fmt: skip
-    cmd = [sys.executable, "-m", "tests.support.artifact_run", str(root), "plain", "plain weights"]
+    cmd = [sys.executable, "-m", "tests.support.artifact_run", str(root), "plain", "plain weights",
+           policy, digest]  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
     (run_dir,) = (root / "wandb").glob("offline-run-*-plain")
@@ -386,6 +390,62 @@ def test_a_gone_artifact_file_stops_the_merge_before_any_run_is_written(sink, tm
         assert "artifact 'ckpt'" in line and str(staging) in line and "does not exist" in line
     assert not out.exists() or not list(out.iterdir())
     assert sink.client.runs() == []
+
+
+def xxh128_b64(data: bytes) -> str:
+    """A file's XXH128 digest as a manifest entry of wandb's writes it (base64)."""
+    return base64.b64encode(xxhash.xxh128(data).digest()).decode()
+
+
+@pytest.mark.parametrize("digest", ["MD5", "XXH128"])
+def test_an_artifact_file_changed_after_it_was_logged_stops_the_sync(sink, tmp_path, digest):
+    """With the `immutable` policy the manifest names the user's own file: bytes changed
+    there after logging (the size kept) are not the artifact the rank logged, whichever
+    digest algorithm the artifact used, and nothing is uploaded."""
+    run_dir = plain_run(tmp_path / "ran", tmp_path / "ran" / "data", "immutable", digest)
+    weights = tmp_path / "ran" / "source" / "weights.bin"
+    assert staged_file(run_dir, "ckpt", "weights.bin") == str(weights)
+    weights.write_bytes(b"plain weightz")  # (13 bytes, as logged)
+    line = one_error_line(cli(sink, tmp_path, "sync", run_dir, "-p", PROJECT, "-e", "local"))
+    assert "'ckpt'" in line and str(weights) in line
+    assert f"no longer the file the rank logged (its {digest} digest differs" in line
+    assert sink.client.runs() == []
+
+
+def test_an_xxh128_entry_naming_a_file_no_artifact_logged_stops_the_sync(sink, tmp_path):
+    """A hostile XXH128 entry keeps its digest and size but names another file where files
+    may be read: the file is not what the entry's digest names, and it is never sent."""
+    run_dir = plain_run(tmp_path / "ran", tmp_path / "ran" / "data", "immutable", "XXH128")
+    other = tmp_path / "ran" / "notes.txt"
+    other.write_bytes(b"never logged!")  # (13 bytes, as the entry's size)
+
+    def point_at_other(record: pb.Record) -> pb.Record | None:
+        if record.WhichOneof("record_type") != "artifact" or record.artifact.name != "ckpt":
+            return None
+        (entry,) = [e for e in record.artifact.manifest.contents if e.path == "weights.bin"]
+        assert entry.digest == xxh128_b64(b"plain weights")
+        entry.local_path = str(other)
+        return record
+
+    rewrite_log(run_dir / "run-plain.wandb", point_at_other)
+    line = one_error_line(cli(sink, tmp_path, "sync", run_dir, "-p", PROJECT, "-e", "local"))
+    assert "'ckpt'" in line and "'weights.bin'" in line and str(other) in line
+    assert sink.client.runs() == []
+
+
+def test_an_xxh128_artifact_arrives_committed_with_its_files(sink, tmp_path):
+    """An XXH128 artifact left as logged arrives whole, each file at its size and MD5.
+    wandb's uploader hashes its files again with MD5 for this server (measured with
+    wandb-core 0.31), so the version's digest is the MD5 one of the same files."""
+    run_dir = plain_run(tmp_path / "ran", tmp_path / "ran" / "data", "immutable", "XXH128")
+    result = cli(sink, tmp_path, "sync", "--json", run_dir, "-p", PROJECT, "-e", "local")
+    assert result.exit_code == 0, result.stderr
+    (run_id,) = [run["id"] for run in json.loads(result.stdout)["runs"]]
+    node = output_artifacts(sink, run_id)[("ckpt", 0)]
+    files = {"weights.bin": b"plain weights", "nested/copy.bin": b"plain weights"}
+    assert node.state == "COMMITTED" and node.digest == manifest_digest(files)
+    committed = sink.client.committed_files("local", PROJECT, "ckpt:v0")
+    assert committed["files"] == {p: (len(d), md5_b64(d)) for p, d in files.items()}
 
 
 SECRET = b"a private key of the user\n"

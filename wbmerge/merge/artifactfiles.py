@@ -19,9 +19,10 @@ directory moved) is followed: a path inside a directory of the run directory's n
 at the same place inside the run directory as it is now, and a path under the recorded root is found again under a `--files-from` directory at
 the same relative path (`savedfiles.moved_file`). Nothing under /proc, /sys or /dev
 is read, whatever directory allows it. A file that is gone, outside these directories,
-not a regular file, or whose bytes are no longer those the manifest's MD5
+not a regular file, or whose bytes are no longer those the manifest's digest
 names, is a WbmergeError naming the artifact and the path: the sync fails before the run
-is uploaded, never with a warning.
+is uploaded, never with a warning. An entry's digest is checked with the algorithm wandb
+made it with (its `alg` tag: MD5, or XXH128 for `digest_algorithm="XXH128"`).
 
 Beyond 100000 entries wandb writes an artifact's manifest to a file of its own in its
 artifact staging directory (`artifact_manifests/*.manifest_contents.jl.gz`, named by the
@@ -41,6 +42,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import xxhash
 from google.protobuf.message import DecodeError
 
 from ..errors import WbmergeError
@@ -213,30 +215,50 @@ def manifest_local_paths(
                 yield entry["path"], entry["local_path"]
 
 
-def changed_since_logged(what: str, found: Path) -> WbmergeError:
+def changed_since_logged(what: str, found: Path, why: str = "its size") -> WbmergeError:
     return WbmergeError(
-        f"{what}: {found} is no longer the file the rank logged (its size or MD5 differs "
-        "from the manifest's)"
+        f"{what}: {found} is no longer the file the rank logged ({why} differs from the manifest's)"
     )
 
 
-def copy_and_hash(source: Path, dest: Path, what: str, size: int = 0) -> tuple[int, str]:
+# The digest algorithms of a manifest entry, by the name its `alg` tag gives (wandb's
+# `DIGEST_ALGORITHM_EXTRA_KEY`; an entry without the tag is MD5, as wandb reads it).
+MD5 = "MD5"
+XXH128 = "XXH128"
+
+
+def entry_digest_algorithm(tag: object, what: str) -> str:
+    """The algorithm of an entry's digest from its `alg` tag (None: untagged, MD5), as
+    wandb's `ArtifactManifestEntry.digest_algorithm` reads it, except that a tag naming
+    another algorithm is a WbmergeError: its digest could not be checked."""
+    if tag is None or tag == MD5:
+        return MD5
+    if tag == XXH128:
+        return XXH128
+    raise WbmergeError(f"{what}: its digest algorithm {tag!r} is not one wbmerge can check")
+
+
+def copy_and_hash(source: Path, dest: Path, what: str, size: int = 0) -> tuple[int, dict[str, str]]:
     """Copy the regular file `source` (`savedfiles.open_regular`) to `dest` (created
-    exclusively); returns its size and MD5 (base64, as a manifest writes it). With the
-    `size` a manifest gives (0: none), a file of another size is refused before a byte is
-    copied (a sparse file of gigabytes named by an entry of ten bytes), and one that grows
-    while it is copied is refused one byte past it."""
-    digest = hashlib.md5()
+    exclusively); returns its size and its digests by algorithm (base64, as a manifest
+    writes them): MD5, and XXH128 (as wandb's `xxh128_file_b64`). With the `size` a
+    manifest gives (0: none), a file of another size is refused before a byte is copied
+    (a sparse file of gigabytes named by an entry of ten bytes), and one that grows while
+    it is copied is refused one byte past it."""
+    md5 = hashlib.md5()
+    xxh128 = xxhash.xxh128()
     with open_regular(source, what) as reader:
         if size and os.fstat(reader.fileno()).st_size != size:
             raise changed_since_logged(what, source)
         left = size + 1 if size else -1  # (-1: to the end)
         with open(dest, "xb") as writer:
             while left and (chunk := reader.read(1 << 20 if left < 0 else min(left, 1 << 20))):
-                digest.update(chunk)
+                md5.update(chunk)
+                xxh128.update(chunk)
                 writer.write(chunk)
                 left -= len(chunk) if left > 0 else 0
             copied = writer.tell()
     if size and copied != size:
         raise changed_since_logged(what, source)
-    return copied, base64.b64encode(digest.digest()).decode()
+    digests = {MD5: md5.digest(), XXH128: xxh128.digest()}
+    return copied, {name: base64.b64encode(value).decode() for name, value in digests.items()}

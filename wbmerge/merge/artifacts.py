@@ -17,8 +17,11 @@ is copied as it is.
 Every file a manifest names is copied into the staged run (`artifacts/{n}/{m}`, names of
 wbmerge's own making) from where the rank left it, under the rules of `artifactfiles`, and
 the manifest points at the copy: the uploader reads and may delete only copies, never the
-user's files, and a later sync copies them again. Its size and MD5 are checked against
-the manifest as it is copied (its size before a byte is copied). A manifest that wandb wrote to a file of its own (beyond
+user's files, and a later sync copies them again. Its size and digest (MD5 or XXH128, as
+the entry's `alg` tag says) are checked against the manifest as it is copied (its size
+before a byte is copied): wandb's uploader hashes an XXH128 entry's file again with MD5
+before it sends it (measured with wandb-core 0.31), so nothing after the merge would
+notice bytes changed since logging. A manifest that wandb wrote to a file of its own (beyond
 100000 entries) is copied the same way, a line at a time, to `artifacts/{n}/manifest.jl.gz`,
 and the record names the copy: wandb-core deletes the manifest file once it has read it.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from json import JSONDecodeError
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -36,16 +40,19 @@ from ..log import pb
 from ..plan import Source, Target
 from .artifactfiles import (
     MANIFEST_FILE,
+    MD5,
     ArtifactFileFinder,
     LoggedArtifact,
     changed_since_logged,
     copy_and_hash,
+    entry_digest_algorithm,
     manifest_file_entries,
 )
 from .options import MergeOptions
 
 MAX_ARTIFACT_NAME = 128  # W&B's limit on an artifact's name
-_MD5_DIGESTS = ("", "MANIFEST_MD5")  # manifests whose entries' digests are MD5s (base64)
+_MD5_DIGESTS = ("", "MANIFEST_MD5")  # manifests whose digest is an MD5 of MD5 entries
+_ALGORITHM_TAG = "alg"  # the key of an entry's extra field naming its digest algorithm
 
 
 class ArtifactRecords:
@@ -57,7 +64,8 @@ class ArtifactRecords:
         self.options = options
         self.dest = dest
         self.finders: dict[Path, ArtifactFileFinder] = {}
-        self.copies: dict[Path, tuple[Path, int, str]] = {}  # read -> (copy, size, MD5)
+        self.copies: dict[Path, tuple[Path, int, dict[str, str]]] = {}  # read -> (copy,
+        # size, digests by algorithm)
         self.count = 0  # artifact records rewritten
         self.whole: list[LoggedArtifact] = []  # committed each by its own record
         self.parts: dict[tuple[str, str], list[tuple[str, int, str]]] = {}  # distributed
@@ -92,20 +100,20 @@ class ArtifactRecords:
         if finder is None:
             finder = self.finders[source.path] = ArtifactFileFinder(source, self.options.files_from)
         self.count += 1
-        md5s = artifact.digest_algorithm in _MD5_DIGESTS
         files = []
         for index, entry in enumerate(artifact.manifest.contents):
             if not entry.local_path:
                 continue  # a reference: the uploader reads nothing
+            tags = [extra.value_json for extra in entry.extra if extra.key == _ALGORITHM_TAG]
             copy, size, md5 = self._take(
                 finder, artifact.name, label, entry.path, entry.local_path, index,
-                entry.size, entry.digest if md5s else None,
+                entry.size, entry.digest, _tagged(tags),
             )  # fmt: skip
             entry.local_path = str(copy)
             files.append((entry.path, size, md5))
         entries = len(artifact.manifest.contents)
         if artifact.manifest.manifest_file_path:
-            in_file = self._copy_manifest_file(artifact, finder, label, md5s)
+            in_file = self._copy_manifest_file(artifact, finder, label)
             files += in_file.files
             entries += in_file.entries
         if artifact.distributed_id:
@@ -142,20 +150,25 @@ class ArtifactRecords:
         local_path: str,
         index: int,
         size: int,
-        md5: str | None,
+        digest: str,
+        tag: object,
     ) -> tuple[Path, int, str]:
         """The copy of the file a manifest entry names (`local_path`), made once, checked
-        against the entry's `size` (0: not given) and `md5` (None: not an MD5)."""
+        against the entry's `size` (0: not given) and `digest`, made with the algorithm its
+        `alg` tag names (None: untagged, MD5). Returns the copy, its size and MD5."""
         found = finder.find(local_path, artifact, path)
         what = f"{label}: artifact {artifact!r} file {path!r}"
+        algorithm = entry_digest_algorithm(tag, what)
         copied = self.copies.get(found) or self._copy(found, index, what, size)
-        copy, copied_size, copied_md5 = copied
-        if (size and copied_size != size) or (md5 is not None and copied_md5 != md5):
+        copy, copied_size, digests = copied
+        if size and copied_size != size:
             raise changed_since_logged(what, found)
-        return copy, copied_size, copied_md5
+        if digests[algorithm] != digest:
+            raise changed_since_logged(what, found, f"its {algorithm} digest")
+        return copy, copied_size, digests[MD5]
 
     def _copy_manifest_file(
-        self, artifact: pb.ArtifactRecord, finder: ArtifactFileFinder, label: str, md5s: bool
+        self, artifact: pb.ArtifactRecord, finder: ArtifactFileFinder, label: str
     ) -> LoggedArtifact:
         """Copy a manifest that wandb wrote to a file of its own (beyond 100000 entries)
         into the staged run, each entry's file copied and the entry pointing at the copy,
@@ -175,9 +188,11 @@ class ArtifactRecords:
             for index, entry in enumerate(manifest_file_entries(found, what)):
                 if entry.get("local_path"):
                     at = len(artifact.manifest.contents) + index
+                    extra = entry.get("extra")
+                    tag = extra.get(_ALGORITHM_TAG) if isinstance(extra, dict) else None
                     copy, size, md5 = self._take(
                         finder, artifact.name, label, entry["path"], entry["local_path"], at,
-                        int(entry.get("size") or 0), entry["digest"] if md5s else None,
+                        int(entry.get("size") or 0), entry["digest"], tag,
                     )  # fmt: skip
                     entry["local_path"] = str(copy)
                     files.append((entry["path"], size, md5))
@@ -185,11 +200,27 @@ class ArtifactRecords:
         artifact.manifest.manifest_file_path = str(staged.resolve())
         return LoggedArtifact(artifact.name, None, tuple(files), index + 1)
 
-    def _copy(self, found: Path, index: int, what: str, size: int) -> tuple[Path, int, str]:
+    def _copy(
+        self, found: Path, index: int, what: str, size: int
+    ) -> tuple[Path, int, dict[str, str]]:
         """The copy of `found`, refused unless it has the entry's `size` (0: not given)."""
         directory = self.dest / str(self.count)
         directory.mkdir(parents=True, exist_ok=True)
         copy = directory / str(index)
-        size, md5 = copy_and_hash(found, copy, what, size)
-        self.copies[found] = (copy.resolve(), size, md5)
+        copied, digests = copy_and_hash(found, copy, what, size)
+        self.copies[found] = (copy.resolve(), copied, digests)
         return self.copies[found]
+
+
+def _tagged(tags: list[str]) -> object:
+    """The algorithm an entry's `alg` tags name (their JSON value); None when untagged.
+    Tags that disagree, or one that is not JSON, are returned as they are, so that they
+    are refused by name."""
+    if not tags:
+        return None
+    if len(set(tags)) > 1:
+        return tags
+    try:
+        return json.loads(tags[0])
+    except (JSONDecodeError, RecursionError):
+        return tags[0]
