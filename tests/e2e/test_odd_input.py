@@ -8,6 +8,7 @@ mode of 000 stops it as it stops any user.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from google.protobuf.message import DecodeError
 
-from wbmerge.log import pb, read_payloads
+from wbmerge.log import pb, read_payloads, read_records
 
 from ..support.hostile import copy_job, insert_after_run_record, one_error_line, run_cli, run_logs
 from ..support.ranklogs import history_record
@@ -465,3 +466,51 @@ def test_rows_before_the_run_record_are_moved_after_it_and_arrive(sink, tmp_path
     assert [(r["_step"], r["loss"]) for r in got["history"]] == [(0, 5), (1, 4), (2, 3), (3, 2)]
     assert [r["system.cpu"] for r in got["system_metrics"]] == [1, 2]
     assert (run_dir / "run-early.wandb").read_bytes() == before
+
+
+NOT_UTF8 = b"\xffjob"  # a directory's name that is no UTF-8: bytes, as Linux allows
+
+
+def rank_rows(log: Path) -> list[dict]:
+    """The history rows of `log`, read with protobuf: {key: value} of each."""
+    return [
+        {"/".join(item.nested_key) or item.key: json.loads(item.value_json)
+         for item in record.history.item}
+        for record in read_records(log) if record.WhichOneof("record_type") == "history"
+    ]  # fmt: skip
+
+
+def test_a_job_under_a_directory_named_not_in_utf8_syncs_and_prints_it_escaped(
+    sink, tmp_path, monkeypatch
+):
+    """Python hands such a name out with lone surrogates, which no UTF-8 text can hold:
+    the JSON of `inspect` and `sync --dry-run` and an error line give the path with the
+    byte escaped, and `sync` uploads the run and verifies it."""
+    job = copy_job("one_node_4", tmp_path / os.fsdecode(NOT_UTF8))
+    escaped = f"{tmp_path}/\\xffjob/wandb/offline-run-"
+    shared = ["--run-mode", "shared"]
+    for command in (["inspect", "--json"], ["sync", "--dry-run", "--json", *shared]):
+        result = run_cli(*command, job / "wandb")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.encode("ascii")  # (JSON escapes any other character)
+        printed = json.loads(result.stdout)
+        if command[0] == "inspect":
+            (primary,) = [entry["run_id"] for entry in printed if entry["rank"] == 0]
+        found = printed if command[0] == "inspect" else printed[0]["sources"]
+        paths = sorted(entry["path"] for entry in found)
+        assert [path.encode("utf-8") for path in paths]  # no lone surrogate in them
+        assert [path.startswith(escaped) for path in paths] == [True] * 4
+    line = one_error_line(run_cli("inspect", job / "nothing-here"))
+    assert f"{tmp_path}/\\xffjob/nothing-here" in line, line
+
+    for name, value in {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}.items():
+        monkeypatch.setenv(name, value)
+    result = run_cli("sync", job / "wandb", "--run-mode", "auto", "-p", "odd-names")
+    assert result.returncode == 0, result.stderr
+    assert "verified" in result.stderr
+    (run,) = sink.client.runs(project="odd-names")
+    held = sink.client.run("local", "odd-names", run["id"])["history"]
+    (log,) = job.glob(f"wandb/offline-run-*-{primary}/run-{primary}.wandb")
+    rank0 = rank_rows(log)
+    assert [row["_step"] for row in held] == [row["_step"] for row in rank0]
+    assert [row["train/loss"] for row in held] == [row["train/loss"] for row in rank0]

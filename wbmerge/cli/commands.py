@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shlex
@@ -14,7 +13,7 @@ import click
 
 from .. import __version__
 from ..errors import WbmergeError
-from .exits import OneLineUsage, one_line_errors
+from .exits import OneLineUsage, one_line_errors, printable_json
 from .sink import sink
 
 if TYPE_CHECKING:
@@ -119,7 +118,7 @@ def inspect(
 
     rows = api.inspect(paths, label_pattern=label_pattern, ranks_file=ranks_file, primary=primary)
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(printable_json(rows))
     else:
         click.echo(format_inspection(rows), nl=False)
     unreadable = unreadable_summary(rows)
@@ -155,7 +154,7 @@ def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
 def _print_plan(planned: list, as_json: bool) -> None:
     targets = [t.as_json() for job in planned for t in job.targets]
     if as_json:
-        click.echo(json.dumps(targets, indent=2))
+        click.echo(printable_json(targets))
         return
     for job in planned:
         click.echo(f"job {job.job.job_id}: run_mode={job.run_mode} rank_scope={job.rank_scope} "
@@ -238,8 +237,9 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
         for warning in s.warnings:
             click.echo(f"wbmerge: warning: {s.target.id}: {warning}", err=True)
     if as_json:
-        click.echo(json.dumps([{"id": s.target.id, "path": str(s.run_dir), "kind": s.target.kind,
-                                "exit_code": s.exit_code} for s in staged], indent=2))  # fmt: skip
+        click.echo(printable_json([{"id": s.target.id, "path": str(s.run_dir),
+                                   "kind": s.target.kind, "exit_code": s.exit_code}
+                                  for s in staged]))  # fmt: skip
         return
     for s in staged:
         rows = f"{s.history_rows} merged rows, " if s.target.kind == "shared" else ""
@@ -446,11 +446,11 @@ def _print_synced(report: SyncReport, as_json: bool) -> None:
     for warning in report.warnings:
         click.echo(f"wbmerge: warning: {warning}", err=True)
     if as_json:
-        click.echo(json.dumps({
+        click.echo(printable_json({
             "links": report.links,
             "runs": [{"id": t.target.id, "group": t.target.group, "status": t.status, "url": t.url}
                      for t in report.targets],
-        }, indent=2))  # fmt: skip
+        }))  # fmt: skip
         return
     for t in report.targets:
         click.echo(f"{t.status:>16}: {t.target.id}")
@@ -500,7 +500,7 @@ def _follow(
     for warning in result.final_sync.warnings if result.final_sync else []:
         click.echo(f"wbmerge: warning: {warning}", err=True)
     if as_json:
-        click.echo(json.dumps({"rounds": result.rounds, "links": result.links}, indent=2))
+        click.echo(printable_json({"rounds": result.rounds, "links": result.links}))
         return
     for link in result.links:
         click.echo(f"{link['kind']}: {link['url']}")
@@ -572,6 +572,6 @@ def report(
     for line in (line for r in reports for line in [*r.warnings, *r.damage]):
         click.echo(f"wbmerge: warning: {line}", err=True)
     if as_json:
-        click.echo(json.dumps([r.to_dict() for r in reports], indent=2))
+        click.echo(printable_json([r.to_dict() for r in reports]))
     else:
         click.echo(format_report(reports, color=sys.stdout.isatty()), nl=False)

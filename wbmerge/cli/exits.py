@@ -7,7 +7,9 @@ one line as well, with how to get its traceback. No traceback reaches a user.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -36,7 +38,7 @@ def one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
                 return func(*args, **kwargs)
         except WbmergeError as exc:
             for line in getattr(exc, "lines", None) or [str(exc)]:
-                click.echo(f"wbmerge: error: {line}", err=True)
+                click.echo(f"wbmerge: error: {printable(line)}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo(_stopped("interrupted"), err=True)
@@ -55,7 +57,7 @@ def one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
                 click.echo(f"wbmerge: error: {hostile}", err=True)
                 sys.exit(2)
             click.echo(
-                f"wbmerge: internal error: {type(exc).__name__}: {exc} "
+                f"wbmerge: internal error: {type(exc).__name__}: {printable(str(exc))} "
                 "(rerun with WBMERGE_DEBUG=1 for a traceback)",
                 err=True,
             )
@@ -74,7 +76,7 @@ def _stopped(how: str) -> str:
 
 def _show_warning(message: Any, category: type, *args: Any, **kwargs: Any) -> None:
     if issubclass(category, InputWarning):
-        click.echo(f"wbmerge: warning: {message}", err=True)
+        click.echo(f"wbmerge: warning: {printable(str(message))}", err=True)
     else:
         _default_show_warning(message, category, *args, **kwargs)
 
@@ -91,6 +93,39 @@ def _hostile_input(paths: Any) -> str | None:
         return find_invalid_records(paths)
     except Exception:  # the input cannot even be listed: report the first failure
         return None
+
+
+# A path whose name is not UTF-8 reaches Python as text holding lone surrogates (PEP 383),
+# which no UTF-8 output may hold: each is printed escaped instead.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    if 0xDC80 <= code <= 0xDCFF:  # a byte of a name that is not UTF-8 (`os.fsencode`'s)
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\u{code:04x}"
+
+
+def printable(text: str) -> str:
+    """`text` as UTF-8 can hold it: a byte of a file name that is not UTF-8 as `\\xff`,
+    any other lone surrogate as `\\udXXX`."""
+    return _SURROGATE.sub(_escaped, text)
+
+
+def printable_json(value: object) -> str:
+    """`value` as indented JSON that is valid UTF-8: every string `printable`."""
+    return json.dumps(_printable_values(value), indent=2)
+
+
+def _printable_values(value: object) -> object:
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {_printable_values(k): _printable_values(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_printable_values(item) for item in value]
+    return value
 
 
 _NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # (click 8.2 and later)

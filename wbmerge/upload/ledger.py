@@ -131,7 +131,9 @@ class Ledger:
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
         for source in (*target.sources, *target.extra_system_sources):
             stat = source.path.stat()
-            digest.update(f"{source.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+            # (the path's own bytes: a name that is not UTF-8 has no UTF-8 text)
+            digest.update(os.fsencode(source.path.resolve()))
+            digest.update(f"|{stat.st_size}|{stat.st_mtime_ns}".encode())
         return digest.hexdigest()
 
     def synced(self, key: str, fingerprint: str) -> dict | None:
