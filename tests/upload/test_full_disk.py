@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from wbmerge.log import read_records
+
 from ..conftest import ROOT, job_dir
 
 
@@ -125,3 +127,44 @@ def test_merge_out_on_a_full_disk_is_one_line_naming_it(full_disk, run_mode):
     assert one_line(result) == (
         f"wbmerge: error: cannot write the merged run in {out} (No space left on device)"
     )
+
+
+def test_a_state_disk_full_after_the_upload_says_the_run_is_on_the_server(
+    full_disk, sink, tmp_path
+):
+    """The ledger (made before the disk filled) cannot record the run once it is verified:
+    the run is on the server whole, so the sync says so and exits 1, not "bad input, nothing
+    uploaded"; a rerun with room finds it whole and records it without sending it again."""
+    state = full_disk.disk / "state"
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; "
+            "from wbmerge.upload import Ledger; "
+            f"Ledger(Path({str(state / 'ledger.sqlite3')!r})).close()")  # fmt: skip
+    prepare = f"mkdir {state} {state / 'locks'} && {sys.executable} -c {shlex.quote(code)}"
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(state)}
+    args = ("sync", job_dir("one_node_4"), "-p", "full", "-e", "local")
+    result = full_disk(*args, env=env, free=0, prepare=prepare)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr and "internal error" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("wbmerge: error:")]
+    assert errors == [
+        "wbmerge: error: run fx-one-node-4: on the server whole and verified, but not recorded "
+        f"as synced: cannot keep the ledger of synced runs in {state} (no space left on device: "
+        "database or disk is full); set WBMERGE_STATE_DIR to a directory wbmerge may write; a "
+        "rerun finds the run whole on the server and records it without sending it again"
+    ], result.stderr
+    rank0 = [
+        record.history.step.num
+        for record in read_records(next(job_dir("one_node_4").glob("wandb/*-xjp8yzcx/*.wandb")))
+        if record.WhichOneof("record_type") == "history"
+    ]
+    history = sink.client.run("local", "full", "fx-one-node-4")["history"]
+    assert [row["_step"] for row in history] == rank0 == list(range(30))
+
+    rerun = subprocess.run(
+        [sys.executable, "-m", "wbmerge.cli", *map(str, args)], capture_output=True, text=True,
+        timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **sink.env,
+                          "WBMERGE_STATE_DIR": str(tmp_path / "room")},
+    )  # fmt: skip
+    assert rerun.returncode == 0, rerun.stderr
+    assert "verified fx-one-node-4: 30 rows, all on the server already" in rerun.stderr
+    assert sink.client.run("local", "full", "fx-one-node-4")["history"] == history

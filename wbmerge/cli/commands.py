@@ -398,8 +398,8 @@ def verify_command(uploaded_by: str, as_json: bool, **kw: Any) -> None:
     find_credentials()  # before any work: no credentials, no reading of runs
     report = api.verify(uploaded_by=uploaded_by, **kw)  # type: ignore[arg-type]
     if as_json:
-        click.echo(json.dumps({"whole": report.whole,
-                               "runs": [run.as_json() for run in report.runs]}, indent=2))  # fmt: skip
+        runs = [run.as_json() for run in report.runs]
+        click.echo(printable_json({"whole": report.whole, "runs": runs}))
     else:
         for run in report.runs:
             if run.whole:

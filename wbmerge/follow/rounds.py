@@ -474,6 +474,8 @@ class Follower:
         for target, delivery, now, code in entries:
             known = self.known[target.id]
             report.warnings += [f"{target.id}: {w}" for w in delivery.warnings]
+            if delivery.unrecorded:  # (a ledger that cannot record would fail every round)
+                raise WbmergeError(f"run {target.id}: {'; '.join(delivery.problems)}", 1)
             if not delivery.verified:
                 report.targets.append(
                     TargetRound(target.id, "failed", known.rows or 0, problems=delivery.problems)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from ..errors import WbmergeError
 from ..upload import (
     DEFAULT_TIMEOUT,
     Credentials,
@@ -568,9 +569,19 @@ class Deliverer:
                            self.every_value)  # fmt: skip
 
     def _verified(self, delivery: Delivery, ledger: Ledger) -> None:
-        """Record a run found whole (unless a live round sent it), and drop its staging."""
+        """Record a run found whole (unless a live round sent it), and drop its staging. A
+        ledger that cannot record it (a full disk) fails the run, saying it is whole."""
         if delivery.final:
-            ledger.record(delivery.key, delivery.fingerprint, self.entity)
+            try:
+                ledger.record(delivery.key, delivery.fingerprint, self.entity)
+            except WbmergeError as exc:
+                delivery.unrecorded = True
+                delivery.problems.append(
+                    f"on the server whole and verified, but not recorded as synced: {exc}; a "
+                    "rerun finds the run whole on the server and records it without sending "
+                    "it again"
+                )
+                return
         delivery.verified = True
         if self.remove_verified:
             shutil.rmtree(delivery.run_dir, ignore_errors=True)
@@ -584,6 +595,8 @@ class Deliverer:
             self._tell(f"verified {delivery.run_id}: {staged_rows} rows, all on the server already")
         elif delivery.verified:
             self._tell(f"verified {delivery.run_id}: {staged_rows} rows")
+        elif delivery.unrecorded:
+            self._tell(f"verified {delivery.run_id}: {staged_rows} rows, not recorded")
         else:
             self._tell(f"incomplete {delivery.run_id}: {'; '.join(delivery.problems)}")
 

@@ -470,7 +470,8 @@ def _finish_job(upload: _JobUpload, run: _SyncRun) -> list[str]:
             f"no progress for {run.uploads.timeout:.0f} s, upload stopped; complete: "
             f"{', '.join(complete) or 'none'} (rerun to send the rest)"
         )
-    advised = [d for d in result.failed if not d.merge_fault]  # (see `Delivery.merge_fault`)
+    # (see `Delivery.merge_fault` and `.unrecorded`: their lines say what mends them)
+    advised = [d for d in result.failed if not (d.merge_fault or d.unrecorded)]
     if any(not d.refused for d in advised) or result.timed_out:
         lines.append(RERUN)
     elif advised:  # (every run refused: a rerun would refuse them again)

@@ -65,6 +65,10 @@ class Delivery:
     # The staged run lacks what its ranks logged (`source_check`): not sent, and neither a
     # rerun nor other run ids would help, so no advice follows its line.
     merge_fault: bool = False
+    # Verified whole on the server, but the ledger could not record it (a full disk): not
+    # `verified`, so the sync fails; its line says the run is whole, and no other advice
+    # follows it (a rerun with room records it without sending it).
+    unrecorded: bool = False
     # held by the thread counting what the staged log holds (`content`), so it is counted once
     counting: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
