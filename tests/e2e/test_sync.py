@@ -276,8 +276,9 @@ def test_a_run_holding_every_ranks_system_metrics_is_not_sent_the_primarys_alone
     assert again.exit_code == 1
     assert (
         f"wbmerge: error: run fx-slow-rank: the server holds {len(before['system_metrics'])} "
-        f"system-metric rows, more than the {primary_only} staged (synced before with "
-        "--system-metrics all?): the server's run is not a beginning of this one" in again.stderr
+        f"system-metric rows, more than the {primary_only} staged: the server's run is not a "
+        "beginning of this one (this machine verified it from other files or settings before: "
+        "its sources or options changed since)" in again.stderr
     )
     assert json.loads(again.stdout)["runs"] == []
     assert sink.client.run("local", "smx", "fx-slow-rank") == before

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from wbmerge.cli import main
 from wbmerge.training import RankInfo
 
+from ..conftest import job_dir
 from ..support import synthetic
 from ..support.sinktools import expected_from_log
 from .test_upload_faults import assert_exactly_once
@@ -72,3 +73,53 @@ def test_resend_cannot_be_used_with_follow(tmp_path):
     result = CliRunner().invoke(main, ["sync", str(tmp_path), "--follow", "--resend"])
     assert result.exit_code == 2
     assert "--resend cannot be used with --follow" in result.stderr
+
+
+def error_lines(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("wbmerge: error:")]
+
+
+def assert_mends_without_resend(result) -> None:
+    """The refusal names what can mend the run (another --base-id, or deleting it on the
+    server) and never `--resend`, which cannot."""
+    assert result.exit_code == 1, result.output + result.stderr
+    lines = error_lines(result)
+    assert not [line for line in lines if "--resend" in line], lines
+    assert lines[-1] == (
+        "wbmerge: error: syncing again cannot complete these runs: upload under other run ids "
+        "(with --base-id ID), or delete the runs on the server first"
+    ), lines
+
+
+@pytest.mark.parametrize("resend", [False, True], ids=["sync", "resend"])
+def test_a_run_the_server_holds_more_rows_of_is_not_told_to_resend(sink, tmp_path, resend):
+    write(tmp_path / "long", seed=0, steps=400)
+    write(tmp_path / "short", seed=0, steps=300)
+    assert sync(sink, tmp_path, tmp_path / "long").exit_code == 0
+    before = sink.client.run("local", "resent", JOB)
+    refused = sync(sink, tmp_path, tmp_path / "short", *(["--resend"] if resend else []))
+    (line, _) = error_lines(refused)
+    # (a sync compares system-metric rows first, `--resend` history rows)
+    what = (
+        "400 history rows, more than the 300" if resend else "4 system-metric rows, more than the 3"
+    )
+    assert f"wbmerge: error: run {JOB}: the server holds {what} staged" in line
+    assert_mends_without_resend(refused)
+    assert sink.client.run("local", "resent", JOB) == before
+
+
+def test_a_run_holding_more_system_metric_rows_is_told_what_mends_it(sink, tmp_path):
+    """Synced with every rank's system metrics, then with the primary's alone: this ledger
+    knows the options changed, so the line says so rather than guess; neither a rerun
+    nor `--resend` can remove rows, so neither is advised."""
+    args = (job_dir("slow_rank"),)
+    assert sync(sink, tmp_path, *args, "--system-metrics", "all").exit_code == 0
+    before = sink.client.run("local", "resent", "fx-slow-rank")
+    for more in ([], ["--resend"]):
+        refused = sync(sink, tmp_path, *args, *more)
+        (line, _) = error_lines(refused)
+        assert "system-metric rows, more than the" in line
+        assert "--system-metrics all?" not in line
+        assert "this machine verified it from other files or settings before" in line
+        assert_mends_without_resend(refused)
+    assert sink.client.run("local", "resent", "fx-slow-rank") == before

@@ -252,6 +252,7 @@ class Deliverer:
                 delivery.problems.extend(exc.args[0])
             except Mismatch as exc:
                 delivery.refused = True
+                delivery.resend_mends = exc.resend_mends and not self.resend
                 ledger = ledger or Ledger(self.ledger_path)
                 changed = ledger.recorded_otherwise(delivery.key, delivery.fingerprint)
                 delivery.problems.append(not_a_beginning(str(exc), changed))

@@ -478,8 +478,16 @@ def _finish_job(upload: _JobUpload, run: _SyncRun) -> list[str]:
         # A merged run's id was chosen by its merge: --base-id goes to `merge`, not `sync`.
         merged = any(target.kind == "merged" for target, _ in upload.todo)
         how = "merge them again with --base-id ID" if merged else "with --base-id ID"
-        lines.append(f"{REFUSED} ({how}), delete the runs on the server first, or send them "
-                     "whole again over what the server holds (`wbmerge sync --resend`)")  # fmt: skip
+        # (`--resend` only where it mends: it never removes what the server holds beyond)
+        mended = [d.run_id for d in advised if d.resend_mends]
+        if len(mended) == len(advised):
+            lines.append(f"{REFUSED} ({how}), delete the runs on the server first, or send "
+                         "them whole again over what the server holds (`wbmerge sync "
+                         "--resend`)")  # fmt: skip
+        else:
+            resend = (f"; `wbmerge sync --resend` sends {', '.join(mended)} whole again over "
+                      "what the server holds") if mended else ""  # fmt: skip
+            lines.append(f"{REFUSED} ({how}), or delete the runs on the server first{resend}")
     return lines
 
 

@@ -29,6 +29,9 @@ class Delivery:
     verified: bool = False
     # The server holds rows of this run that are not a beginning of it: a rerun refuses too.
     refused: bool = False
+    # A refused run that `sync --resend` would leave exact (`Mismatch.resend_mends`; rows
+    # lost inside it): only then is `--resend` advised.
+    resend_mends: bool = True
     # Recorded in the ledger once verified. A live round of `sync --follow` sends runs that
     # are not done yet: verified, but not recorded, so that later rounds send the rest.
     final: bool = True

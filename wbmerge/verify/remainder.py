@@ -48,7 +48,14 @@ class Remainder:
 
 
 class Mismatch(ValueError):
-    """The server holds rows of this run that are not a prefix of the staged run."""
+    """The server holds rows of this run that are not a prefix of the staged run.
+    `resend_mends`: whether `sync --resend` (each line sent again over the one at its
+    place) would leave the run exact; it never removes lines the server holds past the
+    staged run's."""
+
+    def __init__(self, message: str, resend_mends: bool = True) -> None:
+        super().__init__(message)
+        self.resend_mends = resend_mends
 
 
 def remainder(
@@ -63,13 +70,16 @@ def remainder(
     upload that continues the run would number otherwise are moved there (`resteps`).
     """
     if extra := held_beyond(staged, held):
-        raise Mismatch(extra[0])
+        raise Mismatch(extra[0], resend_mends=False)
     have = held.history_lines if held.exists else 0
     if have == 0:
         return Remainder(0)
     rows = len(staged.step_items)
     if have > rows:
-        raise Mismatch(f"the server holds {have} history rows, more than the {rows} staged")
+        raise Mismatch(
+            f"the server holds {have} history rows, more than the {rows} staged",
+            resend_mends=False,
+        )
     expected = staged.history_steps[have - 1]
     if held.last_step != expected:
         raise Mismatch(
@@ -101,10 +111,11 @@ def resend_whole(staged: StagedContent, held: Held) -> Remainder:
     if held.history_lines > rows:
         raise Mismatch(
             f"the server holds {held.history_lines} history rows, more than the {rows} staged, "
-            "and sending the run again cannot remove rows"
+            "and sending the run again cannot remove rows",
+            resend_mends=False,
         )
     if extra := held_beyond(staged, held):
-        raise Mismatch(extra[0])
+        raise Mismatch(f"{extra[0]}, and sending the run again cannot remove rows", False)
     return Remainder(0)
 
 
@@ -117,7 +128,7 @@ def not_a_beginning(what: str, sources_changed: bool) -> str:
         "options changed since"
         if sources_changed
         else "its sources changed since an earlier upload, or it was uploaded with another "
-        "run mode or other options?"
+        "run mode or other options, such as --system-metrics all?"
     )
     return f"{what}: the server's run is not a beginning of this one ({why}) and is left as it is"
 
@@ -204,7 +215,7 @@ def held_beyond(staged: StagedContent, held: Held) -> list[str]:
     (progress bars) among lines sent already."""
     if held.events_lines > staged.events:
         return [f"the server holds {held.events_lines} system-metric rows, more than the "
-                f"{staged.events} staged (synced before with --system-metrics all?)"]  # fmt: skip
+                f"{staged.events} staged"]  # fmt: skip
     return []
 
 
