@@ -25,12 +25,14 @@ def write_rank(
     seed: int = 0,
     key_labels: tuple[str, ...] = (),
     exit_code: int = 0,
+    config: dict[str, object] | None = None,
 ) -> Path:
     """Write one rank's offline run under `root/wandb/`; returns the `.wandb` path.
 
     With `key_labels`, every metric is written once per label as `{key}/{label}`: the shape
     of a merged shared run, for tests of what displays it. `exit_code`: the exit record's
-    (a run that failed, for torch elastic to start again).
+    (a run that failed, for torch elastic to start again). `config`: keys of the run's
+    config besides `lr` and the rank's `wbmerge` block.
     """
     run_id = f"syn{info.rank:04d}r{info.restart}{seed:x}"
     run_dir = root / "wandb" / f"offline-run-20260101_000000-{run_id}"
@@ -58,7 +60,8 @@ def write_rank(
         run.run.run_id = run_id
         run.run.project = "synthetic"
         run.run.start_time.FromNanoseconds(int(start * 1e9))
-        for key, value in (("lr", 0.001), (METADATA_KEY, info.to_metadata())):
+        for key, value in (("lr", 0.001), (METADATA_KEY, info.to_metadata()),
+                           *(config or {}).items()):  # fmt: skip
             item = run.run.config.update.add()
             item.key, item.value_json = key, json.dumps(value)
         emit(run)

@@ -21,9 +21,11 @@ pytestmark = pytest.mark.e2e
 JOB = "edited"  # the job's id, and so its run's id
 
 
-def write(root, seed, steps=400):
-    """One rank of job `JOB`, its values drawn with `seed`; returns its `.wandb` path."""
-    return synthetic.write_rank(root, RankInfo(0, 0, 1, 1, 0, job_id=JOB), steps, 5, seed=seed)
+def write(root, seed, steps=400, print_every=50, config=None):
+    """One rank of job `JOB`, its values drawn with `seed`, a console line every
+    `print_every` steps and `config` besides its own keys; returns its `.wandb` path."""
+    return synthetic.write_rank(root, RankInfo(0, 0, 1, 1, 0, job_id=JOB), steps, 5,
+                                print_every=print_every, seed=seed, config=config)  # fmt: skip
 
 
 def sync(sink, tmp_path, source, *more):
@@ -123,3 +125,29 @@ def test_a_run_holding_more_system_metric_rows_is_told_what_mends_it(sink, tmp_p
         assert "this machine verified it from other files or settings before" in line
         assert_mends_without_resend(refused)
     assert sink.client.run("local", "resent", "fx-slow-rank") == before
+
+
+LEFT_BEHIND = {  # what the first upload leaves that sending the run again cannot remove
+    "console": "the server holds 40 console lines, more than the 8 staged",
+    "config": "the server's config holds old_only, which the staged run does not",
+}
+
+
+@pytest.mark.parametrize("left", LEFT_BEHIND)
+def test_resend_refuses_sources_whose_run_would_keep_the_first_uploads_lines_or_keys(
+    sink, tmp_path, left
+):
+    """Synced from sources of 40 console lines or a config key `old_only`, then sent
+    again from sources of 8 lines and without the key: lines 9-40 and the key would stay
+    on the server, so the run is refused, left as it was, and told what mends it."""
+    write(tmp_path / "before", seed=0, print_every=10 if left == "console" else 50,
+          config={"old_only": 1} if left == "config" else None)  # fmt: skip
+    write(tmp_path / "after", seed=1)
+    assert sync(sink, tmp_path, tmp_path / "before").exit_code == 0
+    before = sink.client.run("local", "resent", JOB)
+    resent = sync(sink, tmp_path, tmp_path / "after", "--resend")
+    (line, _) = error_lines(resent)
+    assert line.startswith(f"wbmerge: error: run {JOB}: {LEFT_BEHIND[left]}, and sending the "
+                           "run again cannot remove them"), line  # fmt: skip
+    assert_mends_without_resend(resent)
+    assert sink.client.run("local", "resent", JOB) == before

@@ -60,7 +60,7 @@ from ..verify import (
     shortfall,
     write_remainder,
 )
-from ..wandbcore import StagedContent, read_staged
+from ..wandbcore import StagedContent, read_logged_run, read_staged
 
 # Runs of one batch checked at once after their upload: one at a time, the checks of 256
 # small runs fell 2 s behind the upload (each waits on a server busy with the upload).
@@ -183,7 +183,7 @@ class Deliverer:
         resend = self.resend and held.exists and held.history_lines > 0
         self.relay.plan(delivery.run_id, 0 if resend else held.history_lines * held.exists)
         if resend:  # (each line replaces the one at its place: none may be left beyond)
-            resend_whole(self._content(delivery), held)
+            resend_whole(self._content(delivery), held, self._staged_config(delivery))
             self._tell(f"sending {delivery.run_id} again whole, over the server's rows")
             return
         if not held.exists or not (held.history_lines or delivery.verified_before):
@@ -210,6 +210,15 @@ class Deliverer:
             write_remainder(delivery.log, cut, plan)
             cut.replace(delivery.log)
             delivery.rows_cut = plan.skip_history
+
+    @staticmethod
+    def _staged_config(delivery: Delivery) -> dict:
+        """The config the staged log gives its run; a Mismatch when it holds a value
+        that is not JSON (the server's config could not be compared with it)."""
+        try:
+            return read_logged_run(delivery.log, console_limit=0).config
+        except ValueError as exc:
+            raise Mismatch(f"its config cannot be read ({exc})", resend_mends=False) from None
 
     def submit(self, delivery: Delivery) -> None:
         """Hand over one staged run: it is prepared in a thread of its own while the next runs

@@ -23,7 +23,8 @@ has the primary's) is a `Mismatch`, refused rather than "repaired".
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import json
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,10 +104,15 @@ def remainder(
     return Remainder(have, resteps)
 
 
-def resend_whole(staged: StagedContent, held: Held) -> Remainder:
+def resend_whole(
+    staged: StagedContent, held: Held, staged_config: Collection[str] = ()
+) -> Remainder:
     """The plan of `sync --resend`: all of `staged` again, each line over the one at its
     place (the relay puts wandb-core's first line at line 0). Lines are replaced, never
-    removed, so a server holding more than is staged is a Mismatch."""
+    removed, and the server merges the config it is sent into the one it holds, so a
+    server holding more than is staged (history, system-metric or console lines, or a
+    config key not among the staged config's keys, `staged_config`) is a Mismatch: the
+    run would keep them."""
     rows = len(staged.step_items)
     if held.history_lines > rows:
         raise Mismatch(
@@ -116,7 +122,30 @@ def resend_whole(staged: StagedContent, held: Held) -> Remainder:
         )
     if extra := held_beyond(staged, held):
         raise Mismatch(f"{extra[0]}, and sending the run again cannot remove rows", False)
+    if held.log_lines > staged.console_lines:
+        raise Mismatch(
+            f"the server holds {held.log_lines} console lines, more than the "
+            f"{staged.console_lines} staged, and sending the run again cannot remove them",
+            resend_mends=False,
+        )
+    if left := [key for key in config_keys(held.config_json)
+                if not key.startswith("_") and key not in staged_config]:  # fmt: skip
+        raise Mismatch(
+            f"the server's config holds {', '.join(left[:3])}{' ...' * (len(left) > 3)}, "
+            "which the staged run does not, and sending the run again cannot remove them",
+            resend_mends=False,
+        )
     return Remainder(0)
+
+
+def config_keys(config_json: str) -> list[str]:
+    """The keys of a run's config as the server gives it (JSON text); [] for text that is
+    no JSON object."""
+    try:
+        config = json.loads(config_json) if config_json else {}
+    except (ValueError, RecursionError):
+        return []
+    return sorted(config) if isinstance(config, dict) else []
 
 
 def not_a_beginning(what: str, sources_changed: bool) -> str:
