@@ -19,7 +19,14 @@ from google.protobuf.message import DecodeError
 
 from wbmerge.log import pb, read_payloads, read_records
 
-from ..support.hostile import copy_job, insert_after_run_record, one_error_line, run_cli, run_logs
+from ..support.hostile import (
+    copy_job,
+    insert_after_run_record,
+    one_error_line,
+    rewrite_log,
+    run_cli,
+    run_logs,
+)
 from ..support.ranklogs import history_record
 
 _NO_DAC = "-dac_override,-dac_read_search"
@@ -514,3 +521,33 @@ def test_a_job_under_a_directory_named_not_in_utf8_syncs_and_prints_it_escaped(
     rank0 = rank_rows(log)
     assert [row["_step"] for row in held] == [row["_step"] for row in rank0]
     assert [row["train/loss"] for row in held] == [row["train/loss"] for row in rank0]
+
+
+def test_a_label_holding_a_lone_surrogate_is_printed_escaped(job, tmp_path):
+    """JSON text may spell a lone surrogate (`"\\ud800"`), which no UTF-8 output holds: a
+    rank's label of one is printed escaped in text as in JSON, never an internal error."""
+
+    def hostile_label(record: pb.Record) -> pb.Record | None:
+        if record.WhichOneof("record_type") != "run":
+            return None
+        for item in record.run.config.update:
+            if item.key == "wbmerge":
+                block = json.loads(item.value_json)
+                item.value_json = json.dumps({**block, "label": "rank\ud800x"})
+                changed.append(block["rank"])
+        return record
+
+    changed: list[int] = []
+
+    rewrite_log(run_logs(job)[1], hostile_label)
+    shared = ["--run-mode", "shared"]
+    for command in (["inspect"], ["inspect", "--json"], ["sync", "--dry-run", *shared]):
+        result = run_cli(*command, job)
+        assert result.returncode == 0, result.stderr
+        if "--json" in command:
+            labels = [run["label"] for run in json.loads(result.stdout)]
+            assert sorted(labels) == sorted(
+                "rank\\ud800x" if rank in changed else f"rank-{rank}" for rank in range(4)
+            )
+        else:
+            assert "rank\\ud800x" in result.stdout, result.stdout

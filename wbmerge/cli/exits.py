@@ -7,6 +7,8 @@ one line as well, with how to get its traceback. No traceback reaches a user.
 
 from __future__ import annotations
 
+import codecs
+import io
 import json
 import os
 import re
@@ -107,6 +109,31 @@ def _escaped(match: re.Match[str]) -> str:
     return f"\\u{code:04x}"
 
 
+def _escape_unencodable(error: UnicodeError) -> tuple[str, int]:
+    """The codec error handler of the command's output (`wbmerge-escape`): what its
+    encoding cannot hold (a lone surrogate, in UTF-8) printed escaped, as `printable`."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    text = error.object[error.start : error.end]
+    escaped = "".join(
+        _escaped(match) if (match := _SURROGATE.fullmatch(char)) else f"\\u{ord(char):04x}"
+        for char in text
+    )
+    return escaped, error.end
+
+
+codecs.register_error("wbmerge-escape", _escape_unencodable)
+
+
+def escape_unencodable_output() -> None:
+    """Make stdout and stderr print what their encoding cannot hold escaped: a label or
+    name read from a run may hold a lone surrogate (JSON can spell one), which would
+    otherwise stop a command halfway through its output."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="wbmerge-escape")
+
+
 def printable(text: str) -> str:
     """`text` as UTF-8 can hold it: a byte of a file name that is not UTF-8 as `\\xff`,
     any other lone surrogate as `\\udXXX`."""
@@ -138,6 +165,7 @@ class OneLineUsage(click.Group):
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
+        escape_unencodable_output()
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)
         except _NO_ARGS as exc:  # (a group given no command: its help, as click shows it)
