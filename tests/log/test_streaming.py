@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from wbmerge.runtime import runtime as module
+from wbmerge import runtime as module
 from wbmerge.runtime import streaming
 
 
@@ -58,7 +58,7 @@ def test_glibc_takes_the_settings():
 # glibc's own account of its arenas (`malloc_info`: a <heap nr=...> element per arena).
 THREADS_THEN_ARENAS = """
 import ctypes, sys, threading
-from wbmerge.streaming import one_malloc_arena
+from wbmerge.runtime import one_malloc_arena
 if sys.argv[1] == "one":
     assert one_malloc_arena()
 started = threading.Barrier(4)
