@@ -131,3 +131,29 @@ def test_options_that_plain_wandb_sync_has_no_use_for_are_refused(sink, tmp_path
         assert result.exit_code == 2
         [line] = result.stderr.strip().splitlines()
         assert line.startswith(f"wbmerge: error: {extra[0]} does not apply to --uploaded-by wandb")
+
+
+def test_merged_runs_plain_wandb_synced_are_checked_as_they_were_merged(sink, tmp_path):
+    # docs/sync.md: a `merge --out` directory is ordinary offline runs, plain `wandb sync`
+    # takes them too; verify must check them, not refuse an option the user never gave.
+    out = tmp_path / "merged"
+    merged = cli(sink, tmp_path, "merge", job_dir("two_nodes_2x2"), "--run-mode", "new",
+                 "--base-id", "mw", "--out", out)  # fmt: skip
+    assert merged.exit_code == 0, merged.output
+    runs = sorted(out.glob("offline-run-*"))
+    uploaded = wandb_sync(sink, runs, "--project", "merged-audit", cwd=tmp_path)
+    assert uploaded.returncode == 0, uploaded.stderr
+    expected_ids = {f"mw-rank-{r}" for r in range(4)}
+
+    code, report, errors = verify(sink, tmp_path, out, "--uploaded-by", "wandb",
+                                  "-p", "merged-audit")  # fmt: skip
+    assert (code, errors) == (0, []), (errors, report)
+    assert {run["run_id"] for run in report["runs"]} == expected_ids
+    assert all(run["whole"] for run in report["runs"])
+
+    drop_history_lines(sink, "mw-rank-2", range(0, 1))
+    code, report, _ = verify(sink, tmp_path, out, "--uploaded-by", "wandb", "-p", "merged-audit")
+    assert code == 1
+    problems = problems_by_run(report)
+    assert [run_id for run_id, lines in problems.items() if lines] == ["mw-rank-2"]
+    assert "lacks 1 of" in problems["mw-rank-2"][0], problems["mw-rank-2"]

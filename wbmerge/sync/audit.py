@@ -18,6 +18,7 @@ from typing import Literal
 
 from .. import merge  # (stage is called as merge.stage: the seam a test stands a broken merge in)
 from ..errors import WbmergeError
+from ..identify import discover, make_hints, selects_merged
 from ..plan import Target, app_url, as_logged, check_destination, run_url
 from ..upload import Credentials, ServerClient, ServerError, find_credentials, make_staging
 from ..verify import WHOLE, RunOnServer, prove
@@ -80,6 +81,10 @@ def plan_verified(request: MergeRequest, uploaded_by: UploadedBy) -> list[Planne
             f"{given[0]} does not apply to --uploaded-by wandb: plain `wandb sync` uploads "
             "each offline run under its own id"
         )
+    hints = make_hints(request.label_pattern, request.ranks_file, request.primary)
+    if selects_merged(discover(request.paths, hints=hints), request.job):
+        # (a merge wrote them under their ids and names: plain `wandb sync` uploads them so)
+        return plan_jobs(request)
     planned = plan_jobs(replace(request, run_mode="new"))
     for job in planned:
         job.targets = [
