@@ -69,7 +69,12 @@ class UploadSession:
             self.client.close()
             raise
         self.own_staging = staging_dir is None
-        self.staging = make_staging() if staging_dir is None else staging_dir
+        try:  # (a TMPDIR with no room for staging: what is open is given back)
+            self.staging = make_staging() if staging_dir is None else staging_dir
+        except BaseException:
+            self.ledger.close()
+            self.client.close()
+            raise
         # A run's staged files go once it is verified, unless the user keeps staging.
         self.remove_verified = self.own_staging and not keep_staging
         self.keep_staging = keep_staging
