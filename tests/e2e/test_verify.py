@@ -5,14 +5,20 @@ file inside its own store, as a server incident does, and verify names what is m
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
 
-from ..conftest import job_dir
+from ..conftest import interruptible, job_dir
 from ..merge.test_merged_artifacts import artifact_job  # noqa: F401 - a module fixture
 from ..support.sinktools import copy_runs, wandb_sync
 from ..verify.test_row_verification import drop_history_lines
@@ -157,3 +163,30 @@ def test_merged_runs_plain_wandb_synced_are_checked_as_they_were_merged(sink, tm
     problems = problems_by_run(report)
     assert [run_id for run_id, lines in problems.items() if lines] == ["mw-rank-2"]
     assert "lacks 1 of" in problems["mw-rank-2"][0], problems["mw-rank-2"]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_verify_stopped_while_it_checks_leaves_no_staging(make_sink, tmp_path, sig, code):
+    # Each question to the server takes a second: verify is caught with a run staged.
+    sink = make_sink(["graphql=delay:1"])
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state"), "TMPDIR": str(temp),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # fmt: skip
+    args = ["verify", str(job_dir("one_node_4")), "--run-mode", "new", "-p", "stopped"]
+    proc = subprocess.Popen([sys.executable, "-m", "wbmerge.cli", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=interruptible)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not list(temp.glob("*/wbmerge-staging-*/job-0/offline-run-*")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no run was staged"
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, stderr
+    assert list(temp.rglob("*")) == [temp / f"wbmerge-{os.getuid()}"], "staging was left"

@@ -23,7 +23,7 @@ from ..plan import Target, app_url, as_logged, check_destination, run_url
 from ..upload import Credentials, ServerClient, ServerError, find_credentials, make_staging
 from ..verify import WHOLE, RunOnServer, prove
 from ..wandbcore import read_staged
-from .pipeline import PlannedJob, plan_jobs
+from .pipeline import PlannedJob, plan_jobs, sigterm_raises
 from .request import MergeRequest
 from .session import delivery_of
 
@@ -115,16 +115,17 @@ def verify_jobs(request: MergeRequest, uploaded_by: UploadedBy = "wbmerge") -> V
     report = VerifyReport()
     client = ServerClient(credentials)
     staging = None
-    try:
-        viewer_entity = client.viewer_entity()  # fails in seconds, naming the URL
-        staging = make_staging()
-        for index, job in enumerate(planned):
-            _verify_job(request, job, client, credentials, viewer_entity,
-                        staging / f"job-{index}", report)  # fmt: skip
-    finally:
-        client.close()
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+    with sigterm_raises():  # (a SIGTERM removes the staged copies of the runs, as Ctrl-C)
+        try:
+            viewer_entity = client.viewer_entity()  # fails in seconds, naming the URL
+            staging = make_staging()
+            for index, job in enumerate(planned):
+                _verify_job(request, job, client, credentials, viewer_entity,
+                            staging / f"job-{index}", report)  # fmt: skip
+        finally:
+            client.close()
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
     return report
 
 
