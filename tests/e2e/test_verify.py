@@ -106,8 +106,14 @@ def test_runs_plain_wandb_synced_are_checked_under_their_own_ids(sink, tmp_path)
         gone = db.execute("DELETE FROM files WHERE run = ? AND name = 'output.log'", (pk,))
         assert gone.rowcount == 1
     db.close()
-    code, report, _ = verify(sink, tmp_path, source, "--uploaded-by", "wandb", "-p", "plain-audit")
+    code, report, errors = verify(sink, tmp_path, source, "--uploaded-by", "wandb",
+                                  "-p", "plain-audit")  # fmt: skip
     assert code == 1
+    # (not "`wbmerge sync` with the same options": sync takes no --uploaded-by)
+    assert errors == [
+        f"wbmerge: error: 1 of {len(ids)} runs are not whole on the server (uploaded by "
+        "plain `wandb sync`; each run's line says what it lacks)"
+    ]
     problems = problems_by_run(report)
     assert [run_id for run_id, lines in problems.items() if lines] == [victim]
     assert "output.log" in "; ".join(problems[victim])

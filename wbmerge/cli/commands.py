@@ -408,10 +408,13 @@ def verify_command(uploaded_by: str, as_json: bool, **kw: Any) -> None:
                 click.echo(f"{'incomplete':>10}: {run.target.id}: {'; '.join(run.problems)}")
     if not report.whole:
         broken = sum(not run.whole for run in report.runs)
+        mend = (  # (sync takes no --uploaded-by: its runs would not be these)
+            "; `wbmerge sync` with the same options sends what they lack"
+            if uploaded_by == "wbmerge"
+            else " (uploaded by plain `wandb sync`; each run's line says what it lacks)"
+        )
         raise WbmergeError(
-            f"{broken} of {len(report.runs)} runs are not whole on the server; "
-            "`wbmerge sync` with the same options sends what they lack",
-            exit_code=1,
+            f"{broken} of {len(report.runs)} runs are not whole on the server{mend}", exit_code=1
         )
 
 
