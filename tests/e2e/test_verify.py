@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -196,3 +197,21 @@ def test_a_verify_stopped_while_it_checks_leaves_no_staging(make_sink, tmp_path,
             proc.kill()
     assert proc.returncode == code, stderr
     assert list(temp.rglob("*")) == [temp / f"wbmerge-{os.getuid()}"], "staging was left"
+
+
+def test_runs_plain_wandb_synced_are_checked_without_every_rank(sink, tmp_path):
+    # Plain `wandb sync` uploads each offline run alone: a rank whose run is not under the
+    # paths (synced from elsewhere, or never written) is no reason to refuse the others.
+    source = copy_runs(job_dir("plain_labels"), tmp_path / "plain")
+    runs = sorted((source / "wandb").glob("offline-run-*"))
+    uploaded = wandb_sync(sink, runs, "--project", "some-ranks", cwd=tmp_path)
+    assert uploaded.returncode == 0, uploaded.stderr
+    gone = max(runs, key=lambda run: run.name)
+    shutil.rmtree(gone)
+    kept = {run.name.rsplit("-", 1)[-1] for run in runs if run != gone}
+
+    code, report, errors = verify(sink, tmp_path, source, "--uploaded-by", "wandb",
+                                  "-p", "some-ranks")  # fmt: skip
+    assert (code, errors) == (0, []), (errors, report)
+    assert {run["run_id"] for run in report["runs"]} == kept
+    assert all(run["whole"] for run in report["runs"])

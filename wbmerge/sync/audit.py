@@ -85,7 +85,8 @@ def plan_verified(request: MergeRequest, uploaded_by: UploadedBy) -> list[Planne
     if selects_merged(discover(request.paths, hints=hints), request.job):
         # (a merge wrote them under their ids and names: plain `wandb sync` uploads them so)
         return plan_jobs(request)
-    planned = plan_jobs(replace(request, run_mode="new"))
+    # Each offline run on its own, as plain `wandb sync` took it: no rank needs another.
+    planned = plan_jobs(replace(request, run_mode="new", allow_missing_ranks=True))
     for job in planned:
         job.targets = [
             as_logged(run.source(), run.run_id, run.group, run.display_name, run.job_type)
