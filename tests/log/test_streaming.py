@@ -1,4 +1,4 @@
-"""The process settings of a streaming pass (`streaming`) hold during it and are put back."""
+"""The process settings of a streaming pass (`runtime.streaming`) hold during it and are put back."""
 
 import gc
 import os

@@ -237,7 +237,7 @@ class Uploader:
         return errors
 
     def _record_processes(self) -> None:
-        """Name the uploader's processes in the staging's owner record (see `staging`)."""
+        """Name the uploader's processes in the staging's owner record (see `stagingdirs`)."""
         if self.owner is not None and self.proc is not None:
             self.owner.uploader(id(self), [self.proc.pid, *descendants(self.proc.pid)])
 

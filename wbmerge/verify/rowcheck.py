@@ -8,7 +8,7 @@ read back by step, in pages, the way the public API's `scan_history` reads a run
 compared with the steps the upload sent: each must be there exactly once, and nothing
 else. The values of a sample of rows (or of every row, `full`) are compared too.
 
-This module decides what to ask and what the answers mean; `onserver.rows_missing` asks.
+This module decides what to ask and what the answers mean; `readback.rows_not_held` asks.
 
 Pages are step windows that each hold about `PAGE` of the steps sent, so that a run that
 logs every 100th step is read in as few requests as one that logs every step. A window
