@@ -9,6 +9,7 @@ from .faults import parse_fault
 from .names import BadName, check_file_name, check_run_id, check_run_path
 from .process import LocalSink
 from .protocol import ProtocolError, decode_body
+from .runfilters import FilterError, matcher
 from .store import Store
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "BadName",
+    "FilterError",
     "LocalSink",
     "ProtocolError",
     "SinkClient",
@@ -40,6 +42,7 @@ __all__ = [
     "decode_body",
     "index_html",
     "is_loopback_host",
+    "matcher",
     "names",
     "parse_fault",
     "read_api_key",

@@ -7,12 +7,13 @@ fields the uploader reads. Unknown operations get a GraphQL error, never a guess
 from __future__ import annotations
 
 import json
+import mimetypes
 import re
 import urllib.parse
 import zlib
 from typing import Any
 
-from . import artifact_api
+from . import artifact_api, public_api
 from .artifact_values import ArtifactError
 from .names import DEFAULT_ENTITY, BadName, check_file_name, check_run_path
 from .store import Store
@@ -103,6 +104,12 @@ def graphql(store: Store, payload: dict[str, Any], base_url: str) -> dict[str, A
     variables = payload.get("variables") or {}
     if not isinstance(variables, dict):
         raise ProtocolError("GraphQL variables must be a JSON object")
+    reader = public_api.HANDLERS.get(name)
+    if reader is not None:
+        try:
+            return {"data": reader(store, variables, base_url, str(payload.get("query") or ""))}
+        except public_api.QueryError as exc:
+            return {"errors": [{"message": f"{name}: {exc}"}]}
     handler = _HANDLERS.get(name) or artifact_api.HANDLERS.get(name)
     if handler is None:
         return {"errors": [{"message": f"operation {name or '?'} is not supported by this sink"}]}
@@ -223,15 +230,28 @@ def _run_resume_status(store: Store, v: dict[str, Any], base_url: str) -> dict:
 
 
 def _run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
-    """A run's state, names and a page of its files, as W&B answers `RunFiles`:
-    `fileLimit` files after the cursor `fileCursor` (here the index of the last one sent),
-    each with its MD5 and the URL it is read from."""
+    """A run's state, names and a page of its files, as W&B answers `RunFiles` (wbmerge's
+    and `run.files()`'s): `fileLimit` files after the cursor `fileCursor` (here the index
+    of the last one sent), only those named in `fileNames` or matching `pattern` (SQL
+    LIKE) when given, each with its MD5 and the URL it is read from."""
     entity, project, name = checked_run_path(
         _entity(v), v.get("project") or "uncategorized", v.get("name")
     )
+    if v.get("upload"):
+        raise ProtocolError("RunFiles: this sink gives no upload URLs to read queries")
     run, files = store.run(entity, project, name), store.file_sizes(entity, project, name)
     if run is None or files is None:
         return {"project": {"run": None}}
+    file_count = len(files)  # (a field of the run: all its files, as W&B counts them)
+    names, pattern = v.get("fileNames") or [], v.get("pattern")
+    if names:
+        wanted = set(checked_file_names(names))
+        files = [(file, size) for file, size in files if file in wanted]
+    elif pattern is not None:
+        if not isinstance(pattern, str):
+            raise ProtocolError("RunFiles: pattern must be a string")
+        like = _like(pattern)
+        files = [(file, size) for file, size in files if like.fullmatch(file)]
     cursor, limit = v.get("fileCursor"), v.get("fileLimit")
     start = (
         int(cursor) + 1 if isinstance(cursor, str) and re.fullmatch(r"[0-9]{1,9}", cursor) else 0
@@ -239,17 +259,34 @@ def _run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
     limit = limit if isinstance(limit, int) and 0 < limit <= 1000 else 50
     page = files[start : start + limit]
     run_url = _storage_url(base_url, entity, project, name)
-    edges = [{"node": {"name": file, "sizeBytes": size,
-                       "md5": store.file_md5(entity, project, name, file),
-                       "url": f"{run_url}/{urllib.parse.quote(file)}"}, "cursor": str(start + i)}
-             for i, (file, size) in enumerate(page)]  # fmt: skip
+    times = store.file_times(entity, project, name)
+    edges = []
+    for i, (file, size) in enumerate(page):
+        url = f"{run_url}/{urllib.parse.quote(file)}"
+        node = {
+            "id": f"{entity}/{project}/{name}/{file}",
+            "name": file,
+            "sizeBytes": size,
+            "md5": store.file_md5(entity, project, name, file),
+            "url": url,
+            "directUrl": url,
+            "mimetype": mimetypes.guess_type(file)[0] or "application/octet-stream",
+            "updatedAt": public_api.iso_time(times.get(file, run["updated"])),
+        }
+        edges.append({"node": node, "cursor": str(start + i)})
     end = edges[-1]["cursor"] if edges else None
     info = {"endCursor": end, "hasNextPage": start + limit < len(files)}
-    return {"project": {"run": {
+    return {"project": {"internalId": public_api.project_id(entity, project), "run": {
         "state": run["state"], "displayName": run["display_name"] or run["id"],
-        "group": run["group"], "jobType": run["job_type"], "fileCount": len(files),
+        "group": run["group"], "jobType": run["job_type"], "fileCount": file_count,
         "files": {"edges": edges, "pageInfo": info},
     }}}  # fmt: skip
+
+
+def _like(pattern: str) -> re.Pattern[str]:
+    """SQL LIKE as a regular expression: `%` any run of characters, `_` any one."""
+    parts = {"%": ".*", "_": "."}
+    return re.compile("".join(parts.get(c) or re.escape(c) for c in pattern), re.DOTALL)
 
 
 def _history_page(store: Store, v: dict[str, Any], base_url: str) -> dict:

@@ -335,6 +335,33 @@ class Store:
         last = len(lines) - 1
         return [lines[round(i * last / max(samples - 1, 1))] for i in range(max(samples, 0))]
 
+    def stream_lines(self, entity: str, project: str, name: str, stream: str) -> list[str] | None:
+        """Every line of one stream of a run (history, events or console) in line order; None
+        when the run is unknown."""
+        with self._lock:
+            found = self._db.execute(
+                "SELECT pk FROM runs WHERE entity = ? AND project = ? AND name = ?",
+                (entity, project, name),
+            ).fetchone()
+            if found is None:
+                return None
+            cursor = self._db.execute(
+                "SELECT line FROM lines WHERE run = ? AND stream = ? ORDER BY offset",
+                (found[0], stream),
+            )
+            return [row[0] for row in cursor]
+
+    def file_times(self, entity: str, project: str, name: str) -> dict[str, float]:
+        """When each file of a run was last stored (seconds since the epoch), by name."""
+        with self._lock:
+            return dict(
+                self._db.execute(
+                    "SELECT f.name, f.updated FROM files f JOIN runs r ON f.run = r.pk "
+                    "WHERE r.entity = ? AND r.project = ? AND r.name = ?",
+                    (entity, project, name),
+                ).fetchall()
+            )
+
     def file_md5(self, entity: str, project: str, name: str, file_name: str) -> str | None:
         """The MD5 of a stored file in base64, as W&B gives a file's `md5`; None if it is
         gone from the disk."""

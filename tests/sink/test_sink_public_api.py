@@ -1,0 +1,187 @@
+"""wandb 0.31's public API (`wandb.Api()`, the real client, through its own wandb-core) on
+the sink: runs uploaded with `wbmerge sync` and the real `wandb sync`, read back and
+compared with what the ranks logged (read from their `.wandb` files with protobuf)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import wandb
+
+from ..conftest import ROOT, job_dir
+from ..e2e.test_sync import UNLABELLED, cli_sync, sources_of
+from ..support.sinktools import (
+    expected_from_log,
+    system_metric_values,
+    wandb_sync,
+)
+from ..support.tagged_runs import RUNS as TAGGED
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def api(sink, tmp_path, monkeypatch):
+    """The real public API client, pointed at the sink, its caches in the test's directory."""
+    for name in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(name)
+    for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    return wandb.Api(overrides={"base_url": sink.url}, api_key=sink.api_key)
+
+
+def synced(sink, tmp_path, job, *args):
+    result = cli_sync(sink, tmp_path, job_dir(job), *args, "-e", "local")
+    assert result.exit_code == 0, result.stderr
+    return sources_of(job)
+
+
+def test_a_shared_run_reads_back_as_every_rank_logged_it(sink, tmp_path, api):
+    ranks = synced(sink, tmp_path, "one_node_4", "--run-mode", "shared", "-p", "pub")
+    run = api.run("local/pub/fx-one-node-4")
+    assert (run.id, run.state, run.group, run.job_type) == ("fx-one-node-4", "finished", None, None)
+    primary = ranks[0][1]
+    assert {k: run.config[k] for k in primary.config if k != "wbmerge"} == {
+        k: v for k, v in primary.config.items() if k != "wbmerge"
+    }
+    for label, want, _ in ranks.values():
+        for key, value in want.summary.items():
+            if key not in UNLABELLED:
+                assert run.summary[f"{key}/{label}"] == value, (key, label)
+
+    # Every row, paged: every rank's value at its step under its label, nothing more.
+    rows = list(run.scan_history(page_size=7))
+    assert [row["_step"] for row in rows] == list(range(30))
+    expected_keys: dict[int, set] = {}
+    for label, want, _ in ranks.values():
+        for source in want.history:
+            for key, value in source.items():
+                if key not in UNLABELLED:
+                    assert rows[source["_step"]][f"{key}/{label}"] == value
+                    expected_keys.setdefault(source["_step"], set()).add(f"{key}/{label}")
+    assert all(set(row) - UNLABELLED == expected_keys[row["_step"]] for row in rows)
+
+    # Keys: only the rows that hold all of them, each with just those keys and `_step`.
+    for label, want, _ in ranks.values():
+        key = f"train/loss/{label}"
+        wanted = [{"_step": r["_step"], key: r["train/loss"]} for r in want.history]
+        assert list(run.scan_history(keys=[key], page_size=4)) == wanted
+        assert list(run.scan_history(keys=[key], min_step=10, max_step=20)) == wanted[10:20]
+
+    # Sampled as W&B samples: every row when they fit, else `samples` of them spread
+    # over the run, the first and the last kept.
+    assert run.history(samples=500, pandas=False) == rows
+    sampled = run.history(samples=10, pandas=False)
+    steps = [row["_step"] for row in sampled]
+    assert len(steps) == 10 and steps[0] == 0 and steps[-1] == 29
+    assert steps == sorted(set(steps))
+    assert sampled == [rows[step] for step in steps]
+    keyed = run.history(samples=6, keys=["train/loss/rank-2", "train/loss/rank-3"], pandas=False)
+    assert len(keyed) == 6 and keyed[0]["_step"] == 0 and keyed[-1]["_step"] == 29
+    for row in keyed:
+        step = row["_step"]
+        assert row == {"_step": step, "train/loss/rank-2": ranks[2][1].history[step]["train/loss"],
+                       "train/loss/rank-3": ranks[3][1].history[step]["train/loss"]}  # fmt: skip
+
+    # System metrics: every sample of every rank, labelled.
+    events = system_metric_values(run.history(stream="events", pandas=False))
+    assert len(events) == sum(len(want.stats) for _, want, _ in ranks.values())
+    for label, want, _ in ranks.values():
+        for sample in want.stats:
+            assert {k if "/l:" in k else f"{k}/l:{label}": v for k, v in sample.items()} in events
+
+    # Files: listed with their MD5, downloaded byte for byte.
+    files = list(run.files())
+    assert {f.name for f in files} == set(sink.client.run("local", "pub", run.id)["files"])
+    assert {"wandb-summary.json", "config.yaml", "output.log"} <= {f.name for f in files}
+    for file in files:
+        with open(file.download(root=str(tmp_path / "files")).name, "rb") as got:
+            data = got.read()
+        assert data == sink.client.file("local", "pub", run.id, file.name)
+        assert file.md5 == base64.b64encode(hashlib.md5(data).digest()).decode()
+    (summary_file,) = run.files(names=["wandb-summary.json"])
+    assert summary_file.name == "wandb-summary.json"
+
+
+def write_tagged_runs(sink, tmp_path):
+    """The runs of tests/support/tagged_runs.py, written by real wandb and sent by the real
+    `wandb sync` to project `filters`."""
+    root = tmp_path / "tagged"
+    root.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(PYTHONPATH=str(ROOT), WANDB_SILENT="true", WANDB_CACHE_DIR=str(root / "cache"),
+               WANDB_CONFIG_DIR=str(root / "config"), WANDB_DATA_DIR=str(root / "data"))  # fmt: skip
+    cmd = [sys.executable, "-m", "tests.support.tagged_runs", str(root)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = sorted((root / "wandb").glob("offline-run-*"))
+    assert wandb_sync(sink, runs, "-p", "filters", "-e", "local", cwd=root).returncode == 0
+
+
+def test_runs_are_found_by_group_job_type_tags_and_state(sink, tmp_path, api):
+    result = cli_sync(sink, tmp_path, job_dir("recipe_job_type"), "--run-mode", "new",
+                      "-p", "filters", "-e", "local")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    write_tagged_runs(sink, tmp_path)
+    # One run per rank; the ranks' own job types (main for one, worker for the others).
+    kinds = Counter(
+        expected_from_log(log).job_type
+        for log in job_dir("recipe_job_type").glob("wandb/*/run-*.wandb")
+    )
+    assert kinds == {"main": 1, "worker": 3}
+    job = {run["id"]: run["job_type"] for run in sink.client.runs(project="filters")
+           if run["id"] not in TAGGED}  # fmt: skip
+    assert Counter(job.values()) == kinds
+    (group,) = {run["group"] for run in sink.client.runs(project="filters")} - {"g1", "g2"}
+
+    def ids(filters=None, **kwargs):
+        found = api.runs("local/filters", filters=filters, **kwargs)
+        names = sorted(run.id for run in found)
+        assert len(found) == len(names)  # (runCount counts the runs the filter passes)
+        return names
+
+    assert ids() == sorted([*job, *TAGGED])
+    assert ids({"group": group}) == sorted(job)
+    assert ids({"jobType": "worker"}) == sorted(r for r, kind in job.items() if kind == "worker")
+    assert ids({"$and": [{"group": "g1"}, {"jobType": "train"}]}) == ["t-a"]
+    assert ids({"group": {"$in": ["g1", "g2"]}}) == ["t-a", "t-b", "t-c"]
+    assert ids({"tags": "ddp"}) == ["t-a", "t-b"]
+    assert ids({"tags": {"$in": ["base", "nope"]}}) == ["t-a"]
+    assert ids({"state": "failed"}) == ["t-b"]
+    assert ids({"$or": [{"tags": "base"}, {"state": "failed"}, {"jobType": "main"}]}) == sorted(
+        ["t-a", "t-b", *(r for r, kind in job.items() if kind == "main")]
+    )
+    assert ids({"state": {"$ne": "finished"}}) == ["t-b"]
+    assert ids({"group": "nope"}) == []
+    paged = [run.id for run in api.runs("local/filters", per_page=2, order="-created_at")]
+    assert sorted(paged) == sorted([*job, *TAGGED]) and len(paged) == 7
+    run = api.run("local/filters/t-a")
+    assert (run.tags, run.group, run.job_type, run.state) == (["base", "ddp"], "g1", "train",
+                                                              "finished")  # fmt: skip
+    losses = [row["loss"] for row in run.scan_history(keys=["loss"])]
+    assert losses == [1 / (step + 1) for step in range(5)]
+
+    # A filter the sink does not understand is refused, naming what it refuses.
+    for filters, named in (
+        ({"config.lr": {"$gt": 1}}, "config.lr"),
+        ({"tags": {"$all": ["ddp"]}}, "$all"),
+        ({"$nor": [{"group": "g1"}]}, "$nor"),
+        ({"group": {"$regex": "g"}}, "$regex"),
+    ):
+        with pytest.raises(Exception, match=named.replace("$", r"\$")):
+            list(api.runs("local/filters", filters=filters))
+
+
+def test_a_query_the_sink_does_not_know_is_an_error_naming_it(sink):
+    answer = sink.client.graphql("query RunStorageReport { viewer { id } }", {})
+    assert answer["errors"][0]["message"] == (
+        "operation RunStorageReport is not supported by this sink"
+    )
+    assert "data" not in answer
