@@ -9,13 +9,21 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections import Counter
 
 import pytest
 import wandb
+from wandb.errors import CommError
+from wandb.sdk.artifacts._generated.operations import GET_ARTIFACT_MEMBERSHIP_FILE_URLS_GQL
+
+from wbmerge.sink import UploadTokens
 
 from ..conftest import ROOT, job_dir
-from ..e2e.test_sync import UNLABELLED, cli_sync, sources_of
+from ..e2e.test_sync import UNLABELLED, cli_sync, sources_of, table_artifact_of
 from ..support.sinktools import (
     expected_from_log,
     system_metric_values,
@@ -185,3 +193,78 @@ def test_a_query_the_sink_does_not_know_is_an_error_naming_it(sink):
         "operation RunStorageReport is not supported by this sink"
     )
     assert "data" not in answer
+
+
+def test_artifacts_of_a_merged_run_are_listed_used_and_downloaded(sink, tmp_path, api):
+    synced(sink, tmp_path, "media", "--run-mode", "shared", "-p", "media")
+    name, files, _ = table_artifact_of(job_dir("media"))
+    run = api.run("local/media/fx-media")
+    (logged,) = run.logged_artifacts()
+    assert (logged.type, logged.version) == ("run_table", "v0")
+    assert logged.name == f"run-fx-media-{name.split('-', 2)[2]}:v0"
+    artifact = api.artifact(f"local/media/{logged.name}")
+    assert (artifact.id, artifact.digest) == (logged.id, logged.digest)
+    assert {f.name: f.size for f in artifact.files()} == {p: s for p, (s, _) in files.items()}
+    root = artifact.download(root=str(tmp_path / "artifact"))
+    for path, (size, md5) in files.items():
+        data = (tmp_path / "artifact" / path).read_bytes()
+        assert (len(data), base64.b64encode(hashlib.md5(data).digest()).decode()) == (size, md5)
+    assert str(root) == str(tmp_path / "artifact")
+    assert artifact.logged_by().id == "fx-media"
+
+    # Another run uses it (the public API's `use_artifact`): its used artifacts say so.
+    ranks = synced(sink, tmp_path, "one_node_4", "--run-mode", "shared", "-p", "media")
+    assert ranks
+    reader = api.run("local/media/fx-one-node-4")
+    assert list(reader.used_artifacts()) == []
+    reader.use_artifact(artifact)
+    assert [a.name for a in reader.used_artifacts()] == [logged.name]
+    assert [r.id for r in artifact.used_by()] == ["fx-one-node-4"]
+    assert list(run.used_artifacts()) == []
+    with pytest.raises(CommError):
+        api.artifact("local/media/no-such-artifact:v0")
+
+
+def test_a_download_url_reads_its_one_file_for_an_hour_and_writes_nothing(sink, tmp_path):
+    """wandb fetches artifact files and manifests without the key, as from W&B's pre-signed
+    URLs: the sink's URL reads exactly its file until it expires, and never writes."""
+    synced(sink, tmp_path, "media", "--run-mode", "shared", "-p", "media")
+    name, files, _ = table_artifact_of(job_dir("media"))
+    (path,) = files
+    collection = f"run-fx-media-{name.split('-', 2)[2]}"
+    variables = {"entity": "local", "project": "media", "collection": collection, "alias": "v0"}
+    answer = sink.client.graphql(GET_ARTIFACT_MEMBERSHIP_FILE_URLS_GQL, variables)
+    membership = answer["data"]["project"]["artifactCollection"]["artifactMembership"]
+    (edge,) = membership["files"]["edges"]
+    url = edge["node"]["directUrl"]
+    status, data = fetch(url)
+    assert status == 200 and base64.b64encode(hashlib.md5(data).digest()).decode() == files[path][1]
+
+    base, _, query = url.partition("?")
+    params = urllib.parse.parse_qs(query)
+    token, expires = params["read"][0], int(params["expires"][0])
+    artifact = int(base.split("/artifact-storage/")[1].split("/")[0])
+    forged = token[:-1] + ("0" if token[-1] != "0" else "1")
+    manifest = f"{sink.url}/artifact-storage/{artifact}/manifest"
+    tokens = UploadTokens.for_data_dir(sink.data_dir.resolve())
+    past = int(time.time()) - 1
+    for refused in (
+        f"{base}?expires={expires}&read={forged}",  # not the sink's token
+        f"{manifest}?expires={expires}&read={token}",  # another file's token
+        f"{base}?expires={expires + 1}&read={token}",  # a later expiry than signed
+        f"{base}?expires={past}&read={tokens.read_token(artifact, path, past)}",  # expired
+    ):
+        assert fetch(refused)[0] == 403, refused
+    assert fetch(base)[0] == 401  # no token, no key
+    assert fetch(url, method="PUT", body=b"other bytes")[0] in (401, 403)
+    assert fetch(url) == (200, data)
+
+
+def fetch(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes]:
+    """(status, body) of a request without the API key."""
+    request = urllib.request.Request(url, data=body, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()

@@ -115,6 +115,23 @@ class UploadTokens:
             return False
         return hmac.compare_digest(token, self.artifact_token(artifact, path))
 
+    def read_token(self, artifact: int, path: str | None, expires: int) -> str:
+        """The token of a download URL of an artifact file (or manifest, None) until
+        `expires` (seconds since the epoch): wandb fetches these without the API key, as
+        W&B's pre-signed URLs. Its message differs from an upload token's, so a URL to read
+        a file never lets anyone write it."""
+        message = json.dumps(["artifact-read", artifact, path, expires]).encode()
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+    def check_read(
+        self, token: str | None, artifact: int, path: str | None, expires: str | None, now: float
+    ) -> bool:
+        if not token or not token.isascii() or not expires or not expires.isdigit():
+            return False
+        if len(expires) > 12 or int(expires) < now:
+            return False
+        return hmac.compare_digest(token, self.read_token(artifact, path, int(expires)))
+
 
 class ApiKey:
     """The sink's own API key, kept in its data directory; checks the key of a request."""

@@ -10,6 +10,8 @@ an `ArtifactError` (a `ValueError`), answered 400 (or its own status) for it alo
 from __future__ import annotations
 
 import json
+import mimetypes
+import time
 import urllib.parse
 from typing import Any
 
@@ -20,6 +22,7 @@ from .store import Store
 
 MAX_FILES_PER_REQUEST = 10_000  # wandb-core asks for at most 10000 upload URLs at once
 MAX_PAGE = 1000
+READ_URL_SECONDS = 3600  # how long a download URL reads without the key, as W&B's do
 
 
 def _input(v: dict[str, Any]) -> dict[str, Any]:
@@ -116,13 +119,20 @@ def commit_artifact(store: Store, v: dict[str, Any], base_url: str) -> dict:
 
 
 def use_artifact(store: Store, v: dict[str, Any], base_url: str) -> dict:
-    spec = _input(v)
+    """A run used a version: from wandb-core (an `input` object) or from the public API's
+    `run.use_artifact` (the same fields as variables of their own)."""
+    spec = _input(v) if "input" in v else v
     entity, project, run = _run_path(
         spec.get("entityName"), spec.get("projectName"), spec.get("runName")
     )
     artifact = parse_id("Artifact", spec.get("artifactID"))
     store.artifacts.use(entity, project, run, artifact)
-    return {"useArtifact": {"artifact": {"id": server_id("Artifact", artifact)}}}
+    facts = store.artifacts.version(artifact)
+    return {"useArtifact": {"artifact": {
+        "id": server_id("Artifact", artifact), "digest": facts["digest"],
+        "description": facts["description"], "state": facts["state"],
+        "createdAt": facts["created"], "metadata": json.dumps(facts["metadata"]),
+    }}}  # fmt: skip
 
 
 def client_id_mapping(store: Store, v: dict[str, Any], base_url: str) -> dict:
@@ -259,6 +269,166 @@ def _run_artifacts(role: str) -> Any:
     return answer
 
 
+def _membership(facts: dict[str, Any]) -> dict[str, Any]:
+    """A version as the public API's `ArtifactMembershipFragment` has it: the version in
+    its own collection (the sink links no version into other collections)."""
+    artifact = _artifact_fragment(facts)
+    collection = {"__typename": "ArtifactSequence", "name": facts["name"],
+                  "project": artifact["artifactSequence"]["project"]}  # fmt: skip
+    aliases = [
+        {"__typename": "ArtifactAlias", "id": f"{facts['collection_id']}:{alias}", "alias": alias}
+        for alias in facts["aliases"]
+    ]
+    return {
+        "__typename": "ArtifactCollectionMembership",
+        "id": facts["id"],
+        "versionIndex": artifact["versionIndex"],
+        "createdAt": facts["created"],
+        "aliases": aliases,
+        "artifactCollection": collection,
+        "artifact": artifact,
+    }
+
+
+def artifact_membership_by_name(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    """`api.artifact("entity/project/name:alias")`: the version `name:alias`, `name:vN` or
+    `name` (its latest) names, or `artifactCollectionMembership: null`."""
+    entity, project = (
+        check_entity(v.get("entity") or DEFAULT_ENTITY),
+        check_project(v.get("project")),
+    )
+    name = v.get("name")
+    if not isinstance(name, str):
+        raise ArtifactError("name must be a string (name:alias or name:vN)")
+    found = store.artifacts.find(entity, project, name)
+    member = None if found is None else _membership(store.artifacts.version(found))
+    return {"project": {"artifactCollectionMembership": member}}
+
+
+def artifact_by_id(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    found = _known(store, v.get("id"))
+    artifact = None if found is None else _artifact_fragment(store.artifacts.version(found))
+    return {"artifact": artifact}
+
+
+def _known(store: Store, artifact_id: object) -> int | None:
+    """The number of a version an id names, None when there is no such version."""
+    artifact = parse_id("Artifact", artifact_id)
+    try:
+        store.artifacts.version(artifact)
+    except ArtifactError:
+        return None
+    return artifact
+
+
+def read_url(store: Store, base_url: str, artifact: int, path: str | None) -> str:
+    """A URL that reads one file (or the manifest, None) of a version without the API key
+    for `READ_URL_SECONDS`, as W&B's pre-signed URLs do: wandb fetches them with no key."""
+    expires = int(time.time()) + READ_URL_SECONDS
+    token = store.upload_tokens.read_token(artifact, path, expires)
+    where = "manifest" if path is None else "files/" + urllib.parse.quote(path)
+    return f"{base_url}/artifact-storage/{artifact}/{where}?expires={expires}&read={token}"
+
+
+def fetch_artifact_manifest(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    """Where a version's manifest is read."""
+    found = _known(store, v.get("id"))
+    if found is None:
+        return {"artifact": None}
+    if store.artifacts.manifest_path(found) is None:
+        return {"artifact": {"currentManifest": None}}
+    url = read_url(store, base_url, found, None)
+    return {"artifact": {"currentManifest": {"file": {"directUrl": url}}}}
+
+
+def _membership_files(with_details: bool) -> Any:
+    """`artifact.files()` (`ArtifactMembershipFiles`, every field of a file) or the URLs
+    `artifact.download()` reads (`GetArtifactMembershipFileUrls`): a page of `perPage` files
+    of the version `collection:alias` after the cursor, only those in `fileNames` if given."""
+
+    def answer(store: Store, v: dict[str, Any], base_url: str) -> dict:
+        entity, project = (
+            check_entity(v.get("entity") or DEFAULT_ENTITY),
+            check_project(v.get("project")),
+        )
+        collection, alias = v.get("collection"), v.get("alias")
+        if not isinstance(collection, str) or not isinstance(alias, str):
+            raise ArtifactError("collection and alias must be strings")
+        found = store.artifacts.find(entity, project, f"{collection}:{alias}")
+        if found is None:
+            return {"project": None}
+        facts = store.artifacts.version(found, files=True, reread=with_details)
+        files = facts["files"]
+        names = v.get("fileNames")
+        if names:
+            wanted = {check_file_name(name) for name in names}
+            files = [f for f in files if f["name"] in wanted]
+        after, per_page = v.get("cursor"), v.get("perPage")
+        start = (
+            int(after) + 1 if isinstance(after, str) and after.isdigit() and len(after) < 10 else 0
+        )
+        per_page = per_page if isinstance(per_page, int) and 0 < per_page <= 10_000 else 50
+        page = files[start : start + per_page]
+        edges = []
+        for i, f in enumerate(page):
+            node: dict[str, Any] = {"__typename": "File", "name": f["name"],
+                                    "directUrl": read_url(store, base_url, found, f["name"])}  # fmt: skip
+            if with_details:
+                node.update(
+                    id=server_id("File", start + i),
+                    url=node["directUrl"],
+                    sizeBytes=f["size"] or 0,
+                    storagePath=None,
+                    mimetype=mimetypes.guess_type(f["name"])[0] or "application/octet-stream",
+                    updatedAt=facts["committed"],
+                    digest=f["digest"],
+                    md5=f["md5"],
+                )
+            edges.append({"node": node, "cursor": str(start + i)})
+        info = {"__typename": "PageInfo", "endCursor": edges[-1]["cursor"] if edges else None,
+                "hasNextPage": start + per_page < len(files)}  # fmt: skip
+        connection: dict[str, Any] = {"pageInfo": info, "edges": edges}
+        if with_details:
+            connection["totalCount"] = len(files)
+        membership = {"files": connection}
+        return {"project": {"artifactCollection": {"__typename": "ArtifactSequence",
+                                                   "artifactMembership": membership}}}  # fmt: skip
+
+    return answer
+
+
+def _run_info(entity: str, project: str, run: str) -> dict[str, Any]:
+    return {
+        "__typename": "Run",
+        "id": f"{entity}/{project}/{run}",
+        "name": run,
+        "project": {
+            "id": server_id("Project", 0),
+            "internalId": server_id("Project", 0),
+            "name": project,
+            "entity": {"name": entity},
+        },  # fmt: skip
+    }
+
+
+def artifact_created_by(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    """The run that logged a version (`artifact.logged_by()`)."""
+    found = _known(store, v.get("id"))
+    if found is None:
+        return {"artifact": None}
+    runs = store.artifacts.runs_of(found, "output")
+    return {"artifact": {"createdBy": _run_info(*runs[0]) if runs else None}}
+
+
+def artifact_used_by(store: Store, v: dict[str, Any], base_url: str) -> dict:
+    """The runs that used a version (`artifact.used_by()`)."""
+    found = _known(store, v.get("id"))
+    if found is None:
+        return {"artifact": None}
+    edges = [{"node": _run_info(*run)} for run in store.artifacts.runs_of(found, "input")]
+    return {"artifact": {"usedBy": {"edges": edges}}}
+
+
 HANDLERS = {
     "CreateArtifact": create_artifact,
     "CreateArtifactManifest": create_artifact_manifest,
@@ -269,4 +439,11 @@ HANDLERS = {
     "ArtifactVersionFiles": artifact_version_files,
     "RunOutputArtifacts": _run_artifacts("logged"),
     "RunInputArtifacts": _run_artifacts("used"),
+    "ArtifactMembershipByName": artifact_membership_by_name,
+    "ArtifactByID": artifact_by_id,
+    "FetchArtifactManifest": fetch_artifact_manifest,
+    "ArtifactMembershipFiles": _membership_files(True),
+    "GetArtifactMembershipFileUrls": _membership_files(False),
+    "ArtifactCreatedBy": artifact_created_by,
+    "ArtifactUsedBy": artifact_used_by,
 }

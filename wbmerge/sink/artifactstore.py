@@ -331,6 +331,16 @@ class ArtifactStore:
             found["logged" if role == "output" else "used"].append(facts)
         return found
 
+    def runs_of(self, artifact: int, role: str) -> list[tuple[str, str, str]]:
+        """(entity, project, run) of each run that logged (role "output") or used
+        ("input") a version."""
+        with self._lock:
+            return self._db.execute(
+                "SELECT r.entity, r.project, r.name FROM artifact_runs a JOIN runs r "
+                "ON r.pk = a.run WHERE a.artifact = ? AND a.role = ? ORDER BY r.pk",
+                (artifact, role),
+            ).fetchall()
+
     def find(self, entity: str, project: str, spec: str) -> int | None:
         """The version `name:alias`, `name:vN` or `name` (its latest) names in a project."""
         name, _, tag = spec.partition(":")

@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import socket
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,12 @@ async def require_key(request: web.Request, handler: Any) -> web.StreamResponse:
     anything; a file PUT is checked by its upload URL's token instead (`put_file`)."""
     if request.method == "PUT" and request.path.startswith(UPLOAD_PREFIXES):
         return await handler(request)
+    if (
+        request.method in ("GET", "HEAD")
+        and request.path.startswith("/artifact-storage/")
+        and "read" in request.query
+    ):
+        return await handler(request)  # (its read token is checked in get_artifact_file)
     if not request.app[STORE].api_key.accepts(request.headers.get("Authorization")):
         return _refuse(
             401,
@@ -262,8 +269,13 @@ async def put_artifact_file(request: web.Request) -> web.Response:
 
 async def get_artifact_file(request: web.Request) -> web.StreamResponse:
     """A stored file (or the manifest) of an artifact version, as a download."""
-    artifacts = request.app[STORE].artifacts
+    store = request.app[STORE]
+    artifacts = store.artifacts
     artifact, name = _artifact_file(request)
+    if "read" in request.query:
+        token, expires = request.query.get("read"), request.query.get("expires")
+        if not store.upload_tokens.check_read(token, artifact, name, expires, time.time()):
+            return _refuse(403, "this download URL is not the sink's, or it has expired")
     try:
         path = (
             artifacts.manifest_path(artifact)
