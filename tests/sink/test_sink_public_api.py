@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -15,11 +16,14 @@ import urllib.parse
 import urllib.request
 from collections import Counter
 
+import pyarrow.parquet as pq
 import pytest
 import wandb
+from click.testing import CliRunner
 from wandb.errors import CommError
 from wandb.sdk.artifacts._generated.operations import GET_ARTIFACT_MEMBERSHIP_FILE_URLS_GQL
 
+from wbmerge.cli import main
 from wbmerge.sink import UploadTokens
 
 from ..conftest import ROOT, job_dir
@@ -223,6 +227,52 @@ def test_artifacts_of_a_merged_run_are_listed_used_and_downloaded(sink, tmp_path
     assert list(run.used_artifacts()) == []
     with pytest.raises(CommError):
         api.artifact("local/media/no-such-artifact:v0")
+
+
+def test_export_and_the_sink_agree_on_every_value(sink, tmp_path, api):
+    """The same job through `wbmerge export` (Parquet) and through `wandb.Api()` on its
+    merged run: the same history values at the same steps and the same system-metric
+    samples of every rank, none on one side only."""
+    out = tmp_path / "values.parquet"
+    result = CliRunner().invoke(main, ["export", str(job_dir("slow_rank")), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    synced(sink, tmp_path, "slow_rank", "--run-mode", "shared", "-p", "agree")
+    exported = pq.read_table(out).to_pylist()
+    history = {
+        (row["step"], f"{row['key']}/{row['label']}"): exported_value(row)
+        for row in exported
+        if row["kind"] == "history"
+    }
+    system: dict[tuple, list] = {}
+    for row in exported:
+        if row["kind"] == "system":
+            samples = system.setdefault((row["label"], row["key"]), [])
+            samples.append((row["timestamp"], exported_value(row)))
+    assert len(history) > 30 * 3 and len(system) > 3
+    run = api.run("local/agree/fx-slow-rank")
+    held = {
+        (row["_step"], key): value
+        for row in run.scan_history(page_size=11)
+        for key, value in row.items()
+        if key not in UNLABELLED
+    }
+    assert held == history
+    held_system: dict[tuple, list] = {}
+    for row in run.history(stream="events", samples=10_000, pandas=False):
+        for key, value in row.items():
+            if not key.startswith("_"):
+                name, label = key.removeprefix("system.").rsplit("/l:", 1)
+                held_system.setdefault((label, name), []).append((row["_timestamp"], value))
+    assert held_system.keys() == system.keys()
+    for series, samples in system.items():
+        got = sorted(held_system[series])
+        assert [value for _, value in got] == [value for _, value in sorted(samples)], series
+        assert [at for at, _ in got] == pytest.approx([at for at, _ in sorted(samples)], abs=1e-6)
+
+
+def exported_value(row: dict) -> object:
+    """A value of the export as the API gives it: a number, else its JSON parsed."""
+    return row["value"] if row["value_json"] is None else json.loads(row["value_json"])
 
 
 def test_a_download_url_reads_its_one_file_for_an_hour_and_writes_nothing(sink, tmp_path):
