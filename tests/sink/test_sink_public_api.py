@@ -120,6 +120,10 @@ def test_a_shared_run_reads_back_as_every_rank_logged_it(sink, tmp_path, api):
         assert file.md5 == base64.b64encode(hashlib.md5(data).digest()).decode()
     (summary_file,) = run.files(names=["wandb-summary.json"])
     assert summary_file.name == "wandb-summary.json"
+    by_pattern = [f.name for f in run.files(pattern="wandb-%.json")]
+    assert by_pattern == ["wandb-metadata.json", "wandb-summary.json"]
+    assert [f.name for f in run.files(pattern="config._aml")] == ["config.yaml"]
+    assert [f.name for f in run.files(pattern="%y%a%")] == ["config.yaml"]
 
 
 def write_tagged_runs(sink, tmp_path):

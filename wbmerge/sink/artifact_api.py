@@ -360,6 +360,8 @@ def _membership_files(with_details: bool) -> Any:
         facts = store.artifacts.version(found, files=True, reread=with_details)
         files = facts["files"]
         names = v.get("fileNames")
+        if names is not None and not isinstance(names, list):
+            raise ArtifactError("fileNames must be a list of file names")
         if names:
             wanted = {check_file_name(name) for name in names}
             files = [f for f in files if f["name"] in wanted]

@@ -250,8 +250,9 @@ def _run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
     elif pattern is not None:
         if not isinstance(pattern, str):
             raise ProtocolError("RunFiles: pattern must be a string")
-        like = _like(pattern)
-        files = [(file, size) for file, size in files if like.fullmatch(file)]
+        if len(pattern) > 1024:
+            raise ProtocolError("RunFiles: pattern is longer than 1024 characters")
+        files = [(file, size) for file, size in files if like(pattern, file)]
     cursor, limit = v.get("fileCursor"), v.get("fileLimit")
     start = (
         int(cursor) + 1 if isinstance(cursor, str) and re.fullmatch(r"[0-9]{1,9}", cursor) else 0
@@ -283,10 +284,23 @@ def _run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
     }}}  # fmt: skip
 
 
-def _like(pattern: str) -> re.Pattern[str]:
-    """SQL LIKE as a regular expression: `%` any run of characters, `_` any one."""
-    parts = {"%": ".*", "_": "."}
-    return re.compile("".join(parts.get(c) or re.escape(c) for c in pattern), re.DOTALL)
+def like(pattern: str, text: str) -> bool:
+    """SQL LIKE (`%` any run of characters, `_` any one), in time proportional to the
+    lengths' product at worst: no regular expression, which a pattern of many `%` could
+    make backtrack for ever."""
+    p = t = 0
+    star, resume = -1, 0  # where the last `%` was, and the text position it matched up to
+    while t < len(text):
+        if p < len(pattern) and pattern[p] in ("_", text[t]) and pattern[p] != "%":
+            p, t = p + 1, t + 1
+        elif p < len(pattern) and pattern[p] == "%":
+            star, resume, p = p, t, p + 1
+        elif star >= 0:
+            resume += 1
+            p, t = star + 1, resume
+        else:
+            return False
+    return all(c == "%" for c in pattern[p:])
 
 
 def _history_page(store: Store, v: dict[str, Any], base_url: str) -> dict:
