@@ -299,15 +299,25 @@ def report(
     ranks_file: str | Path | None = None,
     primary: Sequence[str] | str = (),
     rank_stats: bool = False,
+    html: str | Path | None = None,
 ) -> list[JobReport]:
     """Per job under `paths`: each metric's skew across ranks, which rank is slow and by
     how much; `metrics` narrows the keys (default: the ones that tell most). `rank_stats`
-    adds each history metric's statistics across ranks at its last step."""
+    adds each history metric's statistics across ranks at its last step. `html` writes the
+    report as one self-contained page there too: a line per rank over steps for each
+    metric, the outlier ranks marked, the spread across ranks, the ranks and nodes."""
     hints = make_hints(label_pattern, ranks_file, primary)
     from .analyse import report as _report
+    from .analyse import write_html
 
     named = [metrics] if isinstance(metrics, str) else list(metrics)
-    return _report(path_list(paths), named, job, hints=hints, rank_stats=rank_stats)
+    series = html is not None
+    reports = _report(
+        path_list(paths), named, job, hints=hints, rank_stats=rank_stats, series=series
+    )
+    if html is not None:
+        write_html(reports, html)
+    return reports
 
 
 def start_sink(

@@ -1,7 +1,7 @@
 """Looking at a job's runs without uploading them: columns, Parquet export, per-rank report.
 
 `columns` reads one rank's values as columns, `parquet` exports every value of a job to
-one Parquet file, `skew` (with `skew_text`, its text) answers which rank is slow and by how
+one Parquet file, `skew` (with `skew_text`, its text, and `skew_html`, its page) answers which rank is slow and by how
 much, `rankstats` computes statistics across ranks, and `spread` is the one definition of
 a metric's spread across ranks, which the shared merge's `--skew-metrics` uses too.
 """
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .columns import per_value
     from .parquet import ExportResult, export
     from .skew import JobReport, outliers, report
+    from .skew_html import format_html, write_html
     from .skew_text import format_report
 
 # Imported on first use: these modules need pyarrow (85 ms of a start), which a
@@ -39,6 +40,8 @@ _ON_FIRST_USE = {
     "outliers": "skew",
     "report": "skew",
     "format_report": "skew_text",
+    "format_html": "skew_html",
+    "write_html": "skew_html",
 }
 
 
@@ -60,6 +63,7 @@ __all__ = [
     "bound_notice",
     "dense_ids",
     "export",
+    "format_html",
     "format_report",
     "last_of_each",
     "one_step",
@@ -68,4 +72,5 @@ __all__ = [
     "report",
     "spread_of",
     "stat_key",
+    "write_html",
 ]

@@ -125,14 +125,14 @@ def _create_scratch(scratch: Path) -> None:
         raise WbmergeError(f"-o: cannot write {scratch} ({exc.strerror or exc})") from None
 
 
-def _run_directory_holding(out: Path) -> Path | None:
+def _run_directory_holding(out: Path, option: str = "-o") -> Path | None:
     """The offline run directory `out` would be written in, if any: the nearest directory
     above it (links resolved) that holds a `run-*.wandb` log, whether or not the export
     reads that run (a neighbour's log can be replaced as easily as a source's)."""
     try:
         where = out.resolve().parent
     except (OSError, RuntimeError) as exc:  # a link loop
-        raise WbmergeError(f"-o {out}: cannot be resolved ({exc})") from None
+        raise WbmergeError(f"{option} {out}: cannot be resolved ({exc})") from None
     for directory in (where, *where.parents):
         try:
             if any(directory.glob("run-*.wandb")):

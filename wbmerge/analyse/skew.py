@@ -18,7 +18,7 @@ import difflib
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +63,22 @@ class MetricReport:
     outliers: list[int] = field(default_factory=list)
     # with rank_stats: min, median, max, mean, min_rank, max_rank, count at `step`, the last
     across_ranks: dict | None = None
+    # with series (for a picture, not in the JSON): rank -> (steps or times, values) in
+    # order, and the spread across ranks at each step two or more ranks logged
+    series: dict[int, tuple[list, list]] | None = None
+    spread_series: tuple[list, list] | None = None
+
+
+@dataclass
+class RankPlace:
+    """Where a rank ran: its node (worker), local rank, host and label, and its restarts."""
+
+    rank: int
+    label: str
+    worker: int
+    local_rank: int
+    host: str
+    restarts: int
 
 
 @dataclass
@@ -72,9 +88,19 @@ class JobReport:
     metrics: list[MetricReport]
     damage: list[str] = field(default_factory=list)  # what damaged logs lost
     warnings: list[str] = field(default_factory=list)  # what was assumed about ranks
+    places: list[RankPlace] = field(default_factory=list)  # with series: ranks and nodes
 
     def to_dict(self) -> dict:
-        return _finite(asdict(self))
+        """The report as JSON has it: the series and places kept for a picture left out."""
+        plain = asdict(replace(self, metrics=[], places=[]))
+        plain.pop("places")
+        plain["metrics"] = [
+            asdict(replace(metric, series=None, spread_series=None)) for metric in self.metrics
+        ]
+        for metric in plain["metrics"]:
+            metric.pop("series")
+            metric.pop("spread_series")
+        return _finite(plain)
 
 
 def report(
@@ -83,16 +109,20 @@ def report(
     job: str | None = None,
     hints: Hints | None = None,
     rank_stats: bool = False,
+    series: bool = False,
 ) -> list[JobReport]:
     """A report per job found under `paths` (or for `job`); `metrics` narrows the keys;
     `hints` say how to read the ranks of runs written without wbmerge; `rank_stats` adds
-    each history metric's statistics across ranks at its last step."""
+    each history metric's statistics across ranks at its last step; `series` keeps every
+    rank's values and the spread over steps, and where each rank ran (for `skew_html`)."""
     reports = []
     with streaming():
         found_jobs = group_jobs(discover(paths, hints=hints), job, allow_missing_ranks=True)
         for found in found_jobs:
-            made = _job_report(found, metrics, rank_stats)
+            made = _job_report(found, metrics, rank_stats, series)
             made.warnings = found.warnings
+            if series:
+                made.places = _places(found)
             if found.missing_ranks:
                 missing = few_ranks(found.missing_ranks)
                 made.warnings.append(
@@ -103,7 +133,23 @@ def report(
     return reports
 
 
-def _job_report(found: Job, metrics: Sequence[str], rank_stats: bool = False) -> JobReport:
+def _places(found: Job) -> list[RankPlace]:
+    by_rank: dict[int, list] = {}
+    for run in found.runs:
+        by_rank.setdefault(run.rank.rank, []).append(run)
+    places = []
+    for rank, runs in sorted(by_rank.items()):
+        first = min(runs, key=lambda run: run.rank.restart)
+        info = first.rank
+        places.append(
+            RankPlace(rank, first.label, info.worker, info.local_rank, first.host, len(runs) - 1)
+        )
+    return places
+
+
+def _job_report(
+    found: Job, metrics: Sequence[str], rank_stats: bool = False, series: bool = False
+) -> JobReport:
     values: dict[tuple[str, str], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
     labels: dict[int, str] = {}
     damage: list[str] = []
@@ -131,7 +177,7 @@ def _job_report(found: Job, metrics: Sequence[str], rank_stats: bool = False) ->
     return JobReport(
         found.job_id,
         found.world_size,
-        [_metric(kind, key, values[kind, key], labels, rank_stats) for kind, key in chosen],
+        [_metric(kind, key, values[kind, key], labels, rank_stats, series) for kind, key in chosen],
         damage,
     )
 
@@ -162,7 +208,12 @@ def _known(values: dict, key: str) -> str:
 
 
 def _metric(
-    kind: str, key: str, by_rank: dict, labels: dict[int, str], rank_stats: bool = False
+    kind: str,
+    key: str,
+    by_rank: dict,
+    labels: dict[int, str],
+    rank_stats: bool = False,
+    series: bool = False,
 ) -> MetricReport:
     ranks = []
     for rank, (order, value) in sorted(by_rank.items()):
@@ -203,7 +254,29 @@ def _metric(
         fastest=None if faster is None else (highest if faster == "higher" else lowest),
         outliers=[ids[i] for i in outliers(means)],
         across_ranks=_last_step_stats(by_rank) if rank_stats and kind == HISTORY else None,
+        series=_series(by_rank) if series else None,
+        spread_series=_spread_over_steps(by_rank) if series and kind == HISTORY else None,
     )
+
+
+def _series(by_rank: dict) -> dict[int, tuple[list, list]]:
+    """Each rank's values in the order of their steps (or times)."""
+    found = {}
+    for rank, (order, value) in sorted(by_rank.items()):
+        sort = np.argsort(order, kind="stable")
+        found[rank] = (order[sort].tolist(), value[sort].tolist())
+    return found
+
+
+def _spread_over_steps(by_rank: dict) -> tuple[list, list]:
+    """(steps, spread) at each step two or more ranks logged where the spread is defined."""
+    steps = np.unique(np.concatenate([order for order, _ in by_rank.values()]))
+    grid = np.full((len(by_rank), len(steps)), np.nan)
+    for row, (order, value) in enumerate(by_rank.values()):
+        grid[row, np.searchsorted(steps, order)] = value
+    spread = spreads(grid) if len(steps) else np.array([])
+    defined = np.isfinite(spread)
+    return steps[defined].tolist(), spread[defined].tolist()
 
 
 def _last_step_stats(by_rank: dict) -> dict | None:

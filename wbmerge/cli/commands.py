@@ -552,6 +552,8 @@ def export(
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--rank-stats", is_flag=True,
               help="Add min, median, max, mean across ranks (and their ranks) at the last step.")  # fmt: skip
+@click.option("--html", "html_out", type=click.Path(dir_okay=False),
+              help="Also write the report as one self-contained page (charts, no script).")  # fmt: skip
 @_with_rank_options
 @one_line_errors
 def report(
@@ -560,6 +562,7 @@ def report(
     job: str | None,
     as_json: bool,
     rank_stats: bool,
+    html_out: str | None,
     label_pattern: str | None,
     ranks_file: str | None,
     primary: tuple[str, ...],
@@ -570,10 +573,13 @@ def report(
 
     reports = api.report(
         paths, metrics=metrics, job=job, label_pattern=label_pattern, ranks_file=ranks_file,
-        primary=primary, rank_stats=rank_stats,
+        primary=primary, rank_stats=rank_stats, html=html_out,
     )  # fmt: skip
     for line in (line for r in reports for line in [*r.warnings, *r.damage]):
         click.echo(f"wbmerge: warning: {line}", err=True)
+    if html_out is not None:
+        jobs = ", ".join(r.job_id for r in reports)
+        click.echo(f"wrote the report of job {jobs} to {html_out}", err=True)
     if as_json:
         click.echo(printable_json([r.to_dict() for r in reports]))
     else:
