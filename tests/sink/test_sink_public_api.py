@@ -23,6 +23,7 @@ from click.testing import CliRunner
 from wandb.errors import CommError
 from wandb.sdk.artifacts._generated.operations import GET_ARTIFACT_MEMBERSHIP_FILE_URLS_GQL
 
+from wbmerge import api as wbmerge_api
 from wbmerge.cli import main
 from wbmerge.sink import UploadTokens
 
@@ -234,8 +235,8 @@ def test_artifacts_of_a_merged_run_are_listed_used_and_downloaded(sink, tmp_path
 
 
 def test_export_and_the_sink_agree_on_every_value(sink, tmp_path, api):
-    """The same job through `wbmerge export` (Parquet) and through `wandb.Api()` on its
-    merged run: the same history values at the same steps and the same system-metric
+    """The same job through `wbmerge export` (Parquet), `wbmerge report` and `wandb.Api()`
+    on its merged run: the same history values at the same steps and the same system-metric
     samples of every rank, none on one side only."""
     out = tmp_path / "values.parquet"
     result = CliRunner().invoke(main, ["export", str(job_dir("slow_rank")), "-o", str(out)])
@@ -261,6 +262,18 @@ def test_export_and_the_sink_agree_on_every_value(sink, tmp_path, api):
         if key not in UNLABELLED
     }
     assert held == history
+    # The report's series (kept for its page) are the same values again.
+    (job,) = wbmerge_api.report([job_dir("slow_rank")], html=tmp_path / "report.html")
+    reported = {}
+    for metric in job.metrics:
+        if metric.kind == "history":
+            labels = {stats.rank: stats.label for stats in metric.ranks}
+            for rank, (steps, values) in metric.series.items():
+                for step, value in zip(steps, values, strict=True):
+                    reported[step, f"{metric.key}/{labels[rank]}"] = value
+    assert reported and reported == {k: v for k, v in held.items() if k in reported}
+    reported_keys = {key for _, key in reported}
+    assert {k for k in held if k[1] in reported_keys} == set(reported)
     held_system: dict[tuple, list] = {}
     for row in run.history(stream="events", samples=10_000, pandas=False):
         for key, value in row.items():
