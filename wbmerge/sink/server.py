@@ -5,8 +5,10 @@ separator in percent-encoding, and may not come from another site's page in a br
 Every request needs the sink's own API key (`access.ApiKey`, HTTP basic auth `api:<key>`,
 as wandb sends it and as a browser asks for it), the pages and their read API included:
 other users of the machine reach the same port. A file PUT instead needs the token of its
-upload URL (wandb-core sends those no key). Fault injection needs the key and a sink
-started with `--allow-faults` (or `--fault`).
+upload URL (wandb-core sends those no key), and a GET of an artifact file or manifest may
+bring the read token of the download URL the public API's queries handed out instead
+(wandb fetches those without the key, as W&B's pre-signed URLs). Fault injection needs the
+key and a sink started with `--allow-faults` (or `--fault`).
 
 Every response carries `X-Content-Type-Options: nosniff` and a Content-Security-Policy
 that allows no scripts, and stored run files are sent as downloads, so that an uploaded
