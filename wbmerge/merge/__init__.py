@@ -14,6 +14,7 @@ run, in two streaming passes over the ranks' logs (`shared`). The modules, one j
 - `labels`: the ranks' keys labelled, their rows as columns, their summaries folded;
 - `rows`: merged rows and the final summary;
 - `rankconfig`: the other ranks' config, where it is not the primary's, labelled;
+- `loggedconfig`: each rank's chart and class-name config entries, relabelled;
 - `artifacts`: artifact records filed under the target run, their files copied in;
 - `console`: console lines and system metrics, labelled and merged by time.
 """
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 from .artifactfiles import LoggedArtifact
 from .console import Spools, write_console_and_stats
 from .files import check_files, files_from_dirs, moved_files_notice
+from .loggedconfig import fold_logged_entries, labelled_entries, without_logged_entries
 from .metricglobs import glob_definitions, label_prefixes
 from .options import DEFAULT_KEY_FORMAT, MergeOptions, check_key_format
 from .passthrough import HeldUntilTheRunRecord, passed_record
@@ -48,8 +50,10 @@ __all__ = [
     "check_files",
     "check_key_format",
     "files_from_dirs",
+    "fold_logged_entries",
     "glob_definitions",
     "label_prefixes",
+    "labelled_entries",
     "moved_files_notice",
     "name_id",
     "names_of",
@@ -59,6 +63,7 @@ __all__ = [
     "shared",
     "stage",
     "staged_with_files",
+    "without_logged_entries",
     "write_console_and_stats",
 ]
 

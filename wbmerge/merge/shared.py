@@ -40,6 +40,13 @@ from .artifacts import ArtifactRecords
 from .console import PASS_TWO, Spools, SpoolWriter, write_console_and_stats
 from .files import files_record
 from .labels import KeyTable, Labelled, RankKeys, fold_summaries, label_rows
+from .loggedconfig import (
+    Entries,
+    fold_logged_entries,
+    labelled_entries,
+    logged_entries_record,
+    without_logged_entries,
+)
 from .metricglobs import glob_definitions, label_prefixes
 from .options import MergeOptions
 from .outcome import (
@@ -96,6 +103,7 @@ class RankState:
     globs: list[bytes] = field(default_factory=list)  # its glob definitions, as read
     named: set[str] = field(default_factory=set)  # the keys it defined by name
     config: dict[ConfigPath, str] = field(default_factory=dict)  # folded so far (`rankconfig`)
+    logged: Entries = field(default_factory=dict)  # its keyed `_wandb` entries (`loggedconfig`)
 
 
 def write_shared(
@@ -193,15 +201,23 @@ class SharedMerge:
         return final_summary(summaries, self.primary, self.across)
 
     def config_record(self) -> bytes | None:
-        """The other ranks' config as folded so far, where it is not the primary's, as one
-        config record (`rankconfig`); None when every rank's config is the primary's."""
+        """The other ranks' config as folded so far, where it is not the primary's
+        (`rankconfig`), and every rank's entries that describe what it logged, relabelled
+        (`loggedconfig`), as one config record; None when there is neither."""
         others = [
             (state.source.label, state.config)
             for rank, state in self.states.items()
             if rank != self.primary
         ]
-        return other_ranks_config(self.states[self.primary].config, others,
-                                  self.options.key_format)  # fmt: skip
+        options = self.options
+        payload = other_ranks_config(self.states[self.primary].config, others,
+                                     options.key_format)  # fmt: skip
+        record = pb.Record.FromString(payload) if payload is not None else pb.Record()
+        for _, state in sorted(self.states.items()):
+            entries = labelled_entries(state.logged, state.source.label, options.key_format,
+                                       state.keys.user_keys, options.per_rank.keeps)  # fmt: skip
+            logged_entries_record(entries, record)
+        return record.SerializeToString() if record.config.update else None
 
     def write_head(self) -> None:
         """The primary's file header and its run record, rewritten for the merged run."""
@@ -537,11 +553,17 @@ class SharedMerge:
             return None
         if kind == "run":
             fold_config(state.config, record.run.config)
+            fold_logged_entries(state.logged, record.run.config)
             if restart == 0 or state.source.rank.rank != self.primary:
                 return None  # (the primary's first is written once by the caller)
             return restart_config(payload)
         fold_config(state.config, record.config)
-        return payload if state.source.rank.rank == self.primary else None
+        fold_logged_entries(state.logged, record.config)
+        if state.source.rank.rank != self.primary:
+            return None
+        if not without_logged_entries(record.config):  # (written at the end, relabelled)
+            return payload
+        return record.SerializeToString() if record.config.update or record.config.remove else None
 
     def _labelled_logger_line(
         self, payload: bytes, label: str, source: Source, restart: int

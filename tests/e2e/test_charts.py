@@ -1,0 +1,130 @@
+"""Custom charts and the class names of boxes and masks, written by real wandb on every rank
+of a job (`tests/support/charts_job.py`), synced in shared mode into the sink: each rank's
+chart draws a table the run holds, and its class names sit under its own image key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wbmerge.log import read_records
+
+from ..support.charts_job import BOX_CLASSES, MASK_CLASSES
+from ..upload.test_metric_definitions_on_server import RUN_CONFIG
+from .test_sync import cli_sync
+
+pytestmark = pytest.mark.e2e
+
+CHARTS = ("charts/val_curve", "charts/spread", "eval/confusion")
+WORLD = 2
+
+
+def write_job(root: Path, world: int, *args: str, rates: tuple[float, ...] = ()) -> Path:
+    """Every rank's offline run, written at once as the ranks of one job write them."""
+    root.mkdir(parents=True, exist_ok=True)
+    env = {"WANDB_SILENT": "true", "PATH": "/usr/bin:/bin"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.support.charts_job",
+                str(root),
+                str(rank),
+                str(world),
+                *args,
+                *(["--lr", str(rates[rank])] if rates else []),
+            ],
+            env={**env, "PYTHONPATH": str(Path(__file__).parents[2])},
+        )  # fmt: skip
+        for rank in range(world)
+    ]
+    assert [proc.wait(timeout=300) for proc in procs] == [0] * world
+    return root
+
+
+@pytest.fixture(scope="module")
+def charts_job(tmp_path_factory) -> Path:
+    return write_job(tmp_path_factory.mktemp("charts"), WORLD)
+
+
+def source_entries(root: Path, rank: int) -> dict[tuple[str, str], dict]:
+    """The `_wandb` entries rank `rank`'s own log holds, read with protobuf."""
+    [log] = [p for p in root.glob("wandb/offline-run-*/run-*.wandb")
+             if _config_value(p, "rank") == rank]  # fmt: skip
+    entries: dict[tuple[str, str], dict] = {}
+    for record in read_records(log):
+        for item in record.config.update:
+            if list(item.nested_key[:1]) == ["_wandb"] and len(item.nested_key) == 3:
+                entries[(item.nested_key[1], item.nested_key[2])] = json.loads(item.value_json)
+            elif item.key == "_wandb":
+                for kind in ("bounding_box/class_labels", "mask/class_labels"):
+                    for key, value in json.loads(item.value_json).get(kind, {}).items():
+                        entries[(kind, key)] = value
+    return entries
+
+
+def _config_value(log: Path, key: str):
+    for record in read_records(log):
+        for item in record.run.config.update:
+            if item.key == key:
+                return json.loads(item.value_json)
+    return None
+
+
+def server_config(sink, project: str, run_id: str) -> dict:
+    """The run's config as the server holds it, `_wandb` included (as W&B's API gives it)."""
+    answer = sink.client.graphql(RUN_CONFIG, {"entity": "local", "project": project,
+                                              "name": run_id})  # fmt: skip
+    return json.loads(answer["data"]["model"]["bucket"]["config"])
+
+
+def table_key(chart: dict) -> str:
+    [query] = chart["panel_config"]["userQuery"]["queryFields"]
+    [table] = [f for f in query["fields"] if f["name"] == "summaryTable"]
+    return table["args"][0]["value"]
+
+
+@pytest.mark.parametrize("scope", ["global", "worker"])
+def test_a_shared_run_holds_every_ranks_charts_and_class_names_under_its_own_keys(
+    sink, tmp_path, charts_job, scope
+):
+    result = cli_sync(sink, tmp_path, charts_job, "--run-mode", "shared", "-p", "charts",
+                      "--rank-scope", scope, "--base-id", "C", "--files-from", charts_job)  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    [run_id] = [run["id"] for run in sink.client.runs(project="charts")
+                if run["id"].startswith("C") and run["config"]["wbmerge"]["rank_scope"] == scope]  # fmt: skip
+    got = sink.client.run("local", "charts", run_id)
+    server = server_config(sink, "charts", run_id)
+    config = server["_wandb"]["value"]
+    labels = server["wbmerge"]["value"]["labels"]
+    assert len(labels) == WORLD
+    last_row = got["history"][-1]
+    for rank in range(WORLD):
+        label = labels[str(rank)]
+        source = source_entries(charts_job, rank)
+        for chart in CHARTS:
+            held = config["visualize"][f"{chart}/{label}"]
+            logged = source[("visualize", chart)]
+            assert table_key(logged) == f"{chart}_table"
+            assert table_key(held) == f"{chart}_table/{label}"
+            assert held["panel_config"]["panelDefId"] == logged["panel_config"]["panelDefId"]
+            assert held["panel_config"]["fieldSettings"] == logged["panel_config"]["fieldSettings"]
+            # the table it draws is the run's, the rank's own
+            assert last_row[table_key(held)]["_type"] == "table-file"
+            assert last_row[table_key(held)]["path"] == got["summary"][table_key(held)]["path"]
+        image = f"eval/detection/{label}"
+        assert set(last_row[image]["boxes"]) == {"predictions"}
+        assert set(last_row[image]["masks"]) == {"segmentation"}
+        boxes = config["bounding_box/class_labels"][f"{image}_wandb_delimeter_predictions"]
+        masks = config["mask/class_labels"][f"{image}_wandb_delimeter_segmentation"]
+        assert boxes["key"] == f"{image}_wandb_delimeter_predictions"
+        assert boxes["value"] == {str(k): v for k, v in BOX_CLASSES.items()}
+        assert masks["value"] == {str(k): v for k, v in MASK_CLASSES.items()}
+    # no entry is left under a key the run does not hold
+    assert not set(CHARTS) & set(config["visualize"])
+    assert "eval/detection_wandb_delimeter_predictions" not in config["bounding_box/class_labels"]
