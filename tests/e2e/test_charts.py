@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.log import read_records
+from wbmerge import merge
+from wbmerge.analyse import PerRank
+from wbmerge.log import LogWriter, pb, read_payloads, read_records, record_kind
+from wbmerge.upload import MergeRequest, merge_jobs, source_shortfall
 
 from ..support.charts_job import BOX_CLASSES, MASK_CLASSES
 from ..upload.test_metric_definitions_on_server import RUN_CONFIG
@@ -128,3 +131,86 @@ def test_a_shared_run_holds_every_ranks_charts_and_class_names_under_its_own_key
     # no entry is left under a key the run does not hold
     assert not set(CHARTS) & set(config["visualize"])
     assert "eval/detection_wandb_delimeter_predictions" not in config["bounding_box/class_labels"]
+
+
+def drop_entry(log: Path, path: list[str]) -> None:
+    """A stand-in fault of the merge: the staged run loses the config entry at `path`
+    (every other record is written back as it was)."""
+    payloads = list(read_payloads(log))
+    with open(log, "wb") as stream, LogWriter(stream) as writer:
+        for payload in payloads:
+            if record_kind(payload) == "config":
+                record = pb.Record.FromString(payload)
+                kept = [i for i in record.config.update if list(i.nested_key) != path]
+                del record.config.update[:]
+                record.config.update.extend(kept)
+                payload = record.SerializeToString()
+            writer.write(payload)
+
+
+@pytest.mark.parametrize(
+    ("path", "named"),
+    [
+        (["_wandb", "visualize", "charts/val_curve/rank-1"],
+         "rank 1's chart 'charts/val_curve/rank-1': not in the staged config"),
+        (["_wandb", "mask/class_labels", "eval/detection/rank-0_wandb_delimeter_segmentation"],
+         "rank 0's mask class labels 'eval/detection/rank-0_wandb_delimeter_segmentation'"),
+    ],
+)  # fmt: skip
+def test_a_sync_whose_merge_lost_a_chart_or_class_names_fails_naming_it(
+    sink, tmp_path, charts_job, monkeypatch, path, named
+):
+    stage = merge.stage
+
+    def losing_stage(target, out_dir, options, **kwargs):
+        staged = stage(target, out_dir, options, **kwargs)
+        drop_entry(staged.log_path, path)
+        return staged
+
+    monkeypatch.setattr(merge, "stage", losing_stage)
+    result = cli_sync(sink, tmp_path, charts_job, "--run-mode", "shared", "-p", "lost",
+                      "--base-id", "L", "--files-from", charts_job)  # fmt: skip
+    assert result.exit_code == 1
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("wbmerge: error")]
+    assert f"run L: not sent: the staged run lacks what its ranks logged: {named}" in line
+    assert sink.client.runs(project="lost") == []
+
+
+def staged_config_entries(log: Path) -> set[tuple[str, str]]:
+    """The `_wandb` entries a staged log sets by their path."""
+    return {
+        (item.nested_key[1], item.nested_key[2])
+        for record in read_records(log)
+        for item in record.config.update
+        if len(item.nested_key) == 3 and item.nested_key[0] == "_wandb"
+    }
+
+
+@pytest.mark.parametrize("mode", ["new", "auto", "shared"])
+def test_the_source_check_counts_every_ranks_charts_and_class_names(tmp_path, charts_job, mode):
+    runs = merge_jobs(MergeRequest([charts_job], run_mode=mode, files_from=[charts_job]),
+                      tmp_path / "out")  # fmt: skip
+    for run in runs:
+        assert source_shortfall(run.target, run.log_path) == []
+        rank = run.target.primary_rank
+        label = "rank-1" if mode == "shared" else None
+        chart = f"charts/spread/{label}" if label else "charts/spread"
+        assert ("visualize", chart) in staged_config_entries(run.log_path)
+        drop_entry(run.log_path, ["_wandb", "visualize", chart])
+        [problem] = source_shortfall(run.target, run.log_path)
+        owner = 1 if label else rank
+        assert problem == f"rank {owner}'s chart {chart!r}: not in the staged config's " \
+                          "_wandb.visualize"  # fmt: skip
+
+
+def test_entries_of_keys_per_rank_leaves_out_are_neither_staged_nor_expected(tmp_path, charts_job):
+    request = MergeRequest([charts_job], run_mode="shared", files_from=[charts_job],
+                           per_rank=["loss", "eval/*"])  # fmt: skip
+    [run] = merge_jobs(request, tmp_path / "out")
+    per_rank = PerRank.parse(["loss", "eval/*"])
+    assert source_shortfall(run.target, run.log_path, per_rank=per_rank) == []
+    staged = staged_config_entries(run.log_path)
+    assert {key for kind, key in staged if kind == "visualize"} == {
+        f"eval/confusion/rank-{rank}" for rank in range(WORLD)
+    }
+    assert ("mask/class_labels", "eval/detection/rank-1_wandb_delimeter_segmentation") in staged

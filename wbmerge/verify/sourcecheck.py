@@ -18,8 +18,13 @@ What legitimately differs, and so is not counted:
 - W&B's own history and summary keys (`_step`, `_runtime`, `_timestamp`, `_wandb`):
   wandb-core sets them, a pass-through renumbers `_step` across restarts, and a shared run
   keeps one rank's.
-- The `_wandb` and `wbmerge` config keys: the first is wandb's own, the second is
-  replaced by the merge's block naming the target's topology and sources.
+- The `wbmerge` config key, replaced by the merge's block naming the target's topology
+  and sources; and of the `_wandb` config key, what wandb-core and the SDK write about the
+  run rather than about what it logged (versions, telemetry `t`, metric definitions `m`,
+  which are counted as definitions, `code_path`, `pinned_keys`): a shared run keeps the
+  primary's. Its entries keyed by a history key are counted (`logged`): charts
+  (`visualize`, `viz`) and the class names of boxes and masks, each rank's under the key
+  it describes, labelled in a shared run, pointing at the rank's labelled keys.
 - In a shared run, the keys `--per-rank` leaves out, and the config keys of another rank
   that hold the primary's value: the docs say a shared run is made so (another rank's key
   is expected, labelled, only where its value is not the primary's).
@@ -35,6 +40,7 @@ What legitimately differs, and so is not counted:
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -105,6 +111,8 @@ class Holdings:
     # (labelled) of the globs that match it; one of them must be bound to it.
     bindings: dict[str, set[str]] = field(default_factory=dict)
     origin: dict[tuple[str, object], int] = field(default_factory=dict)
+    # The `_wandb` config entries that describe a history key: (kind, key) -> value.
+    logged: dict[tuple[str, str], object] = field(default_factory=dict)
 
 
 # A key's name in the target: None for a key not counted.
@@ -260,6 +268,97 @@ def _fold_config(change: pb.ConfigRecord, config: dict[KeyPath, str]) -> None:
         config.pop(tuple(item.nested_key) or (item.key,), None)
 
 
+# wandb 0.31's SDK writes these `_wandb` config entries keyed by a history key (see
+# `logged_entries`), named here as the failure line names them.
+LOGGED_KINDS = {
+    "visualize": "chart",
+    "viz": "chart",
+    "bounding_box/class_labels": "box class labels",
+    "mask/class_labels": "mask class labels",
+}
+_DELIMITER = "_wandb_delimeter_"  # (wandb's spelling)
+
+
+def _fold_logged(change: pb.ConfigRecord, logged: dict[tuple[str, str], object]) -> None:
+    """Apply a config record's `_wandb` entries keyed by a history key: set by their path
+    (`_wandb.visualize.KEY`), or within a whole `_wandb` block, as the SDK writes class
+    names. An entry once set stays until set again."""
+    for item in change.update:
+        path = list(item.nested_key) or [item.key]
+        if path[0] != "_wandb" or len(path) not in (1, 3):
+            continue
+        try:
+            value = json.loads(item.value_json)
+        except ValueError:
+            continue
+        if len(path) == 3:
+            if path[1] in LOGGED_KINDS:
+                logged[(path[1], path[2])] = value
+        elif isinstance(value, dict):
+            for kind in LOGGED_KINDS:
+                if isinstance(value.get(kind), dict):
+                    for key, entry in value[kind].items():
+                        logged[(kind, key)] = entry
+
+
+def _expected_logged(
+    logged: dict[tuple[str, str], object], rank: _Rank, shared: bool, key_format: str,
+    tops: set[str],
+) -> Iterable[tuple[tuple[str, str], object]]:  # fmt: skip
+    """A rank's `_wandb` entries as the target must hold them (the docs' rule): as they are
+    in a pass-through; in a shared run under the key they describe, labelled, and pointing
+    at the rank's labelled history keys (a key longer than one the rank logged, an
+    `EvalTable` column's, is labelled in its logged part). An entry whose history key is
+    not kept (`--per-rank`) is not expected."""
+
+    def history_key(key: str) -> str | None:
+        top = key if key in tops else max(
+            (t for t in tops if key.startswith(t) and key[len(t) : len(t) + 1] in ("/", ".")),
+            key=len, default=key)  # fmt: skip
+        renamed = rank.rename((top,))
+        return None if renamed is None else renamed[0] + key[len(top) :]
+
+    for (kind, key), value in logged.items():
+        value = json.loads(json.dumps(value))  # (a copy to relabel)
+        if not shared:
+            yield (kind, key), value
+            continue
+        if kind == "visualize":
+            tables: list[dict] = []
+            _table_args(value, tables)
+            keys = [history_key(arg["value"]) for arg in tables]
+            if not keys or None in keys:
+                continue
+            for arg, labelled in zip(tables, keys, strict=True):
+                arg["value"] = labelled
+            yield (kind, key_format.format(key=key, label=rank.label)), value
+        elif kind == "viz":
+            labelled = history_key(key)
+            if labelled is not None:
+                if isinstance(value, dict) and isinstance(value.get("historyFieldSettings"), dict):
+                    value["historyFieldSettings"]["key"] = labelled
+                yield (kind, labelled), value
+        else:
+            image, sep, group = key.partition(_DELIMITER)
+            labelled = history_key(image) if sep else None
+            if labelled is not None:
+                if isinstance(value, dict) and "key" in value:
+                    value["key"] = labelled + _DELIMITER + group
+                yield (kind, labelled + _DELIMITER + group), value
+
+
+def _table_args(value: object, into: list[dict]) -> None:
+    """A chart's `{"name": "tableKey", "value": KEY}` arguments (the tables it draws)."""
+    if isinstance(value, dict):
+        if value.get("name") == "tableKey" and isinstance(value.get("value"), str):
+            into.append(value)
+        for inner in value.values():
+            _table_args(inner, into)
+    elif isinstance(value, list):
+        for inner in value:
+            _table_args(inner, into)
+
+
 class _Lines:
     """Console text as lines, per stream: a line ends at a newline; what a log leaves
     open at its end is a line too (`finish`). A line is tallied under the label its text
@@ -357,8 +456,9 @@ def held_by(log: Path, labelled: bool = False) -> Holdings:
                 held.metrics[_definition(record.metric)] += 1
                 held.last_definitions[_defines(record.metric)] = _definition(record.metric)
             else:
-                _fold_config(record.run.config if record.HasField("run") else record.config,
-                             held.config)  # fmt: skip
+                change = record.run.config if record.HasField("run") else record.config
+                _fold_config(change, held.config)
+                _fold_logged(change, held.logged)
         _console(read, lines)
         _logger(read, held.logger, labelled)
         _stats(read, held.stats, str)
@@ -441,6 +541,7 @@ def _expect_rank(
     counter = _History(history, rank.rename)
     summary: dict[KeyPath, bytes] = {}
     config: dict[KeyPath, str] = {}
+    logged: dict[tuple[str, str], object] = {}
     console: dict[str | None, Tally] = {}
     logger: dict[str, Tally] = {}
     stats: dict[str, Tally] = {}
@@ -458,8 +559,10 @@ def _expect_rank(
                     definitions.append(record.metric)
                 elif record.HasField("config"):
                     _fold_config(record.config, config)
+                    _fold_logged(record.config, logged)
                 elif record.HasField("run"):  # (a restart's: an update, as the docs say)
                     _fold_config(record.run.config, config)
+                    _fold_logged(record.run.config, logged)
             _console(read, lines)
             _logger(read, logger, labelled=False)
             _stats(read, stats, rank.system_rename)
@@ -477,6 +580,9 @@ def _expect_rank(
     for key, value in summary.items():
         expected.summary[key] = value
         expected.origin[("summary key", key)] = rank.rank
+    for entry, value in _expected_logged(logged, rank, shared, key_format, counter.tops):
+        expected.logged[entry] = value
+        expected.origin[(LOGGED_KINDS[entry[0]], entry[1])] = rank.rank
     last = expected.last_definitions
     for definition in _definitions(definitions, rank, shared, key_format, per_rank, counter):
         expected.metrics[definition] += 1
@@ -575,6 +681,11 @@ def shortfall(expected: Holdings, held: Holdings) -> list[str]:
             lack("config key", key, "not in the staged config")
         elif held.config[key] != text:
             lack("config key", key, f"{_short(text)} logged, {_short(held.config[key])} staged")
+    for (kind, key), value in expected.logged.items():
+        if (kind, key) not in held.logged:
+            lack(LOGGED_KINDS[kind], key, f"not in the staged config's _wandb.{kind}")
+        elif held.logged[(kind, key)] != value:
+            lack(LOGGED_KINDS[kind], key, f"other than logged in the staged _wandb.{kind}")
     for kind, logged, staged, unit, other in (
         ("console", expected.console, held.console, "lines", "lines"),
         ("wandb logger", expected.logger, held.logger, "lines", "lines"),
