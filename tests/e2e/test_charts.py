@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from wbmerge import merge
 from wbmerge.analyse import PerRank
+from wbmerge.cli import main
 from wbmerge.log import LogWriter, pb, read_payloads, read_records, record_kind
 from wbmerge.upload import MergeRequest, merge_jobs, source_shortfall
 
@@ -214,3 +216,30 @@ def test_entries_of_keys_per_rank_leaves_out_are_neither_staged_nor_expected(tmp
         f"eval/confusion/rank-{rank}" for rank in range(WORLD)
     }
     assert ("mask/class_labels", "eval/detection/rank-1_wandb_delimeter_segmentation") in staged
+
+
+def merge_warnings(tmp_path: Path, root: Path) -> list[str]:
+    out = tmp_path / "merged"
+    args = ["merge", str(root), "--run-mode", "new", "--out", str(out), "--files-from", str(root)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.stderr
+    return [line for line in result.stderr.splitlines() if line.startswith("wbmerge: warning")]
+
+
+def test_per_rank_seeds_shards_and_charts_of_one_job_say_nothing_of_config(tmp_path, charts_job):
+    # (each rank's seed, data shard and chart title are its own: see charts_job.py)
+    assert len({json.dumps(source_entries(charts_job, rank)[("visualize", "charts/val_curve")])
+                for rank in range(WORLD)}) == WORLD  # fmt: skip
+    assert merge_warnings(tmp_path, charts_job) == []
+
+
+def test_two_separate_experiments_still_get_the_config_warning(tmp_path):
+    """Two runs that say they are ranks 0 and 1 of one group, with other learning rates:
+    two experiments that reused a group name, and the warning names the learning rate."""
+    root = write_job(tmp_path / "two", WORLD, "--job", "reused", rates=(0.1, 0.2))
+    [warning] = merge_warnings(tmp_path, root)
+    assert "its runs differ in config (lr; lr = " in warning
+    for log in root.glob("wandb/offline-run-*/run-*.wandb"):
+        run_id = log.stem.removeprefix("run-")
+        assert f"{_config_value(log, 'lr')}: {run_id}" in warning
+    assert warning.endswith("split them with --ranks FILE (its job column)")

@@ -494,6 +494,22 @@ def test_a_job_whose_runs_differ_in_config_is_merged_with_a_warning():
     assert "job column" in warning.message
 
 
+def test_seeds_and_shards_of_each_rank_of_one_job_give_no_config_warning():
+    # (one DDP job: every rank its own seed, data shard and device, the rest shared)
+    runs = [
+        facts(f"r{i}", group="DDP", label=f"rank_{i}",
+              settings={"seed": str(1000 + i), "data_shard": f'"shard-{i:02d}"',
+                        "shardSeed": str(7 * i), "device": f'"cuda:{i % 2}"', "lr": "0.1"})
+        for i in range(4)
+    ]  # fmt: skip
+    assert len(identify(runs).identities) == 4
+    assert identify(runs).warnings == []
+    # the same by start order alone (no run says its rank): only the guess is said
+    plain = [facts(f"p{i}", start=float(i), group="DDP", settings={"seed": str(i)})
+             for i in range(2)]  # fmt: skip
+    assert not [w for w in identify(plain).warnings if "differ in config" in w.message]
+
+
 def test_a_prefix_shared_by_every_label_is_not_a_node():
     runs = [
         facts(f"{h}{lr}", host=f"node{h}", label=f"ddp_rank{lr}") for h in (0, 1) for lr in (0, 1)
@@ -704,7 +720,8 @@ def test_a_label_pattern_given_twice_is_refused_not_cut_to_the_last(command):
 
 
 def test_the_config_warning_names_the_key_that_splits_the_runs():
-    # seed differs per run, lr per experiment, opt is long, note is missing on one run.
+    # seed differs per run (not said: a seed is per rank), lr per experiment, opt is long,
+    # note is missing on one run.
     long_opt = json.dumps({"name": "adamw", "betas": [0.9, 0.999], "eps": 1e-8, "wd": 0.01})
     runs = [
         facts(f"r{i}", group="DDP", label=f"rank_{i}",
@@ -713,7 +730,7 @@ def test_the_config_warning_names_the_key_that_splits_the_runs():
         for i in range(4)
     ]  # fmt: skip
     [warning] = identify(runs).warnings
-    assert "differ in config (lr, note, seed; lr = 0.1: r0, r1; 0.2: r2, r3)" in warning.message
+    assert "differ in config (lr, note; lr = 0.1: r0, r1; 0.2: r2, r3)" in warning.message
     many = [facts(f"r{i}", group="G", label=f"rank_{i}", settings={"opt": f'"{"x" * 60}{i}"'})
             for i in range(6)]  # fmt: skip
     [warning] = identify(many).warnings

@@ -49,7 +49,7 @@ def main(root: Path, rank: int, world: int, lr: float, job: str) -> None:
         run.log(
             {
                 "loss": 1.0 / (step + 1) + rank,
-                "charts/val_curve": wandb.plot.line(curve, "x", "y", title="val curve"),
+                "charts/val_curve": wandb.plot.line(curve, "x", "y", title=f"rank {rank}"),
                 "charts/spread": wandb.plot.scatter(curve, "x", "y", title="spread"),
                 "eval/confusion": wandb.plot.confusion_matrix(
                     y_true=[0, 1, rank % 2], preds=[0, 1, 1], class_names=["cat", "dog"]

@@ -533,12 +533,33 @@ def _shared_label(labels: Mapping[int, str], ranks: Mapping[int, int]) -> bool:
     return False
 
 
+# Words that name a setting each process of one job holds its own value of: its seed, its
+# data shard, its device or host. A key whose name holds one (`seed`, `data_shard`,
+# `shardSeed`, `device`) may differ from rank to rank in one job.
+_PER_PROCESS_WORDS = frozenset(
+    {"seed", "shard", "rank", "device", "gpu", "cuda", "host", "hostname", "node",
+     "worker", "pid", "port", "process"}
+)  # fmt: skip
+_WORDS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+")
+
+
+def is_per_process(key: str) -> bool:
+    """Whether a config key's name says each process holds its own value of it: one of its
+    words (split at `_`, `/`, `.`, `-` and camelCase; a plural as its singular) is a seed,
+    a shard, a rank, a device, a host and the like."""
+    words = (word.lower() for word in _WORDS.findall(key))
+    return any(word in _PER_PROCESS_WORDS or word.removesuffix("s") in _PER_PROCESS_WORDS
+               for word in words)  # fmt: skip
+
+
 def _warn_of_differing_config(
     runs: Sequence[RunFacts], members: Sequence[int], job_id: str, out: Identification
 ) -> None:
     """Ranks of one job share their hyperparameters; runs that do not may be two
-    experiments taken for one job (for example two jobs that reused one group name)."""
-    keys = {key for i in members for key in runs[i].settings}
+    experiments taken for one job (for example two jobs that reused one group name). What
+    each rank of one job holds its own of (a seed, a data shard, a device: `is_per_process`)
+    says nothing of that, nor do wandb's own `_wandb` entries (discovery leaves them out)."""
+    keys = {key for i in members for key in runs[i].settings if not is_per_process(key)}
     distinct = {k: len({runs[i].settings.get(k) for i in members}) for k in keys}
     differing = sorted(k for k, count in distinct.items() if count > 1)
     if differing:

@@ -244,9 +244,10 @@ def _apply_run_record(run: OfflineRun, record: pb.RunRecord) -> None:
 def _apply_config(run: OfflineRun, updates: Iterable[pb.ConfigItem]) -> None:
     for item in updates:
         key = item.key or (item.nested_key[0] if len(item.nested_key) == 1 else "")
+        top = item.key or (item.nested_key[0] if item.nested_key else "")
         if key.lower() in _CLAIM_KEYS:
             run.config[key] = rankclaims.config_value(item.value_json)
-        elif key not in (METADATA_KEY, "_wandb"):
+        elif top not in (METADATA_KEY, "_wandb"):  # (`_wandb.visualize.KEY` is wandb's too)
             path = item.key or "/".join(item.nested_key)
             run.settings[path] = item.value_json
         if key != METADATA_KEY or run.metadata is not None or run.merged is not None:
