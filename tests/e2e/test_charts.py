@@ -243,3 +243,32 @@ def test_two_separate_experiments_still_get_the_config_warning(tmp_path):
         run_id = log.stem.removeprefix("run-")
         assert f"{_config_value(log, 'lr')}: {run_id}" in warning
     assert warning.endswith("split them with --ranks FILE (its job column)")
+
+
+def test_a_server_that_loses_the_charts_fails_the_sync_naming_them(make_sink, tmp_path, charts_job):
+    """The check after the upload reads the charts back: a server that keeps the config
+    without `_wandb.visualize` (the sink's `nocharts` fault) fails the run, naming each."""
+    sink = make_sink(["graphql:UpsertBucket=nocharts"])
+    result = cli_sync(sink, tmp_path, charts_job, "--run-mode", "shared", "-p", "charts",
+                      "--base-id", "N", "--files-from", charts_job)  # fmt: skip
+    assert result.exit_code == 1, result.stderr
+    held = server_config(sink, "charts", "N")["_wandb"]["value"]
+    assert "visualize" not in held and "mask/class_labels" in held  # (what the fault did)
+    for rank in range(WORLD):
+        for chart in CHARTS:
+            assert f"chart '{chart}/rank-{rank}' not on the server" in result.stderr
+    assert "class labels" not in result.stderr
+    assert "verified" not in result.stderr
+    again = cli_sync(make_sink([]), tmp_path / "again", charts_job, "--run-mode", "shared",
+                     "-p", "charts", "--base-id", "N", "--files-from", charts_job)  # fmt: skip
+    assert again.exit_code == 0, again.stderr
+
+
+def test_each_ranks_own_run_keeps_its_charts_and_class_names_as_written(sink, tmp_path, charts_job):
+    result = cli_sync(sink, tmp_path, charts_job, "--run-mode", "new", "-p", "own",
+                      "--base-id", "O", "--files-from", charts_job)  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    for rank in range(WORLD):
+        held = server_config(sink, "own", f"O-rank-{rank}")["_wandb"]["value"]
+        for (kind, key), value in source_entries(charts_job, rank).items():
+            assert held[kind][key] == value

@@ -8,11 +8,8 @@ import json
 
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge.merge import (
-    fold_logged_entries,
-    labelled_entries,
-    without_logged_entries,
-)
+from wbmerge.merge import labelled_entries, without_logged_entries
+from wbmerge.wandbcore import fold_logged_entries
 
 CHART = {"panel_type": "Vega2", "panel_config": {"panelDefId": "wandb/line/v0", "userQuery": {
     "queryFields": [{"name": "runSets", "fields": [{"name": "summaryTable", "args": [

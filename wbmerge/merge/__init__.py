@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from .artifactfiles import LoggedArtifact
 from .console import Spools, write_console_and_stats
 from .files import check_files, files_from_dirs, moved_files_notice
-from .loggedconfig import fold_logged_entries, labelled_entries, without_logged_entries
+from .loggedconfig import labelled_entries, without_logged_entries
 from .metricglobs import glob_definitions, label_prefixes
 from .options import DEFAULT_KEY_FORMAT, MergeOptions, check_key_format
 from .passthrough import HeldUntilTheRunRecord, passed_record
@@ -50,7 +50,6 @@ __all__ = [
     "check_files",
     "check_key_format",
     "files_from_dirs",
-    "fold_logged_entries",
     "glob_definitions",
     "label_prefixes",
     "labelled_entries",

@@ -30,41 +30,12 @@ import json
 from collections.abc import Callable, Iterable
 
 from ..log import pb
+from ..wandbcore import KEYED_KINDS
 
 WANDB_KEY = "_wandb"
-KEYED_KINDS = ("visualize", "viz", "bounding_box/class_labels", "mask/class_labels")
 DELIMITER = "_wandb_delimeter_"  # (wandb's spelling)
 
-Entries = dict[tuple[str, str], str]  # (kind, key) -> value JSON
-
-
-def fold_logged_entries(entries: Entries, change: pb.ConfigRecord) -> None:
-    """Apply a config record's keyed `_wandb` entries to `entries`: an entry set by its
-    path (`_wandb.visualize.KEY`), or within a whole `_wandb` block (which the SDK writes
-    each time it stores class names). An entry once set is kept until set again."""
-    for item in change.update:
-        path = list(item.nested_key) or [item.key]
-        if path[0] != WANDB_KEY:
-            continue
-        if len(path) == 3 and path[1] in KEYED_KINDS:
-            entries[(path[1], path[2])] = item.value_json
-        elif len(path) == 1:
-            for kind, key, value in _block_entries(item.value_json):
-                entries[(kind, key)] = value
-
-
-def _block_entries(value_json: str) -> Iterable[tuple[str, str, str]]:
-    try:
-        block = json.loads(value_json)
-    except ValueError:
-        return
-    if not isinstance(block, dict):
-        return
-    for kind in KEYED_KINDS:
-        found = block.get(kind)
-        if isinstance(found, dict):
-            for key, value in found.items():
-                yield kind, key, json.dumps(value)
+Entries = dict[tuple[str, str], str]  # (kind, key) -> value JSON (`wandbcore.loggedentries`)
 
 
 def without_logged_entries(change: pb.ConfigRecord) -> bool:

@@ -36,13 +36,13 @@ from ..log import (
 )
 from ..plan import Source, Target
 from ..runtime import allow_open_files
+from ..wandbcore import fold_logged_entries
 from .artifacts import ArtifactRecords
 from .console import PASS_TWO, Spools, SpoolWriter, write_console_and_stats
 from .files import files_record
 from .labels import KeyTable, Labelled, RankKeys, fold_summaries, label_rows
 from .loggedconfig import (
     Entries,
-    fold_logged_entries,
     labelled_entries,
     logged_entries_record,
     without_logged_entries,

@@ -15,7 +15,8 @@ held, plus one), and only reading the rows back shows the hole. W&B has lost row
 
 `nometrics` (UpsertBucket only) keeps the run's config without the metric definitions
 wandb-core sends in it (`_wandb` -> `m`) and answers as if it kept them all: how the tests
-prove that a definition missing on the server fails the sync.
+prove that a definition missing on the server fails the sync. `nocharts` (UpsertBucket only)
+keeps it without its custom charts (`_wandb` -> `visualize`), likewise.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import threading
 from dataclasses import dataclass, field
 
 _SPEC = re.compile(
-    r"^(?P<kind>[\w:*.-]+)=(?P<action>\d{3}|drop|lose|nometrics|delay:[\d.]+)"
+    r"^(?P<kind>[\w:*.-]+)=(?P<action>\d{3}|drop|lose|nometrics|nocharts|delay:[\d.]+)"
     r"(?:@(?P<nth>[\d,]+))?(?:x(?P<times>\d+))?$"
 )
 
@@ -61,8 +62,8 @@ def parse_fault(spec: str) -> Fault:
         raise ValueError(f"bad fault spec {spec!r} (e.g. 'file_stream=500@2', '*=delay:0.1')")
     if match["action"] == "lose" and match["kind"].split(":")[0] != "file_stream":
         raise ValueError(f"bad fault spec {spec!r}: only file_stream requests can be lost")
-    if match["action"] == "nometrics" and match["kind"] != "graphql:UpsertBucket":
-        raise ValueError(f"bad fault spec {spec!r}: only UpsertBucket configs lose metrics")
+    if match["action"] in ("nometrics", "nocharts") and match["kind"] != "graphql:UpsertBucket":
+        raise ValueError(f"bad fault spec {spec!r}: only UpsertBucket configs lose parts")
     nth = tuple(int(n) for n in match["nth"].split(",")) if match["nth"] else ()
     times = int(match["times"]) if match["times"] else (len(nth) or None)
     return Fault(match["kind"], match["action"], nth, times)
@@ -107,15 +108,16 @@ class FaultPlan:
             }
 
 
-def without_metric_definitions(variables: dict) -> None:
-    """Drop the metric definitions (`_wandb` -> `m`) from an UpsertBucket's config, in place
-    (the `nometrics` fault); a config not in wandb-core's shape is left as it is."""
+def without_metric_definitions(variables: dict, part: str = "m") -> None:
+    """Drop the metric definitions (`_wandb` -> `m`), or another `part` of `_wandb` (the
+    charts, `visualize`), from an UpsertBucket's config, in place (the `nometrics` and
+    `nocharts` faults); a config not in wandb-core's shape is left as it is."""
     try:
         config = json.loads(variables.get("config") or "{}")
     except (ValueError, TypeError, RecursionError):
         return
     wandb = config.get("_wandb") if isinstance(config, dict) else None
     inner = wandb.get("value") if isinstance(wandb, dict) else None
-    if isinstance(inner, dict) and "m" in inner:
-        del inner["m"]
+    if isinstance(inner, dict) and part in inner:
+        del inner[part]
         variables["config"] = json.dumps(config)

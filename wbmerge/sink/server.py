@@ -38,7 +38,8 @@ from .store import Store
 STORE = web.AppKey("store", Store)
 FAULTS = web.AppKey("faults", FaultPlan)
 FAULTS_ALLOWED = web.AppKey("faults_allowed", bool)
-WITHOUT_METRICS = "without_metrics"  # (a request's key: the `nometrics` fault fired for it)
+# (a request's key: the part of `_wandb` the `nometrics` or `nocharts` fault drops from it)
+WITHOUT_METRICS = "without_metrics"
 ENCODED_SEPARATORS = ("%2f", "%5c", "%00")  # "/", "\\" and NUL hidden in a path segment
 BASIC_CHALLENGE = {"WWW-Authenticate": 'Basic realm="wbmerge sink", charset="UTF-8"'}
 # The pages are server-rendered HTML with one inline stylesheet and inline SVG charts: no
@@ -164,7 +165,9 @@ async def fault_injection(request: web.Request, handler: Any) -> web.StreamRespo
         if fault.action == "lose":  # (acknowledged as file_stream does, nothing kept)
             return web.json_response({"exitcode": None, "limits": {}})
         if fault.action == "nometrics":
-            request[WITHOUT_METRICS] = True
+            request[WITHOUT_METRICS] = "m"
+        if fault.action == "nocharts":
+            request[WITHOUT_METRICS] = "visualize"
     return await handler(request)
 
 
@@ -172,7 +175,7 @@ async def graphql(request: web.Request) -> web.Response:
     try:
         payload = protocol.decode_body(await request.read())
         if request.get(WITHOUT_METRICS) and isinstance(payload, dict):
-            without_metric_definitions(payload.get("variables") or {})
+            without_metric_definitions(payload.get("variables") or {}, request[WITHOUT_METRICS])
         answer = protocol.graphql(request.app[STORE], payload, _base_url(request))
     except protocol.ProtocolError as exc:
         return web.json_response({"errors": [{"message": str(exc)}]}, status=exc.status)

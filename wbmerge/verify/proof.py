@@ -20,7 +20,7 @@ from ..wandbcore import StagedContent
 from .artifactcheck import artifacts_missing
 from .readback import not_whole_on_server, rows_held, saved_files_missing
 from .remainder import shortfall
-from .whole import metric_definitions_missing
+from .whole import logged_entries_missing, metric_definitions_missing
 
 
 @dataclass
@@ -64,6 +64,11 @@ def metric_definitions(run: RunOnServer) -> list[str]:
     return metric_definitions_missing(run.content, run.held)
 
 
+def logged_entries(run: RunOnServer) -> list[str]:
+    """Each rank's charts and class names (config entries keyed by a history key)."""
+    return logged_entries_missing(run.content, run.held)
+
+
 def artifacts(run: RunOnServer) -> list[str]:
     """Each artifact logged, committed under the run with every file."""
     if not run.delivery.artifacts:
@@ -79,8 +84,16 @@ def rows(run: RunOnServer) -> list[str]:
     )
 
 
-AFTER_UPLOAD: tuple[Check, ...] = (counts, saved_files, metric_definitions, artifacts, rows)
-WHOLE: tuple[Check, ...] = (counts, whole, rows, artifacts)  # (`whole` holds the definitions)
+AFTER_UPLOAD: tuple[Check, ...] = (
+    counts,
+    saved_files,
+    metric_definitions,
+    logged_entries,
+    artifacts,
+    rows,
+)
+# (`whole` compares the metric definitions, charts and class names too)
+WHOLE: tuple[Check, ...] = (counts, whole, rows, artifacts)
 
 
 def prove(run: RunOnServer, checks: Sequence[Check]) -> list[str]:

@@ -16,7 +16,13 @@ import yaml
 
 from ..identify import few
 from ..upload import Held, RunListing
-from ..wandbcore import LoggedRun, StagedContent, definitions_missing, held_definitions
+from ..wandbcore import (
+    LoggedRun,
+    StagedContent,
+    definitions_missing,
+    entries_missing,
+    held_definitions,
+)
 from .remainder import same_value, shortfall
 
 # Files wandb-core writes itself as it uploads a run (from the config, the summary, the
@@ -104,7 +110,7 @@ def not_held_whole(
                   and not (key in theirs and same_value(value, theirs[key]))]  # fmt: skip
         if differ:
             problems.append(f"{what} keys differ: {few(differ)}")
-    problems += metric_definitions_missing(staged, held)
+    problems += metric_definitions_missing(staged, held) + logged_entries_missing(staged, held)
     return problems + files_missing(expected_files, listing.sizes)
 
 
@@ -119,6 +125,19 @@ def metric_definitions_missing(staged: StagedContent, held: Held) -> list[str]:
     'val/acc/rank-0' not on the server", ...]."""
     expected = dict(staged.metric_definitions)
     return definitions_missing(expected, held_definitions(held.config_json) if expected else {})
+
+
+def logged_entries_missing(staged: StagedContent, held: Held) -> list[str]:
+    """The charts and class names (`_wandb` entries keyed by a history key) a whole upload of
+    the staged run leaves in its config that the server's config does not hold at their
+    value, a line each naming it (`loggedentries`); [] when it holds every one.
+
+    Example: a shared run whose rank 1 logged `wandb.plot.line` under `charts/val_curve`
+    must hold the chart `charts/val_curve/rank-1`; a server that kept the config without
+    `_wandb.visualize` gives ["chart 'charts/val_curve/rank-1' not on the server", ...]."""
+    if not staged.logged_entries:
+        return []
+    return entries_missing(dict(staged.logged_entries), held.config_json)
 
 
 # The files a whole upload writes from what it sends, read back to tell whether they came

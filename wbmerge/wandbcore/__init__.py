@@ -4,12 +4,14 @@ with.
 wbmerge verifies every upload against what the ranks wrote, so it must know what wandb-core
 will send of a log: `sentrows` the `_step` it sends each history row at, `terminal` a port
 of its terminal emulator (the console lines and `output.log` it makes), `metricdefs` the
-metric definitions it sends in a run's config, and `content` the counts of a whole log a
+metric definitions it sends in a run's config, `loggedentries` the charts and class
+names kept there, and `content` the counts of a whole log a
 read at a time (its rows' steps as `stepruns`, runs of consecutive steps). All of it is
 pure: it reads logs, never a server.
 """
 
 from .content import ContentCounter, LoggedRun, StagedContent, read_logged_run, read_staged
+from .loggedentries import KEYED_KINDS, entries_missing, fold_logged_entries
 from .metricdefs import Definition, definitions_missing, held_definitions
 from .sentrows import NOT_JSON, item_step, json_int, json_value, sent_steps, with_step
 from .stepruns import StepRuns
@@ -17,6 +19,7 @@ from .terminal import MAX_LINE, TERMINAL_HEIGHT, Console, output_log
 
 __all__ = [
     "Console",
+    "KEYED_KINDS",
     "ContentCounter",
     "Definition",
     "LoggedRun",
@@ -27,6 +30,8 @@ __all__ = [
     "TERMINAL_HEIGHT",
     "content",
     "definitions_missing",
+    "entries_missing",
+    "fold_logged_entries",
     "held_definitions",
     "item_step",
     "json_int",

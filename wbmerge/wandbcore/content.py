@@ -18,6 +18,7 @@ import numpy as np
 
 from ..log import item_path, pb, records
 from . import sentrows, terminal
+from .loggedentries import Entries, fold_logged_entries
 from .metricdefs import Definition, DefinitionKey, fold
 from .stepruns import StepRuns
 
@@ -36,6 +37,9 @@ class StagedContent:
     # The metric definitions wandb-core folds the log's metric records into and sends in the
     # run's config (`metricdefs`), as (key, definition) pairs in the order first defined.
     metric_definitions: tuple[tuple[DefinitionKey, Definition], ...] = ()
+    # The charts and class names its config records leave in the run's config
+    # (`loggedentries`): ((kind, key), value JSON) pairs.
+    logged_entries: tuple[tuple[tuple[str, str], str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "step_items", StepRuns.of(self.step_items))
@@ -65,6 +69,7 @@ class ContentCounter:
         self.console = terminal.Console(keep_text=False)
         self.metadata = False
         self.metrics: dict[DefinitionKey, Definition] = {}
+        self.entries: Entries = {}
 
     def add(self, read: records.RecordIndex) -> None:
         frames = read.frames
@@ -81,12 +86,16 @@ class ContentCounter:
             _write_console(self.console, record)
         metrics = read.of("metric").tolist()
         fold((pb.Record.FromString(frames.payload(i)).metric for i in metrics), self.metrics)
+        for index in read.of("run", "config").tolist():
+            record = pb.Record.FromString(frames.payload(index))
+            change = record.run.config if record.HasField("run") else record.config
+            fold_logged_entries(self.entries, change)
 
     def content(self) -> StagedContent:
         start = sentrows.starting_step(self.runs)
         return StagedContent(
             StepRuns.join(self.step_parts), self.events, self.console.lines, start, self.metadata,
-            tuple(self.metrics.items()),
+            tuple(self.metrics.items()), tuple(self.entries.items()),
         )  # fmt: skip
 
 
