@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from wandb.proto import wandb_internal_pb2 as pb
 
+from wbmerge.errors import WbmergeError
 from wbmerge.merge import labelled_entries, without_logged_entries
 from wbmerge.wandbcore import fold_logged_entries
 
@@ -89,3 +91,11 @@ def test_an_entry_whose_key_is_not_kept_per_rank_is_left_out():
     got = relabelled(entries, {"val_curve_table", "img"}, keeps=lambda key: key == "img")
     assert list(got) == [("bounding_box/class_labels",
                           "img/worker-1-rank-3_wandb_delimeter_pred")]  # fmt: skip
+
+
+@pytest.mark.parametrize("depth", [10, 5000])
+def test_an_entry_that_cannot_be_read_is_refused_in_one_line(depth):
+    deep = "[" * depth + "]" * depth if depth > 100 else '{"tableKey": '
+    entries = {("visualize", "val_curve"): deep}
+    with pytest.raises(WbmergeError, match=r"^rank-1: its config entry _wandb\.visualize\."):
+        labelled_entries(entries, "rank-1", "{key}/{label}", set(), lambda key: True)

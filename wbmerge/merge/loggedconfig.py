@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 
+from ..errors import WbmergeError
 from ..log import pb
 from ..wandbcore import KEYED_KINDS
 
@@ -51,8 +52,8 @@ def without_logged_entries(change: pb.ConfigRecord) -> bool:
         if path[0] == WANDB_KEY and len(path) == 1:
             try:
                 block = json.loads(item.value_json)
-            except ValueError:
-                block = None
+            except (ValueError, RecursionError):
+                block = None  # (left as it is: no entry of it can be read either)
             if isinstance(block, dict) and any(kind in block for kind in KEYED_KINDS):
                 for kind in KEYED_KINDS:
                     block.pop(kind, None)
@@ -74,13 +75,18 @@ def labelled_entries(
 ) -> list[tuple[tuple[str, str], str]]:
     """A rank's entries as the shared run holds them: ((kind, labelled key), value JSON),
     each pointing at the rank's labelled history keys; those whose history key `keeps`
-    (`--per-rank`) does not keep are left out."""
+    (`--per-rank`) does not keep are left out. An entry whose value cannot be read is
+    refused in one line: it could not be relabelled, and leaving it out would lose it."""
     out = []
     for (kind, key), value_json in entries.items():
         try:
             value = json.loads(value_json)
-        except ValueError:
-            continue
+            json.dumps(value)  # (a value nested too deep to walk fails here, not below)
+        except (ValueError, RecursionError):
+            raise WbmergeError(
+                f"{label}: its config entry _wandb.{kind}.{key!r} is not JSON that can be "
+                "read; it names a key the shared run relabels"
+            ) from None
 
         def label_key(history_key: str) -> str | None:
             top = _logged_top(history_key, logged_keys)
@@ -88,7 +94,12 @@ def labelled_entries(
                 return None
             return key_format.format(key=top, label=label) + history_key[len(top) :]
 
-        found = _relabel(kind, key, value, label_key, key_format, label)
+        try:
+            found = _relabel(kind, key, value, label_key, key_format, label)
+        except RecursionError:
+            raise WbmergeError(
+                f"{label}: its config entry _wandb.{kind}.{key!r} is nested too deep to read"
+            ) from None
         if found is not None:
             out.append(((kind, found[0]), json.dumps(found[1])))
     return out

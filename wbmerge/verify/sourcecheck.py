@@ -289,8 +289,8 @@ def _fold_logged(change: pb.ConfigRecord, logged: dict[tuple[str, str], object])
             continue
         try:
             value = json.loads(item.value_json)
-        except ValueError:
-            continue
+        except (ValueError, RecursionError):
+            continue  # (an entry that cannot be read: the merge refuses it in one line)
         if len(path) == 3:
             if path[1] in LOGGED_KINDS:
                 logged[(path[1], path[2])] = value
@@ -782,8 +782,8 @@ def lacking_line(check: Callable[[], list[str]] | None) -> str | None:
     if check is None:
         return None
     try:
-        problems = check()
-    except (OSError, ValueError, DecodeError) as exc:  # (ValueError: a key that is no text)
+        problems = check()  # (ValueError: a key that is no text; RecursionError: too deep)
+    except (OSError, ValueError, DecodeError, RecursionError) as exc:
         return f"not sent: it could not be compared with its ranks' logs ({exc})"
     if not problems:
         return None

@@ -44,8 +44,8 @@ def fold_logged_entries(entries: Entries, change: pb.ConfigRecord) -> None:
         elif len(path) == 1:
             try:
                 block = json.loads(item.value_json)
-            except ValueError:
-                continue
+            except (ValueError, RecursionError):
+                continue  # (a block that is no JSON object holds no entry that can be read)
             if not isinstance(block, dict):
                 continue
             for kind in KEYED_KINDS:
@@ -60,7 +60,7 @@ def entries_missing(expected: Entries, config_json: str) -> list[str]:
     each key's `{"value": ...}`) does not hold at their value, a line each naming it."""
     try:
         config = json.loads(config_json or "{}")
-    except ValueError:
+    except (ValueError, RecursionError):
         config = {}
     wandb = config.get(WANDB_KEY) if isinstance(config, dict) else None
     held = wandb.get("value") if isinstance(wandb, dict) else None
@@ -70,6 +70,14 @@ def entries_missing(expected: Entries, config_json: str) -> list[str]:
         of_kind = held.get(kind)
         if not isinstance(of_kind, dict) or key not in of_kind:
             problems.append(f"{KEYED_KINDS[kind]} {key!r} not on the server")
-        elif of_kind[key] != json.loads(value_json):
+        elif of_kind[key] != _value(value_json):
             problems.append(f"{KEYED_KINDS[kind]} {key!r} other on the server")
     return problems
+
+
+def _value(value_json: str) -> object:
+    """An entry's value; its text when it is not JSON that can be read."""
+    try:
+        return json.loads(value_json)
+    except (ValueError, RecursionError):
+        return value_json
