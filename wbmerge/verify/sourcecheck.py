@@ -20,11 +20,12 @@ What legitimately differs, and so is not counted:
   keeps one rank's.
 - The `wbmerge` config key, replaced by the merge's block naming the target's topology
   and sources; and of the `_wandb` config key, what wandb-core and the SDK write about the
-  run rather than about what it logged (versions, telemetry `t`, metric definitions `m`,
-  which are counted as definitions, `code_path`, `pinned_keys`): a shared run keeps the
-  primary's. Its entries keyed by a history key are counted (`logged`): charts
-  (`visualize`, `viz`) and the class names of boxes and masks, each rank's under the key
-  it describes, labelled in a shared run, pointing at the rank's labelled keys.
+  run rather than about what it logged (telemetry `t`, which wandb-core makes again;
+  metric definitions `m`, counted as definitions; versions, `code_path`, `pinned_keys`):
+  a shared run keeps the primary's. Its entries keyed by a history key are counted
+  (`logged`): charts (`visualize`, `viz`) and the class names of boxes and masks, each
+  rank's under the key it describes, labelled in a shared run, pointing at the rank's
+  labelled keys.
 - In a shared run, the keys `--per-rank` leaves out, and the config keys of another rank
   that hold the primary's value: the docs say a shared run is made so (another rank's key
   is expected, labelled, only where its value is not the primary's).
