@@ -5,6 +5,7 @@ chart draws a table the run holds, and its class names sit under its own image k
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,23 +32,13 @@ WORLD = 2
 def write_job(root: Path, world: int, *args: str, rates: tuple[float, ...] = ()) -> Path:
     """Every rank's offline run, written at once as the ranks of one job write them."""
     root.mkdir(parents=True, exist_ok=True)
-    env = {"WANDB_SILENT": "true", "PATH": "/usr/bin:/bin"}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.support.charts_job",
-                str(root),
-                str(rank),
-                str(world),
-                *args,
-                *(["--lr", str(rates[rank])] if rates else []),
-            ],
-            env={**env, "PYTHONPATH": str(Path(__file__).parents[2])},
-        )  # fmt: skip
-        for rank in range(world)
-    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_SILENT="true", PYTHONPATH=str(Path(__file__).parents[2]))
+    procs = []
+    for rank in range(world):
+        rate = ["--lr", str(rates[rank])] if rates else []
+        command = ["-m", "tests.support.charts_job", str(root), str(rank), str(world), *args]
+        procs.append(subprocess.Popen([sys.executable, *command, *rate], env=env))
     assert [proc.wait(timeout=300) for proc in procs] == [0] * world
     return root
 
