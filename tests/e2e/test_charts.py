@@ -17,10 +17,11 @@ from wbmerge import merge
 from wbmerge.analyse import PerRank
 from wbmerge.cli import main
 from wbmerge.log import LogWriter, pb, read_payloads, read_records, record_kind
-from wbmerge.upload import MergeRequest, merge_jobs, source_shortfall
+from wbmerge.sync import MergeRequest, merge_jobs
+from wbmerge.verify import source_shortfall
 
 from ..support.charts_job import BOX_CLASSES, MASK_CLASSES
-from ..upload.test_metric_definitions_on_server import RUN_CONFIG
+from ..verify.test_metric_definitions_on_server import RUN_CONFIG
 from .test_sync import cli_sync
 
 pytestmark = pytest.mark.e2e
