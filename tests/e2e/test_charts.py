@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -264,3 +265,31 @@ def test_each_ranks_own_run_keeps_its_charts_and_class_names_as_written(sink, tm
         held = server_config(sink, "own", f"O-rank-{rank}")["_wandb"]["value"]
         for (kind, key), value in source_entries(charts_job, rank).items():
             assert held[kind][key] == value
+
+
+def test_verify_names_the_charts_and_class_names_a_server_lost(sink, tmp_path, charts_job):
+    """`wbmerge verify` checks a shared run's charts and class names on the server: whole
+    after the sync, and each entry named once the server's config has lost them."""
+    options = ["--run-mode", "shared", "-p", "chartsv", "--base-id", "V", "--files-from",
+               charts_job]  # fmt: skip
+    assert cli_sync(sink, tmp_path, charts_job, *options).exit_code == 0
+    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
+    verify = ["verify", "--json", str(charts_job), *map(str, options)]
+    result = CliRunner().invoke(main, verify, env=env)
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["whole"] is True
+
+    with sqlite3.connect(sink.data_dir / "sink.sqlite3") as db:
+        [config] = db.execute("SELECT config FROM runs WHERE name = 'V'").fetchone()
+        held = json.loads(config)
+        del held["_wandb"]["value"]["visualize"], held["_wandb"]["value"]["mask/class_labels"]
+        db.execute("UPDATE runs SET config = ? WHERE name = 'V'", (json.dumps(held),))
+    db.close()
+    result = CliRunner().invoke(main, verify, env=env)
+    assert result.exit_code == 1
+    [run] = json.loads(result.stdout)["runs"]
+    said = "; ".join(run["problems"])
+    for rank in range(WORLD):
+        for chart in CHARTS:
+            assert f"chart '{chart}/rank-{rank}' not on the server" in said
+        assert f"eval/detection/rank-{rank}" in said  # (its mask class names)
