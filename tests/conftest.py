@@ -70,14 +70,30 @@ def sink(tmp_path_factory):
 
 
 @pytest.fixture
+def wandb_like_sink(tmp_path_factory):
+    """A real sink that behaves like W&B (`sink serve --like-wandb`): write cursor, counts
+    1 s late, sampled history, rate limits."""
+    from .support.sinktools import LIKE_WANDB, SinkProcess
+
+    process = SinkProcess(tmp_path_factory.mktemp("sink") / "data", like=LIKE_WANDB)
+    process.data_dir.mkdir()
+    process.start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture
 def make_sink(tmp_path_factory):
-    """Start sinks with options (faults); all are stopped after the test."""
+    """Start sinks with options (faults, `like`: a `LikeWandb` of W&B's behaviours); all
+    are stopped after the test."""
     from .support.sinktools import SinkProcess
 
     started = []
 
-    def start(faults=(), allow_faults=False):
-        process = SinkProcess(tmp_path_factory.mktemp("sink") / "data", tuple(faults), allow_faults)
+    def start(faults=(), allow_faults=False, like=None):
+        process = SinkProcess(
+            tmp_path_factory.mktemp("sink") / "data", tuple(faults), allow_faults, like
+        )
         process.data_dir.mkdir()
         started.append(process.start())
         return process

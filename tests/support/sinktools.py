@@ -19,7 +19,11 @@ from pathlib import Path
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.log import records
-from wbmerge.sink import LocalSink, SinkClient
+from wbmerge.sink import LikeWandb, LocalSink, SinkClient
+
+# W&B's behaviours, all on (`sink serve --like-wandb`), with counts 1 s late instead of
+# W&B's 2-4 s so that the tests stay fast: long enough for a sync to ask in the gap.
+LIKE_WANDB = LikeWandb.all_on(lag=1.0)
 
 CONSOLE_PREFIX = re.compile(r"^(ERROR )?\d{4}-\d\d-\d\dT[\d:.]+ ?")
 
@@ -29,9 +33,13 @@ class SinkProcess(LocalSink):
     sink), with what tests need beside it."""
 
     def __init__(
-        self, data_dir: Path, faults: tuple[str, ...] = (), allow_faults: bool = False
+        self,
+        data_dir: Path,
+        faults: tuple[str, ...] = (),
+        allow_faults: bool = False,
+        like: LikeWandb | None = None,
     ) -> None:
-        super().__init__(data_dir, port=0, faults=faults, allow_faults=allow_faults)
+        super().__init__(data_dir, port=0, faults=faults, allow_faults=allow_faults, like=like)
 
     def restart(self) -> None:
         self.stop()

@@ -35,12 +35,63 @@ def sink() -> None:
     help="Inject a fault, e.g. 'file_stream=500@2' (allows faults).",
 )
 @click.option("--port-file", type=click.Path(), help="Write the bound port to this file.")
+@click.option(
+    "--like-wandb",
+    is_flag=True,
+    help="Behave like W&B's cloud: all of the behaviours below on (docs/sink.md).",
+)
+@click.option(
+    "--write-cursor/--no-write-cursor",
+    default=None,
+    help="Keep a write position per run: a batch sent past it lands at it (wandb#12269).",
+)
+@click.option(
+    "--lag",
+    type=click.FloatRange(0, 600),
+    metavar="SECONDS",
+    help="Answer line counts, history tail and summary as of SECONDS ago (--like-wandb: 3).",
+)
+@click.option(
+    "--sampling/--no-sampling",
+    default=None,
+    help="Answer a sample of a history range holding more rows than asked for.",
+)
+@click.option(
+    "--limits/--no-limits",
+    default=None,
+    help="Answer 429 with Retry-After past W&B's rate limits; refuse over-long history lines.",
+)
+@click.option("--run-rate", type=click.FloatRange(min=0.1), metavar="N",
+              help="file_stream requests a second per run (default 2; turns --limits on).")  # fmt: skip
+@click.option("--project-rate", type=click.FloatRange(min=0.1), metavar="N",
+              help="Requests a second per project (default 500; turns --limits on).")  # fmt: skip
+@click.option("--project-bytes", type=click.FloatRange(min=1), metavar="N",
+              help="Request bytes a second per project (default 120e6; turns --limits on).")  # fmt: skip
 @one_line_errors
 def sink_serve(
-    port: int, data_dir: str, allow_faults: bool, faults: tuple[str, ...], port_file: str | None
+    port: int,
+    data_dir: str,
+    allow_faults: bool,
+    faults: tuple[str, ...],
+    port_file: str | None,
+    like_wandb: bool,
+    write_cursor: bool | None,
+    lag: float | None,
+    sampling: bool | None,
+    limits: bool | None,
+    run_rate: float | None,
+    project_rate: float | None,
+    project_bytes: float | None,
 ) -> None:
-    """Serve the sink on 127.0.0.1 until interrupted (stop it with `kill PID`)."""
-    from ..sink import parse_fault, serve
+    """Serve the sink on 127.0.0.1 until interrupted (stop it with `kill PID`).
+
+    By default it is an ideal server; --like-wandb, or each behaviour's own switch, makes
+    it behave as W&B's cloud does where that differs (docs/sink.md)."""
+    from ..sink import LikeWandb, parse_fault, serve
+
+    like = LikeWandb.from_switches(
+        like_wandb, write_cursor, lag, sampling, limits, run_rate, project_rate, project_bytes
+    )
 
     for spec in faults:
         try:
@@ -48,7 +99,7 @@ def sink_serve(
         except ValueError as exc:
             raise WbmergeError(str(exc)) from None
     try:
-        serve(data_dir, port, list(faults), port_file, allow_faults)
+        serve(data_dir, port, list(faults), port_file, allow_faults, like)
     except OSError as exc:
         raise WbmergeError(f"cannot serve on 127.0.0.1:{port}: {exc.strerror or exc}") from None
     except ValueError as exc:  # an unsafe data directory (a symlink in it), a bad secret file

@@ -3,6 +3,7 @@
 from importlib import import_module
 from typing import TYPE_CHECKING
 
+from . import wandblike
 from .access import UploadTokens, is_loopback_host, read_api_key
 from .client import SinkClient
 from .faults import parse_fault
@@ -11,6 +12,7 @@ from .process import LocalSink
 from .protocol import ProtocolError, decode_body
 from .runfilters import FilterError, matcher
 from .store import Store
+from .wandblike import LikeWandb, Limits
 
 if TYPE_CHECKING:
     from .pages import index_html, run_html
@@ -31,6 +33,8 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "BadName",
     "FilterError",
+    "LikeWandb",
+    "Limits",
     "LocalSink",
     "ProtocolError",
     "SinkClient",
@@ -48,4 +52,5 @@ __all__ = [
     "read_api_key",
     "run_html",
     "serve",
+    "wandblike",
 ]

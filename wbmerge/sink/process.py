@@ -21,6 +21,7 @@ from types import TracebackType
 
 from ..errors import WbmergeError
 from .access import read_api_key
+from .wandblike import LikeWandb
 
 START_SECONDS = 30.0  # a sink that has not bound its port by then is taken as failed
 
@@ -40,8 +41,10 @@ class LocalSink:
         port: int = 0,
         faults: Sequence[str] = (),
         allow_faults: bool = False,
+        like: LikeWandb | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
+        self.like = like  # which of W&B's behaviours it models (None: the ideal server)
         self.port = port
         self.faults = tuple(faults)
         self.allow_faults = allow_faults
@@ -67,6 +70,8 @@ class LocalSink:
             command += ["--fault", fault]
         if self.allow_faults:
             command.append("--allow-faults")
+        if self.like is not None:
+            command += self.like.cli_args()
         # The sink's first lines hold its key: its log is the owner's alone, and this start's.
         log = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:

@@ -207,7 +207,7 @@ def _run_resume_status(store: Store, v: dict[str, Any], base_url: str) -> dict:
     entity, project, name = checked_run_path(
         _entity(v), v.get("project") or "uncategorized", v.get("name")
     )
-    run = store.run(entity, project, name)
+    run = store.reported_run(entity, project, name)
     bucket = None
     if run is not None:
         bucket = {

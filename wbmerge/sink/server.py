@@ -33,11 +33,14 @@ from ..safepaths import check_out_file
 from . import access, pages, protocol
 from .artifact_values import ArtifactError
 from .faults import FaultPlan, parse_fault, without_metric_definitions
+from .names import DEFAULT_ENTITY
 from .store import Store
+from .wandblike import LikeWandb, Throttle, retry_after
 
 STORE = web.AppKey("store", Store)
 FAULTS = web.AppKey("faults", FaultPlan)
 FAULTS_ALLOWED = web.AppKey("faults_allowed", bool)
+THROTTLE = web.AppKey("throttle", Throttle)
 # (a request's key: the part of `_wandb` the `nometrics` or `nocharts` fault drops from it)
 WITHOUT_METRICS = "without_metrics"
 ENCODED_SEPARATORS = ("%2f", "%5c", "%00")  # "/", "\\" and NUL hidden in a path segment
@@ -169,6 +172,42 @@ async def fault_injection(request: web.Request, handler: Any) -> web.StreamRespo
         if fault.action == "nocharts":
             request[WITHOUT_METRICS] = "visualize"
     return await handler(request)
+
+
+@web.middleware
+async def throttle(request: web.Request, handler: Any) -> web.StreamResponse:
+    """W&B's rate limits, when modelled (`wandblike`): a request past them is answered 429
+    with the whole seconds to wait in `Retry-After`, and does nothing."""
+    limits = request.app.get(THROTTLE)
+    if limits is None:
+        return await handler(request)
+    m = request.match_info
+    body = await request.read()
+    if request.path == "/graphql":
+        try:
+            variables = protocol.decode_body(body).get("variables") or {}
+            project = variables.get("project") or variables.get("projectName")
+            place = (_entity(variables), project, None) if project else None
+        except (ValueError, OSError, AttributeError, protocol.ProtocolError):
+            place = None  # (refused by the handler, which says why)
+    elif "project" in m:
+        run = m["run"] if request.path.endswith("/file_stream") else None
+        place = (m["entity"], m["project"], run)
+    else:
+        place = None
+    if place is not None and isinstance(place[0], str) and isinstance(place[1], str):
+        wait = limits.admit(place[0], place[1], place[2], len(body))
+        if wait is not None:
+            return web.json_response(
+                {"errors": [{"message": "rate limit exceeded"}]},
+                status=429,
+                headers={"Retry-After": retry_after(wait)},
+            )
+    return await handler(request)
+
+
+def _entity(variables: dict) -> object:
+    return variables.get("entity") or variables.get("entityName") or DEFAULT_ENTITY
 
 
 async def graphql(request: web.Request) -> web.Response:
@@ -355,13 +394,20 @@ def _base_url(request: web.Request) -> str:
 
 
 def make_app(
-    data_dir: str | Path, faults: list[str] | None = None, allow_faults: bool = False
+    data_dir: str | Path,
+    faults: list[str] | None = None,
+    allow_faults: bool = False,
+    like: LikeWandb | None = None,
 ) -> web.Application:
-    """The sink's application; faults can be set later only if `allow_faults` or `faults`."""
+    """The sink's application; faults can be set later only if `allow_faults` or `faults`.
+    `like` says which of W&B's behaviours it models (none: the ideal server)."""
     app = web.Application(
-        middlewares=[guard, require_key, fault_injection], client_max_size=protocol.MAX_BODY
+        middlewares=[guard, require_key, throttle, fault_injection],
+        client_max_size=protocol.MAX_BODY,
     )
-    app[STORE] = Store(data_dir)
+    app[STORE] = Store(data_dir, like)
+    if like is not None and like.limits is not None:
+        app[THROTTLE] = Throttle(like.limits)
     app[FAULTS] = FaultPlan([parse_fault(s) for s in faults or []])
     app[FAULTS_ALLOWED] = allow_faults or bool(faults)
     app.router.add_post("/graphql", graphql)
@@ -417,6 +463,7 @@ def serve(
     faults: list[str] | None = None,
     port_file: str | Path | None = None,
     allow_faults: bool = False,
+    like: LikeWandb | None = None,
 ) -> None:
     """Run the sink on 127.0.0.1 until interrupted; port 0 picks a free port.
 
@@ -428,7 +475,7 @@ def serve(
     sock.bind(("127.0.0.1", port))
     sock.listen(128)  # connections queue from now on, so announcing the port is safe
     bound = sock.getsockname()[1]
-    app = make_app(data_dir, faults, allow_faults)
+    app = make_app(data_dir, faults, allow_faults, like)
     if port_file:
         write_port_file(Path(port_file), bound)
     key = app[STORE].api_key.key
@@ -438,4 +485,6 @@ def serve(
         f"  in a browser: http://api:{key}@127.0.0.1:{bound}/  (user api, the key as password)",
         flush=True,
     )
+    if like is not None and like.describe():
+        print(f"  like W&B: {like.describe()}", flush=True)
     web.run_app(app, sock=sock, print=None, access_log=None, handle_signals=True)

@@ -38,6 +38,7 @@ from .access import (
 )
 from .artifactstore import ArtifactStore
 from .names import check_file_name, check_run_path
+from .wandblike import LaggingViews, LikeWandb
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -65,6 +66,21 @@ CREATE TABLE IF NOT EXISTS files (
 ) WITHOUT ROWID;
 """
 
+# The fields of a run that W&B answers from a cache that lags (`wandblike`).
+LAGGING_FIELDS = (
+    "history_line_count",
+    "events_line_count",
+    "console_line_count",
+    "history_tail",
+    "events_tail",
+    "raw_summary",
+)
+NOTHING_YET = dict.fromkeys(LAGGING_FIELDS[:3], 0) | {
+    "history_tail": None,
+    "events_tail": None,
+    "raw_summary": "{}",
+}
+
 # file_stream file names -> our stream names
 STREAMS = {
     "wandb-history.jsonl": "history",
@@ -85,9 +101,16 @@ _RUN_FIELDS = {
 
 
 class Store:
-    """One SQLite database and a file tree under `data_dir`; safe to share between threads."""
+    """One SQLite database and a file tree under `data_dir`; safe to share between threads.
 
-    def __init__(self, data_dir: str | Path) -> None:
+    `like` says which of W&B's behaviours it models (`wandblike`; none by default)."""
+
+    def __init__(self, data_dir: str | Path, like: LikeWandb | None = None) -> None:
+        self.like = like or LikeWandb()
+        # Where each stream of each run is written next, when the write cursor is modelled:
+        # kept in memory, as it lives in a W&B server's process, from the count at first use.
+        self._cursors: dict[tuple[int, str], int] = {}
+        self._lagging = LaggingViews(self.like.lag) if self.like.lag > 0 else None
         self.data_dir = Path(data_dir).resolve()
         make_private_dir(self.data_dir)
         self.files_dir = self.data_dir / "files"
@@ -159,7 +182,8 @@ class Store:
                 sets.append("config = ?")
                 args.append(json.dumps(merged))
             self._db.execute(f"UPDATE runs SET {', '.join(sets)} WHERE pk = ?", [*args, pk])
-        return self.run(entity, project, name) or {}
+            self._record_view(entity, project, name, pk)
+        return self.reported_run(entity, project, name) or {}
 
     def file_stream(self, entity: str, project: str, name: str, body: dict[str, Any]) -> None:
         """Apply one file_stream request: lines by offset, summary, completion."""
@@ -172,6 +196,14 @@ class Store:
                 for line in content:
                     values.json_object(line, f"a line of {file_name}")
         code = values.exit_code(body.get("exitcode")) if body.get("complete") else None
+        limits = self.like.limits
+        for file_name, _, content in chunks if limits else ():
+            too_long = [n for n in map(len, map(str.encode, content)) if n > limits.line_bytes]
+            if file_name == "wandb-history.jsonl" and too_long:
+                raise ValueError(
+                    f"a history line of {too_long[0]} bytes, past the {limits.line_bytes} "
+                    "bytes a line may hold"
+                )
         with self._lock, self._db:
             pk = self._run_pk(entity, project, name, create=True, now=now)
             for file_name, offset, content in chunks:
@@ -185,6 +217,8 @@ class Store:
                 if stream is None:
                     continue
                 step = history_step if stream == "history" else lambda line: None
+                if self.like.write_cursor and content:
+                    offset = self._at_cursor(pk, stream, offset, len(content))
                 self._db.executemany(
                     "INSERT OR REPLACE INTO lines (run, stream, offset, line, step) "
                     "VALUES (?, ?, ?, ?, ?)",
@@ -198,6 +232,31 @@ class Store:
                 )
             else:
                 self._db.execute("UPDATE runs SET updated = ? WHERE pk = ?", (now, pk))
+            self._record_view(entity, project, name, pk)
+
+    def _at_cursor(self, pk: int, stream: str, offset: int, lines: int) -> int:
+        """Where W&B puts a batch of `lines` sent at `offset` (wandb#12269): there if that
+        is at or before the stream's write cursor, else at the cursor; the cursor then
+        moves to the batch's end, back as well as on (called holding the lock)."""
+        cursor = self._cursors.get((pk, stream))
+        if cursor is None:
+            cursor = self._one(
+                "SELECT COALESCE(MAX(offset) + 1, 0) FROM lines WHERE run = ? AND stream = ?",
+                pk,
+                stream,
+            )
+        placed = min(offset, cursor)
+        self._cursors[(pk, stream)] = placed + lines
+        return placed
+
+    def _record_view(self, entity: str, project: str, name: str, pk: int) -> None:
+        """Keep what the run reports now, to be answered `lag` seconds later (called
+        holding the lock)."""
+        if self._lagging is None:
+            return
+        view = self._counts_and_tails(pk)
+        view["raw_summary"] = self._one("SELECT summary FROM runs WHERE pk = ?", pk)
+        self._lagging.record((entity, project, name), view)
 
     def save_file(self, entity: str, project: str, name: str, file_name: str, data: bytes) -> None:
         """Store a run file atomically; ValueError for unsafe names, OSError if it cannot be.
@@ -255,21 +314,7 @@ class Store:
             if row is None:
                 return None
             run = self._row(cursor, row)
-            counts = dict(
-                self._db.execute(
-                    "SELECT stream, COALESCE(MAX(offset) + 1, 0) FROM lines WHERE run = ? "
-                    "GROUP BY stream",
-                    (run["pk"],),
-                ).fetchall()
-            )
-            tails = {}
-            for stream in ("history", "events"):
-                tail = self._db.execute(
-                    "SELECT line FROM lines WHERE run = ? AND stream = ? ORDER BY offset DESC "
-                    "LIMIT 1",
-                    (run["pk"], stream),
-                ).fetchone()
-                tails[stream] = tail[0] if tail else None
+            reported = self._counts_and_tails(run["pk"])
             lines: dict[str, list[str]] = {}
             files: list[str] = []
             if full:
@@ -288,15 +333,7 @@ class Store:
                     )
                 ]
         result = self._brief(run)
-        result.update(
-            history_line_count=counts.get("history", 0),
-            events_line_count=counts.get("events", 0),
-            console_line_count=counts.get("console", 0),
-            history_tail=tails["history"],
-            events_tail=tails["events"],
-            raw_config=run["config"],
-            raw_summary=run["summary"],
-        )
+        result.update(reported, raw_config=run["config"], raw_summary=run["summary"])
         if full:
             result.update(
                 history=[json.loads(line) for line in lines["history"]],
@@ -307,13 +344,49 @@ class Store:
             )
         return result
 
+    def reported_run(self, entity: str, project: str, name: str) -> dict | None:
+        """`run` as W&B answers a client's question about it: with the line counts, tails
+        and summary of `like.lag` seconds ago when the lag is modelled (the read API and
+        the pages, like W&B's own reads of the rows, are not late)."""
+        run = self.run(entity, project, name)
+        if run is None or self._lagging is None:
+            return run
+        view = self._lagging.view((entity, project, name))
+        return {**run, **(NOTHING_YET if view is None else view)}
+
+    def _counts_and_tails(self, pk: int) -> dict[str, Any]:
+        """A run's line counts (the highest offset held plus one) and its last history and
+        system-metric lines (called holding the lock)."""
+        counts = dict(
+            self._db.execute(
+                "SELECT stream, COALESCE(MAX(offset) + 1, 0) FROM lines WHERE run = ? "
+                "GROUP BY stream",
+                (pk,),
+            ).fetchall()
+        )
+        tails = {}
+        for stream in ("history", "events"):
+            tail = self._db.execute(
+                "SELECT line FROM lines WHERE run = ? AND stream = ? ORDER BY offset DESC LIMIT 1",
+                (pk, stream),
+            ).fetchone()
+            tails[stream] = tail[0] if tail else None
+        return {
+            "history_line_count": counts.get("history", 0),
+            "events_line_count": counts.get("events", 0),
+            "console_line_count": counts.get("console", 0),
+            "history_tail": tails["history"],
+            "events_tail": tails["events"],
+        }
+
     def history_page(
         self, entity: str, project: str, name: str, min_step: int, max_step: int, samples: int
     ) -> list[str] | None:
         """The history lines of a run whose `_step` lies in [min_step, max_step), in step
         order, as W&B's `history(minStep, maxStep, samples)` gives them: all of them when
-        there are at most `samples`, else `samples` of them spread evenly over the range
-        (W&B samples a range it would return too much of). None when the run is unknown."""
+        there are at most `samples`; else the first `samples` of them, or, when W&B's
+        sampling is modelled, `samples` of them spread evenly over the range (W&B samples
+        a range it would return too much of). None when the run is unknown."""
         with self._lock:
             found = self._db.execute(
                 "SELECT pk FROM runs WHERE entity = ? AND project = ? AND name = ?",
@@ -332,6 +405,8 @@ class Store:
             ]
         if len(lines) <= samples:
             return lines
+        if not self.like.sampling:
+            return lines[:samples]
         last = len(lines) - 1
         return [lines[round(i * last / max(samples - 1, 1))] for i in range(max(samples, 0))]
 
