@@ -45,11 +45,15 @@ from ..upload import (
 )
 from ..verify import (
     AFTER_UPLOAD,
+    COUNTS_LAG,
+    COUNTS_LATE,
     WHOLE,
     Mismatch,
     RowsLost,
     RunOnServer,
     counts,
+    counts_behind,
+    counts_caught_up,
     history_row,
     lacking_line,
     not_a_beginning,
@@ -133,6 +137,7 @@ class Deliverer:
         self._error: BaseException | None = None
         self._done = 0
         self._settling_said = False  # (the wait after a stopped upload is said once)
+        self._lag_said = False  # (and the wait for late line counts)
         # The entity the server answered it holds the runs under (`Held.entity`): the one
         # wandb-core used when none was given, for the links of the report.
         self._entity_seen: str | None = None
@@ -366,6 +371,14 @@ class Deliverer:
         if not said and seconds >= 1:
             self._tell(f"waiting {seconds:.0f} s for the last requests of a stopped upload to land")
 
+    def _say_lagging(self) -> None:
+        """Say once that runs wait for the server's counts (W&B fills them in late)."""
+        with self.lock:
+            said, self._lag_said = self._lag_said, True
+        if not said:
+            self._tell(f"{COUNTS_LATE}: waiting up to {COUNTS_LAG:.0f} s after each upload "
+                       "for them to catch up")  # fmt: skip
+
     def _stop_uploads(self) -> None:
         """Give up: end every uploader (waiting for each), and start nothing more."""
         with self.lock:
@@ -476,12 +489,12 @@ class Deliverer:
             if more or self._ready:
                 self._stand_by()
 
-            def check(delivery: Delivery, errors: list[str]) -> None:
+            def check(delivery: Delivery, errors: list[str], ended: float) -> None:
                 if not hasattr(own, "ledger"):
                     own.ledger = Ledger(self.ledger_path)  # a connection of this thread's own
                     with self.lock:
                         ledgers.append(own.ledger)
-                self._verify(delivery, errors, own.ledger)
+                self._verify(delivery, errors, own.ledger, ended)
                 self._said(delivery)
 
             def finished(run_id: str, errors: list[str] | None = None) -> None:
@@ -497,7 +510,8 @@ class Deliverer:
                         holding[0] = unfinished[0]
                 if not delivery.problems:
                     found = uploader.errors().get(run_id, []) if errors is None else errors
-                    checks.append(checkers.submit(check, delivery, found))
+                    ended = time.monotonic()  # (late counts are waited for from here)
+                    checks.append(checkers.submit(check, delivery, found, ended))
 
             def probe() -> bool:
                 return self._probe([d for d in batch if d.run_id in self._uploading])
@@ -553,21 +567,31 @@ class Deliverer:
             except OSError:
                 return  # (said by `_verify`, which counts again in the thread that reports)
 
-    def _verify(self, delivery: Delivery, errors: list[str], ledger: Ledger) -> None:
-        """Read back what the server holds; record the run only when nothing is missing."""
+    def _verify(self, delivery: Delivery, errors: list[str], ledger: Ledger, ended: float) -> None:
+        """Read back what the server holds; record the run only when nothing is missing.
+        Counts that fall short are asked again until `COUNTS_LAG` seconds after the
+        upload `ended` (a `time.monotonic()`): W&B's lag behind the rows it holds."""
         content = self._content(delivery)
+        run_id = delivery.run_id
         try:
-            held = self.client.held(self.entity, self.project, delivery.run_id)
+            held = self.client.held(self.entity, self.project, run_id)
+            if late := counts_behind(content, held) and not errors:
+                self._say_lagging()
+                held = counts_caught_up(self.client, self.entity, self.project, run_id, held,
+                                        lambda h: counts_behind(content, h),
+                                        ended + COUNTS_LAG, self._stop_asked)  # fmt: skip
         except ServerError as exc:
             delivery.problems.append(f"could not be verified: {exc}")
             return
         with self.lock:
-            self._rows[delivery.run_id] = held.history_lines
+            self._rows[run_id] = held.history_lines
             self._entity_seen = self._entity_seen or held.entity
         on_server = self._on_server(delivery, held, content)
         # What the counts lack and what the uploader said of the run are said together.
-        uploader_said = list(dict.fromkeys(errors))
-        problems = counts(on_server) + uploader_said or prove(on_server, AFTER_UPLOAD)
+        problems = counts(on_server) + list(dict.fromkeys(errors))
+        if problems and late:
+            problems.append(f"still so {COUNTS_LAG:.0f} s after the upload ended")
+        problems = problems or prove(on_server, AFTER_UPLOAD)
         if problems:
             delivery.problems.extend(problems)
             return

@@ -17,7 +17,17 @@ from __future__ import annotations
 from . import artifactcheck
 from .artifactcheck import artifacts_missing
 from .proof import AFTER_UPLOAD, WHOLE, RunOnServer, counts, prove
-from .readback import RowsLost, not_whole_on_server, rows_held, rows_not_held, saved_files_missing
+from .readback import (
+    COUNTS_LAG,
+    COUNTS_LATE,
+    RowsLost,
+    counts_behind,
+    counts_caught_up,
+    not_whole_on_server,
+    rows_held,
+    rows_not_held,
+    saved_files_missing,
+)
 from .remainder import (
     Mismatch,
     Remainder,
@@ -43,6 +53,10 @@ from .whole import (
 )
 
 __all__ = [
+    "COUNTS_LAG",
+    "COUNTS_LATE",
+    "counts_behind",
+    "counts_caught_up",
     "AFTER_UPLOAD",
     "WHOLE",
     "RunOnServer",

@@ -6,7 +6,10 @@ every history row, read back by step (`HistoryPage`). What is compared is in `wh
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 
 from ..upload import Delivery, Held, ServerClient, ServerError, staged_files, staged_md5s
 from ..wandbcore import StagedContent, StepRuns, read_logged_run
@@ -29,6 +32,54 @@ from .whole import (
     made_files_stale,
     not_held_whole,
 )
+
+# W&B's cloud counts a run's lines asynchronously, some 2-4 s after they arrive (wandb
+# PR #12421), and answers its history tail and summary from a cache that can be stale
+# (PR #12668). So counts that fall short of what an upload sent are asked again, every
+# `COUNTS_POLL` seconds, until `COUNTS_LAG` seconds after the upload ended: counts asked
+# after that are the server's own, not late ones, whatever they say.
+COUNTS_LAG = 10.0
+COUNTS_POLL = 0.5
+COUNTS_LATE = "the server's line counts lag the rows it holds"
+
+
+def counts_behind(content: StagedContent, held: Held) -> bool:
+    """True when what the server answers of a run falls short of a whole upload of
+    `content` in a way late counts explain: fewer lines, or the last history row not
+    the last one sent (a stale tail). More lines than sent are no lag."""
+    rows = len(content.step_items)
+    if not held.exists:
+        return True
+    if held.history_lines < rows or held.events_lines < content.events:
+        return True
+    if held.log_lines < content.console_lines:
+        return True
+    return bool(rows) and held.history_lines == rows and held.last_step != content.history_steps[-1]
+
+
+def counts_caught_up(
+    client: ServerClient,
+    entity: str | None,
+    project: str,
+    run_id: str,
+    held: Held,
+    behind: Callable[[Held], bool],
+    until: float,
+    stop: threading.Event | None = None,
+) -> Held:
+    """What the server holds of `run_id`, asked again while `behind` says the answer
+    `held` lags, until `until` (a `time.monotonic()`): the last answer is asked at or
+    after it, so that it is no late one. Raises ServerError as `ServerClient.held`."""
+    while behind(held):
+        left = until - time.monotonic()
+        if left <= 0 or (stop is not None and stop.is_set()):
+            return held
+        if stop is None:
+            time.sleep(min(COUNTS_POLL, left))
+        else:
+            stop.wait(min(COUNTS_POLL, left))
+        held = client.held(entity, project, run_id)
+    return held
 
 
 def not_whole_on_server(
