@@ -345,3 +345,22 @@ def test_rows_read_back_before_are_not_read_again_if_the_server_held_them_before
     assert rows_not_held(server, "e", "p", delivery, held, read_staged(log)) == []
     lowest = min(lo for lo, _ in server.asked)  # (the first window begins at int64's least)
     assert lowest == first_asked if first_asked else lowest <= 0
+
+
+@pytest.mark.parametrize("tail", [49, None])  # a stale tail: the last row sent, or none yet
+def test_rows_past_a_stale_tail_are_read_and_fail_the_run(tmp_path, tail):
+    """W&B's history tail can be stale (wandb PR #12668): a server whose tail still says
+    the last row sent while it holds rows past it (another writer's) is not whole, and the
+    rows past the tail are read back to find it so."""
+    from wbmerge.upload import Delivery, Held, rows_not_held
+    from wbmerge.wandbcore import read_staged
+
+    source = synthetic_job(tmp_path, steps=50)
+    [log] = source.glob("wandb/*/run-*.wandb")
+    server = RowsAsSent(log)
+    server.rows += [{"_step": 70, "loss": 1.0}, {"_step": 10**12, "loss": 2.0}]
+    delivery = Delivery("stale-tail", log.parent, log, "key", "fingerprint")
+    problems = rows_not_held(server, "e", "p", delivery, Held(True, 50, last_step=tail),
+                             read_staged(log))  # fmt: skip
+    assert problems == ["the server holds rows at 2 steps that were not sent (steps 70, "
+                        "1000000000000)"]  # fmt: skip

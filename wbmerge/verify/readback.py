@@ -170,6 +170,11 @@ def rows_not_held(
     todo = windows(order, held.last_step)
     if floor is not None:
         todo = [(max(lo, floor), hi) for lo, hi in todo if hi > floor]
+    # Past the last step sent and the server's tail, which can be stale (wandb PR #12668):
+    # any row there is one too many, so this window is read once, not halved.
+    beyond = (todo[-1][1] if todo else INT64_MIN if floor is None else floor, INT64_MAX)
+    if beyond[0] < INT64_MAX:
+        todo.append(beyond)
     budget = MAX_REQUESTS_PER_WINDOW * len(todo) + MAX_REQUESTS_SPARE
     while todo:
         window = todo.pop(0)
@@ -182,7 +187,7 @@ def rows_not_held(
         if len(rows) > most:
             raise ServerError(f"the server answered more rows than asked for ({len(rows)} of "
                               f"{most}) at steps {window[0]}-{window[1] - 1}")  # fmt: skip
-        if len(rows) == most and halves(window) != [window]:
+        if len(rows) == most and halves(window) != [window] and window != beyond:
             todo[:0] = halves(window)  # (maybe a sample of a fuller window: read it in two)
             continue
         by_step: dict[int | None, dict] = {}
