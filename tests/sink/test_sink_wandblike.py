@@ -213,11 +213,15 @@ def test_file_stream_requests_past_the_run_rate_are_answered_429_and_kept_out(ma
     assert all(status == 200 for step, (status, _) in enumerate(answers) if step not in refused)
     kept = [row["_step"] for row in sink.client.run("local", "p", "r")["history"]]
     assert kept == [step for step in range(5) if step not in refused]
+    like = sink.client.like_wandb()
+    assert like["throttled"] == {"file_stream": len(refused)}
+    assert like["behaviours"].startswith("limits 1 file_stream/s per run")
 
 
 def test_the_ideal_sink_takes_every_request(sink):
     answers = [post_file_stream(sink, history([step], step)) for step in range(5)]
     assert answers == [(200, None)] * 5
+    assert sink.client.like_wandb() == {"behaviours": "", "throttled": {}}
 
 
 # -- the switches -----------------------------------------------------------------------------

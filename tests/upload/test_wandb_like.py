@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from wbmerge.sink import LikeWandb
+from wbmerge.sink import LikeWandb, Limits
 
 from ..e2e.test_sync import assert_shared
 from ..support import synthetic
@@ -85,3 +85,18 @@ def test_a_hole_inside_a_run_fails_however_late_the_counts(make_sink, tmp_path, 
     assert "the server lacks" in result.stderr
     held = [len(sink.client.run("local", "hole", f"like-rank-{r}")["history"]) for r in range(4)]
     assert sorted(held)[0] < STEPS  # the run whose rows were lost is short indeed
+
+
+def test_a_sync_slowed_by_429s_passes(make_sink, tmp_path, job):
+    """wandb-core retries a 429 (its file_stream backs off from 2 s to 60 s, for days);
+    wbmerge's own questions wait as `Retry-After` says, up to 60 s each."""
+    root, logs = job
+    sink = make_sink(like=LikeWandb(limits=Limits(run_requests=1, project_requests=3)))
+    result = sync(sink, tmp_path, root, "--run-mode", "new", "-p", "slow")
+    assert result.returncode == 0, result.stderr
+    for rank, log in logs.items():
+        got = sink.client.run("local", "slow", f"like-rank-{rank}")
+        assert got["history"] == expected_from_log(log).history
+    # wandb-core's requests and wbmerge's own questions were both slowed, none failed
+    throttled = sink.client.like_wandb()["throttled"]
+    assert throttled["file_stream"] > 0 and throttled["graphql"] > 0

@@ -106,5 +106,10 @@ class SinkClient:
         body = json.dumps({"faults": specs}).encode()
         return json.loads(self._request("/api/faults", body, "POST"))
 
+    def like_wandb(self) -> dict:
+        """Which of W&B's behaviours the sink models (`behaviours`) and the requests it
+        answered 429 by kind (`throttled`: `file_stream`, `graphql`)."""
+        return self._get("/api/like-wandb")
+
     def faults(self) -> dict:
         return self._get("/api/faults")

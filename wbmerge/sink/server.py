@@ -190,9 +190,8 @@ async def throttle(request: web.Request, handler: Any) -> web.StreamResponse:
             place = (_entity(variables), project, None) if project else None
         except (ValueError, OSError, AttributeError, protocol.ProtocolError):
             place = None  # (refused by the handler, which says why)
-    elif "project" in m:
-        run = m["run"] if request.path.endswith("/file_stream") else None
-        place = (m["entity"], m["project"], run)
+    elif request.path.endswith("/file_stream"):
+        place = (m["entity"], m["project"], m["run"])
     else:
         place = None
     if place is not None and isinstance(place[0], str) and isinstance(place[1], str):
@@ -375,6 +374,15 @@ async def api_run(request: web.Request) -> web.Response:
     return web.json_response(run)
 
 
+async def api_like_wandb(request: web.Request) -> web.Response:
+    """Which of W&B's behaviours the sink models, and how many requests it answered 429."""
+    limits = request.app.get(THROTTLE)
+    throttled = dict(limits.refused) if limits is not None else {}
+    return web.json_response(
+        {"behaviours": request.app[STORE].like.describe(), "throttled": throttled}
+    )
+
+
 async def api_faults(request: web.Request) -> web.Response:
     """The fault plan (GET) or a new one (POST): with the API key, on a sink that allows it."""
     if not request.app[FAULTS_ALLOWED]:
@@ -427,6 +435,7 @@ def make_app(
     app.router.add_get("/api/runs", api_runs)
     app.router.add_get("/api/runs/{entity}/{project}/{run}", api_run)
     app.router.add_route("*", "/api/faults", api_faults)
+    app.router.add_get("/api/like-wandb", api_like_wandb)
     pages.add_routes(app, STORE)
     app.on_response_prepare.append(security_headers)
     app.on_cleanup.append(_close_store)

@@ -152,6 +152,7 @@ class Throttle:
     _project_requests: dict[tuple[str, str], deque[float]] = field(default_factory=dict)
     _project_bytes: dict[tuple[str, str], deque[tuple[float, int]]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    refused: dict[str, int] = field(default_factory=dict)  # 429s answered, per kind
 
     def admit(self, entity: str, project: str, run: str | None, size: int) -> float | None:
         """Count one request of `size` bytes to `entity/project` (a file_stream request of
@@ -176,6 +177,8 @@ class Throttle:
             if sizes and sum(n for _, n in sizes) + size > self.limits.project_bytes:
                 waits.append(sizes[0][0] + WINDOW - now)
             if waits:
+                kind = "graphql" if run is None else "file_stream"
+                self.refused[kind] = self.refused.get(kind, 0) + 1
                 return max(waits)
             if run is not None:
                 runs.append(now)
