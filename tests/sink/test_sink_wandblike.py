@@ -135,6 +135,36 @@ def test_a_run_written_within_the_lag_reports_no_lines_yet(tmp_path, clock):
     assert store.upsert_run(*RUN, {})["history_line_count"] == 0  # UpsertBucket's count too
 
 
+def test_the_tail_and_summary_can_lag_longer_than_the_counts(tmp_path, clock):
+    """wandb PR #12668: the row count is up to date while the tail and the summary's
+    `_step` come from a cache that can be stale."""
+    store = make_store(tmp_path, LikeWandb(tail_lag=5.0))
+    store.file_stream(*RUN, history(range(10), 0))
+    clock.now += 6
+    body = history(range(10, 20), 10)
+    body["files"]["wandb-summary.json"] = {"offset": 0, "content": ['{"_step": 19}']}
+    store.file_stream(*RUN, body)
+    bucket = resume_status(store)
+    assert bucket["historyLineCount"] == 20
+    assert json.loads(json.loads(bucket["historyTail"])[0])["_step"] == 9
+    assert json.loads(bucket["summaryMetrics"]) == {}
+    clock.now += 5
+    assert json.loads(json.loads(resume_status(store)["historyTail"])[0])["_step"] == 19
+
+
+def test_a_run_held_before_the_sink_started_is_cached_from_the_first_question(tmp_path, clock):
+    store = make_store(tmp_path)
+    store.file_stream(*RUN, history(range(10), 0))
+    store.close()
+    again = Store(tmp_path / "data", LikeWandb(lag=2.0, tail_lag=3.0))
+    assert resume_status(again)["historyLineCount"] == 0
+    clock.now += 2
+    bucket = resume_status(again)
+    assert bucket["historyLineCount"] == 10 and bucket["historyTail"] == "[]"
+    clock.now += 1
+    assert json.loads(json.loads(resume_status(again)["historyTail"])[0])["_step"] == 9
+
+
 def test_without_lag_the_counts_are_exact_at_once(tmp_path, clock):
     store = make_store(tmp_path)
     store.file_stream(*RUN, history(range(5), 0))
@@ -233,6 +263,8 @@ def test_like_wandb_turns_every_behaviour_on_and_each_switch_sets_its_own():
     only = LikeWandb.from_switches(like_wandb=True, lag=0.5, sampling=False, limits=False)
     assert only == LikeWandb(write_cursor=True, lag=0.5)
     assert LikeWandb.from_switches(run_rate=4).limits == Limits(run_requests=4)
+    assert LikeWandb.from_switches(like_wandb=True, tail_lag=9).tail_seconds == 9
+    assert LikeWandb.from_switches(lag=2).tail_seconds == 2
     for like in (LikeWandb(), LikeWandb.all_on(0.25), LikeWandb(limits=Limits(7, 8, 9))):
         assert like.cli_args()  # as `LocalSink` starts the sink
 

@@ -52,6 +52,12 @@ def sink() -> None:
     help="Answer line counts, history tail and summary as of SECONDS ago (--like-wandb: 3).",
 )
 @click.option(
+    "--tail-lag",
+    type=click.FloatRange(0, 600),
+    metavar="SECONDS",
+    help="Answer the history tail and summary as of SECONDS ago (default: as --lag).",
+)
+@click.option(
     "--sampling/--no-sampling",
     default=None,
     help="Answer a sample of a history range holding more rows than asked for.",
@@ -77,6 +83,7 @@ def sink_serve(
     like_wandb: bool,
     write_cursor: bool | None,
     lag: float | None,
+    tail_lag: float | None,
     sampling: bool | None,
     limits: bool | None,
     run_rate: float | None,
@@ -90,8 +97,9 @@ def sink_serve(
     from ..sink import LikeWandb, parse_fault, serve
 
     like = LikeWandb.from_switches(
-        like_wandb, write_cursor, lag, sampling, limits, run_rate, project_rate, project_bytes
-    )
+        like_wandb, write_cursor, lag, sampling, limits, run_rate, project_rate, project_bytes,
+        tail_lag,
+    )  # fmt: skip
 
     for spec in faults:
         try:

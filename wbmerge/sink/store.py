@@ -110,7 +110,8 @@ class Store:
         # Where each stream of each run is written next, when the write cursor is modelled:
         # kept in memory, as it lives in a W&B server's process, from the count at first use.
         self._cursors: dict[tuple[int, str], int] = {}
-        self._lagging = LaggingViews(self.like.lag) if self.like.lag > 0 else None
+        longest = max(self.like.lag, self.like.tail_seconds)
+        self._lagging = LaggingViews(longest) if longest > 0 else None
         self.data_dir = Path(data_dir).resolve()
         make_private_dir(self.data_dir)
         self.files_dir = self.data_dir / "files"
@@ -351,8 +352,15 @@ class Store:
         run = self.run(entity, project, name)
         if run is None or self._lagging is None:
             return run
-        view = self._lagging.view((entity, project, name))
-        return {**run, **(NOTHING_YET if view is None else view)}
+        key = (entity, project, name)
+        if not self._lagging.known(key):  # (held from before this start: cached from now on)
+            with self._lock:
+                pk = self._run_pk(entity, project, name, create=False, now=time.time())
+                self._record_view(entity, project, name, pk)
+        counts = self._lagging.view(key, self.like.lag) or NOTHING_YET
+        tail = self._lagging.view(key, self.like.tail_seconds) or NOTHING_YET
+        return {**run, **{field: counts[field] for field in LAGGING_FIELDS[:3]},
+                **{field: tail[field] for field in LAGGING_FIELDS[3:]}}  # fmt: skip
 
     def _counts_and_tails(self, pk: int) -> dict[str, Any]:
         """A run's line counts (the highest offset held plus one) and its last history and

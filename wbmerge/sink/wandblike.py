@@ -6,7 +6,8 @@ sync; docs/sink.md says where the evidence for each comes from:
 - `write_cursor`: the server keeps a write position per stream of a run; a batch sent past
   it lands at it, and every batch leaves it at the batch's end (wandb#12269).
 - `lag`: the line counts, the history tail and the summary a run is asked about are those
-  of `lag` seconds earlier (wandb#12421, wandb#12668).
+  of `lag` seconds earlier (wandb#12421, wandb#12668); `tail_lag`, when given, is the
+  tail's and summary's own (a cache that can be staler than the counts).
 - `sampling`: a history range of more rows than asked for answers a sample of them, spread
   over the range; the ideal sink answers the range's first rows.
 - `limits`: file_stream requests per run, requests and bytes per project, each per second,
@@ -49,6 +50,11 @@ class LikeWandb:
     lag: float = 0.0
     sampling: bool = False
     limits: Limits | None = None
+    tail_lag: float | None = None  # None: the tail and summary are as late as the counts
+
+    @property
+    def tail_seconds(self) -> float:
+        return self.lag if self.tail_lag is None else self.tail_lag
 
     @classmethod
     def all_on(cls, lag: float = WANDB_LAG) -> LikeWandb:
@@ -65,6 +71,7 @@ class LikeWandb:
         run_rate: float | None = None,
         project_rate: float | None = None,
         project_bytes: float | None = None,
+        tail_lag: float | None = None,
     ) -> LikeWandb:
         """The behaviours `wbmerge sink serve`'s switches name: `like_wandb` turns all on,
         and each switch given (not None) sets its own; a rate given turns the limits on."""
@@ -79,6 +86,7 @@ class LikeWandb:
             lag=base.lag if lag is None else lag,
             sampling=base.sampling if sampling is None else sampling,
             limits=Limits(**given) if limits else None,
+            tail_lag=tail_lag,
         )
 
     def cli_args(self) -> list[str]:
@@ -86,6 +94,8 @@ class LikeWandb:
         args = ["--write-cursor" if self.write_cursor else "--no-write-cursor",
                 "--lag", repr(float(self.lag)),
                 "--sampling" if self.sampling else "--no-sampling"]  # fmt: skip
+        if self.tail_lag is not None:
+            args += ["--tail-lag", repr(float(self.tail_lag))]
         if self.limits is None:
             return [*args, "--no-limits"]
         return [*args, "--run-rate", repr(self.limits.run_requests),
@@ -99,6 +109,8 @@ class LikeWandb:
             on.append("write cursor")
         if self.lag:
             on.append(f"counts {self.lag:g} s late")
+        if self.tail_seconds != self.lag:
+            on.append(f"tail and summary {self.tail_seconds:g} s late")
         if self.sampling:
             on.append("sampled history")
         if self.limits:
@@ -112,14 +124,14 @@ class LikeWandb:
 
 
 class LaggingViews:
-    """What each run looked like over the last `lag` seconds, to answer as of `lag` ago.
+    """What each run looked like over the last `lag` seconds, to answer as of then.
 
     After every write the store records the run's reported fields (`record`); `view` gives
-    the newest record at least `lag` seconds old, or None when there is none: the run as it
+    the newest record at least `seconds` old, or None when there is none: the run as it
     was before its first write (no lines, no summary)."""
 
     def __init__(self, lag: float) -> None:
-        self.lag = lag
+        self.lag = lag  # (the longest lag asked for: older views are not kept)
         self._views: dict[tuple[str, str, str], deque[tuple[float, dict[str, Any]]]] = {}
         self._lock = threading.Lock()
 
@@ -132,8 +144,12 @@ class LaggingViews:
             while len(views) > 1 and views[1][0] <= now - self.lag:
                 views.popleft()
 
-    def view(self, run: tuple[str, str, str]) -> dict[str, Any] | None:
-        seen = time.monotonic() - self.lag
+    def known(self, run: tuple[str, str, str]) -> bool:
+        with self._lock:
+            return run in self._views
+
+    def view(self, run: tuple[str, str, str], seconds: float) -> dict[str, Any] | None:
+        seen = time.monotonic() - seconds
         with self._lock:
             views = self._views.get(run)
             if not views:
