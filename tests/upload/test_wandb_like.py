@@ -11,9 +11,12 @@ import pytest
 
 from wbmerge.sink import LikeWandb, Limits
 
+from ..conftest import job_dir
 from ..e2e.test_sync import assert_shared
+from ..follow.test_follow import GrowingJob
 from ..support import synthetic
 from ..support.sinktools import expected_from_log
+from .test_upload_faults import assert_every_rank_exactly_once
 
 pytestmark = pytest.mark.e2e
 RANKS = 4
@@ -100,3 +103,24 @@ def test_a_sync_slowed_by_429s_passes(make_sink, tmp_path, job):
     # wandb-core's requests and wbmerge's own questions were both slowed, none failed
     throttled = sink.client.like_wandb()["throttled"]
     assert throttled["file_stream"] > 0 and throttled["graphql"] > 0
+
+
+def test_a_stale_tail_of_a_run_held_in_part_is_waited_for(make_sink, tmp_path):
+    """W&B's count can be up to date while the history tail is stale (wandb PR #12668): a
+    sync that continues runs the server holds in part waits for the tail to match the
+    count before it takes the run for another one."""
+    live = tmp_path / "live"
+    live.mkdir()
+    job = GrowingJob(job_dir("one_node_4"), live)
+    job.grow(0.5)
+    sink = make_sink()
+    first = sync(sink, tmp_path, live, "--run-mode", "new", "-p", "fx")
+    assert first.returncode == 0, first.stderr
+    sink.stop()
+    sink.like = LikeWandb(tail_lag=2.0)  # (its cache is filled anew: the tail is 2 s late)
+    sink.start()
+    job.grow(1.0)
+    result = sync(sink, tmp_path, live, "--run-mode", "new", "-p", "fx")
+    assert result.returncode == 0, result.stderr
+    assert "the server's line counts lag the rows it holds" in result.stderr
+    assert_every_rank_exactly_once(sink, "fx")

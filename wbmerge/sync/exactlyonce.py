@@ -175,6 +175,8 @@ class Deliverer:
         if self.given_up:
             return
         held = self.client.held(self.entity, self.project, delivery.run_id)
+        if held.history_lines and not self.resend:
+            held = self._tail_caught_up(delivery, held)
         counts = (held.history_lines, held.events_lines, held.log_lines)
         with self.lock:  # (so the first question during the upload can see it move)
             self._before[delivery.run_id] = self._counts[delivery.run_id] = counts
@@ -224,6 +226,26 @@ class Deliverer:
             return read_logged_run(delivery.log, console_limit=0).config
         except ValueError as exc:
             raise Mismatch(f"its config cannot be read ({exc})", resend_mends=False) from None
+
+    def _tail_caught_up(self, delivery: Delivery, held: Held) -> Held:
+        """`held` asked again, for up to `COUNTS_LAG` seconds, while it looks like late
+        numbers of a run that continues the staged one: a last row not the staged row's
+        step at its place (W&B's tail can be staler than its count), or fewer rows than
+        the rounds before sent. What it says after that is taken as the server's."""
+        steps = self._content(delivery).history_steps
+        cut = delivery.rows_cut if delivery.row_before is not None else 0
+
+        def behind(now: Held) -> bool:
+            have = now.history_lines
+            stale_tail = 0 < have <= len(steps) and now.last_step != steps[have - 1]
+            return stale_tail or have < cut
+
+        if not behind(held):
+            return held
+        self._say_lagging()
+        return counts_caught_up(self.client, self.entity, self.project, delivery.run_id,
+                                held, behind, time.monotonic() + COUNTS_LAG,
+                                self._stop_asked)  # fmt: skip
 
     def submit(self, delivery: Delivery) -> None:
         """Hand over one staged run: it is prepared in a thread of its own while the next runs
