@@ -105,7 +105,12 @@ def test_a_sync_slowed_by_429s_passes(make_sink, tmp_path, job):
     assert throttled["file_stream"] > 0 and throttled["graphql"] > 0
 
 
-def test_a_stale_tail_of_a_run_held_in_part_is_waited_for(make_sink, tmp_path):
+@pytest.mark.parametrize(
+    "like",
+    [LikeWandb(tail_lag=2.0), LikeWandb.all_on(lag=1.0)],
+    ids=["stale tail", "like wandb"],
+)
+def test_a_stale_tail_of_a_run_held_in_part_is_waited_for(make_sink, tmp_path, like):
     """W&B's count can be up to date while the history tail is stale (wandb PR #12668): a
     sync that continues runs the server holds in part waits for the tail to match the
     count before it takes the run for another one."""
@@ -117,7 +122,7 @@ def test_a_stale_tail_of_a_run_held_in_part_is_waited_for(make_sink, tmp_path):
     first = sync(sink, tmp_path, live, "--run-mode", "new", "-p", "fx")
     assert first.returncode == 0, first.stderr
     sink.stop()
-    sink.like = LikeWandb(tail_lag=2.0)  # (its cache is filled anew: the tail is 2 s late)
+    sink.like = like  # (its cache is filled anew: the tail is late)
     sink.start()
     job.grow(1.0)
     result = sync(sink, tmp_path, live, "--run-mode", "new", "-p", "fx")
