@@ -398,8 +398,7 @@ class Deliverer:
         with self.lock:
             said, self._lag_said = self._lag_said, True
         if not said:
-            self._tell(f"{COUNTS_LATE}: waiting up to {COUNTS_LAG:.0f} s after each upload "
-                       "for them to catch up")  # fmt: skip
+            self._tell(f"{COUNTS_LATE}: asking again for up to {COUNTS_LAG:.0f} s")
 
     def _stop_uploads(self) -> None:
         """Give up: end every uploader (waiting for each), and start nothing more."""

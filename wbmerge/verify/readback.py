@@ -40,7 +40,10 @@ from .whole import (
 # after that are the server's own, not late ones, whatever they say.
 COUNTS_LAG = 10.0
 COUNTS_POLL = 0.5
-COUNTS_LATE = "the server's line counts lag the rows it holds"
+COUNTS_LATE = (
+    "the server's line counts or last row fall short of what was sent; W&B fills them in "
+    "some seconds after the rows"
+)
 
 
 def counts_behind(content: StagedContent, held: Held) -> bool:
