@@ -248,6 +248,18 @@ def test_file_stream_requests_past_the_run_rate_are_answered_429_and_kept_out(ma
     assert like["behaviours"].startswith("limits 1 file_stream/s per run")
 
 
+def test_a_throttled_sink_answers_an_unknown_file_stream_path_404(make_sink):
+    sink = make_sink(like=LikeWandb(limits=Limits()))
+    token = base64.b64encode(f"api:{sink.api_key}".encode()).decode()
+    request = urllib.request.Request(
+        f"{sink.url}/files/local/p/file_stream", data=b"{}",
+        headers={"Authorization": f"Basic {token}"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(request)
+    assert answer.value.code == 404
+
+
 def test_the_ideal_sink_takes_every_request(sink):
     answers = [post_file_stream(sink, history([step], step)) for step in range(5)]
     assert answers == [(200, None)] * 5

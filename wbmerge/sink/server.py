@@ -190,7 +190,7 @@ async def throttle(request: web.Request, handler: Any) -> web.StreamResponse:
             place = (_entity(variables), project, None) if project else None
         except (ValueError, OSError, AttributeError, protocol.ProtocolError):
             place = None  # (refused by the handler, which says why)
-    elif request.path.endswith("/file_stream"):
+    elif request.path.endswith("/file_stream") and "run" in m:  # (not an unknown path)
         place = (m["entity"], m["project"], m["run"])
     else:
         place = None
