@@ -8,7 +8,7 @@ import pytest
 
 from wbmerge.follow import Follower, round_lines
 from wbmerge.sink import LikeWandb
-from wbmerge.upload import MergeRequest
+from wbmerge.sync import MergeRequest
 
 from ..conftest import job_dir
 from .test_follow import UPLOAD_TIMEOUT, GrowingJob, assert_same_runs, one_shot, use_sink

@@ -352,7 +352,8 @@ def test_rows_past_a_stale_tail_are_read_and_fail_the_run(tmp_path, tail):
     """W&B's history tail can be stale (wandb PR #12668): a server whose tail still says
     the last row sent while it holds rows past it (another writer's) is not whole, and the
     rows past the tail are read back to find it so."""
-    from wbmerge.upload import Delivery, Held, rows_not_held
+    from wbmerge.upload import Delivery, Held
+    from wbmerge.verify import rows_not_held
     from wbmerge.wandbcore import read_staged
 
     source = synthetic_job(tmp_path, steps=50)
