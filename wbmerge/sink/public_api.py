@@ -24,6 +24,7 @@ from .store import Store
 
 MAX_PAGE = 1000
 MAX_SAMPLES = 100_000
+MAX_ROWS = 2**62  # (every row of a run: `history_page` takes a count)
 # Orders `api.runs(order=...)` may ask for; W&B's default is the oldest run first.
 ORDERS = {"created_at": "created", "heartbeat_at": "updated", "name": "id"}
 EVENTS_FIELD = re.compile(r"\bevents\s*\(")  # RunFullHistory's field for stream="events"
@@ -230,9 +231,11 @@ def run_full_history(store: Store, v: dict[str, Any], base_url: str, query: str)
     if EVENTS_FIELD.search(query):
         lines = store.stream_lines(entity, project, name, "events")
         answer = None if lines is None else {"events": spread(lines, samples)}
-    else:  # the same `history` field as HistoryPage's, over every step
-        lines = store.history_page(entity, project, name, -(2**63), 2**63 - 1, samples)
-        answer = None if lines is None else {"history": lines}
+    else:  # the same `history` field as HistoryPage's, over every step, always a sample
+        # (W&B samples `run.history()`; HistoryPage's ranges are sampled only when W&B's
+        # sampling is modelled, so every row is read first and spread here)
+        lines = store.history_page(entity, project, name, -(2**63), 2**63 - 1, MAX_ROWS)
+        answer = None if lines is None else {"history": spread(lines, samples)}
     return {"project": {"run": answer}}
 
 
