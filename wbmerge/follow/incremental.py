@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ..log import LogWriter, Steps, pb
+from ..log import LogWriter, Steps, item_path, pb
+from ..log.wire import key_part
 from ..merge import (
     KeyTable,
     MergeOptions,
@@ -199,8 +202,76 @@ class LiveRounds:
         if self.rows_sent != len(self._step_items):
             raise ValueError("rows sent and their steps disagree")
         self._last_payload = saved["last_row"]
+        if (self._last_payload is None) != (self.rows_sent == 0):
+            raise ValueError("a last row sent that is not the rows sent's")
+        last_step = self._step_items[-1] if self.rows_sent else None
         if self._last_payload is not None:
-            self._last_row = sentrows.row_of(pb.Record.FromString(self._last_payload).history)
+            last = saved_record(self._last_payload, "history").history
+            if last_step is not None and last.step.num != last_step:
+                raise ValueError("a last row sent at another step than the rows sent's last")
+            self._last_row = sentrows.row_of(last)
+        if self._held is not None:
+            held = saved_record(self._held, "history").history
+            if last_step is not None and held.step.num <= last_step:
+                raise ValueError("a row held back that is not after the rows sent")
+
+
+def saved_record(payload: bytes, kind: str | None = None) -> pb.Record:
+    """A record a saved state holds, parsed; ValueError when it is not one (of `kind`)."""
+    try:
+        record = pb.Record.FromString(payload)
+    except DecodeError:
+        raise ValueError("a saved record that is not one") from None
+    if kind is not None and record.WhichOneof("record_type") != kind:
+        raise ValueError(f"a saved {kind} record that is not one")
+    return record
+
+
+def check_last_step(rank: int, steps: tuple, found: bytes | None, shift_applies: bool) -> None:
+    """ValueError unless a rank's saved steps (`Steps.place_state`) place the last row
+    read of its current source (`LiveReaders.last_rows`) where they say it went: what a
+    state says of a rank's steps is checked against its file."""
+    last, shift = steps
+    if found is None:
+        if shift is not None and shift_applies:
+            raise ValueError(f"rank {rank}: a saved shift for a restart with no row read")
+        return
+    step = saved_record(found, "history").history.step.num
+    if shift_applies and (shift is None or last != step + shift):
+        raise ValueError(f"rank {rank}: saved steps that do not place its last row read")
+
+
+def _checked_last_key(rank: int, kept: dict, before_all: tuple) -> tuple:
+    """A rank's saved `last_key`, the key of the last row or record it read: nothing, its
+    last row's (step, 0, rank), or after it its last other record's (step, 1, rank, seq).
+    ValueError when it is none of these (a rank read past where it was would hold every
+    rank's rows back wrongly, or let them go too soon)."""
+    key = tuple(kept["last_key"])
+    last = kept["steps"][0]
+    if key == before_all or key in ((last, 0, rank), (last, 1, rank, kept["seq"])):
+        return key
+    raise ValueError(f"rank {rank}: a saved last key that is not where it was read")
+
+
+def _values(row: pb.HistoryRecord, key_of: Callable) -> dict[bytes, bytes]:
+    """A row's values (each item without its key) by `key_of(its key path)`, but those it
+    gives None."""
+    found = {}
+    for item in row.item:
+        key = key_of(item_path(item))
+        if key is not None:
+            value = pb.HistoryItem()
+            value.CopyFrom(item)
+            value.ClearField("key")
+            value.ClearField("nested_key")
+            found[key] = value.SerializeToString()
+    return found
+
+
+def _labelled(keys: Any, path: list[str]) -> bytes | None:  # (a `RankKeys`)
+    """The key part a rank's key has in the merged rows (None: W&B's own, or not kept)."""
+    out, name = keys.entry(key_part(path))
+    return out if name is None else None
 
 
 class LiveShared(LiveRounds):
@@ -244,18 +315,39 @@ class LiveShared(LiveRounds):
             self._restore(saved)
         except (IndexError, KeyError, TypeError, DecodeError) as exc:  # (of the right types)
             raise ValueError(f"a saved value that is not one ({type(exc).__name__})") from None
+        for rank, (_, found) in self._readers.last_rows().items():
+            check_last_step(rank, saved["ranks"][rank]["steps"], found, True)
+        if self._held is not None:
+            self._check_held()
         known = {str(path): path for sources in paths.values() for path in sources}
         writers = saved["spool"]["writers"]
         if not set(writers) <= set(known):
             raise ValueError("a spool of a file that is not a source")
         spool_state = {**saved["spool"], "writers": {known[p]: w for p, w in writers.items()}}
         self._spools = Spools.kept(spool, spool_state)
+        started = self._readers.started()
         for rank, state in self.merge.states.items():
             path = saved["ranks"][rank]["spool"]
             state.spool = None if path is None else self._spools.writer_of(known.get(path))
-            if path is not None and state.spool is None:
+            if (path is not None or started[rank]) and state.spool is None:
                 self._spools.close()
                 raise ValueError(f"rank {rank}: no spool of {path}")
+
+    def _check_held(self) -> None:
+        """ValueError unless the row held back holds, under each rank's labelled keys,
+        what the rank's file holds at its step (read back from where reading resumes)."""
+        assert self._held is not None
+        held = saved_record(self._held, "history").history
+        got = _values(held, lambda path: None if path[0].startswith("_") else key_part(path))
+        want: dict[bytes, bytes] = {}
+        for rank, state in self.merge.states.items():
+            shift = state.steps.place_state()[1] or 0
+            found = self._readers.row_read_at(rank, held.step.num - shift)
+            if found is not None:
+                row = saved_record(found, "history").history
+                want.update(_values(row, lambda path, keys=state.keys: _labelled(keys, path)))
+        if got != want if not self.merge.across else not want.items() <= got.items():
+            raise ValueError("a row held back that is not what the ranks' files hold")
 
     def state(self) -> dict:
         """What a round needs to go on from this one, as plain values (bytes, numbers,
@@ -314,11 +406,17 @@ class LiveShared(LiveRounds):
             kept = saved["ranks"][rank]
             for raw in kept["known"]:
                 state.keys.learn(raw)
+            for out, value in kept["summary"]:
+                pb.SummaryItem.FromString(out + value)  # (DecodeError: not one)
             state.summary.update((out, value) for out, value in kept["summary"])
+            if kept["exit"] is not None:
+                saved_record(kept["exit"], "exit")
             state.exit_payload = kept["exit"]
             state.steps = Steps.at(*kept["steps"])
             state.seq, state.last_rows = kept["seq"], kept["last_rows"]
-            state.last_key = tuple(kept["last_key"])
+            state.last_key = _checked_last_key(rank, kept, state.last_key)
+            for payload in kept["globs"]:
+                saved_record(payload, "metric")
             state.globs, state.named = list(kept["globs"]), set(kept["named"])
         merge.table = KeyTable([state.keys for state in merge.states.values()])
         pending = saved["pending"]
@@ -338,7 +436,19 @@ class LiveShared(LiveRounds):
             raise ValueError("rows held back of unequal columns")
         if not set(merge.pending.ranks.tolist()) <= set(merge.states):
             raise ValueError("rows held back of a rank not merged")
+        for step, rank in zip(merge.pending.steps.tolist(), merge.pending.ranks.tolist(),
+                              strict=True):  # fmt: skip
+            if step > merge.states[rank].steps.last:
+                raise ValueError(f"rank {rank}: a row held back past its last step read")
         merge.events = [(tuple(key), event) for key, event in saved["events"]]
+        for key, event in merge.events:
+            if len(key) != 4 or key[1] != 1 or key[2] not in merge.states:
+                raise ValueError("a record held back at no place of its rank")
+            if key > merge.states[key[2]].last_key:
+                raise ValueError("a record held back past where its rank was read")
+            saved_record(event)
+        for payload in [*saved["seen"], *saved["others_sent"]]:
+            saved_record(payload)
         merge.remember(saved["seen"])
         self._restore_rounds(saved)
         self._others_sent = list(saved["others_sent"])

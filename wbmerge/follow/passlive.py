@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ..log import BLOCK_SIZE, Frames, LogWriter, Steps, items, pb, records, wire
+from ..log import BLOCK_SIZE, Frames, LogWriter, Steps, items, pb, records, restep, wire
 from ..merge import (
     MergeOptions,
     Spools,
@@ -44,8 +44,14 @@ from ..merge import (
 from ..plan import Target
 from ..wandbcore import StagedContent
 from .cut import running_exit_record
-from .incremental import LiveRounds, NotIncremental, NotYet
-from .tails import LiveReaders
+from .incremental import (
+    LiveRounds,
+    NotIncremental,
+    NotYet,
+    check_last_step,
+    saved_record,
+)
+from .tails import LiveReaders, first_records
 
 _READ_BLOCKS = 128  # blocks a read takes (as the one-shot pass-through reads)
 _HEAD_LIMIT = 64 * BLOCK_SIZE  # records before the run record (`HeldUntilTheRunRecord`)
@@ -99,6 +105,7 @@ class LivePassthrough(LiveRounds):
             self._restore(saved)
         except (IndexError, KeyError, TypeError, DecodeError) as exc:  # (of the right types)
             raise ValueError(f"a saved value that is not one ({type(exc).__name__})") from None
+        self._check_with_files()
         writers = saved["spool"]["writers"]
         if set(writers) != {str(first.path)}:
             raise ValueError("a spool of a file that is not the first source")
@@ -128,12 +135,58 @@ class LivePassthrough(LiveRounds):
         self._head = list(saved["head"])
         self._before_run = list(saved["before_run"])
         self._waiting = [(kind, step, payload) for kind, step, payload in saved["waiting"]]
-        if any(kind not in records.KIND_NAMES for kind, _, _ in self._waiting):
-            raise ValueError("a record waiting of no kind")
+        for kind, _, payload in self._waiting:
+            if kind not in records.KIND_NAMES or records.record_kind(payload) != kind:
+                raise ValueError("a record waiting that is not of its kind")
+            saved_record(payload)
         self._steps = Steps.at(*saved["steps"])
         self._summary = {tuple(path): (removed, item) for path, removed, item in saved["summary"]}
         for _, item in self._summary.values():
             pb.SummaryItem.FromString(item)  # (DecodeError: not one)
+
+    def _check_with_files(self) -> None:
+        """ValueError unless what the state says of the log is in it: the head is the log's
+        header and run record, rewritten; the last row read is the log's last row before
+        where reading resumes, placed where the steps say (the rows sent after it, the run
+        record and the rows to send go to the server as the state holds them)."""
+        head = []
+        for payload in first_records(self.target.sources[0].path, _HEAD_LIMIT + BLOCK_SIZE):
+            kind = records.record_kind(payload)
+            if kind == "header":
+                head.append(payload)
+            elif kind == "run":
+                head.append(rewrite_run(payload, self.target, self.options))
+                break
+        if head != self._head or self._before_run:
+            raise ValueError("a saved head that is not its log's header and run record")
+        index, found = self._readers.last_rows()[0]
+        check_last_step(0, self._steps.place_state(), found, self._several)
+        rows = [payload for kind, _, payload in self._waiting if kind == "history"]
+        last_read = next((p for p in (*rows[-1:], self._held, self._last_payload) if p), None)
+        if found is not None and self._several:
+            step = saved_record(found, "history").history.step.num
+            placed = step + (self._steps.place_state()[1] or 0)
+            found = found if placed == step else restep(found, placed)
+        if found != last_read and (found is not None or index == 0):
+            raise ValueError("a saved last row read that is not its log's")
+        self._check_waiting()
+
+    def _check_waiting(self) -> None:
+        """ValueError unless the records waiting are the last ones read of the log (those
+        a pass-through rewrites, of their kind; the exit record is not kept)."""
+        if not self._waiting:
+            return
+        read = self._readers.records_read_back(0, len(self._waiting) + 1)
+        read = [payload for payload in read if records.record_kind(payload) != "exit"]
+        if len(read) < len(self._waiting):
+            raise ValueError("records waiting that were not read of its log")
+        for (kind, step, payload), was in zip(self._waiting, read[-len(self._waiting) :],
+                                              strict=True):  # fmt: skip
+            rewritten = kind in ("files", "artifact", None) or (kind == "history" and self._several)
+            if records.record_kind(was) != kind or (payload != was and not rewritten):
+                raise ValueError("records waiting that are not the last ones read of its log")
+            if kind == "history" and saved_record(payload).history.step.num != step:
+                raise ValueError("a row waiting at another step than it holds")
 
     @property
     def _has_run(self) -> bool:

@@ -19,7 +19,10 @@ the format, its version and a hash of the rest, then the state as JSON, bytes in
 Every value is checked against `STATE` (its type, and that an integer fits in 64 bits)
 before any of it is used. A file that is not there, damaged, of another version, or made
 for other sources or options (a rank or an elastic restart joined, another `--key-format`)
-is not used: the follower says why in one line and merges from scratch.
+is not used: the follower says why in one line and merges from scratch. Values of the
+right types may still be wrong (the hash is no secret): the merge that goes on from a state
+checks it against the files (`incremental`, `passlive`), and the round against what the
+server holds (`rounds`), and a state that does not fit is dropped the same way.
 """
 
 from __future__ import annotations

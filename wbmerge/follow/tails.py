@@ -27,8 +27,12 @@ from ..log import (
     BLOCK_SIZE,
     CHUNK_HEADER_SIZE,
     FILE_HEADER,
+    FIRST,
+    FULL,
+    LAST,
     Frames,
     ReadReport,
+    pb,
     records,
     walk_segments,
 )
@@ -160,12 +164,48 @@ class LiveReaders:
                     source.identity = tuple(source.identity)
                 if source.offset % BLOCK_SIZE or not 0 <= source.resume <= BLOCK_SIZE:
                     raise ValueError(f"{source.path}: a saved place that is not one")
+                if source.digest and not source.started:
+                    raise ValueError(f"{source.path}: read, and saved as not started")
                 if source.digest and _head(source) != place["head"]:
                     raise NotIncremental(f"{source.path} no longer begins as it did")
                 source.check()
             if not 0 <= readers._current[rank] < len(sources):
                 raise ValueError(f"rank {rank}: a saved restart that is not one")
         return readers
+
+    def started(self) -> dict[int, bool]:
+        """Whether each rank's records were given out yet."""
+        return {rank: sources[0].started for rank, sources in self._sources.items()}
+
+    def last_rows(self) -> dict[int, tuple[int, bytes | None]]:
+        """Each rank's current source (its index) and the last whole history record read
+        of it (None: it has none), found by reading back from where reading resumes, at
+        most `_LOOK_BACK` bytes: what a saved state says of a rank's last row is checked
+        against it. Raises NotIncremental when it is further back than that."""
+        return {
+            rank: (self._current[rank], _row_read_back(sources[self._current[rank]]))
+            for rank, sources in self._sources.items()
+        }
+
+    def records_read_back(self, rank: int, count: int) -> list[bytes]:
+        """The last `count` whole records read of a rank's current source, or all of them
+        when it has fewer, read back as `last_rows` reads; raises NotIncremental as it does."""
+        source = self._sources[rank][self._current[rank]]
+        end = source.offset + source.resume if source.digest else 0
+        back = BLOCK_SIZE
+        while True:
+            start = max(0, source.offset - back)
+            found, complete = _records_between(_read_at(source.path, start, end - start), start)
+            if len(found) >= count or (start == 0 and complete):
+                return found[len(found) - count :] if count < len(found) else found
+            if start == 0 or back >= _LOOK_BACK:
+                raise NotIncremental(f"{source.path}: the records read are too far back to check")
+            back *= 4
+
+    def row_read_at(self, rank: int, step: int) -> bytes | None:
+        """The last whole history record at `step` read of a rank's current source (None:
+        it has none), read back as `last_rows` reads; raises NotIncremental as it does."""
+        return _row_read_back(self._sources[rank][self._current[rank]], step)
 
     def begin_round(self) -> None:
         """Check each source against what was read of it; raises NotIncremental."""
@@ -221,6 +261,70 @@ class LiveReaders:
             ),
             reads,
         )
+
+
+_LOOK_BACK = 64 * BLOCK_SIZE  # bytes read back to find a source's last row (`last_rows`)
+
+
+def _row_read_back(source: _Source, step: int | None = None) -> bytes | None:
+    """The last whole history record before where `source` resumes (`step`: the last one
+    at that step), read back from there; None when there is none."""
+    end = source.offset + source.resume if source.digest else 0
+    back = BLOCK_SIZE
+    while True:
+        start = max(0, source.offset - back)
+        found, complete = _records_between(_read_at(source.path, start, end - start), start)
+        for payload in reversed(found):
+            if records.record_kind(payload) != "history":
+                continue
+            at = pb.Record.FromString(payload).history.step.num
+            if step is None or at == step:
+                return payload
+            if at < step:
+                return None
+        if start == 0 and complete:
+            return None
+        if start == 0 or back >= _LOOK_BACK:
+            raise NotIncremental(f"{source.path}: a row read is too far back to check")
+        back *= 4
+
+
+def first_records(path: Path, size: int) -> list[bytes]:
+    """The whole records in the first `size` bytes of the log at `path`."""
+    return _records_between(_read_at(path, 0, size), 0)[0]
+
+
+def _records_between(data: bytes, start: int) -> tuple[list[bytes], bool]:
+    """The whole records in `data`, the bytes of a log from `start` (a block boundary):
+    those begun before it are left out. And whether none was (`data` read from a
+    record's start)."""
+    found: list[bytes] = []
+    pieces: list[bytes] | None = None
+    complete = True
+    pos = len(FILE_HEADER) if start == 0 else 0
+    while pos + _HEAD <= len(data):
+        room = BLOCK_SIZE - (start + pos) % BLOCK_SIZE
+        if room < _HEAD or not any(data[pos : pos + _HEAD]):
+            pos += room
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        payload = data[pos + _HEAD : pos + _HEAD + length]
+        pos += _HEAD + length
+        if len(payload) < length:
+            break
+        if kind == FULL:
+            found.append(payload)
+            pieces = None
+        elif kind == FIRST:
+            pieces = [payload]
+        elif pieces is not None:
+            pieces.append(payload)
+            if kind == LAST:
+                found.append(b"".join(pieces))
+                pieces = None
+        else:
+            complete = False  # (the rest of a record begun before `start`)
+    return found, complete
 
 
 def _read_source(source: _Source, want: int) -> tuple[bytes, np.ndarray, np.ndarray, bool, bool]:
