@@ -26,6 +26,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from google.protobuf.message import DecodeError
+
 from .. import merge  # (stage is called as merge.stage: the seam a test stands a broken merge in)
 from ..errors import WbmergeError
 from ..identify import Job, make_hints
@@ -48,6 +50,10 @@ from .passlive import LivePassthrough
 from .tails import ScannedLog
 
 RESTART_GRACE = 60.0  # seconds (see `Follower`)
+# What a saved state of the right types but wrong values raises when it is taken up, or
+# in the first round that goes on from it: it does not fit, and the round merges from
+# scratch (a value the checks did not foresee must not end the follow).
+SAVED_MISFITS = (ValueError, LookupError, TypeError, AttributeError, OverflowError, DecodeError)
 # The targets merged a round at a time, by kind: what keeps them, and its saved state's shape
 # (`auto` with every rank's system metrics, "auto+system", is merged from scratch).
 _KEPT: dict[str, tuple[type, object]] = {
@@ -375,14 +381,13 @@ class Follower:
             found, resumed = None, False  # (nothing to say: its run record comes soon)
         except (NotIncremental, WbmergeError, OSError) as exc:
             found, why = None, str(exc)
-        except ValueError as exc:  # (a saved state that passed its checks, yet does not fit)
+        except SAVED_MISFITS as exc:  # (a saved state that passed its checks, yet does not fit)
             if not resumed:
                 raise
-            found, why = None, str(exc)
+            found, why = None, str(exc) or type(exc).__name__
         if found is None:
             if resumed:
-                report.warnings.append(f"{target.id}: the state a follower before this one "
-                                       f"saved does not fit ({why}): merged from scratch")  # fmt: skip
+                report.warnings.append(self._misfit(target.id, why))
             elif why is not None:
                 report.warnings.append(f"{target.id}: {why}: merged from scratch")
             self._drop_live(target.id, forget=True)
@@ -415,16 +420,21 @@ class Follower:
             if server_rows and first:  # (rows sent: by a follower whose state is lost, a sync)
                 report.warnings.append(f"{target.id}: no state saved by a follower before "
                                        "this one: merged from scratch")  # fmt: skip
-        except (saved.Unusable, NotIncremental, ValueError, OSError) as exc:
+        except (saved.Unusable, NotIncremental, OSError, *SAVED_MISFITS) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             report.warnings.append(f"{target.id}: {why}: merged from scratch"
                                    if isinstance(exc, saved.Unusable) else
-                                   f"{target.id}: the state a follower before this one saved "
-                                   f"does not fit ({why}): merged from scratch")  # fmt: skip
+                                   self._misfit(target.id, why or type(exc).__name__))  # fmt: skip
         saved.discard(place)
         place.mkdir(parents=True, exist_ok=True)
         live = self._live[target.id] = kind(target, options, scratch, spool)
         return live, False
+
+    def _misfit(self, run_id: str, why: str) -> str:
+        """The line that says a saved state does not fit, naming its file."""
+        path = self._saved_at[run_id][0] / saved.STATE_FILE
+        return (f"{run_id}: the state {path} a follower before this one saved does not fit "
+                f"({why}): merged from scratch")  # fmt: skip
 
     def _drop_live(self, run_id: str, forget: bool = False) -> None:
         """Let go of a target's merge; `forget`: also of its saved state (it went wrong, and
