@@ -34,6 +34,7 @@ numbers read and not yet written and each key's last statistics (`MergedRankStat
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -158,6 +159,24 @@ class LiveRounds:
         new = read_staged(log)
         return dataclasses.replace(new, step_items=self._step_items + new.step_items)
 
+    def sent_others(self) -> list[bytes]:
+        """The records other than rows the rounds sent, in order (the server holds them)."""
+        raise NotImplementedError
+
+    def sent_config(self) -> dict:
+        """The config keys the records other than rows sent set, each key's last value."""
+        records = [saved_record(payload) for payload in self.sent_others()]
+        return folded([r.config for r in records if r.WhichOneof("record_type") == "config"])
+
+    def sent_summary(self) -> dict:
+        """The summary the last round sent (the server holds it: the uploader sends it
+        whole), each key's value."""
+        raise NotImplementedError
+
+    @property
+    def last_step_sent(self) -> int | None:
+        return self._step_items[-1] if self.rows_sent else None
+
     @property
     def row_before(self) -> dict | None:
         """The last row the server holds of this merge, as wandb-core sent it."""
@@ -214,6 +233,25 @@ class LiveRounds:
             held = saved_record(self._held, "history").history
             if last_step is not None and held.step.num <= last_step:
                 raise ValueError("a row held back that is not after the rows sent")
+
+
+def folded(changes: list) -> dict:
+    """What config or summary records (their `config` or `summary` parts) set, in order:
+    each key's last value, nested keys as objects. Raises ValueError for a value that is
+    not JSON."""
+    found: dict = {}
+    for change in changes:
+        for item in change.update:
+            path = item_path(item)
+            place = found
+            for part in path[:-1]:
+                if not isinstance(place.get(part), dict):
+                    place[part] = {}
+                place = place[part]
+            place[path[-1]] = json.loads(item.value_json)
+        for item in change.remove:
+            found.pop(item_path(item)[0], None)
+    return found
 
 
 def saved_record(payload: bytes, kind: str | None = None) -> pb.Record:
@@ -503,3 +541,9 @@ class LiveShared(LiveRounds):
 
     def _keep(self, kept: object) -> None:
         self._others_sent += kept  # type: ignore[arg-type]
+
+    def sent_others(self) -> list[bytes]:
+        return self._others_sent
+
+    def sent_summary(self) -> dict:
+        return folded([saved_record(self.merge.summary_record()).summary])

@@ -49,6 +49,7 @@ from .incremental import (
     NotIncremental,
     NotYet,
     check_last_step,
+    folded,
     saved_record,
 )
 from .tails import LiveReaders, first_records
@@ -343,6 +344,12 @@ class LivePassthrough(LiveRounds):
                         last.pop(path, None)
                         last[path] = (removed, item.SerializeToString())
         return kept, last
+
+    def sent_summary(self) -> dict:
+        return folded([saved_record(p).summary for p in self._summary_records()])
+
+    def sent_others(self) -> list[bytes]:
+        return list(self._spools.read(self.target.sources[0]))
 
     def _keep(self, kept: object) -> None:
         """A verified round's records other than rows: to the spool, in order, and its

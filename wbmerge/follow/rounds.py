@@ -41,6 +41,7 @@ from ..upload import (
     ServerError,
     state_dir,
 )
+from ..verify import same_value
 from ..wandbcore import StagedContent
 from . import saved
 from .cut import cut_live
@@ -371,6 +372,9 @@ class Follower:
         try:
             if live is None:
                 live, resumed = self._make_live(plan, target, known, server_rows, report)
+                if resumed and server_rows == live.rows_sent:  # (else said below)
+                    self._check_on_server(live, self.uploads.entity(plan.entity),
+                                          plan.project, target.id)  # fmt: skip
             found = live.stage(workdir / "runs", watermark(target, ranks), server_rows)
             self._bytes_read[target.id] = live.bytes_read
             if found is None and live.rows_sent:  # (not when it sent none: `cut` says it)
@@ -429,6 +433,29 @@ class Follower:
         place.mkdir(parents=True, exist_ok=True)
         live = self._live[target.id] = kind(target, options, scratch, spool)
         return live, False
+
+    def _check_on_server(
+        self, live: LiveShared | LivePassthrough, entity: str | None, project: str, run_id: str
+    ) -> None:
+        """ValueError unless the server holds what a saved state says the rounds sent: its
+        last row, the config its records other than rows set, and its summary."""
+        held = self.uploads.client.held(entity, project, run_id)
+        if live.rows_sent and (
+            held.last_step != live.last_step_sent
+            or held.last_row is None
+            or not same_value({**(live.row_before or {}), "_step": held.last_step}, held.last_row)
+        ):
+            raise ValueError(
+                f"the server's row {live.rows_sent} is not the last row it says was sent"
+            )
+        config = {key: entry["value"] if isinstance(entry, dict) and "value" in entry else entry
+                  for key, entry in _json_object(held.config_json).items()}  # fmt: skip
+        summary = _json_object(held.summary_json)
+        for what, sent, there in (("config", live.sent_config(), config),
+                                  ("summary", live.sent_summary(), summary)):  # fmt: skip
+            for key, value in sent.items():
+                if not key.startswith("_") and not (key in there and same_value(value, there[key])):
+                    raise ValueError(f"the server's {what} {key!r} is not what it says was sent")
 
     def _misfit(self, run_id: str, why: str) -> str:
         """The line that says a saved state does not fit, naming its file."""
@@ -562,6 +589,15 @@ class Follower:
         """Let other syncs take the runs' locks (the last, one-shot sync needs them)."""
         self._locks.close()
         self._locks = ExitStack()
+
+
+def _json_object(text: str) -> dict:
+    """The server's JSON object `text`; {} for anything else."""
+    try:
+        value = json.loads(text) if text else {}
+    except (ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _size(path: Path) -> int:
