@@ -150,15 +150,7 @@ class LivePassthrough(LiveRounds):
         header and run record, rewritten; the last row read is the log's last row before
         where reading resumes, placed where the steps say (the rows sent after it, the run
         record and the rows to send go to the server as the state holds them)."""
-        head = []
-        for payload in first_records(self.target.sources[0].path, _HEAD_LIMIT + BLOCK_SIZE):
-            kind = records.record_kind(payload)
-            if kind == "header":
-                head.append(payload)
-            elif kind == "run":
-                head.append(rewrite_run(payload, self.target, self.options))
-                break
-        if head != self._head or self._before_run:
+        if self._read_head() != self._head or self._before_run:
             raise ValueError("a saved head that is not its log's header and run record")
         index, found = self._readers.last_rows()[0]
         check_last_step(0, self._steps.place_state(), found, self._several)
@@ -188,6 +180,22 @@ class LivePassthrough(LiveRounds):
                 raise ValueError("records waiting that are not the last ones read of its log")
             if kind == "history" and saved_record(payload).history.step.num != step:
                 raise ValueError("a row waiting at another step than it holds")
+
+    def _read_head(self) -> list[bytes]:
+        """The first log's header and run record, rewritten (what `_take` keeps as the head),
+        read from its start: a block or two, more only while no run record is found."""
+        size = 2 * BLOCK_SIZE
+        while True:
+            head = []
+            for payload in first_records(self.target.sources[0].path, size):
+                kind = records.record_kind(payload)
+                if kind == "header":
+                    head.append(payload)
+                elif kind == "run":
+                    return [*head, rewrite_run(payload, self.target, self.options)]
+            if size > _HEAD_LIMIT:
+                return head
+            size *= 4
 
     @property
     def _has_run(self) -> bool:
