@@ -15,6 +15,8 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -364,4 +366,31 @@ def test_a_forged_state_goes_on_as_the_true_one_or_is_dropped(run_mode, name, ke
         for run_id, run in runs.items():
             assert_same_run(run, base.next_round[run_id])
     assert last.done, round_lines(last)
+    assert_same_runs(base.sink, base.want)
+
+
+def test_wbmerge_follow_says_which_state_it_dropped(kept, monkeypatch):
+    """`wbmerge follow` from a state whose last row sent is missing (it raised IndexError
+    out of a round: "internal error", exit 70, on every restart): one line on stderr
+    naming the file, and the follow ends with the runs exact."""
+    base = kept("shared")
+    path = base.restore(monkeypatch)
+    rewrite(path, setter("last_row", lambda s: None))
+    growing = Growing(base.job, base.root / "live")
+    growing.grow(0.6)
+    cmd = [sys.executable, "-m", "wbmerge.cli", "follow", str(base.root / "live"),
+           "--run-mode", "shared", "--interval", "0.5"]  # fmt: skip
+    follower = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert follower.stdout is not None
+        first = follower.stdout.readline()  # (said once the first round is verified)
+        assert "running" in first, first + follower.stderr.read()  # type: ignore[union-attr]
+        growing.grow(1.0)
+        _, stderr = follower.communicate(timeout=UPLOAD_TIMEOUT)
+    finally:
+        follower.kill()
+    assert follower.returncode == 0, stderr
+    [line] = [line for line in stderr.splitlines() if "merged from scratch" in line]
+    assert str(path) in line and "does not fit" in line
+    assert "internal error" not in stderr
     assert_same_runs(base.sink, base.want)
