@@ -373,6 +373,7 @@ class Follower:
             if live is None:
                 live, resumed = self._make_live(plan, target, known, server_rows, report)
                 if resumed and server_rows == live.rows_sent:  # (else said below)
+                    assert plan.project
                     self._check_on_server(live, self.uploads.entity(plan.entity),
                                           plan.project, target.id)  # fmt: skip
             found = live.stage(workdir / "runs", watermark(target, ranks), server_rows)
@@ -391,6 +392,7 @@ class Follower:
             found, why = None, str(exc) or type(exc).__name__
         if found is None:
             if resumed:
+                why = why or f"the server holds {server_rows} history rows, not what it sent"
                 report.warnings.append(self._misfit(target.id, why))
             elif why is not None:
                 report.warnings.append(f"{target.id}: {why}: merged from scratch")
