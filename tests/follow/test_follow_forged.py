@@ -24,7 +24,7 @@ import pytest
 
 from wbmerge.follow import Follower, round_lines, saved
 from wbmerge.log import pb
-from wbmerge.upload import MergeRequest
+from wbmerge.sync import MergeRequest
 
 from ..support import synthetic
 from ..support.sinktools import SinkProcess
