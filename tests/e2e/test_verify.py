@@ -75,8 +75,9 @@ def test_runs_wbmerge_synced_are_whole_until_the_server_loses_a_row(sink, tmp_pa
     code, report, errors = verify(sink, tmp_path, source, "--run-mode", mode, "--base-id", base)
     assert code == 1
     assert errors == [
-        f"wbmerge: error: 1 of {len(expected_ids)} runs are not whole on the server; "
-        "`wbmerge sync` with the same options sends what they lack"
+        f"wbmerge: error: 1 of {len(expected_ids)} runs are not whole on the server as these "
+        "options make them (give the options the runs were synced with, such as "
+        "--skew-metrics); `wbmerge sync` with them sends what a run lacks"
     ]
     problems = problems_by_run(report)
     assert [run_id for run_id, lines in problems.items() if lines] == [victim]

@@ -409,7 +409,8 @@ def verify_command(uploaded_by: str, as_json: bool, **kw: Any) -> None:
     if not report.whole:
         broken = sum(not run.whole for run in report.runs)
         mend = (  # (sync takes no --uploaded-by: its runs would not be these)
-            "; `wbmerge sync` with the same options sends what they lack"
+            " as these options make them (give the options the runs were synced with, such "
+            "as --skew-metrics); `wbmerge sync` with them sends what a run lacks"
             if uploaded_by == "wbmerge"
             else " (uploaded by plain `wandb sync`; each run's line says what it lacks)"
         )
