@@ -143,19 +143,23 @@ def client_id_mapping(store: Store, v: dict[str, Any], base_url: str) -> dict:
     return {"clientIDMapping": None if found is None else {"serverID": found}}
 
 
+def _named_version(store: Store, v: dict[str, Any]) -> Any:
+    """The version the variables name (`entity`, `project`, `name` as `name:alias`,
+    `name:vN` or `name`), None when there is none; names checked as W&B checks them."""
+    entity = check_entity(v.get("entity") or DEFAULT_ENTITY)
+    project = check_project(v.get("project"))
+    name = v.get("name")
+    if not isinstance(name, str):
+        raise ArtifactError("name must be a string (name:alias or name:vN)")
+    return store.artifacts.find(entity, project, name)
+
+
 def artifact_version_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
     """A version named `name:alias`, `name:vN` (or by `id`), as W&B's schema has it
     (`project.artifact(name)`): digest, state, version, aliases, metadata and a page of its
     files (`first` after the cursor `after`), each with its size and the MD5 of the bytes
     stored, read again from the disk."""
-    entity, project = (
-        check_entity(v.get("entity") or DEFAULT_ENTITY),
-        check_project(v.get("project")),
-    )
-    name = v.get("name")
-    if not isinstance(name, str):
-        raise ArtifactError("name must be a string (name:alias or name:vN)")
-    found = store.artifacts.find(entity, project, name)
+    found = _named_version(store, v)
     if found is None:
         return {"project": {"artifact": None}}
     after, first = v.get("after"), v.get("first")
@@ -293,14 +297,7 @@ def _membership(facts: dict[str, Any]) -> dict[str, Any]:
 def artifact_membership_by_name(store: Store, v: dict[str, Any], base_url: str) -> dict:
     """`api.artifact("entity/project/name:alias")`: the version `name:alias`, `name:vN` or
     `name` (its latest) names, or `artifactCollectionMembership: null`."""
-    entity, project = (
-        check_entity(v.get("entity") or DEFAULT_ENTITY),
-        check_project(v.get("project")),
-    )
-    name = v.get("name")
-    if not isinstance(name, str):
-        raise ArtifactError("name must be a string (name:alias or name:vN)")
-    found = store.artifacts.find(entity, project, name)
+    found = _named_version(store, v)
     member = None if found is None else _membership(store.artifacts.version(found))
     return {"project": {"artifactCollectionMembership": member}}
 

@@ -396,13 +396,9 @@ class Store:
         sampling is modelled, `samples` of them spread evenly over the range (W&B samples
         a range it would return too much of). None when the run is unknown."""
         with self._lock:
-            found = self._db.execute(
-                "SELECT pk FROM runs WHERE entity = ? AND project = ? AND name = ?",
-                (entity, project, name),
-            ).fetchone()
-            if found is None:
+            pk = self._existing_pk(entity, project, name)
+            if pk is None:
                 return None
-            pk = found[0]
             lines = [
                 row[0]
                 for row in self._db.execute(
@@ -422,15 +418,12 @@ class Store:
         """Every line of one stream of a run (history, events or console) in line order; None
         when the run is unknown."""
         with self._lock:
-            found = self._db.execute(
-                "SELECT pk FROM runs WHERE entity = ? AND project = ? AND name = ?",
-                (entity, project, name),
-            ).fetchone()
-            if found is None:
+            pk = self._existing_pk(entity, project, name)
+            if pk is None:
                 return None
             cursor = self._db.execute(
                 "SELECT line FROM lines WHERE run = ? AND stream = ? ORDER BY offset",
-                (found[0], stream),
+                (pk, stream),
             )
             return [row[0] for row in cursor]
 
@@ -460,25 +453,27 @@ class Store:
     def file_sizes(self, entity: str, project: str, name: str) -> list[tuple[str, int]] | None:
         """(name, size) of each file of a run, by name; None when there is no such run."""
         with self._lock:
-            row = self._db.execute(
-                "SELECT pk FROM runs WHERE entity = ? AND project = ? AND name = ?",
-                (entity, project, name),
-            ).fetchone()
-            if row is None:
+            pk = self._existing_pk(entity, project, name)
+            if pk is None:
                 return None
             return self._db.execute(
-                "SELECT name, size FROM files WHERE run = ? ORDER BY name", (row[0],)
+                "SELECT name, size FROM files WHERE run = ? ORDER BY name", (pk,)
             ).fetchall()
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _run_pk(self, entity: str, project: str, name: str, create: bool, now: float) -> int:
+    def _existing_pk(self, entity: str, project: str, name: str) -> int | None:
+        """The key of a run, None when there is no such run (the caller holds the lock)."""
         row = self._db.execute(
             "SELECT pk FROM runs WHERE entity = ? AND project = ? AND name = ?",
             (entity, project, name),
         ).fetchone()
-        if row:
-            return row[0]
+        return None if row is None else row[0]
+
+    def _run_pk(self, entity: str, project: str, name: str, create: bool, now: float) -> int:
+        found = self._existing_pk(entity, project, name)
+        if found is not None:
+            return found
         cursor = self._db.execute(
             "INSERT INTO runs (entity, project, name, created, updated) VALUES (?, ?, ?, ?, ?)",
             (entity, project, name, now, now),
