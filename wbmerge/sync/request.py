@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from functools import cache
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, TypedDict, Union, get_args, get_origin, get_type_hints
@@ -202,6 +203,7 @@ def spellings() -> dict[str, Spelling]:
     return {f.name: f.metadata["cli"] for f in fields(MergeRequest) if "cli" in f.metadata}
 
 
+@cache
 def choices() -> dict[str, tuple[object, ...]]:
     """The values each option of a `Literal` type takes, by field name (None too, where the
     option may be left to the job)."""
@@ -226,10 +228,13 @@ class OptionType:
     is_path: bool  # a path on this machine
 
 
+@cache
 def request_fields() -> dict[str, tuple[OptionType, Spelling]]:
-    """Each option's type and spelling, by field name, in the order of `spellings`."""
+    """Each option's type and spelling, by field name, in the order of `spellings`
+    (worked out once: the command line asks for it once per option it builds)."""
     hints = get_type_hints(MergeRequest)
     defaults = {f.name: f.default for f in fields(MergeRequest)}
+    literal_values = choices()
     found = {}
     for name, spelling in spellings().items():
         members = _members(hints[name])
@@ -237,7 +242,7 @@ def request_fields() -> dict[str, tuple[OptionType, Spelling]]:
         inner = [a for m in members if get_origin(m) is Sequence for a in _members(get_args(m)[0])]
         option_type = OptionType(
             default=defaults[name],
-            choices=choices().get(name),
+            choices=literal_values.get(name),
             is_flag=hints[name] is bool,
             is_sequence=sequence,
             is_path=Path in members or Path in inner,
