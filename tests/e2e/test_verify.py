@@ -20,7 +20,6 @@ from click.testing import CliRunner
 from wbmerge.cli import main
 
 from ..conftest import interruptible, job_dir
-from ..merge.test_merged_artifacts import artifact_job  # noqa: F401 - a module fixture
 from ..support.sinktools import copy_runs, wandb_sync
 from ..verify.test_row_verification import drop_history_lines
 
@@ -119,23 +118,6 @@ def test_runs_plain_wandb_synced_are_checked_under_their_own_ids(sink, tmp_path)
     problems = problems_by_run(report)
     assert [run_id for run_id, lines in problems.items() if lines] == [victim]
     assert "output.log" in "; ".join(problems[victim])
-
-
-def test_a_lost_artifact_file_is_named(sink, tmp_path, artifact_job):  # noqa: F811
-    synced = cli(sink, tmp_path, "sync", artifact_job, "--run-mode", "new", "--base-id", "arta")
-    assert synced.exit_code == 0, synced.output
-    code, report, errors = verify(sink, tmp_path, artifact_job, "--run-mode", "new",
-                                  "--base-id", "arta")  # fmt: skip
-    assert (code, errors) == (0, []), (errors, report)
-
-    with sqlite3.connect(sink.data_dir / "sink.sqlite3") as db:
-        gone = db.execute("UPDATE artifact_files SET size = NULL WHERE path = 'nested/copy.bin'")
-        assert gone.rowcount >= 2  # (each rank's checkpoint has one)
-    db.close()
-    code, report, _ = verify(sink, tmp_path, artifact_job, "--run-mode", "new", "--base-id", "arta")
-    assert code == 1
-    for run in report["runs"]:
-        assert any("nested/copy.bin" in line for line in run["problems"]), run
 
 
 def test_options_that_plain_wandb_sync_has_no_use_for_are_refused(sink, tmp_path):

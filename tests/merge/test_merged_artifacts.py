@@ -18,6 +18,7 @@ import os
 import re
 import resource
 import signal
+import sqlite3
 import subprocess
 import sys
 import urllib.parse
@@ -563,3 +564,29 @@ def test_a_manifest_file_that_is_not_wandbs_stops_the_sync_in_one_line(sink, tmp
     line = one_error_line(cli(sink, tmp_path, "sync", run_dir, "-p", PROJECT, "-e", "local"))
     assert "not a manifest file as wandb writes one" in line
     assert sink.client.runs() == []
+
+
+def verify(sink, tmp_path, *args):
+    """`wbmerge verify --json`: its exit code, its report and its stderr lines."""
+    result = cli(sink, tmp_path, "verify", "--json", *args)
+    report = json.loads(result.stdout) if result.stdout.strip() else None
+    return result.exit_code, report, result.stderr.strip().splitlines()
+
+
+def test_a_lost_artifact_file_is_named_by_verify(sink, tmp_path, artifact_job):
+    """`wbmerge verify` of the job synced is clean, and names the file once the sink loses
+    it from its store. (Here, not in tests/e2e/test_verify.py: the job is written once.)"""
+    synced = cli(sink, tmp_path, "sync", artifact_job, "--run-mode", "new", "--base-id", "arta")
+    assert synced.exit_code == 0, synced.output
+    code, report, errors = verify(sink, tmp_path, artifact_job, "--run-mode", "new",
+                                  "--base-id", "arta")  # fmt: skip
+    assert (code, errors) == (0, []), (errors, report)
+
+    with sqlite3.connect(sink.data_dir / "sink.sqlite3") as db:
+        gone = db.execute("UPDATE artifact_files SET size = NULL WHERE path = 'nested/copy.bin'")
+        assert gone.rowcount >= 2  # (each rank's checkpoint has one)
+    db.close()
+    code, report, _ = verify(sink, tmp_path, artifact_job, "--run-mode", "new", "--base-id", "arta")
+    assert code == 1
+    for run in report["runs"]:
+        assert any("nested/copy.bin" in line for line in run["problems"]), run
