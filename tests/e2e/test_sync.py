@@ -362,12 +362,12 @@ def test_wandb_core_skips_blocks_ended_early_with_zeros(sink, tmp_path):
     assert got["exit_code"] == want.exit_code == 0
 
 
-@pytest.mark.parametrize("run_mode", ["new", "auto", "shared"])
-def test_a_restart_written_with_typed_values_is_moved_in_both_forms(sink, tmp_path, run_mode):
-    # With `x_history_value_encoding="json,typed"`, wandb writes each value twice: as JSON
-    # text and typed, and wandb-core sends the typed one. A restart that repeats steps 0,
-    # 10, 20 goes on at 21, 31, 41 only if both forms of its `_step` are moved. (A shared
-    # merge writes rows of its own, from the values of both ranks.)
+@pytest.fixture(scope="module")
+def typed_restart_job(tmp_path_factory) -> Path:
+    """Two ranks, each started twice, written by real wandb with
+    `x_history_value_encoding="json,typed"`: each value written twice, as JSON text and
+    typed (wandb-core sends the typed one). A restart repeats steps 0, 10, 20. Written once
+    for the run modes (four wandb processes), which only read it."""
     from ..training.test_training import run_rank
 
     code = """
@@ -377,11 +377,12 @@ def test_a_restart_written_with_typed_values_is_moved_in_both_forms(sink, tmp_pa
         run.log({"loss": step / 10 + int(os.environ["RANK"])}, step=step)
     run.finish()
     """
-    (tmp_path / "job").mkdir()
+    job = tmp_path_factory.mktemp("typed-restart") / "job"
+    job.mkdir()
     for restart in ("0", "1"):
         for rank in ("0", "1"):
             result = run_rank(
-                tmp_path / "job",
+                job,
                 code,
                 RANK=rank,
                 WORLD_SIZE="2",
@@ -390,10 +391,20 @@ def test_a_restart_written_with_typed_values_is_moved_in_both_forms(sink, tmp_pa
                 WANDB_X_HISTORY_VALUE_ENCODING="json,typed",
             )
             assert result.returncode == 0, result.stderr
-    logs = sorted((tmp_path / "job" / "wandb").glob("offline-run-*/run-*.wandb"))
+    return job
+
+
+@pytest.mark.parametrize("run_mode", ["new", "auto", "shared"])
+def test_a_restart_written_with_typed_values_is_moved_in_both_forms(
+    sink, tmp_path, typed_restart_job, run_mode
+):
+    # The restart goes on at 21, 31, 41 only if both forms of its `_step` are moved. (A
+    # shared merge writes rows of its own, from the values of both ranks.)
+    before = tree_digest(typed_restart_job)
+    logs = sorted((typed_restart_job / "wandb").glob("offline-run-*/run-*.wandb"))
     first_row = next(r for r in read_records(logs[0]) if r.WhichOneof("record_type") == "history")
     assert first_row.history.item[0].WhichOneof("value") is not None  # written typed
-    result = cli_sync(sink, tmp_path, tmp_path / "job", "--run-mode", run_mode, "-p", "typed")
+    result = cli_sync(sink, tmp_path, typed_restart_job, "--run-mode", run_mode, "-p", "typed")
     assert result.exit_code == 0, result.stderr
     runs = {run["id"]: run for run in sink.client.runs(project="typed")}
     ids = ["typed-rank-0", "typed-rank-1"] if run_mode == "new" else ["typed"]
@@ -407,6 +418,7 @@ def test_a_restart_written_with_typed_values_is_moved_in_both_forms(sink, tmp_pa
                 assert values == [label, label + 1, label + 2] * 2
         else:
             assert [row["loss"] for row in history] == [rank, rank + 1, rank + 2] * 2
+    assert tree_digest(typed_restart_job) == before  # (read only: the run modes share it)
 
 
 def arrived(sink, project, run_id):
