@@ -10,6 +10,7 @@ servers: every later stage reads logs through this package.
 
 from importlib import import_module
 
+from .kinds import KINDS, KindRule, PassThrough, Shared, passthrough_rewrites, shared_kept
 from .proto import item_path, pb
 from .records import read_records, record_kind
 from .steps import RESERVED, Steps, restep
@@ -46,6 +47,12 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "KINDS",
+    "KindRule",
+    "PassThrough",
+    "Shared",
+    "passthrough_rewrites",
+    "shared_kept",
     "BLOCK_SIZE",
     "CHUNK_HEADER_SIZE",
     "FILE_HEADER",

@@ -11,7 +11,17 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from ..errors import WbmergeError
-from ..log import BLOCK_SIZE, LogWriter, ReadReport, Steps, read_head, record_kind, records, restep
+from ..log import (
+    BLOCK_SIZE,
+    LogWriter,
+    ReadReport,
+    Steps,
+    passthrough_rewrites,
+    read_head,
+    record_kind,
+    records,
+    restep,
+)
 from ..plan import Source, Target
 from ..wandbcore import ContentCounter
 from .artifacts import ArtifactRecords
@@ -22,12 +32,11 @@ from .outcome import Outcome, check_known, damage_warnings, is_record, not_a_rec
 from .runrecord import exit_code, exit_record, restart_config, rewrite_run
 
 _PASSTHROUGH_READ = 128 * BLOCK_SIZE
-# records a pass-through does not copy as they are (and history records a restart moves)
-_RUN, _HEADER, _EXIT, _FILES, _ARTIFACT = (
-    records.code(k) for k in ("run", "header", "exit", "files", "artifact")
-)
+_RUN, _HEADER, _EXIT, _ARTIFACT = map(records.code, ("run", "header", "exit", "artifact"))
 _UNKNOWN = 0  # the kind code of a record of no known kind (checked before it is copied)
-_SPECIAL = [_RUN, _HEADER, _EXIT, _FILES, _ARTIFACT, _UNKNOWN]
+# records a pass-through does not copy as they are (and history records a restart moves);
+# the header is written once, before the run record
+_SPECIAL = [*map(records.code, passthrough_rewrites()), _HEADER, _UNKNOWN]
 _HEAD_BLOCKS = 64  # how far a log's head may reach: its run record and the records beside it
 
 

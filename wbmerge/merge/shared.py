@@ -33,6 +33,7 @@ from ..log import (
     read_payloads,
     record_kind,
     records,
+    shared_kept,
 )
 from ..plan import Source, Target
 from ..runtime import allow_open_files
@@ -530,13 +531,10 @@ class SharedMerge:
         elif kind is None and is_record(payload) and unknown_field(payload) is not None:
             check_known(payload, source, self.options.copy_unknown)
             return payload  # (copied as it is, from every rank: --unknown-records copy)
-        elif state.source.rank.rank == self.primary:
-            if restart == 0 or kind not in ("environment", "telemetry"):
-                return self._checked(
-                    payload, source, restart
-                )  # (a restart: the same machine again)
-        elif kind in ("use_artifact", "alert"):
-            return self._checked(payload, source, restart)
+        elif kind in shared_kept(is_primary := state.source.rank.rank == self.primary, restart):
+            return self._checked(payload, source, restart)  # (the table in `log.kinds`)
+        elif kind is None and is_primary:
+            return self._checked(payload, source, restart)  # (named if it is not a record)
         return None
 
     def _config(
