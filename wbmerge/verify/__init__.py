@@ -4,6 +4,7 @@ after it, the server's run against the staged one. The modules, one job each:
 | module | job |
 | --- | --- |
 | `sourcecheck` | what a staged run must hold, counted from its ranks' own logs, and what it lacks |
+| `copyproof` | whether a staged log is its one source log copied, proved by their bytes |
 | `remainder` | pure: staged run x what the server holds -> what is left to send, what is missing |
 | `whole` | pure: whether the server holds a staged run whole already, its made files read back |
 | `rowcheck` | pure: every history row read back once, with the values sent |

@@ -14,6 +14,14 @@ system metric gets the suffix `/l:l`; a console or wandb logger line the prefix 
 system metric, and a rank's console) is a count and an order-independent digest of its
 values (the sum of their hashes), however many rows hold it.
 
+`reference_shortfall` counts both sides value by value; `source_shortfall` takes the
+faster `fast_shortfall` unless told otherwise (`CHECKS`), which gives the same lines: a
+pass-through whose staged log is its one source log copied, proved by the bytes of both
+(`copyproof`: the copied blocks compared, the head's records compared one by one), is
+not read value by value, since the value-by-value fold of two such logs is the same;
+every other staged run, and every log that proof does not take, is counted as the
+reference counts it.
+
 What legitimately differs, and so is not counted:
 - W&B's own history and summary keys (`_step`, `_runtime`, `_timestamp`, `_wandb`):
   wandb-core sets them, a pass-through renumbers `_step` across restarts, and a shared run
@@ -56,6 +64,7 @@ from ..analyse import PerRank
 from ..log import RESERVED, pb, records, wire
 from ..merge import DEFAULT_KEY_FORMAT  # (the naming rule the docs state)
 from ..plan import Source, Target
+from .copyproof import copied_alike
 
 if TYPE_CHECKING:
     from ..log import items
@@ -768,11 +777,69 @@ def source_shortfall(
     staged_log: Path,
     key_format: str = DEFAULT_KEY_FORMAT,
     per_rank: PerRank | None = None,
+    check: str = "fast",
 ) -> list[str]:
-    """What the staged log of `target` lacks of what its ranks logged (`expected_of`,
-    `held_by`, `shortfall`): [] when it holds everything."""
+    """What the staged log of `target` lacks of what its ranks logged: [] when it holds
+    everything. `check` names the way it is found (`CHECKS`): each gives the same lines."""
+    return CHECKS[check](target, staged_log, key_format, per_rank)
+
+
+def reference_shortfall(
+    target: Target, staged_log: Path, key_format: str, per_rank: PerRank | None
+) -> list[str]:
+    """The reference: both sides counted value by value (`expected_of`, `held_by`,
+    `shortfall`)."""
     expected = expected_of(target, key_format, per_rank)
     return shortfall(expected, held_by(staged_log, labelled=target.kind == "shared"))
+
+
+def fast_shortfall(
+    target: Target, staged_log: Path, key_format: str, per_rank: PerRank | None
+) -> list[str]:
+    """The reference's answer at less cost: a pass-through proved a copy of its source by
+    bytes (`copyproof`) lacks nothing; anything else is counted as the reference counts."""
+    if _one_primary_log(target) and copied_alike(target.sources[0].path, staged_log, same_run):
+        return []
+    return reference_shortfall(target, staged_log, key_format, per_rank)
+
+
+def _one_primary_log(target: Target) -> bool:
+    """Whether `target` expects what one log of its primary rank folds to, as it is: a
+    run of one log and no other rank's system metrics, not shared (`expected_of`)."""
+    return (
+        target.kind != "shared"
+        and len(target.sources) == 1
+        and not target.extra_system_sources
+        and target.sources[0].rank.rank == target.primary_rank
+    )
+
+
+def same_run(logged: bytes, written: bytes) -> bool:
+    """Whether two run records change the holdings alike (`copyproof`): only their config
+    is folded, so the same counted updates (of each path its last), the same removals and
+    the same `_wandb` entries keyed by a history key. False for one that does not parse."""
+    try:
+        return _config_effect(logged) == _config_effect(written)
+    except (ValueError, DecodeError, RecursionError):
+        return False
+
+
+def _config_effect(payload: bytes) -> tuple[dict, set, dict]:
+    change = pb.Record.FromString(payload).run.config
+    config: dict[KeyPath, str] = {}
+    logged: dict[tuple[str, str], object] = {}
+    _fold_config(change, config)  # (updates then removals: on any config, the same change)
+    _fold_logged(change, logged)  # (only sets entries: on any, the same change)
+    removed = {tuple(item.nested_key) or (item.key,) for item in change.remove}
+    return config, removed, logged
+
+
+# The ways `source_shortfall` finds a staged run's shortfall, by name; "reference" is the
+# one the others are tested against.
+CHECKS: dict[str, Callable[[Target, Path, str, PerRank | None], list[str]]] = {
+    "reference": reference_shortfall,
+    "fast": fast_shortfall,
+}
 
 
 def lacking_line(check: Callable[[], list[str]] | None) -> str | None:
