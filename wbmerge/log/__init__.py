@@ -10,6 +10,7 @@ servers: every later stage reads logs through this package.
 
 from importlib import import_module
 
+from . import digest
 from .kinds import KINDS, KindRule, PassThrough, Shared, passthrough_rewrites, shared_kept
 from .proto import item_path, pb
 from .records import read_records, record_kind
@@ -67,6 +68,7 @@ __all__ = [
     "Steps",
     "WALKS",
     "Walked",
+    "digest",
     "item_path",
     "items",
     "iter_payloads",

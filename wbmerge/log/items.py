@@ -91,6 +91,15 @@ class Items:
         pieces = self._pieces(_TEXT, _END)
         return pa.Array.from_buffers(pa.large_string(), len(pieces), pieces.buffers())
 
+    def value_spans(self) -> tuple[bytes, np.ndarray, np.ndarray] | None:
+        """(the data split, start and end of each item's value part in it), in the items'
+        order, to be read without cutting the parts out; None for items built from arrays."""
+        if self._located is None:
+            return None
+        data, bounds, pick = self._located
+        starts, ends = bounds[_VALUE], bounds[_END]
+        return (data, starts, ends) if pick is None else (data, starts[pick], ends[pick])
+
     def key_codes(self) -> tuple[np.ndarray, list[bytes]]:
         """(each item's index into the distinct key parts, the distinct key parts)."""
         if self._codes is None:

@@ -20,7 +20,15 @@ pass-through whose staged log is its one source log copied, proved by the bytes 
 (`copyproof`: the copied blocks compared, the head's records compared one by one), is
 not read value by value, since the value-by-value fold of two such logs is the same;
 every other staged run, and every log that proof does not take, is counted as the
-reference counts it.
+reference counts it, but for its history values, hashed a read at a time in one
+compiled call (XXH64, `log.digest`) and summed per key over arrays rather than one by one
+in Python. Both sides of a check hash alike, so which hash a check uses changes no line;
+each check seeds XXH64 afresh at random, as Python seeds its own hash for each process,
+since values whose XXH64 sums collide under a known seed can be searched for.
+
+The fast check keeps the rule above: both sides are still read here, from the ranks' own
+logs and the staged log, by the record reader alone; the copy proof compares the bytes
+of the rank's own log with the staged one, and never asks the merge what it copied.
 
 What legitimately differs, and so is not counted:
 - W&B's own history and summary keys (`_step`, `_runtime`, `_timestamp`, `_wandb`):
@@ -54,6 +62,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,6 +71,7 @@ from google.protobuf.message import DecodeError
 
 from ..analyse import PerRank
 from ..log import RESERVED, pb, records, wire
+from ..log import digest as hashing
 from ..merge import DEFAULT_KEY_FORMAT  # (the naming rule the docs state)
 from ..plan import Source, Target
 from .copyproof import copied_alike
@@ -147,12 +157,34 @@ def _labeller(label: str, key_format: str, per_rank: PerRank) -> Rename:
     return rename
 
 
+@dataclass(frozen=True)
+class ValueHashes:
+    """How history values are hashed for their digests: `one` a value at a time (what
+    `value_identity` gives), `spans` a read's value parts at once (None: one at a time).
+    Both sides of a check hash alike; which hash is the check's choice (`CHECKS`)."""
+
+    one: Callable[[bytes], int]
+    spans: Callable[[bytes, np.ndarray, np.ndarray], np.ndarray] | None = None
+
+
+# The reference: Python's own hash (seeded at random for each process), a value at a time.
+REFERENCE_HASHES = ValueHashes(hash)
+
+
+def fast_hashes(seed: int | None = None) -> ValueHashes:
+    """The fast check's: XXH64 with `seed` (None: a fresh random one, so no logged value
+    can have been chosen to collide with another), a read's values hashed in one compiled
+    call (`log.digest`), each sum taken over arrays."""
+    seed = hashing.random_seed() if seed is None else seed
+    return ValueHashes(partial(hashing.hash_of, seed=seed), partial(hashing.span_hashes, seed=seed))
+
+
 class _History:
     """Tallies history values by target key, a read at a time, with each raw key part's
     path and target key worked out once."""
 
-    def __init__(self, tallies: dict[KeyPath, Tally], rename: Rename) -> None:
-        self.tallies, self.rename = tallies, rename
+    def __init__(self, tallies: dict[KeyPath, Tally], rename: Rename, hashes: ValueHashes) -> None:
+        self.tallies, self.rename, self.hashes = tallies, rename, hashes
         self.known: dict[bytes, tuple[KeyPath, KeyPath | None]] = {}
         self.tops: set[str] = set()  # the top-level keys seen (a rank's keys, for globs)
 
@@ -187,17 +219,22 @@ class _History:
                 raw, value = wire.split_item(item)
                 key = self.target(raw)
                 if key is not None:
-                    _add(tallies, key, 1, hash(value_identity(value)))
+                    _add(tallies, key, 1, self.hashes.one(value_identity(value)))
         for key, (count, digest) in tallies.items():
             _add(self.tallies, key, count, digest)
 
     def _add_batch(self, batch: items.Items) -> None:
         codes, raw_keys = batch.key_codes()
         keys = [self.target(raw) for raw in raw_keys]  # (ValueError: not a key part)
-        values = batch.value.to_pylist()
-        hashes = np.fromiter(map(hash, values), np.int64, len(values)).view(np.uint64)
-        sums = np.zeros(len(raw_keys), np.uint64)
-        np.add.at(sums, codes, hashes)  # (wraps around: a sum mod 2**64)
+        spans = batch.value_spans() if self.hashes.spans is not None else None
+        if spans is not None:
+            hashes = self.hashes.spans(*spans)
+            sums = hashing.sums_by_code(codes, hashes, len(raw_keys))
+        else:
+            values = batch.value.to_pylist()
+            hashes = np.fromiter(map(self.hashes.one, values), np.int64, len(values))
+            sums = np.zeros(len(raw_keys), np.uint64)
+            np.add.at(sums, codes, hashes.view(np.uint64))  # (wraps around: mod 2**64)
         counts = np.bincount(codes, minlength=len(raw_keys))
         for key, count, digest in zip(keys, counts.tolist(), sums.tolist(), strict=True):
             if key is not None and count:
@@ -450,12 +487,12 @@ def _defines(metric: pb.MetricRecord) -> tuple[str, str]:
     return metric.name, metric.glob_name
 
 
-def held_by(log: Path, labelled: bool = False) -> Holdings:
+def held_by(log: Path, labelled: bool = False, hashes: ValueHashes = REFERENCE_HASHES) -> Holdings:
     """What a staged log holds, read on its own: history values, summary and config as
     wandb-core applies them, console lines (per `[label]` of a shared run: `labelled`),
     system metric values and metric definitions."""
     held = Holdings()
-    history = _History(held.history, _own)
+    history = _History(held.history, _own, hashes)
     lines = _Lines(held.console, labelled)
     for read in records.read_indexed(log, read_size=STAGED_READ):
         history.add(read)
@@ -489,10 +526,14 @@ class _Rank:
 
 
 def expected_of(
-    target: Target, key_format: str = DEFAULT_KEY_FORMAT, per_rank: PerRank | None = None
+    target: Target,
+    key_format: str = DEFAULT_KEY_FORMAT,
+    per_rank: PerRank | None = None,
+    hashes: ValueHashes = REFERENCE_HASHES,
 ) -> Holdings:
     """What `target`'s staged run must hold, counted from its sources' own logs (see the
-    module docstring for what is not counted, and why)."""
+    module docstring for what is not counted, and why); history values hashed by
+    `hashes`, as the staged side must be (`held_by`)."""
     per_rank = per_rank or PerRank()
     shared = target.kind == "shared"
     by_rank: dict[int, list[Source]] = {}
@@ -505,7 +546,9 @@ def expected_of(
         system = _system_label(label) if shared else str
         ranks.append(_Rank(rank, label, sources, rename, system, rank == target.primary_rank))
     expected = Holdings()
-    configs = [(rank, _expect_rank(expected, rank, shared, key_format, per_rank)) for rank in ranks]
+    configs = [
+        (rank, _expect_rank(expected, rank, shared, key_format, per_rank, hashes)) for rank in ranks
+    ]
     _expect_config(expected, configs, key_format)
     for source in target.extra_system_sources:  # (auto --system-metrics all)
         stats: dict[str, Tally] = {}
@@ -543,12 +586,17 @@ def _expect_config(
 
 
 def _expect_rank(
-    expected: Holdings, rank: _Rank, shared: bool, key_format: str, per_rank: PerRank
+    expected: Holdings,
+    rank: _Rank,
+    shared: bool,
+    key_format: str,
+    per_rank: PerRank,
+    hashes: ValueHashes,
 ) -> dict[KeyPath, str]:
     """Count what `rank`'s logs say the target must hold into `expected`; returns the
     rank's config, folded (the target's config depends on the primary's: `_expect_config`)."""
     history: dict[KeyPath, Tally] = {}
-    counter = _History(history, rank.rename)
+    counter = _History(history, rank.rename, hashes)
     summary: dict[KeyPath, bytes] = {}
     config: dict[KeyPath, str] = {}
     logged: dict[tuple[str, str], object] = {}
@@ -794,13 +842,21 @@ def reference_shortfall(
 
 
 def fast_shortfall(
-    target: Target, staged_log: Path, key_format: str, per_rank: PerRank | None
+    target: Target,
+    staged_log: Path,
+    key_format: str,
+    per_rank: PerRank | None,
+    seed: int | None = None,
 ) -> list[str]:
     """The reference's answer at less cost: a pass-through proved a copy of its source by
-    bytes (`copyproof`) lacks nothing; anything else is counted as the reference counts."""
+    bytes (`copyproof`) lacks nothing; anything else is counted as the reference counts,
+    but for history values hashed a read at a time (`fast_hashes(seed)`)."""
     if _one_primary_log(target) and copied_alike(target.sources[0].path, staged_log, same_run):
         return []
-    return reference_shortfall(target, staged_log, key_format, per_rank)
+    hashes = fast_hashes(seed)  # (both sides: one seed)
+    expected = expected_of(target, key_format, per_rank, hashes)
+    labelled = target.kind == "shared"
+    return shortfall(expected, held_by(staged_log, labelled, hashes))
 
 
 def _one_primary_log(target: Target) -> bool:
