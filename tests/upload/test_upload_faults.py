@@ -387,9 +387,9 @@ def test_force_sends_runs_whose_summary_or_config_changed_on_the_server(sink, tm
 def test_a_rerun_that_gives_the_runs_another_job_type_sends_them(sink, tmp_path):
     """A sync with another --job-type is another upload (not "already synced"), and the
     server holds every row but not that job type (not "already complete"): the run is sent
-    again, so its job type changes, and no row arrives twice. That upload sends no row, so
-    the summary loses its `_step` (wandb-core sets it only from rows it sends): the sync
-    says so in a warning, where the first one warned of nothing."""
+    again, so its job type changes, and no row arrives twice. That upload sends the last
+    row again, over itself, so that the summary keeps its `_step` (wandb-core sets it only
+    from rows it sends): no warning, as after the first."""
     first = cli(sink, tmp_path, *sync_args("retyped"))
     assert first.exit_code == 0 and "warning" not in first.stderr, first.stderr
     assert sink.client.run("local", "retyped", "fx-one-node-4")["summary"]["_step"] == 29
@@ -399,13 +399,8 @@ def test_a_rerun_that_gives_the_runs_another_job_type_sends_them(sink, tmp_path)
     got = sink.client.run("local", "retyped", "fx-one-node-4")
     assert got["job_type"] == "evaluation"
     assert_exactly_once(got, primary_expected())
-    assert "_step" not in got["summary"]  # (if wandb-core ever keeps it, drop the warning)
-    warnings = [line for line in again.stderr.splitlines() if "warning" in line]
-    assert warnings == [
-        "wbmerge: warning: fx-one-node-4: sent again with no row (the server holds all 30), "
-        "so its summary on the server now lacks `_step`: wandb-core sets it only from the "
-        "rows an upload sends"
-    ]
+    assert got["summary"]["_step"] == 29
+    assert "warning" not in again.stderr, again.stderr
 
 
 # -- processes: signals, kills, concurrency, cwd -------------------------------------------

@@ -20,6 +20,7 @@ from wbmerge.verify import (
     same_value,
     sends_no_row,
     shortfall,
+    with_last_row,
     write_remainder,
 )
 from wbmerge.wandbcore import Console, StagedContent, read_logged_run, read_staged
@@ -173,6 +174,26 @@ def test_a_run_sent_again_with_no_row_is_warned_of(steps, skip, warned):
     assert (warning is not None) is warned
     if warned:
         assert warning.startswith(f"sent again with no row (the server holds all {skip})")
+
+
+@pytest.mark.parametrize(
+    "steps, skip, sent_from",
+    [
+        ((0, 1, 2), 3, 2),  # every row held: the last goes again, over itself
+        ((0, 1, 5, 9), 4, 3),
+        ((0, 1, 2), 2, 2),  # the last row goes already
+        ((0, 1, 2), 0, 0),
+        ((), 0, 0),  # no rows: none to send
+        # a row without `_step` follows the row before (3) in a whole upload, but one sent on
+        # its own is numbered from the starting step (0): not sent again at another step
+        ((0, 1, 2, None), 4, 4),
+    ],
+)
+def test_a_run_held_row_for_row_sends_its_last_row_again(steps, skip, sent_from):
+    staged = StagedContent(steps, 0, 0)
+    plan = with_last_row(staged, Remainder(skip))
+    assert plan == Remainder(sent_from)
+    assert (sends_no_row(staged, plan) is not None) is (sent_from == len(steps) > 0)
 
 
 def test_read_staged_and_write_remainder_on_a_real_log(tmp_path):

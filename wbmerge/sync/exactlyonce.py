@@ -62,6 +62,7 @@ from ..verify import (
     resend_whole,
     sends_no_row,
     shortfall,
+    with_last_row,
     write_remainder,
 )
 from ..wandbcore import StagedContent, read_logged_run, read_staged
@@ -207,6 +208,12 @@ class Deliverer:
                     self._rows[delivery.run_id] = held.history_lines
                 return
             self._tell(f"sending {delivery.run_id} again: {'; '.join(problems)}")
+        # Its rows are whole, the rest is not: the last row goes again, over itself, so that
+        # the summary keeps its `_step` (a log cut already holds no row before the rest).
+        last_again = with_last_row(content, plan) if delivery.row_before is None else plan
+        if last_again != plan:
+            plan = last_again
+            self.relay.plan(delivery.run_id, plan.skip_history)
         if delivery.row_before is not None and plan.resteps:
             raise Mismatch("rows of a log cut already would be sent at other steps")
         if (warning := sends_no_row(content, plan)) and delivery.final:

@@ -39,6 +39,7 @@ from .remainder import (
     same_value,
     sends_no_row,
     shortfall,
+    with_last_row,
     write_remainder,
 )
 from .rowcheck import compare_steps, halves, room, sampled, spans, windows
@@ -95,5 +96,6 @@ __all__ = [
     "source_shortfall",
     "spans",
     "windows",
+    "with_last_row",
     "write_remainder",
 ]

@@ -176,6 +176,21 @@ def sends_no_row(staged: StagedContent, plan: Remainder) -> str | None:
     )
 
 
+def with_last_row(staged: StagedContent, plan: Remainder) -> Remainder:
+    """`plan` of a run the server holds every row of, made to send the last row again, over
+    the line that holds it, so that the summary gets its `_step` (see `sends_no_row`):
+    a run whose rows are whole but whose summary, config, console or files are not ends
+    exact in one upload. `plan` as it is when it sends a row already, or when the last
+    row would go at another step than the one it is held at (an edited log)."""
+    rows = len(staged.step_items)
+    if not rows or plan.skip_history < rows:
+        return plan
+    last = rows - 1
+    if staged.steps_sent_from(last) != staged.history_steps[last:]:
+        return plan
+    return Remainder(last)
+
+
 def same_value(a: object, b: object) -> bool:
     """JSON values equal as W&B sees them: numbers by value (wandb-core writes the float 5.0
     as `5`), NaN equal to NaN, objects key by key, lists item by item."""
