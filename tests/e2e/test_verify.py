@@ -76,7 +76,8 @@ def test_runs_wbmerge_synced_are_whole_until_the_server_loses_a_row(sink, tmp_pa
     assert errors == [
         f"wbmerge: error: 1 of {len(expected_ids)} runs are not whole on the server as these "
         "options make them (give the options the runs were synced with, such as "
-        "--skew-metrics); `wbmerge sync` with them sends what a run lacks"
+        "--skew-metrics); `wbmerge sync --resend` with them sends the runs whole again over "
+        f"what the server holds, which mends {victim}"
     ]
     problems = problems_by_run(report)
     assert [run_id for run_id, lines in problems.items() if lines] == [victim]

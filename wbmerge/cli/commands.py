@@ -408,9 +408,10 @@ def verify_command(uploaded_by: str, as_json: bool, **kw: Any) -> None:
                 click.echo(f"{'incomplete':>10}: {run.target.id}: {'; '.join(run.problems)}")
     if not report.whole:
         broken = sum(not run.whole for run in report.runs)
+        merged = any(run.target.kind == "merged" for run in report.runs)
         mend = (  # (sync takes no --uploaded-by: its runs would not be these)
             " as these options make them (give the options the runs were synced with, such "
-            "as --skew-metrics); `wbmerge sync` with them sends what a run lacks"
+            f"as --skew-metrics); {report.mending(merged)}"
             if uploaded_by == "wbmerge"
             else " (uploaded by plain `wandb sync`; each run's line says what it lacks)"
         )

@@ -18,11 +18,18 @@ from typing import Literal
 
 from .. import merge  # (stage is called as merge.stage: the seam a test stands a broken merge in)
 from ..errors import WbmergeError
-from ..identify import discover, make_hints, selects_merged
+from ..identify import discover, few, make_hints, selects_merged
 from ..plan import Target, app_url, as_logged, check_destination, run_url
-from ..upload import Credentials, ServerClient, ServerError, find_credentials, make_staging
-from ..verify import WHOLE, RunOnServer, prove
-from ..wandbcore import read_staged
+from ..upload import (
+    Credentials,
+    Held,
+    ServerClient,
+    ServerError,
+    find_credentials,
+    make_staging,
+)
+from ..verify import WHOLE, Mismatch, RunOnServer, prove, resend_whole
+from ..wandbcore import StagedContent, read_logged_run, read_staged
 from .pipeline import PlannedJob, plan_jobs, sigterm_raises
 from .request import MergeRequest
 from .session import delivery_of
@@ -39,6 +46,11 @@ class RunVerdict:
     entity: str | None
     link: str
     problems: list[str] = field(default_factory=list)
+    # What mends it: "resend" (`wbmerge sync --resend` sends it whole again over what the
+    # server holds), "other ids" (the server holds more of it than the files make, which no
+    # upload removes: rows, system metrics or console lines past the staged ones), "verify"
+    # (it could not be checked), "none" (the staged run lacks what its ranks logged).
+    mend: Literal["resend", "other ids", "verify", "none"] = "resend"
 
     @property
     def whole(self) -> bool:
@@ -65,6 +77,32 @@ class VerifyReport:
     @property
     def whole(self) -> bool:
         return all(run.whole for run in self.runs)
+
+    def mending(self, merged: bool = False) -> str:
+        """What mends the runs that are not whole, said as commands that do: a plain
+        `wbmerge sync` finds them recorded as synced in its ledger and sends nothing, and
+        sending again never removes what the server holds. `merged`: the runs' ids were
+        chosen by a merge, so other ids come from merging again."""
+        broken = [run for run in self.runs if not run.whole]
+        by_mend = {mend: [run.target.id for run in broken if run.mend == mend]
+                   for mend in ("resend", "other ids", "verify", "none")}  # fmt: skip
+        parts = []
+        if ids := by_mend["resend"]:
+            parts.append("`wbmerge sync --resend` with them sends the runs whole again over "
+                         f"what the server holds, which mends {few(ids)}")  # fmt: skip
+        if ids := by_mend["other ids"]:
+            how = "merge them again with --base-id ID" if merged else "sync with --base-id ID"
+            parts.append(
+                f"the server holds more of {few(ids)} than the files make, which no upload "
+                f"can remove: delete them on the server, then `wbmerge sync --resend` with "
+                f"them, or upload under other run ids ({how})"
+            )
+        if ids := by_mend["verify"]:
+            parts.append(f"{few(ids)} could not be checked: run verify again")
+        if ids := by_mend["none"]:
+            parts.append(f"no upload mends {few(ids)}: its line says what the files hold "
+                         "that the merge lost")  # fmt: skip
+        return "; ".join(parts)
 
 
 def plan_verified(request: MergeRequest, uploaded_by: UploadedBy) -> list[PlannedJob]:
@@ -154,6 +192,7 @@ def _verify_job(
             assert made.source_check is not None
             verdict.problems = made.source_check()
             if verdict.problems:
+                verdict.mend = "none"
                 continue  # (the staged run is not what the files hold: nothing to compare)
             held = client.held(entity, job.project, target.id)
             if not held.exists:
@@ -163,7 +202,21 @@ def _verify_job(
             on_server = RunOnServer(client, entity, job.project, made, held, content,
                                     every_value=request.verify == "full")  # fmt: skip
             verdict.problems = prove(on_server, WHOLE)
+            if verdict.problems:
+                verdict.mend = _mend(content, held, staged.log_path)
         except ServerError as exc:
             verdict.problems = [f"could not be verified: {exc}"]
+            verdict.mend = "verify"
         finally:
             shutil.rmtree(staged.run_dir, ignore_errors=True)
+
+
+def _mend(content: StagedContent, held: Held, log: Path) -> Literal["resend", "other ids"]:
+    """Whether `sync --resend` leaves a run that is not whole exact: not when the server
+    holds lines past the staged run's or config keys it lacks (`resend_whole`), which
+    sending again cannot remove."""
+    try:
+        resend_whole(content, held, read_logged_run(log, console_limit=0).config)
+    except (Mismatch, ValueError):  # (ValueError: a config not JSON, which --resend refuses)
+        return "other ids"
+    return "resend"
