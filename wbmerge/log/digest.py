@@ -14,11 +14,12 @@ own `hash` takes one for each process.
 
 from __future__ import annotations
 
-import os
 import secrets
 
 import numpy as np
 import xxhash
+
+from .twins import twins
 
 
 def _python_hashes(data: bytes, starts: np.ndarray, ends: np.ndarray, seed: int) -> bytes:
@@ -30,16 +31,8 @@ def _python_hashes(data: bytes, starts: np.ndarray, ends: np.ndarray, seed: int)
     return np.array(hashed, np.uint64).tobytes()
 
 
-try:  # the compiled hashes; the Python twin where they are not built or not wanted
-    if os.environ.get("WBMERGE_PURE"):
-        raise ImportError("WBMERGE_PURE is set")
-    from ._records import hashes as _compiled_hashes
-except ImportError:
-    _compiled_hashes = None
-
 # The ways `span_hashes` can hash, by name: "python" always, "compiled" when built.
-HASHERS = {"python": _python_hashes} | ({"compiled": _compiled_hashes} if _compiled_hashes else {})
-DEFAULT_HASHER = "compiled" if _compiled_hashes else "python"
+HASHERS, DEFAULT_HASHER = twins(_python_hashes, "_records", "hashes")
 
 
 def random_seed() -> int:

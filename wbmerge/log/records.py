@@ -11,7 +11,6 @@ look like one). A record in any other shape is handled by the exact one-record f
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from functools import cached_property
@@ -23,6 +22,7 @@ from google.protobuf.message import DecodeError
 
 from . import wire
 from .proto import pb
+from .twins import twins
 from .txlog import Frames, ReadReport, iter_payloads, read_frames, read_payloads
 from .wire import skip_field, varint
 
@@ -34,16 +34,8 @@ def prove_nothing(data: bytes, starts: Sized, ends: Sized) -> tuple[bytearray, b
     return bytearray(len(starts)), bytearray(8 * len(starts))
 
 
-try:  # the compiled proof; its Python twin where it is not built or not wanted
-    if os.environ.get("WBMERGE_PURE"):
-        raise ImportError("WBMERGE_PURE is set")
-    from ._records import proven as _compiled_proof
-except ImportError:
-    _compiled_proof = None
-
 # The proofs `proven_history` can use, by name: "python" always, "compiled" when built.
-PROOFS = {"python": prove_nothing} | ({"compiled": _compiled_proof} if _compiled_proof else {})
-DEFAULT_PROOF = "compiled" if _compiled_proof else "python"
+PROOFS, DEFAULT_PROOF = twins(prove_nothing, "_records", "proven")
 
 # Field number of each member of Record's `record_type` oneof, and back.
 RECORD_KINDS: dict[int, str] = {

@@ -21,17 +21,10 @@ import numpy as np
 
 from ..errors import NotATransactionLog
 from . import purewalk
-
-try:  # the compiled block walk; its Python twin where it is not built or not wanted
-    if os.environ.get("WBMERGE_PURE"):
-        raise ImportError("WBMERGE_PURE is set")
-    from ._walk import walk as _compiled_walk
-except ImportError:
-    _compiled_walk = None
+from .twins import twins
 
 # The block walks `walk_segments` can use, by name: "python" always, "compiled" when built.
-WALKS = {"python": purewalk.walk} | ({"compiled": _compiled_walk} if _compiled_walk else {})
-DEFAULT_WALK = "compiled" if _compiled_walk else "python"
+WALKS, DEFAULT_WALK = twins(purewalk.walk, "_walk", "walk")
 
 FILE_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
 BLOCK_SIZE = 32 * 1024
