@@ -221,7 +221,11 @@ def sync(
 
 
 def verify(
-    paths: Paths, *, uploaded_by: UploadedBy = "wbmerge", **options: Unpack[RequestOptions]
+    paths: Paths,
+    *,
+    uploaded_by: UploadedBy = "wbmerge",
+    on_note: Callable[[str], None] | None = None,
+    **options: Unpack[RequestOptions],
 ) -> VerifyReport:
     """Whether the server holds every run the files under `paths` make, whole: read-only,
     nothing is written on the server or in the ledger.
@@ -230,8 +234,9 @@ def verify(
     `project`, `entity`, ...). `uploaded_by="wandb"`: the runs were uploaded by plain
     `wandb sync`, each offline run under its own id. Each run of the report says what
     keeps it from being whole, with the lines `sync` gives; `ServerError` when the server
-    cannot be asked at all."""
-    return verify_jobs(request(paths, **options), uploaded_by)
+    cannot be asked at all. Counts that lag are asked again for up to 10 s, and `on_note`
+    is given a line saying so."""
+    return verify_jobs(request(paths, **options), uploaded_by, on_note)
 
 
 def follow(

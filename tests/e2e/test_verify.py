@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
+from wbmerge.sink import LikeWandb
 
 from ..conftest import interruptible, job_dir
 from ..support.sinktools import copy_runs, wandb_sync
@@ -199,3 +200,29 @@ def test_runs_plain_wandb_synced_are_checked_without_every_rank(sink, tmp_path):
     assert (code, errors) == (0, []), (errors, report)
     assert {run["run_id"] for run in report["runs"]} == kept
     assert all(run["whole"] for run in report["runs"])
+
+
+def test_counts_that_lag_are_waited_for_and_said(make_sink, tmp_path):
+    # W&B counts a run's lines seconds after they arrive: a verify right after plain
+    # `wandb sync` (which waits for nothing) first sees no rows, and must not call the runs
+    # broken for it. Before the wait, every run failed with "history rows 0 of 15".
+    sink = make_sink(like=LikeWandb(lag=3.0))
+    source = copy_runs(job_dir("plain_labels"), tmp_path / "plain")
+    runs = sorted((source / "wandb").glob("offline-run-*"))
+    uploaded = wandb_sync(sink, runs, "--project", "lagging", cwd=tmp_path)
+    assert uploaded.returncode == 0, uploaded.stderr
+
+    code, report, errors = verify(sink, tmp_path, source, "--uploaded-by", "wandb",
+                                  "-p", "lagging")  # fmt: skip
+    late = (
+        "wbmerge: the server's line counts or last row fall short of what was sent; W&B fills "
+        "them in some seconds after the rows: asking again for up to 10 s"
+    )
+    assert (code, errors) == (0, [late]), report
+    assert len(report["runs"]) == len(runs) and report["whole"]
+
+    # The wait has a bound: runs the server never held are still named, after it.
+    code, report, errors = verify(sink, tmp_path, source, "--run-mode", "new", "-p", "lagging")
+    assert code == 1
+    assert errors[0] == late
+    assert all(run["problems"] == ["the server holds no such run"] for run in report["runs"])

@@ -211,6 +211,10 @@ def _say_waiting(key: str) -> None:
     click.echo(f"wbmerge: another sync is uploading run {run}; waiting for it", err=True)
 
 
+def _say_note(line: str) -> None:
+    click.echo(f"wbmerge: {line}", err=True)
+
+
 @main.command()
 @merge_options
 @click.option(
@@ -396,7 +400,7 @@ def verify_command(uploaded_by: str, as_json: bool, **kw: Any) -> None:
     from ..upload import find_credentials
 
     find_credentials()  # before any work: no credentials, no reading of runs
-    report = api.verify(uploaded_by=uploaded_by, **kw)  # type: ignore[arg-type]
+    report = api.verify(uploaded_by=uploaded_by, on_note=_say_note, **kw)  # type: ignore[arg-type]
     if as_json:
         runs = [run.as_json() for run in report.runs]
         click.echo(printable_json({"whole": report.whole, "runs": runs}))

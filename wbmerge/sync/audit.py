@@ -11,8 +11,11 @@ audit a project synced long ago.
 from __future__ import annotations
 
 import shutil
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -28,7 +31,17 @@ from ..upload import (
     find_credentials,
     make_staging,
 )
-from ..verify import WHOLE, Mismatch, RunOnServer, prove, resend_whole
+from ..verify import (
+    COUNTS_LAG,
+    COUNTS_LATE,
+    WHOLE,
+    Mismatch,
+    RunOnServer,
+    counts_behind,
+    counts_caught_up,
+    prove,
+    resend_whole,
+)
 from ..wandbcore import StagedContent, read_logged_run, read_staged
 from .pipeline import PlannedJob, plan_jobs, sigterm_raises
 from .request import MergeRequest
@@ -66,6 +79,24 @@ class RunVerdict:
             "problems": self.problems,
             "sources": [str(s.path.parent) for s in self.target.sources],
         }
+
+
+class LateCounts:
+    """The one wait of a verify for counts that lag (W&B counts a run's lines some seconds
+    after they arrive). Every upload being checked ended before verify started, so counts
+    asked `COUNTS_LAG` seconds after the first run found behind are the server's own: one
+    deadline for all runs, said once, and a verify waits at most that long in all."""
+
+    def __init__(self, note: Callable[[str], None] | None) -> None:
+        self.note = note
+        self.until: float | None = None
+
+    def deadline(self) -> float:
+        if self.until is None:
+            self.until = time.monotonic() + COUNTS_LAG
+            if self.note:
+                self.note(f"{COUNTS_LATE}: asking again for up to {COUNTS_LAG:.0f} s")
+        return self.until
 
 
 @dataclass
@@ -141,8 +172,13 @@ def plan_verified(request: MergeRequest, uploaded_by: UploadedBy) -> list[Planne
     return planned
 
 
-def verify_jobs(request: MergeRequest, uploaded_by: UploadedBy = "wbmerge") -> VerifyReport:
-    """Check every run the files say the server must hold; read-only on the server."""
+def verify_jobs(
+    request: MergeRequest,
+    uploaded_by: UploadedBy = "wbmerge",
+    note: Callable[[str], None] | None = None,
+) -> VerifyReport:
+    """Check every run the files say the server must hold; read-only on the server.
+    `note` is given a line when verify waits for counts that lag."""
     credentials = find_credentials()
     planned = plan_verified(request, uploaded_by)
     for job in planned:  # (bad input first: exit 2 whether the server answers or not)
@@ -158,9 +194,10 @@ def verify_jobs(request: MergeRequest, uploaded_by: UploadedBy = "wbmerge") -> V
         try:
             viewer_entity = client.viewer_entity()  # fails in seconds, naming the URL
             staging = make_staging()
+            late = LateCounts(note)
             for index, job in enumerate(planned):
                 _verify_job(request, job, client, credentials, viewer_entity,
-                            staging / f"job-{index}", report)  # fmt: skip
+                            staging / f"job-{index}", report, late)  # fmt: skip
         finally:
             client.close()
             if staging is not None:
@@ -176,6 +213,7 @@ def _verify_job(
     viewer_entity: str | None,
     workdir: Path,
     report: VerifyReport,
+    late: LateCounts,
 ) -> None:
     assert job.project
     options = job.options(request)
@@ -194,11 +232,15 @@ def _verify_job(
             if verdict.problems:
                 verdict.mend = "none"
                 continue  # (the staged run is not what the files hold: nothing to compare)
+            content = made.content or read_staged(staged.log_path)
             held = client.held(entity, job.project, target.id)
+            if counts_behind(content, held):  # (late counts, or a run that is not whole)
+                behind = partial(counts_behind, content)
+                until = late.deadline()
+                held = counts_caught_up(client, entity, job.project, target.id, held, behind, until)
             if not held.exists:
                 verdict.problems = ["the server holds no such run"]
                 continue
-            content = made.content or read_staged(staged.log_path)
             on_server = RunOnServer(client, entity, job.project, made, held, content,
                                     every_value=request.verify == "full")  # fmt: skip
             verdict.problems = prove(on_server, WHOLE)
