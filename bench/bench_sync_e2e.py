@@ -5,6 +5,7 @@
     python bench/bench_sync_e2e.py --before /path/to/an/older/checkout   # adds its variants
     python bench/bench_sync_e2e.py --ranks 64 --repeat 1 --modes new     # a quick look
     python bench/bench_sync_e2e.py --latency 0.05   # every sink answer 50 ms late, as over a network
+    python bench/bench_sync_e2e.py --like-wandb     # a sink like W&B: lag, write cursor, 429s
 
 Three synthetic jobs of 8, 64 and 256 ranks hold the same rows in all (`--rows`, 20 metrics
 a row). Each is uploaded, every repeat, to a fresh project of one local sink by
@@ -19,7 +20,10 @@ wbmerge tree in DIR (`PYTHONPATH=DIR`), to compare two versions in one invocatio
 machine is shared and noisy, so within every repeat the variants run one after the other
 in an order that rotates from repeat to repeat, and the sink (which fills up as the
 repeats go on) is the same for all. Reported: the median seconds of each variant and its
-ratio to the median of `plain`, as a markdown table.
+ratio to the median of `plain`, as a markdown table. With `--like-wandb` the sink behaves
+like W&B (`sink serve --like-wandb`: counts 3 s late, a write cursor, sampled history, and
+W&B's rate limits of 2 file_stream requests a second per run and 500 requests a second per
+project, answered 429), and the table adds each variant's 429s per upload (median).
 """
 
 from __future__ import annotations
@@ -45,13 +49,16 @@ RANKS = (8, 64, 256)
 TIMEOUT = 900  # seconds for one upload before the benchmark gives up
 
 
-def start_sink(data: Path, latency: float = 0.0) -> tuple[subprocess.Popen, str]:
+def start_sink(
+    data: Path, latency: float = 0.0, like_wandb: bool = False
+) -> tuple[subprocess.Popen, str]:
     """The local sink; with `latency`, every upload request waits that long before its answer,
     as a server a network away would make it (the sink's own delay fault, which waits without
     holding the sink up)."""
     port_file = data / "port"
     data.mkdir(parents=True)
     delay = ["--fault", f"*=delay:{latency}"] if latency > 0 else []
+    delay += ["--like-wandb"] if like_wandb else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "wbmerge.sink", "--port", "0", "--data", str(data),
          "--port-file", str(port_file), *delay],
@@ -81,6 +88,11 @@ def commands(variant: str, job: Path, project: str, work: Path, before: Path | N
     return [cmd, str(tree)]
 
 
+def throttled(client: SinkClient) -> int:
+    """The requests the sink has answered 429 so far (0 for a sink not like W&B)."""
+    return sum(client.like_wandb().get("throttled", {}).values())
+
+
 def run_once(variant: str, ranks: int, job: Path, repeat: int, env: dict, work: Path,
              before: Path | None, client: SinkClient) -> float:  # fmt: skip
     project = f"{variant.replace('@', '-')}-{ranks}-{repeat}"
@@ -102,15 +114,21 @@ def run_once(variant: str, ranks: int, job: Path, repeat: int, env: dict, work: 
 
 
 def table(
-    times: dict[tuple[str, int], list[float]], variants: list[str], ranks_of: list[int]
+    times: dict[tuple[str, int], list[float]],
+    variants: list[str],
+    ranks_of: list[int],
+    refused: dict[tuple[str, int], list[int]] | None = None,
 ) -> str:
-    lines = ["| ranks | " + " | ".join(f"{v} s" for v in variants) + " | "
-             + " | ".join(f"{v} / plain" for v in variants if v != "plain") + " |"]  # fmt: skip
-    lines.append("|" + " --- |" * (1 + 2 * len(variants) - 1))
+    """The markdown table of medians and ratios; with `refused`, each variant's 429s too."""
+    heads = [f"{v} s" for v in variants] + [f"{v} / plain" for v in variants if v != "plain"]
+    heads += [f"{v} 429s" for v in variants] if refused else []
+    lines = ["| ranks | " + " | ".join(heads) + " |", "|" + " --- |" * (1 + len(heads))]
     for ranks in ranks_of:
         medians = {v: statistics.median(times[v, ranks]) for v in variants}
         cells = [f"{medians[v]:.2f}" for v in variants]
         cells += [f"{medians[v] / medians['plain']:.2f}" for v in variants if v != "plain"]
+        if refused:
+            cells += [f"{statistics.median(refused[v, ranks]):.0f}" for v in variants]
         lines.append(f"| {ranks} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -126,6 +144,8 @@ def main() -> None:
                         help="the wbmerge run modes to run beside plain")  # fmt: skip
     parser.add_argument("--latency", type=float, default=0.0,
                         help="seconds every request to the sink waits, as over a network")  # fmt: skip
+    parser.add_argument("--like-wandb", action="store_true",
+                        help="a sink that behaves like W&B, its 429s counted")  # fmt: skip
     args = parser.parse_args()
     variants = ["plain", *args.modes]
     if args.before:
@@ -143,28 +163,34 @@ def main() -> None:
                                 metrics=20, job_id=f"bench-{ranks}")  # fmt: skip
             size = sum(p.stat().st_size for p in jobs[ranks].rglob("*.wandb")) / 1e6
             print(f"{ranks} ranks x {args.rows // ranks} steps: {size:.0f} MB", flush=True)
-        sink, url = start_sink(work / "sink", args.latency)
+        sink, url = start_sink(work / "sink", args.latency, args.like_wandb)
         env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
         key = read_api_key(work / "sink")
         env.update(WANDB_BASE_URL=url, WANDB_API_KEY=key, WANDB_SILENT="true")
         client = SinkClient(url, key)
         times: dict[tuple[str, int], list[float]] = {}
+        refused: dict[tuple[str, int], list[int]] = {}
         try:
             for repeat in range(args.repeat):
                 for ranks in args.ranks:
                     shift = repeat % len(variants)  # each variant goes first in turn
                     for variant in variants[shift:] + variants[:shift]:
+                        before_429s = throttled(client)
                         seconds = run_once(variant, ranks, jobs[ranks], repeat, env, work,
                                            args.before, client)  # fmt: skip
                         times.setdefault((variant, ranks), []).append(seconds)
+                        refused.setdefault((variant, ranks), []).append(
+                            throttled(client) - before_429s
+                        )
                         print(f"  repeat {repeat} {ranks:>3} ranks {variant:>13}: {seconds:6.2f} s",
                               flush=True)  # fmt: skip
         finally:
             sink.terminate()
             sink.wait(timeout=30)
     latency = f", {args.latency * 1000:.0f} ms a request" if args.latency else ""
+    latency += ", a sink like W&B" if args.like_wandb else ""
     print(f"\nmedian of {args.repeat}, {args.rows} rows per job, 20 metrics a row{latency}:\n")
-    print(table(times, variants, args.ranks))
+    print(table(times, variants, args.ranks, refused if args.like_wandb else None))
 
 
 if __name__ == "__main__":
