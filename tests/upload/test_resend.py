@@ -130,6 +130,13 @@ def test_a_run_holding_more_system_metric_rows_is_told_what_mends_it(sink, tmp_p
 LEFT_BEHIND = {  # what the first upload leaves that sending the run again cannot remove
     "console": "the server holds 40 console lines, more than the 8 staged",
     "config": "the server's config holds old_only, which the staged run does not",
+    # W&B merges a config object into the one it holds (wandb#11055): a key inside stays.
+    "nested config": "the server's config holds opt.old_only, which the staged run does not",
+}
+CONFIGS = {  # the config of the first sources and of the second, by case
+    "console": (None, None),
+    "config": ({"old_only": 1}, None),
+    "nested config": ({"opt": {"lr": 1, "old_only": 2}}, {"opt": {"lr": 1}}),
 }
 
 
@@ -137,17 +144,41 @@ LEFT_BEHIND = {  # what the first upload leaves that sending the run again canno
 def test_resend_refuses_sources_whose_run_would_keep_the_first_uploads_lines_or_keys(
     sink, tmp_path, left
 ):
-    """Synced from sources of 40 console lines or a config key `old_only`, then sent
-    again from sources of 8 lines and without the key: lines 9-40 and the key would stay
-    on the server, so the run is refused, left as it was, and told what mends it."""
+    """Synced from sources of 40 console lines or a config key `old_only` (at the top, or
+    inside an object), then sent again from sources of 8 lines and without the key: lines
+    9-40 and the key would stay on the server, so the run is refused, left as it was, and
+    told what mends it."""
+    config_before, config_after = CONFIGS[left]
     write(tmp_path / "before", seed=0, print_every=10 if left == "console" else 50,
-          config={"old_only": 1} if left == "config" else None)  # fmt: skip
-    write(tmp_path / "after", seed=1)
+          config=config_before)  # fmt: skip
+    write(tmp_path / "after", seed=1, config=config_after)
     assert sync(sink, tmp_path, tmp_path / "before").exit_code == 0
     before = sink.client.run("local", "resent", JOB)
     resent = sync(sink, tmp_path, tmp_path / "after", "--resend")
-    (line, _) = error_lines(resent)
+    (line, _) = error_lines(resent) or [resent.stderr, None]
     assert line.startswith(f"wbmerge: error: run {JOB}: {LEFT_BEHIND[left]}, and sending the "
                            "run again cannot remove them"), line  # fmt: skip
     assert_mends_without_resend(resent)
+    assert sink.client.run("local", "resent", JOB) == before
+
+
+def test_a_run_left_with_a_config_key_the_files_lack_is_refused_naming_what_mends_it(
+    sink, tmp_path
+):
+    """The same rows, synced first from sources whose config object `opt` holds a key the
+    second sources lack, then from the second on a machine without the first's record:
+    W&B merges the config it is sent into the one it holds (wandb#11055), so `opt.old_only`
+    would stay on the server whatever is sent. Before the config was compared, this sync
+    said "verified" while the run kept the first upload's key."""
+    write(tmp_path / "before", seed=0, config={"opt": {"lr": 1, "old_only": 2}})
+    write(tmp_path / "after", seed=0, config={"opt": {"lr": 1}})
+    assert sync(sink, tmp_path, tmp_path / "before").exit_code == 0
+    before = sink.client.run("local", "resent", JOB)
+    (tmp_path / "state" / "ledger.sqlite3").unlink()  # as from another machine
+    again = sync(sink, tmp_path, tmp_path / "after")
+    (line, _) = error_lines(again)
+    assert line.startswith(f"wbmerge: error: run {JOB}: the server's config holds opt.old_only, "
+                           "which the staged run does not"), line  # fmt: skip
+    assert "verified" not in again.stderr + again.stdout
+    assert_mends_without_resend(again)
     assert sink.client.run("local", "resent", JOB) == before

@@ -55,6 +55,7 @@ from ..verify import (
     counts_behind,
     counts_caught_up,
     history_row,
+    keeps_no_config,
     lacking_line,
     not_a_beginning,
     prove,
@@ -194,10 +195,15 @@ class Deliverer:
             resend_whole(self._content(delivery), held, self._staged_config(delivery))
             self._tell(f"sending {delivery.run_id} again whole, over the server's rows")
             return
+        whole_log = delivery.row_before is None  # (a cut log's config is not the run's)
         if not held.exists or not (held.history_lines or delivery.verified_before):
+            if held.exists and whole_log:
+                keeps_no_config(held, self._staged_config(delivery))
             return  # (nothing to cut, nor to find whole: counted while the upload starts)
         content = self._content(delivery)
         plan = remainder(content, held, lambda index: _staged_row(delivery, index))
+        if whole_log:  # (after the rows: a refusal names rows first, as they are likelier)
+            keeps_no_config(held, self._staged_config(delivery))
         if plan.skip_history == len(content.step_items) and not shortfall(content, held):
             problems = prove(self._on_server(delivery, held, content), WHOLE)
             if delivery.refused:  # (rows lost inside the run: sending cannot fill them)

@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..upload import Delivery, Held, ServerClient
-from ..wandbcore import StagedContent
+from ..wandbcore import StagedContent, read_logged_run
 from .artifactcheck import artifacts_missing
 from .readback import not_whole_on_server, rows_held, saved_files_missing
 from .remainder import shortfall
-from .whole import logged_entries_missing, metric_definitions_missing
+from .whole import config_not_logged, logged_entries_missing, metric_definitions_missing
 
 
 @dataclass
@@ -50,6 +50,20 @@ def whole(run: RunOnServer) -> list[str]:
     return not_whole_on_server(
         run.client, run.entity, run.project, run.delivery, run.held, run.content
     )
+
+
+def config(run: RunOnServer) -> list[str]:
+    """No config key, at any depth, that the files do not set: an earlier upload of other
+    files leaves its keys, as W&B merges the config it is sent into the one it holds. A
+    follow's round that sends a cut log is not checked (the log's config is not whole);
+    its last round sends the whole run and is."""
+    if run.delivery.row_before is not None:
+        return []
+    try:
+        logged = read_logged_run(run.delivery.log, console_limit=0)
+    except ValueError as exc:  # (a value that is not JSON: nothing to compare with)
+        return [f"its config cannot be read ({exc})"]
+    return config_not_logged(run.held, logged.config)
 
 
 def saved_files(run: RunOnServer) -> list[str]:
@@ -86,6 +100,7 @@ def rows(run: RunOnServer) -> list[str]:
 
 AFTER_UPLOAD: tuple[Check, ...] = (
     counts,
+    config,
     saved_files,
     metric_definitions,
     logged_entries,

@@ -24,9 +24,11 @@ has the primary's) is a `Mismatch`, refused rather than "repaired".
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 
@@ -105,14 +107,14 @@ def remainder(
 
 
 def resend_whole(
-    staged: StagedContent, held: Held, staged_config: Collection[str] = ()
+    staged: StagedContent, held: Held, staged_config: Mapping[str, Any] = MappingProxyType({})
 ) -> Remainder:
     """The plan of `sync --resend`: all of `staged` again, each line over the one at its
     place (the relay puts wandb-core's first line at line 0). Lines are replaced, never
     removed, and the server merges the config it is sent into the one it holds, so a
     server holding more than is staged (history, system-metric or console lines, or a
-    config key not among the staged config's keys, `staged_config`) is a Mismatch: the
-    run would keep them."""
+    config key, at any depth, that the staged config `staged_config` lacks) is a
+    Mismatch: the run would keep them."""
     rows = len(staged.step_items)
     if held.history_lines > rows:
         raise Mismatch(
@@ -128,24 +130,50 @@ def resend_whole(
             f"{staged.console_lines} staged, and sending the run again cannot remove them",
             resend_mends=False,
         )
-    if left := [key for key in config_keys(held.config_json)
-                if not key.startswith("_") and key not in staged_config]:  # fmt: skip
+    keeps_no_config(held, staged_config)
+    return Remainder(0)
+
+
+def keeps_no_config(held: Held, staged_config: Mapping[str, Any]) -> None:
+    """A Mismatch when the server's config holds a key, at any depth, that the staged
+    config lacks (`config_left_behind`): no upload of the staged run can remove it."""
+    if left := config_left_behind(held.config_json, staged_config):
         raise Mismatch(
             f"the server's config holds {', '.join(left[:3])}{' ...' * (len(left) > 3)}, "
             "which the staged run does not, and sending the run again cannot remove them",
             resend_mends=False,
         )
-    return Remainder(0)
 
 
-def config_keys(config_json: str) -> list[str]:
-    """The keys of a run's config as the server gives it (JSON text); [] for text that is
-    no JSON object."""
+def config_left_behind(config_json: str, staged_config: Mapping[str, Any]) -> list[str]:
+    """The keys of the server's config (JSON text, each key's value under "value", as W&B
+    keeps it) that the staged config lacks, at any depth, as dotted paths. W&B merges a
+    config it is sent into the one it holds, object into object (wandb issue #11055), so
+    these stay on the server after any upload. Top-level keys that start with `_` are
+    wandb's own. Example: the server's `{"opt": {"value": {"lr": 1, "old": 2}}}` and the
+    staged `{"opt": {"lr": 1}}` give ["opt.old"]."""
     try:
-        config = json.loads(config_json) if config_json else {}
+        held = json.loads(config_json) if config_json else {}
     except (ValueError, RecursionError):
         return []
-    return sorted(config) if isinstance(config, dict) else []
+    if not isinstance(held, dict):
+        return []
+    unwrapped = {
+        key: entry["value"] if isinstance(entry, dict) and "value" in entry else entry
+        for key, entry in held.items()
+        if not key.startswith("_")
+    }
+    return sorted(_paths_missing(unwrapped, staged_config, ""))
+
+
+def _paths_missing(
+    held: Mapping[str, Any], staged: Mapping[str, Any], prefix: str
+) -> Iterator[str]:
+    for key, value in held.items():
+        if key not in staged:
+            yield prefix + key
+        elif isinstance(value, dict) and isinstance(staged[key], dict):
+            yield from _paths_missing(value, staged[key], f"{prefix}{key}.")
 
 
 def not_a_beginning(what: str, sources_changed: bool) -> str:

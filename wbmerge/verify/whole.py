@@ -23,7 +23,7 @@ from ..wandbcore import (
     entries_missing,
     held_definitions,
 )
-from .remainder import same_value, shortfall
+from .remainder import config_left_behind, same_value, shortfall
 
 # Files wandb-core writes itself as it uploads a run (from the config, the summary, the
 # console and the environment record), whatever a staged `files/` holds under these names.
@@ -110,8 +110,17 @@ def not_held_whole(
                   and not (key in theirs and same_value(value, theirs[key]))]  # fmt: skip
         if differ:
             problems.append(f"{what} keys differ: {few(differ)}")
+    problems += config_not_logged(held, logged.config)
     problems += metric_definitions_missing(staged, held) + logged_entries_missing(staged, held)
     return problems + files_missing(expected_files, listing.sizes)
+
+
+def config_not_logged(held: Held, config: dict) -> list[str]:
+    """The config keys, at any depth, that the server holds and the staged log's `config`
+    does not set: W&B merges a config into the one it holds, so an earlier upload of other
+    files leaves its keys there."""
+    left = config_left_behind(held.config_json, config)
+    return [f"config keys not in the files: {few(left)}"] if left else []
 
 
 def metric_definitions_missing(staged: StagedContent, held: Held) -> list[str]:
