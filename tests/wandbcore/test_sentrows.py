@@ -8,10 +8,15 @@ uploader again.
 
 from __future__ import annotations
 
+import struct
+
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from wbmerge.log import pb
 from wbmerge.wandbcore import NOT_JSON, item_step, json_int, json_value, sent_steps, with_step
+from wbmerge.wandbcore.sentrows import bare_number
 
 from ..support.ranklogs import history_record
 from ..support.steprows import INT64_MAX, INT64_MIN, ODD_ROWS
@@ -128,5 +133,54 @@ def nested(inner: object, depth: int) -> object:
     ],
 )
 def test_json_value_reads_as_wandb_cores_parser(text, value):
-    found = json_value(text)
-    assert found == value and type(found) is type(value)
+    for reference in (False, True):
+        found = json_value(text, reference)
+        assert found == value and type(found) is type(value), reference
+
+
+def same_reading(a, b) -> bool:
+    """The same value of the same type, floats bit for bit (NaN, -0.0); or both refused."""
+    if a is NOT_JSON or b is NOT_JSON:
+        return a is b
+    if type(a) is float and type(b) is float:
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    return type(a) is type(b) and a == b
+
+
+# Texts of the characters a number token may hold, blanks and some of JSON's other ones.
+NUMBERISH = st.text(alphabet="-0123456789.+eEIinfatyNul \t[]", max_size=30)
+
+
+@given(
+    st.one_of(
+        NUMBERISH,
+        st.floats().map(repr),
+        st.floats().map(lambda f: format(f, ".17g")),
+        st.integers(-(2**70), 2**70).map(str),
+        st.integers(0, 10**25).map(lambda i: "0" * (i % 7) + str(i)),
+        st.text(max_size=20),
+    )
+)
+@example("NaN")
+@example("-NaN")
+@example("Infinity")
+@example("-Inf")
+@example("1e400")
+@example("-0")
+@example("-0.0")
+@example("00000000000000000042")
+@example("-")
+@example("1-2")
+@example("1e5.5")
+def test_a_bare_number_is_read_as_the_parser_reads_it(text):
+    assert same_reading(json_value(text), json_value(text, reference=True)), text
+
+
+def test_metric_values_are_read_without_the_parser():
+    """The shortcut is taken for the numbers wandb writes, and only for a number alone."""
+    for text in ("0.1", repr(0.1 + 0.2), "-1e-07", "1.7976931348623157e+308", "42", "NaN",
+                 "Infinity", "-Infinity", str(INT64_MAX), "1e400"):  # fmt: skip
+        assert bare_number(text) is not None, text
+    for text in (" 42", "42\n", "[1]", '"1"', "true", "null", ""):
+        assert bare_number(text) is None, text
+    assert bare_number("-nan") is NOT_JSON and bare_number("1-2") is NOT_JSON

@@ -7,6 +7,7 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 | --- | --- |
 | `credentials` | the server URL and API key |
 | `serverclient` | what the server holds (the read-only queries wandb itself makes) |
+| `serverjson` | the server's answers and rows read by orjson, meaning what `json` reads |
 | `uploader` | `wandb sync` under supervision, started ahead of its runs: progress, timeout, stopping its process tree |
 | `ledger` | runs verified complete (SQLite) and per-run locks |
 | `stagingdirs` | staging directories that name their owner, in a directory private to the user; leftovers of killed syncs removed |

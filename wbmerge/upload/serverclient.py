@@ -27,6 +27,7 @@ from typing import Any
 
 from ..errors import WbmergeError
 from .credentials import Credentials
+from .serverjson import loads
 
 PREFLIGHT_TIMEOUT = 10.0  # seconds: an unreachable server fails within this, in one line
 # Seconds a kept connection may idle and still be used. A connection a firewall dropped
@@ -218,7 +219,7 @@ class ServerClient:
         if status >= 300:
             raise ServerError(f"{self.url} answered HTTP {status} to {name}")
         try:
-            answer = json.loads(data or b"{}")
+            answer = loads(data or b"{}")
         except (ValueError, RecursionError):  # (nested past json's limit: not JSON to us)
             raise ServerError(f"{self.url} answered {name} with something not JSON") from None
         if not isinstance(answer, dict) or answer.get("errors") or "data" not in answer:
@@ -327,7 +328,7 @@ class ServerClient:
         rows = []
         for line in lines:
             try:
-                row = json.loads(line) if isinstance(line, str) else line
+                row = loads(line) if isinstance(line, str) else line
             except (ValueError, RecursionError):
                 row = None
             if not isinstance(row, dict):
@@ -536,10 +537,10 @@ def _text(value: object) -> str:
 def _last_row(history_tail: object) -> dict | None:
     """The last line of `historyTail` (a JSON list of JSON lines), as a dict."""
     try:
-        lines = json.loads(history_tail) if isinstance(history_tail, str) else None
+        lines = loads(history_tail) if isinstance(history_tail, str) else None
         if not (isinstance(lines, list) and lines and isinstance(lines[-1], str)):
             return None
-        last = json.loads(lines[-1])
+        last = loads(lines[-1])
     except (ValueError, RecursionError):  # (nested past json's limit: not a row to us)
         return None
     return last if isinstance(last, dict) else None

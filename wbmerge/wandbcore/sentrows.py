@@ -60,19 +60,37 @@ def json_int(text: str) -> int | None:
     return value if type(value) is int else None
 
 
-def json_value(text: str) -> object:
+def json_value(text: str, reference: bool = False) -> object:
     """`text` as wandb-core's JSON parser reads it, or `NOT_JSON` where it refuses it.
 
     It is Python's json but for numbers and nesting. A number is read whole
     (`_number`): leading zeros are allowed (`0100`, `01.5`), and so are `Inf`, `Infinity`
     and `NaN` without a sign before NaN. An integer past int64 becomes a float. A value
     inside more than 500 arrays and objects is refused.
+
+    A text that is one number and nothing else, as nearly every metric's is, is read
+    without the parser (`bare_number`), at a third of its cost; with `reference` every
+    text goes through the parser (the tests compare the two).
     """
+    if not reference and (value := bare_number(text)) is not None:
+        return value
     try:
         value, at = _parse(text)
     except (_Refused, ValueError, IndexError):  # (IndexError: the text ended too soon)
         return NOT_JSON
     return value if _skip(text, at) == len(text) else NOT_JSON
+
+
+def bare_number(text: str) -> object:
+    """`json_value` of a text that is one number token and nothing else, read as the parser
+    reads such a token (`_number`) without the parser; None for any other text (blanks
+    around the number included), which the parser reads."""
+    if not _NUMBER.fullmatch(text):
+        return None
+    try:
+        return _number(text)
+    except (_Refused, ValueError):
+        return NOT_JSON
 
 
 def _skip(text: str, at: int) -> int:
