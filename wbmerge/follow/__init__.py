@@ -12,8 +12,8 @@ The modules, one job each: `live` (reading runs still being written: which exist
 each rank is, which rows are final), `tails` (logs read on from where the last round
 stopped), `incremental` (a shared merge kept between rounds), `passlive` (a pass-through
 target kept so), `saved` (either kept in the state directory, for a follower started
-again), `cut` (a staged run as a round sends it), `rounds` (one round: discover, plan,
-stage, cut, upload exactly once).
+again), `cut` (a staged run as a round sends it), `fallback` (why a round merges a target
+from scratch), `rounds` (one round: discover, plan, stage, cut, upload exactly once).
 """
 
 from __future__ import annotations

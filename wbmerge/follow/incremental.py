@@ -19,9 +19,10 @@ row, sends the log as it is, and reads back only the new rows.
 
 The merge is given up, and the next round merges from scratch, when anything does not go
 on from what it read: a source added (a rank or restart started), a log truncated,
-rewritten or damaged (`tails.NotIncremental`), an upload not verified, or a server that
-holds other rows than this follow sent. The final round (every rank finished) is always a
-one-shot merge of the files, so the run ends as `wbmerge sync` makes it.
+rewritten or damaged (`tails.NotIncremental`, which `stage` turns into a `Fallback`), an
+upload not verified, or a server that holds other rows than this follow sent. The final
+round (every rank finished) is always a one-shot merge of the files, so the run ends as
+`wbmerge sync` makes it.
 
 `state()` gives what a round needs to go on as plain values, O(keys) per rank plus the rows
 and records held back and the steps of the rows sent; the console and system-metric spool
@@ -62,6 +63,7 @@ from ..plan import Target
 from ..runtime import allow_open_files
 from ..wandbcore import StagedContent, StepRuns, read_staged, sentrows
 from .cut import running_exit_record
+from .fallback import Fallback, server_rows_differ
 from .tails import LiveReaders, NotIncremental
 
 
@@ -99,11 +101,6 @@ class _NoArtifacts:
         raise NotIncremental("its ranks logged an artifact")
 
 
-class NotYet(NotIncremental):
-    """A log that cannot be continued yet (its run record is not written): the round
-    merges from scratch, which is no fault to be said."""
-
-
 class LiveRounds:
     """What the server holds of a target's rounds, and how a round's log continues them:
     the part a kept shared merge (`LiveShared`) and a kept pass-through
@@ -127,17 +124,36 @@ class LiveRounds:
         self.rounds = 0  # rounds staged
         self.bytes_read = 0  # of the ranks' logs, by the last round
 
+    def stage(
+        self, out_dir: Path, watermark: int | None, server_rows: int
+    ) -> tuple[Staged, StagedContent | None] | Fallback:
+        """Read what the ranks wrote since the last round and stage the round's log in
+        `out_dir`, its rows up to `watermark` (None: all); with its whole content when the
+        log continues the rounds sent (None: the log is whole, rows_cut 0). A `Fallback`
+        when the round cannot go on from the last: the server holds other rows than were
+        sent, or the files do not go on from what was read. (`NotIncremental` is raised deep
+        in the readers and the merge; it stops here.) Raises WbmergeError (a file went away)."""
+        try:
+            return self._stage(out_dir, watermark, server_rows)
+        except NotIncremental as exc:
+            return Fallback(str(exc))
+
+    def _stage(
+        self, out_dir: Path, watermark: int | None, server_rows: int
+    ) -> tuple[Staged, StagedContent | None] | Fallback:
+        raise NotImplementedError
+
     def _arrange(
         self, written: list[tuple[bool, bytes]], left_out: bool, server_rows: int
-    ) -> tuple[list[tuple[bool, bytes]], bytes | None] | None:
+    ) -> tuple[list[tuple[bool, bytes]], bytes | None] | Fallback:
         """The round's records after the row held back by the rounds before, without its
         last row when no row is left out and the server lacks it (it waits for the round
-        after, as `cut` holds it back), and that row; None when the server holds other rows
-        than the rounds sent (another sync sent rows past the watermark, or since)."""
+        after, as `cut` holds it back), and that row; a Fallback when the server holds other
+        rows than the rounds sent (another sync sent rows past the watermark, or since)."""
         rows = sum(is_row for is_row, _ in written)
         fresh = self._held is None and self.rows_sent == 0
         if server_rows > rows if fresh else server_rows != self.rows_sent:
-            return None
+            return server_rows_differ(server_rows, self.rows_sent)
         if self._held is not None:
             written.insert(0, (True, self._held))
             rows += 1
@@ -494,14 +510,10 @@ class LiveShared(LiveRounds):
     def close(self) -> None:
         self._spools.close()
 
-    def stage(
+    def _stage(
         self, out_dir: Path, watermark: int | None, server_rows: int
-    ) -> tuple[Staged, StagedContent | None] | None:
-        """Read what the ranks wrote since the last round, merge it up to `watermark` (None:
-        no bound) and stage the round's log in `out_dir`; its whole content when the log
-        continues the rounds sent (None: the log is whole, rows_cut 0). None when the
-        server holds other rows than this merge sent: merge from scratch.
-        Raises NotIncremental, WbmergeError (a file went away)."""
+    ) -> tuple[Staged, StagedContent | None] | Fallback:
+        """`stage` for a shared merge: the ranks' new records merged up to `watermark`."""
         target = self.target
         self.rounds += 1
         allow_open_files(len(target.sources) + 1)
@@ -518,9 +530,9 @@ class LiveShared(LiveRounds):
             written = self._recorder.items
             self._recorder.items = []
             arranged = self._arrange(written, bool(len(self.merge.pending)), server_rows)
-            if arranged is None:
+            if isinstance(arranged, Fallback):
                 shutil.rmtree(run_dir, ignore_errors=True)
-                return None
+                return arranged
             written, held = arranged
             with open(staged.log_path, "xb") as stream, LogWriter(stream) as writer:
                 for payload in [*self._head, *self._others_sent]:

@@ -15,8 +15,8 @@ of the files as they are: the head, the records other than rows sent before, the
 summary, then the records read since (up to the first row past the watermark), the last
 row held back while none is left out, and an exit record that leaves the run running.
 
-Anything a round cannot continue gives way to a merge from scratch (`NotIncremental`): a
-log truncated, rewritten or damaged, a restart added, an artifact record (its files are
+Anything a round cannot continue gives way to a merge from scratch (`stage` gives a
+`Fallback`): a log truncated, rewritten or damaged, a restart added, an artifact record (its files are
 copied into one round's staging), a head that is not what the one-shot would keep. The
 final round (every rank finished) is a one-shot merge of the files, so the run ends as
 `wbmerge sync` makes it. A target whose system metrics come from every rank (`auto` with
@@ -44,10 +44,10 @@ from ..merge import (
 from ..plan import Target
 from ..wandbcore import StagedContent
 from .cut import running_exit_record
+from .fallback import NOT_YET, Fallback
 from .incremental import (
     LiveRounds,
     NotIncremental,
-    NotYet,
     check_last_step,
     folded,
     saved_record,
@@ -209,14 +209,11 @@ class LivePassthrough(LiveRounds):
     def close(self) -> None:
         self._spools.close()
 
-    def stage(
+    def _stage(
         self, out_dir: Path, watermark: int | None, server_rows: int
-    ) -> tuple[Staged, StagedContent | None] | None:
-        """Read what the rank wrote since the last round and stage the round's log in
-        `out_dir`, its rows up to `watermark` (None: all); its whole content when the log
-        continues the rounds sent (None: the log is whole). None when the server holds
-        other rows than were sent: merge from scratch. Raises NotIncremental (NotYet: no
-        run record yet), WbmergeError (a file went away)."""
+    ) -> tuple[Staged, StagedContent | None] | Fallback:
+        """`stage` for a pass-through: the rank's new records as the one-shot passes them;
+        `NOT_YET` while its log has no run record."""
         target = self.target
         self.rounds += 1
         self._readers.begin_round()
@@ -226,7 +223,7 @@ class LivePassthrough(LiveRounds):
             self._take(records.RecordIndex(frames), reads[0].source, reads[0].starts)
         self.bytes_read = self._readers.bytes_read - read_before
         if not self._has_run:
-            raise NotYet("its run record is not written yet")
+            return NOT_YET
         waiting = self._waiting
         cut = len(waiting)
         if watermark is not None:
@@ -234,8 +231,8 @@ class LivePassthrough(LiveRounds):
                         if kind == "history" and step > watermark), cut)  # fmt: skip
         written = [(kind == "history", payload) for kind, _, payload in waiting[:cut]]
         arranged = self._arrange(written, cut < len(waiting), server_rows)
-        if arranged is None:
-            return None
+        if isinstance(arranged, Fallback):
+            return arranged
         written, held = arranged
         run_dir = new_run_dir(target, out_dir)
         try:

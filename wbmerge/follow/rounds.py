@@ -13,7 +13,8 @@ synced. Until then the ledger is not touched.
 A shared or pass-through target's merge kept between rounds (`incremental`, `passlive`) is
 saved in the state directory after each verified round (`saved`), so that a follower
 started again goes on from it; a saved state that does not fit the files or the server, or
-a kept merge that cannot go on, is said in one line and the round merges from scratch.
+a kept merge that cannot go on, is a `Fallback`: `Follower.fall_back` drops the kept
+merge, says its one line, and the round merges the target from scratch.
 """
 
 from __future__ import annotations
@@ -45,7 +46,17 @@ from ..verify import same_value
 from ..wandbcore import StagedContent
 from . import saved
 from .cut import cut_live
-from .incremental import LiveShared, NotIncremental, NotYet, sources_of
+from .fallback import (
+    LAST_ROUND,
+    NOT_KEPT,
+    NOT_YET,
+    UNVERIFIED,
+    Fallback,
+    no_saved_state,
+    restarted,
+    saved_misfit,
+)
+from .incremental import LiveShared, NotIncremental, sources_of
 from .live import Progress, find_live_runs, finished, progress, signature, watermark
 from .passlive import LivePassthrough
 from .tails import ScannedLog
@@ -304,9 +315,12 @@ class Follower:
         if target.kind in _KEPT and not done:
             server_rows = self._server_rows(known, entity, plan.project, target.id)
             found = self._stage_live(plan, target, ranks, workdir, server_rows, known, report)
-            staged, content = found or (None, None)
         else:
-            self._drop_live(target.id)  # (the last round: merged from scratch, as sync does)
+            found = LAST_ROUND if done else NOT_KEPT
+        if isinstance(found, Fallback):
+            self.fall_back(target.id, found, report)
+        else:
+            staged, content = found
         if staged is None:
             self._bytes_read[target.id] = sum(_size(s.path) for s in target.sources)
         try:
@@ -356,48 +370,37 @@ class Follower:
     def _stage_live(
         self, plan: PlannedJob, target: Target, ranks: dict[int, Progress], workdir: Path,
         server_rows: int, known: _Known, report: RoundReport,
-    ) -> tuple[Staged, StagedContent | None] | None:  # fmt: skip
+    ) -> tuple[Staged, StagedContent | None] | Fallback:  # fmt: skip
         """Stage a target's round from its merge kept since the last round (made now if
         there is none, or if its sources changed: from the state a follower before this one
-        saved, when it fits); None when that merge cannot go on (`incremental`): it is
-        dropped, said in one line (but while a log has no run record yet), and the round
-        merges from scratch."""
+        saved, when it fits); a Fallback when that merge cannot go on (the caller acts on
+        it). Errors of the files and of a saved state are turned into one here."""
         self._staged_live.discard(target.id)
         live = self._live.get(target.id)
         if live is not None and live.made_of != sources_of(target):
-            self._drop_live(target.id, forget=True)
+            self.fall_back(target.id, restarted(), report)  # (and a new merge, below)
             live = None
-            report.warnings.append(f"{target.id}: a rank or restart started: merged from scratch")
-        found, resumed, why = None, False, None
+        found: tuple[Staged, StagedContent | None] | Fallback
+        resumed = False
         try:
             if live is None:
                 live, resumed = self._make_live(plan, target, known, server_rows, report)
-                if resumed and server_rows == live.rows_sent:  # (else said below)
+                if resumed and server_rows == live.rows_sent:  # (else the stage says it)
                     assert plan.project
                     self._check_on_server(live, self.uploads.entity(plan.entity),
                                           plan.project, target.id)  # fmt: skip
             found = live.stage(workdir / "runs", watermark(target, ranks), server_rows)
             self._bytes_read[target.id] = live.bytes_read
-            if found is None and live.rows_sent:  # (not when it sent none: `cut` says it)
-                why = (
-                    f"the server holds {server_rows} history rows, not the {live.rows_sent} it sent"
-                )
-        except NotYet:
-            found, resumed = None, False  # (nothing to say: its run record comes soon)
         except (NotIncremental, WbmergeError, OSError) as exc:
-            found, why = None, str(exc)
+            found = Fallback(str(exc))
         except SAVED_MISFITS as exc:  # (a saved state that passed its checks, yet does not fit)
             if not resumed:
                 raise
-            found, why = None, str(exc) or type(exc).__name__
-        if found is None:
-            if resumed:
-                why = why or f"the server holds {server_rows} history rows, not what it sent"
-                report.warnings.append(self._misfit(target.id, why))
-            elif why is not None:
-                report.warnings.append(f"{target.id}: {why}: merged from scratch")
-            self._drop_live(target.id, forget=True)
-            return None
+            found = Fallback(str(exc) or type(exc).__name__)
+        if isinstance(found, Fallback):
+            if resumed and found != NOT_YET:
+                found = self._misfit(target.id, found.reason)
+            return found
         self._staged_live.add(target.id)
         return found
 
@@ -407,7 +410,8 @@ class Follower:
     ) -> tuple[LiveShared | LivePassthrough, bool]:  # fmt: skip
         """A target's merge to go on with: from its saved state when there is one that
         fits (and then True), else a new one (whose saved state is removed first: its spool
-        is made anew). Raises NotIncremental, OSError (a new one's spool)."""
+        is made anew; a state that does not fit is a fallback, said). Raises
+        NotIncremental, OSError (a new one's spool)."""
         settings = plan.ledger_settings(self.request)
         place = saved.directory(state_dir(), known.key)
         made = saved.made_for(known.key, settings, sources_of(target))
@@ -424,13 +428,12 @@ class Follower:
                 live = self._live[target.id] = kind(target, options, scratch, spool, state)
                 return live, True
             if server_rows and first:  # (rows sent: by a follower whose state is lost, a sync)
-                report.warnings.append(f"{target.id}: no state saved by a follower before "
-                                       "this one: merged from scratch")  # fmt: skip
-        except (saved.Unusable, NotIncremental, OSError, *SAVED_MISFITS) as exc:
+                self.fall_back(target.id, no_saved_state(), report)
+        except saved.Unusable as exc:  # (damaged, or made for other files: its own words)
+            self.fall_back(target.id, Fallback(str(exc)), report)
+        except (NotIncremental, OSError, *SAVED_MISFITS) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            report.warnings.append(f"{target.id}: {why}: merged from scratch"
-                                   if isinstance(exc, saved.Unusable) else
-                                   self._misfit(target.id, why or type(exc).__name__))  # fmt: skip
+            self.fall_back(target.id, self._misfit(target.id, why or type(exc).__name__), report)
         saved.discard(place)
         place.mkdir(parents=True, exist_ok=True)
         live = self._live[target.id] = kind(target, options, scratch, spool)
@@ -459,11 +462,18 @@ class Follower:
                 if not key.startswith("_") and not (key in there and same_value(value, there[key])):
                     raise ValueError(f"the server's {what} {key!r} is not what it says was sent")
 
-    def _misfit(self, run_id: str, why: str) -> str:
-        """The line that says a saved state does not fit, naming its file."""
-        path = self._saved_at[run_id][0] / saved.STATE_FILE
-        return (f"{run_id}: the state {path} a follower before this one saved does not fit "
-                f"({why}): merged from scratch")  # fmt: skip
+    def _misfit(self, run_id: str, why: str) -> Fallback:
+        """The fallback of a saved state that does not fit, naming its file."""
+        return saved_misfit(self._saved_at[run_id][0] / saved.STATE_FILE, why)
+
+    def fall_back(self, run_id: str, fallback: Fallback, report: RoundReport) -> None:
+        """Act on a round's fallback, the one place that does: drop the target's kept merge
+        (and its saved state, unless the fallback keeps it) and say the fallback's line
+        when it is said. The round then merges the target from scratch: a one-shot merge
+        of its files, or a kept merge made anew."""
+        self._drop_live(run_id, forget=fallback.forget)
+        if fallback.said:
+            report.warnings.append(fallback.line(run_id))
 
     def _drop_live(self, run_id: str, forget: bool = False) -> None:
         """Let go of a target's merge; `forget`: also of its saved state (it went wrong, and
@@ -520,7 +530,7 @@ class Follower:
                     TargetRound(target.id, "failed", known.rows or 0, problems=delivery.problems)
                 )
                 known.rows = None  # (what the server holds now is asked again next round)
-                self._drop_live(target.id, forget=True)
+                self.fall_back(target.id, UNVERIFIED, report)
                 continue
             assert delivery.content is not None
             rows = len(delivery.content.step_items)
