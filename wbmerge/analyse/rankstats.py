@@ -176,9 +176,16 @@ def across_ranks(
         stats = _sorted_stats(row, column, value)
     count, low, median, high, mean, low_col, high_col = stats
     return AcrossRanks(
-        steps[groups // len(keys)], keys[groups % len(keys)], count, low, median, high, mean,
-        ranks[low_col], ranks[high_col],
-    )  # fmt: skip
+        steps[groups // len(keys)],
+        keys[groups % len(keys)],
+        count,
+        low,
+        median,
+        high,
+        mean,
+        ranks[low_col],
+        ranks[high_col],
+    )
 
 
 def dense_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -21,8 +21,17 @@ from .parquet import _run_directory_holding
 from .skew import JobReport, MetricReport, RankPlace
 
 OUTLIER_COLOR = "#d62728"
-COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-          "#bcbd22", "#17becf"]  # fmt: skip
+COLORS = [
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+]
 MAX_POINTS = 2000  # a line of more values draws every n-th (its last kept)
 POLICY = "default-src 'none'; style-src 'unsafe-inline'"
 STYLE = """

@@ -80,8 +80,7 @@ class Seconds(click.FloatRange):
 
 def _seconds_option(name: str, default: float, help: str) -> Callable[..., Any]:
     """A --follow option of a number of seconds, 0 or more, its default shown."""
-    return click.option(name, default=default, show_default=True,
-                        type=Seconds(min=0), help=help)  # fmt: skip
+    return click.option(name, default=default, show_default=True, type=Seconds(min=0), help=help)
 
 
 def _with_rank_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -133,9 +132,23 @@ def _warn_jobs(planned: list) -> None:
 
 
 # The options `merge`, `sync`, `follow` and `verify` share, in the order help lists them.
-MERGE_OPTIONS = ("run_mode", "rank_scope", "base_id", "job", "allow_missing_ranks",
-                 "system_metrics", "key_format", "skew_metrics", "rank_stats", "per_rank",
-                 "project", "entity", "job_type", "files_from", "unknown_records")  # fmt: skip
+MERGE_OPTIONS = (
+    "run_mode",
+    "rank_scope",
+    "base_id",
+    "job",
+    "allow_missing_ranks",
+    "system_metrics",
+    "key_format",
+    "skew_metrics",
+    "rank_stats",
+    "per_rank",
+    "project",
+    "entity",
+    "job_type",
+    "files_from",
+    "unknown_records",
+)
 
 
 def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -157,8 +170,10 @@ def _print_plan(planned: list, as_json: bool) -> None:
         click.echo(printable_json(targets))
         return
     for job in planned:
-        click.echo(f"job {job.job.job_id}: run_mode={job.run_mode} rank_scope={job.rank_scope} "
-                   f"project={job.project or '-'} -> {len(job.targets)} run(s)")  # fmt: skip
+        click.echo(
+            f"job {job.job.job_id}: run_mode={job.run_mode} rank_scope={job.rank_scope} "
+            f"project={job.project or '-'} -> {len(job.targets)} run(s)"
+        )
         for t in job.targets:
             labels = ", ".join(
                 s.label + (f" (restart {s.restart})" if s.restart else "") for s in t.sources
@@ -198,8 +213,12 @@ class _UploadProgress:
 
     def __call__(self, progress: Any) -> None:
         if self.tty:
-            click.echo(f"\ruploading: {progress.done}/{progress.total} runs verified, "
-                       f"{progress.rows} rows on the server", err=True, nl=False)  # fmt: skip
+            click.echo(
+                f"\ruploading: {progress.done}/{progress.total} runs verified, "
+                f"{progress.rows} rows on the server",
+                err=True,
+                nl=False,
+            )
             if progress.message:
                 click.echo(f"\r{progress.message}\033[K", err=True)
         elif progress.message:
@@ -241,9 +260,19 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
         for warning in s.warnings:
             click.echo(f"wbmerge: warning: {s.target.id}: {warning}", err=True)
     if as_json:
-        click.echo(printable_json([{"id": s.target.id, "path": str(s.run_dir),
-                                   "kind": s.target.kind, "exit_code": s.exit_code}
-                                  for s in staged]))  # fmt: skip
+        click.echo(
+            printable_json(
+                [
+                    {
+                        "id": s.target.id,
+                        "path": str(s.run_dir),
+                        "kind": s.target.kind,
+                        "exit_code": s.exit_code,
+                    }
+                    for s in staged
+                ]
+            )
+        )
         return
     for s in staged:
         rows = f"{s.history_rows} merged rows, " if s.target.kind == "shared" else ""
@@ -253,18 +282,27 @@ def merge(out_dir: str, dry_run: bool, as_json: bool, **kw: Any) -> None:
 
 def upload_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """The options of every command that uploads: `sync` and `follow`."""
-    for option in reversed([
-        click.option(
-            "--parallel", "-n", default=4, show_default=True, type=click.IntRange(min=1),
-            help="Runs uploaded at once.",
-        ),
-        click.option(
-            "--timeout", default=300.0, show_default=True, type=Seconds(min=1),
-            help="Seconds without upload progress before the upload is given up (exit 1).",
-        ),
-        click.option("--json", "as_json", is_flag=True),
-        request_option("verify"),
-    ]):  # fmt: skip
+    for option in reversed(
+        [
+            click.option(
+                "--parallel",
+                "-n",
+                default=4,
+                show_default=True,
+                type=click.IntRange(min=1),
+                help="Runs uploaded at once.",
+            ),
+            click.option(
+                "--timeout",
+                default=300.0,
+                show_default=True,
+                type=Seconds(min=1),
+                help="Seconds without upload progress before the upload is given up (exit 1).",
+            ),
+            click.option("--json", "as_json", is_flag=True),
+            request_option("verify"),
+        ]
+    ):
         func = option(func)
     return func
 
@@ -277,18 +315,28 @@ def follow_options(prefix: str) -> Callable[[Callable[..., Any]], Callable[..., 
         return prefix + text if prefix else text[0].upper() + text[1:]
 
     def add(func: Callable[..., Any]) -> Callable[..., Any]:
-        for option in reversed([
-            _seconds_option("--interval", 60.0, say("seconds between rounds.")),
-            _seconds_option(
-                "--idle-timeout", 600.0, say("end after this many seconds without a new "
-                "record, with a warning naming the ranks that never finished."),
-            ),
-            _seconds_option(
-                "--restart-grace", 60.0, say("seconds a run whose ranks ended, some "
-                "failed, waits for an elastic restart before it is finished."),
-            ),
-            click.option("--quiet", "-q", is_flag=True, help=say("no line per round.")),
-        ]):  # fmt: skip
+        for option in reversed(
+            [
+                _seconds_option("--interval", 60.0, say("seconds between rounds.")),
+                _seconds_option(
+                    "--idle-timeout",
+                    600.0,
+                    say(
+                        "end after this many seconds without a new "
+                        "record, with a warning naming the ranks that never finished."
+                    ),
+                ),
+                _seconds_option(
+                    "--restart-grace",
+                    60.0,
+                    say(
+                        "seconds a run whose ranks ended, some "
+                        "failed, waits for an elastic restart before it is finished."
+                    ),
+                ),
+                click.option("--quiet", "-q", is_flag=True, help=say("no line per round.")),
+            ]
+        ):
             func = option(func)
         return func
 
@@ -340,8 +388,12 @@ def sync(
     from ..upload import find_credentials
 
     if follow:
-        for flag, given in (("--dry-run", dry_run), ("--keep-staging", keep_staging),
-                            ("--force", force), ("--resend", kw.get("resend"))):  # fmt: skip
+        for flag, given in (
+            ("--dry-run", dry_run),
+            ("--keep-staging", keep_staging),
+            ("--force", force),
+            ("--resend", kw.get("resend")),
+        ):
             if given:
                 raise WbmergeError(f"{flag} cannot be used with --follow")
         find_credentials()
@@ -361,10 +413,16 @@ def sync(
     failure = None
     try:
         report = api.sync(
-            parallel=parallel, force=force, timeout=timeout, keep_staging=keep_staging,
-            progress=progress, upload_progress=_UploadProgress(), on_wait=_say_waiting,
-            planned=planned, **kw,
-        )  # fmt: skip
+            parallel=parallel,
+            force=force,
+            timeout=timeout,
+            keep_staging=keep_staging,
+            progress=progress,
+            upload_progress=_UploadProgress(),
+            on_wait=_say_waiting,
+            planned=planned,
+            **kw,
+        )
     except api.UploadFailed as exc:  # (the runs verified are said, then what failed)
         report, failure = exc.report, exc
     finally:
@@ -455,11 +513,22 @@ def _print_synced(report: SyncReport, as_json: bool) -> None:
     for warning in report.warnings:
         click.echo(f"wbmerge: warning: {warning}", err=True)
     if as_json:
-        click.echo(printable_json({
-            "links": report.links,
-            "runs": [{"id": t.target.id, "group": t.target.group, "status": t.status, "url": t.url}
-                     for t in report.targets],
-        }))  # fmt: skip
+        click.echo(
+            printable_json(
+                {
+                    "links": report.links,
+                    "runs": [
+                        {
+                            "id": t.target.id,
+                            "group": t.target.group,
+                            "status": t.status,
+                            "url": t.url,
+                        }
+                        for t in report.targets
+                    ],
+                }
+            )
+        )
         return
     for t in report.targets:
         click.echo(f"{t.status:>16}: {t.target.id}")
@@ -492,16 +561,28 @@ def _follow(
 
     for path in kw["paths"]:  # (a job may not have made its directory yet: a typo may be)
         if not os.path.lexists(path):
-            click.echo(f"wbmerge: warning: {path} does not exist yet; waiting for runs to "
-                       "appear there (Ctrl-C stops)", err=True)  # fmt: skip
+            click.echo(
+                f"wbmerge: warning: {path} does not exist yet; waiting for runs to "
+                "appear there (Ctrl-C stops)",
+                err=True,
+            )
     try:
         result = api.follow(
-            interval=interval, idle_timeout=idle_timeout, parallel=parallel, timeout=timeout,
-            on_round=on_round, on_wait=_say_waiting, on_idle=on_idle, **kw,
-        )  # fmt: skip
+            interval=interval,
+            idle_timeout=idle_timeout,
+            parallel=parallel,
+            timeout=timeout,
+            on_round=on_round,
+            on_wait=_say_waiting,
+            on_idle=on_idle,
+            **kw,
+        )
     except KeyboardInterrupt:
-        click.echo("wbmerge: interrupted; the runs keep what was sent, still running "
-                   "(`wbmerge sync` of the same paths completes them)", err=True)  # fmt: skip
+        click.echo(
+            "wbmerge: interrupted; the runs keep what was sent, still running "
+            "(`wbmerge sync` of the same paths completes them)",
+            err=True,
+        )
         sys.exit(130)
     except api.UploadFailed as exc:  # the last sync's: as a one-shot sync says it
         _print_synced(exc.report, as_json)
@@ -536,12 +617,20 @@ def export(
     from ..identify import few_ranks
 
     result = api.export(
-        paths, out, job=job, wide=wide, label_pattern=label_pattern, ranks_file=ranks_file,
+        paths,
+        out,
+        job=job,
+        wide=wide,
+        label_pattern=label_pattern,
+        ranks_file=ranks_file,
         primary=primary,
-    )  # fmt: skip
+    )
     for job_id, missing in result.missing.items():
-        click.echo(f"wbmerge: warning: job {job_id}: rank(s) {few_ranks(missing)} have no "
-                   "offline run; the export covers the others", err=True)  # fmt: skip
+        click.echo(
+            f"wbmerge: warning: job {job_id}: rank(s) {few_ranks(missing)} have no "
+            "offline run; the export covers the others",
+            err=True,
+        )
     for line in [*result.warnings, *result.damage]:
         click.echo(f"wbmerge: warning: {line}", err=True)
     shape = "rows (rank x step)" if wide else "values"
@@ -556,10 +645,17 @@ def export(
 @click.option("--metric", "-m", "metrics", multiple=True, help="A metric key (repeatable).")
 @click.option("--job", help="Only this job id (default: every job found).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--rank-stats", is_flag=True,
-              help="Add min, median, max, mean across ranks (and their ranks) at the last step.")  # fmt: skip
-@click.option("--html", "html_out", type=click.Path(dir_okay=False),
-              help="Also write the report as one self-contained page (charts, no script).")  # fmt: skip
+@click.option(
+    "--rank-stats",
+    is_flag=True,
+    help="Add min, median, max, mean across ranks (and their ranks) at the last step.",
+)
+@click.option(
+    "--html",
+    "html_out",
+    type=click.Path(dir_okay=False),
+    help="Also write the report as one self-contained page (charts, no script).",
+)
 @_with_rank_options
 @one_line_errors
 def report(
@@ -578,9 +674,15 @@ def report(
     from ..analyse import format_report
 
     reports = api.report(
-        paths, metrics=metrics, job=job, label_pattern=label_pattern, ranks_file=ranks_file,
-        primary=primary, rank_stats=rank_stats, html=html_out,
-    )  # fmt: skip
+        paths,
+        metrics=metrics,
+        job=job,
+        label_pattern=label_pattern,
+        ranks_file=ranks_file,
+        primary=primary,
+        rank_stats=rank_stats,
+        html=html_out,
+    )
     for line in (line for r in reports for line in [*r.warnings, *r.damage]):
         click.echo(f"wbmerge: warning: {line}", err=True)
     if html_out is not None:

@@ -22,8 +22,13 @@ def sink() -> None:
 
 
 @sink.command("serve")
-@click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535),
-              help="Port on 127.0.0.1 (0: any free).")  # fmt: skip
+@click.option(
+    "--port",
+    default=8765,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="Port on 127.0.0.1 (0: any free).",
+)
 @click.option("--data", "data_dir", default=DEFAULT_SINK_DATA, show_default=True, type=click.Path())
 @click.option(
     "--allow-faults", is_flag=True, help="Let POST /api/faults inject faults (for tests)."
@@ -67,12 +72,24 @@ def sink() -> None:
     default=None,
     help="Answer 429 with Retry-After past W&B's rate limits; refuse over-long history lines.",
 )
-@click.option("--run-rate", type=click.FloatRange(min=0.1), metavar="N",
-              help="file_stream requests a second per run (default 2; turns --limits on).")  # fmt: skip
-@click.option("--project-rate", type=click.FloatRange(min=0.1), metavar="N",
-              help="Requests a second per project (default 500; turns --limits on).")  # fmt: skip
-@click.option("--project-bytes", type=click.FloatRange(min=1), metavar="N",
-              help="Request bytes a second per project (default 120e6; turns --limits on).")  # fmt: skip
+@click.option(
+    "--run-rate",
+    type=click.FloatRange(min=0.1),
+    metavar="N",
+    help="file_stream requests a second per run (default 2; turns --limits on).",
+)
+@click.option(
+    "--project-rate",
+    type=click.FloatRange(min=0.1),
+    metavar="N",
+    help="Requests a second per project (default 500; turns --limits on).",
+)
+@click.option(
+    "--project-bytes",
+    type=click.FloatRange(min=1),
+    metavar="N",
+    help="Request bytes a second per project (default 120e6; turns --limits on).",
+)
 @one_line_errors
 def sink_serve(
     port: int,
@@ -97,9 +114,16 @@ def sink_serve(
     from ..sink import LikeWandb, parse_fault, serve
 
     like = LikeWandb.from_switches(
-        like_wandb, write_cursor, lag, sampling, limits, run_rate, project_rate, project_bytes,
+        like_wandb,
+        write_cursor,
+        lag,
+        sampling,
+        limits,
+        run_rate,
+        project_rate,
+        project_bytes,
         tail_lag,
-    )  # fmt: skip
+    )
 
     for spec in faults:
         try:

@@ -28,9 +28,15 @@ async def run_in_child(kind: str, request: dict) -> list[str]:
         result = Path(scratch) / "result.json"
         spec.write_text(json.dumps(request))
         child = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "wbmerge.flyte", kind, str(spec), str(result),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "wbmerge.flyte",
+            kind,
+            str(spec),
+            str(result),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         try:
             output, _ = await child.communicate()
         finally:

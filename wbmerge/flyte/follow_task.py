@@ -115,15 +115,22 @@ def follow_main(request: dict) -> dict:
             print(line, file=sys.stderr, flush=True)
 
     def say_idle(unfinished: list[str]) -> None:  # (in the task's log, whatever comes next)
-        print(f"wbmerge: warning: {idle_warning(float(request['idle_timeout']), unfinished)}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"wbmerge: warning: {idle_warning(float(request['idle_timeout']), unfinished)}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     try:
         result = api.follow(
-            request["path"], interval=float(request["interval"]),
-            idle_timeout=float(request["idle_timeout"]), on_round=say, on_idle=say_idle,
-            job_prefix=request["job_prefix"], **options,
-        )  # fmt: skip
+            request["path"],
+            interval=float(request["interval"]),
+            idle_timeout=float(request["idle_timeout"]),
+            on_round=say,
+            on_idle=say_idle,
+            job_prefix=request["job_prefix"],
+            **options,
+        )
     except UploadFailed as exc:  # the runs the last sync verified, then what failed
         for target in exc.report.targets:
             print(f"{target.status:>16}: {target.target.id} {target.url}", file=sys.stderr)

@@ -240,9 +240,11 @@ def _is_log(name: str) -> bool:
 def _handed_on(run_dir: Path) -> list[Path]:
     logs = sorted(p for p in run_dir.iterdir() if _is_log(p.name) and p.is_file())
     files = sorted(
-        p for folder in (RUN_FILES, RUN_DATA_DIR) for p in (run_dir / folder).rglob("*")
+        p
+        for folder in (RUN_FILES, RUN_DATA_DIR)
+        for p in (run_dir / folder).rglob("*")
         if p.is_file()
-    )  # fmt: skip
+    )
     return logs + files
 
 

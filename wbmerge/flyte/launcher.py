@@ -70,13 +70,28 @@ def launch_ranks(
             shared = resolved.get("handoff") == "shared-volume"
             env[RUNS_DIR_ENV] = str(base if shared else base / f"node-{node}")
             command = [
-                sys.executable, "-m", "torch.distributed.run",
-                "--nnodes", str(settings.nnodes), "--node-rank", str(node),
-                "--nproc-per-node", str(settings.nproc_per_node),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                "--rdzv-id", job, "--max-restarts", "0",
-                "-m", "wbmerge.flyte", "rank", str(spec),
-            ]  # fmt: skip
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(settings.nnodes),
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                str(settings.nproc_per_node),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                job,
+                "--max-restarts",
+                "0",
+                "-m",
+                "wbmerge.flyte",
+                "rank",
+                str(spec),
+            ]
             launchers.append(
                 subprocess.Popen(
                     command,

@@ -490,8 +490,9 @@ class LiveShared(LiveRounds):
             raise ValueError("rows held back of unequal columns")
         if not set(merge.pending.ranks.tolist()) <= set(merge.states):
             raise ValueError("rows held back of a rank not merged")
-        for step, rank in zip(merge.pending.steps.tolist(), merge.pending.ranks.tolist(),
-                              strict=True):  # fmt: skip
+        for step, rank in zip(
+            merge.pending.steps.tolist(), merge.pending.ranks.tolist(), strict=True
+        ):
             if step > merge.states[rank].steps.last:
                 raise ValueError(f"rank {rank}: a row held back past its last step read")
         merge.events = [(tuple(key), event) for key, event in saved["events"]]

@@ -110,7 +110,9 @@ class LivePassthrough(LiveRounds):
         writers = saved["spool"]["writers"]
         if set(writers) != {str(first.path)}:
             raise ValueError("a spool of a file that is not the first source")
-        self._spools = Spools.kept(spool, {**saved["spool"], "writers": {first.path: writers[str(first.path)]}})  # fmt: skip
+        self._spools = Spools.kept(
+            spool, {**saved["spool"], "writers": {first.path: writers[str(first.path)]}}
+        )
         kept = self._spools.writer_of(first.path)
         assert kept is not None
         self._kept = kept
@@ -127,9 +129,11 @@ class LivePassthrough(LiveRounds):
             "before_run": list(self._before_run),
             "waiting": [list(item) for item in self._waiting],
             "steps": list(self._steps.place_state()),
-            "summary": [[list(path), removed, item] for path, (removed, item) in self._summary.items()],
+            "summary": [
+                [list(path), removed, item] for path, (removed, item) in self._summary.items()
+            ],
             "spool": {**spool, "writers": {str(p): w for p, w in spool["writers"].items()}},
-        }  # fmt: skip
+        }
 
     def _restore(self, saved: dict) -> None:
         self._restore_rounds(saved)
@@ -173,8 +177,9 @@ class LivePassthrough(LiveRounds):
         read = [payload for payload in read if records.record_kind(payload) != "exit"]
         if len(read) < len(self._waiting):
             raise ValueError("records waiting that were not read of its log")
-        for (kind, step, payload), was in zip(self._waiting, read[-len(self._waiting) :],
-                                              strict=True):  # fmt: skip
+        for (kind, step, payload), was in zip(
+            self._waiting, read[-len(self._waiting) :], strict=True
+        ):
             rewritten = kind in ("files", "artifact", None) or (kind == "history" and self._several)
             if records.record_kind(was) != kind or (payload != was and not rewritten):
                 raise ValueError("records waiting that are not the last ones read of its log")
@@ -227,8 +232,14 @@ class LivePassthrough(LiveRounds):
         waiting = self._waiting
         cut = len(waiting)
         if watermark is not None:
-            cut = next((i for i, (kind, step, _) in enumerate(waiting)
-                        if kind == "history" and step > watermark), cut)  # fmt: skip
+            cut = next(
+                (
+                    i
+                    for i, (kind, step, _) in enumerate(waiting)
+                    if kind == "history" and step > watermark
+                ),
+                cut,
+            )
         written = [(kind == "history", payload) for kind, _, payload in waiting[:cut]]
         arranged = self._arrange(written, cut < len(waiting), server_rows)
         if isinstance(arranged, Fallback):
@@ -266,8 +277,11 @@ class LivePassthrough(LiveRounds):
             at = read.history.tolist()
             if self._several:
                 placed = self._steps.shifted(read.rows.steps).tolist()
-                moved = {i: s for i, s, was in zip(at, placed, read.rows.steps.tolist(),
-                                                   strict=True) if s != was}  # fmt: skip
+                moved = {
+                    i: s
+                    for i, s, was in zip(at, placed, read.rows.steps.tolist(), strict=True)
+                    if s != was
+                }
             else:
                 placed = read.rows.steps.tolist()
             steps = dict(zip(at, placed, strict=True))
@@ -282,8 +296,14 @@ class LivePassthrough(LiveRounds):
             if kind == "exit":
                 continue  # (a round ends with one that leaves the run running)
             if kind == "run" and index:  # a restart's: its config, where the restart starts
-                passed = passed_record(kind, payload, source, self.options, _NoArtifacts(),  # type: ignore[arg-type]
-                                       self._warnings)  # fmt: skip
+                passed = passed_record(
+                    kind,
+                    payload,
+                    source,
+                    self.options,
+                    _NoArtifacts(),  # type: ignore[arg-type]
+                    self._warnings,
+                )
                 if passed is None:
                     continue
                 kind, payload = "config", passed
@@ -300,8 +320,15 @@ class LivePassthrough(LiveRounds):
                         self._before_run = []
                     continue
             elif kind in ("files", "artifact", None) or i in moved:
-                passed = passed_record(kind, payload, source, self.options, _NoArtifacts(),  # type: ignore[arg-type]
-                                       self._warnings, moved.get(i))  # fmt: skip
+                passed = passed_record(
+                    kind,
+                    payload,
+                    source,
+                    self.options,
+                    _NoArtifacts(),  # type: ignore[arg-type]
+                    self._warnings,
+                    moved.get(i),
+                )
                 if passed is None:
                     continue
                 payload = passed

@@ -330,8 +330,9 @@ class Follower:
             if done:
                 raise  # the files are whole: bad input, as for a one-shot sync
             # a file of a rank's run went away or changed while it was copied: next round
-            report.targets.append(TargetRound(target.id, "failed", known.rows or 0,
-                                              problems=[str(exc)]))  # fmt: skip
+            report.targets.append(
+                TargetRound(target.id, "failed", known.rows or 0, problems=[str(exc)])
+            )
             return None
         if staged.bound_notice and not known.over_bound_said:  # once (its count grows)
             known.over_bound_said = True
@@ -352,8 +353,9 @@ class Follower:
                     f"{live_cut.rows_sent} that every rank has logged (another sync sent them "
                     "during training?); they are checked once every rank has logged them"
                 )
-                report.targets.append(TargetRound(target.id, "failed", server_rows,
-                                                  problems=[problem]))  # fmt: skip
+                report.targets.append(
+                    TargetRound(target.id, "failed", server_rows, problems=[problem])
+                )
                 return None
         # (a live round's sources grow past what it staged: only the last is checked whole)
         options = plan.options(self.request) if done else None
@@ -368,9 +370,15 @@ class Follower:
         return target, delivery, now, staged.exit_code if done else None
 
     def _stage_live(
-        self, plan: PlannedJob, target: Target, ranks: dict[int, Progress], workdir: Path,
-        server_rows: int, known: _Known, report: RoundReport,
-    ) -> tuple[Staged, StagedContent | None] | Fallback:  # fmt: skip
+        self,
+        plan: PlannedJob,
+        target: Target,
+        ranks: dict[int, Progress],
+        workdir: Path,
+        server_rows: int,
+        known: _Known,
+        report: RoundReport,
+    ) -> tuple[Staged, StagedContent | None] | Fallback:
         """Stage a target's round from its merge kept since the last round (made now if
         there is none, or if its sources changed: from the state a follower before this one
         saved, when it fits); a Fallback when that merge cannot go on (the caller acts on
@@ -387,8 +395,9 @@ class Follower:
                 live, resumed = self._make_live(plan, target, known, server_rows, report)
                 if resumed and server_rows == live.rows_sent:  # (else the stage says it)
                     assert plan.project
-                    self._check_on_server(live, self.uploads.entity(plan.entity),
-                                          plan.project, target.id)  # fmt: skip
+                    self._check_on_server(
+                        live, self.uploads.entity(plan.entity), plan.project, target.id
+                    )
             found = live.stage(workdir / "runs", watermark(target, ranks), server_rows)
             self._bytes_read[target.id] = live.bytes_read
         except (NotIncremental, WbmergeError, OSError) as exc:
@@ -405,9 +414,13 @@ class Follower:
         return found
 
     def _make_live(
-        self, plan: PlannedJob, target: Target, known: _Known, server_rows: int,
+        self,
+        plan: PlannedJob,
+        target: Target,
+        known: _Known,
+        server_rows: int,
         report: RoundReport,
-    ) -> tuple[LiveShared | LivePassthrough, bool]:  # fmt: skip
+    ) -> tuple[LiveShared | LivePassthrough, bool]:
         """A target's merge to go on with: from its saved state when there is one that
         fits (and then True), else a new one (whose saved state is removed first: its spool
         is made anew; a state that does not fit is a fallback, said). Raises
@@ -453,11 +466,15 @@ class Follower:
             raise ValueError(
                 f"the server's row {live.rows_sent} is not the last row it says was sent"
             )
-        config = {key: entry["value"] if isinstance(entry, dict) and "value" in entry else entry
-                  for key, entry in _json_object(held.config_json).items()}  # fmt: skip
+        config = {
+            key: entry["value"] if isinstance(entry, dict) and "value" in entry else entry
+            for key, entry in _json_object(held.config_json).items()
+        }
         summary = _json_object(held.summary_json)
-        for what, sent, there in (("config", live.sent_config(), config),
-                                  ("summary", live.sent_summary(), summary)):  # fmt: skip
+        for what, sent, there in (
+            ("config", live.sent_config(), config),
+            ("summary", live.sent_summary(), summary),
+        ):
             for key, value in sent.items():
                 if not key.startswith("_") and not (key in there and same_value(value, there[key])):
                     raise ValueError(f"the server's {what} {key!r} is not what it says was sent")
@@ -496,9 +513,11 @@ class Follower:
             saved.save(place, made, live.state(), shape=_KEPT[live.target.kind][1])
         except OSError as exc:
             saved.discard(place)
-            report.warnings.append(f"{run_id}: the follow's state could not be saved in "
-                                   f"{place} ({exc.strerror or exc}); a follower started "
-                                   "again merges this run from scratch")  # fmt: skip
+            report.warnings.append(
+                f"{run_id}: the follow's state could not be saved in "
+                f"{place} ({exc.strerror or exc}); a follower started "
+                "again merges this run from scratch"
+            )
 
     def _deliver(
         self,

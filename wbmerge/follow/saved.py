@@ -58,8 +58,11 @@ def directory(state_dir: Path, key: str) -> Path:
 
 def made_for(key: str, settings: Mapping[str, object], sources: tuple) -> str:
     """What a state is of: the run, the merge's settings and its sources (`sources_of`)."""
-    text = json.dumps([key, settings, [list(map(str, s)) if isinstance(s, tuple) else str(s)
-                                       for s in sources]], sort_keys=True, default=str)  # fmt: skip
+    text = json.dumps(
+        [key, settings, [list(map(str, s)) if isinstance(s, tuple) else str(s) for s in sources]],
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -93,22 +96,37 @@ def pair(*kinds: object) -> tuple:
 _PLAIN = (INT, STR, opt(INT))  # (lists of these are JSON as they are)
 
 SOURCE = {
-    "offset": INT, "resume": INT, "partial": list_of(BYTES), "digest": BYTES,
-    "identity": opt(pair(INT, INT)), "started": BOOL, "ended": BOOL, "size_at_end": INT,
-    "exit_seen": BOOL, "head": BYTES,
-}  # fmt: skip
+    "offset": INT,
+    "resume": INT,
+    "partial": list_of(BYTES),
+    "digest": BYTES,
+    "identity": opt(pair(INT, INT)),
+    "started": BOOL,
+    "ended": BOOL,
+    "size_at_end": INT,
+    "exit_seen": BOOL,
+    "head": BYTES,
+}
 RANK = {
-    "known": list_of(BYTES), "summary": list_of(pair(opt(BYTES), BYTES)), "exit": opt(BYTES),
-    "steps": pair(INT, opt(INT)), "seq": INT, "last_key": list_of(INT), "last_rows": INT,
-    "globs": list_of(BYTES), "named": list_of(STR), "spool": opt(STR),
-}  # fmt: skip
+    "known": list_of(BYTES),
+    "summary": list_of(pair(opt(BYTES), BYTES)),
+    "exit": opt(BYTES),
+    "steps": pair(INT, opt(INT)),
+    "seq": INT,
+    "last_key": list_of(INT),
+    "last_rows": INT,
+    "globs": list_of(BYTES),
+    "named": list_of(STR),
+    "spool": opt(STR),
+}
 # `MergedRankStats.state()`, one per kind of statistics (`--skew-metrics`, `--rank-stats`):
 # its arrays as their bytes
 ACROSS = {
-    "statistics": list_of(STR), "keys": list_of(BYTES),
+    "statistics": list_of(STR),
+    "keys": list_of(BYTES),
     "pending": list_of(pair(BYTES, BYTES, BYTES, BYTES)),
     "last": {"keys": BYTES, "columns": list_of(pair(STR, BYTES))},
-}  # fmt: skip
+}
 STATE = {
     "rounds": INT,
     "rows_sent": INT,
@@ -124,7 +142,7 @@ STATE = {
         "labelled": list_of(BYTES),
         "names": list_of(list_of(STR)),
         "reserved": list_of(BYTES),
-    },  # fmt: skip
+    },
     "events": list_of(pair(list_of(INT), BYTES)),
     "seen": list_of(BYTES),
     "across": list_of(ACROSS),
@@ -132,26 +150,30 @@ STATE = {
         "end": INT,
         "digest": BYTES,
         "writers": str_map(pair(list_of(INT), list_of(INT), BYTES)),
-    },  # fmt: skip
+    },
 }
 
 
 # The shape of `LivePassthrough.state()` (a pass-through target: `new`, `auto`).
 PASSTHROUGH = {
-    **{name: STATE[name] for name in ("rounds", "rows_sent", "held", "step_runs", "last_row",
-                                      "readers", "spool")},
+    **{
+        name: STATE[name]
+        for name in ("rounds", "rows_sent", "held", "step_runs", "last_row", "readers", "spool")
+    },
     "head": list_of(BYTES),
     "before_run": list_of(BYTES),
     "waiting": list_of(pair(opt(STR), INT, BYTES)),
     "steps": pair(INT, opt(INT)),
     "summary": list_of(pair(list_of(STR), BOOL, BYTES)),
-}  # fmt: skip
+}
 
 # How far a follower counted each log's steps (`tails.ScannedLog.state`), by path
-SCANS = str_map({
-    "counts": pair(INT, INT, opt(INT), opt(INT), BOOL, opt(INT)),
-    "place": {"current": INT, "sources": list_of(SOURCE)},
-})  # fmt: skip
+SCANS = str_map(
+    {
+        "counts": pair(INT, INT, opt(INT), opt(INT), BOOL, opt(INT)),
+        "place": {"current": INT, "sources": list_of(SOURCE)},
+    }
+)
 
 
 def encode(value: object, kind: object) -> object:
@@ -270,8 +292,9 @@ def save(
 ) -> None:
     """Replace the state saved in `place` by `state`, atomically; raises OSError."""
     place.mkdir(parents=True, exist_ok=True)
-    body = json.dumps({"made_for": made, "state": encode(state, shape)},
-                      separators=(",", ":")).encode()  # fmt: skip
+    body = json.dumps(
+        {"made_for": made, "state": encode(state, shape)}, separators=(",", ":")
+    ).encode()
     header = {"format": FORMAT, "version": VERSION, "digest": body_digest(body)}
     temporary = place / f".{name}.{os.getpid()}"
     try:

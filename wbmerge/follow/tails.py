@@ -84,8 +84,17 @@ class _Source:
 
 
 # What `LiveReaders.positions` keeps of each source (`_Source`'s fields but its path)
-PLACE = ("offset", "resume", "partial", "digest", "identity", "started", "ended",
-         "size_at_end", "exit_seen")  # fmt: skip
+PLACE = (
+    "offset",
+    "resume",
+    "partial",
+    "digest",
+    "identity",
+    "started",
+    "ended",
+    "size_at_end",
+    "exit_seen",
+)
 
 
 def _digest(data: bytes) -> bytes:

@@ -113,8 +113,9 @@ def _given(row: Mapping, where: str) -> GivenRank:
             continue
         number = None if isinstance(value, bool) else rank_number(str(value))
         if number is None:
-            raise WbmergeError(f"{where}: {column} must be a whole number from 0 to "
-                               f"{MAX_RANKS - 1}, not {value!r}")  # fmt: skip
+            raise WbmergeError(
+                f"{where}: {column} must be a whole number from 0 to {MAX_RANKS - 1}, not {value!r}"
+            )
         numbers[column] = number
     if numbers["rank"] is None:
         raise WbmergeError(f"{where}: no rank")

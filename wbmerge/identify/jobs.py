@@ -537,9 +537,22 @@ def _shared_label(labels: Mapping[int, str], ranks: Mapping[int, int]) -> bool:
 # data shard, its device or host. A key whose name holds one (`seed`, `data_shard`,
 # `shardSeed`, `device`) may differ from rank to rank in one job.
 _PER_PROCESS_WORDS = frozenset(
-    {"seed", "shard", "rank", "device", "gpu", "cuda", "host", "hostname", "node",
-     "worker", "pid", "port", "process"}
-)  # fmt: skip
+    {
+        "seed",
+        "shard",
+        "rank",
+        "device",
+        "gpu",
+        "cuda",
+        "host",
+        "hostname",
+        "node",
+        "worker",
+        "pid",
+        "port",
+        "process",
+    }
+)
 _WORDS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+")
 
 
@@ -548,8 +561,9 @@ def is_per_process(key: str) -> bool:
     words (split at `_`, `/`, `.`, `-` and camelCase; a plural as its singular) is a seed,
     a shard, a rank, a device, a host and the like."""
     words = (word.lower() for word in _WORDS.findall(key))
-    return any(word in _PER_PROCESS_WORDS or word.removesuffix("s") in _PER_PROCESS_WORDS
-               for word in words)  # fmt: skip
+    return any(
+        word in _PER_PROCESS_WORDS or word.removesuffix("s") in _PER_PROCESS_WORDS for word in words
+    )
 
 
 def _warn_of_differing_config(

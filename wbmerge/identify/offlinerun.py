@@ -123,9 +123,14 @@ class OfflineRun:
         """This run, which a merge wrote, as the target that uploads it unchanged."""
         assert self.merged is not None, "only a merge's output is a merged target"
         return merged_target(
-            self.path, self.run_id, self.merged, self.group, self.display_name, self.job_type,
+            self.path,
+            self.run_id,
+            self.merged,
+            self.group,
+            self.display_name,
+            self.job_type,
             self.start_time,
-        )  # fmt: skip
+        )
 
     def source(self) -> Source:
         """This run as a source of the runs a merge makes (after `identify` gave its rank)."""

@@ -338,6 +338,6 @@ def gpus_in_order(
             if c.source == "gpu" and i in renumbered
             else c
             for c in claims
-        ]  # fmt: skip
+        ]
         for i, claims in candidates.items()
     }

@@ -30,8 +30,10 @@ def walk(
     segment_ends = struct.unpack(f"<{count}q", ends)
     if len(ended) != count:
         raise ValueError("ended: one byte per segment expected")
-    if not all(isinstance(given, list) and all(type(piece) is bytes for piece in given)
-               for given in partials):  # fmt: skip
+    if not all(
+        isinstance(given, list) and all(type(piece) is bytes for piece in given)
+        for given in partials
+    ):
         raise TypeError("partials: a list of bytes per segment expected")
     joined = bytearray()
     record_starts: list[int] = []

@@ -106,9 +106,16 @@ class ArtifactRecords:
                 continue  # a reference: the uploader reads nothing
             tags = [extra.value_json for extra in entry.extra if extra.key == _ALGORITHM_TAG]
             copy, size, md5 = self._take(
-                finder, artifact.name, label, entry.path, entry.local_path, index,
-                entry.size, entry.digest, _tagged(tags),
-            )  # fmt: skip
+                finder,
+                artifact.name,
+                label,
+                entry.path,
+                entry.local_path,
+                index,
+                entry.size,
+                entry.digest,
+                _tagged(tags),
+            )
             entry.local_path = str(copy)
             files.append((entry.path, size, md5))
         entries = len(artifact.manifest.contents)
@@ -135,10 +142,14 @@ class ArtifactRecords:
         must leave on the server. A distributed artifact is one, holding every part's
         files, once the merge has read its `finish_artifact` record."""
         distributed = [
-            LoggedArtifact(name, None, tuple(dict.fromkeys(self.parts[(name, key)])),
-                           self.part_entries[(name, key)])
+            LoggedArtifact(
+                name,
+                None,
+                tuple(dict.fromkeys(self.parts[(name, key)])),
+                self.part_entries[(name, key)],
+            )
             for name, key in dict.fromkeys(self.finished)
-        ]  # fmt: skip
+        ]
         return self.whole + distributed
 
     def _take(
@@ -191,9 +202,16 @@ class ArtifactRecords:
                     extra = entry.get("extra")
                     tag = extra.get(_ALGORITHM_TAG) if isinstance(extra, dict) else None
                     copy, size, md5 = self._take(
-                        finder, artifact.name, label, entry["path"], entry["local_path"], at,
-                        int(entry.get("size") or 0), entry["digest"], tag,
-                    )  # fmt: skip
+                        finder,
+                        artifact.name,
+                        label,
+                        entry["path"],
+                        entry["local_path"],
+                        at,
+                        int(entry.get("size") or 0),
+                        entry["digest"],
+                        tag,
+                    )
                     entry["local_path"] = str(copy)
                     files.append((entry["path"], size, md5))
                 zipped.write(json.dumps(entry).encode() + b"\n")

@@ -86,8 +86,9 @@ def write_passthrough(
                     if index == 0:
                         writer.write(rewrite_run(payload, target, options))
                         body.release()
-                    elif (config := passed_record(kind, payload, source, options, artifacts,
-                                                  warnings)) is not None:  # fmt: skip
+                    elif (
+                        config := passed_record(kind, payload, source, options, artifacts, warnings)
+                    ) is not None:
                         body.write(config)
                 elif kind == "exit":
                     exit_payload = payload
@@ -95,8 +96,9 @@ def write_passthrough(
                     if index == 0:  # (once)
                         writer.write(payload)
                 else:
-                    passed = passed_record(kind, payload, source, options, artifacts,
-                                           warnings, moved.get(at))  # fmt: skip
+                    passed = passed_record(
+                        kind, payload, source, options, artifacts, warnings, moved.get(at)
+                    )
                     if passed is not None:
                         body.write(passed)
             body.write_many(frames.data, starts[done:], ends[done:])

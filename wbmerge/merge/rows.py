@@ -130,13 +130,15 @@ def write_merged(
     pieces: list[bytes] = []
     ends: list[int] = []
     end = 0
-    for index, (a, b, step, slow) in enumerate(zip(
-        firsts.tolist(),
-        [*firsts[1:].tolist(), count],
-        steps[firsts].tolist(),
-        odd.tolist(),
-        strict=True,
-    )):  # fmt: skip
+    for index, (a, b, step, slow) in enumerate(
+        zip(
+            firsts.tolist(),
+            [*firsts[1:].tolist(), count],
+            steps[firsts].tolist(),
+            odd.tolist(),
+            strict=True,
+        )
+    ):
         if slow:
             ranks = rows.ranks[a:b].tolist()
             group = [(rank, rows.row(i)) for i, rank in zip(range(a, b), ranks, strict=True)]

@@ -158,10 +158,12 @@ class SharedMerge:
         # statistics across ranks
         self.across = [
             kind(options.key_format, RESERVED)
-            for kind, chosen in ((MergedSpreads, options.skew_metrics),
-                                 (MergedRankStats, options.rank_stats))
+            for kind, chosen in (
+                (MergedSpreads, options.skew_metrics),
+                (MergedRankStats, options.rank_stats),
+            )
             if chosen
-        ]  # fmt: skip
+        ]
         self.table = KeyTable([state.keys for state in self.states.values()])
         self.summaries = [state.summary for state in self.states.values()]
         self.slot_rank = np.array(list(self.by_rank), np.int64)
@@ -211,12 +213,16 @@ class SharedMerge:
             if rank != self.primary
         ]
         options = self.options
-        payload = other_ranks_config(self.states[self.primary].config, others,
-                                     options.key_format)  # fmt: skip
+        payload = other_ranks_config(self.states[self.primary].config, others, options.key_format)
         record = pb.Record.FromString(payload) if payload is not None else pb.Record()
         for _, state in sorted(self.states.items()):
-            entries = labelled_entries(state.logged, state.source.label, options.key_format,
-                                       state.keys.user_keys, options.per_rank.keeps)  # fmt: skip
+            entries = labelled_entries(
+                state.logged,
+                state.source.label,
+                options.key_format,
+                state.keys.user_keys,
+                options.per_rank.keeps,
+            )
             logged_entries_record(entries, record)
         return record.SerializeToString() if record.config.update else None
 
@@ -242,9 +248,14 @@ class SharedMerge:
         found: dict[bytes, None] = {}
         for state in self.states.values():
             for payload in glob_definitions(
-                state.globs, state.named, state.keys.user_keys, state.source.label,
-                self.options.key_format, self.options.per_rank, prefixes.get(state.source.label),
-            ):  # fmt: skip
+                state.globs,
+                state.named,
+                state.keys.user_keys,
+                state.source.label,
+                self.options.key_format,
+                self.options.per_rank,
+                prefixes.get(state.source.label),
+            ):
                 if self.is_news(payload):
                     found[payload] = None
         return list(found)
@@ -290,9 +301,12 @@ class SharedMerge:
         self._write_ready(None)
 
     def take_turns(
-        self, readers: Readers, spools: Spools, open_ranks: Callable[[], list[int]] | None = None,
+        self,
+        readers: Readers,
+        spools: Spools,
+        open_ranks: Callable[[], list[int]] | None = None,
         cap: tuple | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Read `readers` in turns until they have nothing more, writing after each turn
         everything every rank in `open_ranks()` (ranks that may still give records: by
         default those with records left) has reached, and no further than `cap`.
@@ -330,10 +344,7 @@ class SharedMerge:
         if len(self.pending):
             found, number = np.unique(self.pending.ranks, return_counts=True)
             counts = dict(zip(found.tolist(), number.tolist(), strict=True))
-        due = [
-            rank for rank in live
-            if counts.get(rank, 0) <= self.states[rank].last_rows // 2
-        ]  # fmt: skip
+        due = [rank for rank in live if counts.get(rank, 0) <= self.states[rank].last_rows // 2]
         due.sort(key=lambda rank: self.states[rank].last_key)
         return due[:most]
 
@@ -345,9 +356,13 @@ class SharedMerge:
         ranges = np.cumsum([0, *(read.records for read in reads)])
         history_ranges = np.searchsorted(history, ranges)
         for read, lo, hi, h_lo, h_hi in zip(
-            reads, ranges[:-1].tolist(), ranges[1:].tolist(),
-            history_ranges[:-1].tolist(), history_ranges[1:].tolist(), strict=True,
-        ):  # fmt: skip
+            reads,
+            ranges[:-1].tolist(),
+            ranges[1:].tolist(),
+            history_ranges[:-1].tolist(),
+            history_ranges[1:].tolist(),
+            strict=True,
+        ):
             state = self.states[read.rank]
             source = self.by_rank[read.rank][read.source]
             if read.starts:
@@ -366,9 +381,13 @@ class SharedMerge:
                 at_row = np.searchsorted(history[h_lo:h_hi], others)
                 for record, after in zip(others.tolist(), last[at_row].tolist(), strict=True):
                     event = self._other_event(
-                        frames.payload(record), read_index.kind(record), state, read.source,
-                        source, state.spool,
-                    )  # fmt: skip
+                        frames.payload(record),
+                        read_index.kind(record),
+                        state,
+                        read.source,
+                        source,
+                        state.spool,
+                    )
                     if event is not None:
                         state.seq += 1
                         key = (after, 1, read.rank, state.seq)
@@ -377,9 +396,11 @@ class SharedMerge:
             if read.ended:
                 complete = state.exit_payload is not None
                 more = read.source < len(self.by_rank[read.rank]) - 1
-                self._warn(read.rank, read.source, damage_warnings(
-                    source, read.report, complete or more, self.primary
-                ))  # fmt: skip
+                self._warn(
+                    read.rank,
+                    read.source,
+                    damage_warnings(source, read.report, complete or more, self.primary),
+                )
         kept = placed >= 0
         slot_of_record = np.repeat(
             np.array([self.states[read.rank].slot for read in reads], np.int64),

@@ -84,7 +84,7 @@ class Target:
                     "restart": s.restart,
                 }
                 for s in self.sources
-            ],  # fmt: skip
+            ],
             "system_metrics_from": [
                 {"path": str(s.path.parent), "rank": s.rank.rank, "label": s.label}
                 for s in self.extra_system_sources

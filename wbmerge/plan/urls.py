@@ -33,10 +33,14 @@ def links(
     """The links the online plugin shows: runs, or for `new` one per group."""
     if run_mode == "new":
         groups = dict.fromkeys(t.group for t in targets if t.group)
-        return [{"kind": "group", "name": g, "url": group_url(app_url, entity, project, g)}
-                for g in groups]  # fmt: skip
-    return [{"kind": "run", "name": t.id, "url": run_url(app_url, entity, project, t.id)}
-            for t in targets]  # fmt: skip
+        return [
+            {"kind": "group", "name": g, "url": group_url(app_url, entity, project, g)}
+            for g in groups
+        ]
+    return [
+        {"kind": "run", "name": t.id, "url": run_url(app_url, entity, project, t.id)}
+        for t in targets
+    ]
 
 
 def app_url(base_url: str) -> str:

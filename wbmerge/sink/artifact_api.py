@@ -128,11 +128,18 @@ def use_artifact(store: Store, v: dict[str, Any], base_url: str) -> dict:
     artifact = parse_id("Artifact", spec.get("artifactID"))
     store.artifacts.use(entity, project, run, artifact)
     facts = store.artifacts.version(artifact)
-    return {"useArtifact": {"artifact": {
-        "id": server_id("Artifact", artifact), "digest": facts["digest"],
-        "description": facts["description"], "state": facts["state"],
-        "createdAt": facts["created"], "metadata": json.dumps(facts["metadata"]),
-    }}}  # fmt: skip
+    return {
+        "useArtifact": {
+            "artifact": {
+                "id": server_id("Artifact", artifact),
+                "digest": facts["digest"],
+                "description": facts["description"],
+                "state": facts["state"],
+                "createdAt": facts["created"],
+                "metadata": json.dumps(facts["metadata"]),
+            }
+        }
+    }
 
 
 def client_id_mapping(store: Store, v: dict[str, Any], base_url: str) -> dict:
@@ -241,7 +248,7 @@ def _artifact_fragment(facts: dict[str, Any]) -> dict[str, Any]:
                 "artifactCollection": collection,
             }
             for alias in facts["aliases"]
-        ],  # fmt: skip
+        ],
     }
 
 
@@ -265,8 +272,11 @@ def _run_artifacts(role: str) -> Any:
         page = versions[start : start + per_page]
         edges = [{"node": _artifact_fragment(facts)} for facts in page]
         end = str(start + len(page) - 1) if page else None
-        info = {"__typename": "PageInfo", "endCursor": end,
-                "hasNextPage": start + per_page < len(versions)}  # fmt: skip
+        info = {
+            "__typename": "PageInfo",
+            "endCursor": end,
+            "hasNextPage": start + per_page < len(versions),
+        }
         artifacts = {"totalCount": len(versions), "pageInfo": info, "edges": edges}
         return {"project": {"run": {"artifacts": artifacts}}}
 
@@ -277,8 +287,11 @@ def _membership(facts: dict[str, Any]) -> dict[str, Any]:
     """A version as the public API's `ArtifactMembershipFragment` has it: the version in
     its own collection (the sink links no version into other collections)."""
     artifact = _artifact_fragment(facts)
-    collection = {"__typename": "ArtifactSequence", "name": facts["name"],
-                  "project": artifact["artifactSequence"]["project"]}  # fmt: skip
+    collection = {
+        "__typename": "ArtifactSequence",
+        "name": facts["name"],
+        "project": artifact["artifactSequence"]["project"],
+    }
     aliases = [
         {"__typename": "ArtifactAlias", "id": f"{facts['collection_id']}:{alias}", "alias": alias}
         for alias in facts["aliases"]
@@ -370,8 +383,11 @@ def _membership_files(with_details: bool) -> Any:
         page = files[start : start + per_page]
         edges = []
         for i, f in enumerate(page):
-            node: dict[str, Any] = {"__typename": "File", "name": f["name"],
-                                    "directUrl": read_url(store, base_url, found, f["name"])}  # fmt: skip
+            node: dict[str, Any] = {
+                "__typename": "File",
+                "name": f["name"],
+                "directUrl": read_url(store, base_url, found, f["name"]),
+            }
             if with_details:
                 node.update(
                     id=server_id("File", start + i),
@@ -384,14 +400,23 @@ def _membership_files(with_details: bool) -> Any:
                     md5=f["md5"],
                 )
             edges.append({"node": node, "cursor": str(start + i)})
-        info = {"__typename": "PageInfo", "endCursor": edges[-1]["cursor"] if edges else None,
-                "hasNextPage": start + per_page < len(files)}  # fmt: skip
+        info = {
+            "__typename": "PageInfo",
+            "endCursor": edges[-1]["cursor"] if edges else None,
+            "hasNextPage": start + per_page < len(files),
+        }
         connection: dict[str, Any] = {"pageInfo": info, "edges": edges}
         if with_details:
             connection["totalCount"] = len(files)
         membership = {"files": connection}
-        return {"project": {"artifactCollection": {"__typename": "ArtifactSequence",
-                                                   "artifactMembership": membership}}}  # fmt: skip
+        return {
+            "project": {
+                "artifactCollection": {
+                    "__typename": "ArtifactSequence",
+                    "artifactMembership": membership,
+                }
+            }
+        }
 
     return answer
 
@@ -406,7 +431,7 @@ def _run_info(entity: str, project: str, run: str) -> dict[str, Any]:
             "internalId": server_id("Project", 0),
             "name": project,
             "entity": {"name": entity},
-        },  # fmt: skip
+        },
     }
 
 

@@ -20,8 +20,18 @@ from aiohttp import web
 _RANK_SUFFIX = re.compile(r"^(?P<key>.+)/(?P<label>rank-\d+|worker-\d+-rank-\d+)$")
 _SYSTEM_SUFFIX = re.compile(r"^(?P<key>.+)/l:(?P<label>.+)$")
 _HIDDEN = ("_step", "_runtime", "_timestamp", "_wandb")
-COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-          "#bcbd22", "#17becf"]  # fmt: skip
+COLORS = [
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+]
 MAX_POINTS = 800
 
 STYLE = """
@@ -50,9 +60,10 @@ def add_routes(app: web.Application, store_key: web.AppKey) -> None:
     async def group_page(request: web.Request) -> web.Response:
         m = request.match_info
         runs = [
-            r for r in request.app[store_key].runs(m["entity"], m["project"])
+            r
+            for r in request.app[store_key].runs(m["entity"], m["project"])
             if r["group"] == m["group"]
-        ]  # fmt: skip
+        ]
         if not runs:
             raise web.HTTPNotFound(text="no such group")
         body = f"<h1>group {_e(m['group'])}</h1>" + _run_table(runs)
@@ -153,8 +164,10 @@ def run_html(run: dict) -> str:
 
 def _artifact_table(versions: list[dict]) -> str:
     """A table of artifact versions: name:version, type, digest, state, files."""
-    rows = ["<tr><th>artifact</th><th>type</th><th>digest</th><th>state</th><th>aliases</th>"
-            "<th>files</th></tr>"]  # fmt: skip
+    rows = [
+        "<tr><th>artifact</th><th>type</th><th>digest</th><th>state</th><th>aliases</th>"
+        "<th>files</th></tr>"
+    ]
     for v in versions:
         files = "".join(
             f"<li>{_e(f['name'])} ({_e('not arrived' if f['size'] is None else f['size'])}"
@@ -227,13 +240,15 @@ def _svg_chart(
     def sy(y: float) -> float:
         return h - 18 - (y - y0) / (y1 - y0) * (h - 30)
 
-    svg = [f"<svg width='{w}' height='{h}' xmlns='http://www.w3.org/2000/svg' role='img'>",
-           f"<rect x='{pad}' y='8' width='{w - pad - 8}' height='{h - 26}' fill='#fafafa' "
-           "stroke='#ccc'/>",
-           f"<text x='2' y='16' font-size='10'>{_num(y1)}</text>",
-           f"<text x='2' y='{h - 18}' font-size='10'>{_num(y0)}</text>",
-           f"<text x='{pad}' y='{h - 4}' font-size='10'>{_num(x0)}</text>",
-           f"<text x='{w - 60}' y='{h - 4}' font-size='10'>{_num(x1)}</text>"]  # fmt: skip
+    svg = [
+        f"<svg width='{w}' height='{h}' xmlns='http://www.w3.org/2000/svg' role='img'>",
+        f"<rect x='{pad}' y='8' width='{w - pad - 8}' height='{h - 26}' fill='#fafafa' "
+        "stroke='#ccc'/>",
+        f"<text x='2' y='16' font-size='10'>{_num(y1)}</text>",
+        f"<text x='2' y='{h - 18}' font-size='10'>{_num(y0)}</text>",
+        f"<text x='{pad}' y='{h - 4}' font-size='10'>{_num(x0)}</text>",
+        f"<text x='{w - 60}' y='{h - 4}' font-size='10'>{_num(x1)}</text>",
+    ]
     legend = []
     for i, (label, line) in enumerate(sorted(lines.items(), key=lambda kv: _natural(kv[0]))):
         color = COLORS[i % len(COLORS)]

@@ -64,8 +64,17 @@ class LocalSink:
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         port_file = self.data_dir / "port"
         port_file.unlink(missing_ok=True)
-        command = [sys.executable, "-m", "wbmerge.sink", "--port", str(self.port),
-                   "--data", str(self.data_dir), "--port-file", str(port_file)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "wbmerge.sink",
+            "--port",
+            str(self.port),
+            "--data",
+            str(self.data_dir),
+            "--port-file",
+            str(port_file),
+        ]
         for fault in self.faults:
             command += ["--fault", fault]
         if self.allow_faults:

@@ -225,8 +225,14 @@ def _run_resume_status(store: Store, v: dict[str, Any], base_url: str) -> dict:
             "tags": run["tags"],
             "wandbConfig": json.dumps({}),
         }
-    return {"model": {"id": f"{entity}/{project}", "name": project, "entity": {"id": entity,
-            "name": entity}, "bucket": bucket}}  # fmt: skip
+    return {
+        "model": {
+            "id": f"{entity}/{project}",
+            "name": project,
+            "entity": {"id": entity, "name": entity},
+            "bucket": bucket,
+        }
+    }
 
 
 def _run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
@@ -277,11 +283,19 @@ def _run_files(store: Store, v: dict[str, Any], base_url: str) -> dict:
         edges.append({"node": node, "cursor": str(start + i)})
     end = edges[-1]["cursor"] if edges else None
     info = {"endCursor": end, "hasNextPage": start + limit < len(files)}
-    return {"project": {"internalId": public_api.project_id(entity, project), "run": {
-        "state": run["state"], "displayName": run["display_name"] or run["id"],
-        "group": run["group"], "jobType": run["job_type"], "fileCount": file_count,
-        "files": {"edges": edges, "pageInfo": info},
-    }}}  # fmt: skip
+    return {
+        "project": {
+            "internalId": public_api.project_id(entity, project),
+            "run": {
+                "state": run["state"],
+                "displayName": run["display_name"] or run["id"],
+                "group": run["group"],
+                "jobType": run["job_type"],
+                "fileCount": file_count,
+                "files": {"edges": edges, "pageInfo": info},
+            },
+        }
+    }
 
 
 def like(pattern: str, text: str) -> bool:

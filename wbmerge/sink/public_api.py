@@ -189,8 +189,10 @@ def runs(store: Store, v: dict[str, Any], base_url: str, query: str) -> dict:
         run = store.run(entity, project, brief["id"])
         if run is not None:
             edges.append({"node": _run_node(store, run, query), "cursor": str(start + i)})
-    info = {"endCursor": edges[-1]["cursor"] if edges else None,
-            "hasNextPage": start + per_page < len(found)}  # fmt: skip
+    info = {
+        "endCursor": edges[-1]["cursor"] if edges else None,
+        "hasNextPage": start + per_page < len(found),
+    }
     return {
         "project": {
             "internalId": project_id(entity, project),

@@ -359,8 +359,11 @@ class Store:
                 self._record_view(entity, project, name, pk)
         counts = self._lagging.view(key, self.like.lag) or NOTHING_YET
         tail = self._lagging.view(key, self.like.tail_seconds) or NOTHING_YET
-        return {**run, **{field: counts[field] for field in LAGGING_FIELDS[:3]},
-                **{field: tail[field] for field in LAGGING_FIELDS[3:]}}  # fmt: skip
+        return {
+            **run,
+            **{field: counts[field] for field in LAGGING_FIELDS[:3]},
+            **{field: tail[field] for field in LAGGING_FIELDS[3:]},
+        }
 
     def _counts_and_tails(self, pk: int) -> dict[str, Any]:
         """A run's line counts (the highest offset held plus one) and its last history and

@@ -76,8 +76,11 @@ class LikeWandb:
         """The behaviours `wbmerge sink serve`'s switches name: `like_wandb` turns all on,
         and each switch given (not None) sets its own; a rate given turns the limits on."""
         base = cls.all_on() if like_wandb else cls()
-        rates = {"run_requests": run_rate, "project_requests": project_rate,
-                 "project_bytes": project_bytes}  # fmt: skip
+        rates = {
+            "run_requests": run_rate,
+            "project_requests": project_rate,
+            "project_bytes": project_bytes,
+        }
         given = {name: value for name, value in rates.items() if value is not None}
         if limits is None:
             limits = True if given else base.limits is not None
@@ -91,16 +94,25 @@ class LikeWandb:
 
     def cli_args(self) -> list[str]:
         """The switches of `wbmerge sink serve` that make a sink behave so."""
-        args = ["--write-cursor" if self.write_cursor else "--no-write-cursor",
-                "--lag", repr(float(self.lag)),
-                "--sampling" if self.sampling else "--no-sampling"]  # fmt: skip
+        args = [
+            "--write-cursor" if self.write_cursor else "--no-write-cursor",
+            "--lag",
+            repr(float(self.lag)),
+            "--sampling" if self.sampling else "--no-sampling",
+        ]
         if self.tail_lag is not None:
             args += ["--tail-lag", repr(float(self.tail_lag))]
         if self.limits is None:
             return [*args, "--no-limits"]
-        return [*args, "--run-rate", repr(self.limits.run_requests),
-                "--project-rate", repr(self.limits.project_requests),
-                "--project-bytes", repr(self.limits.project_bytes)]  # fmt: skip
+        return [
+            *args,
+            "--run-rate",
+            repr(self.limits.run_requests),
+            "--project-rate",
+            repr(self.limits.project_requests),
+            "--project-bytes",
+            repr(self.limits.project_bytes),
+        ]
 
     def describe(self) -> str:
         """The behaviours on, for the start-up line ("" when none is)."""

@@ -115,12 +115,16 @@ class VerifyReport:
         sending again never removes what the server holds. `merged`: the runs' ids were
         chosen by a merge, so other ids come from merging again."""
         broken = [run for run in self.runs if not run.whole]
-        by_mend = {mend: [run.target.id for run in broken if run.mend == mend]
-                   for mend in ("resend", "other ids", "verify", "none")}  # fmt: skip
+        by_mend = {
+            mend: [run.target.id for run in broken if run.mend == mend]
+            for mend in ("resend", "other ids", "verify", "none")
+        }
         parts = []
         if ids := by_mend["resend"]:
-            parts.append("`wbmerge sync --resend` with them sends the runs whole again over "
-                         f"what the server holds, which mends {few(ids)}")  # fmt: skip
+            parts.append(
+                "`wbmerge sync --resend` with them sends the runs whole again over "
+                f"what the server holds, which mends {few(ids)}"
+            )
         if ids := by_mend["other ids"]:
             how = "merge them again with --base-id ID" if merged else "sync with --base-id ID"
             parts.append(
@@ -131,8 +135,9 @@ class VerifyReport:
         if ids := by_mend["verify"]:
             parts.append(f"{few(ids)} could not be checked: run verify again")
         if ids := by_mend["none"]:
-            parts.append(f"no upload mends {few(ids)}: its line says what the files hold "
-                         "that the merge lost")  # fmt: skip
+            parts.append(
+                f"no upload mends {few(ids)}: its line says what the files hold that the merge lost"
+            )
         return "; ".join(parts)
 
 
@@ -143,8 +148,15 @@ def plan_verified(request: MergeRequest, uploaded_by: UploadedBy) -> list[Planne
         return plan_jobs(request)
     if uploaded_by != "wandb":
         raise WbmergeError(f"uploaded_by takes 'wbmerge' or 'wandb', not {uploaded_by!r}")
-    given = [name for name, value in (("--run-mode", request.run_mode),
-             ("--rank-scope", request.rank_scope), ("--base-id", request.base_id)) if value]  # fmt: skip
+    given = [
+        name
+        for name, value in (
+            ("--run-mode", request.run_mode),
+            ("--rank-scope", request.rank_scope),
+            ("--base-id", request.base_id),
+        )
+        if value
+    ]
     if given:
         raise WbmergeError(
             f"{given[0]} does not apply to --uploaded-by wandb: plain `wandb sync` uploads "
@@ -196,8 +208,16 @@ def verify_jobs(
             staging = make_staging()
             late = LateCounts(note)
             for index, job in enumerate(planned):
-                _verify_job(request, job, client, credentials, viewer_entity,
-                            staging / f"job-{index}", report, late)  # fmt: skip
+                _verify_job(
+                    request,
+                    job,
+                    client,
+                    credentials,
+                    viewer_entity,
+                    staging / f"job-{index}",
+                    report,
+                    late,
+                )
         finally:
             client.close()
             if staging is not None:
@@ -241,8 +261,15 @@ def _verify_job(
             if not held.exists:
                 verdict.problems = ["the server holds no such run"]
                 continue
-            on_server = RunOnServer(client, entity, job.project, made, held, content,
-                                    every_value=request.verify == "full")  # fmt: skip
+            on_server = RunOnServer(
+                client,
+                entity,
+                job.project,
+                made,
+                held,
+                content,
+                every_value=request.verify == "full",
+            )
             verdict.problems = prove(on_server, WHOLE)
             if verdict.problems:
                 verdict.mend = _mend(content, held, staged.log_path)

@@ -156,8 +156,9 @@ class Deliverer:
         self._uploader_of: dict[str, Uploader] = {}
         # Daemon threads: a Ctrl-C does not wait for a question to the server to end.
         for number in range(PREPARERS):
-            threading.Thread(target=self._prepare_each, name=f"wbmerge-prepare-{number}",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._prepare_each, name=f"wbmerge-prepare-{number}", daemon=True
+            ).start()
         self._dispatcher = threading.Thread(target=self._dispatch, daemon=True)
         self._dispatcher.start()
         self._stand_by()
@@ -184,8 +185,10 @@ class Deliverer:
             self._before[delivery.run_id] = self._counts[delivery.run_id] = counts
             self._entity_seen = self._entity_seen or held.entity
         if delivery.row_before is not None and held.history_lines != delivery.rows_cut:
-            raise Mismatch(f"the server holds {held.history_lines} history rows, not the "
-                           f"{delivery.rows_cut} the rounds before sent")  # fmt: skip
+            raise Mismatch(
+                f"the server holds {held.history_lines} history rows, not the "
+                f"{delivery.rows_cut} the rounds before sent"
+            )
         # Whatever is sent of the run continues at the rows held now (the remainder below
         # cuts exactly these), wherever wandb-core would begin; a run sent again whole
         # begins at its first row, and each line replaces the one at its place.
@@ -256,9 +259,16 @@ class Deliverer:
         if not behind(held):
             return held
         self._say_lagging()
-        return counts_caught_up(self.client, self.entity, self.project, delivery.run_id,
-                                held, behind, time.monotonic() + COUNTS_LAG,
-                                self._stop_asked)  # fmt: skip
+        return counts_caught_up(
+            self.client,
+            self.entity,
+            self.project,
+            delivery.run_id,
+            held,
+            behind,
+            time.monotonic() + COUNTS_LAG,
+            self._stop_asked,
+        )
 
     def submit(self, delivery: Delivery) -> None:
         """Hand over one staged run: it is prepared in a thread of its own while the next runs
@@ -431,9 +441,14 @@ class Deliverer:
         number = self._uploaders_made
         self._uploaders_made += 1
         relayed = Credentials(self.relay.url, self.credentials.api_key)
-        return Uploader(relayed, self.project, self.entity,
-                        self.workdir / f"batch-{number}", self.timeout,
-                        owner=self.owner)  # fmt: skip
+        return Uploader(
+            relayed,
+            self.project,
+            self.entity,
+            self.workdir / f"batch-{number}",
+            self.timeout,
+            owner=self.owner,
+        )
 
     def _stand_by(self) -> None:
         """Start the next batch's uploader now, unless one waits already or all is sent.
@@ -498,8 +513,15 @@ class Deliverer:
             return [], 0
         coming = self._preparing + self._unsubmitted()
         waited = time.monotonic() - self._ready[-1][1]
-        count = batch_size(len(self._ready), coming, len(self._uploading), self.slots.free,
-                           self.slots.limit, waited, self.slots.idle)  # fmt: skip
+        count = batch_size(
+            len(self._ready),
+            coming,
+            len(self._uploading),
+            self.slots.free,
+            self.slots.limit,
+            waited,
+            self.slots.idle,
+        )
         batch = [d for d, _ in self._ready[:count]]
         del self._ready[:count]
         lanes = batch_lanes(count, coming, len(self._uploading), self.slots.free, self.slots.limit)
@@ -611,9 +633,16 @@ class Deliverer:
             held = self.client.held(self.entity, self.project, run_id)
             if late := counts_behind(content, held) and not errors:
                 self._say_lagging()
-                held = counts_caught_up(self.client, self.entity, self.project, run_id, held,
-                                        lambda h: counts_behind(content, h),
-                                        ended + COUNTS_LAG, self._stop_asked)  # fmt: skip
+                held = counts_caught_up(
+                    self.client,
+                    self.entity,
+                    self.project,
+                    run_id,
+                    held,
+                    lambda h: counts_behind(content, h),
+                    ended + COUNTS_LAG,
+                    self._stop_asked,
+                )
         except ServerError as exc:
             delivery.problems.append(f"could not be verified: {exc}")
             return
@@ -633,8 +662,9 @@ class Deliverer:
 
     def _on_server(self, delivery: Delivery, held: Held, content: StagedContent) -> RunOnServer:
         """The run as staged and as the server holds it, for the checks of `verify.proof`."""
-        return RunOnServer(self.client, self.entity, self.project, delivery, held, content,
-                           self.every_value)  # fmt: skip
+        return RunOnServer(
+            self.client, self.entity, self.project, delivery, held, content, self.every_value
+        )
 
     def _verified(self, delivery: Delivery, ledger: Ledger) -> None:
         """Record a run found whole (unless a live round sent it), and drop its staging. A

@@ -238,8 +238,10 @@ class UploadFailed(WbmergeError):
 
     def __init__(self, lines: list[str], report: SyncReport) -> None:
         advice = (RERUN, REFUSED)
-        lines = [*(s for s in lines if not s.startswith(advice)),
-                 *dict.fromkeys(s for s in lines if s.startswith(advice))]  # fmt: skip
+        lines = [
+            *(s for s in lines if not s.startswith(advice)),
+            *dict.fromkeys(s for s in lines if s.startswith(advice)),
+        ]
         super().__init__("; ".join(lines), exit_code=1)
         self.lines = lines
         self.report = report
@@ -268,8 +270,18 @@ def sync(
     upload threads (one call at a time).
     """
     with sigterm_raises():
-        return _sync(request, parallel, force, staging_dir, keep_staging, progress, planned,
-                     timeout, upload_progress, on_wait)  # fmt: skip
+        return _sync(
+            request,
+            parallel,
+            force,
+            staging_dir,
+            keep_staging,
+            progress,
+            planned,
+            timeout,
+            upload_progress,
+            on_wait,
+        )
 
 
 @contextmanager
@@ -327,10 +339,15 @@ def _sync(
             staging_dir, source_trees(request.paths, _run_files(planned)), "--keep-staging"
         )
     uploads = UploadSession(
-        parallel, timeout, credentials=credentials, staging_dir=staging_dir,
-        keep_staging=keep_staging, upload_progress=upload_progress,
-        every_value=request.verify == "full", resend=request.resend,
-    )  # fmt: skip
+        parallel,
+        timeout,
+        credentials=credentials,
+        staging_dir=staging_dir,
+        keep_staging=keep_staging,
+        upload_progress=upload_progress,
+        every_value=request.verify == "full",
+        resend=request.resend,
+    )
     report = SyncReport(planned)
     run = _SyncRun(uploads, report, force, progress)
     keys = [
@@ -340,9 +357,18 @@ def _sync(
     ]
     try:
         for job in planned:  # (every run to send is checked before any is sent: exit 2)
-            check_files(job.targets if force else uploads.ledger.unsynced(
-                        credentials.base_url, uploads.entity(job.entity), job.project or "",
-                        job.targets, job.ledger_settings(request)), files_from)  # fmt: skip
+            check_files(
+                job.targets
+                if force
+                else uploads.ledger.unsynced(
+                    credentials.base_url,
+                    uploads.entity(job.entity),
+                    job.project or "",
+                    job.targets,
+                    job.ledger_settings(request),
+                ),
+                files_from,
+            )
         # Every run's lock at once (in one sorted order, so two syncs cannot deadlock): the
         # next job is staged while the last one uploads.
         with uploads.locks(keys, on_wait):
@@ -437,8 +463,9 @@ def _start_job(
             run.report.warnings.extend(f"{target.id}: {w}" for w in staged.warnings)
             if run.progress:
                 run.progress(staged)
-            made = delivery_of(target, staged, key, fingerprint, options,
-                               verified_before=verified_before)  # fmt: skip
+            made = delivery_of(
+                target, staged, key, fingerprint, options, verified_before=verified_before
+            )
             upload.todo.append((target, made))
             deliverer.submit(made)
     except BaseException:
@@ -481,18 +508,27 @@ def _finish_job(upload: _JobUpload, run: _SyncRun) -> list[str]:
         # (`--resend` only where it mends: it never removes what the server holds beyond)
         mended = [d.run_id for d in advised if d.resend_mends]
         if len(mended) == len(advised):
-            lines.append(f"{REFUSED} ({how}), delete the runs on the server first, or send "
-                         "them whole again over what the server holds (`wbmerge sync "
-                         "--resend`)")  # fmt: skip
+            lines.append(
+                f"{REFUSED} ({how}), delete the runs on the server first, or send "
+                "them whole again over what the server holds (`wbmerge sync "
+                "--resend`)"
+            )
         else:
-            resend = (f"; `wbmerge sync --resend` sends {', '.join(mended)} whole again over "
-                      "what the server holds") if mended else ""  # fmt: skip
+            resend = (
+                (
+                    f"; `wbmerge sync --resend` sends {', '.join(mended)} whole again over "
+                    "what the server holds"
+                )
+                if mended
+                else ""
+            )
             lines.append(f"{REFUSED} ({how}), or delete the runs on the server first{resend}")
     return lines
 
 
-def _add_links(report: SyncReport, job: PlannedJob, url: str, entity: str | None,
-               verified: Collection[str]) -> None:  # fmt: skip
+def _add_links(
+    report: SyncReport, job: PlannedJob, url: str, entity: str | None, verified: Collection[str]
+) -> None:
     """The links of the job's runs that are `verified` (of a failed sync, not all are)."""
     targets = [t for t in job.targets if t.id in verified]
     if entity and targets:

@@ -53,86 +53,128 @@ class MergeRequest:
 
     paths: Sequence[str | Path]
     run_mode: RunMode | None = option(
-        "--run-mode", "auto: the primary rank only; shared: all ranks in one run; new: a run "
-        "per rank. Default: as recorded at training time, else auto.", shapes_merge=True,
-    )  # fmt: skip
-    rank_scope: RankScope | None = option(
-        "--rank-scope", "global: one unit; worker: per node (primary = local rank 0). "
-        "Default: global.", shapes_merge=True,
-    )  # fmt: skip
-    base_id: str | None = option(
-        "--base-id", "Run-id base instead of the job id ({base} in the plugin's ids).",
+        "--run-mode",
+        "auto: the primary rank only; shared: all ranks in one run; new: a run "
+        "per rank. Default: as recorded at training time, else auto.",
         shapes_merge=True,
-    )  # fmt: skip
+    )
+    rank_scope: RankScope | None = option(
+        "--rank-scope",
+        "global: one unit; worker: per node (primary = local rank 0). Default: global.",
+        shapes_merge=True,
+    )
+    base_id: str | None = option(
+        "--base-id",
+        "Run-id base instead of the job id ({base} in the plugin's ids).",
+        shapes_merge=True,
+    )
     job: str | None = option("--job", "Merge only this job id (several jobs in one directory).")
     allow_missing_ranks: bool = option(
         "--allow-missing-ranks", "Merge although ranks have no run.", False, shapes_merge=True
     )
     system_metrics: SystemMetrics = option(
-        "--system-metrics", "auto mode: also every other rank's system metrics, labelled.",
-        "primary", show_default=True, shapes_merge=True, fingerprint=True,
-    )  # fmt: skip
+        "--system-metrics",
+        "auto mode: also every other rank's system metrics, labelled.",
+        "primary",
+        show_default=True,
+        shapes_merge=True,
+        fingerprint=True,
+    )
     rank_stats: bool = option(
-        "--rank-stats", "shared mode: add {key}/ranks/min, median, max, mean, min_rank, "
-        "max_rank per step.", False, shared_only=True, fingerprint=True,
-    )  # fmt: skip
+        "--rank-stats",
+        "shared mode: add {key}/ranks/min, median, max, mean, min_rank, max_rank per step.",
+        False,
+        shared_only=True,
+        fingerprint=True,
+    )
     skew_metrics: bool = option(
-        "--skew-metrics", "shared mode: add wbmerge/spread/{key}, (max-min)/median across "
-        "ranks per step.", False, shared_only=True, fingerprint=True,
-    )  # fmt: skip
+        "--skew-metrics",
+        "shared mode: add wbmerge/spread/{key}, (max-min)/median across ranks per step.",
+        False,
+        shared_only=True,
+        fingerprint=True,
+    )
     per_rank: Sequence[str] | None = option(
-        "--per-rank", "shared mode: which keys keep a series per rank (repeatable; globs like "
+        "--per-rank",
+        "shared mode: which keys keep a series per rank (repeatable; globs like "
         "'train/*'). Default: all, with a warning past 10,000 metrics.",
-        metavar="all|none|KEY", shared_only=True, fingerprint=True,
-    )  # fmt: skip
+        metavar="all|none|KEY",
+        shared_only=True,
+        fingerprint=True,
+    )
     key_format: str = option(
-        "--key-format", "How shared mode labels a rank's metric keys.", DEFAULT_KEY_FORMAT,
-        show_default=True, shared_only=True, fingerprint=True,
-    )  # fmt: skip
+        "--key-format",
+        "How shared mode labels a rank's metric keys.",
+        DEFAULT_KEY_FORMAT,
+        show_default=True,
+        shared_only=True,
+        fingerprint=True,
+    )
     project: str | None = option("--project -p", "Default: the runs' project, then WANDB_PROJECT.")
     entity: str | None = option("--entity -e", "Default: WANDB_ENTITY, then the runs' entity.")
     job_type: str | None = option(
-        "--job-type", "Job type of the runs created. Default: the ranks' own (shared: the "
-        "primary's); a run given none keeps the server's.", shapes_merge=True, fingerprint=True,
-    )  # fmt: skip
-    files_from: Sequence[str | Path] = option(
-        "--files-from", "Also read saved files (wandb.save links) and artifact files under "
-        "DIR, and find moved ones there (repeatable). Default: only each rank's run directory "
-        "and the directory it ran in.", (), metavar="DIR",
-    )  # fmt: skip
-    unknown_records: UnknownRecords = option(
-        "--unknown-records", "A record of a kind this wbmerge does not know (a newer wandb's): "
-        "refuse the run in one line, or copy it as it is.", "refuse", show_default=True,
+        "--job-type",
+        "Job type of the runs created. Default: the ranks' own (shared: the "
+        "primary's); a run given none keeps the server's.",
+        shapes_merge=True,
         fingerprint=True,
-    )  # fmt: skip
-    label_pattern: str | None = option(
-        "--label-pattern", "How the runs' labels or names spell the rank, e.g. 'rank_{rank}' "
-        "or 'node{worker}-gpu{local_rank}'.", shapes_merge=True,
-    )  # fmt: skip
-    ranks_file: str | Path | None = option(
-        "--ranks", "JSON or CSV file of run id -> rank (optional local_rank, worker).",
-        shapes_merge=True,
-    )  # fmt: skip
-    primary: Sequence[str] = option(
-        "--primary", "Rank 0 of a job whose runs say nothing of their ranks (the others "
-        "follow by start time); one per job, repeatable.", (), metavar="RUN_ID",
-        shapes_merge=True,
-    )  # fmt: skip
-    rank_order: Literal["start"] | None = option(
-        "--rank-order", "Accept the order wbmerge assumed for a job whose runs do not say it "
-        "(runs by start time, hosts by name); auto and shared mode refuse such a job "
-        "otherwise.", shapes_merge=True,
-    )  # fmt: skip
-    verify: Verify = option(
-        "--verify", "After each upload every row is read back and checked present once; "
-        "full: compare every row's values too, not a sample of 64.", "sample",
+    )
+    files_from: Sequence[str | Path] = option(
+        "--files-from",
+        "Also read saved files (wandb.save links) and artifact files under "
+        "DIR, and find moved ones there (repeatable). Default: only each rank's run directory "
+        "and the directory it ran in.",
+        (),
+        metavar="DIR",
+    )
+    unknown_records: UnknownRecords = option(
+        "--unknown-records",
+        "A record of a kind this wbmerge does not know (a newer wandb's): "
+        "refuse the run in one line, or copy it as it is.",
+        "refuse",
         show_default=True,
-    )  # fmt: skip
+        fingerprint=True,
+    )
+    label_pattern: str | None = option(
+        "--label-pattern",
+        "How the runs' labels or names spell the rank, e.g. 'rank_{rank}' "
+        "or 'node{worker}-gpu{local_rank}'.",
+        shapes_merge=True,
+    )
+    ranks_file: str | Path | None = option(
+        "--ranks",
+        "JSON or CSV file of run id -> rank (optional local_rank, worker).",
+        shapes_merge=True,
+    )
+    primary: Sequence[str] = option(
+        "--primary",
+        "Rank 0 of a job whose runs say nothing of their ranks (the others "
+        "follow by start time); one per job, repeatable.",
+        (),
+        metavar="RUN_ID",
+        shapes_merge=True,
+    )
+    rank_order: Literal["start"] | None = option(
+        "--rank-order",
+        "Accept the order wbmerge assumed for a job whose runs do not say it "
+        "(runs by start time, hosts by name); auto and shared mode refuse such a job "
+        "otherwise.",
+        shapes_merge=True,
+    )
+    verify: Verify = option(
+        "--verify",
+        "After each upload every row is read back and checked present once; "
+        "full: compare every row's values too, not a sample of 64.",
+        "sample",
+        show_default=True,
+    )
     resend: bool = option(
-        "--resend", "Send the runs the server holds rows of whole again, each line over the "
+        "--resend",
+        "Send the runs the server holds rows of whole again, each line over the "
         "one at its place: the way out of a run refused as not a beginning (its sources "
-        "changed) or of rows lost inside it.", False,
-    )  # fmt: skip
+        "changed) or of rows lost inside it.",
+        False,
+    )
 
     def __post_init__(self) -> None:
         for name, allowed in choices().items():
@@ -266,12 +308,14 @@ def _given(request: MergeRequest, name: str) -> bool:
 def merge_options_given(request: MergeRequest) -> list[str]:
     """The options `request` gives that shape a merge, as the CLI spells them: none of them
     applies to runs merged already."""
-    shaping = [s.flags[0] for name, s in spellings().items()
-               if s.shapes_merge and _given(request, name)]  # fmt: skip
+    shaping = [
+        s.flags[0] for name, s in spellings().items() if s.shapes_merge and _given(request, name)
+    ]
     return shaping + shared_only_given(request)
 
 
 def shared_only_given(request: MergeRequest) -> list[str]:
     """The options `request` gives that only a shared merge uses."""
-    return [s.flags[0] for name, s in spellings().items()
-            if s.shared_only and _given(request, name)]  # fmt: skip
+    return [
+        s.flags[0] for name, s in spellings().items() if s.shared_only and _given(request, name)
+    ]

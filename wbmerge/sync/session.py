@@ -124,12 +124,22 @@ class UploadSession:
         many runs it will be given (a batch waits for them); `progress`: whether it calls
         the session's progress callback."""
         return Deliverer(
-            self.client, self.credentials, self.ledger, project, entity, self.parallel,
-            workdir, self.timeout, self.upload_progress if progress else None,
-            staging=self.owner, slots=self.slots, expected=expected,
-            remove_verified=self.remove_verified, every_value=self.every_value,
+            self.client,
+            self.credentials,
+            self.ledger,
+            project,
+            entity,
+            self.parallel,
+            workdir,
+            self.timeout,
+            self.upload_progress if progress else None,
+            staging=self.owner,
+            slots=self.slots,
+            expected=expected,
+            remove_verified=self.remove_verified,
+            every_value=self.every_value,
             resend=self.resend,
-        )  # fmt: skip
+        )
 
 
 def delivery_of(
@@ -150,14 +160,23 @@ def delivery_of(
     the server is checked. A run that is not `final` stays running on the server, so
     neither its exit code nor its content as a whole are known yet.
     """
-    made = Delivery(target.id, staged.run_dir, staged.log_path, key, fingerprint,
-                    final=final, verified_before=verified_before,
-                    saved_files=staged.saved_files, artifacts=staged.artifacts)  # fmt: skip
+    made = Delivery(
+        target.id,
+        staged.run_dir,
+        staged.log_path,
+        key,
+        fingerprint,
+        final=final,
+        verified_before=verified_before,
+        saved_files=staged.saved_files,
+        artifacts=staged.artifacts,
+    )
     if final:
         made.content, made.exit_code = staged.content, staged.exit_code
     if options is not None:
-        made.source_check = partial(source_shortfall, target, staged.log_path,
-                                    options.key_format, options.per_rank)  # fmt: skip
+        made.source_check = partial(
+            source_shortfall, target, staged.log_path, options.key_format, options.per_rank
+        )
     return made
 
 

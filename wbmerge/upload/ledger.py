@@ -167,9 +167,14 @@ class Ledger:
         settings: Mapping[str, object],
     ) -> list[Target]:
         """The `targets` this ledger has not verified from their present files."""
-        return [target for target in targets if self.synced(
-            self.key(base_url, entity, project, target), self.fingerprint(target, settings)
-        ) is None]  # fmt: skip
+        return [
+            target
+            for target in targets
+            if self.synced(
+                self.key(base_url, entity, project, target), self.fingerprint(target, settings)
+            )
+            is None
+        ]
 
     def record(self, key: str, fingerprint: str, entity: str | None) -> None:
         """Record one verified run, durably, at once."""

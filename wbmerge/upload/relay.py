@@ -85,8 +85,10 @@ class Relay:
             # environment may change what it runs
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", str(SERVER), upstream],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            )  # fmt: skip
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
         except OSError as exc:
             raise WbmergeError(f"cannot start the upload relay ({exc.strerror or exc})") from None
         assert self._proc.stdout is not None

@@ -38,8 +38,19 @@ HISTORY = "wandb-history.jsonl"
 POSITIONAL = (HISTORY, "wandb-events.jsonl", "output.log")
 _FILE_STREAM = re.compile(r"^/files/[^/]+/[^/]+/(?P<run>[^/]+)/file_stream$")
 # Headers that belong to one connection, not to the request (RFC 9110 7.6.1): not forwarded.
-_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
-                  "trailer", "upgrade", "proxy-authorization", "proxy-authenticate"})  # fmt: skip
+_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-authenticate",
+    }
+)
 UPSTREAM_TIMEOUT = 300.0  # seconds the server may take to answer one request
 _PIECE = 1 << 16  # bytes copied at a time between the two sides
 # The most a gzipped file_stream body may unzip to (wandb-core caps a body near 10 MiB).
@@ -152,8 +163,9 @@ class Upstream:
                 return http.client.HTTPSConnection(
                     self.host, self.port, timeout=UPSTREAM_TIMEOUT, context=context
                 )
-            connection = http.client.HTTPSConnection(*target, timeout=UPSTREAM_TIMEOUT,
-                                                     context=context)  # fmt: skip
+            connection = http.client.HTTPSConnection(
+                *target, timeout=UPSTREAM_TIMEOUT, context=context
+            )
             connection.set_tunnel(self.host, self.port)
             return connection
         if target is not None:
@@ -239,8 +251,11 @@ def handler(
 
         def _forward(self, path: str, body: bytes, keep_encoding: bool = True) -> None:
             dropped = ("host", "content-length") + (() if keep_encoding else ("content-encoding",))
-            headers = [(k, v) for k, v in self.headers.items() if k.lower() not in _HOP
-                       and k.lower() not in dropped]  # fmt: skip
+            headers = [
+                (k, v)
+                for k, v in self.headers.items()
+                if k.lower() not in _HOP and k.lower() not in dropped
+            ]
             headers += [("Host", upstream.netloc), ("Content-Length", str(len(body)))]
             try:
                 response = self._exchange(path, headers, body)
@@ -287,11 +302,14 @@ def handler(
                 self.upstream = None
             match = _FILE_STREAM.match(urllib.parse.urlsplit(path).path)
             run_id = urllib.parse.unquote(match["run"]) if match else ""
-            said(run_id, (
-                f"the server answered {response.status} {response.reason}, a redirect to "
-                f"{location!r}: not followed (wandb-core would send the run's lines and the "
-                "API key there); nothing was sent to it. Check WANDB_BASE_URL"
-            ))  # fmt: skip
+            said(
+                run_id,
+                (
+                    f"the server answered {response.status} {response.reason}, a redirect to "
+                    f"{location!r}: not followed (wandb-core would send the run's lines and the "
+                    "API key there); nothing was sent to it. Check WANDB_BASE_URL"
+                ),
+            )
             self.send_error(502, "the server answered a redirect: not followed")
             self.close_connection = True
 
@@ -305,8 +323,12 @@ def handler(
                 if fresh:
                     self.upstream = upstream.connect()
                 try:
-                    self.upstream.putrequest(self.command, upstream.target(path), skip_host=True,
-                                             skip_accept_encoding=True)  # fmt: skip
+                    self.upstream.putrequest(
+                        self.command,
+                        upstream.target(path),
+                        skip_host=True,
+                        skip_accept_encoding=True,
+                    )
                     for key, value in headers:
                         self.upstream.putheader(key, value)
                     self.upstream.endheaders(body)

@@ -266,9 +266,11 @@ class ServerClient:
     def _connect(self) -> http.client.HTTPConnection:
         if self._https:
             return http.client.HTTPSConnection(
-                self._host, self._port, timeout=self.timeout,
+                self._host,
+                self._port,
+                timeout=self.timeout,
                 context=ssl.create_default_context(),
-            )  # fmt: skip
+            )
         return http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
 
     def _exchange(
@@ -317,8 +319,14 @@ class ServerClient:
         """The history rows the server holds of a run at steps [start, end), in step order,
         at most `most` of them (a server may sample a range of more). The answer is
         untrusted: anything but a list of JSON objects is a ServerError."""
-        variables = {"entity": entity, "project": project, "run": run_id,
-                     "minStep": steps[0], "maxStep": steps[1], "pageSize": most}  # fmt: skip
+        variables = {
+            "entity": entity,
+            "project": project,
+            "run": run_id,
+            "minStep": steps[0],
+            "maxStep": steps[1],
+            "pageSize": most,
+        }
         data = self._query(HISTORY_PAGE, variables, "HistoryPage")
         project_data = data.get("project")
         run = project_data.get("run") if isinstance(project_data, dict) else None
@@ -332,8 +340,10 @@ class ServerClient:
             except (ValueError, RecursionError):
                 row = None
             if not isinstance(row, dict):
-                raise ServerError(f"{self.url} answered HistoryPage of {run_id} with a row "
-                                  "that is not a JSON object")  # fmt: skip
+                raise ServerError(
+                    f"{self.url} answered HistoryPage of {run_id} with a row "
+                    "that is not a JSON object"
+                )
             rows.append(row)
         return rows
 
@@ -353,8 +363,13 @@ class ServerClient:
         cursor = None
         deadline = time.monotonic() + LISTING_DEADLINE
         while True:
-            variables = {"project": project, "entity": entity, "name": run_id,
-                         "fileCursor": cursor, "fileLimit": FILES_PAGE}  # fmt: skip
+            variables = {
+                "project": project,
+                "entity": entity,
+                "name": run_id,
+                "fileCursor": cursor,
+                "fileLimit": FILES_PAGE,
+            }
             project_data = self._query(RUN_FILES, variables, "RunFiles").get("project")
             run = project_data.get("run") if isinstance(project_data, dict) else None
             if not run:
@@ -367,8 +382,10 @@ class ServerClient:
             for edge in edges:
                 file = _file_of(edge)
                 if file is None:
-                    raise ServerError(f"{self.url} answered RunFiles of {run_id} with a file "
-                                      "that has no name or size")  # fmt: skip
+                    raise ServerError(
+                        f"{self.url} answered RunFiles of {run_id} with a file "
+                        "that has no name or size"
+                    )
                 sizes[file[0]] = file[1]
                 if isinstance(md5 := edge["node"].get("md5"), str):
                     md5s[file[0]] = md5
@@ -377,17 +394,22 @@ class ServerClient:
             if len(sizes) > MAX_FILES:
                 raise ServerError(f"{self.url} lists over {MAX_FILES} files of {run_id}")
             if not page.get("hasNextPage"):
-                names = (_text(run.get("displayName")), _text(run.get("group")),
-                         _text(run.get("jobType")))  # fmt: skip
+                names = (
+                    _text(run.get("displayName")),
+                    _text(run.get("group")),
+                    _text(run.get("jobType")),
+                )
                 return RunListing(_text(run.get("state")), names, sizes, md5s, urls)
             cursor = page.get("endCursor")
             if not (isinstance(cursor, str) and cursor) or cursor in cursors:
-                raise ServerError(f"{self.url} answered RunFiles of {run_id} with more "
-                                  "pages but no new cursor")  # fmt: skip
+                raise ServerError(
+                    f"{self.url} answered RunFiles of {run_id} with more pages but no new cursor"
+                )
             cursors.add(cursor)
             if time.monotonic() > deadline:
-                raise ServerError(f"{self.url} took over {LISTING_DEADLINE:.0f} s to list "
-                                  f"the files of {run_id}")  # fmt: skip
+                raise ServerError(
+                    f"{self.url} took over {LISTING_DEADLINE:.0f} s to list the files of {run_id}"
+                )
 
     def download(self, url: str, limit: int, deadline: float | None = None) -> bytes | None:
         """The file at `url` (a `RunListing` URL), or None if it is larger than `limit` bytes.

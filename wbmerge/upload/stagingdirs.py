@@ -97,8 +97,12 @@ def make_staging(parent: Path | None = None) -> Path:
 def write_owner(path: Path, uploader: list[int] | None = None) -> None:
     """Say that this process owns `path`, and which uploader processes it runs."""
     tree = [[pid, start_time(pid)] for pid in uploader or []]
-    owner = {"pid": os.getpid(), "started": start_time(os.getpid()), "uid": os.geteuid(),
-             "uploader": tree}  # fmt: skip
+    owner = {
+        "pid": os.getpid(),
+        "started": start_time(os.getpid()),
+        "uid": os.geteuid(),
+        "uploader": tree,
+    }
     tmp = path / (OWNER + ".tmp")
     try:
         tmp.write_text(json.dumps(owner))
@@ -166,8 +170,11 @@ def _owner_record(path: Path) -> dict | None:
     try:
         status = os.lstat(path)
         if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.geteuid():
-            warnings.warn(f"{path} is not a staging directory of this user; left alone",
-                          InputWarning, stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"{path} is not a staging directory of this user; left alone",
+                InputWarning,
+                stacklevel=3,
+            )
             return None
         descriptor = os.open(path / OWNER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:

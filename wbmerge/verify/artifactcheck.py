@@ -61,16 +61,27 @@ def logged_artifacts(
     None when there is no such run."""
     variables = {"entity": entity, "project": project, "run": run_id, "perPage": 100}
     nodes = _all_pages(
-        client, RUN_OUTPUT_ARTIFACTS, "RunOutputArtifacts", variables, "cursor",
-        lambda data: _field(_field(data, "project"), "run"), "artifacts",
-        f"the artifacts of {run_id}", f"{run_id}'s artifacts",
-    )  # fmt: skip
+        client,
+        RUN_OUTPUT_ARTIFACTS,
+        "RunOutputArtifacts",
+        variables,
+        "cursor",
+        lambda data: _field(_field(data, "project"), "run"),
+        "artifacts",
+        f"the artifacts of {run_id}",
+        f"{run_id}'s artifacts",
+    )
     if nodes is None:
         return None
-    return [{"name": _text(_field(node.get("artifactSequence"), "name")),
-             "version": node.get("versionIndex"),
-             "digest": _text(node.get("digest")),
-             "state": _text(node.get("state"))} for node in nodes]  # fmt: skip
+    return [
+        {
+            "name": _text(_field(node.get("artifactSequence"), "name")),
+            "version": node.get("versionIndex"),
+            "digest": _text(node.get("digest")),
+            "state": _text(node.get("state")),
+        }
+        for node in nodes
+    ]
 
 
 def artifact_files(
@@ -81,18 +92,26 @@ def artifact_files(
     manifest's entries), so that a version of many is read to its end."""
     variables = {"entity": entity, "project": project, "name": version}
     nodes = _all_pages(
-        client, ARTIFACT_VERSION_FILES, "ArtifactVersionFiles", variables, "after",
-        lambda data: _field(_field(data, "project"), "artifact"), "files",
-        f"the files of {version}", f"{version}'s files",
+        client,
+        ARTIFACT_VERSION_FILES,
+        "ArtifactVersionFiles",
+        variables,
+        "after",
+        lambda data: _field(_field(data, "project"), "artifact"),
+        "files",
+        f"the files of {version}",
+        f"{version}'s files",
         MAX_PAGES + entries // FILES_PER_PAGE,
-    )  # fmt: skip
+    )
     if nodes is None:
         return None
     files: dict[str, tuple[int, str]] = {}
     for node in nodes:
         size = node.get("sizeBytes")
-        files[_text(node.get("name"))] = (size if isinstance(size, int) else -1,
-                                          _text(node.get("md5")))  # fmt: skip
+        files[_text(node.get("name"))] = (
+            size if isinstance(size, int) else -1,
+            _text(node.get("md5")),
+        )
     return files
 
 
@@ -136,10 +155,12 @@ def _missing(
 ) -> list[str]:
     name = f"artifact {artifact.name!r}"
     candidates = [
-        v for v in versions
-        if v["name"] == artifact.name and artifact.digest in (None, v["digest"])
+        v
+        for v in versions
+        if v["name"] == artifact.name
+        and artifact.digest in (None, v["digest"])
         and isinstance(v["version"], int)
-    ]  # fmt: skip
+    ]
     committed = [v for v in candidates if v["state"] == "COMMITTED"]
     if not committed:
         state = f" (it is {candidates[0]['state'] or 'in no state'})" if candidates else ""

@@ -184,12 +184,16 @@ def rows_not_held(
         most = room(window, order)
         budget -= 1
         if budget < 0:
-            raise ServerError(f"every page of {delivery.run_id}'s rows came back full, more "
-                              "often than any run of this size needs")  # fmt: skip
+            raise ServerError(
+                f"every page of {delivery.run_id}'s rows came back full, more "
+                "often than any run of this size needs"
+            )
         rows = client.history_page(entity, project, delivery.run_id, window, most)
         if len(rows) > most:
-            raise ServerError(f"the server answered more rows than asked for ({len(rows)} of "
-                              f"{most}) at steps {window[0]}-{window[1] - 1}")  # fmt: skip
+            raise ServerError(
+                f"the server answered more rows than asked for ({len(rows)} of "
+                f"{most}) at steps {window[0]}-{window[1] - 1}"
+            )
         if len(rows) == most and halves(window) != [window] and window != beyond:
             todo[:0] = halves(window)  # (maybe a sample of a fuller window: read it in two)
             continue
@@ -198,8 +202,10 @@ def rows_not_held(
             step = row.get("_step")
             step = step if isinstance(step, int) and not isinstance(step, bool) else None
             if step is not None and not window[0] <= step < window[1]:
-                raise ServerError(f"the server answered a row at step {step} when asked for "
-                                  f"steps {window[0]}-{window[1] - 1}")  # fmt: skip
+                raise ServerError(
+                    f"the server answered a row at step {step} when asked for "
+                    f"steps {window[0]}-{window[1] - 1}"
+                )
             held_steps.append(step)
             by_step.setdefault(step, row)
         while pending is not None and sent[pending[0]] < window[1]:

@@ -286,8 +286,10 @@ def held_beyond(staged: StagedContent, held: Held) -> list[str]:
     from one round of a follow to the next, when a rank that lagged adds cursor moves
     (progress bars) among lines sent already."""
     if held.events_lines > staged.events:
-        return [f"the server holds {held.events_lines} system-metric rows, more than the "
-                f"{staged.events} staged"]  # fmt: skip
+        return [
+            f"the server holds {held.events_lines} system-metric rows, more than the "
+            f"{staged.events} staged"
+        ]
     return []
 
 

@@ -85,14 +85,20 @@ class StepCheck:
         """One phrase per kind of difference, naming the steps."""
         out = []
         if self.missing:
-            out.append(f"the server lacks {self.lacking:,} of {sent:,} rows sent "
-                       f"(steps {spans(self.missing)})")  # fmt: skip
+            out.append(
+                f"the server lacks {self.lacking:,} of {sent:,} rows sent "
+                f"(steps {spans(self.missing)})"
+            )
         if self.twice:
-            out.append(f"the server holds {len(self.twice):,} steps more often than they were "
-                       f"sent (steps {spans(self.twice)})")  # fmt: skip
+            out.append(
+                f"the server holds {len(self.twice):,} steps more often than they were "
+                f"sent (steps {spans(self.twice)})"
+            )
         if self.extra:
-            out.append(f"the server holds rows at {len(self.extra):,} steps that were not sent "
-                       f"(steps {spans(self.extra)})")  # fmt: skip
+            out.append(
+                f"the server holds rows at {len(self.extra):,} steps that were not sent "
+                f"(steps {spans(self.extra)})"
+            )
         if self.unstepped:
             out.append(f"the server holds {self.unstepped:,} rows without a _step")
         return out

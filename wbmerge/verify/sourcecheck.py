@@ -349,9 +349,12 @@ def _fold_logged(change: pb.ConfigRecord, logged: dict[tuple[str, str], object])
 
 
 def _expected_logged(
-    logged: dict[tuple[str, str], object], rank: _Rank, shared: bool, key_format: str,
+    logged: dict[tuple[str, str], object],
+    rank: _Rank,
+    shared: bool,
+    key_format: str,
     tops: set[str],
-) -> Iterable[tuple[tuple[str, str], object]]:  # fmt: skip
+) -> Iterable[tuple[tuple[str, str], object]]:
     """A rank's `_wandb` entries as the target must hold them (the docs' rule): as they are
     in a pass-through; in a shared run under the key they describe, labelled, and pointing
     at the rank's labelled history keys (a key longer than one the rank logged, an
@@ -359,9 +362,15 @@ def _expected_logged(
     not kept (`--per-rank`) is not expected."""
 
     def history_key(key: str) -> str | None:
-        top = key if key in tops else max(
-            (t for t in tops if key.startswith(t) and key[len(t) : len(t) + 1] in ("/", ".")),
-            key=len, default=key)  # fmt: skip
+        top = (
+            key
+            if key in tops
+            else max(
+                (t for t in tops if key.startswith(t) and key[len(t) : len(t) + 1] in ("/", ".")),
+                key=len,
+                default=key,
+            )
+        )
         renamed = rank.rename((top,))
         return None if renamed is None else renamed[0] + key[len(top) :]
 
@@ -578,8 +587,10 @@ def _expect_config(
                     continue
                 key = (key_format.format(key=key[0], label=rank.label), *key[1:])
                 if key[0] in primary_keys:  # (the primary's value, or this one, is lost)
-                    expected.clashes.append(f"rank {rank.rank}'s config key {key[0]!r}: "
-                                            "the primary's config holds it too")  # fmt: skip
+                    expected.clashes.append(
+                        f"rank {rank.rank}'s config key {key[0]!r}: "
+                        "the primary's config holds it too"
+                    )
                     continue
             expected.config[key] = value
             expected.origin[("config key", key)] = rank.rank
@@ -652,8 +663,9 @@ def _expect_rank(
             last[defines] = definition
         expected.origin[("metric defined", defines)] = rank.rank
     if shared:
-        for key, steps in _glob_bindings(definitions, rank.label, key_format, per_rank,
-                                         counter.tops).items():  # fmt: skip
+        for key, steps in _glob_bindings(
+            definitions, rank.label, key_format, per_rank, counter.tops
+        ).items():
             expected.bindings[key] = steps
             expected.origin[("metric glob", key)] = rank.rank
     return config
@@ -758,15 +770,18 @@ def shortfall(expected: Holdings, held: Holdings) -> list[str]:
             metric = pb.MetricRecord.FromString(definition)
             rank = expected.origin.get(("metric definition", definition))
             name = metric.name or metric.glob_name
-            problems.append(f"rank {rank}'s metric definition {name!r} "
-                            f"(step metric {metric.step_metric!r}): not staged")  # fmt: skip
+            problems.append(
+                f"rank {rank}'s metric definition {name!r} "
+                f"(step metric {metric.step_metric!r}): not staged"
+            )
     for defines, definition in expected.last_definitions.items():
         if definition is not None and definition in held.metrics:
             if held.last_definitions.get(defines) != definition:
                 rank = expected.origin.get(("metric defined", defines))
                 name = defines[0] or defines[1]
-                problems.append(f"rank {rank}'s metric definition {name!r}: "
-                                "not the last one staged of its name")  # fmt: skip
+                problems.append(
+                    f"rank {rank}'s metric definition {name!r}: not the last one staged of its name"
+                )
     if expected.bindings:
         steps_of = _staged_bindings(held.metrics)
         for key, steps in expected.bindings.items():

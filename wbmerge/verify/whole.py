@@ -27,8 +27,9 @@ from .remainder import config_left_behind, same_value, shortfall
 
 # Files wandb-core writes itself as it uploads a run (from the config, the summary, the
 # console and the environment record), whatever a staged `files/` holds under these names.
-MADE_BY_UPLOAD = frozenset({"config.yaml", "wandb-summary.json", "output.log",
-                            "wandb-metadata.json"})  # fmt: skip
+MADE_BY_UPLOAD = frozenset(
+    {"config.yaml", "wandb-summary.json", "output.log", "wandb-metadata.json"}
+)
 
 
 def files_expected(staged_files: dict[str, int], staged: StagedContent) -> dict[str, int | None]:
@@ -70,8 +71,11 @@ def files_changed(staged_md5s: dict[str, str], listing: RunListing) -> list[str]
     their size but with other content, as a later version whose upload failed leaves
     them; [] when none. A file the server gives no MD5 of cannot be shown to be the
     staged one, so it counts as changed."""
-    return [f"file {name} is not the staged one (MD5)" for name, md5 in staged_md5s.items()
-            if listing.md5s.get(name) != md5]  # fmt: skip
+    return [
+        f"file {name} is not the staged one (MD5)"
+        for name, md5 in staged_md5s.items()
+        if listing.md5s.get(name) != md5
+    ]
 
 
 def not_held_whole(
@@ -95,8 +99,9 @@ def not_held_whole(
     state = "finished" if exit_code == 0 else "failed"
     if listing.state != state:
         problems.append(f"state {listing.state or 'unknown'!r}, a whole upload leaves {state}")
-    for what, mine, theirs in zip(("display name", "group", "job type"), logged.names,
-                                  listing.names, strict=True):  # fmt: skip
+    for what, mine, theirs in zip(
+        ("display name", "group", "job type"), logged.names, listing.names, strict=True
+    ):
         if mine and mine != theirs:
             problems.append(f"{what} {theirs!r}, this upload gives {mine!r}")
     missing_tags = [tag for tag in logged.tags if tag not in held.tags]
@@ -104,10 +109,15 @@ def not_held_whole(
         problems.append(f"tags not on the server: {few(missing_tags)}")
     config = _unwrapped(_json_object(held.config_json))
     summary = _json_object(held.summary_json)
-    for what, mine, theirs in (("config", logged.config, config),
-                               ("summary", logged.summary, summary)):  # fmt: skip
-        differ = [key for key, value in mine.items() if not key.startswith("_")
-                  and not (key in theirs and same_value(value, theirs[key]))]  # fmt: skip
+    for what, mine, theirs in (
+        ("config", logged.config, config),
+        ("summary", logged.summary, summary),
+    ):
+        differ = [
+            key
+            for key, value in mine.items()
+            if not key.startswith("_") and not (key in theirs and same_value(value, theirs[key]))
+        ]
         if differ:
             problems.append(f"{what} keys differ: {few(differ)}")
     problems += config_not_logged(held, logged.config)
@@ -185,9 +195,12 @@ def made_files_stale(
             expected = dict(logged.summary)
             if staged.history_steps:
                 expected["_step"] = staged.history_steps[-1]
-            differ = [key for key, value in expected.items()
-                      if (key == "_step" or not key.startswith("_"))
-                      and not (key in summary and same_value(value, summary[key]))]  # fmt: skip
+            differ = [
+                key
+                for key, value in expected.items()
+                if (key == "_step" or not key.startswith("_"))
+                and not (key in summary and same_value(value, summary[key]))
+            ]
             if differ:
                 problems.append(f"wandb-summary.json from another upload: {few(differ)}")
     if "config.yaml" in made:
@@ -195,8 +208,12 @@ def made_files_stale(
         if config is None:
             problems.append("config.yaml could not be read as a config")
         else:
-            differ = [key for key, value in logged.config.items() if not key.startswith("_")
-                      and not (key in config and same_value(value, config[key]))]  # fmt: skip
+            differ = [
+                key
+                for key, value in logged.config.items()
+                if not key.startswith("_")
+                and not (key in config and same_value(value, config[key]))
+            ]
             if differ:
                 problems.append(f"config.yaml from another upload: {few(differ)}")
     if "output.log" in made:
@@ -219,10 +236,13 @@ class _Yaml12Loader(_SAFE_LOADER):  # type: ignore[misc,valid-type]
     (2024-05-06T07:08:09), a value (=) or a merge key (<<)."""
 
     yaml_implicit_resolvers = {
-        first: [(tag, rule) for tag, rule in rules
-                if tag.rsplit(":", 1)[-1] not in ("timestamp", "value", "merge")]
+        first: [
+            (tag, rule)
+            for tag, rule in rules
+            if tag.rsplit(":", 1)[-1] not in ("timestamp", "value", "merge")
+        ]
         for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()
-    }  # fmt: skip
+    }
 
 
 _Yaml12Loader.add_implicit_resolver(
@@ -248,8 +268,10 @@ def _yaml_config(data: bytes | None) -> dict | None:
 
 def _unwrapped(config: dict) -> dict:
     """A config as W&B keeps it, each key's `{"value": ...}`, as the values themselves."""
-    return {key: entry["value"] if isinstance(entry, dict) and "value" in entry else entry
-            for key, entry in config.items()}  # fmt: skip
+    return {
+        key: entry["value"] if isinstance(entry, dict) and "value" in entry else entry
+        for key, entry in config.items()
+    }
 
 
 def _json_object(text: str | bytes) -> dict:

@@ -94,9 +94,14 @@ class ContentCounter:
     def content(self) -> StagedContent:
         start = sentrows.starting_step(self.runs)
         return StagedContent(
-            StepRuns.join(self.step_parts), self.events, self.console.lines, start, self.metadata,
-            tuple(self.metrics.items()), tuple(self.entries.items()),
-        )  # fmt: skip
+            StepRuns.join(self.step_parts),
+            self.events,
+            self.console.lines,
+            start,
+            self.metadata,
+            tuple(self.metrics.items()),
+            tuple(self.entries.items()),
+        )
 
 
 def read_staged(log: Path) -> StagedContent:

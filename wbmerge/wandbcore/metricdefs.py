@@ -66,8 +66,11 @@ def fold(metrics: Iterable[pb.MetricRecord], into: dict[DefinitionKey, Definitio
         none = "none" in before.summary
         if metric.HasField("summary"):  # (its `none` replaces the one before)
             none = metric.summary.none
-            kinds |= {name for name in _SUMMARY.values()
-                      if name != "none" and getattr(metric.summary, name)}  # fmt: skip
+            kinds |= {
+                name
+                for name in _SUMMARY.values()
+                if name != "none" and getattr(metric.summary, name)
+            }
         into[key] = Definition(
             step=metric.step_metric or before.step,
             options=frozenset(before.options | options),
@@ -130,8 +133,10 @@ def definitions_missing(
         if there is None:
             problems.append(f"metric definition {kind} {name!r} not on the server")
         elif there != definition:
-            problems.append(f"metric definition {kind} {name!r} is {there.describe()} on the "
-                            f"server, the upload gives {definition.describe()}")  # fmt: skip
+            problems.append(
+                f"metric definition {kind} {name!r} is {there.describe()} on the "
+                f"server, the upload gives {definition.describe()}"
+            )
     return problems
 
 
