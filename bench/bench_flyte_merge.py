@@ -88,10 +88,20 @@ def main() -> None:
         data.mkdir()
         port_file = root / "port"
         sink = subprocess.Popen(
-            [sys.executable, "-m", "wbmerge.sink", "--port", "0", "--port-file", str(port_file),
-             "--data", str(data)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "wbmerge.sink",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--data",
+                str(data),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             deadline = time.monotonic() + 30
             while not port_file.exists() and time.monotonic() < deadline:

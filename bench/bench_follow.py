@@ -119,17 +119,30 @@ def bench_cpu(
                         stage(target, scratch / f"stage-{number}", job.options(request))
                     merge = round(time.process_time() - began, 2)
                     shutil.rmtree(scratch / f"stage-{number}")
-                results.append({
-                    "round": number, "source_mb": round(sum(p.stat().st_size for p in (live.rglob("*.wandb"))) / 1e6, 1),
-                    "rows": sum(t.rows for t in targets), "added": sum(t.added for t in targets),
-                    "final": all(t.final for t in targets),
-                    "continued": all(t.continued for t in targets),
-                    "read_mb": round(sum(t.bytes_read for t in targets) / 1e6, 1),
-                    "saved_state_mb": round(sum(p.stat().st_size for p in (scratch / "state").glob("follow/*/*")) / 1e6, 2),
-                    "wall_s": round(wall, 2), "follower_cpu_s": round(own, 2),
-                    "uploader_cpu_s": round(children, 2), "merge_from_scratch_cpu_s": merge,
-                    "follower_peak_mb": round(peak, 1), "follower_rss_mb": round(rss, 1),
-                })  # fmt: skip
+                results.append(
+                    {
+                        "round": number,
+                        "source_mb": round(
+                            sum(p.stat().st_size for p in (live.rglob("*.wandb"))) / 1e6, 1
+                        ),
+                        "rows": sum(t.rows for t in targets),
+                        "added": sum(t.added for t in targets),
+                        "final": all(t.final for t in targets),
+                        "continued": all(t.continued for t in targets),
+                        "read_mb": round(sum(t.bytes_read for t in targets) / 1e6, 1),
+                        "saved_state_mb": round(
+                            sum(p.stat().st_size for p in (scratch / "state").glob("follow/*/*"))
+                            / 1e6,
+                            2,
+                        ),
+                        "wall_s": round(wall, 2),
+                        "follower_cpu_s": round(own, 2),
+                        "uploader_cpu_s": round(children, 2),
+                        "merge_from_scratch_cpu_s": merge,
+                        "follower_peak_mb": round(peak, 1),
+                        "follower_rss_mb": round(rss, 1),
+                    }
+                )
                 print(json.dumps(results[-1]), flush=True)
         return results
     finally:
@@ -152,8 +165,9 @@ run.finish()
 """
 
 
-def bench_lag(pace: float, steps: int, metrics: int, ranks: int, interval: float,
-              flush_every: float | None) -> dict:  # fmt: skip
+def bench_lag(
+    pace: float, steps: int, metrics: int, ranks: int, interval: float, flush_every: float | None
+) -> dict:
     scratch = Path(tempfile.mkdtemp(prefix="bench-lag-"))
     sink = SinkProcess(scratch / "sink")
     (scratch / "sink").mkdir()
@@ -164,21 +178,49 @@ def bench_lag(pace: float, steps: int, metrics: int, ranks: int, interval: float
     script.write_text(textwrap.dedent(RANK))
     env = {**sink.env, "WBMERGE_STATE_DIR": str(scratch / "state"), "WANDB_DIR": str(live)}
     follower = subprocess.Popen(
-        [sys.executable, "-m", "wbmerge.cli", "sync", str(live), "--run-mode", "shared",
-         "--follow", "--interval", str(interval), "--quiet"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "wbmerge.cli",
+            "sync",
+            str(live),
+            "--run-mode",
+            "shared",
+            "--follow",
+            "--interval",
+            str(interval),
+            "--quiet",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     procs = []
     seen: dict[int, float] = {}
     try:
         for rank in range(ranks):
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
-                            LOCAL_WORLD_SIZE=str(ranks), GROUP_RANK="0",
-                            TORCHELASTIC_RUN_ID="lag-bench")  # fmt: skip
-            cmd = [sys.executable, str(script), str(pace), str(steps),
-                   "-" if flush_every is None else str(flush_every), str(metrics)]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL))  # fmt: skip
+            rank_env = dict(
+                env,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(ranks),
+                LOCAL_WORLD_SIZE=str(ranks),
+                GROUP_RANK="0",
+                TORCHELASTIC_RUN_ID="lag-bench",
+            )
+            cmd = [
+                sys.executable,
+                str(script),
+                str(pace),
+                str(steps),
+                "-" if flush_every is None else str(flush_every),
+                str(metrics),
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=rank_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
         logged: dict[int, float] = {}
 
         def poll() -> None:
@@ -206,11 +248,16 @@ def bench_lag(pace: float, steps: int, metrics: int, ranks: int, interval: float
             raise RuntimeError(f"a rank failed: {[p.returncode for p in procs]}")
         lags = sorted(seen[s] - logged[s] for s in seen)
         return {
-            "pace_s": pace, "metrics": metrics, "ranks": ranks, "interval_s": interval,
-            "flush_every_s": flush_every, "rows": len(lags),
-            "lag_median_s": round(statistics.median(lags), 1), "lag_max_s": round(max(lags), 1),
+            "pace_s": pace,
+            "metrics": metrics,
+            "ranks": ranks,
+            "interval_s": interval,
+            "flush_every_s": flush_every,
+            "rows": len(lags),
+            "lag_median_s": round(statistics.median(lags), 1),
+            "lag_max_s": round(max(lags), 1),
             "follower_exit": follower.returncode,
-        }  # fmt: skip
+        }
     finally:
         for proc in [*procs, follower]:
             if proc.poll() is None:
@@ -271,8 +318,9 @@ class LiveRank:
         self.stream.close()
 
 
-def bench_lag_held(held: int, ranks: int, metrics: int, pace: float, seconds: float,
-                   interval: float) -> dict:  # fmt: skip
+def bench_lag_held(
+    held: int, ranks: int, metrics: int, pace: float, seconds: float, interval: float
+) -> dict:
     """The lag of values logged once each rank's run holds `held` steps: the ranks' logs
     are written up to `held` at once, a follower syncs them, then every rank adds a row
     every `pace` seconds for `seconds`, and the server is asked for the new rows only."""
@@ -282,18 +330,33 @@ def bench_lag_held(held: int, ranks: int, metrics: int, pace: float, seconds: fl
     sink.start()
     live = scratch / "live"
     live.mkdir()
-    writers = [LiveRank(live, RankInfo(r, r, ranks, ranks, 0, 0, "lag-held"), metrics)
-               for r in range(ranks)]  # fmt: skip
+    writers = [
+        LiveRank(live, RankInfo(r, r, ranks, ranks, 0, 0, "lag-held"), metrics)
+        for r in range(ranks)
+    ]
     for writer in writers:
         for _ in range(held):
             writer.row(1_767_225_600.0)
         writer.flush()
     env = {**sink.env, "WBMERGE_STATE_DIR": str(scratch / "state")}
     follower = subprocess.Popen(
-        [sys.executable, "-m", "wbmerge.cli", "follow", str(live), "--run-mode", "shared",
-         "--interval", str(interval), "--quiet"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "wbmerge.cli",
+            "follow",
+            str(live),
+            "--run-mode",
+            "shared",
+            "--interval",
+            str(interval),
+            "--quiet",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     client = ServerClient(Credentials(env["WANDB_BASE_URL"], env["WANDB_API_KEY"]))
     seen: dict[int, float] = {}
     logged: dict[int, float] = {}
@@ -312,8 +375,9 @@ def bench_lag_held(held: int, ranks: int, metrics: int, pace: float, seconds: fl
 
         def poll() -> None:
             start = max(seen, default=held - 2) + 1
-            rows = client.history_page(run["entity"], run["project"], run["id"],
-                                       (start, 2**62), 10_000)  # fmt: skip
+            rows = client.history_page(
+                run["entity"], run["project"], run["id"], (start, 2**62), 10_000
+            )
             now = time.time()
             for row in rows:
                 step = row["_step"]
@@ -343,11 +407,17 @@ def bench_lag_held(held: int, ranks: int, metrics: int, pace: float, seconds: fl
             raise RuntimeError(f"{len(seen)} of {added + 1} rows arrived after the held ones")
         lags = sorted(seen[s] - logged[s] for s in seen if s >= held)  # (the live rows)
         return {
-            "held_steps": held, "ranks": ranks, "metrics": metrics, "pace_s": pace,
-            "interval_s": interval, "first_sync_s": round(caught_up, 1), "live_rows": added,
-            "lag_median_s": round(statistics.median(lags), 1), "lag_max_s": round(max(lags), 1),
+            "held_steps": held,
+            "ranks": ranks,
+            "metrics": metrics,
+            "pace_s": pace,
+            "interval_s": interval,
+            "first_sync_s": round(caught_up, 1),
+            "live_rows": added,
+            "lag_median_s": round(statistics.median(lags), 1),
+            "lag_max_s": round(max(lags), 1),
             "follower_exit": follower.returncode,
-        }  # fmt: skip
+        }
     finally:
         if follower.poll() is None:
             follower.kill()
@@ -364,10 +434,17 @@ def main() -> None:
     cpu.add_argument("--steps", type=int, default=20_000)
     cpu.add_argument("--rounds", type=int, default=10)
     cpu.add_argument("--ranks", type=int, default=8)
-    cpu.add_argument("--run-mode", choices=("shared", "new", "auto"), default="shared",
-                     help="new: a pass-through run per rank; auto: rank 0's")  # fmt: skip
-    cpu.add_argument("--no-scratch-merge", action="store_true",
-                     help="skip the merge from scratch after each round (long at 100k steps)")  # fmt: skip
+    cpu.add_argument(
+        "--run-mode",
+        choices=("shared", "new", "auto"),
+        default="shared",
+        help="new: a pass-through run per rank; auto: rank 0's",
+    )
+    cpu.add_argument(
+        "--no-scratch-merge",
+        action="store_true",
+        help="skip the merge from scratch after each round (long at 100k steps)",
+    )
     lag = sub.add_parser("lag")
     lag.add_argument("--ranks", type=int, default=2)
     lag.add_argument("--interval", type=float, default=10.0)
@@ -382,8 +459,14 @@ def main() -> None:
     held.add_argument("--interval", type=float, default=10.0)
     args = parser.parse_args()
     if args.what == "lag-held":
-        print(json.dumps(bench_lag_held(args.held, args.ranks, args.metrics, args.pace,
-                                        args.seconds, args.interval)), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                bench_lag_held(
+                    args.held, args.ranks, args.metrics, args.pace, args.seconds, args.interval
+                )
+            ),
+            flush=True,
+        )
         return
     if args.what == "cpu":
         bench_cpu(args.steps, args.rounds, args.ranks, not args.no_scratch_merge, args.run_mode)
@@ -395,8 +478,10 @@ def main() -> None:
         (slow, 1, args.flush_every),
     ):
         steps = max(2, int(args.duration / pace))
-        print(json.dumps(bench_lag(pace, steps, metrics, args.ranks, args.interval, flush)),
-              flush=True)  # fmt: skip
+        print(
+            json.dumps(bench_lag(pace, steps, metrics, args.ranks, args.interval, flush)),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -77,9 +77,20 @@ def start_sink(data: Path) -> tuple[subprocess.Popen, str]:
     port_file = data / "port"
     data.mkdir(parents=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "wbmerge.sink", "--port", "0", "--data", str(data), "--port-file", str(port_file)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "wbmerge.sink",
+            "--port",
+            "0",
+            "--data",
+            str(data),
+            "--port-file",
+            str(port_file),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     while not port_file.exists():
         time.sleep(0.05)
     return proc, f"http://127.0.0.1:{port_file.read_text()}"
@@ -101,8 +112,22 @@ def bench_e2e(job: Path, repeat: int, work: Path) -> dict:
             shutil.copytree(job, copy)  # wandb sync writes beside the runs it reads
             dirs = [str(d) for d in sorted((copy / "wandb").glob("offline-run-*"))]
             plain_cmd = [wandb, "sync", "-p", f"plain{i}", "-e", "local", "-n", "8", *dirs]
-            ours_cmd = [sys.executable, "-m", "wbmerge.cli", "sync", str(job), "--run-mode", "new",
-                        "-n", "8", "-p", f"ours{i}", "-e", "local", "--force"]  # fmt: skip
+            ours_cmd = [
+                sys.executable,
+                "-m",
+                "wbmerge.cli",
+                "sync",
+                str(job),
+                "--run-mode",
+                "new",
+                "-n",
+                "8",
+                "-p",
+                f"ours{i}",
+                "-e",
+                "local",
+                "--force",
+            ]
             ours_env = {**env, "WBMERGE_STATE_DIR": str(work / "state")}
             # each goes first every other time: the sink fills up as the runs go on
             order = [(plain, plain_cmd, env), (ours, ours_cmd, ours_env)]
@@ -142,8 +167,11 @@ def main() -> None:
                 work / name, nodes, nproc, steps, metrics=20, job_id=f"bench-{name}"
             )
             size = sum(p.stat().st_size for p in (work / name).rglob("*.wandb")) / 1e6
-            print(f"{name}: {nodes * nproc} ranks x {steps} steps, {size:.0f} MB "
-                  f"(written in {time.perf_counter() - began:.1f} s)", flush=True)  # fmt: skip
+            print(
+                f"{name}: {nodes * nproc} ranks x {steps} steps, {size:.0f} MB "
+                f"(written in {time.perf_counter() - began:.1f} s)",
+                flush=True,
+            )
             results[name] = {
                 "source_mb": round(size),
                 "merge": bench_merge(work / name, args.repeat),

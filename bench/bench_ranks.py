@@ -41,17 +41,30 @@ def merge_once(
 ) -> tuple[float, float, float]:
     """(wall seconds, CPU seconds, peak RSS in MB) of one `wbmerge merge --run-mode shared`
     of `job`, with the options `extra`."""
-    command = [sys.executable, "-m", "wbmerge.cli", "merge", str(job), "--run-mode", "shared",
-               "--out", str(out), *(extra or [])]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "wbmerge.cli",
+        "merge",
+        str(job),
+        "--run-mode",
+        "shared",
+        "--out",
+        str(out),
+        *(extra or []),
+    ]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     began = time.perf_counter()
     proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        command,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         preexec_fn=lambda: os.sched_setaffinity(0, {0}),
-    )  # fmt: skip
+    )
     deadline = began + timeout
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -94,27 +107,34 @@ def main() -> None:
                 out = work / f"out{ranks}-{i}"
                 runs.append(merge_once(job, out, args.timeout, extra))
                 shutil.rmtree(out)
-            results.append({
-                "ranks": ranks, "steps": steps,
-                "seconds": round(statistics.median(s for s, _, _ in runs), 2),
-                "cpu_s": round(statistics.median(c for _, c, _ in runs), 2),
-                "peak_rss_mb": round(max(rss for _, _, rss in runs)),
-                "runs_s": [round(s, 2) for s, _, _ in runs],
-            })  # fmt: skip
+            results.append(
+                {
+                    "ranks": ranks,
+                    "steps": steps,
+                    "seconds": round(statistics.median(s for s, _, _ in runs), 2),
+                    "cpu_s": round(statistics.median(c for _, c, _ in runs), 2),
+                    "peak_rss_mb": round(max(rss for _, _, rss in runs)),
+                    "runs_s": [round(s, 2) for s, _, _ in runs],
+                }
+            )
             shutil.rmtree(job)
             print(f"  {results[-1]}", file=sys.stderr, flush=True)
     base, base_cpu = results[0]["seconds"], results[0]["cpu_s"]
     shown = f" {args.merge_args}" if args.merge_args else ""
-    print(f"{args.rows} rows x {args.metrics} metrics, `merge --run-mode shared{shown}`, "
-          f"median of {args.repeat}, one core:\n")  # fmt: skip
+    print(
+        f"{args.rows} rows x {args.metrics} metrics, `merge --run-mode shared{shown}`, "
+        f"median of {args.repeat}, one core:\n"
+    )
     first = f"vs {results[0]['ranks']} ranks"
     print(f"| ranks x steps | time (s) | {first} | CPU (s) | {first} | peak RSS (MB) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for row in results:
         row["ratio"] = round(row["seconds"] / base, 2)
         row["cpu_ratio"] = round(row["cpu_s"] / base_cpu, 2)
-        print(f"| {row['ranks']} x {row['steps']} | {row['seconds']:.2f} | {row['ratio']:.2f}x | "
-              f"{row['cpu_s']:.2f} | {row['cpu_ratio']:.2f}x | {row['peak_rss_mb']} |")  # fmt: skip
+        print(
+            f"| {row['ranks']} x {row['steps']} | {row['seconds']:.2f} | {row['ratio']:.2f}x | "
+            f"{row['cpu_s']:.2f} | {row['cpu_ratio']:.2f}x | {row['peak_rss_mb']} |"
+        )
     print()
     print(json.dumps(results))
 

@@ -60,10 +60,22 @@ def start_sink(
     delay = ["--fault", f"*=delay:{latency}"] if latency > 0 else []
     delay += ["--like-wandb"] if like_wandb else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "wbmerge.sink", "--port", "0", "--data", str(data),
-         "--port-file", str(port_file), *delay],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "wbmerge.sink",
+            "--port",
+            "0",
+            "--data",
+            str(data),
+            "--port-file",
+            str(port_file),
+            *delay,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
     deadline = time.monotonic() + 60
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -83,8 +95,21 @@ def commands(variant: str, job: Path, project: str, work: Path, before: Path | N
         return [[wandb, "sync", "-p", project, "-e", "local", "-n", "8", *dirs], str(ROOT)]
     mode, _, version = variant.partition("@")
     tree = before if version else ROOT
-    cmd = [sys.executable, "-m", "wbmerge.cli", "sync", str(job), "--run-mode", mode, "-n", "8",
-           "-p", project, "-e", "local"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "wbmerge.cli",
+        "sync",
+        str(job),
+        "--run-mode",
+        mode,
+        "-n",
+        "8",
+        "-p",
+        project,
+        "-e",
+        "local",
+    ]
     return [cmd, str(tree)]
 
 
@@ -93,15 +118,24 @@ def throttled(client: SinkClient) -> int:
     return sum(client.like_wandb().get("throttled", {}).values())
 
 
-def run_once(variant: str, ranks: int, job: Path, repeat: int, env: dict, work: Path,
-             before: Path | None, client: SinkClient) -> float:  # fmt: skip
+def run_once(
+    variant: str,
+    ranks: int,
+    job: Path,
+    repeat: int,
+    env: dict,
+    work: Path,
+    before: Path | None,
+    client: SinkClient,
+) -> float:
     project = f"{variant.replace('@', '-')}-{ranks}-{repeat}"
     cmd, pythonpath = commands(variant, job, project, work, before)
     run_env = {**env, "PYTHONPATH": pythonpath, "WBMERGE_STATE_DIR": str(work / f"state-{project}")}
     began = time.perf_counter()
     # in the tree it runs from: `python -m` puts the working directory first on sys.path
-    done = subprocess.run(cmd, env=run_env, cwd=pythonpath, capture_output=True, text=True,
-                          timeout=TIMEOUT)  # fmt: skip
+    done = subprocess.run(
+        cmd, env=run_env, cwd=pythonpath, capture_output=True, text=True, timeout=TIMEOUT
+    )
     seconds = time.perf_counter() - began
     if done.returncode != 0:
         raise SystemExit(f"{variant} of {ranks} ranks failed:\n{done.stderr[-2000:]}")
@@ -138,14 +172,29 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32_000, help="history rows of each job")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--before", type=Path, help="another wbmerge tree to compare with")
-    parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS),
-                        help="the jobs' rank counts (default: 8 64 256)")  # fmt: skip
-    parser.add_argument("--modes", nargs="+", default=["new", "shared"], choices=["new", "shared"],
-                        help="the wbmerge run modes to run beside plain")  # fmt: skip
-    parser.add_argument("--latency", type=float, default=0.0,
-                        help="seconds every request to the sink waits, as over a network")  # fmt: skip
-    parser.add_argument("--like-wandb", action="store_true",
-                        help="a sink that behaves like W&B, its 429s counted")  # fmt: skip
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        nargs="+",
+        default=list(RANKS),
+        help="the jobs' rank counts (default: 8 64 256)",
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["new", "shared"],
+        choices=["new", "shared"],
+        help="the wbmerge run modes to run beside plain",
+    )
+    parser.add_argument(
+        "--latency",
+        type=float,
+        default=0.0,
+        help="seconds every request to the sink waits, as over a network",
+    )
+    parser.add_argument(
+        "--like-wandb", action="store_true", help="a sink that behaves like W&B, its 429s counted"
+    )
     args = parser.parse_args()
     variants = ["plain", *args.modes]
     if args.before:
@@ -159,8 +208,14 @@ def main() -> None:
         jobs = {}
         for ranks in args.ranks:
             jobs[ranks] = work / f"job-{ranks}"
-            synthetic.write_job(jobs[ranks], max(1, ranks // 8), min(ranks, 8), args.rows // ranks,
-                                metrics=20, job_id=f"bench-{ranks}")  # fmt: skip
+            synthetic.write_job(
+                jobs[ranks],
+                max(1, ranks // 8),
+                min(ranks, 8),
+                args.rows // ranks,
+                metrics=20,
+                job_id=f"bench-{ranks}",
+            )
             size = sum(p.stat().st_size for p in jobs[ranks].rglob("*.wandb")) / 1e6
             print(f"{ranks} ranks x {args.rows // ranks} steps: {size:.0f} MB", flush=True)
         sink, url = start_sink(work / "sink", args.latency, args.like_wandb)
@@ -176,14 +231,17 @@ def main() -> None:
                     shift = repeat % len(variants)  # each variant goes first in turn
                     for variant in variants[shift:] + variants[:shift]:
                         before_429s = throttled(client)
-                        seconds = run_once(variant, ranks, jobs[ranks], repeat, env, work,
-                                           args.before, client)  # fmt: skip
+                        seconds = run_once(
+                            variant, ranks, jobs[ranks], repeat, env, work, args.before, client
+                        )
                         times.setdefault((variant, ranks), []).append(seconds)
                         refused.setdefault((variant, ranks), []).append(
                             throttled(client) - before_429s
                         )
-                        print(f"  repeat {repeat} {ranks:>3} ranks {variant:>13}: {seconds:6.2f} s",
-                              flush=True)  # fmt: skip
+                        print(
+                            f"  repeat {repeat} {ranks:>3} ranks {variant:>13}: {seconds:6.2f} s",
+                            flush=True,
+                        )
         finally:
             sink.terminate()
             sink.wait(timeout=30)

@@ -44,15 +44,37 @@ def measure(rows: int, repeat: int, work: Path, url: str, key: str) -> dict[str,
     job = work / f"job-{rows}"
     synthetic.write_rank(job, RankInfo(0, 0, 1, 1, 0, 0, f"verify{rows}"), rows, metrics=20)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(WANDB_BASE_URL=url, WANDB_API_KEY=key, WANDB_SILENT="true",
-               WBMERGE_STATE_DIR=str(work / f"state-{rows}"))  # fmt: skip
+    env.update(
+        WANDB_BASE_URL=url,
+        WANDB_API_KEY=key,
+        WANDB_SILENT="true",
+        WBMERGE_STATE_DIR=str(work / f"state-{rows}"),
+    )
     staged = work / f"staged-{rows}"
     began = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "wbmerge", "sync", str(job), "--run-mode", "auto", "-p", "bench",
-         "-e", "local", "--base-id", f"v{rows}", "--keep-staging", str(staged)],
-        env=env, capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "wbmerge",
+            "sync",
+            str(job),
+            "--run-mode",
+            "auto",
+            "-p",
+            "bench",
+            "-e",
+            "local",
+            "--base-id",
+            f"v{rows}",
+            "--keep-staging",
+            str(staged),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     sync_seconds = time.perf_counter() - began
     if done.returncode != 0:
         raise SystemExit(f"the sync of {rows} rows failed:\n{done.stderr[-2000:]}")
@@ -66,8 +88,7 @@ def measure(rows: int, repeat: int, work: Path, url: str, key: str) -> dict[str,
         walls, cpus = [], []
         for _ in range(repeat):
             wall, cpu = time.perf_counter(), time.process_time()
-            problems = rows_not_held(client, "local", "bench", delivery, held, content,
-                                     every_value)  # fmt: skip
+            problems = rows_not_held(client, "local", "bench", delivery, held, content, every_value)
             walls.append(time.perf_counter() - wall)
             cpus.append(time.process_time() - cpu)
             if problems:

@@ -45,6 +45,9 @@ def run_pinned(code: str, *args: str) -> dict:
     with tempfile.TemporaryDirectory() as out:
         proc = subprocess.run(
             [sys.executable, "-c", _CHILD.format(code=code), out, *args],
-            capture_output=True, text=True, check=True, cwd=ROOT,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])

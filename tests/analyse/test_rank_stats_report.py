@@ -42,9 +42,20 @@ def test_without_the_option_there_are_none():
 
 def test_report_and_the_merged_summary_agree(tmp_path):
     out = tmp_path / "out"
-    merged = CliRunner().invoke(main, ["merge", str(job_dir("two_nodes_2x2")), "--run-mode",
-                                       "shared", "--rank-scope", "global", "--rank-stats",
-                                       "--out", str(out)])  # fmt: skip
+    merged = CliRunner().invoke(
+        main,
+        [
+            "merge",
+            str(job_dir("two_nodes_2x2")),
+            "--run-mode",
+            "shared",
+            "--rank-scope",
+            "global",
+            "--rank-stats",
+            "--out",
+            str(out),
+        ],
+    )
     assert merged.exit_code == 0, merged.output
     summary = {}
     for record in read_records(next(out.glob("offline-run-*/run-*.wandb"))):

@@ -62,8 +62,15 @@ def reference_one(by_rank: dict[int, float]) -> dict:
         mean = float(sum(map(Fraction, values)) / count)  # exact, even past 1.8e308
     else:  # the mean of numbers with an infinity is that infinity; with both, NaN
         mean = NAN if INF in values and -INF in values else (INF if INF in values else -INF)
-    return dict(count=count, min=low, median=median, max=high, mean=mean,
-                min_rank=low_rank, max_rank=high_rank)  # fmt: skip
+    return dict(
+        count=count,
+        min=low,
+        median=median,
+        max=high,
+        mean=mean,
+        min_rank=low_rank,
+        max_rank=high_rank,
+    )
 
 
 def reference(entries: list[tuple[int, int, int, float]]) -> dict[tuple[int, int], dict]:
@@ -106,25 +113,43 @@ def assert_matches(got: dict, want: dict) -> None:
 
 ONE_STEP = [
     # (values by rank, expected statistics)
-    ({0: 3.0, 1: 1.0, 2: 2.0}, dict(min=1.0, median=2.0, max=3.0, mean=2.0, min_rank=1, max_rank=0)),
-    ({0: 4.0, 1: 1.0, 2: 2.0, 3: 3.0},  # an even count: the mean of the two middle values
-     dict(min=1.0, median=2.5, max=4.0, mean=2.5, min_rank=1, max_rank=0)),
-    ({5: 1.0, 2: 1.0, 9: 7.0, 4: 7.0},  # ties: the lowest rank
-     dict(min=1.0, median=4.0, max=7.0, mean=4.0, min_rank=2, max_rank=4)),
-    ({0: 1.0, 1: NAN, 2: 2.0},  # NaN above every number: max, its rank, the mean
-     dict(min=1.0, median=2.0, max=NAN, mean=NAN, min_rank=0, max_rank=1)),
+    (
+        {0: 3.0, 1: 1.0, 2: 2.0},
+        dict(min=1.0, median=2.0, max=3.0, mean=2.0, min_rank=1, max_rank=0),
+    ),
+    (
+        {0: 4.0, 1: 1.0, 2: 2.0, 3: 3.0},  # an even count: the mean of the two middle values
+        dict(min=1.0, median=2.5, max=4.0, mean=2.5, min_rank=1, max_rank=0),
+    ),
+    (
+        {5: 1.0, 2: 1.0, 9: 7.0, 4: 7.0},  # ties: the lowest rank
+        dict(min=1.0, median=4.0, max=7.0, mean=4.0, min_rank=2, max_rank=4),
+    ),
+    (
+        {0: 1.0, 1: NAN, 2: 2.0},  # NaN above every number: max, its rank, the mean
+        dict(min=1.0, median=2.0, max=NAN, mean=NAN, min_rank=0, max_rank=1),
+    ),
     ({0: NAN, 1: NAN}, dict(min=NAN, median=NAN, max=NAN, mean=NAN, min_rank=0, max_rank=0)),
-    ({0: INF, 1: 1.0, 2: -INF}, dict(min=-INF, median=1.0, max=INF, mean=NAN, min_rank=2, max_rank=0)),
+    (
+        {0: INF, 1: 1.0, 2: -INF},
+        dict(min=-INF, median=1.0, max=INF, mean=NAN, min_rank=2, max_rank=0),
+    ),
     ({3: INF, 1: NAN}, dict(min=INF, median=NAN, max=NAN, mean=NAN, min_rank=3, max_rank=1)),
     ({7: 0.5}, dict(min=0.5, median=0.5, max=0.5, mean=0.5, min_rank=7, max_rank=7)),
-    ({0: INF, 1: -1e308, 2: -1e308},  # summed from the least: -inf, then inf - inf
-     dict(min=-1e308, median=-1e308, max=INF, mean=INF, min_rank=1, max_rank=0)),
-    ({0: 1e308, 1: 1e308},  # a sum past 1.8e308
-     dict(min=1e308, median=1e308, max=1e308, mean=1e308, min_rank=0, max_rank=0)),
+    (
+        {0: INF, 1: -1e308, 2: -1e308},  # summed from the least: -inf, then inf - inf
+        dict(min=-1e308, median=-1e308, max=INF, mean=INF, min_rank=1, max_rank=0),
+    ),
+    (
+        {0: 1e308, 1: 1e308},  # a sum past 1.8e308
+        dict(min=1e308, median=1e308, max=1e308, mean=1e308, min_rank=0, max_rank=0),
+    ),
     # summed in pairs: -inf in one half, inf in the other, NaN together (found by Hypothesis)
-    ({0: -1e308, 1: -1e308, 2: 0.0, 3: 0.0, 4: 0.0, 5: 0.0, 6: 1e308, 7: 1e308},
-     dict(min=-1e308, median=0.0, max=1e308, mean=0.0, min_rank=0, max_rank=6)),
-]  # fmt: skip
+    (
+        {0: -1e308, 1: -1e308, 2: 0.0, 3: 0.0, 4: 0.0, 5: 0.0, 6: 1e308, 7: 1e308},
+        dict(min=-1e308, median=0.0, max=1e308, mean=0.0, min_rank=0, max_rank=6),
+    ),
+]
 
 
 @pytest.mark.parametrize(("values", "expected"), ONE_STEP)

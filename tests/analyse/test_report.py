@@ -152,9 +152,16 @@ def test_report_and_skew_metrics_share_one_spread_with_the_true_median(tmp_path)
     out = tmp_path / "out"
     result = CliRunner().invoke(
         main,
-        ["merge", str(job_dir("one_node_4")), "--run-mode", "shared", "--skew-metrics",
-         "--out", str(out)],
-    )  # fmt: skip
+        [
+            "merge",
+            str(job_dir("one_node_4")),
+            "--run-mode",
+            "shared",
+            "--skew-metrics",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     merged = {}
     for record in read_records(next(out.glob("offline-run-*/run-*.wandb"))):

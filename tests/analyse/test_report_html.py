@@ -112,12 +112,19 @@ def test_the_page_shows_ranks_nodes_and_the_spread_over_steps(tmp_path):
     nproc = job["nproc"]
     assert "job fx-two-nodes-2x2: 4 of 4 ranks on 2 nodes" in page.text
     # node, host, rank, label, local rank, restarts: as the job was launched
-    assert {rank: (cells[0], cells[2], cells[3], cells[4], cells[5])
-            for rank, cells in page.places.items()} == {
-        rank: (str(rank // nproc), str(rank), f"worker-{rank // nproc}-rank-{rank % nproc}",
-               str(rank % nproc), "0")
+    assert {
+        rank: (cells[0], cells[2], cells[3], cells[4], cells[5])
+        for rank, cells in page.places.items()
+    } == {
+        rank: (
+            str(rank // nproc),
+            str(rank),
+            f"worker-{rank // nproc}-rank-{rank % nproc}",
+            str(rank % nproc),
+            "0",
+        )
         for rank in range(job["nodes"] * nproc)
-    }  # fmt: skip
+    }
     # The spread chart: one point per step all ranks logged.
     spreads = [a for tag, a in page.tags if tag == "polyline" and a.get("data-label") == "spread"]
     (spread,) = spreads

@@ -52,8 +52,9 @@ def charts_job(tmp_path_factory) -> Path:
 
 def source_entries(root: Path, rank: int) -> dict[tuple[str, str], dict]:
     """The `_wandb` entries rank `rank`'s own log holds, read with protobuf."""
-    [log] = [p for p in root.glob("wandb/offline-run-*/run-*.wandb")
-             if _config_value(p, "rank") == rank]  # fmt: skip
+    [log] = [
+        p for p in root.glob("wandb/offline-run-*/run-*.wandb") if _config_value(p, "rank") == rank
+    ]
     entries: dict[tuple[str, str], dict] = {}
     for record in read_records(log):
         for item in record.config.update:
@@ -76,8 +77,9 @@ def _config_value(log: Path, key: str):
 
 def server_config(sink, project: str, run_id: str) -> dict:
     """The run's config as the server holds it, `_wandb` included (as W&B's API gives it)."""
-    answer = sink.client.graphql(RUN_CONFIG, {"entity": "local", "project": project,
-                                              "name": run_id})  # fmt: skip
+    answer = sink.client.graphql(
+        RUN_CONFIG, {"entity": "local", "project": project, "name": run_id}
+    )
     return json.loads(answer["data"]["model"]["bucket"]["config"])
 
 
@@ -91,11 +93,27 @@ def table_key(chart: dict) -> str:
 def test_a_shared_run_holds_every_ranks_charts_and_class_names_under_its_own_keys(
     sink, tmp_path, charts_job, scope
 ):
-    result = cli_sync(sink, tmp_path, charts_job, "--run-mode", "shared", "-p", "charts",
-                      "--rank-scope", scope, "--base-id", "C", "--files-from", charts_job)  # fmt: skip
+    result = cli_sync(
+        sink,
+        tmp_path,
+        charts_job,
+        "--run-mode",
+        "shared",
+        "-p",
+        "charts",
+        "--rank-scope",
+        scope,
+        "--base-id",
+        "C",
+        "--files-from",
+        charts_job,
+    )
     assert result.exit_code == 0, result.stderr
-    [run_id] = [run["id"] for run in sink.client.runs(project="charts")
-                if run["id"].startswith("C") and run["config"]["wbmerge"]["rank_scope"] == scope]  # fmt: skip
+    [run_id] = [
+        run["id"]
+        for run in sink.client.runs(project="charts")
+        if run["id"].startswith("C") and run["config"]["wbmerge"]["rank_scope"] == scope
+    ]
     got = sink.client.run("local", "charts", run_id)
     server = server_config(sink, "charts", run_id)
     config = server["_wandb"]["value"]
@@ -146,12 +164,16 @@ def drop_entry(log: Path, path: list[str]) -> None:
 @pytest.mark.parametrize(
     ("path", "named"),
     [
-        (["_wandb", "visualize", "charts/val_curve/rank-1"],
-         "rank 1's chart 'charts/val_curve/rank-1': not in the staged config"),
-        (["_wandb", "mask/class_labels", "eval/detection/rank-0_wandb_delimeter_segmentation"],
-         "rank 0's mask class labels 'eval/detection/rank-0_wandb_delimeter_segmentation'"),
+        (
+            ["_wandb", "visualize", "charts/val_curve/rank-1"],
+            "rank 1's chart 'charts/val_curve/rank-1': not in the staged config",
+        ),
+        (
+            ["_wandb", "mask/class_labels", "eval/detection/rank-0_wandb_delimeter_segmentation"],
+            "rank 0's mask class labels 'eval/detection/rank-0_wandb_delimeter_segmentation'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_sync_whose_merge_lost_a_chart_or_class_names_fails_naming_it(
     sink, tmp_path, charts_job, monkeypatch, path, named
 ):
@@ -163,8 +185,19 @@ def test_a_sync_whose_merge_lost_a_chart_or_class_names_fails_naming_it(
         return staged
 
     monkeypatch.setattr(merge, "stage", losing_stage)
-    result = cli_sync(sink, tmp_path, charts_job, "--run-mode", "shared", "-p", "lost",
-                      "--base-id", "L", "--files-from", charts_job)  # fmt: skip
+    result = cli_sync(
+        sink,
+        tmp_path,
+        charts_job,
+        "--run-mode",
+        "shared",
+        "-p",
+        "lost",
+        "--base-id",
+        "L",
+        "--files-from",
+        charts_job,
+    )
     assert result.exit_code == 1
     [line] = [line for line in result.stderr.splitlines() if line.startswith("wbmerge: error")]
     assert f"run L: not sent: the staged run lacks what its ranks logged: {named}" in line
@@ -183,8 +216,9 @@ def staged_config_entries(log: Path) -> set[tuple[str, str]]:
 
 @pytest.mark.parametrize("mode", ["new", "auto", "shared"])
 def test_the_source_check_counts_every_ranks_charts_and_class_names(tmp_path, charts_job, mode):
-    runs = merge_jobs(MergeRequest([charts_job], run_mode=mode, files_from=[charts_job]),
-                      tmp_path / "out")  # fmt: skip
+    runs = merge_jobs(
+        MergeRequest([charts_job], run_mode=mode, files_from=[charts_job]), tmp_path / "out"
+    )
     for run in runs:
         assert source_shortfall(run.target, run.log_path) == []
         rank = run.target.primary_rank
@@ -194,13 +228,16 @@ def test_the_source_check_counts_every_ranks_charts_and_class_names(tmp_path, ch
         drop_entry(run.log_path, ["_wandb", "visualize", chart])
         [problem] = source_shortfall(run.target, run.log_path)
         owner = 1 if label else rank
-        assert problem == f"rank {owner}'s chart {chart!r}: not in the staged config's " \
-                          "_wandb.visualize"  # fmt: skip
+        assert (
+            problem == f"rank {owner}'s chart {chart!r}: not in the staged config's "
+            "_wandb.visualize"
+        )
 
 
 def test_entries_of_keys_per_rank_leaves_out_are_neither_staged_nor_expected(tmp_path, charts_job):
-    request = MergeRequest([charts_job], run_mode="shared", files_from=[charts_job],
-                           per_rank=["loss", "eval/*"])  # fmt: skip
+    request = MergeRequest(
+        [charts_job], run_mode="shared", files_from=[charts_job], per_rank=["loss", "eval/*"]
+    )
     [run] = merge_jobs(request, tmp_path / "out")
     per_rank = PerRank.parse(["loss", "eval/*"])
     assert source_shortfall(run.target, run.log_path, per_rank=per_rank) == []
@@ -221,8 +258,15 @@ def merge_warnings(tmp_path: Path, root: Path) -> list[str]:
 
 def test_per_rank_seeds_shards_and_charts_of_one_job_say_nothing_of_config(tmp_path, charts_job):
     # (each rank's seed, data shard and chart title are its own: see charts_job.py)
-    assert len({json.dumps(source_entries(charts_job, rank)[("visualize", "charts/val_curve")])
-                for rank in range(WORLD)}) == WORLD  # fmt: skip
+    assert (
+        len(
+            {
+                json.dumps(source_entries(charts_job, rank)[("visualize", "charts/val_curve")])
+                for rank in range(WORLD)
+            }
+        )
+        == WORLD
+    )
     assert merge_warnings(tmp_path, charts_job) == []
 
 
@@ -242,8 +286,19 @@ def test_a_server_that_loses_the_charts_fails_the_sync_naming_them(make_sink, tm
     """The check after the upload reads the charts back: a server that keeps the config
     without `_wandb.visualize` (the sink's `nocharts` fault) fails the run, naming each."""
     sink = make_sink(["graphql:UpsertBucket=nocharts"])
-    result = cli_sync(sink, tmp_path, charts_job, "--run-mode", "shared", "-p", "charts",
-                      "--base-id", "N", "--files-from", charts_job)  # fmt: skip
+    result = cli_sync(
+        sink,
+        tmp_path,
+        charts_job,
+        "--run-mode",
+        "shared",
+        "-p",
+        "charts",
+        "--base-id",
+        "N",
+        "--files-from",
+        charts_job,
+    )
     assert result.exit_code == 1, result.stderr
     held = server_config(sink, "charts", "N")["_wandb"]["value"]
     assert "visualize" not in held and "mask/class_labels" in held  # (what the fault did)
@@ -252,14 +307,36 @@ def test_a_server_that_loses_the_charts_fails_the_sync_naming_them(make_sink, tm
             assert f"chart '{chart}/rank-{rank}' not on the server" in result.stderr
     assert "class labels" not in result.stderr
     assert "verified" not in result.stderr
-    again = cli_sync(make_sink([]), tmp_path / "again", charts_job, "--run-mode", "shared",
-                     "-p", "charts", "--base-id", "N", "--files-from", charts_job)  # fmt: skip
+    again = cli_sync(
+        make_sink([]),
+        tmp_path / "again",
+        charts_job,
+        "--run-mode",
+        "shared",
+        "-p",
+        "charts",
+        "--base-id",
+        "N",
+        "--files-from",
+        charts_job,
+    )
     assert again.exit_code == 0, again.stderr
 
 
 def test_each_ranks_own_run_keeps_its_charts_and_class_names_as_written(sink, tmp_path, charts_job):
-    result = cli_sync(sink, tmp_path, charts_job, "--run-mode", "new", "-p", "own",
-                      "--base-id", "O", "--files-from", charts_job)  # fmt: skip
+    result = cli_sync(
+        sink,
+        tmp_path,
+        charts_job,
+        "--run-mode",
+        "new",
+        "-p",
+        "own",
+        "--base-id",
+        "O",
+        "--files-from",
+        charts_job,
+    )
     assert result.exit_code == 0, result.stderr
     for rank in range(WORLD):
         held = server_config(sink, "own", f"O-rank-{rank}")["_wandb"]["value"]
@@ -270,8 +347,16 @@ def test_each_ranks_own_run_keeps_its_charts_and_class_names_as_written(sink, tm
 def test_verify_names_the_charts_and_class_names_a_server_lost(sink, tmp_path, charts_job):
     """`wbmerge verify` checks a shared run's charts and class names on the server: whole
     after the sync, and each entry named once the server's config has lost them."""
-    options = ["--run-mode", "shared", "-p", "chartsv", "--base-id", "V", "--files-from",
-               charts_job]  # fmt: skip
+    options = [
+        "--run-mode",
+        "shared",
+        "-p",
+        "chartsv",
+        "--base-id",
+        "V",
+        "--files-from",
+        charts_job,
+    ]
     assert cli_sync(sink, tmp_path, charts_job, *options).exit_code == 0
     env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
     verify = ["verify", "--json", str(charts_job), *map(str, options)]

@@ -208,8 +208,19 @@ def test_a_link_planted_at_the_sink_port_files_scratch_name_is_not_written_throu
     victim.write_text("a root-owned file\n")
     port_file = tmp_path / "port"
     Path(f"{port_file}.tmp").symlink_to(victim)
-    command = [sys.executable, "-m", "wbmerge.cli", "sink", "serve", "--port", "0",
-               "--data", str(tmp_path / "data"), "--port-file", str(port_file)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "wbmerge.cli",
+        "sink",
+        "serve",
+        "--port",
+        "0",
+        "--data",
+        str(tmp_path / "data"),
+        "--port-file",
+        str(port_file),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     sink = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

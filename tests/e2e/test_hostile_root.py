@@ -107,8 +107,11 @@ def assert_canary_nowhere(*trees: Path) -> None:
 def command_env(monkeypatch, sink, tmp_path):
     """The canary and the sink in the environment of the commands run, a state directory
     of the test's own."""
-    for name, value in {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state"),
-                        "WBMERGE_TEST_CANARY": CANARY}.items():  # fmt: skip
+    for name, value in {
+        **sink.env,
+        "WBMERGE_STATE_DIR": str(tmp_path / "state"),
+        "WBMERGE_TEST_CANARY": CANARY,
+    }.items():
         monkeypatch.setenv(name, value)
 
 
@@ -135,8 +138,19 @@ def test_a_root_that_is_slash_by_another_spelling_opens_nothing(mountable, tmp_p
 def test_a_sync_of_runs_at_the_top_sends_no_environment(mountable, sink, tmp_path):
     job = hostile_job(tmp_path, "/etc/..", "/proc/self/environ", None)
     staging = tmp_path / "staging"
-    result = run_mounted(job, "sync", MOUNTED, "--run-mode", "new", "-p", "exfil",
-                         "-e", "local", "--keep-staging", staging)  # fmt: skip
+    result = run_mounted(
+        job,
+        "sync",
+        MOUNTED,
+        "--run-mode",
+        "new",
+        "-p",
+        "exfil",
+        "-e",
+        "local",
+        "--keep-staging",
+        staging,
+    )
     line = one_error_line(result)
     assert "'model.pt'" in line and "'/proc/self/environ'" in line
     assert sink.client.runs() == []
@@ -173,8 +187,7 @@ def test_nothing_under_proc_sys_or_dev_is_read_even_under_files_from(
         job = hostile_job(tmp_path, str(tmp_path / "job"), None, system)
         named = "artifact 'ckpt'"
     out = tmp_path / "out"
-    result = run_cli("merge", job / "wandb", "--run-mode", "new", "--files-from", "/",
-                     "--out", out)  # fmt: skip
+    result = run_cli("merge", job / "wandb", "--run-mode", "new", "--files-from", "/", "--out", out)
     line = one_error_line(result)
     assert named in line and f"'{system}'" in line and "/proc, /sys or /dev" in line
     assert not out.exists()

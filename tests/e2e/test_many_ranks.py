@@ -43,8 +43,12 @@ def history(log) -> list[dict]:
     rows = []
     for record in read_records(log):
         if record.WhichOneof("record_type") == "history":
-            rows.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json)
-                         for i in record.history.item})  # fmt: skip
+            rows.append(
+                {
+                    "/".join(i.nested_key) or i.key: json.loads(i.value_json)
+                    for i in record.history.item
+                }
+            )
     return rows
 
 

@@ -82,8 +82,9 @@ def output_artifacts(sink, run_id: str) -> dict[str, object]:
 
 
 def server_config(sink, run_id: str) -> dict:
-    answer = sink.client.graphql(RUN_CONFIG, {"entity": "local", "project": PROJECT,
-                                              "name": run_id})  # fmt: skip
+    answer = sink.client.graphql(
+        RUN_CONFIG, {"entity": "local", "project": PROJECT, "name": run_id}
+    )
     return json.loads(answer["data"]["model"]["bucket"]["config"])
 
 
@@ -136,8 +137,21 @@ def test_a_job_logged_as_the_mnist_guides_log_arrives_whole(sink, tmp_path, mode
     assert sorted(logs) == [0, 1]
     want = {rank: expected_from_log(log) for rank, log in logs.items()}
     base = want[0].run_id
-    result = cli(sink, tmp_path, "sync", "--json", job / "wandb", "--run-mode", mode,
-                 "-p", PROJECT, "-e", "local", "--files-from", job)  # fmt: skip
+    result = cli(
+        sink,
+        tmp_path,
+        "sync",
+        "--json",
+        job / "wandb",
+        "--run-mode",
+        mode,
+        "-p",
+        PROJECT,
+        "-e",
+        "local",
+        "--files-from",
+        job,
+    )
     assert result.exit_code == 0, result.stderr
     expected_runs = targets(mode, base)
     assert sorted(r["id"] for r in sink.client.runs()) == sorted(expected_runs)
@@ -163,8 +177,12 @@ def test_a_job_logged_as_the_mnist_guides_log_arrives_whole(sink, tmp_path, mode
         config = {k: v for k, v in run["config"].items() if k != "wbmerge"}
         # The primary's config (the mid-run update included), and another rank's key where
         # its value is not the primary's, labelled: rank 1's own `rank`.
-        others = {label(k, r): v for r in ranks[1:] for k, v in want[r].config.items()
-                  if primary.config.get(k) != v}  # fmt: skip
+        others = {
+            label(k, r): v
+            for r in ranks[1:]
+            for k, v in want[r].config.items()
+            if primary.config.get(k) != v
+        }
         assert config == {**primary.config, **others}
         assert others == ({"rank/rank-1": 1} if mode == "shared" else {})
         for rank in ranks:
@@ -173,8 +191,10 @@ def test_a_job_logged_as_the_mnist_guides_log_arrives_whole(sink, tmp_path, mode
                     assert run["summary"][label(key, rank)] == value, (rank, key)
 
         # Each rank's saved checkpoint, with its bytes; in shared mode under its label.
-        saved = {("model.pt" if rank == ranks[0] else f"rank-{rank}/model.pt"): checkpoints[rank]
-                 for rank in ranks}  # fmt: skip
+        saved = {
+            ("model.pt" if rank == ranks[0] else f"rank-{rank}/model.pt"): checkpoints[rank]
+            for rank in ranks
+        }
         for name, data in saved.items():
             assert sink.client.file("local", PROJECT, run_id, name) == data, (run_id, name)
 
@@ -201,8 +221,7 @@ def test_a_job_logged_as_the_mnist_guides_log_arrives_whole(sink, tmp_path, mode
 
         # The Table: its history value names the run_table artifact that arrived, whose
         # table holds the four images the artifact carries.
-        [value] = [row[label(TABLE_KEY, 0)] for row in run["history"]
-                   if label(TABLE_KEY, 0) in row]  # fmt: skip
+        [value] = [row[label(TABLE_KEY, 0)] for row in run["history"] if label(TABLE_KEY, 0) in row]
         reference = urllib.parse.urlparse(value["artifact_path"])
         assert reference.scheme == "wandb-client-artifact"
         client_id = reference.netloc.split(":")[0]

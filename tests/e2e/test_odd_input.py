@@ -172,8 +172,9 @@ def _history_bytes(items: list[tuple[bytes, bytes]], step: int) -> bytes:
     def field(tag: bytes, value: bytes) -> bytes:
         return tag + bytes([len(value)]) + value
 
-    body = b"".join(field(b"\x0a", field(b"\x12", key) + field(b"\x82\x01", value))
-                    for key, value in items)  # fmt: skip
+    body = b"".join(
+        field(b"\x0a", field(b"\x12", key) + field(b"\x82\x01", value)) for key, value in items
+    )
     body += field(b"\x12", b"\x08" + bytes([step]))
     return b"\x08\x01" + field(b"\x12", body)
 
@@ -377,8 +378,11 @@ def test_config_values_nested_past_the_recursion_limit_are_no_values(job, tmp_pa
     from wbmerge.log import write_payloads
 
     write_payloads(log, payloads)
-    for args in (["inspect", job], ["report", job],
-                 ["merge", job, "--run-mode", "shared", "--out", tmp_path / "out"]):  # fmt: skip
+    for args in (
+        ["inspect", job],
+        ["report", job],
+        ["merge", job, "--run-mode", "shared", "--out", tmp_path / "out"],
+    ):
         result = run_cli(*args)
         assert result.returncode == 0, (args, result.stderr)
         if args[0] == "inspect":  # the ranks still come from wbmerge's block, intact
@@ -459,8 +463,16 @@ def test_rows_before_the_run_record_are_moved_after_it_and_arrive(sink, tmp_path
     run_dir = tmp_path / "wandb" / "offline-run-20260101_000000-early"
     (run_dir / "files").mkdir(parents=True)
     with open(run_dir / "run-early.wandb", "wb") as stream, LogWriter(stream) as writer:
-        for payload in [row(0, 5), stats(1), row(1, 4), _run_record("early"), row(2, 3),
-                        stats(2), row(3, 2), exit_record(0)]:  # fmt: skip
+        for payload in [
+            row(0, 5),
+            stats(1),
+            row(1, 4),
+            _run_record("early"),
+            row(2, 3),
+            stats(2),
+            row(3, 2),
+            exit_record(0),
+        ]:
             writer.write(payload)
     before = (run_dir / "run-early.wandb").read_bytes()
     env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
@@ -481,10 +493,13 @@ NOT_UTF8 = b"\xffjob"  # a directory's name that is no UTF-8: bytes, as Linux al
 def rank_rows(log: Path) -> list[dict]:
     """The history rows of `log`, read with protobuf: {key: value} of each."""
     return [
-        {"/".join(item.nested_key) or item.key: json.loads(item.value_json)
-         for item in record.history.item}
-        for record in read_records(log) if record.WhichOneof("record_type") == "history"
-    ]  # fmt: skip
+        {
+            "/".join(item.nested_key) or item.key: json.loads(item.value_json)
+            for item in record.history.item
+        }
+        for record in read_records(log)
+        if record.WhichOneof("record_type") == "history"
+    ]
 
 
 def test_a_job_under_a_directory_named_not_in_utf8_syncs_and_prints_it_escaped(

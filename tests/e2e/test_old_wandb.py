@@ -224,8 +224,19 @@ def test_wandb_0_16_runs_arrive_in_the_sink(sink, tmp_path, mode):
     records 0.16 writes after its exit record (the last row, the summary) arrive too."""
     copies = ranked_copy("wandb_0_16_6", tmp_path / "runs")
     env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
-    cli("sync", tmp_path / "runs", "--run-mode", mode, "-p", "old", "-e", "local",
-        "--base-id", "B", env=env)  # fmt: skip
+    cli(
+        "sync",
+        tmp_path / "runs",
+        "--run-mode",
+        mode,
+        "-p",
+        "old",
+        "-e",
+        "local",
+        "--base-id",
+        "B",
+        env=env,
+    )
     for rank, path in copies.items():
         run_id, label = ("B", f"/rank-{rank}") if mode == "shared" else (f"B-rank-{rank}", "")
         got = sink.client.run("local", "old", run_id)

@@ -98,8 +98,20 @@ def test_shared_sync_gives_every_ranks_values_once_under_its_own_label(sink, tmp
     before = tree_digest(job_dir(name))
     # (a job whose rank 0 is only the first run to start is refused unless accepted)
     accept = ["--rank-order", "start"] if any(r["rank_guessed"] for r in rows) else []
-    result = cli_sync(sink, tmp_path, job_dir(name), "--run-mode", "shared", "-p", "e2e",
-                      "-e", "local", "--base-id", "S", *accept)  # fmt: skip
+    result = cli_sync(
+        sink,
+        tmp_path,
+        job_dir(name),
+        "--run-mode",
+        "shared",
+        "-p",
+        "e2e",
+        "-e",
+        "local",
+        "--base-id",
+        "S",
+        *accept,
+    )
     assert result.exit_code == 0, result.output + result.stderr
     assert tree_digest(job_dir(name)) == before
     got = sink.client.run("local", "e2e", "S")
@@ -120,8 +132,19 @@ def test_shared_sync_gives_every_ranks_values_once_under_its_own_label(sink, tmp
 @pytest.mark.parametrize("name", ["recipe_shared_label", "recipe_node_label", "recipe_group"])
 def test_new_sync_gives_each_rank_its_own_run(sink, tmp_path, name):
     rows = inspect_rows(job_dir(name))
-    result = cli_sync(sink, tmp_path, job_dir(name), "--run-mode", "new", "-p", "e2e",
-                      "-e", "local", "--base-id", "N")  # fmt: skip
+    result = cli_sync(
+        sink,
+        tmp_path,
+        job_dir(name),
+        "--run-mode",
+        "new",
+        "-p",
+        "e2e",
+        "-e",
+        "local",
+        "--base-id",
+        "N",
+    )
     assert result.exit_code == 0, result.output + result.stderr
     runs = {r["id"]: r for r in sink.client.runs(project="e2e")}
     assert sorted(runs) == sorted(f"N-rank-{r['rank']}" for r in rows)
@@ -139,8 +162,19 @@ def test_a_single_run_without_rank_information_is_uploaded_as_it_is(sink, tmp_pa
     [row] = inspect_rows(job_dir("recipe_rank0_only"))
     assert (row["rank"], row["world_size"], row["source"]) == (0, 1, "order")
     _, want = truth(row)
-    result = cli_sync(sink, tmp_path, job_dir("recipe_rank0_only"), "--run-mode", mode,
-                      "-p", "e2e", "-e", "local", "--base-id", "solo")  # fmt: skip
+    result = cli_sync(
+        sink,
+        tmp_path,
+        job_dir("recipe_rank0_only"),
+        "--run-mode",
+        mode,
+        "-p",
+        "e2e",
+        "-e",
+        "local",
+        "--base-id",
+        "solo",
+    )
     assert result.exit_code == 0, result.output + result.stderr
     assert "warning" not in result.stderr  # nothing was assumed about one run
     run_id = "solo-rank-0" if mode == "new" else "solo"

@@ -89,13 +89,16 @@ def _put_lines(db, pk, stream, at, lines):
 
 
 def rows_lost_inside(db, pk):
-    db.execute("DELETE FROM lines WHERE run = ? AND stream = 'history' AND offset BETWEEN 100 "
-               "AND 119", (pk,))  # fmt: skip
+    db.execute(
+        "DELETE FROM lines WHERE run = ? AND stream = 'history' AND offset BETWEEN 100 AND 119",
+        (pk,),
+    )
 
 
 def rows_lost_at_the_end(db, pk):
-    db.execute("DELETE FROM lines WHERE run = ? AND stream = 'history' AND offset >= ?",
-               (pk, STEPS - 30))  # fmt: skip
+    db.execute(
+        "DELETE FROM lines WHERE run = ? AND stream = 'history' AND offset >= ?", (pk, STEPS - 30)
+    )
 
 
 def rows_twice(db, pk):
@@ -176,9 +179,11 @@ def restart(sink) -> None:
 
 
 def resume_status(sink, run_id):
-    query = ("query RunResumeStatus($project: String, $entity: String, $name: String!) "
-             "{ model(name: $project, entityName: $entity) { bucket(name: $name) "
-             "{ historyLineCount } } }")  # fmt: skip
+    query = (
+        "query RunResumeStatus($project: String, $entity: String, $name: String!) "
+        "{ model(name: $project, entityName: $entity) { bucket(name: $name) "
+        "{ historyLineCount } } }"
+    )
     sink.client.graphql(query, {"project": PROJECT, "entity": "local", "name": run_id})
 
 
@@ -256,8 +261,10 @@ def test_verify_names_a_command_that_makes_the_damaged_run_exact(
     checked = cli(sink, state, "verify", *options(root, mode, base))
     assert checked.exit_code == 1, checked.output
     line = last_error(checked)
-    assert f"`wbmerge sync --resend` with them sends the runs whole again over what the " \
-           f"server holds, which mends {victim}" in line  # fmt: skip
+    assert (
+        f"`wbmerge sync --resend` with them sends the runs whole again over what the "
+        f"server holds, which mends {victim}" in line
+    )
     assert "no upload" not in line
 
     mended = cli(sink, state, "sync", *options(root, mode, base), "--resend")
@@ -285,9 +292,11 @@ def test_rows_twice_are_mended_by_other_ids_or_by_deleting_the_run(
     checked = cli(sink, state, "verify", *options(root, mode, base))
     assert checked.exit_code == 1
     line = last_error(checked)
-    assert (f"the server holds more of {victim} than the files make, which no upload can "
-            "remove: delete them on the server, then `wbmerge sync --resend` with them, or "
-            "upload under other run ids (sync with --base-id ID)") in line  # fmt: skip
+    assert (
+        f"the server holds more of {victim} than the files make, which no upload can "
+        "remove: delete them on the server, then `wbmerge sync --resend` with them, or "
+        "upload under other run ids (sync with --base-id ID)"
+    ) in line
     assert "which mends" not in line  # (--resend alone would not)
 
     # One way: other run ids.

@@ -96,16 +96,33 @@ def assert_shared(got, ranks, key_format="{key}/{label}"):
                 assert got["summary"][key_format.format(key=key, label=label)] == value
 
 
-CASES = [(name, mode, scope) for name in ("one_node_4", "two_nodes_2x2")
-         for mode in ("auto", "shared", "new") for scope in ("global", "worker")]  # fmt: skip
+CASES = [
+    (name, mode, scope)
+    for name in ("one_node_4", "two_nodes_2x2")
+    for mode in ("auto", "shared", "new")
+    for scope in ("global", "worker")
+]
 
 
 @pytest.mark.parametrize("name, mode, scope", CASES)
 def test_every_mode_and_scope_arrives_as_the_table_says(sink, tmp_path, name, mode, scope):
     job = MANIFEST["jobs"][name]
     before = tree_digest(job_dir(name))
-    result = cli_sync(sink, tmp_path, job_dir(name), "--run-mode", mode, "--rank-scope", scope,
-                      "-p", "e2e", "-e", "local", "--base-id", "B")  # fmt: skip
+    result = cli_sync(
+        sink,
+        tmp_path,
+        job_dir(name),
+        "--run-mode",
+        mode,
+        "--rank-scope",
+        scope,
+        "-p",
+        "e2e",
+        "-e",
+        "local",
+        "--base-id",
+        "B",
+    )
     assert result.exit_code == 0, result.output + result.stderr
     assert tree_digest(job_dir(name)) == before, "source directories must never change"
 
@@ -177,8 +194,10 @@ def test_shared_media_from_a_non_zero_rank(sink, tmp_path):
     name, files, client_id = table_artifact_of(job_dir("media"))
     (logged,) = got["artifacts"]["logged"]
     assert (logged["name"], logged["type"], logged["state"]) == (
-        f"run-fx-media-{name.split('-', 2)[2]}", "run_table", "COMMITTED"
-    )  # fmt: skip
+        f"run-fx-media-{name.split('-', 2)[2]}",
+        "run_table",
+        "COMMITTED",
+    )
     committed = sink.client.committed_files("local", "media", f"{logged['name']}:v0")
     assert committed["files"] == files
     assert table["artifact_path"].startswith(f"wandb-client-artifact://{client_id}/")
@@ -190,9 +209,11 @@ def table_artifact_of(job: Path) -> tuple[str, dict, str]:
     """(name, {path: (size, MD5)}, client id) of the one artifact the job's ranks logged,
     read from their logs with protobuf."""
     (artifact,) = [
-        record.artifact for log in job.glob("wandb/*/run-*.wandb")
-        for record in read_records(log) if record.WhichOneof("record_type") == "artifact"
-    ]  # fmt: skip
+        record.artifact
+        for log in job.glob("wandb/*/run-*.wandb")
+        for record in read_records(log)
+        if record.WhichOneof("record_type") == "artifact"
+    ]
     files = {e.path: (e.size, e.digest) for e in artifact.manifest.contents}
     return artifact.name, files, artifact.client_id
 
@@ -265,8 +286,9 @@ def test_a_run_holding_every_ranks_system_metrics_is_not_sent_the_primarys_alone
     """Synced with every rank's system metrics, then again without: the second upload would
     rewrite the primary's rows and leave the other ranks' behind, a run of neither. It is
     refused, nothing is sent, and the run stays as the first sync left it."""
-    first = cli_sync(sink, tmp_path, job_dir("slow_rank"), "--system-metrics", "all", "-p", "smx",
-                     "-e", "local")  # fmt: skip
+    first = cli_sync(
+        sink, tmp_path, job_dir("slow_rank"), "--system-metrics", "all", "-p", "smx", "-e", "local"
+    )
     assert first.exit_code == 0, first.stderr
     before = sink.client.run("local", "smx", "fx-slow-rank")
     ranks = sources_of("slow_rank")
@@ -285,8 +307,18 @@ def test_a_run_holding_every_ranks_system_metrics_is_not_sent_the_primarys_alone
 
 
 def test_skew_metrics(sink, tmp_path):
-    result = cli_sync(sink, tmp_path, job_dir("slow_rank"), "--run-mode", "shared", "--skew-metrics",
-                      "-p", "skew", "-e", "local")  # fmt: skip
+    result = cli_sync(
+        sink,
+        tmp_path,
+        job_dir("slow_rank"),
+        "--run-mode",
+        "shared",
+        "--skew-metrics",
+        "-p",
+        "skew",
+        "-e",
+        "local",
+    )
     assert result.exit_code == 0, result.stderr
     row = sink.client.run("local", "skew", "fx-slow-rank")["history"][5]
     values = sorted(row[f"train/step_time/rank-{r}"] for r in range(3))
@@ -299,8 +331,19 @@ def test_merge_writes_runs_that_wandb_sync_accepts(sink, tmp_path):
     from ..support.sinktools import wandb_sync
 
     out = tmp_path / "merged"
-    result = CliRunner().invoke(main, ["merge", str(job_dir("two_nodes_2x2")), "--run-mode", "shared",
-                                       "--rank-scope", "worker", "--out", str(out)])  # fmt: skip
+    result = CliRunner().invoke(
+        main,
+        [
+            "merge",
+            str(job_dir("two_nodes_2x2")),
+            "--run-mode",
+            "shared",
+            "--rank-scope",
+            "worker",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     dirs = sorted(out.glob("offline-run-*"))
     assert [d.name.rsplit("-", 2)[-2:] for d in dirs] == [["worker", "0"], ["worker", "1"]]
@@ -492,8 +535,9 @@ def test_a_merge_directory_syncs_as_its_runs_were_merged(
 
 def test_a_merge_directory_refuses_merge_options_and_runs_of_ranks(tmp_path):
     out = tmp_path / "merged"
-    CliRunner().invoke(main, ["merge", str(job_dir("one_node_4")), "--run-mode", "new",
-                              "--out", str(out)])  # fmt: skip
+    CliRunner().invoke(
+        main, ["merge", str(job_dir("one_node_4")), "--run-mode", "new", "--out", str(out)]
+    )
     plan = CliRunner().invoke(main, ["sync", "--dry-run", "--json", str(out)])
     assert plan.exit_code == 0, plan.stderr
     assert {t["kind"] for t in json.loads(plan.stdout)} == {"merged"}

@@ -95,8 +95,16 @@ def test_two_jobs_in_one_directory(tmp_path):
 
 
 def test_dry_run_json_has_the_documented_keys():
-    result = run("sync", job_dir("two_nodes_2x2"), "--dry-run", "--json", "--run-mode", "shared",
-                 "--rank-scope", "worker")  # fmt: skip
+    result = run(
+        "sync",
+        job_dir("two_nodes_2x2"),
+        "--dry-run",
+        "--json",
+        "--run-mode",
+        "shared",
+        "--rank-scope",
+        "worker",
+    )
     targets = json.loads(result.output)
     assert {"id", "group", "job_type", "display_name", "primary_rank", "sources"} <= set(targets[0])
     assert [s["label"] for s in targets[1]["sources"]] == ["worker-1-rank-0", "worker-1-rank-1"]
@@ -112,7 +120,7 @@ def test_no_credentials_fails_before_any_work(tmp_path):
             "WANDB_BASE_URL": "http://127.0.0.1:9",
             "NETRC": str(tmp_path / "none"),
             "HOME": str(tmp_path),
-        },  # fmt: skip
+        },
     )
     assert_one_line_error(result, "no W&B credentials", "WANDB_API_KEY")
     assert not (tmp_path / "stage").exists()
@@ -170,15 +178,28 @@ def test_bad_options(args, fragment):
 @pytest.mark.parametrize("command", ["merge", "sync", "follow"])
 def test_an_empty_base_id_is_refused_by_every_command(tmp_path, command):
     where = ["--out", tmp_path / "out"] if command == "merge" else ["-p", "x", "-e", "local"]
-    result = run(command, job_dir("one_node_4"), "--base-id", "", *where,
-                 env={"WBMERGE_STATE_DIR": str(tmp_path / "state")})  # fmt: skip
+    result = run(
+        command,
+        job_dir("one_node_4"),
+        "--base-id",
+        "",
+        *where,
+        env={"WBMERGE_STATE_DIR": str(tmp_path / "state")},
+    )
     assert_one_line_error(result, "--base-id is empty")
     assert not (tmp_path / "out").exists()
 
 
 def test_a_precision_that_cuts_nothing_is_taken():
-    result = run("sync", job_dir("one_node_4"), "--dry-run", "--run-mode", "shared",
-                 "--key-format", "{key:.100}/{label:>8.50}")  # fmt: skip
+    result = run(
+        "sync",
+        job_dir("one_node_4"),
+        "--dry-run",
+        "--run-mode",
+        "shared",
+        "--key-format",
+        "{key:.100}/{label:>8.50}",
+    )
     assert result.exit_code == 0, result.stderr
 
 
@@ -211,25 +232,34 @@ def test_a_number_of_seconds_that_is_not_finite_or_below_its_minimum_is_refused(
 @pytest.mark.parametrize("name", ["interval", "idle_timeout", "restart_grace", "timeout"])
 def test_the_api_refuses_seconds_that_are_not_finite(name):
     with pytest.raises(api.WbmergeError, match=f"{name} must be a finite number of seconds"):
-        api.follow(job_dir("one_node_4"), **{name: float("nan") if name != "timeout" else
-                                             float("inf")})  # fmt: skip
+        api.follow(
+            job_dir("one_node_4"), **{name: float("nan") if name != "timeout" else float("inf")}
+        )
 
 
 @pytest.mark.parametrize(
     "args, line",
     [
-        (["sync", "--run-mode", "x", "."], "Invalid value for '--run-mode': 'x' is not one of "
-         "'auto', 'shared', 'new'. (see wbmerge sync --help)"),
+        (
+            ["sync", "--run-mode", "x", "."],
+            "Invalid value for '--run-mode': 'x' is not one of "
+            "'auto', 'shared', 'new'. (see wbmerge sync --help)",
+        ),
         (["merge", "."], "Missing option '--out'. (see wbmerge merge --help)"),
         # (click names no command for an option's missing value: the arguments do)
         (["merge", "--out"], "Option '--out' requires an argument. (see wbmerge merge --help)"),
-        (["sink", "serve", "--port"],
-         "Option '--port' requires an argument. (see wbmerge sink serve --help)"),
+        (
+            ["sink", "serve", "--port"],
+            "Option '--port' requires an argument. (see wbmerge sink serve --help)",
+        ),
         (["sync"], "Missing argument 'PATHS...'. (see wbmerge sync --help)"),
         (["snyc", "."], "No such command 'snyc'. Did you mean 'sync'? (see wbmerge --help)"),
-        (["sink", "shwo"], "No such command 'shwo'. Did you mean 'show'? (see wbmerge sink --help)"),
+        (
+            ["sink", "shwo"],
+            "No such command 'shwo'. Did you mean 'show'? (see wbmerge sink --help)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_usage_error_is_one_line_naming_the_help(args, line):
     """click would print four lines (usage, a hint, a blank line, the error)."""
     result = run(*args)
@@ -247,7 +277,7 @@ def test_a_usage_error_is_one_line_naming_the_help(args, line):
         (["-p", ".."], "invalid project '..': not a name a URL path can hold"),
         (["-p", "a\tb"], "invalid project 'a\\tb': not a name a URL path can hold"),
     ],
-)  # fmt: skip
+)
 @pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
 def test_a_project_w_and_b_refuses_is_bad_input_before_any_upload(tmp_path, args, line, dry_run):
     """W&B refuses these names; the upload of every run would fail, unexplained. The server
@@ -268,8 +298,11 @@ def test_a_state_directory_that_is_a_file_is_bad_input_and_leaves_no_staging(
     state.write_text("not a directory")
     env = {**sink.env, "WBMERGE_STATE_DIR": str(state)}
     result = CliRunner().invoke(main, ["sync", str(job_dir("one_node_4"))], env=env)
-    assert_one_line_error(result, f"cannot keep the ledger of synced runs in {state} (File exists)",
-                          "set WBMERGE_STATE_DIR")  # fmt: skip
+    assert_one_line_error(
+        result,
+        f"cannot keep the ledger of synced runs in {state} (File exists)",
+        "set WBMERGE_STATE_DIR",
+    )
     assert list((tmp_path / "tmp").rglob("*")) == [tmp_path / "tmp" / f"wbmerge-{os.getuid()}"]
     assert sink.client.runs() == []
 
@@ -303,11 +336,18 @@ def test_a_ledger_another_process_holds_locked_is_one_line_naming_it(sink, tmp_p
     ledger = tmp_path / "state" / "ledger.sqlite3"
     ledger.parent.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sqlite3, sys; db = sqlite3.connect(sys.argv[1], "
-         "isolation_level=None); db.execute('BEGIN EXCLUSIVE'); print('held', flush=True); "
-         "sys.stdin.read()", str(ledger)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sqlite3, sys; db = sqlite3.connect(sys.argv[1], "
+            "isolation_level=None); db.execute('BEGIN EXCLUSIVE'); print('held', flush=True); "
+            "sys.stdin.read()",
+            str(ledger),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline() == "held\n"
         env = {**sink.env, "WBMERGE_STATE_DIR": str(ledger.parent)}
@@ -345,14 +385,18 @@ def test_a_state_directory_other_users_may_write_is_refused_in_one_line(sink, tm
 
 
 def test_a_sink_port_out_of_range_is_a_usage_error(tmp_path):
-    line = ("wbmerge: error: Invalid value for '--port': 99999 is not in the range "
-            "0<=x<=65535. (see wbmerge sink serve --help)\n")  # fmt: skip
+    line = (
+        "wbmerge: error: Invalid value for '--port': 99999 is not in the range "
+        "0<=x<=65535. (see wbmerge sink serve --help)\n"
+    )
     result = run("sink", "serve", "--port", "99999", "--data", tmp_path / "sink")
     assert (result.exit_code, result.stderr) == (2, line)
     as_module = subprocess.run(  # (`python -m wbmerge.sink` names the same help)
         [sys.executable, "-m", "wbmerge.sink", "--port", "99999", "--data", tmp_path / "sink"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (as_module.returncode, as_module.stderr) == (2, line)
     assert not (tmp_path / "sink").exists()
 
@@ -386,8 +430,11 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
     try:
         result = subprocess.run(
             [sys.executable, "-m", "wbmerge.cli", "inspect", str(job_dir("one_node_4"))],
-            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60,
-        )  # fmt: skip
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
     finally:
         os.close(write_end)
     assert result.returncode == 141, result.stderr
@@ -395,8 +442,15 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
 
 
 def test_an_option_the_run_mode_does_not_use_is_said_once(tmp_path):
-    result = run("merge", job_dir("one_node_4"), "--run-mode", "new", "--rank-stats",
-                 "--out", tmp_path / "out")  # fmt: skip
+    result = run(
+        "merge",
+        job_dir("one_node_4"),
+        "--run-mode",
+        "new",
+        "--rank-stats",
+        "--out",
+        tmp_path / "out",
+    )
     assert result.exit_code == 0, result.stderr
     said = "wbmerge: warning: --rank-stats applies to shared runs only; ignored for --run-mode new"
     assert result.stderr.splitlines().count(said) == 1

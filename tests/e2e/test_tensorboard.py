@@ -62,10 +62,21 @@ def test_tensorboard_scalars_and_event_files_arrive_once(sink, tmp_path, mode):
     env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
     result = CliRunner().invoke(
         main,
-        ["sync", "--json", str(job / "wandb"), "--run-mode", mode, "-p", "tb", "-e", "local",
-         "--files-from", str(job)],
+        [
+            "sync",
+            "--json",
+            str(job / "wandb"),
+            "--run-mode",
+            mode,
+            "-p",
+            "tb",
+            "-e",
+            "local",
+            "--files-from",
+            str(job),
+        ],
         env=env,
-    )  # fmt: skip
+    )
     assert result.exit_code == 0, result.stderr
     logs = sources(job)
     assert sorted(logs) == [0, 1]

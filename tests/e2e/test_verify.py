@@ -100,8 +100,9 @@ def test_runs_plain_wandb_synced_are_checked_under_their_own_ids(sink, tmp_path)
     assert uploaded.returncode == 0, uploaded.stderr
     ids = {run.name.rsplit("-", 1)[-1] for run in runs}
 
-    code, report, errors = verify(sink, tmp_path, source, "--uploaded-by", "wandb",
-                                  "-p", "plain-audit")  # fmt: skip
+    code, report, errors = verify(
+        sink, tmp_path, source, "--uploaded-by", "wandb", "-p", "plain-audit"
+    )
     assert (code, errors) == (0, []), (errors, report)
     assert {run["run_id"] for run in report["runs"]} == ids
     assert all(run["whole"] for run in report["runs"])
@@ -117,8 +118,9 @@ def test_runs_plain_wandb_synced_are_checked_under_their_own_ids(sink, tmp_path)
         gone = db.execute("DELETE FROM files WHERE run = ? AND name = 'output.log'", (pk,))
         assert gone.rowcount == 1
     db.close()
-    code, report, errors = verify(sink, tmp_path, source, "--uploaded-by", "wandb",
-                                  "-p", "plain-audit")  # fmt: skip
+    code, report, errors = verify(
+        sink, tmp_path, source, "--uploaded-by", "wandb", "-p", "plain-audit"
+    )
     assert code == 1
     # (not "`wbmerge sync` with the same options": sync takes no --uploaded-by)
     assert errors == [
@@ -132,8 +134,9 @@ def test_runs_plain_wandb_synced_are_checked_under_their_own_ids(sink, tmp_path)
 
 def test_options_that_plain_wandb_sync_has_no_use_for_are_refused(sink, tmp_path):
     for extra in (["--run-mode", "shared"], ["--base-id", "x"], ["--rank-scope", "worker"]):
-        result = cli(sink, tmp_path, "verify", job_dir("plain_labels"), "--uploaded-by", "wandb",
-                     *extra)  # fmt: skip
+        result = cli(
+            sink, tmp_path, "verify", job_dir("plain_labels"), "--uploaded-by", "wandb", *extra
+        )
         assert result.exit_code == 2
         [line] = result.stderr.strip().splitlines()
         assert line.startswith(f"wbmerge: error: {extra[0]} does not apply to --uploaded-by wandb")
@@ -143,16 +146,27 @@ def test_merged_runs_plain_wandb_synced_are_checked_as_they_were_merged(sink, tm
     # docs/sync.md: a `merge --out` directory is ordinary offline runs, plain `wandb sync`
     # takes them too; verify must check them, not refuse an option the user never gave.
     out = tmp_path / "merged"
-    merged = cli(sink, tmp_path, "merge", job_dir("two_nodes_2x2"), "--run-mode", "new",
-                 "--base-id", "mw", "--out", out)  # fmt: skip
+    merged = cli(
+        sink,
+        tmp_path,
+        "merge",
+        job_dir("two_nodes_2x2"),
+        "--run-mode",
+        "new",
+        "--base-id",
+        "mw",
+        "--out",
+        out,
+    )
     assert merged.exit_code == 0, merged.output
     runs = sorted(out.glob("offline-run-*"))
     uploaded = wandb_sync(sink, runs, "--project", "merged-audit", cwd=tmp_path)
     assert uploaded.returncode == 0, uploaded.stderr
     expected_ids = {f"mw-rank-{r}" for r in range(4)}
 
-    code, report, errors = verify(sink, tmp_path, out, "--uploaded-by", "wandb",
-                                  "-p", "merged-audit")  # fmt: skip
+    code, report, errors = verify(
+        sink, tmp_path, out, "--uploaded-by", "wandb", "-p", "merged-audit"
+    )
     assert (code, errors) == (0, []), (errors, report)
     assert {run["run_id"] for run in report["runs"]} == expected_ids
     assert all(run["whole"] for run in report["runs"])
@@ -171,12 +185,21 @@ def test_a_verify_stopped_while_it_checks_leaves_no_staging(make_sink, tmp_path,
     sink = make_sink(["graphql=delay:1"])
     temp = tmp_path / "tmp"
     temp.mkdir()
-    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state"), "TMPDIR": str(temp),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # fmt: skip
+    env = {
+        **sink.env,
+        "WBMERGE_STATE_DIR": str(tmp_path / "state"),
+        "TMPDIR": str(temp),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
     args = ["verify", str(job_dir("one_node_4")), "--run-mode", "new", "-p", "stopped"]
-    proc = subprocess.Popen([sys.executable, "-m", "wbmerge.cli", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=interruptible)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wbmerge.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=interruptible,
+    )
     try:
         deadline = time.monotonic() + 60
         while not list(temp.glob("*/wbmerge-staging-*/job-0/offline-run-*")):
@@ -203,8 +226,9 @@ def test_runs_plain_wandb_synced_are_checked_without_every_rank(sink, tmp_path):
     shutil.rmtree(gone)
     kept = {run.name.rsplit("-", 1)[-1] for run in runs if run != gone}
 
-    code, report, errors = verify(sink, tmp_path, source, "--uploaded-by", "wandb",
-                                  "-p", "some-ranks")  # fmt: skip
+    code, report, errors = verify(
+        sink, tmp_path, source, "--uploaded-by", "wandb", "-p", "some-ranks"
+    )
     assert (code, errors) == (0, []), (errors, report)
     assert {run["run_id"] for run in report["runs"]} == kept
     assert all(run["whole"] for run in report["runs"])

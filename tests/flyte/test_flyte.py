@@ -158,8 +158,11 @@ def test_new_on_two_nodes_with_worker_scope_merges_each_node_apart(sink, tmp_pat
     base = result["base"]
     assert_nodes_kept_apart(result, 2)
     assert sorted((r.rank.worker, r.rank.local_rank) for r in result["runs"]) == [
-        (0, 0), (0, 1), (1, 0), (1, 1)
-    ]  # fmt: skip
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
     assert result["links"] == [
         f"{sink.url}/local/wbmerge-demo/groups/{base}-worker-{w}" for w in (0, 1)
     ]

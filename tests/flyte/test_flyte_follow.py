@@ -26,9 +26,20 @@ STEPS = 50
 @pytest.mark.e2e
 def test_follow_task_shows_the_merged_run_live_while_it_trains(sink, tmp_path):
     env = flyte_env(sink, tmp_path, nodes=1, nproc=2)
-    command = [sys.executable, str(EXAMPLE), "--run-mode", "shared", "--follow", "--json",
-               "--steps", str(STEPS), "--step-seconds", "0.2",
-               "--raw-data-path", str(tmp_path / "raw-data")]  # fmt: skip
+    command = [
+        sys.executable,
+        str(EXAMPLE),
+        "--run-mode",
+        "shared",
+        "--follow",
+        "--json",
+        "--steps",
+        str(STEPS),
+        "--step-seconds",
+        "0.2",
+        "--raw-data-path",
+        str(tmp_path / "raw-data"),
+    ]
     proc = subprocess.Popen(
         command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

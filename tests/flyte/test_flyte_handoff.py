@@ -42,9 +42,17 @@ def object_store(tmp_path_factory):
 @pytest.mark.e2e
 def test_every_rank_of_every_node_arrives_through_an_s3_store(sink, tmp_path, object_store):
     result = run_example(
-        sink, tmp_path, "--run-mode", "new", "--rank-scope", "worker", nodes=2, nproc=2,
-        raw=f"s3://{object_store.bucket}/flyte", env=object_store.env,
-    )  # fmt: skip
+        sink,
+        tmp_path,
+        "--run-mode",
+        "new",
+        "--rank-scope",
+        "worker",
+        nodes=2,
+        nproc=2,
+        raw=f"s3://{object_store.bucket}/flyte",
+        env=object_store.env,
+    )
     base = result["base"]
     keys = object_store.keys()
     handed = {k.split(f"/{base}/", 1)[1].split("/", 1)[0] for k in keys if f"/{base}/" in k}
@@ -176,9 +184,14 @@ def test_files_lost_after_the_hand_off_are_named_by_node(tmp_path):
 @pytest.mark.e2e
 def test_the_shared_volume_handoff_stays_available(sink, tmp_path):
     result = run_example(
-        sink, tmp_path, "--run-mode", "shared", nodes=2, nproc=1,
+        sink,
+        tmp_path,
+        "--run-mode",
+        "shared",
+        nodes=2,
+        nproc=1,
         env={"WBMERGE_HANDOFF": "shared-volume"},
-    )  # fmt: skip
+    )
     base = result["base"]
     shared = tmp_path / "runs" / base  # every node wrote into one directory
     assert sorted(p.name for p in shared.iterdir()) == [MANIFEST, "worker-0", "worker-1"]
@@ -213,8 +226,9 @@ def test_a_checkpoint_artifact_and_saved_file_arrive_through_the_handoff(sink, t
     env = flyte_env(sink, tmp_path, 1, 2, {"RUN_MODE": mode})
     proc = run_script(ARTIFACT_JOB, env, tmp_path, str(tmp_path / "raw-data"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    checkpoints = {rank: (tmp_path / f"ckpt-rank-{rank}" / "model.pt").read_bytes()
-                   for rank in (0, 1)}  # fmt: skip
+    checkpoints = {
+        rank: (tmp_path / f"ckpt-rank-{rank}" / "model.pt").read_bytes() for rank in (0, 1)
+    }
     assert checkpoints[0] != checkpoints[1]
 
     # What went through the store: each rank's log, its files and its artifact staging.

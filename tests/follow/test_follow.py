@@ -178,9 +178,12 @@ def test_follow_waits_for_a_late_rank_and_ends_idle_on_a_killed_one(
     job.grow(1.0)
     lines: list[str] = []
     result = follow(
-        request, interval=0.2, idle_timeout=1.0, timeout=UPLOAD_TIMEOUT,
+        request,
+        interval=0.2,
+        idle_timeout=1.0,
+        timeout=UPLOAD_TIMEOUT,
         on_round=lambda r: lines.extend(round_lines(r)),
-    )  # fmt: skip
+    )
     assert result.unfinished == ["job fx-killed-rank: rank(s) 2"]
     assert_same_runs(sink, want)
     # (the run is synced whole: the merge the rounds saved is removed with it)
@@ -202,10 +205,26 @@ def test_ctrl_c_leaves_the_runs_running_and_a_later_sync_completes_them(
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = {**sink.env, "WBMERGE_STATE_DIR": str(state), "TMPDIR": str(scratch)}
-    cmd = [sys.executable, "-m", "wbmerge.cli", "sync", str(tmp_path / "live"),
-           "--run-mode", "shared", "--follow", "--interval", "60"]  # fmt: skip
-    follower = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, preexec_fn=interruptible)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "wbmerge.cli",
+        "sync",
+        str(tmp_path / "live"),
+        "--run-mode",
+        "shared",
+        "--follow",
+        "--interval",
+        "60",
+    ]
+    follower = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=interruptible,
+    )
     try:
         assert follower.stdout is not None
         first = follower.stdout.readline()  # the first round's line: then it sleeps
@@ -460,16 +479,30 @@ def test_a_follow_of_a_path_not_there_yet_says_so_and_waits_for_it(
     sink = make_sink()
     live = tmp_path / "later" / "wandb"
     env = {**sink.env, "WBMERGE_STATE_DIR": str(state)}
-    cmd = [sys.executable, "-m", "wbmerge.cli", command[0], str(live), "--run-mode", "shared",
-           *command[1:], "--interval", "1", "--quiet"]  # fmt: skip
-    follower = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "wbmerge.cli",
+        command[0],
+        str(live),
+        "--run-mode",
+        "shared",
+        *command[1:],
+        "--interval",
+        "1",
+        "--quiet",
+    ]
+    follower = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert follower.stderr is not None
         ready, _, _ = select.select([follower.stderr], [], [], 30)
         first = follower.stderr.readline() if ready else "(nothing said in 30 s)"
-        assert first == (f"wbmerge: warning: {live} does not exist yet; waiting for runs to "
-                         "appear there (Ctrl-C stops)\n")  # fmt: skip
+        assert first == (
+            f"wbmerge: warning: {live} does not exist yet; waiting for runs to "
+            "appear there (Ctrl-C stops)\n"
+        )
         shutil.copytree(job_dir("one_node_4") / "wandb", live)
         out, err = follower.communicate(timeout=120)
     finally:
@@ -576,9 +609,15 @@ def last_syncs_under_fault(
     use_sink(monkeypatch, sink)
     request = MergeRequest(paths=[tmp_path / "live"], run_mode=run_mode)
     with pytest.raises(UploadFailed) as failed:
-        follow(request, interval=0.2, idle_timeout=1.0, parallel=parallel,
-               timeout=UPLOAD_TIMEOUT, on_idle=lambda _: sink.client.set_faults([fault]),
-               job_prefix="fj-")  # fmt: skip
+        follow(
+            request,
+            interval=0.2,
+            idle_timeout=1.0,
+            parallel=parallel,
+            timeout=UPLOAD_TIMEOUT,
+            on_idle=lambda _: sink.client.set_faults([fault]),
+            job_prefix="fj-",
+        )
     return sink, failed.value
 
 
@@ -593,14 +632,17 @@ def test_a_failed_last_sync_still_syncs_every_job_and_says_what_it_verified(
     )
     statuses = {t.target.id: t.status for t in failed.report.targets}
     assert statuses == {  # (the finished ranks' runs were final after a round already)
-        "fj-a-rank-0": "already synced", "fj-b-rank-0": "already synced",
+        "fj-a-rank-0": "already synced",
+        "fj-b-rank-0": "already synced",
         "fj-b-rank-1": "uploaded",
-    }  # fmt: skip
+    }
     assert failed.lines[0].startswith("run fj-a-rank-1: ")
     want = {  # state, exit code, losses: the refused run as the rounds left it
-        "fj-a-rank-0": ("finished", 0, [0, 1, 2]), "fj-b-rank-0": ("finished", 0, [0, 1, 2]),
-        "fj-b-rank-1": ("failed", 1, [10, 11, 12]), "fj-a-rank-1": ("running", None, [10, 11]),
-    }  # fmt: skip
+        "fj-a-rank-0": ("finished", 0, [0, 1, 2]),
+        "fj-b-rank-0": ("finished", 0, [0, 1, 2]),
+        "fj-b-rank-1": ("failed", 1, [10, 11, 12]),
+        "fj-a-rank-1": ("running", None, [10, 11]),
+    }
     for run_id, (state_, exit_code, losses) in want.items():
         run = sink.client.run("local", "p", run_id)
         assert (run["state"], run["exit_code"]) == (state_, exit_code), run_id
@@ -611,8 +653,9 @@ def two_rank_job(root: Path, job: str, rank_1_offset: int = 0, rank_1_finishes=F
     """Two ranks of three rows (rank r logs loss 10 r + step, rank 1 `rank_1_offset` more);
     rank 0 finishes, rank 1 only if told."""
     for rank in (0, 1):
-        with rank_log(root, RankInfo(rank, rank, 2, 2, 0, job_id=job), f"{job}-{rank}",
-                      "p") as writer:  # fmt: skip
+        with rank_log(
+            root, RankInfo(rank, rank, 2, 2, 0, job_id=job), f"{job}-{rank}", "p"
+        ) as writer:
             for step in range(3):
                 loss = 10 * rank + step + rank * rank_1_offset
                 writer.write(history_record([("loss", str(loss))], step))
@@ -628,15 +671,29 @@ def test_a_failed_last_sync_prints_the_runs_it_verified(make_sink, tmp_path):
     two_rank_job(tmp_path / "live", "fj", 100)  # rank 1: other values, and never finished
     sink = make_sink()
     cli = [sys.executable, "-m", "wbmerge.cli", "sync", "--run-mode", "new"]
-    earlier = subprocess.run([*cli, str(tmp_path / "earlier")], capture_output=True, text=True,
-                             env={**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "s1")})  # fmt: skip
+    earlier = subprocess.run(
+        [*cli, str(tmp_path / "earlier")],
+        capture_output=True,
+        text=True,
+        env={**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "s1")},
+    )
     assert earlier.returncode == 0, earlier.stderr
     done = subprocess.run(
-        [*cli, str(tmp_path / "live"), "--follow", "--interval", "0.3", "--idle-timeout", "1",
-         "--json"],
-        env={**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "s2")}, capture_output=True,
-        text=True, timeout=UPLOAD_TIMEOUT,
-    )  # fmt: skip
+        [
+            *cli,
+            str(tmp_path / "live"),
+            "--follow",
+            "--interval",
+            "0.3",
+            "--idle-timeout",
+            "1",
+            "--json",
+        ],
+        env={**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "s2")},
+        capture_output=True,
+        text=True,
+        timeout=UPLOAD_TIMEOUT,
+    )
     assert done.returncode == 1, done.stderr
     printed = json.loads(done.stdout)
     assert [(r["id"], r["status"]) for r in printed["runs"]] == [("fj-rank-0", "already synced")]
@@ -644,8 +701,10 @@ def test_a_failed_last_sync_prints_the_runs_it_verified(make_sink, tmp_path):
     errors = [line for line in done.stderr.splitlines() if line.startswith("wbmerge: error:")]
     assert errors[0].startswith("wbmerge: error: run fj-rank-1: the server's row 3 differs")
     assert [row["loss"] for row in sink.client.run("local", "p", "fj-rank-1")["history"]] == [
-        10, 11, 12,
-    ]  # fmt: skip
+        10,
+        11,
+        12,
+    ]
 
 
 def test_a_server_error_in_one_jobs_last_sync_leaves_the_next_jobs_to_run(
@@ -676,30 +735,54 @@ def test_the_flyte_follow_task_says_what_a_failed_last_sync_verified(make_sink, 
     sink = make_sink()
     two_rank_job(tmp_path / "earlier", "fj-a", rank_1_finishes=True)
     earlier = subprocess.run(
-        [sys.executable, "-m", "wbmerge.cli", "sync", "--run-mode", "new",
-         str(tmp_path / "earlier")],
-        env={**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "s1")}, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "wbmerge.cli",
+            "sync",
+            "--run-mode",
+            "new",
+            str(tmp_path / "earlier"),
+        ],
+        env={**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "s1")},
+        capture_output=True,
         text=True,
-    )  # fmt: skip
+    )
     assert earlier.returncode == 0, earlier.stderr
     two_rank_job(tmp_path / "live", "fj-a", 100)
     two_rank_job(tmp_path / "live", "fj-b")
-    request = {"path": str(tmp_path / "live"), "job_prefix": "fj-", "interval": 0.3,
-               "idle_timeout": 1, "run_mode": "new"}  # fmt: skip
+    request = {
+        "path": str(tmp_path / "live"),
+        "job_prefix": "fj-",
+        "interval": 0.3,
+        "idle_timeout": 1,
+        "run_mode": "new",
+    }
     (tmp_path / "request.json").write_text(json.dumps(request))
     child = subprocess.run(
-        [sys.executable, "-m", "wbmerge.flyte", "follow", str(tmp_path / "request.json"),
-         str(tmp_path / "result.json")],
-        env={**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "s2")}, capture_output=True,
-        text=True, timeout=UPLOAD_TIMEOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "wbmerge.flyte",
+            "follow",
+            str(tmp_path / "request.json"),
+            str(tmp_path / "result.json"),
+        ],
+        env={**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "s2")},
+        capture_output=True,
+        text=True,
+        timeout=UPLOAD_TIMEOUT,
+    )
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["exit_code"] == 1
     assert result["error"].startswith("run fj-a-rank-1: the server's row 3 differs"), result
     assert "Never finished: job fj-a: rank(s) 1; job fj-b: rank(s) 1" in child.stderr
     runs = f"{sink.url}/local/p/runs"
-    verified = [line.strip() for line in child.stderr.splitlines()
-                if line.strip().startswith(("uploaded:", "already synced:", "already complete:"))]  # fmt: skip
+    verified = [
+        line.strip()
+        for line in child.stderr.splitlines()
+        if line.strip().startswith(("uploaded:", "already synced:", "already complete:"))
+    ]
     assert verified == [
         f"already synced: fj-a-rank-0 {runs}/fj-a-rank-0",
         f"already synced: fj-b-rank-0 {runs}/fj-b-rank-0",
@@ -713,8 +796,9 @@ def test_a_job_whose_last_sync_refuses_its_input_leaves_the_next_jobs_to_run(
 ):
     """fj-a's rank 1 never wrote a run (it died at start), so its last sync refuses the job
     (bad input); fj-b, which ended idle, still gets its last sync: final, every row."""
-    with rank_log(tmp_path / "live", RankInfo(0, 0, 2, 2, 0, job_id="fj-a"), "fj-a-0",
-                  "p") as writer:  # fmt: skip
+    with rank_log(
+        tmp_path / "live", RankInfo(0, 0, 2, 2, 0, job_id="fj-a"), "fj-a-0", "p"
+    ) as writer:
         writer.write(history_record([("loss", "0")], 0))
         writer.write(exit_record(0))
     two_rank_job(tmp_path / "live", "fj-b")
@@ -722,8 +806,7 @@ def test_a_job_whose_last_sync_refuses_its_input_leaves_the_next_jobs_to_run(
     use_sink(monkeypatch, sink)
     request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
     with pytest.raises(UploadFailed) as failed:
-        follow(request, interval=0.2, idle_timeout=1.0, timeout=UPLOAD_TIMEOUT,
-               job_prefix="fj-")  # fmt: skip
+        follow(request, interval=0.2, idle_timeout=1.0, timeout=UPLOAD_TIMEOUT, job_prefix="fj-")
     [line] = failed.value.lines
     assert line.startswith("job fj-a: rank(s) 1 of 2 have no offline run")
     assert [(t.target.id, t.status) for t in failed.value.report.targets] == [("fj-b", "uploaded")]

@@ -94,8 +94,12 @@ class Kept:
         self.sink.start()
         self._env(patch)
         mine = f"syn{FORGED_RANK:04d}r00"
-        [path] = [p for p in states if self.request.run_mode == "shared"
-                  or any(mine in name for name, _ in read_state(p)["spool"]["writers"])]  # fmt: skip
+        [path] = [
+            p
+            for p in states
+            if self.request.run_mode == "shared"
+            or any(mine in name for name, _ in read_state(p)["spool"]["writers"])
+        ]
         return path
 
     @staticmethod
@@ -269,15 +273,17 @@ BOTH = {
     "readers.*.sources.*.head": lambda s: flipped(reader_of(s)["head"]),
     "spool.end": lambda s: s["spool"]["end"] + 10,
     "spool.digest": lambda s: flipped(s["spool"]["digest"]),
-    "spool.writers": lambda s: [[name, [[], [], flipped(w[2])]] for name, w in s["spool"]["writers"]],
-}  # fmt: skip
+    "spool.writers": lambda s: [
+        [name, [[], [], flipped(w[2])]] for name, w in s["spool"]["writers"]
+    ],
+}
 
 SHARED = {
     **BOTH,
     "others_sent": lambda s: [*s["others_sent"], b64(config_record("forged", '"yes"'))],
     "others_sent (not a record)": lambda s: [b64(b"\x0a\xff\xff")],
     "ranks.*.known": lambda s: [b64(b"\x12\x0ftrain/forged_00"), *rank_of(s)["known"][1:]],
-    "ranks.*.summary": lambda s: [[k, b64(b'\x82\x01\x0412.5')] for k, _ in rank_of(s)["summary"]],
+    "ranks.*.summary": lambda s: [[k, b64(b"\x82\x01\x0412.5")] for k, _ in rank_of(s)["summary"]],
     "ranks.*.exit": lambda s: b64(record(exit=pb.RunExitRecord(exit_code=3))),
     "ranks.*.steps": lambda s: [rank_of(s)["steps"][0] + 40, rank_of(s)["steps"][1]],
     "ranks.*.seq": lambda s: rank_of(s)["seq"] + 5,
@@ -293,9 +299,15 @@ SHARED = {
     "pending.reserved": lambda s: [b64(b"")],
     "events": lambda s: [[[1, 1, FORGED_RANK, 1], b64(b"\x0a\xff\xff")]],
     "seen": lambda s: [b64(config_record("forged", "1"))],
-    "across": lambda s: [{"statistics": ["min"], "keys": [], "pending": [],
-                          "last": {"keys": "", "columns": [["f", ""]]}}],
-}  # fmt: skip
+    "across": lambda s: [
+        {
+            "statistics": ["min"],
+            "keys": [],
+            "pending": [],
+            "last": {"keys": "", "columns": [["f", ""]]},
+        }
+    ],
+}
 
 PASSTHROUGH = {
     **BOTH,
@@ -305,9 +317,11 @@ PASSTHROUGH = {
     "waiting": lambda s: [["config", -1, b64(config_record("forged", '"yes"'))]],
     "waiting (a row)": lambda s: [["history", 10**6, b64(row(10**6))]],
     "steps": lambda s: [s["steps"][0] + 50, 0],
-    "summary": lambda s: [[["train/forged"], False, b64(b"\x12\x0ctrain/forged\x82\x01\x011")],
-                          *s["summary"]],
-}  # fmt: skip
+    "summary": lambda s: [
+        [["train/forged"], False, b64(b"\x12\x0ctrain/forged\x82\x01\x011")],
+        *s["summary"],
+    ],
+}
 
 CASES = [("shared", name) for name in SHARED] + [("new", name) for name in PASSTHROUGH]
 
@@ -378,8 +392,17 @@ def test_wbmerge_follow_says_which_state_it_dropped(kept, monkeypatch):
     rewrite(path, setter("last_row", lambda s: None))
     growing = Growing(base.job, base.root / "live")
     growing.grow(0.6)
-    cmd = [sys.executable, "-m", "wbmerge.cli", "follow", str(base.root / "live"),
-           "--run-mode", "shared", "--interval", "0.5"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "wbmerge.cli",
+        "follow",
+        str(base.root / "live"),
+        "--run-mode",
+        "shared",
+        "--interval",
+        "0.5",
+    ]
     follower = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert follower.stdout is not None

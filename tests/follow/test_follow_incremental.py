@@ -96,10 +96,21 @@ def test_live_reads_give_each_record_once_as_the_one_shot_reader_does_and_scan_c
         assert taken == list(read_payloads(live)), f"cut at byte {cut}"
         whole = scan(read_identity(live))
         counted = scanned.update()
-        assert (counted.records, counted.history_rows, counted.first_step, counted.last_step,
-                counted.complete, counted.exit_code) == (
-                whole.records, whole.history_rows, whole.first_step, whole.last_step,
-                whole.complete, whole.exit_code), f"cut at byte {cut}"  # fmt: skip
+        assert (
+            counted.records,
+            counted.history_rows,
+            counted.first_step,
+            counted.last_step,
+            counted.complete,
+            counted.exit_code,
+        ) == (
+            whole.records,
+            whole.history_rows,
+            whole.first_step,
+            whole.last_step,
+            whole.complete,
+            whole.exit_code,
+        ), f"cut at byte {cut}"
     assert len(taken) > 100
     assert readers.open_ranks() == []  # (its exit record read, and all of it: ended)
 
@@ -396,8 +407,13 @@ def test_the_other_ranks_config_arrives_with_the_last_round_as_a_one_shot_sync_h
     want = one_shot(monkeypatch, make_sink, own, request, tmp_path)
     [(run_id, whole)] = want.items()
     added = {k: v for k, v in whole["config"].items() if k.startswith(("seed", "shards"))}
-    assert added == {"seed": 0, "shards": 8, "seed/worker-0-rank-1": 1,
-                     "seed/worker-1-rank-0": 2, "seed/worker-1-rank-1": 3}  # fmt: skip
+    assert added == {
+        "seed": 0,
+        "shards": 8,
+        "seed/worker-0-rank-1": 1,
+        "seed/worker-1-rank-0": 2,
+        "seed/worker-1-rank-1": 3,
+    }
     sink = follow_sink(make_sink, monkeypatch, state)
     growing = Growing(own, tmp_path / "live")
     (tmp_path / "live").mkdir()

@@ -26,18 +26,35 @@ DEADLINE = 150.0  # seconds: the whole job and follow, far above the ~30 s they 
 def start_rank(rank: int, live: Path, sink, *extra: str) -> subprocess.Popen:
     env = {k: v for k, v in sink.env.items() if k != "WANDB_SILENT"}
     env.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD), GROUP_RANK="0", TORCHELASTIC_RUN_ID=JOB_ID,
-        WANDB_DIR=str(live), WANDB_SILENT="true", WANDB_MODE="offline",
-    )  # fmt: skip
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+        GROUP_RANK="0",
+        TORCHELASTIC_RUN_ID=JOB_ID,
+        WANDB_DIR=str(live),
+        WANDB_SILENT="true",
+        WANDB_MODE="offline",
+    )
     cmd = [sys.executable, str(RANK_SCRIPT), str(STEPS), "0.25", *extra]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def start_follower(live: Path, sink, state: Path, *extra: str) -> subprocess.Popen:
     env = {**sink.env, "WBMERGE_STATE_DIR": str(state)}
-    cmd = [sys.executable, "-m", "wbmerge.cli", "sync", str(live), "--run-mode", "shared",
-           "--follow", "--interval", "1", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "wbmerge.cli",
+        "sync",
+        str(live),
+        "--run-mode",
+        "shared",
+        "--follow",
+        "--interval",
+        "1",
+        *extra,
+    ]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -112,8 +129,11 @@ def test_follow_a_training_job_with_a_late_and_a_crashing_rank(make_sink, tmp_pa
     env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
     again = subprocess.run(
         [sys.executable, "-m", "wbmerge.cli", "sync", str(live), "--run-mode", "shared"],
-        env=env, capture_output=True, text=True, timeout=DEADLINE,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
     assert again.returncode == 0, again.stderr
     assert "already synced" in again.stdout
 

@@ -69,10 +69,20 @@ def test_a_follower_killed_goes_on_from_its_saved_state(
     goes on from the state it saved, reading only the bytes written since."""
     live, request, want, sink, growing = followed_job(job, make_sink, monkeypatch, tmp_path, state)
     growing.grow(0.3)
-    cmd = [sys.executable, "-m", "wbmerge.cli", "follow", str(live), "--run-mode", "shared",
-           "--interval", "0.5"]  # fmt: skip
-    follower = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "wbmerge.cli",
+        "follow",
+        str(live),
+        "--run-mode",
+        "shared",
+        "--interval",
+        "0.5",
+    ]
+    follower = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         assert follower.stdout is not None
         first = follower.stdout.readline()  # (said once the round is verified and saved)
@@ -151,9 +161,14 @@ def statistics_not_asked_for(live: Path, state: Path) -> None:
     content = json.loads(body)
     assert content["state"]["across"] == []
     columns = [["f", ""]] * 4 + [["i", ""]] * 2
-    content["state"]["across"] = [{"statistics": ["min", "median", "max", "mean", "min_rank",
-                                   "max_rank"], "keys": [], "pending": [],
-                                   "last": {"keys": "", "columns": columns}}]  # fmt: skip
+    content["state"]["across"] = [
+        {
+            "statistics": ["min", "median", "max", "mean", "min_rank", "max_rank"],
+            "keys": [],
+            "pending": [],
+            "last": {"keys": "", "columns": columns},
+        }
+    ]
     body = json.dumps(content).encode()
     header = json.loads(head)
     header["digest"] = saved.body_digest(body)
@@ -297,22 +312,43 @@ HOSTILE = {
     "a missing field": {"seen": DROP},
     "a rank twice": {"ranks": [[0, {}], [0, {}]]},
     "deep nesting": {"events": [[[[[[[[[[1]]]]]]]]]] * 3},
-    "statistics' arrays of 3": {"across": [{"statistics": [], "keys": [], "pending": [["", "", ""]],
-                                            "last": {"keys": "", "columns": []}}]},
-}  # fmt: skip
+    "statistics' arrays of 3": {
+        "across": [
+            {
+                "statistics": [],
+                "keys": [],
+                "pending": [["", "", ""]],
+                "last": {"keys": "", "columns": []},
+            }
+        ]
+    },
+}
 
 
 def test_a_state_file_of_any_shape_is_refused_in_one_phrase(tmp_path):
     place = tmp_path / "place"
     good = {
-        "rounds": 1, "rows_sent": 0, "others_sent": [], "held": None, "step_runs": [],
-        "last_row": None, "readers": {}, "ranks": {},
+        "rounds": 1,
+        "rows_sent": 0,
+        "others_sent": [],
+        "held": None,
+        "step_runs": [],
+        "last_row": None,
+        "readers": {},
+        "ranks": {},
         "pending": {"steps": [], "ranks": [], "labelled": [], "names": [], "reserved": []},
-        "events": [], "seen": [], "spool": {"end": 0, "digest": b"", "writers": {}},
-        "across": [{"statistics": ["spread"], "keys": [b"\n\x01a"],
-                    "pending": [(b"\x01" * 8, b"\0" * 8, b"\0" * 8, b"\x7f\xf8" + b"\0" * 6)],
-                    "last": {"keys": b"", "columns": [("f", b"")]}}],
-    }  # fmt: skip
+        "events": [],
+        "seen": [],
+        "spool": {"end": 0, "digest": b"", "writers": {}},
+        "across": [
+            {
+                "statistics": ["spread"],
+                "keys": [b"\n\x01a"],
+                "pending": [(b"\x01" * 8, b"\0" * 8, b"\0" * 8, b"\x7f\xf8" + b"\0" * 6)],
+                "last": {"keys": b"", "columns": [("f", b"")]},
+            }
+        ],
+    }
     saved.save(place, "made", good)
     assert saved.load(place, "made") == good
     with pytest.raises(saved.Unusable, match="other sources or options"):

@@ -497,16 +497,26 @@ def test_a_job_whose_runs_differ_in_config_is_merged_with_a_warning():
 def test_seeds_and_shards_of_each_rank_of_one_job_give_no_config_warning():
     # (one DDP job: every rank its own seed, data shard and device, the rest shared)
     runs = [
-        facts(f"r{i}", group="DDP", label=f"rank_{i}",
-              settings={"seed": str(1000 + i), "data_shard": f'"shard-{i:02d}"',
-                        "shardSeed": str(7 * i), "device": f'"cuda:{i % 2}"', "lr": "0.1"})
+        facts(
+            f"r{i}",
+            group="DDP",
+            label=f"rank_{i}",
+            settings={
+                "seed": str(1000 + i),
+                "data_shard": f'"shard-{i:02d}"',
+                "shardSeed": str(7 * i),
+                "device": f'"cuda:{i % 2}"',
+                "lr": "0.1",
+            },
+        )
         for i in range(4)
-    ]  # fmt: skip
+    ]
     assert len(identify(runs).identities) == 4
     assert identify(runs).warnings == []
     # the same by start order alone (no run says its rank): only the guess is said
-    plain = [facts(f"p{i}", start=float(i), group="DDP", settings={"seed": str(i)})
-             for i in range(2)]  # fmt: skip
+    plain = [
+        facts(f"p{i}", start=float(i), group="DDP", settings={"seed": str(i)}) for i in range(2)
+    ]
     assert not [w for w in identify(plain).warnings if "differ in config" in w.message]
 
 
@@ -698,11 +708,19 @@ def test_a_label_pattern_that_reads_ranks_twice_is_named_to_be_corrected():
     ],
 )
 def test_the_hint_names_the_label_pattern_only_where_it_can_help(pattern, hint):
-    runs = [facts("c", label="node0-gpu0", group="g1"), facts("d", label="node0-gpu1", group="g1"),
-            facts("e", label="rank_1", group="g2"), facts("f", label="rank_1", group="g2")]  # fmt: skip
+    runs = [
+        facts("c", label="node0-gpu0", group="g1"),
+        facts("d", label="node0-gpu1", group="g1"),
+        facts("e", label="rank_1", group="g2"),
+        facts("f", label="rank_1", group="g2"),
+    ]
     if pattern == "{rank}":
-        runs = [facts("c", label="0", group="g1"), facts("d", label="1", group="g1"),
-                facts("e", label="1", group="g2"), facts("f", label="1", group="g2")]  # fmt: skip
+        runs = [
+            facts("c", label="0", group="g1"),
+            facts("d", label="1", group="g1"),
+            facts("e", label="1", group="g2"),
+            facts("f", label="1", group="g2"),
+        ]
     hints = make_hints(pattern, None) if pattern else None
     [problem] = identify(runs, hints).problems
     assert problem.message.startswith("rank 1 claimed by more than one run: e ")
@@ -724,20 +742,32 @@ def test_the_config_warning_names_the_key_that_splits_the_runs():
     # note is missing on one run.
     long_opt = json.dumps({"name": "adamw", "betas": [0.9, 0.999], "eps": 1e-8, "wd": 0.01})
     runs = [
-        facts(f"r{i}", group="DDP", label=f"rank_{i}",
-              settings={"seed": str(i), "lr": "0.1" if i < 2 else "0.2", "opt": long_opt,
-                        **({"note": '"x"'} if i else {})})
+        facts(
+            f"r{i}",
+            group="DDP",
+            label=f"rank_{i}",
+            settings={
+                "seed": str(i),
+                "lr": "0.1" if i < 2 else "0.2",
+                "opt": long_opt,
+                **({"note": '"x"'} if i else {}),
+            },
+        )
         for i in range(4)
-    ]  # fmt: skip
+    ]
     [warning] = identify(runs).warnings
     assert "differ in config (lr, note; lr = 0.1: r0, r1; 0.2: r2, r3)" in warning.message
-    many = [facts(f"r{i}", group="G", label=f"rank_{i}", settings={"opt": f'"{"x" * 60}{i}"'})
-            for i in range(6)]  # fmt: skip
+    many = [
+        facts(f"r{i}", group="G", label=f"rank_{i}", settings={"opt": f'"{"x" * 60}{i}"'})
+        for i in range(6)
+    ]
     [warning] = identify(many).warnings
     assert f'opt = "{"x" * 36}...: r0; ' in warning.message
     assert warning.message.count("...: r") == 4 and "; and 2 more values)" in warning.message
-    missing = [facts("a", group="G", label="rank_0", settings={"note": '"unset"'}),
-               facts("b", group="G", label="rank_1")]  # fmt: skip
+    missing = [
+        facts("a", group="G", label="rank_0", settings={"note": '"unset"'}),
+        facts("b", group="G", label="rank_1"),
+    ]
     [warning] = identify(missing).warnings
     assert 'note = "unset": a; (missing): b)' in warning.message
 

@@ -68,10 +68,15 @@ def test_the_local_rank_a_launcher_passed(args, local_rank):
 def srun_task(procid, localid, nodeid, ntasks=4, nnodes=2, step="0", job="77"):
     """SLURM's variables as wandb records them: lower case, without `SLURM_`."""
     return {
-        "procid": str(procid), "localid": str(localid), "nodeid": str(nodeid),
-        "ntasks": str(ntasks), "nnodes": str(nnodes), "step_id": step, "job_id": job,
+        "procid": str(procid),
+        "localid": str(localid),
+        "nodeid": str(nodeid),
+        "ntasks": str(ntasks),
+        "nnodes": str(nnodes),
+        "step_id": step,
+        "job_id": job,
         "tasks_per_node": f"{ntasks // nnodes}(x{nnodes})",
-    }  # fmt: skip
+    }
 
 
 # SLURM variables -> (rank, local rank, node, world, local world, form); None: no task
@@ -92,8 +97,14 @@ def test_the_place_of_an_srun_task(slurm, expected):
     if expected is None:
         assert claim is None
     else:
-        got = (claim.rank, claim.local_rank, claim.node, claim.world_size,
-               claim.local_world_size, claim.form)  # fmt: skip
+        got = (
+            claim.rank,
+            claim.local_rank,
+            claim.node,
+            claim.world_size,
+            claim.local_world_size,
+            claim.form,
+        )
         assert (claim.source, got) == ("slurm", expected)
 
 
@@ -124,8 +135,10 @@ def ranks_of(runs, hints=None):
 
 
 def test_launcher_arguments_rank_runs_that_started_in_another_order():
-    runs = [facts(f"r{rank}", start=10 - rank, args=("t.py", f"--local_rank={rank}"))
-            for rank in range(4)]  # fmt: skip
+    runs = [
+        facts(f"r{rank}", start=10 - rank, args=("t.py", f"--local_rank={rank}"))
+        for rank in range(4)
+    ]
     got, found = ranks_of(runs)
     assert got == {f"r{rank}": (rank, rank, 0, "args", False) for rank in range(4)}
     assert not found.warnings
@@ -140,17 +153,20 @@ def test_launcher_arguments_on_two_hosts_are_local_ranks_of_each_host():
     got, found = ranks_of(runs)
     # Local ranks say nothing of which host is worker 0: name order, marked a guess.
     assert got == {
-        "a0": (0, 0, 0, "args", True), "a1": (1, 1, 0, "args", True),
-        "b0": (2, 0, 1, "args", True), "b1": (3, 1, 1, "args", True),
-    }  # fmt: skip
+        "a0": (0, 0, 0, "args", True),
+        "a1": (1, 1, 0, "args", True),
+        "b0": (2, 0, 1, "args", True),
+        "b1": (3, 1, 1, "args", True),
+    }
     [warning] = [w.message for w in found.warnings if "which host is worker 0" in w.message]
     assert "worker 0=a, worker 1=b" in warning
 
 
 def test_srun_tasks_give_rank_local_rank_and_node():
     places = [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
-    runs = [facts(f"t{p}", start=9 - p, host=f"h{n}", slurm=srun_task(p, lo, n))
-            for p, lo, n in places]  # fmt: skip
+    runs = [
+        facts(f"t{p}", start=9 - p, host=f"h{n}", slurm=srun_task(p, lo, n)) for p, lo, n in places
+    ]
     got, _ = ranks_of(runs)
     assert got == {f"t{p}": (p, lo, n, "slurm", False) for p, lo, n in places}
 
@@ -165,13 +181,14 @@ def test_srun_starting_a_launcher_per_node_repeats_the_task_and_gives_way():
         for local in (0, 1):
             task = srun_task(node, 0, node, ntasks=2, nnodes=2)
             args = (f"--local_rank={local}",)
-            runs.append(facts(f"n{node}l{local}", start=local, host=host, slurm=task,
-                              args=args))  # fmt: skip
+            runs.append(facts(f"n{node}l{local}", start=local, host=host, slurm=task, args=args))
     got, _ = ranks_of(runs)
     assert got == {
-        "n0l0": (0, 0, 0, "args", False), "n0l1": (1, 1, 0, "args", False),
-        "n1l0": (2, 0, 1, "args", False), "n1l1": (3, 1, 1, "args", False),
-    }  # fmt: skip
+        "n0l0": (0, 0, 0, "args", False),
+        "n0l1": (1, 1, 0, "args", False),
+        "n1l0": (2, 0, 1, "args", False),
+        "n1l1": (3, 1, 1, "args", False),
+    }
 
 
 def test_the_gpu_a_process_used_ranks_runs_that_say_nothing_else():
@@ -207,11 +224,14 @@ def test_gpus_whose_numbers_cannot_be_local_ranks_are_read_by_order_as_a_guess(g
     ],
 )
 def test_gpus_are_taken_as_they_are_where_they_can_be_local_ranks(gpus, config, ranks, world):
-    runs = [facts(f"g{n}", start=n, process_gpus=(gpu,), config=config)
-            for n, gpu in enumerate(gpus)]  # fmt: skip
+    runs = [
+        facts(f"g{n}", start=n, process_gpus=(gpu,), config=config) for n, gpu in enumerate(gpus)
+    ]
     found = identify(runs)
-    got = {runs[i].run_id: (ident.rank.rank, ident.rank.world_size, ident.source)
-           for i, ident in found.identities.items()}  # fmt: skip
+    got = {
+        runs[i].run_id: (ident.rank.rank, ident.rank.world_size, ident.source)
+        for i, ident in found.identities.items()
+    }
     assert got == {f"g{n}": (rank, world, "gpu") for n, rank in enumerate(ranks)}
     assert not [w for w in found.warnings if "order of the GPUs" in w.message]
 
@@ -219,8 +239,9 @@ def test_gpus_are_taken_as_they_are_where_they_can_be_local_ranks(gpus, config, 
 def test_gpus_of_runs_on_two_hosts_are_ordered_per_host():
     runs = [
         facts(f"{host}{gpu}", start=gpu, host=host, process_gpus=(gpu,))
-        for host in ("a", "b") for gpu in (2, 3)
-    ]  # fmt: skip
+        for host in ("a", "b")
+        for gpu in (2, 3)
+    ]
     got, found = ranks_of(runs)
     assert {k: v[1] for k, v in got.items()} == {"a2": 0, "a3": 1, "b2": 0, "b3": 1}
     assert all(v[4] for v in got.values())  # (a guess: which host is worker 0, and the GPUs)
@@ -255,8 +276,11 @@ def test_start_order_marks_the_job_guessed_unless_rank_0_is_known():
     got, _ = ranks_of(with_main)
     assert got["m"][0] == 0 and not any(v[4] for v in got.values())
     got, found = ranks_of(plain, Hints(primary=frozenset({"p2"})))
-    assert got == {"p2": (0, 0, 0, "given", False), "p0": (1, 1, 0, "order", False),
-                   "p1": (2, 2, 0, "order", False)}  # fmt: skip
+    assert got == {
+        "p2": (0, 0, 0, "given", False),
+        "p0": (1, 1, 0, "order", False),
+        "p1": (2, 2, 0, "order", False),
+    }
     assert any("the --primary run is rank 0" in w.message for w in found.warnings)
     [alone] = [facts("solo", start=0)]
     got, _ = ranks_of([alone])
@@ -358,8 +382,21 @@ def test_primary_uploads_the_true_rank_0_in_auto_mode(sink, tmp_path):
     rows = inspect_rows(source)
     [truth] = [r for r in rows if logged_rank(r) == 0]
     assert truth["rank"] != 0, "the start order alone would have picked another run"
-    result = cli_sync(sink, tmp_path, source, "--run-mode", "auto", "-p", "e2e", "-e", "local",
-                      "--base-id", "A", "--primary", truth["run_id"])  # fmt: skip
+    result = cli_sync(
+        sink,
+        tmp_path,
+        source,
+        "--run-mode",
+        "auto",
+        "-p",
+        "e2e",
+        "-e",
+        "local",
+        "--base-id",
+        "A",
+        "--primary",
+        truth["run_id"],
+    )
     assert result.exit_code == 0, result.output + result.stderr
     got = sink.client.run("local", "e2e", "A")
     want = expected_from_log(next(Path(truth["path"]).glob("run-*.wandb")))
@@ -375,8 +412,21 @@ def test_a_ranks_file_makes_the_true_rank_0_the_primary_of_a_shared_run(sink, tm
     rows = inspect_rows(source)
     ranks = {r["run_id"]: logged_rank(r) for r in rows}
     (tmp_path / "ranks.json").write_text(json.dumps(ranks))
-    result = cli_sync(sink, tmp_path, source, "--run-mode", "shared", "-p", "e2e", "-e",
-                      "local", "--base-id", "S", "--ranks", tmp_path / "ranks.json")  # fmt: skip
+    result = cli_sync(
+        sink,
+        tmp_path,
+        source,
+        "--run-mode",
+        "shared",
+        "-p",
+        "e2e",
+        "-e",
+        "local",
+        "--base-id",
+        "S",
+        "--ranks",
+        tmp_path / "ranks.json",
+    )
     assert result.exit_code == 0, result.output + result.stderr
     got = sink.client.run("local", "e2e", "S")
     # Every rank's `rank` value arrives under its own label, which now names its true rank.
@@ -393,8 +443,21 @@ def test_rank_order_start_accepts_the_guess_it_names(sink, tmp_path):
     source = job_dir("recipe_group_reversed")
     rows = inspect_rows(source)
     first = min(rows, key=lambda r: r["started"])
-    result = cli_sync(sink, tmp_path, source, "--run-mode", "auto", "-p", "e2e", "-e", "local",
-                      "--base-id", "O", "--rank-order", "start")  # fmt: skip
+    result = cli_sync(
+        sink,
+        tmp_path,
+        source,
+        "--run-mode",
+        "auto",
+        "-p",
+        "e2e",
+        "-e",
+        "local",
+        "--base-id",
+        "O",
+        "--rank-order",
+        "start",
+    )
     assert result.exit_code == 0, result.output + result.stderr
     got = sink.client.run("local", "e2e", "O")
     assert {row["rank"] for row in got["history"]} == {logged_rank(first)}
@@ -412,9 +475,11 @@ def test_primary_errors_are_one_line(tmp_path):
         (["inspect", plain, "--primary", "nosuchrun"], "--primary names run(s) not found"),
         (["inspect", labelled, "--primary", rank2], "this one is rank 2 by its args"),
         (["inspect", plain, "--primary", "a/b"], "--primary:"),
-        (["sync", "--dry-run", plain, "--primary", ids[0], "--primary", ids[1]],
-         f"--primary names {', '.join(sorted(ids[:2], key=ids.index))}"),
-    ]  # fmt: skip
+        (
+            ["sync", "--dry-run", plain, "--primary", ids[0], "--primary", ids[1]],
+            f"--primary names {', '.join(sorted(ids[:2], key=ids.index))}",
+        ),
+    ]
     for args, message in cases:
         result = runner.invoke(main, args)
         assert result.exit_code == 2, (args, result.output)
@@ -504,11 +569,29 @@ def test_a_real_gpu_job_names_each_process_gpu(tmp_path):
     script = Path(__file__).resolve().parents[2] / "examples" / "ddp_train.py"
     env = {**os.environ, "WANDB_SILENT": "true"}
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(script), "--dir", str(tmp_path), "--steps", "40", "--recipe", "group",
-         "--stats-interval", "0.5", "--start-stagger", "1.0", "--cuda"],
-        env=env, check=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(script),
+            "--dir",
+            str(tmp_path),
+            "--steps",
+            "40",
+            "--recipe",
+            "group",
+            "--stats-interval",
+            "0.5",
+            "--start-stagger",
+            "1.0",
+            "--cuda",
+        ],
+        env=env,
+        check=True,
+        timeout=600,
+    )
     rows = inspect_rows(tmp_path)
     for row in rows:
         assert row["source"] == "gpu" and row["rank"] == logged_rank(row)
@@ -535,13 +618,17 @@ def test_numbers_no_job_has_are_no_claim(claim):
 
 def test_a_hostile_world_size_is_no_rank_and_nothing_waits_on_it(tmp_path):
     """`--local_rank=10**30` or SLURM_NTASKS=10**12 once sized the job's list of ranks."""
-    runs = [facts("h0", start=0, args=("--local_rank=" + "1" + "0" * 30,)),
-            facts("h1", start=1, slurm=srun_task(1, 1, 0, ntasks=10**12, nnodes=1))]  # fmt: skip
+    runs = [
+        facts("h0", start=0, args=("--local_rank=" + "1" + "0" * 30,)),
+        facts("h1", start=1, slurm=srun_task(1, 1, 0, ntasks=10**12, nnodes=1)),
+    ]
     got, _ = ranks_of(runs)
     assert {v[3] for v in got.values()} == {"order"}
     (tmp_path / "ranks.json").write_text(json.dumps({"h0": 10**12}))
-    result = CliRunner().invoke(main, ["inspect", str(job_dir("recipe_group_reversed")),
-                                       "--ranks", str(tmp_path / "ranks.json")])  # fmt: skip
+    result = CliRunner().invoke(
+        main,
+        ["inspect", str(job_dir("recipe_group_reversed")), "--ranks", str(tmp_path / "ranks.json")],
+    )
     assert result.exit_code == 2 and "rank must be a whole number from 0 to" in result.stderr
 
 
@@ -593,13 +680,25 @@ def test_local_ranks_on_hosts_named_out_of_order_are_refused_as_a_guess(tmp_path
     [line] = [x for x in result.stderr.splitlines() if x.startswith("wbmerge: error:")]
     assert "which host is worker 0, and so its rank 0, is a guess" in line
     assert "a-node, z-node" in line and "--ranks FILE" in line
-    accepted = CliRunner().invoke(main, ["sync", "--dry-run", "--run-mode", "auto",
-                                         "--rank-order", "start", str(job)])  # fmt: skip
+    accepted = CliRunner().invoke(
+        main, ["sync", "--dry-run", "--run-mode", "auto", "--rank-order", "start", str(job)]
+    )
     assert accepted.exit_code == 0, accepted.output
     ranks = {r["run_id"]: logged_rank(r) for r in rows}
     (tmp_path / "ranks.json").write_text(json.dumps(ranks))
-    told = CliRunner().invoke(main, ["sync", "--dry-run", "--json", "--run-mode", "auto",
-                                     "--ranks", str(tmp_path / "ranks.json"), str(job)])  # fmt: skip
+    told = CliRunner().invoke(
+        main,
+        [
+            "sync",
+            "--dry-run",
+            "--json",
+            "--run-mode",
+            "auto",
+            "--ranks",
+            str(tmp_path / "ranks.json"),
+            str(job),
+        ],
+    )
     assert told.exit_code == 0, told.output
     [target] = json.loads(told.stdout)
     [primary] = [r for r in rows if ranks[r["run_id"]] == 0]

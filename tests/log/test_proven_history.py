@@ -73,11 +73,30 @@ def valid_utf8(raw: bytes) -> bool:
 
 
 EDGES = [
-    b"", b"loss", "é".encode(), "€".encode(), "𝄞".encode(), b"\xf4\x8f\xbf\xbf",  # U+10FFFF
-    b"\xf4\x90\x80\x80", b"\xed\xa0\x80", b"\xed\x9f\xbf", b"\xc0\xaf", b"\xc1\xbf",
-    b"\xe0\x80\xaf", b"\xe0\xa0\x80", b"\xf0\x80\x80\xaf", b"\xf0\x90\x80\x80", b"\xf5\x80\x80\x80",
-    b"\xff", b"\x80", b"\xc3", b"\xe2\x82", b"\xf0\x9d\x84", b"ab\xc3", b"\xc3\x28",
-]  # fmt: skip
+    b"",
+    b"loss",
+    "é".encode(),
+    "€".encode(),
+    "𝄞".encode(),
+    b"\xf4\x8f\xbf\xbf",  # U+10FFFF
+    b"\xf4\x90\x80\x80",
+    b"\xed\xa0\x80",
+    b"\xed\x9f\xbf",
+    b"\xc0\xaf",
+    b"\xc1\xbf",
+    b"\xe0\x80\xaf",
+    b"\xe0\xa0\x80",
+    b"\xf0\x80\x80\xaf",
+    b"\xf0\x90\x80\x80",
+    b"\xf5\x80\x80\x80",
+    b"\xff",
+    b"\x80",
+    b"\xc3",
+    b"\xe2\x82",
+    b"\xf0\x9d\x84",
+    b"ab\xc3",
+    b"\xc3\x28",
+]
 
 
 def test_a_string_is_proven_exactly_when_it_is_utf8_as_protobuf_reads_it():
@@ -124,10 +143,14 @@ def test_a_proven_record_parses_whatever_was_done_to_it(cases):
             assert parses(payload), payload
     # wandb's shape (history, `num` first, no field after it), left whole, is proven
     whole = [
-        p for (p, hurt) in cases
-        if not hurt and (r := pb.Record.FromString(p)).WhichOneof("record_type") == "history"
-        and r.num and not r.uuid and p.startswith(b"\x08")
-    ]  # fmt: skip
+        p
+        for (p, hurt) in cases
+        if not hurt
+        and (r := pb.Record.FromString(p)).WhichOneof("record_type") == "history"
+        and r.num
+        and not r.uuid
+        and p.startswith(b"\x08")
+    ]
     if whole:
         assert all(proven(whole))
 

@@ -21,9 +21,20 @@ CORE = [
 
 def test_the_core_passes_on_the_python_twins_of_the_compiled_kernels():
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-         *(f"tests/{name}" for name in CORE)],
-        cwd=ROOT, env={**os.environ, "WBMERGE_PURE": "1"}, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-x",
+            *(f"tests/{name}" for name in CORE),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "WBMERGE_PURE": "1"},
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout.splitlines()[-1] and "skipped" not in result.stdout

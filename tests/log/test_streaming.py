@@ -89,8 +89,11 @@ def test_a_follower_keeps_malloc_to_one_arena_however_many_threads_allocate(aren
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
     out = subprocess.run(
         [sys.executable, "-c", THREADS_THEN_ARENAS, arenas],
-        capture_output=True, text=True, check=True, env=env,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    ).stdout
     heaps = len(re.findall(r'<heap nr="\d+">', out))
     if most is None:
         assert heaps > 1  # (each thread took an arena of its own)

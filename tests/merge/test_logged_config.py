@@ -13,11 +13,30 @@ from wbmerge.errors import WbmergeError
 from wbmerge.merge import labelled_entries, without_logged_entries
 from wbmerge.wandbcore import fold_logged_entries
 
-CHART = {"panel_type": "Vega2", "panel_config": {"panelDefId": "wandb/line/v0", "userQuery": {
-    "queryFields": [{"name": "runSets", "fields": [{"name": "summaryTable", "args": [
-        {"name": "tableKey", "value": "val_curve_table"}]}]}]}}}  # fmt: skip
-BOXES = {"type": "bounding_box/class_labels", "key": "img_wandb_delimeter_pred",
-         "value": {"0": "cat"}}  # fmt: skip
+CHART = {
+    "panel_type": "Vega2",
+    "panel_config": {
+        "panelDefId": "wandb/line/v0",
+        "userQuery": {
+            "queryFields": [
+                {
+                    "name": "runSets",
+                    "fields": [
+                        {
+                            "name": "summaryTable",
+                            "args": [{"name": "tableKey", "value": "val_curve_table"}],
+                        }
+                    ],
+                }
+            ]
+        },
+    },
+}
+BOXES = {
+    "type": "bounding_box/class_labels",
+    "key": "img_wandb_delimeter_pred",
+    "value": {"0": "cat"},
+}
 
 
 def config_record(*items: tuple[list[str], object]) -> pb.ConfigRecord:
@@ -45,8 +64,9 @@ def test_entries_are_read_by_their_path_and_from_a_whole_wandb_block():
 
 def test_the_primarys_records_lose_the_entries_and_keep_the_rest():
     block = {"cli_version": "0.31.0", "mask/class_labels": {"m_wandb_delimeter_s": {}}}
-    record = config_record((["_wandb", "visualize", "val_curve"], CHART), (["_wandb"], block),
-                           (["lr"], 0.1))  # fmt: skip
+    record = config_record(
+        (["_wandb", "visualize", "val_curve"], CHART), (["_wandb"], block), (["lr"], 0.1)
+    )
     assert without_logged_entries(record)
     assert [(item.key, json.loads(item.value_json)) for item in record.update] == [
         ("_wandb", {"cli_version": "0.31.0"}),
@@ -63,16 +83,19 @@ def relabelled(entries: dict, logged: set[str], keeps=lambda key: True) -> dict:
 
 def test_each_entry_names_the_ranks_labelled_keys():
     got = relabelled(
-        {("visualize", "val_curve"): CHART,
-         ("viz", "tbl"): {"id": "x", "historyFieldSettings": {"x-axis": "_step", "key": "tbl"}},
-         ("bounding_box/class_labels", "img_wandb_delimeter_pred"): BOXES},
+        {
+            ("visualize", "val_curve"): CHART,
+            ("viz", "tbl"): {"id": "x", "historyFieldSettings": {"x-axis": "_step", "key": "tbl"}},
+            ("bounding_box/class_labels", "img_wandb_delimeter_pred"): BOXES,
+        },
         {"val_curve_table", "tbl", "img"},
-    )  # fmt: skip
+    )
     chart = got[("visualize", "val_curve/worker-1-rank-3")]
     [field] = chart["panel_config"]["userQuery"]["queryFields"][0]["fields"]
     assert field["args"] == [{"name": "tableKey", "value": "val_curve_table/worker-1-rank-3"}]
-    assert got[("viz", "tbl/worker-1-rank-3")]["historyFieldSettings"]["key"] == \
-        "tbl/worker-1-rank-3"  # fmt: skip
+    assert (
+        got[("viz", "tbl/worker-1-rank-3")]["historyFieldSettings"]["key"] == "tbl/worker-1-rank-3"
+    )
     boxes = got[("bounding_box/class_labels", "img/worker-1-rank-3_wandb_delimeter_pred")]
     assert boxes == {**BOXES, "key": "img/worker-1-rank-3_wandb_delimeter_pred"}
 
@@ -81,16 +104,21 @@ def test_a_key_longer_than_the_one_logged_is_labelled_in_its_logged_part():
     # (an EvalTable's class names are keyed by the table's key, then source and column)
     key = "preds/predictions/image_wandb_delimeter_boxes"
     got = relabelled({("bounding_box/class_labels", key): BOXES}, {"preds", "pred"})
-    assert list(got) == [("bounding_box/class_labels",
-                          "preds/worker-1-rank-3/predictions/image_wandb_delimeter_boxes")]  # fmt: skip
+    assert list(got) == [
+        (
+            "bounding_box/class_labels",
+            "preds/worker-1-rank-3/predictions/image_wandb_delimeter_boxes",
+        )
+    ]
 
 
 def test_an_entry_whose_key_is_not_kept_per_rank_is_left_out():
-    entries = {("visualize", "val_curve"): CHART,
-               ("bounding_box/class_labels", "img_wandb_delimeter_pred"): BOXES}  # fmt: skip
+    entries = {
+        ("visualize", "val_curve"): CHART,
+        ("bounding_box/class_labels", "img_wandb_delimeter_pred"): BOXES,
+    }
     got = relabelled(entries, {"val_curve_table", "img"}, keeps=lambda key: key == "img")
-    assert list(got) == [("bounding_box/class_labels",
-                          "img/worker-1-rank-3_wandb_delimeter_pred")]  # fmt: skip
+    assert list(got) == [("bounding_box/class_labels", "img/worker-1-rank-3_wandb_delimeter_pred")]
 
 
 @pytest.mark.parametrize("depth", [10, 5000])

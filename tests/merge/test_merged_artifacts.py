@@ -53,11 +53,18 @@ def rank_env(root: Path, rank: int) -> dict[str, str]:
     wandb's directories under the rank's own directory."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "WBMERGE_"))}
     env.update(
-        PYTHONPATH=str(ROOT), RANK=str(rank), WORLD_SIZE=str(len(RANKS)), LOCAL_RANK="0",
-        LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), TORCHELASTIC_RUN_ID=JOB_ID,
-        WANDB_DATA_DIR=str(root / "data"), WANDB_CACHE_DIR=str(root / "cache"),
-        WANDB_CONFIG_DIR=str(root / "config"), WANDB_SILENT="true",
-    )  # fmt: skip
+        PYTHONPATH=str(ROOT),
+        RANK=str(rank),
+        WORLD_SIZE=str(len(RANKS)),
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        GROUP_RANK=str(rank),
+        TORCHELASTIC_RUN_ID=JOB_ID,
+        WANDB_DATA_DIR=str(root / "data"),
+        WANDB_CACHE_DIR=str(root / "cache"),
+        WANDB_CONFIG_DIR=str(root / "config"),
+        WANDB_SILENT="true",
+    )
     return env
 
 
@@ -68,9 +75,11 @@ def write_job(job: Path, policy: str = "mutable") -> Path:
         root = job / f"rank-{rank}"
         root.mkdir(parents=True)
         cmd = [sys.executable, "-m", "tests.support.artifact_job", str(root), str(rank), policy]
-        procs.append(subprocess.Popen(
-            cmd, env=rank_env(root, rank), cwd=root, stderr=subprocess.PIPE, text=True
-        ))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                cmd, env=rank_env(root, rank), cwd=root, stderr=subprocess.PIPE, text=True
+            )
+        )
     for proc in procs:
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err[-2000:]
@@ -129,9 +138,11 @@ def table_reference(sink, run_id: str) -> str:
     """The server id of the artifact the run's one logged Table refers to from its history
     value (`wandb-client-artifact://CLIENT_ID:latest/...`, resolved as W&B resolves it)."""
     values = [
-        value for row in sink.client.run("local", PROJECT, run_id)["history"]
-        for value in row.values() if isinstance(value, dict) and "artifact_path" in value
-    ]  # fmt: skip
+        value
+        for row in sink.client.run("local", PROJECT, run_id)["history"]
+        for value in row.values()
+        if isinstance(value, dict) and "artifact_path" in value
+    ]
     (value,) = values
     reference = urllib.parse.urlparse(value["artifact_path"])
     assert reference.scheme == "wandb-client-artifact"
@@ -153,8 +164,21 @@ TARGETS = {
 def test_each_artifact_is_committed_under_the_run_it_belongs_to(
     sink, tmp_path, artifact_job, mode, scope
 ):
-    result = cli(sink, tmp_path, "sync", "--json", artifact_job, "--run-mode", mode,
-                 "--rank-scope", scope, "-p", PROJECT, "-e", "local")  # fmt: skip
+    result = cli(
+        sink,
+        tmp_path,
+        "sync",
+        "--json",
+        artifact_job,
+        "--run-mode",
+        mode,
+        "--rank-scope",
+        scope,
+        "-p",
+        PROJECT,
+        "-e",
+        "local",
+    )
     assert result.exit_code == 0, result.stderr
     targets = TARGETS[(mode, scope)]
     assert sorted(r["id"] for r in sink.client.runs(project=PROJECT)) == sorted(targets)
@@ -183,13 +207,27 @@ def test_a_job_copied_elsewhere_sends_its_artifacts_from_its_run_directories(sin
     written = write_job(tmp_path / "written")
     moved = written.rename(tmp_path / "moved")
     before = tree_digest(moved)
-    result = cli(sink, tmp_path, "sync", "--json", moved, "--run-mode", "shared",
-                 "-p", PROJECT, "-e", "local")  # fmt: skip
+    result = cli(
+        sink,
+        tmp_path,
+        "sync",
+        "--json",
+        moved,
+        "--run-mode",
+        "shared",
+        "-p",
+        PROJECT,
+        "-e",
+        "local",
+    )
     assert result.exit_code == 0, result.stderr
     logged = output_artifacts(sink, JOB_ID)
     for rank in RANKS:
-        (node,) = [n for (name, _), n in logged.items() if name == "ckpt"
-                   and json.loads(n.metadata)["rank"] == rank]  # fmt: skip
+        (node,) = [
+            n
+            for (name, _), n in logged.items()
+            if name == "ckpt" and json.loads(n.metadata)["rank"] == rank
+        ]
         assert_checkpoint_of(sink, node, rank)
     assert tree_digest(moved) == before  # the ranks' staged files are all still there
 
@@ -200,10 +238,23 @@ def plain_run(root: Path, data_dir: Path, policy: str = "mutable", digest: str =
     `digest`; its run directory."""
     root.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "WBMERGE_"))}
-    env.update(PYTHONPATH=str(ROOT), WANDB_DATA_DIR=str(data_dir), WANDB_SILENT="true",
-               WANDB_CACHE_DIR=str(root / "cache"), WANDB_CONFIG_DIR=str(root / "config"))  # fmt: skip
-    cmd = [sys.executable, "-m", "tests.support.artifact_run", str(root), "plain", "plain weights",
-           policy, digest]  # fmt: skip
+    env.update(
+        PYTHONPATH=str(ROOT),
+        WANDB_DATA_DIR=str(data_dir),
+        WANDB_SILENT="true",
+        WANDB_CACHE_DIR=str(root / "cache"),
+        WANDB_CONFIG_DIR=str(root / "config"),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.support.artifact_run",
+        str(root),
+        "plain",
+        "plain weights",
+        policy,
+        digest,
+    ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
     (run_dir,) = (root / "wandb").glob("offline-run-*-plain")
@@ -249,8 +300,19 @@ def test_an_artifact_file_outside_the_allowed_directories_is_read_only_when_name
     assert "'ckpt'" in line and outside in line and "--files-from" in line
     assert sink.client.runs() == []
 
-    result = cli(sink, tmp_path, "sync", "--json", run_dir, "-p", PROJECT, "-e", "local",
-                 "--files-from", elsewhere)  # fmt: skip
+    result = cli(
+        sink,
+        tmp_path,
+        "sync",
+        "--json",
+        run_dir,
+        "-p",
+        PROJECT,
+        "-e",
+        "local",
+        "--files-from",
+        elsewhere,
+    )
     assert result.exit_code == 0, result.stderr
     (run_id,) = [run["id"] for run in json.loads(result.stdout)["runs"]]
     node = output_artifacts(sink, run_id)[("ckpt", 0)]
@@ -278,8 +340,14 @@ def test_an_artifact_file_grown_since_is_refused_before_it_is_copied(tmp_path):
     command = [sys.executable, "-m", "wbmerge.cli", "merge", str(run_dir), "--out", str(out)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(PYTHONPATH=str(ROOT), WBMERGE_STATE_DIR=str(tmp_path / "state"))
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120,
-                            preexec_fn=limit_written_bytes)  # fmt: skip
+    result = subprocess.run(
+        command,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit_written_bytes,
+    )
     assert result.returncode == 2, result.stderr
     [line] = result.stderr.strip().splitlines()
     assert line == (
@@ -300,21 +368,27 @@ def test_an_artifact_that_did_not_commit_fails_the_sync_and_a_rerun_sends_it_onc
     first = cli(sink, tmp_path, *args)
     assert first.exit_code == 1, first.stdout
     # (whichever artifact's commit came first: the runs upload side by side)
-    assert re.search(r"artifact '(ckpt|run-artjob-rank-0-samples)' .*is not committed under "
-                     r"the run", first.stderr), first.stderr  # fmt: skip
+    assert re.search(
+        r"artifact '(ckpt|run-artjob-rank-0-samples)' .*is not committed under "
+        r"the run",
+        first.stderr,
+    ), first.stderr
 
     second = cli(sink, tmp_path, *args)
     assert second.exit_code == 0, second.stderr
     for rank in RANKS:
-        (node,) = [n for (name, _), n in output_artifacts(sink, f"{JOB_ID}-rank-{rank}").items()
-                   if name == "ckpt"]  # fmt: skip
+        (node,) = [
+            n
+            for (name, _), n in output_artifacts(sink, f"{JOB_ID}-rank-{rank}").items()
+            if name == "ckpt"
+        ]
         assert_checkpoint_of(sink, node, rank)
     versions = [sink.client.committed_files("local", PROJECT, f"ckpt:v{i}") for i in range(3)]
     assert [v is not None for v in versions] == [True, True, False]  # one per rank, no more
     tables = [
         sink.client.committed_files("local", PROJECT, f"run-{JOB_ID}-rank-0-samples:v{i}")
         for i in range(2)
-    ]  # fmt: skip
+    ]
     assert tables[0]["state"] == "COMMITTED" and tables[1] is None
 
 
@@ -341,8 +415,13 @@ def test_a_distributed_artifact_is_expected_whole_once_finished(sink, tmp_path):
     root = tmp_path / "ran"
     root.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "WBMERGE_"))}
-    env.update(PYTHONPATH=str(ROOT), WANDB_DATA_DIR=str(root / "data"), WANDB_SILENT="true",
-               WANDB_CACHE_DIR=str(root / "cache"), WANDB_CONFIG_DIR=str(root / "config"))  # fmt: skip
+    env.update(
+        PYTHONPATH=str(ROOT),
+        WANDB_DATA_DIR=str(root / "data"),
+        WANDB_SILENT="true",
+        WANDB_CACHE_DIR=str(root / "cache"),
+        WANDB_CONFIG_DIR=str(root / "config"),
+    )
     cmd = [sys.executable, "-m", "tests.support.distributed_artifact_run", str(root)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -364,8 +443,9 @@ def test_a_merge_directory_moved_elsewhere_sends_the_artifacts_it_holds(
     """`merge --out` copies each artifact file into the merged run; moved since (another
     machine, another disk), the merged run still sends them from where it now is."""
     out = tmp_path / "merged"
-    merged = CliRunner().invoke(main, ["merge", str(artifact_job), "--run-mode", "shared",
-                                       "--out", str(out)])  # fmt: skip
+    merged = CliRunner().invoke(
+        main, ["merge", str(artifact_job), "--run-mode", "shared", "--out", str(out)]
+    )
     assert merged.exit_code == 0, merged.stderr
     moved = out.rename(tmp_path / "moved")
     result = cli(sink, tmp_path, "sync", moved, "-p", PROJECT, "-e", "local")
@@ -511,12 +591,27 @@ def move_manifest_to_a_file(run_dir: Path, data_dir: Path) -> tuple[Path, str]:
             return None
         lines = []
         for entry in record.artifact.manifest.contents:
-            lines.append({"path": entry.path, "digest": entry.digest, "size": entry.size,
-                          "extra": {}, "local_path": entry.local_path, "skip_cache": False})  # fmt: skip
+            lines.append(
+                {
+                    "path": entry.path,
+                    "digest": entry.digest,
+                    "size": entry.size,
+                    "extra": {},
+                    "local_path": entry.local_path,
+                    "skip_cache": False,
+                }
+            )
         for i in range(REFERENCES):
-            lines.append({"path": f"refs/{i:06d}.bin", "digest": f"etag-{i}", "size": i,
-                          "ref": f"s3://bucket/refs/{i:06d}.bin", "extra": {},
-                          "skip_cache": False})  # fmt: skip
+            lines.append(
+                {
+                    "path": f"refs/{i:06d}.bin",
+                    "digest": f"etag-{i}",
+                    "size": i,
+                    "ref": f"s3://bucket/refs/{i:06d}.bin",
+                    "extra": {},
+                    "skip_cache": False,
+                }
+            )
         digests.update((line["path"], line["digest"]) for line in lines)
         with gzip.open(manifest, "wt", compresslevel=1) as out:
             out.writelines(json.dumps(line) + "\n" for line in lines)
@@ -578,8 +673,9 @@ def test_a_lost_artifact_file_is_named_by_verify(sink, tmp_path, artifact_job):
     it from its store. (Here, not in tests/e2e/test_verify.py: the job is written once.)"""
     synced = cli(sink, tmp_path, "sync", artifact_job, "--run-mode", "new", "--base-id", "arta")
     assert synced.exit_code == 0, synced.output
-    code, report, errors = verify(sink, tmp_path, artifact_job, "--run-mode", "new",
-                                  "--base-id", "arta")  # fmt: skip
+    code, report, errors = verify(
+        sink, tmp_path, artifact_job, "--run-mode", "new", "--base-id", "arta"
+    )
     assert (code, errors) == (0, []), (errors, report)
 
     with sqlite3.connect(sink.data_dir / "sink.sqlite3") as db:

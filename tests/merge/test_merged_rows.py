@@ -51,9 +51,14 @@ def shared_target(root: Path, ranks: dict[int, tuple[str, list[bytes]]], primary
         info = RankInfo(rank, rank, world, world, 0, job_id="reference")
         sources.append(Source(path=path, rank=info, label=label))
     target = Target(
-        id="reference-shared", group=None, display_name="reference-shared", job_type=None,
-        primary_rank=primary, kind="shared", sources=tuple(sources),
-    )  # fmt: skip
+        id="reference-shared",
+        group=None,
+        display_name="reference-shared",
+        job_type=None,
+        primary_rank=primary,
+        kind="shared",
+        sources=tuple(sources),
+    )
     return target
 
 
@@ -94,8 +99,10 @@ def assert_as_reference(merged: list[bytes], want: list[pb.Record]) -> None:
 
 
 def _has_spread(record: pb.Record) -> bool:
-    return any(i.nested_key[:1] and i.nested_key[0].startswith("wbmerge/spread/")
-               for i in record.history.item)  # fmt: skip
+    return any(
+        i.nested_key[:1] and i.nested_key[0].startswith("wbmerge/spread/")
+        for i in record.history.item
+    )
 
 
 def with_step(payload: bytes, step: int) -> bytes:
@@ -108,7 +115,9 @@ def summary_of(payload: bytes) -> bytes:
     """The summary record wandb writes beside a history row: the same items."""
     record = pb.Record()
     for item in pb.Record.FromString(payload).history.item:
-        record.summary.update.add().CopyFrom(pb.SummaryItem(key=item.key, nested_key=item.nested_key, value_json=item.value_json))  # fmt: skip
+        record.summary.update.add().CopyFrom(
+            pb.SummaryItem(key=item.key, nested_key=item.nested_key, value_json=item.value_json)
+        )
     return record.SerializeToString()
 
 
@@ -166,9 +175,15 @@ def test_merged_rows_are_the_reference_merge(tmp_path_factory, logs, skew):
     rows = [r for r in want if r.HasField("history")]
     assert staged.history_rows == len(rows)
     source_rows = sum(
-        len({pb.Record.FromString(p).history.step.num for p in payloads if record_kind(p) == "history"})
+        len(
+            {
+                pb.Record.FromString(p).history.step.num
+                for p in payloads
+                if record_kind(p) == "history"
+            }
+        )
         for _, payloads in ranks.values()
-    )  # fmt: skip
+    )
     assert staged.source_rows == source_rows
 
 
@@ -198,11 +213,11 @@ def test_labelled_row_decodes_to_the_labelled_keys(tmp_path):
                     3, [(["train/loss"], "0.5"), (["samples", "path"], '"a.png"'), (["_step"], "3")]
                 )
             ],
-        ),  # fmt: skip
+        ),
         5: (
             "rank-5",
             [history_payload(3, [(["train/loss"], "1.5"), (["samples", "path"], '"b.png"')])],
-        ),  # fmt: skip
+        ),
     }
     [row, _summary], _ = stage_shared(tmp_path, ranks, primary=2, skew=True)
     items = [(list(i.nested_key), i.value_json) for i in pb.Record.FromString(row).history.item]
@@ -262,20 +277,33 @@ def test_a_config_key_or_definition_set_back_to_an_earlier_value_is_written_agai
     are added labelled; `lr`, the same on both, once."""
     row = history_payload(0, [(["loss"], "1.0")])
     ranks = {
-        0: ("rank-0", [config_payload(lr=0.1, seed=0), row, config_payload(a=1),
-                       loss_defined("min"), config_payload(a=2), loss_defined("max"),
-                       config_payload(a=1), loss_defined("min")]),
+        0: (
+            "rank-0",
+            [
+                config_payload(lr=0.1, seed=0),
+                row,
+                config_payload(a=1),
+                loss_defined("min"),
+                config_payload(a=2),
+                loss_defined("max"),
+                config_payload(a=1),
+                loss_defined("min"),
+            ],
+        ),
         1: ("rank-1", [config_payload(lr=0.1, seed=1), row, config_payload(b=5)]),
-    }  # fmt: skip
+    }
     merged, _ = stage_shared(tmp_path, ranks, primary=0)
     records = [pb.Record.FromString(p) for p in merged]
     configs = [
         [(i.key, i.value_json) for i in r.config.update] for r in records if r.HasField("config")
     ]
     assert configs == [
-        [("lr", "0.1"), ("seed", "0")], [("a", "1")], [("a", "2")], [("a", "1")],
+        [("lr", "0.1"), ("seed", "0")],
+        [("a", "1")],
+        [("a", "2")],
+        [("a", "1")],
         [("seed/rank-1", "1"), ("b/rank-1", "5")],
-    ]  # fmt: skip
+    ]
     defined = [r.metric.summary.max for r in records if r.HasField("metric")]
     assert defined == [False, True, False]
     # A follow's round before the last leaves the other ranks' config for the last one.

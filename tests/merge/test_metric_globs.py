@@ -76,19 +76,24 @@ def bound_by(key: str, definitions: list[pb.MetricRecord]) -> list[pb.MetricReco
 @pytest.mark.parametrize("key_format", KEY_FORMATS)
 def test_every_key_a_glob_matched_is_bound_to_its_own_ranks_step(tmp_path, key_format):
     job = job_dir(JOB)
-    [staged] = api.merge(job / "wandb", tmp_path / "out", run_mode="shared",
-                         key_format=key_format, files_from=job)  # fmt: skip
+    [staged] = api.merge(
+        job / "wandb", tmp_path / "out", run_mode="shared", key_format=key_format, files_from=job
+    )
     merged = records(staged.log_path)
     definitions = [record.metric for record in merged if record.HasField("metric")]
-    merged_keys = {key_of(i) for record in merged if record.HasField("history")
-                   for i in record.history.item}  # fmt: skip
+    merged_keys = {
+        key_of(i) for record in merged if record.HasField("history") for i in record.history.item
+    }
     globs = [m.glob_name for m in definitions if m.glob_name]
     assert all(is_glob_wandb_takes(glob) for glob in globs), globs
 
     by_rank = sources()
-    label_of = {key_format.format(key=key, label=label): label
-                for label, (logged, _) in by_rank.items() for key in logged
-                if not key.startswith("_")}  # fmt: skip
+    label_of = {
+        key_format.format(key=key, label=label): label
+        for label, (logged, _) in by_rank.items()
+        for key in logged
+        if not key.startswith("_")
+    }
     assert label_of.keys() <= merged_keys
     bound = 0
     for label, (logged, metrics) in by_rank.items():
@@ -103,8 +108,7 @@ def test_every_key_a_glob_matched_is_bound_to_its_own_ranks_step(tmp_path, key_f
                 continue
             assert found, (label, key)
             for metric in found:  # the rank's glob's step metric, summary and options
-                assert metric.step_metric == key_format.format(key=own[0].step_metric,
-                                                               label=label)  # fmt: skip
+                assert metric.step_metric == key_format.format(key=own[0].step_metric, label=label)
                 assert metric.summary == own[0].summary and metric.options == own[0].options
             bound += 1
     assert bound == 1  # rank 0's val/acc: the only key under a glob (rank 0's val/*)
@@ -116,8 +120,9 @@ def test_every_key_a_glob_matched_is_bound_to_its_own_ranks_step(tmp_path, key_f
             matched = [k for k in merged_keys if k.startswith(metric.glob_name[:-1])]
             assert all(label_of.get(k) == owner for k in matched), (metric.glob_name, matched)
     hidden = [m.name for m in definitions if m.options.hidden]
-    assert sorted(hidden) == sorted(key_format.format(key="epoch", label=f"rank-{r}")
-                                    for r in range(4))  # fmt: skip
+    assert sorted(hidden) == sorted(
+        key_format.format(key="epoch", label=f"rank-{r}") for r in range(4)
+    )
 
 
 def test_a_glob_is_labelled_only_where_a_prefix_selects_one_rank():
@@ -141,8 +146,12 @@ def glob_record(glob: str, step: str = "epoch") -> bytes:
 def test_an_expanded_glob_names_each_matching_key_once_with_the_first_glob():
     globs = [glob_record("val/*"), glob_record("v*", "other"), glob_record("a*b*")]
     keys = {"val/acc", "val/loss", "vocab", "epoch", "_runtime", "ab_x", "named/x"}
-    written = [pb.Record.FromString(p).metric for p in glob_definitions(
-        globs, {"val/loss"}, keys, "rank-2", "{key}/{label}", PerRank(), None)]  # fmt: skip
+    written = [
+        pb.Record.FromString(p).metric
+        for p in glob_definitions(
+            globs, {"val/loss"}, keys, "rank-2", "{key}/{label}", PerRank(), None
+        )
+    ]
     assert [(m.name, m.glob_name, m.step_metric) for m in written] == [
         ("val/acc/rank-2", "", "epoch/rank-2"),
         ("vocab/rank-2", "", "other/rank-2"),

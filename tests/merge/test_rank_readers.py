@@ -118,8 +118,9 @@ def test_a_log_ending_in_a_cut_chunk_header_or_zeros_reads_as_the_transaction_lo
         want, report = expected(path)
         assert got[k][0] == want, path
         assert (reports[k, 0].damaged, reports[k, 0].describe()) == (
-            report.damaged, report.describe()
-        )  # fmt: skip
+            report.damaged,
+            report.describe(),
+        )
         tails.add(report.truncated_bytes)
     # (one cut ends on a chunk boundary: that copy is intact, a log without its exit record)
     assert set(range(1, CHUNK_HEADER_SIZE)) <= tails  # cut inside a chunk header, or zeros

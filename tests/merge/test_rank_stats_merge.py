@@ -152,8 +152,11 @@ def test_statistics_of_every_step_and_the_keys_kept_per_rank(tmp_path, monkeypat
             texts[record.history.step.num] = {i.key or i.nested_key[0]: i.value_json for i in items}
         elif record.HasField("summary"):
             summary.update(
-                {".".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.summary.update}
-            )  # fmt: skip
+                {
+                    ".".join(i.nested_key) or i.key: json.loads(i.value_json)
+                    for i in record.summary.update
+                }
+            )
         elif record.HasField("metric"):
             defined.append(record.metric.name)
     steps = sorted(set().union(*sources.values()))
@@ -189,8 +192,20 @@ def test_statistics_of_every_step_and_the_keys_kept_per_rank(tmp_path, monkeypat
 def test_rank_stats_sync_into_the_sink_without_per_rank_keys(sink, tmp_path):
     """The `cadence` job: rank 0 logs every step, the others every fifth, so most steps
     have one rank and some all four."""
-    result = cli_sync(sink, tmp_path, job_dir("cadence"), "--run-mode", "shared",
-                      "--rank-stats", "--per-rank", "none", "-p", "stats", "-e", "local")  # fmt: skip
+    result = cli_sync(
+        sink,
+        tmp_path,
+        job_dir("cadence"),
+        "--run-mode",
+        "shared",
+        "--rank-stats",
+        "--per-rank",
+        "none",
+        "-p",
+        "stats",
+        "-e",
+        "local",
+    )
     assert result.exit_code == 0, result.stderr
     [run] = sink.client.runs(project="stats")
     got = sink.client.run("local", "stats", run["id"])
@@ -257,18 +272,38 @@ def test_merge_warns_past_the_bound_unless_chosen(tmp_path, options, warned):
 
 def test_bad_per_rank_values_are_one_line_and_exit_2(tmp_path):
     result = CliRunner().invoke(
-        main, ["merge", str(job_dir("cadence")), "--run-mode", "shared", "--per-rank", "all",
-               "--per-rank", "train/loss", "--out", str(tmp_path / "out")],
-    )  # fmt: skip
+        main,
+        [
+            "merge",
+            str(job_dir("cadence")),
+            "--run-mode",
+            "shared",
+            "--per-rank",
+            "all",
+            "--per-rank",
+            "train/loss",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+    )
     assert result.exit_code == 2
     assert result.stderr.count("\n") == 1 and "--per-rank all cannot be combined" in result.stderr
 
 
 def test_a_per_rank_pattern_that_matches_nothing_is_a_warning(tmp_path):
     result = CliRunner().invoke(
-        main, ["merge", str(job_dir("cadence")), "--run-mode", "shared", "--per-rank", "train/los",
-               "--out", str(tmp_path / "out")],
-    )  # fmt: skip
+        main,
+        [
+            "merge",
+            str(job_dir("cadence")),
+            "--run-mode",
+            "shared",
+            "--per-rank",
+            "train/los",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "--per-rank 'train/los' matches no key" in result.stderr
 
@@ -276,22 +311,36 @@ def test_a_per_rank_pattern_that_matches_nothing_is_a_warning(tmp_path):
 def test_the_flyte_merge_task_passes_the_options_on(sink, tmp_path):
     """The merge task's child (`python -m wbmerge.flyte merge`), as the task runs it."""
     spec, answer = tmp_path / "request.json", tmp_path / "result.json"
-    spec.write_text(json.dumps({
-        "path": str(job_dir("cadence")), "run_mode": "shared", "rank_scope": None,
-        "project": "flytestats", "entity": "local", "worker": None,
-        "rank_stats": True, "per_rank": ["none"],
-    }))  # fmt: skip
+    spec.write_text(
+        json.dumps(
+            {
+                "path": str(job_dir("cadence")),
+                "run_mode": "shared",
+                "rank_scope": None,
+                "project": "flytestats",
+                "entity": "local",
+                "worker": None,
+                "rank_stats": True,
+                "per_rank": ["none"],
+            }
+        )
+    )
     env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
     done = subprocess.run(
         [sys.executable, "-m", "wbmerge.flyte", "merge", str(spec), str(answer)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "error" not in json.loads(answer.read_text())
     [run] = sink.client.runs(project="flytestats")
     got = sink.client.run("local", "flytestats", run["id"])
-    logged = {rank: {row["_step"]: row for row in want.history}
-              for rank, (_, want, _) in sources_of("cadence").items()}  # fmt: skip
+    logged = {
+        rank: {row["_step"]: row for row in want.history}
+        for rank, (_, want, _) in sources_of("cadence").items()
+    }
     last = max(got["history"], key=lambda row: row["_step"])["_step"]
     by_rank = {r: float(rows[last]["train/loss"]) for r, rows in logged.items() if last in rows}
     assert_statistics(got["summary"], "train/loss", by_rank, "summary")

@@ -69,8 +69,21 @@ def synced_runs(result) -> list[str]:
 def test_saved_files_arrive_with_the_bytes_each_rank_saved(sink, tmp_path, mode):
     job = job_dir(JOB)
     before = tree_digest(job)
-    result = cli(sink, tmp_path, "sync", "--json", job / "wandb", "--run-mode", mode,
-                 "-p", "saved", "-e", "local", "--files-from", job)  # fmt: skip
+    result = cli(
+        sink,
+        tmp_path,
+        "sync",
+        "--json",
+        job / "wandb",
+        "--run-mode",
+        mode,
+        "-p",
+        "saved",
+        "-e",
+        "local",
+        "--files-from",
+        job,
+    )
     assert result.exit_code == 0, result.stderr
     assert "not copied" not in result.stderr
     saved = saved_bytes(job)
@@ -102,8 +115,21 @@ def moved_job(tmp_path: Path) -> Path:
 
 def test_moved_files_are_found_under_files_from(sink, tmp_path):
     job = moved_job(tmp_path)
-    result = cli(sink, tmp_path, "sync", "--json", job / "wandb", "--run-mode", "new",
-                 "-p", "moved", "-e", "local", "--files-from", job)  # fmt: skip
+    result = cli(
+        sink,
+        tmp_path,
+        "sync",
+        "--json",
+        job / "wandb",
+        "--run-mode",
+        "new",
+        "-p",
+        "moved",
+        "-e",
+        "local",
+        "--files-from",
+        job,
+    )
     assert result.exit_code == 0, result.stderr
     saved = saved_bytes(job)
     base = base_id(job)
@@ -164,8 +190,9 @@ def test_links_out_of_the_allowed_directories_are_refused(sink, tmp_path, case, 
     before = tree_digest(tmp_path)
     out = tmp_path / "out"
     where = ["--out", out] if command == "merge" else ["-p", "hostile"]
-    result = cli(sink, tmp_path, command, job / "wandb", "--run-mode", "shared",
-                 "--files-from", job, *where)  # fmt: skip
+    result = cli(
+        sink, tmp_path, command, job / "wandb", "--run-mode", "shared", "--files-from", job, *where
+    )
     assert result.exit_code == 2, (result.stderr, result.stdout)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("wbmerge: error:"), result.stderr
@@ -189,11 +216,25 @@ def test_a_saved_file_missing_on_the_server_fails_the_run(sink, tmp_path, monkey
     ledger = Ledger(tmp_path / "state" / "ledger.sqlite3")
     deliveries = {}
     for project, saved in (("unchecked", {}), ("checked", staged.saved_files)):
-        deliverer = Deliverer(ServerClient(creds), creds, ledger, project, "local", 4,
-                              tmp_path / project / "uploader", expected=1)  # fmt: skip
+        deliverer = Deliverer(
+            ServerClient(creds),
+            creds,
+            ledger,
+            project,
+            "local",
+            4,
+            tmp_path / project / "uploader",
+            expected=1,
+        )
         run_dir = shutil.copytree(staged.run_dir, tmp_path / project / staged.run_dir.name)
-        delivery = Delivery(staged.target.id, run_dir, run_dir / staged.log_path.name,
-                            f"key-{project}", "fingerprint", saved_files=saved)  # fmt: skip
+        delivery = Delivery(
+            staged.target.id,
+            run_dir,
+            run_dir / staged.log_path.name,
+            f"key-{project}",
+            "fingerprint",
+            saved_files=saved,
+        )
         try:
             deliverer.submit(delivery)
             deliverer.finish()
@@ -221,8 +262,9 @@ def test_a_run_that_says_it_ran_in_the_root_directory_opens_nothing(sink, tmp_pa
     rewrite_log(next(run.glob("run-*.wandb")), root_everything)
     (run / "files" / "model.pt").unlink()
     (run / "files" / "model.pt").symlink_to("/etc/passwd")
-    result = cli(sink, tmp_path, "merge", job / "wandb", "--run-mode", "auto",
-                 "--out", tmp_path / "out")  # fmt: skip
+    result = cli(
+        sink, tmp_path, "merge", job / "wandb", "--run-mode", "auto", "--out", tmp_path / "out"
+    )
     assert result.exit_code == 2, result.stderr
     assert "'/etc/passwd'" in result.stderr and "--files-from" in result.stderr
     assert not (tmp_path / "out").exists()
@@ -282,8 +324,19 @@ def test_a_run_found_where_it_ran_follows_its_links_without_files_from(sink, tmp
     job = rerooted_job(
         tmp_path, str(tmp_path / "job"), lambda job, rank: job / f"rank-{rank}" / "model.pt"
     )
-    result = cli(sink, tmp_path, "sync", "--json", job / "wandb", "--run-mode", "new",
-                 "-p", "ranhere", "-e", "local")  # fmt: skip
+    result = cli(
+        sink,
+        tmp_path,
+        "sync",
+        "--json",
+        job / "wandb",
+        "--run-mode",
+        "new",
+        "-p",
+        "ranhere",
+        "-e",
+        "local",
+    )
     assert result.exit_code == 0, result.stderr
     saved = saved_bytes(job)
     base = base_id(job)
@@ -310,7 +363,9 @@ def test_files_every_rank_saves_are_said_once_not_once_a_file(tmp_path):
 
 def test_the_line_of_moved_files_stays_one_line_at_many_ranks():
     line = moved_files_notice([f"rank-{rank}/model.pt" for rank in range(1, 1024)])
-    assert line == ("1023 files also written by another rank kept under their rank's label: "
-                    "rank-1/model.pt, rank-2/model.pt, rank-3/model.pt, rank-4/model.pt "
-                    "and 1019 more")  # fmt: skip
+    assert line == (
+        "1023 files also written by another rank kept under their rank's label: "
+        "rank-1/model.pt, rank-2/model.pt, rank-3/model.pt, rank-4/model.pt "
+        "and 1019 more"
+    )
     assert moved_files_notice(["rank-1/a.pt"]).startswith("1 file also written")

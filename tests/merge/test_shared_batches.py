@@ -95,6 +95,8 @@ def test_the_merged_run_does_not_depend_on_how_much_is_read_at_a_time(tmp_path, 
     [small] = merge_jobs(request, tmp_path / "out")
     assert small.log_path.read_bytes() == whole_log
     assert (small.history_rows, small.source_rows, small.warnings) == (
-        whole.history_rows, whole.source_rows, whole.warnings,
-    )  # fmt: skip
+        whole.history_rows,
+        whole.source_rows,
+        whole.warnings,
+    )
     assert whole.history_rows > 0

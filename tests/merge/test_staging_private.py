@@ -53,8 +53,13 @@ def plant(directory, victim, **more):
     """An owner record of a dead owner that names `victim` as its uploader, with its real
     pid and start time (both public in /proc)."""
     directory.mkdir(parents=True, exist_ok=True)
-    owner = {"pid": 2**22 + 1, "started": "0", "uid": os.geteuid(),
-             "uploader": [[victim.pid, started(victim.pid)]], **more}  # fmt: skip
+    owner = {
+        "pid": 2**22 + 1,
+        "started": "0",
+        "uid": os.geteuid(),
+        "uploader": [[victim.pid, started(victim.pid)]],
+        **more,
+    }
     (directory / "owner.json").write_text(json.dumps(owner))
 
 
@@ -118,16 +123,27 @@ def test_the_uploader_of_a_killed_sync_and_its_wandb_core_are_stopped(tmp_path):
     staging = make_staging()
     workdir = staging / "job-0" / "uploader" / "batch-0"
     (workdir / "tmp").mkdir(parents=True)
-    env = {**os.environ, "TMPDIR": str(workdir / "tmp"), "WANDB_DIR": str(workdir),
-           "WANDB_CACHE_DIR": str(workdir / "cache")}  # fmt: skip
-    standby = subprocess.Popen([sys.executable, "-c", STANDBY], cwd=workdir, env=env,
-                               stdin=subprocess.PIPE)  # fmt: skip
+    env = {
+        **os.environ,
+        "TMPDIR": str(workdir / "tmp"),
+        "WANDB_DIR": str(workdir),
+        "WANDB_CACHE_DIR": str(workdir / "cache"),
+    }
+    standby = subprocess.Popen(
+        [sys.executable, "-c", STANDBY], cwd=workdir, env=env, stdin=subprocess.PIPE
+    )
     bystander = subprocess.Popen(["sleep", "60"], cwd=workdir)  # this user's, not an uploader
     try:
         core = wait_for_core(standby)
-        owner = {"pid": 2**22 + 1, "started": "0", "uid": os.geteuid(),
-                 "uploader": [[standby.pid, started(standby.pid)],
-                              [bystander.pid, started(bystander.pid)]]}  # fmt: skip
+        owner = {
+            "pid": 2**22 + 1,
+            "started": "0",
+            "uid": os.geteuid(),
+            "uploader": [
+                [standby.pid, started(standby.pid)],
+                [bystander.pid, started(bystander.pid)],
+            ],
+        }
         (staging / "owner.json").write_text(json.dumps(owner))
         assert clean_stale() == [staging]
         assert standby.wait(timeout=10) == -9
@@ -159,11 +175,22 @@ def test_a_staging_directory_not_private_to_the_user_is_refused_in_one_line(
             os.chown(root, NOBODY, NOBODY)
             why = f"belongs to uid {NOBODY}, not to this user (uid 0)"
     result = subprocess.run(
-        [sys.executable, "-m", "wbmerge.cli", "sync", str(job_dir("one_node_4")),
-         "-p", "refused", "-e", "local"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "wbmerge.cli",
+            "sync",
+            str(job_dir("one_node_4")),
+            "-p",
+            "refused",
+            "-e",
+            "local",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, **sink.env, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.splitlines() == [
         f"wbmerge: error: staging directory {root} {why}; refusing to stage there: remove "
@@ -182,21 +209,51 @@ def test_another_user_planting_staging_cannot_make_a_root_sync_kill(live_process
     try:
         shared.chmod(0o1777)
         planted = shared / "wbmerge-staging-evil"
-        owner = {"pid": 2**22 + 1, "started": "0", "uid": os.geteuid(),
-                 "uploader": [[live_process.pid, started(live_process.pid)]]}  # fmt: skip
+        owner = {
+            "pid": 2**22 + 1,
+            "started": "0",
+            "uid": os.geteuid(),
+            "uploader": [[live_process.pid, started(live_process.pid)]],
+        }
         victim_cwd = Path(f"/proc/{live_process.pid}/cwd").readlink()
-        script = (f"mkdir {planted} && printf '%s' '{json.dumps(owner)}' > {planted}/owner.json"
-                  f" && ln -s {victim_cwd} {shared}/wbmerge-staging-link")  # fmt: skip
-        subprocess.run(["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY),
-                        "--clear-groups", "sh", "-c", script], check=True, timeout=30)  # fmt: skip
+        script = (
+            f"mkdir {planted} && printf '%s' '{json.dumps(owner)}' > {planted}/owner.json"
+            f" && ln -s {victim_cwd} {shared}/wbmerge-staging-link"
+        )
+        subprocess.run(
+            [
+                "setpriv",
+                "--reuid",
+                str(NOBODY),
+                "--regid",
+                str(NOBODY),
+                "--clear-groups",
+                "sh",
+                "-c",
+                script,
+            ],
+            check=True,
+            timeout=30,
+        )
         assert os.lstat(planted).st_uid == NOBODY
         (victim_cwd / "precious").write_text("keep me")
         result = subprocess.run(
-            [sys.executable, "-m", "wbmerge.cli", "sync", str(job_dir("one_node_4")),
-             "-p", "planted", "-e", "local"],
-            capture_output=True, text=True, timeout=300,
+            [
+                sys.executable,
+                "-m",
+                "wbmerge.cli",
+                "sync",
+                str(job_dir("one_node_4")),
+                "-p",
+                "planted",
+                "-e",
+                "local",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
             env={**os.environ, **sink.env, "PYTHONPATH": str(ROOT), "TMPDIR": str(shared)},
-        )  # fmt: skip
+        )
         assert result.returncode == 0, result.stderr
         assert live_process.poll() is None, "the sync killed a process another user named"
         assert (victim_cwd / "precious").read_text() == "keep me"

@@ -39,14 +39,24 @@ def job(tmp_path_factory):
 def spawn(sink, tmp_path, source, project, state, url=None):
     """`wbmerge sync` of `source` in a process of its own, with the state directory `state`
     and the server named `url` (the sink's own URL by default)."""
-    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / state), "TMPDIR": str(tmp_path / "tmp"),
-           "HOME": str(tmp_path / "home"), "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-           "WANDB_BASE_URL": url or sink.url}  # fmt: skip
+    env = {
+        **sink.env,
+        "WBMERGE_STATE_DIR": str(tmp_path / state),
+        "TMPDIR": str(tmp_path / "tmp"),
+        "HOME": str(tmp_path / "home"),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        "WANDB_BASE_URL": url or sink.url,
+    }
     (tmp_path / "tmp").mkdir(exist_ok=True)
     (tmp_path / "home").mkdir(exist_ok=True)
     args = ["sync", "--json", str(source), "-p", project, "-e", "local"]
-    return subprocess.Popen([sys.executable, "-m", "wbmerge.cli", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "wbmerge.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def ended(proc, timeout=180):
@@ -119,8 +129,9 @@ def test_a_sync_whose_uploader_starts_after_the_other_sent_its_rows_rewrites_the
     # B's wandb-core asks for the run only after B planned what to send (from 0 rows)
     wait_until(lambda: counts().get("graphql:UpsertBucket", 0) >= 1, "B's uploader starts")
     sink.client.set_faults(["graphql:UpsertBucket=500"])
-    wait_until(lambda: len(sink.client.run("local", "ordered", RUN)["history"]) == ROWS,
-               "A's rows land")  # fmt: skip
+    wait_until(
+        lambda: len(sink.client.run("local", "ordered", RUN)["history"]) == ROWS, "A's rows land"
+    )
     sink.client.set_faults([])
     results = [ended(proc) for proc in (first, second)]
     assert steps_twice(sink, "ordered") == []

@@ -69,13 +69,15 @@ def test_a_record_of_an_unknown_kind_is_refused_in_one_line(job, tmp_path, mode,
 def test_unknown_records_copy_hands_it_to_the_uploader_as_it_is(job, tmp_path, mode, rank):
     insert_after_run_record(log_of_rank(job, rank), [future_record()])
     out = tmp_path / "out"
-    result = run_cli("merge", job / "wandb", "--run-mode", mode, "--out", out,
-                     "--unknown-records", "copy")  # fmt: skip
+    result = run_cli(
+        "merge", job / "wandb", "--run-mode", mode, "--out", out, "--unknown-records", "copy"
+    )
     assert result.returncode == 0, result.stderr
     holding = [
-        log for log in out.glob("offline-run-*/run-*.wandb")
+        log
+        for log in out.glob("offline-run-*/run-*.wandb")
         if future_record() in list(read_payloads(log))
-    ]  # fmt: skip
+    ]
     assert len(holding) == 1
 
 

@@ -85,9 +85,15 @@ def test_run_mode_table(case):
 
 @pytest.mark.parametrize(
     "nodes, nproc, mode, scope, count",
-    [(2, 4, "auto", "global", 1), (2, 4, "auto", "worker", 2), (2, 4, "shared", "global", 1),
-     (2, 4, "shared", "worker", 2), (2, 4, "new", "global", 8), (2, 4, "new", "worker", 8)],
-)  # fmt: skip
+    [
+        (2, 4, "auto", "global", 1),
+        (2, 4, "auto", "worker", 2),
+        (2, 4, "shared", "global", 1),
+        (2, 4, "shared", "worker", 2),
+        (2, 4, "new", "global", 8),
+        (2, 4, "new", "worker", 8),
+    ],
+)
 def test_run_counts(nodes, nproc, mode, scope, count):
     targets = plan(job(nodes, nproc), mode, scope)
     assert len(targets) == count
@@ -185,7 +191,7 @@ def test_a_missing_primary_is_named_in_shared_and_auto(mode, scope):
                 "--skew-metrics, --per-rank, --key-format apply to shared runs only; ignored for "
                 "--run-mode auto/new"
             ],
-        ),  # fmt: skip
+        ),
         ({"per_rank": ()}, {"new"}, []),  # (what the CLI passes when --per-rank is not given)
         ({"system_metrics": "all"}, {"auto"}, []),
         ({"system_metrics": "all"}, {"shared"}, []),
@@ -196,7 +202,7 @@ def test_a_missing_primary_is_named_in_shared_and_auto(mode, scope):
                 "--system-metrics all applies to auto and shared runs (a run of its own keeps "
                 "each rank's); ignored for --run-mode new"
             ],
-        ),  # fmt: skip
+        ),
         ({"rank_stats": True}, set(), []),  # no job: nothing to say
     ],
 )

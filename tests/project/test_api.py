@@ -32,15 +32,21 @@ COMMANDS = ["inspect", "merge", "sync", "follow", "export", "report", "sink"]
 def test_every_command_runs_as_a_module(module):
     listed = subprocess.run(
         [sys.executable, "-m", module, "--help"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert listed.returncode == 0, listed.stderr
     for command in COMMANDS:
         assert f"  {command} " in listed.stdout
         one = subprocess.run(
             [sys.executable, "-m", module, command, "--help"],
-            capture_output=True, text=True, timeout=60, cwd=ROOT,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
         assert one.returncode == 0, (command, one.stderr)
         assert one.stdout.startswith(f"Usage: wbmerge {command}")
 
@@ -48,8 +54,11 @@ def test_every_command_runs_as_a_module(module):
 def test_a_module_run_does_real_work():
     done = subprocess.run(
         [sys.executable, "-m", "wbmerge", "inspect", "--json", str(job_dir("one_node_4"))],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(r["rank"] for r in json.loads(done.stdout)) == [0, 1, 2, 3]
 
@@ -123,9 +132,17 @@ def test_ranks_assumed_from_start_order_are_said_as_the_cli_says_them(tmp_path):
     assert assumed in [str(w.message) for w in said]
     printed = CliRunner().invoke(
         main,
-        ["merge", "--run-mode", "shared", "--rank-order", "start", "--out",
-         str(tmp_path / "cli"), str(source)],
-    )  # fmt: skip
+        [
+            "merge",
+            "--run-mode",
+            "shared",
+            "--rank-order",
+            "start",
+            "--out",
+            str(tmp_path / "cli"),
+            str(source),
+        ],
+    )
     assert f"wbmerge: warning: {assumed}" in printed.stderr
 
 
@@ -142,17 +159,28 @@ def test_a_failure_of_several_jobs_gives_its_advice_once_after_every_run():
     """Each job's lines end with what to do (rerun; or upload under other run ids): said
     once each, in the order first given, after the runs of every job."""
     rerun = "nothing missing was recorded as synced; rerun `wbmerge sync` to send it"
-    other_ids = ("syncing again cannot complete these runs: upload under other run ids (with --base-id "
-                 "ID), or delete the runs on the server first")  # fmt: skip
+    other_ids = (
+        "syncing again cannot complete these runs: upload under other run ids (with --base-id "
+        "ID), or delete the runs on the server first"
+    )
     failed = api.UploadFailed(
-        ["run a: history rows 1 of 3", rerun, "run b: refused", other_ids,
-         "run c: file config.yaml not uploaded", rerun],
+        [
+            "run a: history rows 1 of 3",
+            rerun,
+            "run b: refused",
+            other_ids,
+            "run c: file config.yaml not uploaded",
+            rerun,
+        ],
         api.SyncReport([]),
-    )  # fmt: skip
+    )
     assert failed.lines == [
-        "run a: history rows 1 of 3", "run b: refused", "run c: file config.yaml not uploaded",
-        rerun, other_ids,
-    ]  # fmt: skip
+        "run a: history rows 1 of 3",
+        "run b: refused",
+        "run c: file config.yaml not uploaded",
+        rerun,
+        other_ids,
+    ]
     assert failed.exit_code == 1 and str(failed) == "; ".join(failed.lines)
 
 
@@ -160,9 +188,15 @@ def test_merge_writes_what_the_cli_writes(tmp_path):
     staged = api.merge([job_dir("one_node_4")], tmp_path / "api", run_mode="shared")
     result = CliRunner().invoke(
         main,
-        ["merge", "--run-mode", "shared", "--out", str(tmp_path / "cli"),
-         str(job_dir("one_node_4"))],
-    )  # fmt: skip
+        [
+            "merge",
+            "--run-mode",
+            "shared",
+            "--out",
+            str(tmp_path / "cli"),
+            str(job_dir("one_node_4")),
+        ],
+    )
     assert result.exit_code == 0, result.output
     (one,) = staged
     twin = tmp_path / "cli" / one.run_dir.name / one.log_path.name
@@ -209,8 +243,11 @@ def test_sync_uploads_and_verifies(sink, tmp_path, monkeypatch):
     assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
     (synced,) = result.targets
     assert synced.status == "uploaded"
-    log = next(p for p in sorted(job_dir("one_node_4").glob("wandb/*/run-*.wandb"))
-               if expected_from_log(p).config["wbmerge"]["rank"] == 0)  # fmt: skip
+    log = next(
+        p
+        for p in sorted(job_dir("one_node_4").glob("wandb/*/run-*.wandb"))
+        if expected_from_log(p).config["wbmerge"]["rank"] == 0
+    )
     want = expected_from_log(log)
     entity = synced.url.split("/")[-4]
     got = sink.client.run(entity, "api-test", synced.target.id)
@@ -231,10 +268,21 @@ def test_a_type_checker_names_a_wrong_option_or_run_mode(tmp_path):
         "reveal_type(api.follow('./wandb', run_mode='new'))\n"
     )
     result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--follow-imports=silent", "--ignore-missing-imports",
-         "--no-incremental", "--cache-dir", str(tmp_path / "cache"), str(script)],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--follow-imports=silent",
+            "--ignore-missing-imports",
+            "--no-incremental",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     lines = [line.split(": ", 1)[1] for line in result.stdout.splitlines() if ": " in line]
     assert lines == [
         'error: Argument "run_mode" to "sync" has incompatible type "Literal[\'sharde\']"; '
@@ -275,8 +323,11 @@ def test_a_sink_started_from_python_takes_a_sync_and_stops(tmp_path, monkeypatch
         (synced,) = result.targets
         entity = synced.url.split("/")[-4]
         got = SinkClient(sink.url, sink.api_key).run(entity, "from-python", synced.target.id)
-        log = next(p for p in sorted(job_dir("one_node_4").glob("wandb/*/run-*.wandb"))
-                   if expected_from_log(p).config["wbmerge"]["rank"] == 0)  # fmt: skip
+        log = next(
+            p
+            for p in sorted(job_dir("one_node_4").glob("wandb/*/run-*.wandb"))
+            if expected_from_log(p).config["wbmerge"]["rank"] == 0
+        )
         want = expected_from_log(log).history
         assert [{k: row[k] for k in want[0]} for row in got["history"]] == want
     port = int(sink.url.rsplit(":", 1)[1])

@@ -298,8 +298,11 @@ def test_tests_use_public_names_only():
             for alias in node.names
         ]
         uses += dotted_uses(tree, bindings(tree, here, is_package))
-        private += [f"{path.relative_to(ROOT)}:{line} {dotted}" for line, dotted in uses
-                    if dotted.startswith("wbmerge") and any(map(_private, dotted.split(".")))]  # fmt: skip
+        private += [
+            f"{path.relative_to(ROOT)}:{line} {dotted}"
+            for line, dotted in uses
+            if dotted.startswith("wbmerge") and any(map(_private, dotted.split(".")))
+        ]
     assert private == []
 
 

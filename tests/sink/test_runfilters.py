@@ -7,13 +7,31 @@ import pytest
 from wbmerge.sink import FilterError, matcher
 
 RUNS = [
-    {"id": "a", "group": "g1", "job_type": "train", "tags": ["x", "y"], "state": "finished",
-     "display_name": "A"},
-    {"id": "b", "group": "g1", "job_type": "eval", "tags": [], "state": "failed",
-     "display_name": "B"},
-    {"id": "c", "group": None, "job_type": None, "tags": ["y"], "state": "running",
-     "display_name": "C"},
-]  # fmt: skip
+    {
+        "id": "a",
+        "group": "g1",
+        "job_type": "train",
+        "tags": ["x", "y"],
+        "state": "finished",
+        "display_name": "A",
+    },
+    {
+        "id": "b",
+        "group": "g1",
+        "job_type": "eval",
+        "tags": [],
+        "state": "failed",
+        "display_name": "B",
+    },
+    {
+        "id": "c",
+        "group": None,
+        "job_type": None,
+        "tags": ["y"],
+        "state": "running",
+        "display_name": "C",
+    },
+]
 
 
 def ids(filters):

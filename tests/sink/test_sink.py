@@ -211,8 +211,10 @@ def test_sink_show_cli(sink, tmp_path):
     assert "history rows 5" in result.output
     result = show("local/show/nope", *data)
     assert result.exit_code == 2, result.output
-    assert result.stderr == (f"wbmerge: error: no run local/show/nope on the sink at {sink.url} "
-                             "(`wbmerge sink show` lists its runs)\n")  # fmt: skip
+    assert result.stderr == (
+        f"wbmerge: error: no run local/show/nope on the sink at {sink.url} "
+        "(`wbmerge sink show` lists its runs)\n"
+    )
     result = show(key="f" * 40)  # a key of the right form, not the sink's
     assert result.exit_code == 2 and f"the sink at {sink.url} refused the key" in result.stderr
     assert run_id not in result.output

@@ -86,8 +86,13 @@ def put_file(sink, run, name, data):
 
 def make_run(sink, run="r", marker="kept-value"):
     """A run with a summary, a group, six history rows and a file, through the upload API."""
-    variables = {"entity": "local", "project": "p", "name": run, "groupName": "g",
-                 "summaryMetrics": json.dumps({"loss": marker})}  # fmt: skip
+    variables = {
+        "entity": "local",
+        "project": "p",
+        "name": run,
+        "groupName": "g",
+        "summaryMetrics": json.dumps({"loss": marker}),
+    }
     status, answer = graphql(sink, UPSERT, variables)
     assert status == 200, answer
     rows = [json.dumps({"_step": i, "loss": i}) for i in range(6)]
@@ -131,18 +136,26 @@ def test_a_key_that_is_not_the_sinks_reads_and_writes_nothing(sink, auth):
     elif auth == "Bearer SINK_KEY":
         auth = f"Bearer {sink.api_key}"
     headers = {"Authorization": auth} if auth else {}
-    hostile_row = {"files": {"wandb-history.jsonl": {"offset": 5, "content": ['{"loss": -1}']},
-                             "wandb-summary.json": {"offset": 0, "content": ['{"loss": 0}']}}}  # fmt: skip
+    hostile_row = {
+        "files": {
+            "wandb-history.jsonl": {"offset": 5, "content": ['{"loss": -1}']},
+            "wandb-summary.json": {"offset": 0, "content": ['{"loss": 0}']},
+        }
+    }
     upsert = {"query": UPSERT, "variables": {"entity": "local", "project": "p", "name": "new"}}
     requests = [
-        ("GET", "/", None), ("GET", "/api/runs", None), ("GET", "/api/runs/local/p/r", None),
-        ("GET", "/local/p/runs/r", None), ("GET", "/local/p/groups/g", None),
+        ("GET", "/", None),
+        ("GET", "/api/runs", None),
+        ("GET", "/api/runs/local/p/r", None),
+        ("GET", "/local/p/runs/r", None),
+        ("GET", "/local/p/groups/g", None),
         ("GET", "/storage/local/p/r/notes.txt", None),
         ("POST", "/graphql", json.dumps(upsert).encode()),
         ("POST", "/files/local/p/r/file_stream", json.dumps(hostile_row).encode()),
-        ("POST", "/api/faults", b'{"faults": ["*=500"]}'), ("GET", "/api/faults", None),
+        ("POST", "/api/faults", b'{"faults": ["*=500"]}'),
+        ("GET", "/api/faults", None),
         ("POST", "/sdk/telemetry", b"{}"),
-    ]  # fmt: skip
+    ]
     for method, path, body in requests:
         status, answer_headers, answer = call(sink, method, path, body, headers)
         assert status == 401, (method, path, status, answer)
@@ -161,8 +174,11 @@ def test_wandb_sync_with_a_key_not_the_sinks_fails_and_stores_nothing(sink, tmp_
     wandb_cli = Path(sys.executable).with_name("wandb")
     result = subprocess.run(
         [str(wandb_cli), "sync", "-p", "wrong", str(log.parent)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     # wandb sync exits 0 whatever happened; it says ERROR and does not mark the run synced
     assert "ERROR" in result.stderr, result.stderr
     assert not log.with_name(log.name + ".synced").exists()
@@ -207,12 +223,21 @@ def test_an_older_sinks_data_directory_is_made_private(make_sink, tmp_path):
 
 def hostile_run() -> dict:
     return {
-        "id": "r1", "entity": "local", "project": "p", "display_name": HOSTILE,
-        "group": HOSTILE, "job_type": HOSTILE, "state": "failed", "exit_code": HOSTILE,
-        "summary": {HOSTILE: HOSTILE}, "config": {HOSTILE: [HOSTILE]},
+        "id": "r1",
+        "entity": "local",
+        "project": "p",
+        "display_name": HOSTILE,
+        "group": HOSTILE,
+        "job_type": HOSTILE,
+        "state": "failed",
+        "exit_code": HOSTILE,
+        "summary": {HOSTILE: HOSTILE},
+        "config": {HOSTILE: [HOSTILE]},
         "history": [{"_step": 0, HOSTILE: 1.0}, {"_step": 1, HOSTILE: 2.0}],
-        "system_metrics": [], "console": [HOSTILE], "files": [HOSTILE + ".txt"],
-    }  # fmt: skip
+        "system_metrics": [],
+        "console": [HOSTILE],
+        "files": [HOSTILE + ".txt"],
+    }
 
 
 def test_the_pages_escape_every_value():
@@ -244,8 +269,11 @@ BAD_STREAMS = {
     "chunk a string": {"output.log": "abc"},
     "files a list": ["wandb-history.jsonl"],
 }
-BAD_COMPLETIONS = {"exit code HTML": HOSTILE, "exit code a fraction": 1.5,
-                   "exit code past 32 bits": 1 << 40}  # fmt: skip
+BAD_COMPLETIONS = {
+    "exit code HTML": HOSTILE,
+    "exit code a fraction": 1.5,
+    "exit code past 32 bits": 1 << 40,
+}
 
 
 @pytest.fixture(scope="module")
@@ -333,8 +361,13 @@ def test_run_files_are_downloads_and_no_response_runs_scripts(sink):
             "Content-Disposition"
         ]
     )
-    for path, headers in [("/", auth), ("/local/p/runs/r", auth), ("/api/runs", auth),
-                          ("/api/runs", {}), ("/nowhere", auth)]:  # fmt: skip
+    for path, headers in [
+        ("/", auth),
+        ("/local/p/runs/r", auth),
+        ("/api/runs", auth),
+        ("/api/runs", {}),
+        ("/nowhere", auth),
+    ]:
         status, answer_headers, _ = call(sink, "GET", path, headers=headers)
         policy = answer_headers["Content-Security-Policy"]
         assert NO_SCRIPTS.search(policy) and "script-src" not in policy, (path, policy)
@@ -345,14 +378,26 @@ def test_run_files_are_downloads_and_no_response_runs_scripts(sink):
 def test_requests_from_other_sites_pages_are_refused(sink):
     body = json.dumps({"query": UPSERT, "variables": {"project": "p", "name": "csrf"}}).encode()
     # (another port of 127.0.0.1 is another origin: another user's server, say)
-    for headers in [{"Origin": "http://127.0.0.1:9999"}, {"Sec-Fetch-Site": "same-site"},
-                    {"Sec-Fetch-Site": "cross-site"}, {"Origin": "null"}]:  # fmt: skip
+    for headers in [
+        {"Origin": "http://127.0.0.1:9999"},
+        {"Sec-Fetch-Site": "same-site"},
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Origin": "null"},
+    ]:
         status, _, answer = call(
             sink, "POST", "/graphql", body, {**headers, "Authorization": sink.auth}
         )
         assert status == 403, (headers, answer)
-    assert call(sink, "GET", "/api/runs", None, {"Sec-Fetch-Site": "cross-site",
-                                                 "Authorization": sink.auth})[0] == 403  # fmt: skip
+    assert (
+        call(
+            sink,
+            "GET",
+            "/api/runs",
+            None,
+            {"Sec-Fetch-Site": "cross-site", "Authorization": sink.auth},
+        )[0]
+        == 403
+    )
     assert sink.client.runs() == []
     same = {"Origin": sink.url, "Sec-Fetch-Site": "same-origin", "Authorization": sink.auth}
     assert call(sink, "POST", "/graphql", body, same)[0] == 200
@@ -362,8 +407,10 @@ def test_requests_from_other_sites_pages_are_refused(sink):
 def serve(data: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "wbmerge.sink", "--port", "0", "--data", str(data)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_serve_refuses_a_planted_key_symlink_in_one_line(tmp_path):

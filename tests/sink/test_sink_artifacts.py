@@ -109,8 +109,11 @@ def test_a_logged_artifact_arrives_committed_with_every_file(sink, tmp_path):
 
     got = sink.client.artifact("local", PROJECT, "ckpt:best")
     assert (got["name"], got["type"], got["version"], got["state"]) == (
-        "ckpt", "model", "v0", "COMMITTED"
-    )  # fmt: skip
+        "ckpt",
+        "model",
+        "v0",
+        "COMMITTED",
+    )
     assert got["digest"] == manifest_digest(source)
     assert got["aliases"] == ["best", "latest"]
     assert got["metadata"] == {"epoch": 3, "note": "<b>x</b>"}
@@ -129,8 +132,9 @@ def test_a_logged_artifact_arrives_committed_with_every_file(sink, tmp_path):
 
     logged = sink.client.run("local", PROJECT, "one")["artifacts"]["logged"]
     assert sorted((a["name"], a["version"], a["type"]) for a in logged) == [
-        ("ckpt", "v0", "model"), ("run-one-samples", "v0", "run_table")
-    ]  # fmt: skip
+        ("ckpt", "v0", "model"),
+        ("run-one-samples", "v0", "run_table"),
+    ]
 
 
 def test_the_public_apis_run_artifact_queries_read_what_arrived(sink, tmp_path):
@@ -211,12 +215,20 @@ def start_artifact(sink, files: dict[str, bytes], name="hand", kind="model"):
     status, answer = graphql(
         sink,
         CREATE_ARTIFACT,
-        {"input": {"artifactCollectionName": name, "artifactTypeName": kind,
-                   "digest": manifest_digest(files), "projectName": PROJECT,
-                   "runName": "hand", "entityName": "", "clientID": f"c-{name}",
-                   "aliases": [{"alias": "latest", "artifactCollectionName": name}],
-                   "enableDigestDeduplication": True}},
-    )  # fmt: skip
+        {
+            "input": {
+                "artifactCollectionName": name,
+                "artifactTypeName": kind,
+                "digest": manifest_digest(files),
+                "projectName": PROJECT,
+                "runName": "hand",
+                "entityName": "",
+                "clientID": f"c-{name}",
+                "aliases": [{"alias": "latest", "artifactCollectionName": name}],
+                "enableDigestDeduplication": True,
+            }
+        },
+    )
     assert status == 200, answer
     artifact = answer["data"]["createArtifact"]["artifact"]
     assert artifact["state"] == "PENDING"
@@ -240,16 +252,23 @@ def put(url: str, data: bytes) -> int:
 
 
 def upload_manifest(sink, artifact_id: str, files: dict[str, bytes]) -> int:
-    manifest = json.dumps({
-        "version": 1, "storagePolicy": "wandb-storage-policy-v1",
-        "contents": {p: {"digest": md5_b64(d), "size": len(d)} for p, d in files.items()},
-    }).encode()  # fmt: skip
+    manifest = json.dumps(
+        {
+            "version": 1,
+            "storagePolicy": "wandb-storage-policy-v1",
+            "contents": {p: {"digest": md5_b64(d), "size": len(d)} for p, d in files.items()},
+        }
+    ).encode()
     status, answer = graphql(
         sink,
         CREATE_MANIFEST,
-        {"artifactID": artifact_id, "digest": md5_b64(manifest), "includeUpload": True,
-         "manifestType": "FULL"},
-    )  # fmt: skip
+        {
+            "artifactID": artifact_id,
+            "digest": md5_b64(manifest),
+            "includeUpload": True,
+            "manifestType": "FULL",
+        },
+    )
     assert status == 200, answer
     url = answer["data"]["createArtifactManifest"]["artifactManifest"]["file"]["uploadUrl"]
     return put(url, manifest)
@@ -293,8 +312,14 @@ def test_use_artifact_records_which_run_used_which_version(sink):
     assert put(urls["rows.csv"], files["rows.csv"]) == 200
     assert upload_manifest(sink, artifact_id, files) == 200
     assert graphql(sink, COMMIT, {"artifactID": artifact_id})[0] == 200
-    use = {"input": {"entityName": "", "projectName": PROJECT, "runName": "reader",
-                     "artifactID": artifact_id}}  # fmt: skip
+    use = {
+        "input": {
+            "entityName": "",
+            "projectName": PROJECT,
+            "runName": "reader",
+            "artifactID": artifact_id,
+        }
+    }
     status, answer = graphql(sink, USE, use)
     assert status == 200 and answer["data"]["useArtifact"]["artifact"]["id"] == artifact_id
     used = sink.client.run("local", PROJECT, "reader")["artifacts"]["used"]
@@ -340,9 +365,15 @@ def test_hostile_artifact_requests_get_400_for_themselves_alone(sink, fields):
 def test_a_client_id_never_reaches_another_artifact(sink):
     files = {"a.txt": b"a"}
     artifact_id, urls = start_artifact(sink, files)  # clientID "c-hand"
-    spec = {"artifactCollectionName": "other", "artifactTypeName": "model", "clientID": "c-hand",
-            "digest": manifest_digest(files), "projectName": PROJECT, "runName": "r",
-            "aliases": [{"alias": "taken", "artifactCollectionName": "other"}]}  # fmt: skip
+    spec = {
+        "artifactCollectionName": "other",
+        "artifactTypeName": "model",
+        "clientID": "c-hand",
+        "digest": manifest_digest(files),
+        "projectName": PROJECT,
+        "runName": "r",
+        "aliases": [{"alias": "taken", "artifactCollectionName": "other"}],
+    }
     status, answer = graphql(sink, CREATE_ARTIFACT, {"input": spec})
     assert status == 409 and "errors" in answer
     assert put(urls["a.txt"], b"a") == 200
@@ -354,8 +385,13 @@ def test_a_client_id_never_reaches_another_artifact(sink):
 
 def test_a_name_keeps_its_type(sink):
     start_artifact(sink, {"a.txt": b"a"})  # "hand", a model
-    spec = {"artifactCollectionName": "hand", "artifactTypeName": "dataset", "runName": "r",
-            "digest": manifest_digest({"b.txt": b"b"}), "projectName": PROJECT}  # fmt: skip
+    spec = {
+        "artifactCollectionName": "hand",
+        "artifactTypeName": "dataset",
+        "runName": "r",
+        "digest": manifest_digest({"b.txt": b"b"}),
+        "projectName": PROJECT,
+    }
     status, answer = graphql(sink, CREATE_ARTIFACT, {"input": spec})
     assert status == 409 and "'model'" in answer["errors"][0]["message"]
     logged = sink.client.run("local", PROJECT, "hand")["artifacts"]["logged"]
@@ -423,8 +459,12 @@ def test_the_run_page_lists_artifacts_and_escapes_their_names(sink, tmp_path):
 
 def test_distributed_artifacts_manifests_are_refused_not_half_taken(sink):
     artifact_id, _ = start_artifact(sink, {"a.txt": b"a"})
-    patch = {"artifactID": artifact_id, "includeUpload": True, "manifestType": "PATCH",
-             "digest": md5_b64(b"{}")}  # fmt: skip
+    patch = {
+        "artifactID": artifact_id,
+        "includeUpload": True,
+        "manifestType": "PATCH",
+        "digest": md5_b64(b"{}"),
+    }
     status, answer = graphql(sink, CREATE_MANIFEST, patch)
     assert status == 400 and "FULL" in answer["errors"][0]["message"]
     update = "mutation UpdateArtifactManifest ($artifactManifestID: ID!) { x }"

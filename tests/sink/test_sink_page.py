@@ -36,9 +36,17 @@ def signed_in_url(sink, path):
 
 def chromium(tmp_path, *args):
     assert CHROMIUM, "CI must have chromium: .ci/run installs it"
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tmp_path / 'profile'}"]  # fmt: skip
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ]
     return subprocess.run([CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=120)
 
 
@@ -109,9 +117,14 @@ def test_chromium_finds_no_script_in_a_page_of_hostile_values(sink, tmp_path):
         "mutation UpsertBucket($name: String, $project: String, $displayName: String, "
         "$groupName: String, $summaryMetrics: JSONString, $config: JSONString) { x }"
     )
-    variables = {"project": "h", "name": "r", "displayName": hostile, "groupName": hostile,
-                 "summaryMetrics": json.dumps({hostile: hostile}),
-                 "config": json.dumps({"lr": {"value": hostile}})}  # fmt: skip
+    variables = {
+        "project": "h",
+        "name": "r",
+        "displayName": hostile,
+        "groupName": hostile,
+        "summaryMetrics": json.dumps({hostile: hostile}),
+        "config": json.dumps({"lr": {"value": hostile}}),
+    }
     request = urllib.request.Request(
         sink.url + "/graphql",
         data=json.dumps({"query": query, "variables": variables}).encode(),

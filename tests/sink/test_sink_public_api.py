@@ -100,8 +100,11 @@ def test_a_shared_run_reads_back_as_every_rank_logged_it(sink, tmp_path, api):
     assert len(keyed) == 6 and keyed[0]["_step"] == 0 and keyed[-1]["_step"] == 29
     for row in keyed:
         step = row["_step"]
-        assert row == {"_step": step, "train/loss/rank-2": ranks[2][1].history[step]["train/loss"],
-                       "train/loss/rank-3": ranks[3][1].history[step]["train/loss"]}  # fmt: skip
+        assert row == {
+            "_step": step,
+            "train/loss/rank-2": ranks[2][1].history[step]["train/loss"],
+            "train/loss/rank-3": ranks[3][1].history[step]["train/loss"],
+        }
 
     # System metrics: every sample of every rank, labelled.
     events = system_metric_values(run.history(stream="events", pandas=False))
@@ -133,8 +136,13 @@ def write_tagged_runs(sink, tmp_path):
     root = tmp_path / "tagged"
     root.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(PYTHONPATH=str(ROOT), WANDB_SILENT="true", WANDB_CACHE_DIR=str(root / "cache"),
-               WANDB_CONFIG_DIR=str(root / "config"), WANDB_DATA_DIR=str(root / "data"))  # fmt: skip
+    env.update(
+        PYTHONPATH=str(ROOT),
+        WANDB_SILENT="true",
+        WANDB_CACHE_DIR=str(root / "cache"),
+        WANDB_CONFIG_DIR=str(root / "config"),
+        WANDB_DATA_DIR=str(root / "data"),
+    )
     cmd = [sys.executable, "-m", "tests.support.tagged_runs", str(root)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -143,8 +151,17 @@ def write_tagged_runs(sink, tmp_path):
 
 
 def test_runs_are_found_by_group_job_type_tags_and_state(sink, tmp_path, api):
-    result = cli_sync(sink, tmp_path, job_dir("recipe_job_type"), "--run-mode", "new",
-                      "-p", "filters", "-e", "local")  # fmt: skip
+    result = cli_sync(
+        sink,
+        tmp_path,
+        job_dir("recipe_job_type"),
+        "--run-mode",
+        "new",
+        "-p",
+        "filters",
+        "-e",
+        "local",
+    )
     assert result.exit_code == 0, result.stderr
     write_tagged_runs(sink, tmp_path)
     # One run per rank; the ranks' own job types (main for one, worker for the others).
@@ -153,8 +170,11 @@ def test_runs_are_found_by_group_job_type_tags_and_state(sink, tmp_path, api):
         for log in job_dir("recipe_job_type").glob("wandb/*/run-*.wandb")
     )
     assert kinds == {"main": 1, "worker": 3}
-    job = {run["id"]: run["job_type"] for run in sink.client.runs(project="filters")
-           if run["id"] not in TAGGED}  # fmt: skip
+    job = {
+        run["id"]: run["job_type"]
+        for run in sink.client.runs(project="filters")
+        if run["id"] not in TAGGED
+    }
     assert Counter(job.values()) == kinds
     (group,) = {run["group"] for run in sink.client.runs(project="filters")} - {"g1", "g2"}
 
@@ -180,8 +200,12 @@ def test_runs_are_found_by_group_job_type_tags_and_state(sink, tmp_path, api):
     paged = [run.id for run in api.runs("local/filters", per_page=2, order="-created_at")]
     assert sorted(paged) == sorted([*job, *TAGGED]) and len(paged) == 7
     run = api.run("local/filters/t-a")
-    assert (run.tags, run.group, run.job_type, run.state) == (["base", "ddp"], "g1", "train",
-                                                              "finished")  # fmt: skip
+    assert (run.tags, run.group, run.job_type, run.state) == (
+        ["base", "ddp"],
+        "g1",
+        "train",
+        "finished",
+    )
     losses = [row["loss"] for row in run.scan_history(keys=["loss"])]
     assert losses == [1 / (step + 1) for step in range(5)]
 

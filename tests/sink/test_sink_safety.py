@@ -354,15 +354,28 @@ def test_faults_need_the_key_when_allowed(fault_site):
     assert fault_site.sink.client.faults()["faults"][0]["fired"] == 1
 
 
-FOREIGN_HOSTS = ["evil.example", "evil.example:8765", "127.0.0.1.evil.example", "localhost.evil",
-                 "10.0.0.1:80", "127.0.0.2", "[::2]:80", "localhost:80x", ""]  # fmt: skip
+FOREIGN_HOSTS = [
+    "evil.example",
+    "evil.example:8765",
+    "127.0.0.1.evil.example",
+    "localhost.evil",
+    "10.0.0.1:80",
+    "127.0.0.2",
+    "[::2]:80",
+    "localhost:80x",
+    "",
+]
 LOOPBACK_HOSTS = ["127.0.0.1", "127.0.0.1:8765", "localhost", "LOCALHOST:1", "[::1]", "[::1]:9"]
 
 
 @pytest.mark.parametrize("host", FOREIGN_HOSTS)
 def test_a_foreign_host_header_is_refused_everywhere(site, host):
-    for method, path in [("GET", "/"), ("GET", "/api/runs"), ("POST", "/graphql"),
-                         ("GET", "/storage/local/p/r/a.txt")]:  # fmt: skip
+    for method, path in [
+        ("GET", "/"),
+        ("GET", "/api/runs"),
+        ("POST", "/graphql"),
+        ("GET", "/storage/local/p/r/a.txt"),
+    ]:
         status, _ = site.request(method, path, b"{}", {"Host": host, "Authorization": site.auth})
         assert status == 403, (host, path)
     assert not is_loopback_host(host)
@@ -388,8 +401,25 @@ def test_unsafe_file_names_are_refused(name):
         check_file_name(name)
 
 
-@pytest.mark.parametrize("run_id", ["", " r", "r\t", ".", "..", "a/b", "a\\b", "a:b", "a;b",
-                                    "a,b", "a#b", "a?b", "a'b", "x" * 256])  # fmt: skip
+@pytest.mark.parametrize(
+    "run_id",
+    [
+        "",
+        " r",
+        "r\t",
+        ".",
+        "..",
+        "a/b",
+        "a\\b",
+        "a:b",
+        "a;b",
+        "a,b",
+        "a#b",
+        "a?b",
+        "a'b",
+        "x" * 256,
+    ],
+)
 def test_run_ids_wandb_refuses_are_refused(run_id):
     with pytest.raises(BadName):
         check_run_id(run_id)

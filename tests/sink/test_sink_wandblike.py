@@ -252,9 +252,10 @@ def test_a_throttled_sink_answers_an_unknown_file_stream_path_404(make_sink):
     sink = make_sink(like=LikeWandb(limits=Limits()))
     token = base64.b64encode(f"api:{sink.api_key}".encode()).decode()
     request = urllib.request.Request(
-        f"{sink.url}/files/local/p/file_stream", data=b"{}",
+        f"{sink.url}/files/local/p/file_stream",
+        data=b"{}",
         headers={"Authorization": f"Basic {token}"},
-    )  # fmt: skip
+    )
     with pytest.raises(urllib.error.HTTPError) as answer:
         urllib.request.urlopen(request)
     assert answer.value.code == 404
@@ -295,7 +296,7 @@ def test_sink_serve_says_what_it_models(tmp_path):
             "--lag",
             "1.5",
             "--no-sampling",
-        ],  # fmt: skip
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -24,8 +24,11 @@ STEPS = 3
 
 def image(rank: int, step: int) -> wandb.Image:
     pixels = np.full((8, 8, 3), 10 * rank + step, dtype=np.uint8)
-    box = {"position": {"minX": 0.1, "maxX": 0.5, "minY": 0.2, "maxY": 0.6},
-           "class_id": rank % 2, "box_caption": f"rank {rank}"}  # fmt: skip
+    box = {
+        "position": {"minX": 0.1, "maxX": 0.5, "minY": 0.2, "maxY": 0.6},
+        "class_id": rank % 2,
+        "box_caption": f"rank {rank}",
+    }
     mask = np.zeros((8, 8), dtype=np.uint8)
     mask[: 1 + rank, :] = 1 + rank % 2
     return wandb.Image(
@@ -39,10 +42,19 @@ def main(root: Path, rank: int, world: int, lr: float, job: str) -> None:
     # (a Table's artifact is staged in wandb's data directory: kept in the job's own)
     os.environ["WANDB_DATA_DIR"] = str(root / f"wandb-data-{rank}")
     run = wandb.init(
-        mode="offline", dir=root, project="charts", group=job, name=f"rank-{rank}",
-        config={"rank": rank, "world_size": world, "lr": lr, "seed": 1000 + rank,
-                "data_shard": f"shard-{rank:02d}"},
-    )  # fmt: skip
+        mode="offline",
+        dir=root,
+        project="charts",
+        group=job,
+        name=f"rank-{rank}",
+        config={
+            "rank": rank,
+            "world_size": world,
+            "lr": lr,
+            "seed": 1000 + rank,
+            "data_shard": f"shard-{rank:02d}",
+        },
+    )
     for step in range(STEPS):
         xs = list(range(step + 3))
         curve = wandb.Table(data=[[x, rank + x * 0.5] for x in xs], columns=["x", "y"])

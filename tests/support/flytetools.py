@@ -35,8 +35,12 @@ def flyte_env(sink, tmp_path: Path, nodes: int, nproc: int, extra: dict | None =
 def run_script(script: Path, env: dict, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(script), *args],
-        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
 
 
 def run_example(
@@ -49,8 +53,13 @@ def run_example(
         EXAMPLE,
         flyte_env(sink, tmp_path, nodes, nproc, env),
         tmp_path,
-        "--steps", "6", "--json", "--raw-data-path", raw, *args,
-    )  # fmt: skip
+        "--steps",
+        "6",
+        "--json",
+        "--raw-data-path",
+        raw,
+        *args,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     (base,) = {folder.parent.name for folder in (tmp_path / "runs").glob("**/worker-*")}
@@ -100,8 +109,9 @@ def start_object_store(log: Path) -> ObjectStore:
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=out, stderr=out,
-        )  # fmt: skip
+            stdout=out,
+            stderr=out,
+        )
     deadline = time.monotonic() + 60
     while True:
         try:

@@ -60,8 +60,11 @@ def write_rank(
         run.run.run_id = run_id
         run.run.project = "synthetic"
         run.run.start_time.FromNanoseconds(int(start * 1e9))
-        for key, value in (("lr", 0.001), (METADATA_KEY, info.to_metadata()),
-                           *(config or {}).items()):  # fmt: skip
+        for key, value in (
+            ("lr", 0.001),
+            (METADATA_KEY, info.to_metadata()),
+            *(config or {}).items(),
+        ):
             item = run.run.config.update.add()
             item.key, item.value_json = key, json.dumps(value)
         emit(run)

@@ -103,9 +103,19 @@ def test_srun_job_of_two_nodes_merges_with_its_ranks_workers_and_one_job_id(tmp_
         assert [row["who"] for row in history] == [rank.rank * 100 + s for s in range(5)]
     result = CliRunner().invoke(
         main,
-        ["merge", str(tmp_path), "--run-mode", "new", "--rank-scope", "worker", "--out",
-         str(tmp_path / "out"), "--dry-run", "--json"],
-    )  # fmt: skip
+        [
+            "merge",
+            str(tmp_path),
+            "--run-mode",
+            "new",
+            "--rank-scope",
+            "worker",
+            "--out",
+            str(tmp_path / "out"),
+            "--dry-run",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     targets = {t["id"]: t["group"] for t in json.loads(result.output)}
     assert targets == {

@@ -29,9 +29,14 @@ def run_rank(tmp_path, code, **env):
 
 
 TOPOLOGY = dict(
-    RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="1",
-    TORCHELASTIC_RUN_ID="job-42", TORCHELASTIC_RESTART_COUNT="1",
-)  # fmt: skip
+    RANK="3",
+    WORLD_SIZE="4",
+    LOCAL_RANK="1",
+    LOCAL_WORLD_SIZE="2",
+    GROUP_RANK="1",
+    TORCHELASTIC_RUN_ID="job-42",
+    TORCHELASTIC_RESTART_COUNT="1",
+)
 
 
 def test_init_writes_offline_run_that_describes_its_rank(tmp_path):

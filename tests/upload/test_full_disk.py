@@ -41,15 +41,26 @@ def full_disk(tmp_path):
 
     def run(*args, env=None, free=24, inodes=None, prepare=""):
         options = "size=1m" + (f",nr_inodes={inodes}" if inodes else "")
-        script = (f"mount -t tmpfs -o {options} tmpfs {disk} && {prepare or 'true'} && "
-                  f"dd if=/dev/zero of={disk}/fill bs=1k count={1024 - free} 2>/dev/null; "
-                  'exec "$@"')  # fmt: skip
-        command = ["unshare", "--mount", "sh", "-c", script, "sh",
-                   sys.executable, "-m", "wbmerge.cli", *map(str, args)]  # fmt: skip
+        script = (
+            f"mount -t tmpfs -o {options} tmpfs {disk} && {prepare or 'true'} && "
+            f"dd if=/dev/zero of={disk}/fill bs=1k count={1024 - free} 2>/dev/null; "
+            'exec "$@"'
+        )
+        command = [
+            "unshare",
+            "--mount",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            sys.executable,
+            "-m",
+            "wbmerge.cli",
+            *map(str, args),
+        ]
         environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         environment.pop("WBMERGE_DEBUG", None)
-        return subprocess.run(command, capture_output=True, text=True, timeout=120,
-                              env=environment)  # fmt: skip
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment)
 
     run.disk = disk
     return run
@@ -84,8 +95,9 @@ def test_staging_on_a_full_disk_is_one_line_naming_it(full_disk, sink, tmp_path)
 def test_staging_with_no_file_left_is_one_line_naming_it(full_disk, sink, tmp_path, inodes, line):
     # (files: the tmpfs itself, the filler, this user's directory, then the staging's)
     env = {**sink.env, "TMPDIR": str(full_disk.disk), "WBMERGE_STATE_DIR": str(tmp_path / "s")}
-    result = full_disk("sync", job_dir("one_node_4"), "-p", "full", "-e", "local", env=env,
-                       free=512, inodes=inodes)  # fmt: skip
+    result = full_disk(
+        "sync", job_dir("one_node_4"), "-p", "full", "-e", "local", env=env, free=512, inodes=inodes
+    )
     root = full_disk.disk / f"wbmerge-{os.geteuid()}"
     assert one_line(result).startswith("wbmerge: error: " + line.format(root=root))
     assert "(No space left on device); set TMPDIR to a directory with room" in result.stderr
@@ -105,13 +117,25 @@ def test_a_state_directory_on_a_full_disk_is_one_line_naming_it(full_disk, sink)
 def test_run_locks_on_a_disk_with_no_file_left_are_one_line_naming_them(full_disk, sink):
     # (room for the ledger, which exists already, and for no other file)
     state = full_disk.disk / "state"
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; "
-            "from wbmerge.upload import Ledger; "
-            f"Ledger(Path({str(state / 'ledger.sqlite3')!r})).close()")  # fmt: skip
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; "
+        "from wbmerge.upload import Ledger; "
+        f"Ledger(Path({str(state / 'ledger.sqlite3')!r})).close()"
+    )
     make_ledger = f"{sys.executable} -c {shlex.quote(code)}"
     env = {**sink.env, "WBMERGE_STATE_DIR": str(state)}
-    result = full_disk("sync", job_dir("one_node_4"), "-p", "full", "-e", "local", env=env,
-                       free=512, inodes=4, prepare=f"mkdir {state} && {make_ledger}")  # fmt: skip
+    result = full_disk(
+        "sync",
+        job_dir("one_node_4"),
+        "-p",
+        "full",
+        "-e",
+        "local",
+        env=env,
+        free=512,
+        inodes=4,
+        prepare=f"mkdir {state} && {make_ledger}",
+    )
     assert one_line(result) == (
         f"wbmerge: error: cannot keep the locks of runs being synced in {state / 'locks'} (No "
         "space left on device); set WBMERGE_STATE_DIR to a directory wbmerge may write"
@@ -122,8 +146,9 @@ def test_run_locks_on_a_disk_with_no_file_left_are_one_line_naming_them(full_dis
 @pytest.mark.parametrize("run_mode", ["auto", "shared"])
 def test_merge_out_on_a_full_disk_is_one_line_naming_it(full_disk, run_mode):
     out = full_disk.disk / "merged"
-    result = full_disk("merge", job_dir("one_node_4"), "--out", out, "--run-mode", run_mode,
-                       prepare=f"mkdir {out}")  # fmt: skip
+    result = full_disk(
+        "merge", job_dir("one_node_4"), "--out", out, "--run-mode", run_mode, prepare=f"mkdir {out}"
+    )
     assert one_line(result) == (
         f"wbmerge: error: cannot write the merged run in {out} (No space left on device)"
     )
@@ -136,9 +161,11 @@ def test_a_state_disk_full_after_the_upload_says_the_run_is_on_the_server(
     the run is on the server whole, so the sync says so and exits 1, not "bad input, nothing
     uploaded"; a rerun with room finds it whole and records it without sending it again."""
     state = full_disk.disk / "state"
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; "
-            "from wbmerge.upload import Ledger; "
-            f"Ledger(Path({str(state / 'ledger.sqlite3')!r})).close()")  # fmt: skip
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; "
+        "from wbmerge.upload import Ledger; "
+        f"Ledger(Path({str(state / 'ledger.sqlite3')!r})).close()"
+    )
     prepare = f"mkdir {state} {state / 'locks'} && {sys.executable} -c {shlex.quote(code)}"
     env = {**sink.env, "WBMERGE_STATE_DIR": str(state)}
     args = ("sync", job_dir("one_node_4"), "-p", "full", "-e", "local")
@@ -161,10 +188,17 @@ def test_a_state_disk_full_after_the_upload_says_the_run_is_on_the_server(
     assert [row["_step"] for row in history] == rank0 == list(range(30))
 
     rerun = subprocess.run(
-        [sys.executable, "-m", "wbmerge.cli", *map(str, args)], capture_output=True, text=True,
-        timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **sink.env,
-                          "WBMERGE_STATE_DIR": str(tmp_path / "room")},
-    )  # fmt: skip
+        [sys.executable, "-m", "wbmerge.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            **sink.env,
+            "WBMERGE_STATE_DIR": str(tmp_path / "room"),
+        },
+    )
     assert rerun.returncode == 0, rerun.stderr
     assert "verified fx-one-node-4: 30 rows, all on the server already" in rerun.stderr
     assert sink.client.run("local", "full", "fx-one-node-4")["history"] == history

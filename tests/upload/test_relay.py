@@ -26,10 +26,12 @@ def body(**files: tuple[int, list[str]]) -> bytes:
     """A file_stream body: for each file (by keyword: history, events, console) its offset
     and lines, as wandb-core posts them."""
     names = {"history": HISTORY, "events": EVENTS, "console": CONSOLE}
-    return json.dumps({
-        "files": {names[k]: {"offset": o, "content": lines} for k, (o, lines) in files.items()},
-        "dropped": 0,
-    }).encode()  # fmt: skip
+    return json.dumps(
+        {
+            "files": {names[k]: {"offset": o, "content": lines} for k, (o, lines) in files.items()},
+            "dropped": 0,
+        }
+    ).encode()
 
 
 def offsets_of(placed: bytes | None) -> dict[str, int]:
@@ -42,8 +44,9 @@ def test_lines_land_where_planned_whatever_offset_wandb_core_begins_at():
     offsets.plan("run", 1000)  # the server held 1,000 rows when the remainder was planned
     # another writer added 500 more since: wandb-core begins at 1,500, and its console and
     # system metrics where the server's counts were
-    first, _ = offsets.placed("run", body(history=(1500, ["a"] * 200), events=(40, ["e"]),
-                                          console=(12, ["c"])))  # fmt: skip
+    first, _ = offsets.placed(
+        "run", body(history=(1500, ["a"] * 200), events=(40, ["e"]), console=(12, ["c"]))
+    )
     assert offsets_of(first) == {HISTORY: 1000, EVENTS: 0, CONSOLE: 0}
     later, _ = offsets.placed("run", body(history=(1700, ["b"]), console=(13, ["d"])))
     assert offsets_of(later) == {HISTORY: 1200, CONSOLE: 1}
@@ -94,8 +97,9 @@ VIEWER = json.dumps({"query": "query Viewer { viewer { id entity username } }"})
 
 def ask(url: str, key: str, data: bytes = VIEWER) -> tuple[int, bytes]:
     token = base64.b64encode(f"api:{key}".encode()).decode()
-    request = urllib.request.Request(url, data, {"Authorization": f"Basic {token}",
-                                                 "Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        url, data, {"Authorization": f"Basic {token}", "Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as answer:
             return answer.status, answer.read()
@@ -151,9 +155,10 @@ def test_a_base_url_that_is_not_http_is_refused():
 def post(url: str, key: str, data: bytes, headers: dict[str, str]) -> int:
     token = base64.b64encode(f"api:{key}".encode()).decode()
     request = urllib.request.Request(
-        url, data, {"Authorization": f"Basic {token}", "Content-Type": "application/json",
-                    **headers},
-    )  # fmt: skip
+        url,
+        data,
+        {"Authorization": f"Basic {token}", "Content-Type": "application/json", **headers},
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as answer:
             return answer.status

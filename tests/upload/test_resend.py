@@ -24,8 +24,15 @@ JOB = "edited"  # the job's id, and so its run's id
 def write(root, seed, steps=400, print_every=50, config=None):
     """One rank of job `JOB`, its values drawn with `seed`, a console line every
     `print_every` steps and `config` besides its own keys; returns its `.wandb` path."""
-    return synthetic.write_rank(root, RankInfo(0, 0, 1, 1, 0, job_id=JOB), steps, 5,
-                                print_every=print_every, seed=seed, config=config)  # fmt: skip
+    return synthetic.write_rank(
+        root,
+        RankInfo(0, 0, 1, 1, 0, job_id=JOB),
+        steps,
+        5,
+        print_every=print_every,
+        seed=seed,
+        config=config,
+    )
 
 
 def sync(sink, tmp_path, source, *more):
@@ -149,15 +156,21 @@ def test_resend_refuses_sources_whose_run_would_keep_the_first_uploads_lines_or_
     9-40 and the key would stay on the server, so the run is refused, left as it was, and
     told what mends it."""
     config_before, config_after = CONFIGS[left]
-    write(tmp_path / "before", seed=0, print_every=10 if left == "console" else 50,
-          config=config_before)  # fmt: skip
+    write(
+        tmp_path / "before",
+        seed=0,
+        print_every=10 if left == "console" else 50,
+        config=config_before,
+    )
     write(tmp_path / "after", seed=1, config=config_after)
     assert sync(sink, tmp_path, tmp_path / "before").exit_code == 0
     before = sink.client.run("local", "resent", JOB)
     resent = sync(sink, tmp_path, tmp_path / "after", "--resend")
     (line, _) = error_lines(resent) or [resent.stderr, None]
-    assert line.startswith(f"wbmerge: error: run {JOB}: {LEFT_BEHIND[left]}, and sending the "
-                           "run again cannot remove them"), line  # fmt: skip
+    assert line.startswith(
+        f"wbmerge: error: run {JOB}: {LEFT_BEHIND[left]}, and sending the "
+        "run again cannot remove them"
+    ), line
     assert_mends_without_resend(resent)
     assert sink.client.run("local", "resent", JOB) == before
 
@@ -177,8 +190,10 @@ def test_a_run_left_with_a_config_key_the_files_lack_is_refused_naming_what_mend
     (tmp_path / "state" / "ledger.sqlite3").unlink()  # as from another machine
     again = sync(sink, tmp_path, tmp_path / "after")
     (line, _) = error_lines(again)
-    assert line.startswith(f"wbmerge: error: run {JOB}: the server's config holds opt.old_only, "
-                           "which the staged run does not"), line  # fmt: skip
+    assert line.startswith(
+        f"wbmerge: error: run {JOB}: the server's config holds opt.old_only, "
+        "which the staged run does not"
+    ), line
     assert "verified" not in again.stderr + again.stdout
     assert_mends_without_resend(again)
     assert sink.client.run("local", "resent", JOB) == before

@@ -43,8 +43,12 @@ class GraphQLDouble(BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
-        bucket = {"historyLineCount": 7, "eventsLineCount": 2, "logLineCount": 3,
-                  "historyTail": json.dumps([json.dumps({"_step": self.last_step})])}  # fmt: skip
+        bucket = {
+            "historyLineCount": 7,
+            "eventsLineCount": 2,
+            "logLineCount": 3,
+            "historyTail": json.dumps([json.dumps({"_step": self.last_step})]),
+        }
         data = self.answer or json.dumps({"data": {"model": {"bucket": bucket}}}).encode()
         self.send_response(self.status)
         self.send_header("Content-Type", "application/json")
@@ -171,9 +175,10 @@ def test_an_unreachable_server_is_one_error():
 
 
 @pytest.mark.parametrize(
-    "server", [{"last_step": v} for v in (float("nan"), float("inf"), -float("inf"))],
+    "server",
+    [{"last_step": v} for v in (float("nan"), float("inf"), -float("inf"))],
     indirect=True,
-)  # fmt: skip
+)
 def test_a_last_row_whose_step_is_not_finite_has_no_step(server):
     # json writes and reads these as NaN, Infinity and -Infinity. wandb-core never sends
     # such a `_step` (it sends a row without an integer one after the row before:
@@ -232,9 +237,11 @@ HOSTILE_ANSWERS = {
 
 
 @pytest.mark.parametrize(
-    "server", [{"answer": a} for a in HOSTILE_ANSWERS.values()], indirect=True,
+    "server",
+    [{"answer": a} for a in HOSTILE_ANSWERS.values()],
+    indirect=True,
     ids=HOSTILE_ANSWERS.keys(),
-)  # fmt: skip
+)
 def test_an_answer_that_is_not_what_wandb_expects_is_one_error(server):
     # the server's answer is untrusted input: a line naming the server, never a traceback
     with pytest.raises(ServerError, match=r"^http://127\.0\.0\.1:\d+/graphql answered "):
@@ -250,10 +257,14 @@ UNREADABLE_TAILS = {
 
 
 @pytest.mark.parametrize(
-    "server", [{"answer": bucket_answer(historyLineCount=7, historyTail=t)}
-               for t in UNREADABLE_TAILS.values()],
-    indirect=True, ids=UNREADABLE_TAILS.keys(),
-)  # fmt: skip
+    "server",
+    [
+        {"answer": bucket_answer(historyLineCount=7, historyTail=t)}
+        for t in UNREADABLE_TAILS.values()
+    ],
+    indirect=True,
+    ids=UNREADABLE_TAILS.keys(),
+)
 def test_a_history_tail_that_cannot_be_read_is_no_last_row(server):
     held = client_of(server).held("me", "p", "run")
     assert held.exists and held.history_lines == 7
@@ -325,11 +336,22 @@ class RunFilesDouble(BaseHTTPRequestHandler):
         start = int(variables["fileCursor"] or -1) + 1
         limit = len(self.files) if self.broken == "one-page" else variables["fileLimit"]
         page = self.files[start : start + limit]
-        edges = [{"node": {"name": n, "sizeBytes": s, "md5": f"md5 of {n}",
-                           "url": f"https://files.example/{n}"},
-                  "cursor": str(start + i)} for i, (n, s) in enumerate(page)]  # fmt: skip
-        info = {"endCursor": edges[-1]["cursor"] if edges else None,
-                "hasNextPage": start + len(page) < len(self.files)}  # fmt: skip
+        edges = [
+            {
+                "node": {
+                    "name": n,
+                    "sizeBytes": s,
+                    "md5": f"md5 of {n}",
+                    "url": f"https://files.example/{n}",
+                },
+                "cursor": str(start + i),
+            }
+            for i, (n, s) in enumerate(page)
+        ]
+        info = {
+            "endCursor": edges[-1]["cursor"] if edges else None,
+            "hasNextPage": start + len(page) < len(self.files),
+        }
         if self.broken == "endless":
             info = {"endCursor": "0", "hasNextPage": True}
         if self.broken == "more-without-cursor":
@@ -337,8 +359,13 @@ class RunFilesDouble(BaseHTTPRequestHandler):
         files = {"edges": edges, "pageInfo": info}
         if self.broken == "no-page-info":
             files = {"edges": edges}
-        run = {"state": "finished", "displayName": "d", "group": "g", "jobType": None,
-               "files": files}  # fmt: skip
+        run = {
+            "state": "finished",
+            "displayName": "d",
+            "group": "g",
+            "jobType": None,
+            "files": files,
+        }
         data = json.dumps({"data": {"project": {"run": run}}}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -364,9 +391,11 @@ def test_run_files_reads_every_page(files_server, monkeypatch):
     found = client_of(files_server).run_files("me", "p", "run")
     names = [name for name, _ in FIVE_FILES]
     assert found == RunListing(
-        "finished", ("d", "g", ""), {**dict(FIVE_FILES[:4]), "output.log": 7},
+        "finished",
+        ("d", "g", ""),
+        {**dict(FIVE_FILES[:4]), "output.log": 7},
         {name: f"md5 of {name}" for name in names},
-    )  # fmt: skip
+    )
     assert files_server.seen == [(None, 2), ("1", 2), ("3", 2)]
 
 
@@ -475,8 +504,10 @@ def test_a_file_that_cannot_be_read_whole_is_said(file_server, tmp_path):
     ]:
         with pytest.raises(ServerError, match=message):
             client.download(url, 100)
-    files = client.read_back({"big": f"{own}/own/big", "gone": f"{own}/own/gone"},
-                             {"big": 100, "gone": 100, "unlisted": 100})  # fmt: skip
+    files = client.read_back(
+        {"big": f"{own}/own/big", "gone": f"{own}/own/gone"},
+        {"big": 100, "gone": 100, "unlisted": 100},
+    )
     assert files == {"big": b"x" * 100, "gone": None, "unlisted": None}
 
 

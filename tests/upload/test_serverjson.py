@@ -70,12 +70,41 @@ NUMBERS = st.from_regex(
     r"-?(0|[1-9][0-9]{0,24})(\.[0-9]{1,24})?([eE][+-]?[0-9]{1,3})?", fullmatch=True
 )
 EDGES = st.sampled_from(
-    ["NaN", "Infinity", "-Infinity", "-0.0", "-0", "0.0", "1e400", "-1e400", "1e-400",
-     "true", "false", "null", str(2**63 - 1), str(2**63), str(2**64 - 1), str(2**64),
-     str(2**64 + 1), str(-(2**63)), str(-(2**63) - 1), str(10**30), str(-(10**30)),
-     "9007199254740993", "1.7976931348623157e308", "1.7976931348623159e308", "5e-324",
-     "9223372036854775808.0", "18446744073709551616e0", "nan", "inf", "01", "1.", ".5"]
-)  # fmt: skip
+    [
+        "NaN",
+        "Infinity",
+        "-Infinity",
+        "-0.0",
+        "-0",
+        "0.0",
+        "1e400",
+        "-1e400",
+        "1e-400",
+        "true",
+        "false",
+        "null",
+        str(2**63 - 1),
+        str(2**63),
+        str(2**64 - 1),
+        str(2**64),
+        str(2**64 + 1),
+        str(-(2**63)),
+        str(-(2**63) - 1),
+        str(10**30),
+        str(-(10**30)),
+        "9007199254740993",
+        "1.7976931348623157e308",
+        "1.7976931348623159e308",
+        "5e-324",
+        "9223372036854775808.0",
+        "18446744073709551616e0",
+        "nan",
+        "inf",
+        "01",
+        "1.",
+        ".5",
+    ]
+)
 CHARACTERS = st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=())
 ESCAPES = st.one_of(
     st.integers(0, 0xFFFF).map(lambda code: f"\\u{code:04x}"),  # lone surrogates among them
@@ -123,9 +152,15 @@ ROWS = st.lists(st.tuples(KEYS, VALUES), max_size=8).map(
 
 def mutated(texts):
     """A text with one character cut or put in, so that texts not quite JSON are read too."""
-    return st.tuples(texts, st.integers(0, 10**6), st.sampled_from(["", "}", "]", ",", '"', "\x00", "\ud800", "NaN"])).map(
-        lambda t: t[0][: t[1] % (len(t[0]) + 1)] + t[2] + t[0][t[1] % (len(t[0]) + 1) + (t[2] == "") :]
-    )  # fmt: skip
+    return st.tuples(
+        texts,
+        st.integers(0, 10**6),
+        st.sampled_from(["", "}", "]", ",", '"', "\x00", "\ud800", "NaN"]),
+    ).map(
+        lambda t: (
+            t[0][: t[1] % (len(t[0]) + 1)] + t[2] + t[0][t[1] % (len(t[0]) + 1) + (t[2] == "") :]
+        )
+    )
 
 
 @given(st.one_of(VALUES, ROWS, DEEP, mutated(VALUES), mutated(ROWS), st.text(CHARACTERS)))
@@ -239,8 +274,10 @@ def post_rows(sink, run_id: str, rows: dict[int, dict]) -> None:
         body = {"files": {"wandb-history.jsonl": {"offset": offset, "content": [json.dumps(row)]}}}
         request = urllib.request.Request(
             f"{sink.url}/files/local/readback/{run_id}/file_stream",
-            data=json.dumps(body).encode(), method="POST", headers={"Authorization": auth},
-        )  # fmt: skip
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Authorization": auth},
+        )
         with urllib.request.urlopen(request, timeout=30) as answer:
             assert answer.status == 200
 

@@ -235,8 +235,12 @@ def test_the_next_job_is_merged_while_the_last_one_uploads(env, tmp_path):
         if progress.message.startswith("verified ") and not waited:
             waited.append(next_staged.wait(WAIT))  # the first job's run, verified
 
-    request = MergeRequest([job_dir("one_node_4"), job_dir("cadence")], run_mode="shared",
-                           project="jobs", entity="local")  # fmt: skip
+    request = MergeRequest(
+        [job_dir("one_node_4"), job_dir("cadence")],
+        run_mode="shared",
+        project="jobs",
+        entity="local",
+    )
     report = sync(request, parallel=4, progress=staged, upload_progress=upload)
     assert waited == [True], "the second job was merged only after the first was uploaded"
     assert sorted(t.target.id for t in report.targets) == ["fx-cadence", "fx-one-node-4"]
@@ -264,8 +268,9 @@ def test_runs_left_unstaged_by_a_timeout_get_no_link(make_sink, tmp_path, monkey
             time.sleep(5)  # (given up 2 s later, the timeout, and told within 0.25 s)
 
     with pytest.raises(UploadFailed) as given_up:
-        sync(new_mode("unstaged"), parallel=1, progress=wait_for_the_upload_to_be_given_up,
-             timeout=2)  # fmt: skip
+        sync(
+            new_mode("unstaged"), parallel=1, progress=wait_for_the_upload_to_be_given_up, timeout=2
+        )
     assert len(staged) < 4, "every run was staged before the upload was given up"
     assert any(line.startswith("no progress for 2 s") for line in given_up.value.lines)
     assert given_up.value.report.targets == []
@@ -285,8 +290,9 @@ def test_failures_while_staging_goes_on_claim_nothing_and_leave_no_staging(
             seen_before_last.append(events.failed.wait(WAIT))
 
     with pytest.raises(UploadFailed) as failed:
-        sync(new_mode("fail"), parallel=4, progress=staged, upload_progress=events.upload,
-             timeout=30)  # fmt: skip
+        sync(
+            new_mode("fail"), parallel=4, progress=staged, upload_progress=events.upload, timeout=30
+        )
     assert seen_before_last == [True], "no upload failed until every run was staged"
     assert sorted(line.split(":")[0] for line in failed.value.lines[:-1]) == [
         f"run fx-one-node-4-rank-{rank}" for rank in range(4)

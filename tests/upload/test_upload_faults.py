@@ -107,8 +107,9 @@ def test_lost_files_are_exit_1_and_a_later_sync_delivers_them(make_sink, tmp_pat
     assert first.exit_code == 1
     lines = first.stderr.strip().splitlines()
     for rank in range(4):
-        assert any(f"run fx-one-node-4-rank-{rank}:" in line and "not uploaded" in line
-                   for line in lines), first.stderr  # fmt: skip
+        assert any(
+            f"run fx-one-node-4-rank-{rank}:" in line and "not uploaded" in line for line in lines
+        ), first.stderr
     assert not any(
         run["files"]
         for run in map(
@@ -204,9 +205,14 @@ def test_a_rate_limited_question_before_upload_is_asked_again(make_sink, tmp_pat
 
 def run_bounded(env, args, timeout):
     """`wbmerge` in its own process group, killed with the group when it overstays."""
-    proc = subprocess.Popen([sys.executable, "-m", "wbmerge.cli", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wbmerge.cli", *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -217,9 +223,12 @@ def run_bounded(env, args, timeout):
 
 
 def local_env(tmp_path, **more):
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("WANDB_")},
-            "WBMERGE_STATE_DIR": str(tmp_path / "state"),
-            "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **more}  # fmt: skip
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("WANDB_")},
+        "WBMERGE_STATE_DIR": str(tmp_path / "state"),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        **more,
+    }
 
 
 def test_unreachable_server_fails_within_seconds_naming_the_url(tmp_path):
@@ -254,8 +263,12 @@ def test_already_synced_shows_the_real_link(sink, tmp_path):
     assert cli(sink, tmp_path, *args).exit_code == 0
     again = cli(sink, tmp_path, *args)
     [run] = json.loads(again.stdout)["runs"]
-    assert run == {"id": "fx-one-node-4", "group": None, "status": "already synced",
-                   "url": f"{sink.url}/local/link/runs/fx-one-node-4"}  # fmt: skip
+    assert run == {
+        "id": "fx-one-node-4",
+        "group": None,
+        "status": "already synced",
+        "url": f"{sink.url}/local/link/runs/fx-one-node-4",
+    }
 
 
 def test_another_merge_under_the_same_id_is_refused_not_mixed_in(sink, tmp_path):
@@ -277,8 +290,9 @@ def test_a_refused_merged_run_points_at_merging_again(sink, tmp_path):
     # Merged runs keep the id their merge gave them: --base-id belongs to `merge`.
     assert cli(sink, tmp_path, *sync_args("merged", "--run-mode", "shared")).exit_code == 0
     out = tmp_path / "auto"
-    merged = cli(sink, tmp_path, "merge", str(job_dir("one_node_4")), "--run-mode", "auto",
-                 "--out", str(out))  # fmt: skip
+    merged = cli(
+        sink, tmp_path, "merge", str(job_dir("one_node_4")), "--run-mode", "auto", "--out", str(out)
+    )
     assert merged.exit_code == 0, merged.stderr
     refused = cli(sink, tmp_path, *sync_args("merged", source=out))
     assert refused.exit_code == 1
@@ -363,19 +377,24 @@ def test_force_sends_runs_whose_summary_or_config_changed_on_the_server(sink, tm
     left as they are."""
     args = sync_args("edited", "--run-mode", "new")
     assert cli(sink, tmp_path, *args).exit_code == 0
-    before = {r["id"]: sink.client.run("local", "edited", r["id"])
-              for r in sink.client.runs(project="edited")}  # fmt: skip
+    before = {
+        r["id"]: sink.client.run("local", "edited", r["id"])
+        for r in sink.client.runs(project="edited")
+    }
     edits = {"summary": "{}", "config": "{}"}
     with sqlite3.connect(sink.data_dir / "sink.sqlite3") as db:
         for (column, value), run_id in zip(edits.items(), sorted(before), strict=False):
-            db.execute(f"UPDATE runs SET {column} = ? WHERE project = 'edited' AND name = ?",
-                       (value, run_id))  # fmt: skip
+            db.execute(
+                f"UPDATE runs SET {column} = ? WHERE project = 'edited' AND name = ?",
+                (value, run_id),
+            )
     forced = cli(sink, tmp_path, *args, "--force")
     assert forced.exit_code == 0, forced.stderr
     statuses = {r["id"]: r["status"] for r in json.loads(forced.stdout)["runs"]}
     edited = sorted(before)[: len(edits)]
-    assert statuses == {run_id: "uploaded" if run_id in edited else "already complete"
-                        for run_id in before}  # fmt: skip
+    assert statuses == {
+        run_id: "uploaded" if run_id in edited else "already complete" for run_id in before
+    }
     for run_id, run in before.items():
         now = sink.client.run("local", "edited", run_id)
         assert {k: v for k, v in now["summary"].items() if not k.startswith("_")} == {
@@ -409,14 +428,25 @@ def test_a_rerun_that_gives_the_runs_another_job_type_sends_them(sink, tmp_path)
 def spawn(sink, tmp_path, args, cwd=None):
     """`wbmerge sync` in a process of its own, its staging under the test's own TMPDIR, with
     a HOME of the test's own (where wandb would put its logs)."""
-    env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state"), "TMPDIR": str(tmp_path / "tmp"),
-           "HOME": str(tmp_path / "home"), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # fmt: skip
+    env = {
+        **sink.env,
+        "WBMERGE_STATE_DIR": str(tmp_path / "state"),
+        "TMPDIR": str(tmp_path / "tmp"),
+        "HOME": str(tmp_path / "home"),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
     env.pop("XDG_CACHE_HOME", None)
     (tmp_path / "tmp").mkdir(exist_ok=True)
     (tmp_path / "home").mkdir(exist_ok=True)
-    return subprocess.Popen([sys.executable, "-m", "wbmerge.cli", *args], env=env, cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=interruptible)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "wbmerge.cli", *args],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=interruptible,
+    )
 
 
 def processes_in(directory: Path) -> list[int]:
@@ -445,8 +475,9 @@ def history_count(sink, project, run_id):
     rows themselves took up to 5.6 s for 6,000 rows of 100 metrics on a loaded machine, and
     the rerun after an interruption must start within the 5 s it waits for the stopped
     upload's last requests (`settle`), or it has nothing left to wait for."""
-    answer = sink.client.graphql(RUN_RESUME_STATUS, {"project": project, "entity": "local",
-                                                     "name": run_id})  # fmt: skip
+    answer = sink.client.graphql(
+        RUN_RESUME_STATUS, {"project": project, "entity": "local", "name": run_id}
+    )
     bucket = (answer.get("data") or {}).get("model", {}) or {}
     return (bucket.get("bucket") or {}).get("historyLineCount") or 0
 
@@ -463,8 +494,9 @@ def wait_for_rows(sink, project, run_id, deadline=60):
     raise AssertionError("no rows arrived")
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143),
-                                       (signal.SIGKILL, -9)])  # fmt: skip
+@pytest.mark.parametrize(
+    "sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGKILL, -9)]
+)
 def test_interrupted_upload_then_rerun_is_exactly_once(
     make_sink, tmp_path, long_job, sig, code, monkeypatch
 ):

@@ -82,8 +82,12 @@ def test_a_held_run_lock_is_waited_for_and_said(tmp_path):
 
 def test_stale_staging_of_dead_owners_is_removed(tmp_path):
     dead = make_staging(tmp_path)
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     owner = json.loads((dead / "owner.json").read_text())
     owner.update(pid=int(gone.stdout), started="0")  # a process that has ended
     (dead / "owner.json").write_text(json.dumps(owner))
@@ -103,8 +107,7 @@ def test_stale_staging_of_dead_owners_is_removed(tmp_path):
 def test_an_orphaned_uploader_of_a_dead_owner_is_stopped(tmp_path):
     # (the wandb-core it starts, and processes that are no uploader: test_staging_private)
     staging = make_staging(tmp_path)
-    orphan = subprocess.Popen([sys.executable, "-c", STANDBY], cwd=staging,
-                              stdin=subprocess.PIPE)  # fmt: skip
+    orphan = subprocess.Popen([sys.executable, "-c", STANDBY], cwd=staging, stdin=subprocess.PIPE)
     try:
         # An orphan of a dead sync has run for a while; one just started may not show its
         # command line in /proc yet (seen on a loaded machine), and is then rightly left
@@ -113,8 +116,12 @@ def test_an_orphaned_uploader_of_a_dead_owner_is_stopped(tmp_path):
         while not command_line(orphan.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         start = Path(f"/proc/{orphan.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-        owner = {"pid": 2**22 + 1, "started": "0", "uid": os.geteuid(),
-                 "uploader": [[orphan.pid, start]]}  # fmt: skip
+        owner = {
+            "pid": 2**22 + 1,
+            "started": "0",
+            "uid": os.geteuid(),
+            "uploader": [[orphan.pid, start]],
+        }
         (staging / "owner.json").write_text(json.dumps(owner))
         assert clean_stale(tmp_path) == [staging]
         assert orphan.wait(timeout=10) == -9

@@ -103,8 +103,9 @@ def deliverer_into(sink, state: Path, project: str, workdir: Path, expected: int
     """A deliverer of `expected` runs into `project` of the sink, stopped afterwards."""
     creds = credentials(sink)
     ledger = Ledger(state / "ledger.sqlite3")
-    deliverer = Deliverer(ServerClient(creds), creds, ledger, project, "local", 4, workdir,
-                          expected=expected)  # fmt: skip
+    deliverer = Deliverer(
+        ServerClient(creds), creds, ledger, project, "local", 4, workdir, expected=expected
+    )
     try:
         yield deliverer
     finally:

@@ -13,12 +13,17 @@ from wbmerge.upload import Credentials, Uploader
 
 def failure_line(run_id: str, name: str) -> str:
     """One debug-log line as wandb-core writes a failed file transfer of `run_id`."""
-    return json.dumps({
-        "level": "ERROR",
-        "msg": "file transfer: upload failed",
-        "sync_path": f"/staging/offline-run-x-{run_id}/run-{run_id}.wandb",
-        "task": f"DefaultUploadTask{{Path: /x/{name}, Name: {name}, Size: 3}}",
-    }) + "\n"  # fmt: skip
+    return (
+        json.dumps(
+            {
+                "level": "ERROR",
+                "msg": "file transfer: upload failed",
+                "sync_path": f"/staging/offline-run-x-{run_id}/run-{run_id}.wandb",
+                "task": f"DefaultUploadTask{{Path: /x/{name}, Name: {name}, Size: 3}}",
+            }
+        )
+        + "\n"
+    )
 
 
 def make_uploader(tmp_path) -> tuple[Uploader, object]:
@@ -60,8 +65,12 @@ def test_lines_that_are_not_failures_are_passed_over(tmp_path):
     (logs / "debug-sync.1.log").write_text(
         '"ERROR" not json\n'
         '["ERROR"]\n'
-        + "[" * 5000 + '"ERROR"' + "]" * 5000 + "\n"
-        + json.dumps({"level": "ERROR", "msg": "something else"}) + "\n"
+        + "[" * 5000
+        + '"ERROR"'
+        + "]" * 5000
+        + "\n"
+        + json.dumps({"level": "ERROR", "msg": "something else"})
+        + "\n"
         + failure_line("c", "wandb-metadata.json")
-    )  # fmt: skip
+    )
     assert uploader.file_failures() == {"c": ["file wandb-metadata.json not uploaded"]}

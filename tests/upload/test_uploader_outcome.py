@@ -97,8 +97,9 @@ def test_the_entity_of_the_links_is_the_one_the_server_holds_the_runs_under(sink
     log = next(run_dir.glob("run-*.wandb"))
     named(log, "rank zero of four")
     delivery = Delivery(log.stem.removeprefix("run-"), run_dir, log, "key", "print")
-    deliverer = Deliverer(ServerClient(creds), creds, ledger, "links", None, 1,
-                          tmp_path / "staging", expected=1)  # fmt: skip
+    deliverer = Deliverer(
+        ServerClient(creds), creds, ledger, "links", None, 1, tmp_path / "staging", expected=1
+    )
     try:
         deliverer.submit(delivery)
         report = deliverer.finish()

@@ -20,8 +20,14 @@ CHECKPOINT = LoggedArtifact("ckpt", "0" * 32, (("weights.bin", 5, "XUFAKrxLKna5c
 
 
 def delivery() -> Delivery:
-    return Delivery("run", Path("/nonexistent"), Path("/nonexistent/run-run.wandb"), "key", "fp",
-                    artifacts=[CHECKPOINT])  # fmt: skip
+    return Delivery(
+        "run",
+        Path("/nonexistent"),
+        Path("/nonexistent/run-run.wandb"),
+        "key",
+        "fp",
+        artifacts=[CHECKPOINT],
+    )
 
 
 def versions_answer(nodes: object, page: object = None) -> bytes:
@@ -31,8 +37,15 @@ def versions_answer(nodes: object, page: object = None) -> bytes:
 
 
 def node(state: str = "COMMITTED", digest: str = "0" * 32, version: object = 0) -> dict:
-    return {"node": {"id": "QQ==", "digest": digest, "state": state, "versionIndex": version,
-                     "artifactSequence": {"name": "ckpt"}}}  # fmt: skip
+    return {
+        "node": {
+            "id": "QQ==",
+            "digest": digest,
+            "state": state,
+            "versionIndex": version,
+            "artifactSequence": {"name": "ckpt"},
+        }
+    }
 
 
 HOSTILE = {
@@ -48,7 +61,7 @@ HOSTILE = {
 
 @pytest.mark.parametrize(
     "server", [{"answer": a} for a in HOSTILE.values()], indirect=True, ids=HOSTILE.keys()
-)  # fmt: skip
+)
 def test_an_answer_of_another_shape_is_a_line_for_the_run(server):
     (line,) = artifacts_missing(client_of(server, retry_budget=0), "me", "p", delivery())
     assert line.startswith("artifacts could not be verified: ") or line.startswith(

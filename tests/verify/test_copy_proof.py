@@ -186,8 +186,11 @@ def test_a_record_dropped_in_the_copied_blocks_is_named(tmp_path):
 def test_a_copy_cut_at_a_block_boundary_is_named(tmp_path):
     run, head = spliced_run(tmp_path)
     data = run.log_path.read_bytes()
-    run.log_path.write_bytes(data[: (head + 1) * BLOCK_SIZE] if len(data) > (head + 1) * BLOCK_SIZE
-                             else data[: head * BLOCK_SIZE])  # fmt: skip
+    run.log_path.write_bytes(
+        data[: (head + 1) * BLOCK_SIZE]
+        if len(data) > (head + 1) * BLOCK_SIZE
+        else data[: head * BLOCK_SIZE]
+    )
     assert not proved(run)
     fast, reference = both(run)
     assert fast == reference and fast

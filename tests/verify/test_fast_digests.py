@@ -38,8 +38,11 @@ def shared_run(tmp_path):
         info = RankInfo(rank, rank, 2, 2, 0, 0, "digests")
         with rank_log(root, info, f"digest{rank}", "p") as writer:
             for step in range(STEPS):
-                items = [("loss", f"0.{rank}{step:02d}5"), ("lr", f"12345678.{step:07d}"),
-                         ("note", long_text(rank, step))]  # fmt: skip
+                items = [
+                    ("loss", f"0.{rank}{step:02d}5"),
+                    ("lr", f"12345678.{step:07d}"),
+                    ("note", long_text(rank, step)),
+                ]
                 writer.write(history_record(items, step))
             writer.write(exit_record(0))
     [run] = merge_jobs(MergeRequest([root], run_mode="shared"), tmp_path / "out")

@@ -40,8 +40,12 @@ def source_definitions() -> dict[int, list[pb.MetricRecord]]:
     found = {}
     for log in job_dir(JOB).glob("wandb/*/run-*.wandb"):
         records = [pb.Record.FromString(payload) for payload in read_payloads(log)]
-        rank = next(int(item.value_json) for record in records
-                    for item in record.run.config.update if item.key == "rank")  # fmt: skip
+        rank = next(
+            int(item.value_json)
+            for record in records
+            for item in record.run.config.update
+            if item.key == "rank"
+        )
         found[rank] = [record.metric for record in records if record.HasField("metric")]
     return found
 
@@ -49,14 +53,25 @@ def source_definitions() -> dict[int, list[pb.MetricRecord]]:
 def sync(sink, tmp_path, mode: str):
     job = job_dir(JOB)
     env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
-    args = ["sync", job / "wandb", "--run-mode", mode, "-p", PROJECT, "-e", "local",
-            "--files-from", job]  # fmt: skip
+    args = [
+        "sync",
+        job / "wandb",
+        "--run-mode",
+        mode,
+        "-p",
+        PROJECT,
+        "-e",
+        "local",
+        "--files-from",
+        job,
+    ]
     return CliRunner().invoke(main, [*map(str, args)], env=env)
 
 
 def server_metrics(sink, run_id: str) -> list[dict]:
-    answer = sink.client.graphql(RUN_CONFIG, {"entity": "local", "project": PROJECT,
-                                              "name": run_id})  # fmt: skip
+    answer = sink.client.graphql(
+        RUN_CONFIG, {"entity": "local", "project": PROJECT, "name": run_id}
+    )
     config = json.loads(answer["data"]["model"]["bucket"]["config"])
     return config["_wandb"]["value"].get("m", [])
 
@@ -65,9 +80,9 @@ def test_a_shared_run_holds_every_ranks_definitions_on_the_server(sink, tmp_path
     by_rank = source_definitions()
     assert sorted(by_rank) == [0, 1, 2, 3]
     for metrics in by_rank.values():  # (what the fixture's ranks defined, read from them)
-        assert [(m.name, m.glob_name, m.step_metric, m.options.hidden, m.summary.max)
-                for m in metrics] == [("epoch", "", "", True, False),
-                                      ("", "val/*", "epoch", False, True)]  # fmt: skip
+        assert [
+            (m.name, m.glob_name, m.step_metric, m.options.hidden, m.summary.max) for m in metrics
+        ] == [("epoch", "", "", True, False), ("", "val/*", "epoch", False, True)]
     result = sync(sink, tmp_path, "shared")
     assert result.exit_code == 0, result.stderr
     [run] = sink.client.runs()
@@ -111,10 +126,18 @@ def test_a_definition_missing_on_the_server_fails_the_sync_naming_it(make_sink, 
 
 
 def test_a_definition_held_otherwise_is_named_with_both_settings():
-    expected = {("glob", "val/*"): Definition("epoch", frozenset({"step_sync"}),
-                                              frozenset({"max"}))}  # fmt: skip
-    held = held_definitions(json.dumps({"_wandb": {"value": {"m": [
-        {"2": "val/*", "5": 2, "6": [1], "7": [1]}, {"1": "epoch"}]}}}))  # fmt: skip
+    expected = {
+        ("glob", "val/*"): Definition("epoch", frozenset({"step_sync"}), frozenset({"max"}))
+    }
+    held = held_definitions(
+        json.dumps(
+            {
+                "_wandb": {
+                    "value": {"m": [{"2": "val/*", "5": 2, "6": [1], "7": [1]}, {"1": "epoch"}]}
+                }
+            }
+        )
+    )
     [line] = definitions_missing(expected, held)
     assert "glob 'val/*'" in line and "summary min on the server" in line
     assert "the upload gives step metric 'epoch', step_sync, summary max" in line

@@ -280,8 +280,9 @@ def test_steps_that_are_all_plain_integers_are_read_as_protobuf_reads_them(tmp_p
 
     steps = [0, 1, -7, 10**17 + 3, 999_999_999_999_999_999, 42] * 50
     log = tmp_path / "plain.wandb"
-    write_payloads(log, [history_record([(["_step"], str(s)), (["loss"], "0.5")], None)
-                         for s in steps])  # fmt: skip
+    write_payloads(
+        log, [history_record([(["_step"], str(s)), (["loss"], "0.5")], None) for s in steps]
+    )
     staged = read_staged(log)
     assert list(staged.step_items) == steps
     after = 999_999_999_999_999_999 + 1  # every later step is behind this one

@@ -44,8 +44,12 @@ from ..support.sinktools import expected_from_log
 def test_compare_steps(sent, held, missing, lacking, twice, extra, unstepped):
     check = compare_steps(sent, held)
     assert (check.missing, check.lacking, check.twice, check.extra, check.unstepped) == (
-        missing, lacking, twice, extra, unstepped
-    )  # fmt: skip
+        missing,
+        lacking,
+        twice,
+        extra,
+        unstepped,
+    )
     assert bool(check.problems(len(sent))) == bool(missing or twice or extra or unstepped)
 
 
@@ -132,8 +136,11 @@ def synthetic_job(tmp_path, steps=3000) -> Path:
 
 def sync(sink, tmp_path, source, *args):
     env = {**sink.env, "WBMERGE_STATE_DIR": str(tmp_path / "state")}
-    return CliRunner().invoke(main, ["sync", "--run-mode", "auto", "-p", "rows", "-e",
-                                     "local", str(source), *args], env=env)  # fmt: skip
+    return CliRunner().invoke(
+        main,
+        ["sync", "--run-mode", "auto", "-p", "rows", "-e", "local", str(source), *args],
+        env=env,
+    )
 
 
 def errors(result) -> list[str]:
@@ -161,9 +168,11 @@ def post_lines(sink, run_id: str, offset: int, lines: list[dict]) -> None:
     ).encode()
     key = sink.env["WANDB_API_KEY"]
     request = urllib.request.Request(
-        f"{sink.url}/files/local/rows/{run_id}/file_stream", data=body, method="POST",
+        f"{sink.url}/files/local/rows/{run_id}/file_stream",
+        data=body,
+        method="POST",
         headers={"Authorization": "Basic " + base64.b64encode(f"api:{key}".encode()).decode()},
-    )  # fmt: skip
+    )
     with urllib.request.urlopen(request, timeout=30) as answer:
         assert answer.status == 200
 
@@ -289,8 +298,7 @@ def test_a_server_that_fills_every_page_is_asked_a_bounded_number_of_times(tmp_p
     server = FullPages()
     delivery = Delivery("full-pages", log.parent, log, "key", "fingerprint")
     with pytest.raises(ServerError, match="came back full"):
-        rows_not_held(server, "e", "p", delivery, Held(True, 50, last_step=10**9),
-                      read_staged(log))  # fmt: skip
+        rows_not_held(server, "e", "p", delivery, Held(True, 50, last_step=10**9), read_staged(log))
     assert server.asked < 200
 
 
@@ -361,7 +369,9 @@ def test_rows_past_a_stale_tail_are_read_and_fail_the_run(tmp_path, tail):
     server = RowsAsSent(log)
     server.rows += [{"_step": 70, "loss": 1.0}, {"_step": 10**12, "loss": 2.0}]
     delivery = Delivery("stale-tail", log.parent, log, "key", "fingerprint")
-    problems = rows_not_held(server, "e", "p", delivery, Held(True, 50, last_step=tail),
-                             read_staged(log))  # fmt: skip
-    assert problems == ["the server holds rows at 2 steps that were not sent (steps 70, "
-                        "1000000000000)"]  # fmt: skip
+    problems = rows_not_held(
+        server, "e", "p", delivery, Held(True, 50, last_step=tail), read_staged(log)
+    )
+    assert problems == [
+        "the server holds rows at 2 steps that were not sent (steps 70, 1000000000000)"
+    ]

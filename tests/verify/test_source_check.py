@@ -155,20 +155,28 @@ def drop_sample(key: str):
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        (drop_item("history", "train/loss/rank-1"),
-         "rank 1's history key 'train/loss/rank-1': 15 values logged, 14 staged"),
-        (set_value("history", "train/loss/rank-1", "0.5"),
-         "rank 1's history key 'train/loss/rank-1': 15 values logged, other values staged"),
+        (
+            drop_item("history", "train/loss/rank-1"),
+            "rank 1's history key 'train/loss/rank-1': 15 values logged, 14 staged",
+        ),
+        (
+            set_value("history", "train/loss/rank-1", "0.5"),
+            "rank 1's history key 'train/loss/rank-1': 15 values logged, other values staged",
+        ),
         (drop_item("summary", "rank/rank-1"), "rank 1's summary key 'rank/rank-1': not in"),
-        (set_value("config", "lr_after", "0.5"),
-         "rank 0's config key 'lr_after': 0.025 logged, 0.5 staged"),
+        (
+            set_value("config", "lr_after", "0.5"),
+            "rank 0's config key 'lr_after': 0.025 logged, 0.5 staged",
+        ),
         (drop_item("config", "rank/rank-1"), "rank 1's config key 'rank/rank-1': not in"),
         (drop_console_line("rank-1"), "rank 1's console 'rank-1': 2 lines logged, 1 staged"),
         (drop_sample("cpu/l:rank-1"), "rank 1's system metric 'cpu/l:rank-1'"),
-        (drop_definition("val/acc/rank-0"),
-         "rank 0's metric glob 'val/acc/rank-0': not bound to its step metric 'epoch/rank-0'"),
+        (
+            drop_definition("val/acc/rank-0"),
+            "rank 0's metric glob 'val/acc/rank-0': not bound to its step metric 'epoch/rank-0'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_shared_run_lacking_what_a_rank_logged_is_named(tmp_path, change, named):
     [run] = staged_runs(tmp_path, "recipe_mnist_like", "shared")
     rewrite(run.log_path, change)
@@ -189,8 +197,7 @@ def test_a_pass_through_lacking_a_row_or_a_definition_is_named(tmp_path):
 
 
 def test_keys_left_out_by_per_rank_are_not_expected_but_the_rest_are(tmp_path):
-    [run] = staged_runs(tmp_path, "two_nodes_2x2", "shared", per_rank=["train/*"],
-                        rank_stats=True)  # fmt: skip
+    [run] = staged_runs(tmp_path, "two_nodes_2x2", "shared", per_rank=["train/*"], rank_stats=True)
     per_rank = PerRank.parse(["train/*"])
     assert source_shortfall(run.target, run.log_path, per_rank=per_rank) == []
     rewrite(run.log_path, drop_item("history", "train/loss/worker-1-rank-1"))
@@ -218,8 +225,10 @@ def test_a_sync_whose_merge_lost_a_line_fails_naming_it_and_records_nothing(
     assert result.exit_code == 1
     lines = [line for line in result.stderr.splitlines() if line.startswith("wbmerge: error")]
     assert len(lines) == 1  # (no advice to rerun: a rerun would merge it alike)
-    assert "run n0s6mi50: not sent: the staged run lacks what its ranks logged: rank 1's " \
-           "console 'rank-1': 2 lines logged, 1 staged" in lines[0]  # fmt: skip
+    assert (
+        "run n0s6mi50: not sent: the staged run lacks what its ranks logged: rank 1's "
+        "console 'rank-1': 2 lines logged, 1 staged" in lines[0]
+    )
     assert "verified" not in result.stdout
     assert sink.client.runs(project="checked") == []
     monkeypatch.setattr(merge, "stage", stage)
@@ -252,8 +261,10 @@ def test_the_last_round_of_a_follow_whose_merge_lost_a_line_fails_naming_it(
     with Follower(request, parallel=4, timeout=120.0) as follower:
         report = follower.round()
     said = "\n".join(round_lines(report))
-    assert "not sent: the staged run lacks what its ranks logged: rank 2's console " \
-           "'worker-1-rank-0': 3 lines logged, 2 staged" in said  # fmt: skip
+    assert (
+        "not sent: the staged run lacks what its ranks logged: rank 2's console "
+        "'worker-1-rank-0': 3 lines logged, 2 staged" in said
+    )
     assert sink.client.runs() == []
 
 
@@ -271,12 +282,14 @@ def test_wandb_logger_lines_of_every_rank_are_staged_labelled_and_expected(tmp_p
             for payload in payloads:
                 writer.write(payload)
     [run] = merge_jobs(MergeRequest([job], run_mode="shared"), tmp_path / "out")
-    staged = [r.output_logger.line for r in read_records(run.log_path)
-              if r.HasField("output_logger")]  # fmt: skip
+    staged = [
+        r.output_logger.line for r in read_records(run.log_path) if r.HasField("output_logger")
+    ]
     assert sorted(staged) == [
         f"[worker-{worker}-rank-{local}] wandb: a line of wandb's own\n"
-        for worker in (0, 1) for local in (0, 1)
-    ]  # fmt: skip
+        for worker in (0, 1)
+        for local in (0, 1)
+    ]
     assert source_shortfall(run.target, run.log_path) == []
     rank_2 = "[worker-1-rank-0] "
     rewrite(
@@ -311,10 +324,12 @@ def test_a_summary_key_written_in_two_spellings_is_expected_at_its_last_value(tm
     ("summaries", "named"),
     [
         (["min", "min"], "rank 0's metric definition 'loss/rank-0' (step metric ''): not staged"),
-        (["min", "max", "max", "min"],
-         "rank 0's metric definition 'loss/rank-0': not the last one staged of its name"),
+        (
+            ["min", "max", "max", "min"],
+            "rank 0's metric definition 'loss/rank-0': not the last one staged of its name",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_definition_written_again_unchanged_is_expected_once_and_the_last_last(
     tmp_path, summaries, named
 ):
@@ -322,8 +337,10 @@ def test_a_definition_written_again_unchanged_is_expected_once_and_the_last_last
     restart) needs it staged once; the run is sent. A staged run without the rank's last
     definition of `loss` at the end is named: wandb-core would end with another one."""
     row = history_payload(0, [(["loss"], "1.0")])
-    ranks = {0: ("rank-0", [row, *map(loss_defined, summaries)]),
-             1: ("rank-1", [row, loss_defined("max")])}  # fmt: skip
+    ranks = {
+        0: ("rank-0", [row, *map(loss_defined, summaries)]),
+        1: ("rank-1", [row, loss_defined("max")]),
+    }
     _, staged = stage_shared(tmp_path, ranks, primary=0)
     assert source_shortfall(staged.target, staged.log_path) == []
     records = list(read_records(staged.log_path))

@@ -178,8 +178,18 @@ def test_a_bare_number_is_read_as_the_parser_reads_it(text):
 
 def test_metric_values_are_read_without_the_parser():
     """The shortcut is taken for the numbers wandb writes, and only for a number alone."""
-    for text in ("0.1", repr(0.1 + 0.2), "-1e-07", "1.7976931348623157e+308", "42", "NaN",
-                 "Infinity", "-Infinity", str(INT64_MAX), "1e400"):  # fmt: skip
+    for text in (
+        "0.1",
+        repr(0.1 + 0.2),
+        "-1e-07",
+        "1.7976931348623157e+308",
+        "42",
+        "NaN",
+        "Infinity",
+        "-Infinity",
+        str(INT64_MAX),
+        "1e400",
+    ):
         assert bare_number(text) is not None, text
     for text in (" 42", "42\n", "[1]", '"1"', "true", "null", ""):
         assert bare_number(text) is None, text

@@ -49,11 +49,40 @@ def test_output_log_by_the_rules_of_the_emulators_source(console, written):
 
 
 ESC = "\x1b"
-PIECES = ["a", "é", "😀", "\n", "\r", ESC, "[", "A", "B", "C", ESC + "[", ESC + "[A", ESC + "[B",
-          ESC + "[C", ESC + "[\n", ESC + "\n", ESC + "\r", ESC + ESC, ESC + "[" + ESC, "\r\n"]  # fmt: skip
+PIECES = [
+    "a",
+    "é",
+    "😀",
+    "\n",
+    "\r",
+    ESC,
+    "[",
+    "A",
+    "B",
+    "C",
+    ESC + "[",
+    ESC + "[A",
+    ESC + "[B",
+    ESC + "[C",
+    ESC + "[\n",
+    ESC + "\n",
+    ESC + "\r",
+    ESC + ESC,
+    ESC + "[" + ESC,
+    "\r\n",
+]
 # Runs around the port's bound of 1,024 repeats per step, past the view and a line's length.
-LONG_PIECES = [ESC + "[A" * 1023, ESC + "[A" * 1025, ESC + "[B" * 2049, (ESC + "x") * 1025,
-               (ESC + "[C") * 1030, "\n" * 33, "\n" * 2000, "\r" * 1500, "x" * 4097]  # fmt: skip
+LONG_PIECES = [
+    ESC + "[A" * 1023,
+    ESC + "[A" * 1025,
+    ESC + "[B" * 2049,
+    (ESC + "x") * 1025,
+    (ESC + "[C") * 1030,
+    "\n" * 33,
+    "\n" * 2000,
+    "\r" * 1500,
+    "x" * 4097,
+]
 
 
 def random_console(rng: random.Random) -> list[tuple[str, str]]:
@@ -61,8 +90,10 @@ def random_console(rng: random.Random) -> list[tuple[str, str]]:
     the next, and now and then a run longer than any the port takes in one step."""
     records = []
     for _ in range(rng.randint(0, 14)):
-        pieces = [rng.choice(LONG_PIECES if rng.random() < 0.05 else PIECES)
-                  for _ in range(rng.randint(0, 30))]  # fmt: skip
+        pieces = [
+            rng.choice(LONG_PIECES if rng.random() < 0.05 else PIECES)
+            for _ in range(rng.randint(0, 30))
+        ]
         if rng.random() < 0.3:
             pieces.append(rng.choice([ESC, ESC + "["]))
         records.append((rng.choice(["stdout", "stdout", "stderr", "logger"]), "".join(pieces)))
