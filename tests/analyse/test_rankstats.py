@@ -16,15 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wbmerge.analyse import (
-    METRIC_BOUND,
-    STATS,
-    PerRank,
-    across_ranks,
-    bound_notice,
-    one_step,
-    stat_key,
-)
+from wbmerge.analyse import STATS, PerRank, across_ranks, bound_notice, stat_key
+from wbmerge.analyse.rankstats import METRIC_BOUND, one_step
 from wbmerge.errors import WbmergeError
 
 NAN, INF = math.nan, math.inf

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.follow import Follower, LiveCut, cut_live, follow, round_lines
+from wbmerge.follow import Follower, follow, round_lines
+from wbmerge.follow.cut import LiveCut, cut_live
 from wbmerge.identify import discover
 from wbmerge.log import read_records
 from wbmerge.sync import MergeRequest, UploadFailed, sync

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.follow import Follower, LiveReaders, NotIncremental, ScannedLog, round_lines
+from wbmerge.follow import Follower, NotIncremental, ScannedLog, round_lines
+from wbmerge.follow.tails import LiveReaders
 from wbmerge.identify import read_identity, scan
 from wbmerge.log import BLOCK_SIZE, FILE_HEADER, pb, read_payloads, write_payloads
 from wbmerge.sync import MergeRequest, sync

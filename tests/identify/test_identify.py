@@ -11,14 +11,11 @@ from click.testing import CliRunner
 
 from wbmerge.cli import main
 from wbmerge.errors import WbmergeError
-from wbmerge.identify import (
-    GivenRank,
-    Hints,
-    RunFacts,
+from wbmerge.identify import Hints, identify, make_hints
+from wbmerge.identify.jobs import GivenRank, RunFacts
+from wbmerge.identify.rankclaims import (
     compile_pattern,
     config_claim,
-    identify,
-    make_hints,
     parse_spelling,
     parse_with_pattern,
 )

@@ -16,12 +16,11 @@ import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
-from wbmerge.identify import (
-    Hints,
-    RunFacts,
+from wbmerge.identify import Hints, identify
+from wbmerge.identify.jobs import RunFacts
+from wbmerge.identify.rankclaims import (
     config_claim,
     gpu_claim,
-    identify,
     launcher_claim,
     parse_spelling,
     slurm_claim,

@@ -24,15 +24,14 @@ from wbmerge.log import (
     FULL,
     LAST,
     MIDDLE,
-    WALKS,
     LogWriter,
     ReadReport,
-    iter_payloads,
     read_head,
     read_payloads,
     walk_segments,
     write_payloads,
 )
+from wbmerge.log.txlog import WALKS, iter_payloads
 from wbmerge.merge import RankReaders
 
 EMPTY_MIDDLE = struct.pack("<IHB", zlib.crc32(bytes([MIDDLE])), 0, MIDDLE)

@@ -10,7 +10,7 @@ import pytest
 from wandb.proto import wandb_internal_pb2 as pb
 
 from wbmerge.errors import WbmergeError
-from wbmerge.merge import labelled_entries, without_logged_entries
+from wbmerge.merge.loggedconfig import labelled_entries, without_logged_entries
 from wbmerge.wandbcore import fold_logged_entries
 
 CHART = {

@@ -24,7 +24,8 @@ from wandb.proto import wandb_internal_pb2 as pb
 from wbmerge import api
 from wbmerge.analyse import PerRank
 from wbmerge.log import read_payloads
-from wbmerge.merge import glob_definitions, label_prefixes
+from wbmerge.merge import glob_definitions
+from wbmerge.merge.metricglobs import label_prefixes
 
 from ..conftest import job_dir
 

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from wbmerge import api
 from wbmerge.cli import main
 from wbmerge.log import pb, read_records
-from wbmerge.merge import moved_files_notice
+from wbmerge.merge.files import moved_files_notice
 from wbmerge.sync import Deliverer
 from wbmerge.upload import Credentials, Delivery, Ledger, ServerClient
 

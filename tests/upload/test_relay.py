@@ -17,7 +17,8 @@ import urllib.request
 import pytest
 
 from wbmerge.errors import WbmergeError
-from wbmerge.upload import Offsets, Relay
+from wbmerge.upload import Relay
+from wbmerge.upload.relayprocess import Offsets
 
 HISTORY, EVENTS, CONSOLE = "wandb-history.jsonl", "wandb-events.jsonl", "output.log"
 

@@ -17,7 +17,8 @@ from itertools import pairwise
 import pytest
 
 from wbmerge.sync import MergeRequest, UploadFailed, sync
-from wbmerge.upload import PATIENCE, START_COST, batch_lanes, batch_size, runs_to_ask
+from wbmerge.upload import batch_lanes, batch_size, runs_to_ask
+from wbmerge.upload.batches import PATIENCE, START_COST
 
 from ..conftest import job_dir
 from ..e2e.test_sync import assert_shared, sources_of

@@ -21,7 +21,8 @@ import pytest
 from click.testing import CliRunner
 
 from wbmerge.cli import main
-from wbmerge.upload import RUN_RESUME_STATUS, last_stop
+from wbmerge.upload.serverclient import RUN_RESUME_STATUS
+from wbmerge.upload.settle import last_stop
 
 from ..conftest import interruptible, job_dir
 from ..e2e.test_sync import tree_digest

@@ -14,19 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.upload import (
-    SETTLE,
-    STANDBY,
-    Ledger,
-    clean_stale,
-    command_line,
-    last_stop,
-    make_staging,
-    note_stopped,
-    run_locks,
-    server_key,
-    wait_settled,
-)
+from wbmerge.upload import STANDBY, Ledger, clean_stale, make_staging, run_locks, wait_settled
+from wbmerge.upload.ledger import server_key
+from wbmerge.upload.processes import command_line
+from wbmerge.upload.settle import SETTLE, last_stop, note_stopped
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from wbmerge.sync import Deliverer
-from wbmerge.upload import Credentials, Delivery, Ledger, ServerClient, Uploader, last_stop
+from wbmerge.upload import Credentials, Delivery, Ledger, ServerClient, Uploader
+from wbmerge.upload.settle import last_stop
 
 from ..conftest import job_dir
 from ..support.sinktools import console_text, expected_from_log

@@ -12,7 +12,8 @@ import pytest
 
 from wbmerge.merge import LoggedArtifact
 from wbmerge.upload import Delivery
-from wbmerge.verify import artifactcheck, artifacts_missing
+from wbmerge.verify import artifactcheck
+from wbmerge.verify.artifactcheck import artifacts_missing
 
 from ..upload.test_server_client import GraphQLDouble, client_of, serving
 

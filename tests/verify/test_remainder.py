@@ -14,7 +14,6 @@ from wbmerge.log import pb, read_records, txlog
 from wbmerge.upload import Held
 from wbmerge.verify import (
     Mismatch,
-    Remainder,
     history_row,
     remainder,
     same_value,
@@ -23,6 +22,7 @@ from wbmerge.verify import (
     with_last_row,
     write_remainder,
 )
+from wbmerge.verify.remainder import Remainder
 from wbmerge.wandbcore import Console, StagedContent, read_logged_run, read_staged
 
 from ..conftest import fixture_logs, job_dir

@@ -18,7 +18,8 @@ from click.testing import CliRunner
 
 from wbmerge.cli import main
 from wbmerge.training import RankInfo
-from wbmerge.verify import compare_steps, halves, room, sampled, spans, windows
+from wbmerge.verify import halves, room, sampled, spans, windows
+from wbmerge.verify.rowcheck import compare_steps
 
 from ..support import synthetic
 from ..support.sinktools import expected_from_log

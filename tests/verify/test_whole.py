@@ -10,13 +10,8 @@ from dataclasses import replace
 import pytest
 
 from wbmerge.upload import Held, RunListing
-from wbmerge.verify import (
-    files_changed,
-    files_expected,
-    files_missing,
-    made_files_stale,
-    not_held_whole,
-)
+from wbmerge.verify import made_files_stale, not_held_whole
+from wbmerge.verify.whole import files_changed, files_expected, files_missing
 from wbmerge.wandbcore import LoggedRun, StagedContent
 
 STAGED = StagedContent(step_items=(0, 1, 2, 5, 9), events=3, console_lines=4)

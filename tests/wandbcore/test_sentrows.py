@@ -15,8 +15,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from wbmerge.log import pb
-from wbmerge.wandbcore import NOT_JSON, item_step, json_int, json_value, sent_steps, with_step
-from wbmerge.wandbcore.sentrows import bare_number
+from wbmerge.wandbcore import item_step, json_value, sent_steps, with_step
+from wbmerge.wandbcore.sentrows import NOT_JSON, bare_number, json_int
 
 from ..support.ranklogs import history_record
 from ..support.steprows import INT64_MAX, INT64_MIN, ODD_ROWS

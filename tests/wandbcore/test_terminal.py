@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.wandbcore import MAX_LINE, TERMINAL_HEIGHT, Console, output_log
+from wbmerge.wandbcore import Console
+from wbmerge.wandbcore.terminal import MAX_LINE, TERMINAL_HEIGHT, output_log
 
 from ..support.emulator_reference import reference_output_log
 

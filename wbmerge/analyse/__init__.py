@@ -10,7 +10,6 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 from .rankstats import (
-    METRIC_BOUND,
     STATS,
     AcrossRanks,
     PerRank,
@@ -18,7 +17,6 @@ from .rankstats import (
     bound_notice,
     dense_ids,
     last_of_each,
-    one_step,
     stat_key,
 )
 from .spread import spread_of
@@ -56,7 +54,6 @@ __all__ = [
     "AcrossRanks",
     "ExportResult",
     "JobReport",
-    "METRIC_BOUND",
     "PerRank",
     "STATS",
     "across_ranks",
@@ -66,7 +63,6 @@ __all__ = [
     "format_html",
     "format_report",
     "last_of_each",
-    "one_step",
     "outliers",
     "per_value",
     "report",

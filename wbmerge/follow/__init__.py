@@ -27,25 +27,20 @@ from ..errors import RERUN, WbmergeError
 from ..sync import MergeRequest, SyncReport, UploadFailed, sigterm_raises, sync
 from ..upload import ServerError
 from . import saved
-from .cut import LiveCut, cut_live
 from .lines import idle_warning, round_lines
 from .live import find_live_runs
 from .rounds import RESTART_GRACE, Follower, RoundReport, TargetRound
-from .tails import LiveReaders, NotIncremental, ScannedLog
+from .tails import NotIncremental, ScannedLog
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT",
     "DEFAULT_INTERVAL",
     "FollowReport",
     "Follower",
-    "LiveCut",
-    "LiveReaders",
     "NotIncremental",
     "RoundReport",
     "ScannedLog",
-    "TargetRound",
     "check_seconds",
-    "cut_live",
     "find_live_runs",
     "follow",
     "idle_warning",

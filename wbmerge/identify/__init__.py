@@ -23,50 +23,32 @@ from .discover import (
 )
 from .hints import make_hints
 from .inspection import format_inspection, inspect_runs, unreadable_summary
-from .jobs import GivenRank, Hints, RunFacts, few, identify
+from .jobs import Hints, few, identify
 from .merged import MergedBy, merged_by
 from .offlinerun import OfflineRun, RunStats, read_identity, scan
-from .rankclaims import (
-    compile_pattern,
-    config_claim,
-    gpu_claim,
-    launcher_claim,
-    parse_spelling,
-    parse_with_pattern,
-    slurm_claim,
-)
 
 __all__ = [
-    "GivenRank",
     "Hints",
     "Job",
     "MergedBy",
     "OfflineRun",
-    "RunFacts",
     "RunStats",
-    "compile_pattern",
-    "config_claim",
     "discover",
     "few",
     "few_ranks",
     "find_invalid_records",
     "find_run_files",
     "format_inspection",
-    "gpu_claim",
     "group_jobs",
     "identify",
     "identify_runs",
     "inspect_runs",
-    "launcher_claim",
     "make_hints",
     "merged_by",
     "merged_jobs",
     "merged_runs",
-    "parse_spelling",
-    "parse_with_pattern",
     "read_identity",
     "scan",
     "selects_merged",
-    "slurm_claim",
     "unreadable_summary",
 ]

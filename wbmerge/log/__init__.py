@@ -11,7 +11,7 @@ servers: every later stage reads logs through this package.
 from importlib import import_module
 
 from . import digest
-from .kinds import KINDS, KindRule, PassThrough, Shared, passthrough_rewrites, shared_kept
+from .kinds import KINDS, PassThrough, Shared, passthrough_rewrites, shared_kept
 from .proto import item_path, pb
 from .records import read_records, record_kind
 from .steps import RESERVED, Steps, restep
@@ -23,12 +23,10 @@ from .txlog import (
     FULL,
     LAST,
     MIDDLE,
-    WALKS,
     Frames,
     LogWriter,
     ReadReport,
     Walked,
-    iter_payloads,
     read_frames,
     read_head,
     read_payloads,
@@ -49,7 +47,6 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "KINDS",
-    "KindRule",
     "PassThrough",
     "Shared",
     "passthrough_rewrites",
@@ -66,12 +63,10 @@ __all__ = [
     "RESERVED",
     "ReadReport",
     "Steps",
-    "WALKS",
     "Walked",
     "digest",
     "item_path",
     "items",
-    "iter_payloads",
     "pb",
     "read_frames",
     "read_head",

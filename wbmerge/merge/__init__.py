@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING
 
 from .artifactfiles import LoggedArtifact
 from .console import Spools, write_console_and_stats
-from .files import check_files, files_from_dirs, moved_files_notice
-from .loggedconfig import labelled_entries, without_logged_entries
-from .metricglobs import glob_definitions, label_prefixes
+from .files import check_files, files_from_dirs
+from .metricglobs import glob_definitions
 from .options import DEFAULT_KEY_FORMAT, MergeOptions, check_key_format
 from .passthrough import HeldUntilTheRunRecord, passed_record
 from .readers import RankReaders, SourceRead
@@ -51,9 +50,6 @@ __all__ = [
     "check_key_format",
     "files_from_dirs",
     "glob_definitions",
-    "label_prefixes",
-    "labelled_entries",
-    "moved_files_notice",
     "name_id",
     "names_of",
     "new_run_dir",
@@ -62,7 +58,6 @@ __all__ = [
     "shared",
     "stage",
     "staged_with_files",
-    "without_logged_entries",
     "write_console_and_stats",
 ]
 

@@ -13,7 +13,7 @@ sync`; a follow runs the same flow a round at a time). The modules, one job each
 
 from __future__ import annotations
 
-from .audit import RunVerdict, UploadedBy, VerifyReport, verify_jobs
+from .audit import UploadedBy, VerifyReport, verify_jobs
 from .exactlyonce import Deliverer
 from .pipeline import (
     PlannedJob,
@@ -27,7 +27,6 @@ from .pipeline import (
 )
 from .request import (
     MergeRequest,
-    OptionType,
     RequestOptions,
     Spelling,
     ignored_options,
@@ -37,7 +36,6 @@ from .request import (
 from .session import UploadSession, delivery_of
 
 __all__ = [
-    "RunVerdict",
     "UploadedBy",
     "VerifyReport",
     "verify_jobs",
@@ -45,7 +43,6 @@ __all__ = [
     "ignored_options",
     "merge_jobs",
     "MergeRequest",
-    "OptionType",
     "Spelling",
     "request_fields",
     "option_names",

@@ -19,15 +19,13 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 from __future__ import annotations
 
 from . import serverclient
-from .batches import PATIENCE, START_COST, UploadSlots, batch_lanes, batch_size, runs_to_ask
+from .batches import UploadSlots, batch_lanes, batch_size, runs_to_ask
 from .credentials import Credentials, find_credentials
 from .delivery import Delivery, DeliveryReport, Progress
-from .ledger import Ledger, run_locks, server_key, state_dir
-from .processes import command_line
+from .ledger import Ledger, run_locks, state_dir
 from .relay import Relay
-from .relayprocess import Offsets
-from .serverclient import RUN_RESUME_STATUS, Held, RunListing, ServerClient, ServerError
-from .settle import SETTLE, last_stop, note_stopped, wait_settled
+from .serverclient import Held, RunListing, ServerClient, ServerError
+from .settle import wait_settled
 from .stagingdirs import (
     OwnerRecord,
     clean_stale,
@@ -43,7 +41,6 @@ __all__ = [
     "batch_lanes",
     "batch_size",
     "clean_stale",
-    "command_line",
     "Credentials",
     "DEFAULT_PARALLEL",
     "DEFAULT_TIMEOUT",
@@ -51,29 +48,21 @@ __all__ = [
     "DeliveryReport",
     "find_credentials",
     "Held",
-    "last_stop",
     "Ledger",
     "make_staging",
-    "note_stopped",
-    "Offsets",
     "OwnerRecord",
-    "PATIENCE",
     "Progress",
     "Relay",
     "run_locks",
-    "RUN_RESUME_STATUS",
     "RunListing",
     "runs_to_ask",
-    "server_key",
     "serverclient",
     "ServerClient",
     "ServerError",
-    "SETTLE",
     "staged_files",
     "staged_md5s",
     "staging_root",
     "STANDBY",
-    "START_COST",
     "state_dir",
     "Uploader",
     "UploadSlots",

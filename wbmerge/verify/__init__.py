@@ -16,7 +16,6 @@ after it, the server's run against the staged one. The modules, one job each:
 from __future__ import annotations
 
 from . import artifactcheck
-from .artifactcheck import artifacts_missing
 from .proof import AFTER_UPLOAD, WHOLE, RunOnServer, counts, prove
 from .readback import (
     COUNTS_LAG,
@@ -24,14 +23,10 @@ from .readback import (
     RowsLost,
     counts_behind,
     counts_caught_up,
-    not_whole_on_server,
-    rows_held,
     rows_not_held,
-    saved_files_missing,
 )
 from .remainder import (
     Mismatch,
-    Remainder,
     history_row,
     keeps_no_config,
     not_a_beginning,
@@ -43,15 +38,10 @@ from .remainder import (
     with_last_row,
     write_remainder,
 )
-from .rowcheck import compare_steps, halves, room, sampled, spans, windows
+from .rowcheck import halves, room, sampled, spans, windows
 from .sourcecheck import expected_of, lacking_line, source_shortfall
 from .whole import (
-    READ_BACK,
-    files_changed,
-    files_expected,
-    files_missing,
     made_files_stale,
-    metric_definitions_missing,
     not_held_whole,
 )
 
@@ -66,33 +56,22 @@ __all__ = [
     "counts",
     "prove",
     "artifactcheck",
-    "artifacts_missing",
-    "compare_steps",
     "expected_of",
-    "files_changed",
-    "files_expected",
-    "files_missing",
     "halves",
     "history_row",
     "lacking_line",
     "made_files_stale",
-    "metric_definitions_missing",
     "Mismatch",
     "not_a_beginning",
     "not_held_whole",
-    "not_whole_on_server",
-    "READ_BACK",
-    "Remainder",
     "remainder",
     "keeps_no_config",
     "resend_whole",
     "room",
-    "rows_held",
     "rows_not_held",
     "RowsLost",
     "same_value",
     "sampled",
-    "saved_files_missing",
     "sends_no_row",
     "shortfall",
     "source_shortfall",

@@ -13,9 +13,9 @@ pure: it reads logs, never a server.
 from .content import ContentCounter, LoggedRun, StagedContent, read_logged_run, read_staged
 from .loggedentries import KEYED_KINDS, entries_missing, fold_logged_entries
 from .metricdefs import Definition, definitions_missing, held_definitions
-from .sentrows import NOT_JSON, item_step, json_int, json_value, sent_steps, with_step
+from .sentrows import item_step, json_value, sent_steps, with_step
 from .stepruns import StepRuns
-from .terminal import MAX_LINE, TERMINAL_HEIGHT, Console, output_log
+from .terminal import Console
 
 __all__ = [
     "Console",
@@ -23,20 +23,15 @@ __all__ = [
     "ContentCounter",
     "Definition",
     "LoggedRun",
-    "MAX_LINE",
-    "NOT_JSON",
     "StagedContent",
     "StepRuns",
-    "TERMINAL_HEIGHT",
     "content",
     "definitions_missing",
     "entries_missing",
     "fold_logged_entries",
     "held_definitions",
     "item_step",
-    "json_int",
     "json_value",
-    "output_log",
     "read_logged_run",
     "read_staged",
     "sent_steps",
