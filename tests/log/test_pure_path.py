@@ -29,6 +29,8 @@ def test_the_core_passes_on_the_python_twins_of_the_compiled_kernels():
             "-p",
             "no:cacheprovider",
             "-x",
+            "-n",  # (one process: this test runs inside a worker of the suite already)
+            "0",
             *(f"tests/{name}" for name in CORE),
         ],
         cwd=ROOT,
