@@ -23,7 +23,13 @@ from wbmerge.verify import (
     write_remainder,
 )
 from wbmerge.verify.remainder import Remainder
-from wbmerge.wandbcore import Console, StagedContent, read_logged_run, read_staged
+from wbmerge.wandbcore import (
+    Console,
+    StagedContent,
+    read_logged_config,
+    read_logged_run,
+    read_staged,
+)
 
 from ..conftest import fixture_logs, job_dir
 from ..support.emulator_reference import reference_output_log
@@ -451,6 +457,40 @@ def test_read_logged_run_folds_config_and_summary_as_protobuf_reads_them():
         assert logged.names[1:] == (want.group, want.job_type), log
         checked += bool(want.summary)
     assert checked > 40
+
+
+def test_read_logged_config_is_the_config_read_logged_run_folds(tmp_path):
+    """`read_logged_config` reads only run and config records, to skip a summary record a
+    step: on every fixture log, and on one whose config a later record changes and removes,
+    it gives what the whole read (`read_logged_run`) gives."""
+    changed = tmp_path / "run-c.wandb"
+    txlog.write_payloads(
+        changed,
+        [
+            pb.Record(
+                run=pb.RunRecord(run_id="c", config=config_record(a=1, opt={"lr": 1}))
+            ).SerializeToString(),
+            pb.Record(summary=pb.SummaryRecord()).SerializeToString(),
+            pb.Record(config=config_record(a=2, b=3)).SerializeToString(),
+            pb.Record(config=pb.ConfigRecord(remove=[pb.ConfigItem(key="b")])).SerializeToString(),
+        ],
+    )
+    assert read_logged_config(changed) == {"a": 2, "opt": {"lr": 1}}
+    checked = 0
+    for log in [*fixture_logs(), changed]:
+        try:
+            whole = read_logged_run(log, console_limit=0).config
+        except (NotATransactionLog, ValueError):
+            continue
+        assert read_logged_config(log) == whole, log
+        checked += bool(whole)
+    assert checked > 40
+
+
+def config_record(**values) -> pb.ConfigRecord:
+    return pb.ConfigRecord(
+        update=[pb.ConfigItem(key=k, value_json=json.dumps(v)) for k, v in values.items()]
+    )
 
 
 def console_log(tmp_path, texts: list[str], logger: bool = False):

@@ -66,7 +66,7 @@ from ..verify import (
     with_last_row,
     write_remainder,
 )
-from ..wandbcore import StagedContent, read_logged_run, read_staged
+from ..wandbcore import StagedContent, read_logged_config, read_staged
 
 # Runs of one batch checked at once after their upload: one at a time, the checks of 256
 # small runs fell 2 s behind the upload (each waits on a server busy with the upload).
@@ -239,7 +239,7 @@ class Deliverer:
         """The config the staged log gives its run; a Mismatch when it holds a value
         that is not JSON (the server's config could not be compared with it)."""
         try:
-            return read_logged_run(delivery.log, console_limit=0).config
+            return read_logged_config(delivery.log)
         except ValueError as exc:
             raise Mismatch(f"its config cannot be read ({exc})", resend_mends=False) from None
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..upload import Delivery, Held, ServerClient
-from ..wandbcore import StagedContent, read_logged_run
+from ..wandbcore import StagedContent, read_logged_config
 from .artifactcheck import artifacts_missing
 from .readback import not_whole_on_server, rows_held, saved_files_missing
 from .remainder import shortfall
@@ -60,10 +60,10 @@ def config(run: RunOnServer) -> list[str]:
     if run.delivery.row_before is not None:
         return []
     try:
-        logged = read_logged_run(run.delivery.log, console_limit=0)
+        logged = read_logged_config(run.delivery.log)
     except ValueError as exc:  # (a value that is not JSON: nothing to compare with)
         return [f"its config cannot be read ({exc})"]
-    return config_not_logged(run.held, logged.config)
+    return config_not_logged(run.held, logged)
 
 
 def saved_files(run: RunOnServer) -> list[str]:

@@ -10,7 +10,14 @@ read at a time (its rows' steps as `stepruns`, runs of consecutive steps). All o
 pure: it reads logs, never a server.
 """
 
-from .content import ContentCounter, LoggedRun, StagedContent, read_logged_run, read_staged
+from .content import (
+    ContentCounter,
+    LoggedRun,
+    StagedContent,
+    read_logged_config,
+    read_logged_run,
+    read_staged,
+)
 from .loggedentries import KEYED_KINDS, entries_missing, fold_logged_entries
 from .metricdefs import Definition, definitions_missing, held_definitions
 from .sentrows import item_step, json_value, sent_steps, with_step
@@ -32,6 +39,7 @@ __all__ = [
     "held_definitions",
     "item_step",
     "json_value",
+    "read_logged_config",
     "read_logged_run",
     "read_staged",
     "sent_steps",

@@ -171,6 +171,18 @@ def read_logged_run(log: Path, console_limit: int = 64 << 20) -> LoggedRun:
     return LoggedRun(names, tuple(first.tags), config, summary, text)
 
 
+def read_logged_config(log: Path) -> dict:
+    """The config a log's records give its run (`LoggedRun.config`), reading only its run
+    and config records: a run's summary records, one a step, cost most of a whole read
+    (ValueError for a value that is not JSON)."""
+    config: dict = {}
+    for read in records.read_indexed(log):
+        for index in read.of("run", "config").tolist():
+            record = pb.Record.FromString(read.frames.payload(index))
+            _apply(config, record.run.config if record.HasField("run") else record.config)
+    return config
+
+
 def _apply(tree: dict, change: pb.ConfigRecord | pb.SummaryRecord) -> None:
     """Apply a config or summary record's updates, then its removals, to `tree`."""
     for item in change.update:
