@@ -340,7 +340,8 @@ def test_rows_read_back_before_are_not_read_again_if_the_server_held_them_before
     tmp_path, checked, rows_cut, first_asked
 ):
     from wbmerge.upload import Delivery, Held
-    from wbmerge.verify import Remainder, rows_not_held, write_remainder
+    from wbmerge.verify import rows_not_held, write_remainder
+    from wbmerge.verify.remainder import Remainder
     from wbmerge.wandbcore import read_staged
 
     source = synthetic_job(tmp_path, steps=50)
