@@ -32,10 +32,14 @@ class GraphQLDouble(BaseHTTPRequestHandler):
 
     busy: tuple[int, ...] = ()  # statuses answered (in turn) before the real answers
     retry_after: str | None = None  # the Retry-After header of those answers
+    late: int = 0  # the first this many questions are answered only after `late_by` seconds
+    late_by = 2.0
 
     def do_POST(self):  # (the name http.server calls)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.seen.append((self.client_address[1], body["variables"].get("name")))
+        if len(self.server.seen) <= self.late:
+            time.sleep(self.late_by)  # (past the client's timeout: it has given up)
         if len(self.server.seen) <= len(self.busy):
             self.send_response(self.busy[len(self.server.seen) - 1])
             if self.retry_after is not None:
@@ -61,6 +65,12 @@ class GraphQLDouble(BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+    def handle(self):
+        try:
+            super().handle()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # (a client that gave up on a late answer has closed the connection)
 
 
 def serving(double: type, settings: dict):
@@ -297,6 +307,32 @@ def test_a_server_that_stays_rate_limited_fails_after_the_retry_budget(server):
         client.held("me", "p", "run-0")
     assert 2.0 <= time.monotonic() - began  # it waited as told (no upper bound: a busy machine)
     assert len(server.seen) == 3  # asked at 0, 1 and 2 s; a third wait would pass the budget
+
+
+@pytest.mark.parametrize("server", [{"late": 2}], indirect=True)
+def test_a_question_answered_too_late_is_asked_again(server):
+    # A loaded server (or machine) answers after the client's timeout: read-only questions
+    # are asked again, backing off, the time spent counted in the retry budget. Before,
+    # the first late answer failed the run ("cannot reach W&B ...: timed out").
+    held = client_of(server, timeout=0.5).held("me", "p", "run-0")
+    assert held.history_lines == 7
+    assert [name for _, name in server.seen] == ["run-0"] * 3
+
+
+@pytest.mark.parametrize("server", [{"late": 100, "late_by": 1.0}], indirect=True)
+def test_a_server_that_stays_late_fails_after_the_retry_budget(server):
+    client = client_of(server, timeout=0.3, retry_budget=2.0)
+    with pytest.raises(ServerError, match=r"cannot reach W&B at .*: timed out"):
+        client.held("me", "p", "run-0")
+    assert len(server.seen) == 2  # at 0 and 1.3 s; a third try (2.3 + 0.3 s) passes 2 s
+
+
+@pytest.mark.parametrize("server", [{"late": 1}], indirect=True)
+def test_the_first_question_of_a_session_is_not_asked_again(server):
+    # A server that does not answer who the key belongs to fails the sync in seconds.
+    with pytest.raises(ServerError, match=r"cannot reach W&B at .*: timed out"):
+        client_of(server, timeout=0.5).viewer_entity()
+    assert len(server.seen) == 1
 
 
 @pytest.mark.parametrize("server", [{"busy": (500,)}], indirect=True)

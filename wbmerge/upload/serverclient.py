@@ -42,6 +42,10 @@ KEEP_OPEN = 16  # connections kept between questions, for threads asking at once
 # question, and only then fails.
 RETRIED = frozenset({429, 502, 503, 504})
 RETRY_BUDGET = 60.0
+# A question not answered within the client's timeout is asked again in the same way, the
+# time it waited counted in the budget: a loaded server (or machine) answers late, and
+# these questions only read. Not the first question of a session (`viewer_entity`): a
+# server that does not answer it fails in seconds, naming the URL.
 
 VIEWER = "query Viewer { viewer { id entity username } }"
 
@@ -198,22 +202,30 @@ class ServerClient:
         this client's retries; a ServerError for anything but an answer."""
         return self._query(query, variables, name)
 
-    def _query(self, query: str, variables: dict[str, Any], name: str) -> dict[str, Any]:
+    def _query(
+        self, query: str, variables: dict[str, Any], name: str, again_if_late: bool = True
+    ) -> dict[str, Any]:
         body = json.dumps({"query": query, "variables": variables, "operationName": name})
         waited, attempt = 0.0, 0
         while True:
+            spent = 0.0  # (seconds the question itself took, when it went unanswered)
             try:
                 status, data, retry_after = self._post(body.encode())
             except (OSError, http.client.HTTPException) as exc:
                 reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
-                raise ServerError(f"cannot reach W&B at {self.url}: {reason}") from None
-            if status not in RETRIED:
+                late = isinstance(exc, TimeoutError) or isinstance(reason, TimeoutError)
+                if not (late and again_if_late):
+                    raise ServerError(f"cannot reach W&B at {self.url}: {reason}") from None
+                status, data, retry_after, spent = 0, b"", None, self.timeout
+            if status and status not in RETRIED:
                 break
             pause = min(2.0**attempt if retry_after is None else retry_after, 30.0)
-            if waited + pause > self.retry_budget:
+            if waited + spent + pause > self.retry_budget:
+                if not status:
+                    raise ServerError(f"cannot reach W&B at {self.url}: timed out") from None
                 break  # (said below, as any other answer that is not an answer)
             time.sleep(pause)
-            waited, attempt = waited + pause, attempt + 1
+            waited, attempt = waited + spent + pause, attempt + 1
         if status in (401, 403):
             raise ServerError(f"{self.url} refused the API key (HTTP {status})")
         if status >= 300:
@@ -285,7 +297,7 @@ class ServerClient:
 
     def viewer_entity(self) -> str | None:
         """Check that the server answers and takes the key; returns the key's default entity."""
-        viewer = self._query(VIEWER, {}, "Viewer").get("viewer") or {}
+        viewer = self._query(VIEWER, {}, "Viewer", again_if_late=False).get("viewer") or {}
         entity = viewer.get("entity")
         return entity if isinstance(entity, str) and entity else None
 
