@@ -146,15 +146,15 @@ def test_unreachable_server_is_a_failure_not_success(tmp_path):
         (
             ["--key-format", "{key:>99999999999}/{label}"],
             "bad --key-format '{key:>99999999999}/{label}': {key} may have at most an "
-            "alignment and a width or precision of up to 3 digits",
+            "alignment and a width of up to 3 digits",
         ),
         (["--key-format", "{key}/{label:{key}}"], "{label} may have at most an alignment"),
         (["--key-format", "{key.__class__}/{label}"], "no field {key.__class__} (it may use"),
-        # (the docs allow an alignment, a width and a precision: a conversion is none)
+        # (the docs allow an alignment and a width: a conversion is neither)
         (
             ["--key-format", "{key}{label!r}"],
             "bad --key-format '{key}{label!r}': {label!r} converts the label; a field may have "
-            "only an alignment and a width or precision of up to 3 digits (e.g. {label:>8})",
+            "only an alignment and a width of up to 3 digits (e.g. {label:>8})",
         ),
         (["--key-format", "{key!s}/{label}"], "{key!s} converts the key; a field may have"),
         # (it holds both fields: what is wrong is that the label is cut to nothing)
@@ -190,7 +190,24 @@ def test_an_empty_base_id_is_refused_by_every_command(tmp_path, command):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_precision_that_cuts_nothing_is_taken():
+@pytest.mark.parametrize(
+    "key_format, field, cut",
+    [
+        ("{key}/{label:.6}", "{label:.6}", "label short, so the keys of two ranks"),
+        ("{key:.100}/{label:>8}", "{key:.100}", "key short, so two keys"),
+    ],
+)
+def test_a_precision_is_refused_though_the_sample_stays_whole(key_format, field, cut):
+    # `{label:.6}` keeps `rank-3` whole but makes `rank-10` `rank-1`: ranks 1 and 10 would
+    # log into one key. Before, such a format was taken, its sample being whole.
+    assert_one_line_error(
+        run("sync", job_dir("one_node_4"), "--dry-run", "--key-format", key_format),
+        f"bad --key-format {key_format!r}: {field} has a precision, which cuts any longer "
+        f"{cut} could be one",
+    )
+
+
+def test_a_width_and_an_alignment_are_taken():
     result = run(
         "sync",
         job_dir("one_node_4"),
@@ -198,7 +215,7 @@ def test_a_precision_that_cuts_nothing_is_taken():
         "--run-mode",
         "shared",
         "--key-format",
-        "{key:.100}/{label:>8.50}",
+        "{key:<100}/{label:>8}",
     )
     assert result.exit_code == 0, result.stderr
 

@@ -13,11 +13,12 @@ from ..errors import WbmergeError
 
 DEFAULT_KEY_FORMAT = "{key}/{label}"
 
-# A field's format spec in --key-format: an alignment (with its fill) and a width and/or
-# precision, each of at most 3 digits. Any other spec is refused before it is used: a
-# width of 99999999999 made every key a string of that many characters (MemoryError).
+# A field's format spec in --key-format: an alignment (with its fill) and a width of at
+# most 3 digits. Any other spec is refused before it is used: a width of 99999999999 made
+# every key a string of that many characters (MemoryError). A precision is read, to be
+# refused by name: it cuts a key or label longer than it short.
 _KEY_SPEC = re.compile(r"(.?[<>^])?(?P<width>\d{0,3})(\.(?P<precision>\d{1,3}))?")
-# A key and a label a format is tried on: a precision that cuts either is refused.
+# A key and a label a format is tried on, to show what a precision cuts.
 _SAMPLES = {"key": "train/loss", "label": "rank-3"}
 
 
@@ -40,24 +41,31 @@ def check_key_format(key_format: str) -> str:
         if conversion is not None:
             raise WbmergeError(
                 f"{bad}: {{{name}!{conversion}}} converts the {name}; a field may have only "
-                "an alignment and a width or precision of up to 3 digits (e.g. {label:>8})"
+                "an alignment and a width of up to 3 digits (e.g. {label:>8})"
             )
         if not _KEY_SPEC.fullmatch(spec or ""):
             raise WbmergeError(
-                f"{bad}: {{{name}}} may have at most an alignment and a width or precision "
-                "of up to 3 digits (e.g. {label:>8})"
+                f"{bad}: {{{name}}} may have at most an alignment and a width of up to 3 "
+                "digits (e.g. {label:>8})"
             )
         sample = _SAMPLES[name]
         try:
             formatted = format(sample, spec)
         except ValueError as exc:
             raise WbmergeError(f"{bad}: {exc}") from None
+        which = "the keys of two ranks" if name == "label" else "two keys"
         if sample not in formatted:
             cut = formatted.strip()
-            which = "the keys of two ranks" if name == "label" else "two keys"
             raise WbmergeError(
                 f"{bad}: {{{name}:{spec}}} cuts the {name} short ({sample!r} becomes "
                 f"{cut!r}), so {which} could be one"
+            )
+        if _KEY_SPEC.fullmatch(spec or "")["precision"] is not None:
+            # (one that keeps this sample whole cuts a longer one: `.6` makes rank-10 rank-1)
+            raise WbmergeError(
+                f"{bad}: {{{name}:{spec}}} has a precision, which cuts any longer {name} "
+                f"short, so {which} could be one; give an alignment and a width only "
+                "(e.g. {label:>8})"
             )
     try:
         sample = key_format.format(**_SAMPLES)
