@@ -311,23 +311,19 @@ def test_sink_serve_says_what_it_models(tmp_path):
     )
 
 
-# -- config merged at every depth (wandb#11055), in both modes ---------------------------------
+# -- config merged key by key (wandb#11055, wandb#9844), in both modes ------------------------
 
 
 @pytest.mark.parametrize("like", [None, LikeWandb.all_on()], ids=["ideal", "like-wandb"])
-def test_config_is_merged_into_objects_at_every_depth_and_never_loses_a_key(tmp_path, like):
-    # The run: {b: 1, a: {a: 1}}, updated with {c: 2, a: {b: 2}}, reads back as
-    # {b: 1, c: 2, a: {a: 1, b: 2}}. Anything but two objects is replaced.
+def test_config_keeps_every_key_once_sent_and_replaces_a_value_whole(tmp_path, like):
+    # A key deleted from a run's config stays on the server (#11055: `b`); a nested
+    # object sent again through wandb's uploader is replaced whole (#9844: `data` lost
+    # `key1`).
     store = make_store(tmp_path, like)
-    first = {"b": {"value": 1}, "a": {"value": {"a": 1}}, "opt": {"value": {"lr": [1, 2]}}}
+    first = {"b": {"value": 1}, "data": {"value": {"key1": 1}}}
     store.upsert_run(*RUN, {"config": json.dumps(first)})
-    update = {"c": {"value": 2}, "a": {"value": {"b": 2}}, "opt": {"value": {"lr": [3]}}}
-    store.upsert_run(*RUN, {"config": json.dumps(update)})
+    store.upsert_run(*RUN, {"config": json.dumps({"data": {"value": {"new": 42}}})})
     assert json.loads(store.reported_run(*RUN)["raw_config"]) == {
         "b": {"value": 1},
-        "c": {"value": 2},
-        "a": {"value": {"a": 1, "b": 2}},
-        "opt": {"value": {"lr": [3]}},  # (a list is replaced, not merged)
+        "data": {"value": {"new": 42}},
     }
-    store.upsert_run(*RUN, {"config": json.dumps({"a": {"value": 7}})})
-    assert json.loads(store.reported_run(*RUN)["raw_config"])["a"] == {"value": 7}

@@ -137,13 +137,10 @@ def test_a_run_holding_more_system_metric_rows_is_told_what_mends_it(sink, tmp_p
 LEFT_BEHIND = {  # what the first upload leaves that sending the run again cannot remove
     "console": "the server holds 40 console lines, more than the 8 staged",
     "config": "the server's config holds old_only, which the staged run does not",
-    # W&B merges a config object into the one it holds (wandb#11055): a key inside stays.
-    "nested config": "the server's config holds opt.old_only, which the staged run does not",
 }
 CONFIGS = {  # the config of the first sources and of the second, by case
     "console": (None, None),
     "config": ({"old_only": 1}, None),
-    "nested config": ({"opt": {"lr": 1, "old_only": 2}}, {"opt": {"lr": 1}}),
 }
 
 
@@ -151,10 +148,9 @@ CONFIGS = {  # the config of the first sources and of the second, by case
 def test_resend_refuses_sources_whose_run_would_keep_the_first_uploads_lines_or_keys(
     sink, tmp_path, left
 ):
-    """Synced from sources of 40 console lines or a config key `old_only` (at the top, or
-    inside an object), then sent again from sources of 8 lines and without the key: lines
-    9-40 and the key would stay on the server, so the run is refused, left as it was, and
-    told what mends it."""
+    """Synced from sources of 40 console lines or a config key `old_only`, then sent again
+    from sources of 8 lines and without the key: lines 9-40 and the key would stay on the
+    server, so the run is refused, left as it was, and told what mends it."""
     config_before, config_after = CONFIGS[left]
     write(
         tmp_path / "before",
@@ -166,7 +162,7 @@ def test_resend_refuses_sources_whose_run_would_keep_the_first_uploads_lines_or_
     assert sync(sink, tmp_path, tmp_path / "before").exit_code == 0
     before = sink.client.run("local", "resent", JOB)
     resent = sync(sink, tmp_path, tmp_path / "after", "--resend")
-    (line, _) = error_lines(resent) or [resent.stderr, None]
+    (line, _) = error_lines(resent)
     assert line.startswith(
         f"wbmerge: error: run {JOB}: {LEFT_BEHIND[left]}, and sending the "
         "run again cannot remove them"
@@ -178,22 +174,37 @@ def test_resend_refuses_sources_whose_run_would_keep_the_first_uploads_lines_or_
 def test_a_run_left_with_a_config_key_the_files_lack_is_refused_naming_what_mends_it(
     sink, tmp_path
 ):
-    """The same rows, synced first from sources whose config object `opt` holds a key the
+    """The same rows, synced first from sources whose config holds a key `old_only` the
     second sources lack, then from the second on a machine without the first's record:
-    W&B merges the config it is sent into the one it holds (wandb#11055), so `opt.old_only`
-    would stay on the server whatever is sent. Before the config was compared, this sync
-    said "verified" while the run kept the first upload's key."""
-    write(tmp_path / "before", seed=0, config={"opt": {"lr": 1, "old_only": 2}})
-    write(tmp_path / "after", seed=0, config={"opt": {"lr": 1}})
+    the server keeps a config key once sent (wandb#11055), so `old_only` would stay
+    whatever is sent. Before the config was compared, this sync said "verified" while the
+    run kept the first upload's key."""
+    write(tmp_path / "before", seed=0, config={"lr": 1, "old_only": 2})
+    write(tmp_path / "after", seed=0, config={"lr": 1})
     assert sync(sink, tmp_path, tmp_path / "before").exit_code == 0
     before = sink.client.run("local", "resent", JOB)
     (tmp_path / "state" / "ledger.sqlite3").unlink()  # as from another machine
     again = sync(sink, tmp_path, tmp_path / "after")
     (line, _) = error_lines(again)
     assert line.startswith(
-        f"wbmerge: error: run {JOB}: the server's config holds opt.old_only, "
-        "which the staged run does not"
+        f"wbmerge: error: run {JOB}: the server's config holds old_only, which the staged run "
+        "does not"
     ), line
     assert "verified" not in again.stderr + again.stdout
     assert_mends_without_resend(again)
     assert sink.client.run("local", "resent", JOB) == before
+
+
+def test_a_config_object_that_changed_is_sent_again_whole(sink, tmp_path):
+    """The same rows, the config object `opt` narrowed in the second sources: wandb's
+    uploader sends `opt` whole and the server replaces it (wandb#9844), so the run ends
+    exact and nothing is refused."""
+    write(tmp_path / "before", seed=0, config={"opt": {"lr": 1, "warmup": 5}})
+    after = write(tmp_path / "after", seed=0, config={"opt": {"lr": 1}})
+    assert sync(sink, tmp_path, tmp_path / "before").exit_code == 0
+    (tmp_path / "state" / "ledger.sqlite3").unlink()  # as from another machine
+    again = sync(sink, tmp_path, tmp_path / "after")
+    assert again.exit_code == 0, again.stderr
+    held = sink.client.run("local", "resent", JOB)
+    assert held["config"]["opt"] == {"lr": 1}
+    assert_exactly_once(held, expected_from_log(after))

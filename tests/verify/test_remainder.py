@@ -22,11 +22,11 @@ from wbmerge.verify import (
     with_last_row,
     write_remainder,
 )
-from wbmerge.verify.remainder import Remainder
+from wbmerge.verify.remainder import Remainder, config_left_behind
 from wbmerge.wandbcore import (
     Console,
     StagedContent,
-    read_logged_config,
+    logged_config_keys,
     read_logged_run,
     read_staged,
 )
@@ -459,10 +459,11 @@ def test_read_logged_run_folds_config_and_summary_as_protobuf_reads_them():
     assert checked > 40
 
 
-def test_read_logged_config_is_the_config_read_logged_run_folds(tmp_path):
-    """`read_logged_config` reads only run and config records, to skip a summary record a
-    step: on every fixture log, and on one whose config a later record changes and removes,
-    it gives what the whole read (`read_logged_run`) gives."""
+def test_the_config_keys_of_a_log_are_every_key_its_records_set(tmp_path):
+    """`logged_config_keys` reads only run and config records, to skip a summary record a
+    step. A key set and then removed counts: wandb's uploader sent it with the whole
+    config before the removal, and the server keeps it. On every fixture log it gives what
+    the whole read gives (`LoggedRun.config_keys`), and holds every key of its config."""
     changed = tmp_path / "run-c.wandb"
     txlog.write_payloads(
         changed,
@@ -475,16 +476,32 @@ def test_read_logged_config_is_the_config_read_logged_run_folds(tmp_path):
             pb.Record(config=pb.ConfigRecord(remove=[pb.ConfigItem(key="b")])).SerializeToString(),
         ],
     )
-    assert read_logged_config(changed) == {"a": 2, "opt": {"lr": 1}}
+    assert logged_config_keys(changed) == {"a", "b", "opt"}
+    logged = read_logged_run(changed)
+    assert (logged.config, logged.config_keys) == ({"a": 2, "opt": {"lr": 1}}, {"a", "b", "opt"})
     checked = 0
     for log in [*fixture_logs(), changed]:
         try:
-            whole = read_logged_run(log, console_limit=0).config
+            logged = read_logged_run(log, console_limit=0)
         except (NotATransactionLog, ValueError):
             continue
-        assert read_logged_config(log) == whole, log
-        checked += bool(whole)
+        assert logged_config_keys(log) == logged.config_keys >= logged.config.keys(), log
+        checked += bool(logged.config)
     assert checked > 40
+
+
+@pytest.mark.parametrize(
+    "held, left",
+    [
+        ({"a": {"value": 2}, "b": {"value": 3}, "_wandb": {"value": {}}}, []),  # (b: removed)
+        ({"a": {"value": 2}, "old": {"value": 1}}, ["old"]),
+        ({"a": {"value": {"x": 1, "gone": 2}}}, []),  # (a value is replaced whole)
+        ({}, []),
+    ],
+)
+def test_a_config_key_is_left_behind_only_if_no_record_set_it(held, left):
+    assert config_left_behind(json.dumps(held), {"a", "b"}) == left
+    assert config_left_behind("not json", {"a"}) == []
 
 
 def config_record(**values) -> pb.ConfigRecord:

@@ -178,8 +178,8 @@ class Store:
         with self._lock, self._db:
             pk = self._run_pk(entity, project, name, create=True, now=now)
             if config:
-                held = json.loads(self._one("SELECT config FROM runs WHERE pk = ?", pk))
-                merged = merged_config(held, config)
+                merged = json.loads(self._one("SELECT config FROM runs WHERE pk = ?", pk))
+                merged.update(config)  # (a key once sent stays; a key's value is replaced)
                 sets.append("config = ?")
                 args.append(json.dumps(merged))
             self._db.execute(f"UPDATE runs SET {', '.join(sets)} WHERE pk = ?", [*args, pk])
@@ -543,23 +543,6 @@ def _create_private(path: Path) -> None:
     except FileExistsError:
         return
     os.close(fd)
-
-
-def merged_config(held: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """The config a run holds after an UpsertBucket sends `update`, merged as W&B merges it:
-    object into object at every depth, anything else replaced. A key is never removed.
-
-    Evidence: wandb issue #11055. A run's config `{b: 1, a: {a: 1}}`, updated through the
-    public API to `{c: 2, a: {b: 2}}`, reads back as `{b: 1, c: 2, a: {a: 1, b: 2}}`.
-    W&B keeps each key as `{"value": v, "desc": d}`, so the merge reaches into values.
-    For example, `{"a": {"value": {"a": 1}}}` updated with `{"a": {"value": {"b": 2}}}`
-    holds `{"a": {"value": {"a": 1, "b": 2}}}`."""
-    merged = dict(held)
-    for key, value in update.items():
-        before = merged.get(key)
-        both_objects = isinstance(before, dict) and isinstance(value, dict)
-        merged[key] = merged_config(before, value) if both_objects else value
-    return merged
 
 
 def plain_config(config: dict[str, Any]) -> dict[str, Any]:

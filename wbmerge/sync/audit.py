@@ -42,7 +42,7 @@ from ..verify import (
     prove,
     resend_whole,
 )
-from ..wandbcore import StagedContent, read_logged_config, read_staged
+from ..wandbcore import StagedContent, logged_config_keys, read_staged
 from .pipeline import PlannedJob, plan_jobs, sigterm_raises
 from .request import MergeRequest
 from .session import delivery_of
@@ -285,7 +285,7 @@ def _mend(content: StagedContent, held: Held, log: Path) -> Literal["resend", "o
     holds lines past the staged run's or config keys it lacks (`resend_whole`), which
     sending again cannot remove."""
     try:
-        resend_whole(content, held, read_logged_config(log))
+        resend_whole(content, held, logged_config_keys(log))
     except (Mismatch, ValueError):  # (ValueError: a config not JSON, which --resend refuses)
         return "other ids"
     return "resend"

@@ -66,7 +66,7 @@ from ..verify import (
     with_last_row,
     write_remainder,
 )
-from ..wandbcore import StagedContent, read_logged_config, read_staged
+from ..wandbcore import StagedContent, logged_config_keys, read_staged
 
 # Runs of one batch checked at once after their upload: one at a time, the checks of 256
 # small runs fell 2 s behind the upload (each waits on a server busy with the upload).
@@ -195,18 +195,19 @@ class Deliverer:
         resend = self.resend and held.exists and held.history_lines > 0
         self.relay.plan(delivery.run_id, 0 if resend else held.history_lines * held.exists)
         if resend:  # (each line replaces the one at its place: none may be left beyond)
-            resend_whole(self._content(delivery), held, self._staged_config(delivery))
+            resend_whole(self._content(delivery), held, logged_config_keys(delivery.log))
             self._tell(f"sending {delivery.run_id} again whole, over the server's rows")
             return
-        whole_log = delivery.row_before is None  # (a cut log's config is not the run's)
+        # (a cut log's config is not the run's; a shared run's labelled keys come and go)
+        whole_log = delivery.row_before is None and delivery.config_from_log
         if not held.exists or not (held.history_lines or delivery.verified_before):
             if held.exists and whole_log:
-                keeps_no_config(held, self._staged_config(delivery))
+                keeps_no_config(held, logged_config_keys(delivery.log))
             return  # (nothing to cut, nor to find whole: counted while the upload starts)
         content = self._content(delivery)
         plan = remainder(content, held, lambda index: _staged_row(delivery, index))
         if whole_log:  # (after the rows: a refusal names rows first, as they are likelier)
-            keeps_no_config(held, self._staged_config(delivery))
+            keeps_no_config(held, logged_config_keys(delivery.log))
         if plan.skip_history == len(content.step_items) and not shortfall(content, held):
             problems = prove(self._on_server(delivery, held, content), WHOLE)
             if delivery.refused:  # (rows lost inside the run: sending cannot fill them)
@@ -233,15 +234,6 @@ class Deliverer:
             write_remainder(delivery.log, cut, plan)
             cut.replace(delivery.log)
             delivery.rows_cut = plan.skip_history
-
-    @staticmethod
-    def _staged_config(delivery: Delivery) -> dict:
-        """The config the staged log gives its run; a Mismatch when it holds a value
-        that is not JSON (the server's config could not be compared with it)."""
-        try:
-            return read_logged_config(delivery.log)
-        except ValueError as exc:
-            raise Mismatch(f"its config cannot be read ({exc})", resend_mends=False) from None
 
     def _tail_caught_up(self, delivery: Delivery, held: Held) -> Held:
         """`held` asked again, for up to `COUNTS_LAG` seconds, while it looks like late

@@ -170,6 +170,7 @@ def delivery_of(
         verified_before=verified_before,
         saved_files=staged.saved_files,
         artifacts=staged.artifacts,
+        config_from_log=target.kind != "shared",
     )
     if final:
         made.content, made.exit_code = staged.content, staged.exit_code

@@ -72,6 +72,10 @@ class Delivery:
     # `verified`, so the sync fails; its line says the run is whole, and no other advice
     # follows it (a rerun with room records it without sending it).
     unrecorded: bool = False
+    # Every config key the server may hold of the run is set by the staged log's records:
+    # not so for a shared run, whose labelled keys (`lr/rank-1`) come and go as the ranks
+    # log, so a key an earlier sync of it sent may be missing from a later merge.
+    config_from_log: bool = True
     # held by the thread counting what the staged log holds (`content`), so it is counted once
     counting: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 

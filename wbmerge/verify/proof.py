@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..upload import Delivery, Held, ServerClient
-from ..wandbcore import StagedContent, read_logged_config
+from ..wandbcore import StagedContent, logged_config_keys
 from .artifactcheck import artifacts_missing
 from .readback import not_whole_on_server, rows_held, saved_files_missing
 from .remainder import shortfall
@@ -53,17 +53,13 @@ def whole(run: RunOnServer) -> list[str]:
 
 
 def config(run: RunOnServer) -> list[str]:
-    """No config key, at any depth, that the files do not set: an earlier upload of other
-    files leaves its keys, as W&B merges the config it is sent into the one it holds. A
-    follow's round that sends a cut log is not checked (the log's config is not whole);
-    its last round sends the whole run and is."""
-    if run.delivery.row_before is not None:
+    """No config key that the files do not set: the server keeps a key once sent, so an
+    earlier upload of other files leaves its keys. A follow's round that sends a cut log
+    is not checked (the log's records are not all the run's; its last round sends the
+    whole run and is), nor a shared run (`Delivery.config_from_log`)."""
+    if run.delivery.row_before is not None or not run.delivery.config_from_log:
         return []
-    try:
-        logged = read_logged_config(run.delivery.log)
-    except ValueError as exc:  # (a value that is not JSON: nothing to compare with)
-        return [f"its config cannot be read ({exc})"]
-    return config_not_logged(run.held, logged)
+    return config_not_logged(run.held, logged_config_keys(run.delivery.log))
 
 
 def saved_files(run: RunOnServer) -> list[str]:

@@ -24,11 +24,9 @@ has the primary's) is a `Mismatch`, refused rather than "repaired".
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any
 
 import numpy as np
 
@@ -106,15 +104,13 @@ def remainder(
     return Remainder(have, resteps)
 
 
-def resend_whole(
-    staged: StagedContent, held: Held, staged_config: Mapping[str, Any] = MappingProxyType({})
-) -> Remainder:
+def resend_whole(staged: StagedContent, held: Held, config_keys: Collection[str] = ()) -> Remainder:
     """The plan of `sync --resend`: all of `staged` again, each line over the one at its
     place (the relay puts wandb-core's first line at line 0). Lines are replaced, never
     removed, and the server merges the config it is sent into the one it holds, so a
     server holding more than is staged (history, system-metric or console lines, or a
-    config key, at any depth, that the staged config `staged_config` lacks) is a
-    Mismatch: the run would keep them."""
+    config key that none of the staged log's records sets, `config_keys`) is a Mismatch:
+    the run would keep them."""
     rows = len(staged.step_items)
     if held.history_lines > rows:
         raise Mismatch(
@@ -130,14 +126,14 @@ def resend_whole(
             f"{staged.console_lines} staged, and sending the run again cannot remove them",
             resend_mends=False,
         )
-    keeps_no_config(held, staged_config)
+    keeps_no_config(held, config_keys)
     return Remainder(0)
 
 
-def keeps_no_config(held: Held, staged_config: Mapping[str, Any]) -> None:
-    """A Mismatch when the server's config holds a key, at any depth, that the staged
-    config lacks (`config_left_behind`): no upload of the staged run can remove it."""
-    if left := config_left_behind(held.config_json, staged_config):
+def keeps_no_config(held: Held, config_keys: Collection[str]) -> None:
+    """A Mismatch when the server's config holds a key that none of the staged log's
+    records sets (`config_left_behind`): no upload of the staged run can remove it."""
+    if left := config_left_behind(held.config_json, config_keys):
         raise Mismatch(
             f"the server's config holds {', '.join(left[:3])}{' ...' * (len(left) > 3)}, "
             "which the staged run does not, and sending the run again cannot remove them",
@@ -145,35 +141,21 @@ def keeps_no_config(held: Held, staged_config: Mapping[str, Any]) -> None:
         )
 
 
-def config_left_behind(config_json: str, staged_config: Mapping[str, Any]) -> list[str]:
-    """The keys of the server's config (JSON text, each key's value under "value", as W&B
-    keeps it) that the staged config lacks, at any depth, as dotted paths. W&B merges a
-    config it is sent into the one it holds, object into object (wandb issue #11055), so
-    these stay on the server after any upload. Top-level keys that start with `_` are
-    wandb's own. Example: the server's `{"opt": {"value": {"lr": 1, "old": 2}}}` and the
-    staged `{"opt": {"lr": 1}}` give ["opt.old"]."""
+def config_left_behind(config_json: str, config_keys: Collection[str]) -> list[str]:
+    """The top-level keys of the server's config (JSON text) that are not among
+    `config_keys`, the keys the staged log's records set (`logged_config_keys`). The
+    server merges the config it is sent into the one it holds, keeping every key once
+    sent (wandb issue #11055), so these stay after any upload of the staged run. A key's
+    value is replaced whole by wandb's uploader (wandb issue #9844), so keys inside an
+    object are not left over. Keys that start with `_` are wandb's own. Example: the
+    server's `{"lr": ..., "old": ...}` and the keys {"lr"} give ["old"]."""
     try:
         held = json.loads(config_json) if config_json else {}
     except (ValueError, RecursionError):
         return []
     if not isinstance(held, dict):
         return []
-    unwrapped = {
-        key: entry["value"] if isinstance(entry, dict) and "value" in entry else entry
-        for key, entry in held.items()
-        if not key.startswith("_")
-    }
-    return sorted(_paths_missing(unwrapped, staged_config, ""))
-
-
-def _paths_missing(
-    held: Mapping[str, Any], staged: Mapping[str, Any], prefix: str
-) -> Iterator[str]:
-    for key, value in held.items():
-        if key not in staged:
-            yield prefix + key
-        elif isinstance(value, dict) and isinstance(staged[key], dict):
-            yield from _paths_missing(value, staged[key], f"{prefix}{key}.")
+    return sorted(key for key in held if not key.startswith("_") and key not in config_keys)
 
 
 def not_a_beginning(what: str, sources_changed: bool) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 
 import yaml
 
@@ -120,16 +121,16 @@ def not_held_whole(
         ]
         if differ:
             problems.append(f"{what} keys differ: {few(differ)}")
-    problems += config_not_logged(held, logged.config)
+    problems += config_not_logged(held, logged.config_keys)
     problems += metric_definitions_missing(staged, held) + logged_entries_missing(staged, held)
     return problems + files_missing(expected_files, listing.sizes)
 
 
-def config_not_logged(held: Held, config: dict) -> list[str]:
-    """The config keys, at any depth, that the server holds and the staged log's `config`
-    does not set: W&B merges a config into the one it holds, so an earlier upload of other
-    files leaves its keys there."""
-    left = config_left_behind(held.config_json, config)
+def config_not_logged(held: Held, config_keys: Collection[str]) -> list[str]:
+    """The config keys the server holds that none of the staged log's records sets
+    (`config_keys`): the server keeps a key once sent, so an earlier upload of other files
+    leaves its keys there."""
+    left = config_left_behind(held.config_json, config_keys)
     return [f"config keys not in the files: {few(left)}"] if left else []
 
 

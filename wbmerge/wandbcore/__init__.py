@@ -14,7 +14,7 @@ from .content import (
     ContentCounter,
     LoggedRun,
     StagedContent,
-    read_logged_config,
+    logged_config_keys,
     read_logged_run,
     read_staged,
 )
@@ -39,7 +39,7 @@ __all__ = [
     "held_definitions",
     "item_step",
     "json_value",
-    "read_logged_config",
+    "logged_config_keys",
     "read_logged_run",
     "read_staged",
     "sent_steps",

@@ -125,6 +125,13 @@ class LoggedRun:
     config: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
     console: bytes | None = None
+    # Every top-level config key any of its run and config records set, those removed or
+    # set again later included: wandb-core sends the whole config after each change, and
+    # the server keeps a key once sent (`logged_config_keys`).
+    config_keys: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:  # (the config's own keys are among them, always)
+        object.__setattr__(self, "config_keys", frozenset(self.config_keys) | set(self.config))
 
 
 _STREAMS = {pb.OutputRawRecord.STDOUT: "stdout", pb.OutputRawRecord.STDERR: "stderr"}
@@ -145,6 +152,7 @@ def read_logged_run(log: Path, console_limit: int = 64 << 20) -> LoggedRun:
     texts hold at most `console_limit` characters."""
     first: pb.RunRecord | None = None
     config: dict = {}
+    keys: set[str] = set()
     summary: dict = {}
     console: terminal.Console | None = terminal.Console()
     size = 0
@@ -162,25 +170,30 @@ def read_logged_run(log: Path, console_limit: int = 64 << 20) -> LoggedRun:
             elif kind == "run":
                 first = first or record.run
                 _apply(config, record.run.config)
+                keys.update(item_path(item)[0] for item in record.run.config.update)
             else:
                 _apply(config if kind == "config" else summary, getattr(record, kind))
+                if kind == "config":
+                    keys.update(item_path(item)[0] for item in record.config.update)
     text = None if console is None else console.text().encode()
     if first is None:
-        return LoggedRun(config=config, summary=summary, console=text)
+        return LoggedRun(config=config, summary=summary, console=text, config_keys=frozenset(keys))
     names = (first.display_name, first.run_group, first.job_type)
-    return LoggedRun(names, tuple(first.tags), config, summary, text)
+    return LoggedRun(names, tuple(first.tags), config, summary, text, frozenset(keys))
 
 
-def read_logged_config(log: Path) -> dict:
-    """The config a log's records give its run (`LoggedRun.config`), reading only its run
-    and config records: a run's summary records, one a step, cost most of a whole read
-    (ValueError for a value that is not JSON)."""
-    config: dict = {}
+def logged_config_keys(log: Path) -> frozenset[str]:
+    """`LoggedRun.config_keys` of a log, reading only its run and config records (a run's
+    summary records, one a step, cost most of a whole read). wandb-core sends the whole
+    config after each change and the server keeps a top-level key once sent, so a key the
+    log set and later removed may be on the server; no other key may."""
+    keys: set[str] = set()
     for read in records.read_indexed(log):
         for index in read.of("run", "config").tolist():
             record = pb.Record.FromString(read.frames.payload(index))
-            _apply(config, record.run.config if record.HasField("run") else record.config)
-    return config
+            change = record.run.config if record.HasField("run") else record.config
+            keys.update(item_path(item)[0] for item in change.update)
+    return frozenset(keys)
 
 
 def _apply(tree: dict, change: pb.ConfigRecord | pb.SummaryRecord) -> None:
