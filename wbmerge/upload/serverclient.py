@@ -42,10 +42,13 @@ KEEP_OPEN = 16  # connections kept between questions, for threads asking at once
 # question, and only then fails.
 RETRIED = frozenset({429, 502, 503, 504})
 RETRY_BUDGET = 60.0
-# A question not answered within the client's timeout is asked again in the same way, the
-# time it waited counted in the budget: a loaded server (or machine) answers late, and
-# these questions only read. Not the first question of a session (`viewer_entity`): a
-# server that does not answer it fails in seconds, naming the URL.
+# A question not answered within the client's timeout is asked again in the same way,
+# within the same budget (the time it waited counts): a loaded server (or machine) answers
+# late, and these questions only read. Not the first question of a session
+# (`viewer_entity`): a server that does not answer it fails in seconds, naming the URL.
+# Nor after `LATE_IN_A_ROW` questions in a row went unanswered: a server that went away
+# mid-sync fails each question at its first timeout, not after the budget.
+LATE_IN_A_ROW = 3
 
 VIEWER = "query Viewer { viewer { id entity username } }"
 
@@ -154,6 +157,7 @@ class ServerClient:
         token = base64.b64encode(f"api:{credentials.api_key}".encode()).decode()
         self._headers = {"Authorization": f"Basic {token}", "Content-Type": "application/json"}
         self.timeout, self.retry_budget = timeout, retry_budget
+        self._late_in_a_row = 0  # questions in a row the server did not answer in time
         scheme, self._host, self._port, self._path = _http_url(credentials.base_url, self.url)
         self._https = scheme == "https"
         proxies = urllib.request.getproxies()
@@ -206,26 +210,29 @@ class ServerClient:
         self, query: str, variables: dict[str, Any], name: str, again_if_late: bool = True
     ) -> dict[str, Any]:
         body = json.dumps({"query": query, "variables": variables, "operationName": name})
-        waited, attempt = 0.0, 0
+        began, attempt = time.monotonic(), 0
         while True:
-            spent = 0.0  # (seconds the question itself took, when it went unanswered)
             try:
                 status, data, retry_after = self._post(body.encode())
             except (OSError, http.client.HTTPException) as exc:
                 reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
                 late = isinstance(exc, TimeoutError) or isinstance(reason, TimeoutError)
-                if not (late and again_if_late):
+                # (questions unanswered one after another: the server is gone, not busy)
+                self._late_in_a_row = self._late_in_a_row + 1 if late else 0
+                if not (late and again_if_late and self._late_in_a_row <= LATE_IN_A_ROW):
                     raise ServerError(f"cannot reach W&B at {self.url}: {reason}") from None
-                status, data, retry_after, spent = 0, b"", None, self.timeout
+                status, data, retry_after = 0, b"", None
+            else:
+                self._late_in_a_row = 0
             if status and status not in RETRIED:
                 break
             pause = min(2.0**attempt if retry_after is None else retry_after, 30.0)
-            if waited + spent + pause > self.retry_budget:
+            if time.monotonic() - began + pause > self.retry_budget:
                 if not status:
                     raise ServerError(f"cannot reach W&B at {self.url}: timed out") from None
                 break  # (said below, as any other answer that is not an answer)
             time.sleep(pause)
-            waited, attempt = waited + spent + pause, attempt + 1
+            attempt += 1
         if status in (401, 403):
             raise ServerError(f"{self.url} refused the API key (HTTP {status})")
         if status >= 300:
