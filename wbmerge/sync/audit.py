@@ -254,7 +254,8 @@ def _verify_job(
                 continue  # (the staged run is not what the files hold: nothing to compare)
             content = made.content or read_staged(staged.log_path)
             held = client.held(entity, job.project, target.id)
-            if counts_behind(content, held):  # (late counts, or a run that is not whole)
+            # (late counts, or a run that is not whole; a run the server lacks is no lag)
+            if held.exists and counts_behind(content, held):
                 behind = partial(counts_behind, content)
                 until = late.deadline()
                 held = counts_caught_up(client, entity, job.project, target.id, held, behind, until)
