@@ -9,7 +9,7 @@ counts it on the way instead of reading it again.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -170,11 +170,11 @@ def read_logged_run(log: Path, console_limit: int = 64 << 20) -> LoggedRun:
             elif kind == "run":
                 first = first or record.run
                 _apply(config, record.run.config)
-                keys.update(item_path(item)[0] for item in record.run.config.update)
+                keys.update(_keys_set(record.run.config))
             else:
                 _apply(config if kind == "config" else summary, getattr(record, kind))
                 if kind == "config":
-                    keys.update(item_path(item)[0] for item in record.config.update)
+                    keys.update(_keys_set(record.config))
     text = None if console is None else console.text().encode()
     if first is None:
         return LoggedRun(config=config, summary=summary, console=text, config_keys=frozenset(keys))
@@ -192,8 +192,13 @@ def logged_config_keys(log: Path) -> frozenset[str]:
         for index in read.of("run", "config").tolist():
             record = pb.Record.FromString(read.frames.payload(index))
             change = record.run.config if record.HasField("run") else record.config
-            keys.update(item_path(item)[0] for item in change.update)
+            keys.update(_keys_set(change))
     return frozenset(keys)
+
+
+def _keys_set(change: pb.ConfigRecord) -> Iterator[str]:
+    """The top-level config keys a run or config record's updates set."""
+    return (item_path(item)[0] for item in change.update)
 
 
 def _apply(tree: dict, change: pb.ConfigRecord | pb.SummaryRecord) -> None:
