@@ -3,8 +3,8 @@
 A fault applies to requests whose kind matches (`graphql:<Operation>`, `file_stream`,
 `file_stream:history` for those that carry history lines, `storage`, or `*`) and fires on
 chosen request numbers (counted per kind: `file_stream@2` is the second file_stream request,
-`file_stream:history@2` the second that carries history lines) or on every request, up to
-`times` times. Specs come from the CLI or JSON, e.g.
+`file_stream:history@2` the second that carries history lines, `@2+` the second and every
+later one) or on every request, up to `times` times. Specs come from the CLI or JSON, e.g.
 `--fault 'graphql:UpsertBucket=500x2'`, `--fault 'file_stream=429@3'`,
 `--fault '*=delay:0.2'`, `--fault 'storage=drop@1'`.
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 _SPEC = re.compile(
     r"^(?P<kind>[\w:*.-]+)=(?P<action>\d{3}|drop|lose|nometrics|nocharts|delay:[\d.]+)"
-    r"(?:@(?P<nth>[\d,]+))?(?:x(?P<times>\d+))?$"
+    r"(?:@(?P<nth>[\d,]+)(?P<onwards>\+)?)?(?:x(?P<times>\d+))?$"
 )
 
 
@@ -39,11 +39,12 @@ class Fault:
     nth: tuple[int, ...] = ()  # 1-based request numbers of this kind; () = any
     times: int | None = None  # how often it may fire; None = unlimited
     fired: int = 0
+    onwards: bool = False  # also every request after the last of `nth`
 
     def matches(self, kind: str, count: int) -> bool:
         if self.kind not in ("*", kind) and not kind.startswith(self.kind + ":"):
             return False
-        if self.nth and count not in self.nth:
+        if self.nth and count not in self.nth and not (self.onwards and count > max(self.nth)):
             return False
         return self.times is None or self.fired < self.times
 
@@ -65,8 +66,9 @@ def parse_fault(spec: str) -> Fault:
     if match["action"] in ("nometrics", "nocharts") and match["kind"] != "graphql:UpsertBucket":
         raise ValueError(f"bad fault spec {spec!r}: only UpsertBucket configs lose parts")
     nth = tuple(int(n) for n in match["nth"].split(",")) if match["nth"] else ()
-    times = int(match["times"]) if match["times"] else (len(nth) or None)
-    return Fault(match["kind"], match["action"], nth, times)
+    onwards = bool(match["onwards"])
+    times = int(match["times"]) if match["times"] else (None if onwards else len(nth) or None)
+    return Fault(match["kind"], match["action"], nth, times, onwards=onwards)
 
 
 @dataclass
