@@ -546,10 +546,12 @@ def _create_private(path: Path) -> None:
 
 
 def plain_config(config: dict[str, Any]) -> dict[str, Any]:
-    """W&B stores config as {key: {"value": v, "desc": ...}}: return {key: v}, no `_wandb`."""
+    """W&B stores config as {key: {"value": v, "desc": ...}}: return {key: v} as wandb's
+    public API shows it (`Run.config`), without the keys that start with `_` (`_wandb`,
+    wbmerge's writer claims)."""
     plain = {}
     for key, entry in config.items():
-        if key == "_wandb":
+        if key.startswith("_"):
             continue
         plain[key] = entry["value"] if isinstance(entry, dict) and "value" in entry else entry
     return plain
