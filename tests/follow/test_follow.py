@@ -626,10 +626,11 @@ def test_a_failed_last_sync_still_syncs_every_job_and_says_what_it_verified(
     make_sink, monkeypatch, tmp_path, state
 ):
     """Two jobs end idle (rank 1 of each never finishes), and the server refuses the first
-    run the last sync creates: that run fails, yet the other job's last sync runs too, and
-    `UploadFailed` reports the three runs verified, each final on the server."""
+    run the last sync creates (its second UpsertBucket: the first is the sync's claim on
+    it): that run fails, yet the other job's last sync runs too, and `UploadFailed` reports
+    the three runs verified, each final on the server."""
     sink, failed = last_syncs_under_fault(
-        make_sink, monkeypatch, tmp_path, "new", "graphql:UpsertBucket=400@1", parallel=1
+        make_sink, monkeypatch, tmp_path, "new", "graphql:UpsertBucket=400@2", parallel=1
     )
     statuses = {t.target.id: t.status for t in failed.report.targets}
     assert statuses == {  # (the finished ranks' runs were final after a round already)

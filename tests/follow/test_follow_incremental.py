@@ -316,8 +316,8 @@ def test_a_follower_restarted_goes_on_with_statistics_across_ranks(
 def test_a_round_never_continues_on_rows_another_sync_sent_since(
     job, make_sink, monkeypatch, tmp_path, state
 ):
-    """A one-shot sync of the live files between two rounds sends rows the follower's merge
-    did not: the next round's log, which continues the rounds sent, is refused by the
+    """A one-shot sync of the live files between two rounds (the follower's claim on the
+    run ran out) sends rows the follower's merge did not: the next round's log, which continues the rounds sent, is refused by the
     server's count instead of being sent on top of them, and the follower merges from
     scratch after it."""
     request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared", rank_scope="global")
@@ -325,6 +325,9 @@ def test_a_round_never_continues_on_rows_another_sync_sent_since(
     growing = Growing(job, tmp_path / "live")
     (tmp_path / "live").mkdir()
     with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
+        # Its claim on the run runs out at once, as for a follower frozen for longer than a
+        # claim lives: the other sync takes the run over (see `upload.claims`).
+        follower.uploads.claims.ttl = 0.1
         for fraction in (0.3, 0.5):
             growing.grow(fraction)
             [target] = follower.round().targets

@@ -14,7 +14,7 @@ from wbmerge.training import RankInfo
 
 from ..conftest import job_dir
 from ..support import synthetic
-from ..support.sinktools import expected_from_log
+from ..support.sinktools import content_of, expected_from_log
 from .test_upload_faults import assert_exactly_once
 
 pytestmark = pytest.mark.e2e
@@ -114,7 +114,7 @@ def test_a_run_the_server_holds_more_rows_of_is_not_told_to_resend(sink, tmp_pat
     )
     assert f"wbmerge: error: run {JOB}: the server holds {what} staged" in line
     assert_mends_without_resend(refused)
-    assert sink.client.run("local", "resent", JOB) == before
+    assert content_of(sink.client.run("local", "resent", JOB)) == content_of(before)
 
 
 def test_a_run_holding_more_system_metric_rows_is_told_what_mends_it(sink, tmp_path):
@@ -131,7 +131,7 @@ def test_a_run_holding_more_system_metric_rows_is_told_what_mends_it(sink, tmp_p
         assert "--system-metrics all?" not in line
         assert "this machine verified it from other files or settings before" in line
         assert_mends_without_resend(refused)
-    assert sink.client.run("local", "resent", "fx-slow-rank") == before
+    assert content_of(sink.client.run("local", "resent", "fx-slow-rank")) == content_of(before)
 
 
 LEFT_BEHIND = {  # what the first upload leaves that sending the run again cannot remove
@@ -168,7 +168,7 @@ def test_resend_refuses_sources_whose_run_would_keep_the_first_uploads_lines_or_
         "run again cannot remove them"
     ), line
     assert_mends_without_resend(resent)
-    assert sink.client.run("local", "resent", JOB) == before
+    assert content_of(sink.client.run("local", "resent", JOB)) == content_of(before)
 
 
 def test_a_run_left_with_a_config_key_the_files_lack_is_refused_naming_what_mends_it(
@@ -192,7 +192,7 @@ def test_a_run_left_with_a_config_key_the_files_lack_is_refused_naming_what_mend
     ), line
     assert "verified" not in again.stderr + again.stdout
     assert_mends_without_resend(again)
-    assert sink.client.run("local", "resent", JOB) == before
+    assert content_of(sink.client.run("local", "resent", JOB)) == content_of(before)
 
 
 def test_a_config_object_that_changed_is_sent_again_whole(sink, tmp_path):

@@ -29,6 +29,7 @@ from ..e2e.test_sync import tree_digest
 from ..support import synthetic
 from ..support.sinktools import (
     console_text,
+    content_of,
     expected_from_log,
     system_metric_values,
 )
@@ -82,7 +83,7 @@ FAULTS = [
     "storage=400",
     "storage=403@1",
     "graphql:CreateRunFiles=400",
-    "graphql:UpsertBucket=500",
+    "graphql:UpsertBucket=500@2+",  # (the first is wbmerge's claim on the run, below)
 ]
 
 
@@ -100,6 +101,23 @@ def test_rerun_after_a_fault_delivers_exactly_once(make_sink, tmp_path, fault):
     got = sink.client.run("local", "f", "fx-one-node-4")
     assert_exactly_once(got, primary_expected())
     assert SOURCE_FILES <= set(got["files"])
+
+
+def test_a_claim_the_server_refuses_stops_the_sync_in_one_line_and_a_rerun_sends_it(
+    make_sink, tmp_path
+):
+    """The first UpsertBucket of a sync is its claim on the run (`upload.claims`): refused,
+    nothing of the run is sent, the sync says so in one line, and a rerun sends it whole."""
+    sink = make_sink(["graphql:UpsertBucket=500@1"])
+    first = cli(sink, tmp_path, *sync_args("claim"))
+    assert first.exit_code == 1
+    assert first.stderr == f"wbmerge: error: {sink.url}/graphql answered HTTP 500 to UpsertBucket\n"
+    assert sink.client.runs(project="claim") == []
+    second = cli(sink, tmp_path, *sync_args("claim"))
+    assert second.exit_code == 0, second.stderr
+    [run] = json.loads(second.stdout)["runs"]
+    assert run["status"] == "uploaded"
+    assert_exactly_once(sink.client.run("local", "claim", "fx-one-node-4"), primary_expected())
 
 
 def test_lost_files_are_exit_1_and_a_later_sync_delivers_them(make_sink, tmp_path):
@@ -252,7 +270,7 @@ def test_refused_key_fails_within_seconds(make_sink, tmp_path, key):
 
 
 def test_a_fault_that_never_clears_ends_at_the_timeout(make_sink, tmp_path):
-    sink = make_sink(["graphql:UpsertBucket=500"])
+    sink = make_sink(["graphql:UpsertBucket=500@2+"])  # (wandb-core's: after the claim)
     env = {**local_env(tmp_path), **sink.env}
     code, _, err = run_bounded(env, sync_args("never", "--timeout", "8"), timeout=60)
     assert code == 1
@@ -324,7 +342,7 @@ def test_force_sends_nothing_to_runs_the_server_still_holds_whole(make_sink, tmp
     assert {r["status"] for r in json.loads(forced.stdout)["runs"]} == {"already complete"}
     for run_id in ids:
         assert f"verified {run_id}: 30 rows, all on the server already (" in forced.stderr
-        assert sink.client.run("local", "whole", run_id) == before[run_id]  # untouched
+        assert content_of(sink.client.run("local", "whole", run_id)) == content_of(before[run_id])
     sink.client.set_faults(["graphql:RunFiles=500"])
     unlisted = cli(sink, tmp_path, *args, "--force")
     assert unlisted.exit_code == 0, unlisted.stderr
@@ -366,7 +384,9 @@ def test_a_sync_without_the_ledger_reads_back_the_files_wandb_made(sink, tmp_pat
     assert statuses == {i: "uploaded" if i in sent else "already complete" for i in ids}
     for run_id in ids:
         if run_id not in sent:
-            assert sink.client.run("local", "readback", run_id) == before[run_id]  # untouched
+            assert content_of(sink.client.run("local", "readback", run_id)) == content_of(
+                before[run_id]
+            )
             assert before[run_id]["summary"]["_step"] == 29
     assert_every_rank_exactly_once(sink, "readback")
 

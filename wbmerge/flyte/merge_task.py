@@ -128,7 +128,9 @@ def merge_and_upload(request: dict) -> dict:
     if worker is not None:
         for job in planned:
             check_node_complete(job.job, worker)
-    report = api.sync(request["path"], planned=planned, progress=say_bound, **options)
+    report = api.sync(
+        request["path"], planned=planned, progress=say_bound, upload_progress=say_line, **options
+    )
     return {"links": [link["url"] for link in report.links], "warnings": report.warnings}
 
 
@@ -137,6 +139,13 @@ def say_bound(staged: Any) -> None:
     soon as the run is merged, before its upload."""
     if staged.bound_notice:
         print(f"wbmerge: warning: {staged.bound_notice}", file=sys.stderr, flush=True)
+
+
+def say_line(progress: Any) -> None:
+    """A line the upload says (such as waiting for another writer of a run), in the task's
+    log as it is said."""
+    if progress.message:
+        print(f"wbmerge: {progress.message}", file=sys.stderr, flush=True)
 
 
 def check_node_complete(job: Any, worker: int) -> None:

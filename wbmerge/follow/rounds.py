@@ -148,7 +148,9 @@ class Follower:
         self.restart_grace = restart_grace
         self.hints = make_hints(request.label_pattern, request.ranks_file, request.primary)
         self.on_wait = on_wait
-        self.uploads = UploadSession(parallel, timeout, every_value=request.verify == "full")
+        self.uploads = UploadSession(
+            parallel, timeout, every_value=request.verify == "full", kind="follow"
+        )
         self._locks = ExitStack()
         self.known: dict[str, _Known] = {}
         self._scans: dict[Path, tuple] = {}
@@ -183,8 +185,10 @@ class Follower:
         """Release the runs' locks, the ledger, the server's connections and the staging."""
         for run_id in list(self._live):
             self._drop_live(run_id)
-        self._locks.close()
+        # (the runs are released on the server first: a sync waiting for a local lock then
+        # finds them free, not held by a follow, which it would not wait for)
         self.uploads.close()
+        self._locks.close()
 
     def round(self) -> RoundReport:
         """Read, merge and upload what the ranks wrote since the last round."""
@@ -452,6 +456,13 @@ class Follower:
         live = self._live[target.id] = kind(target, options, scratch, spool)
         return live, False
 
+    def _say_waiting(self, run_id: str, line: str) -> None:
+        """A run another sync holds on the server is waited for: said as for a sync that
+        holds its lock here (`on_wait`)."""
+        known = self.known.get(run_id)
+        if self.on_wait is not None and known is not None:
+            self.on_wait(known.key)
+
     def _check_on_server(
         self, live: LiveShared | LivePassthrough, entity: str | None, project: str, run_id: str
     ) -> None:
@@ -531,7 +542,9 @@ class Follower:
         for target, _, _, _ in entries:
             self._server_rows(self.known[target.id], entity, project, target.id)
         uploader = workdir / f"uploader-{len(report.targets)}"
-        deliverer = self.uploads.deliverer(project, entity, uploader, progress=False)
+        deliverer = self.uploads.deliverer(
+            project, entity, uploader, progress=False, say_waiting=self._say_waiting
+        )
         try:
             deliverer.deliver([d for _, d, _, _ in entries])
         except ServerError as exc:

@@ -26,11 +26,13 @@ from pathlib import Path
 from ..errors import WbmergeError
 from ..upload import (
     DEFAULT_TIMEOUT,
+    Claims,
     Credentials,
     Delivery,
     DeliveryReport,
     Held,
     Ledger,
+    OtherWriter,
     OwnerRecord,
     Progress,
     Relay,
@@ -107,6 +109,8 @@ class Deliverer:
         progress: Callable[[Progress], None] | None = None,
         staging: OwnerRecord | None = None,
         slots: UploadSlots | None = None,
+        claims: Claims | None = None,
+        say_waiting: Callable[[str, str], None] | None = None,
         expected: int = 0,
         remove_verified: bool = False,
         every_value: bool = False,
@@ -114,12 +118,15 @@ class Deliverer:
     ) -> None:
         """`resend`: send each run the server holds rows of whole again, from its first
         row, over what the server holds (`wbmerge sync --resend`, the way out of a run
-        refused as not a beginning, or of rows lost inside it)."""
+        refused as not a beginning, or of rows lost inside it). `claims`: the session's
+        hold on the runs it sends (None: no other writer is kept out); `say_waiting(run_id,
+        line)` is told that a run waits for another writer (else the progress callback)."""
         self.client, self.ledger_path = client, ledger.path
         self.resend = resend
         self.credentials, self.project, self.entity = credentials, project, entity
         self.workdir, self.timeout, self.owner = workdir, timeout, staging
         self.slots = slots or UploadSlots(parallel)
+        self.claims, self.say_waiting = claims, say_waiting
         self.expected, self.remove_verified = expected, remove_verified
         self.every_value = every_value  # compare every row's values read back, not a sample
         self.progress = progress or (lambda p: None)
@@ -177,7 +184,9 @@ class Deliverer:
         wait_settled(self._stop_asked, self._say_settling)
         if self.given_up:
             return
-        held = self.client.held(self.entity, self.project, delivery.run_id)
+        held = self._held_to_send(delivery.run_id)
+        if held is None or self.given_up:
+            return
         if held.history_lines and not self.resend:
             held = self._tail_caught_up(delivery, held)
         counts = (held.history_lines, held.events_lines, held.log_lines)
@@ -234,6 +243,15 @@ class Deliverer:
             write_remainder(delivery.log, cut, plan)
             cut.replace(delivery.log)
             delivery.rows_cut = plan.skip_history
+
+    def _held_to_send(self, run_id: str) -> Held | None:
+        """What the server holds of a run, asked once this writer holds the run (None if
+        the delivery was stopped while another writer held it)."""
+        if self.claims is None:
+            return self.client.held(self.entity, self.project, run_id)
+        say_waiting = self.say_waiting
+        say = self._tell if say_waiting is None else lambda line: say_waiting(run_id, line)
+        return self.claims.take(self.entity, self.project, run_id, self._stop_asked, say)
 
     def _tail_caught_up(self, delivery: Delivery, held: Held) -> Held:
         """`held` asked again, for up to `COUNTS_LAG` seconds, while it looks like late
@@ -301,6 +319,8 @@ class Deliverer:
                         ready = not self.given_up
             except RowsLost as exc:
                 delivery.problems.extend(exc.args[0])
+            except OtherWriter as exc:
+                delivery.problems.append(f"not sent: {exc}")
             except Mismatch as exc:
                 delivery.refused = True
                 delivery.resend_mends = exc.resend_mends and not self.resend

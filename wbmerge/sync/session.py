@@ -2,14 +2,17 @@
 
 A session finds the credentials, asks the server whose key it is (a wrong URL or key fails
 here, in seconds), removes what killed syncs left in staging, opens the ledger and makes
-the staging directory with its owner record. Runs go out through `deliverer`, which
+the staging directory with its owner record. It holds the runs it sends on the server
+(`claims`), so that no other writer sends them at the same time. Runs go out through `deliverer`, which
 builds the one `Deliverer` of a project with the session's parts; `delivery` turns a
 staged run into what a deliverer sends and verifies. `close` gives everything back.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -19,6 +22,8 @@ from pathlib import Path
 from ..merge import MergeOptions, Staged
 from ..plan import Target
 from ..upload import (
+    Claims,
+    ClaimsKind,
     Credentials,
     Delivery,
     Ledger,
@@ -31,6 +36,7 @@ from ..upload import (
     make_staging,
     run_locks,
     state_dir,
+    writer_id,
 )
 from ..verify import source_shortfall
 from .exactlyonce import Deliverer
@@ -42,6 +48,7 @@ class UploadSession:
     `parallel` is `-n` for the whole session, however many projects upload at once.
     `staging_dir`: stage there instead of in a new private directory (`--keep-staging`);
     it is then kept. `every_value`: read back every value, not a sample (`--verify full`).
+    `kind`: the writer its claims name ("follow" makes other writers stop, not wait).
     """
 
     def __init__(
@@ -55,6 +62,7 @@ class UploadSession:
         upload_progress: Callable[[Progress], None] | None = None,
         every_value: bool = False,
         resend: bool = False,
+        kind: ClaimsKind = "sync",
     ) -> None:
         self.credentials = credentials or find_credentials()
         self.parallel, self.timeout = parallel, timeout
@@ -80,6 +88,9 @@ class UploadSession:
         self.keep_staging = keep_staging
         self.owner = OwnerRecord(self.staging)  # names the uploaders running in staging
         self.slots = UploadSlots(parallel)
+        host = socket.gethostname()
+        writer = writer_id(host, os.path.realpath(state_dir()))
+        self.claims = Claims(self.client, writer, kind, host, os.getpid())
 
     def __enter__(self) -> UploadSession:
         return self
@@ -88,6 +99,7 @@ class UploadSession:
         self.close()
 
     def close(self) -> None:
+        self.claims.close()
         self.ledger.close()
         self.client.close()
         if self.own_staging and not self.keep_staging:
@@ -119,10 +131,12 @@ class UploadSession:
         workdir: Path,
         expected: int = 0,
         progress: bool = True,
+        say_waiting: Callable[[str, str], None] | None = None,
     ) -> Deliverer:
         """The deliverer of one project's runs, uploading from `workdir`. `expected`: how
         many runs it will be given (a batch waits for them); `progress`: whether it calls
-        the session's progress callback."""
+        the session's progress callback; `say_waiting(run_id, line)`: where the line goes
+        that a run waits for another writer (else to the progress callback)."""
         return Deliverer(
             self.client,
             self.credentials,
@@ -135,6 +149,8 @@ class UploadSession:
             self.upload_progress if progress else None,
             staging=self.owner,
             slots=self.slots,
+            claims=self.claims,
+            say_waiting=say_waiting,
             expected=expected,
             remove_verified=self.remove_verified,
             every_value=self.every_value,

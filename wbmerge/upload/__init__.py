@@ -7,6 +7,7 @@ We never speak W&B's upload protocol ourselves. The modules, one job each:
 | --- | --- |
 | `credentials` | the server URL and API key |
 | `serverclient` | what the server holds (the read-only queries wandb itself makes) |
+| `claims` | one writer per run: a claim in the run's config on the server, read back before anything is sent |
 | `serverjson` | the server's answers and rows read by orjson, meaning what `json` reads |
 | `uploader` | `wandb sync` under supervision, started ahead of its runs: progress, timeout, stopping its process tree |
 | `ledger` | runs verified complete (SQLite) and per-run locks |
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 from . import serverclient
 from .batches import UploadSlots, batch_lanes, batch_size, runs_to_ask
+from .claims import Claims, OtherWriter, writer_id
+from .claims import Kind as ClaimsKind
 from .credentials import Credentials, find_credentials
 from .delivery import Delivery, DeliveryReport, Progress
 from .ledger import Ledger, run_locks, state_dir
@@ -40,6 +43,8 @@ from .uploader import DEFAULT_PARALLEL, DEFAULT_TIMEOUT, Uploader
 __all__ = [
     "batch_lanes",
     "batch_size",
+    "Claims",
+    "ClaimsKind",
     "clean_stale",
     "Credentials",
     "DEFAULT_PARALLEL",
@@ -50,6 +55,7 @@ __all__ = [
     "Held",
     "Ledger",
     "make_staging",
+    "OtherWriter",
     "OwnerRecord",
     "Progress",
     "Relay",
@@ -67,4 +73,5 @@ __all__ = [
     "Uploader",
     "UploadSlots",
     "wait_settled",
+    "writer_id",
 ]

@@ -5,7 +5,9 @@
 system-metric ("events") and console ("log") line counts and its last history line;
 `RunFiles` is what wandb's public API asks for a run's files, with its state; a file is
 read back as the public API's `File.download` reads it, from the file's `url`. These reads
-are all wbmerge asks of the server; every upload goes through `wandb sync`.
+are all wbmerge asks of the server, but for one write: a writer's claim on a run, a config
+key set with `UpsertBucket` as wandb-core sets the config (see `claims`). Every upload goes
+through `wandb sync`.
 """
 
 from __future__ import annotations
@@ -88,6 +90,15 @@ HISTORY_PAGE = """query HistoryPage($entity: String, $project: String!, $run: St
     $minStep: Int64!, $maxStep: Int64!, $pageSize: Int!) {
   project(name: $project, entityName: $entity) {
     run(name: $run) { history(minStep: $minStep, maxStep: $maxStep, samples: $pageSize) }
+  }
+}"""
+# The mutation wandb-core creates and updates a run with, setting only config keys: the
+# server keeps every key once set and replaces a key's value (`claims`).
+SET_CONFIG = """mutation UpsertBucket($name: String, $project: String, $entity: String,
+    $config: JSONString) {
+  upsertBucket(input: {name: $name, modelName: $project, entityName: $entity, config: $config}) {
+    bucket { id name }
+    inserted
   }
 }"""
 FILES_PAGE = 500  # files asked for at a time
@@ -331,6 +342,15 @@ class ServerClient:
             tags=_tags(bucket.get("tags")),
             entity=_entity_name(model),
         )
+
+    def set_config(
+        self, entity: str | None, project: str, run_id: str, values: dict[str, Any]
+    ) -> None:
+        """Set config keys of a run (created if the server has none), each to its value.
+        Asked again as the reads are: setting a key to the same value twice is harmless."""
+        config = json.dumps({key: {"value": value} for key, value in values.items()})
+        variables = {"name": run_id, "project": project, "entity": entity, "config": config}
+        self._query(SET_CONFIG, variables, "UpsertBucket")
 
     def history_page(
         self, entity: str | None, project: str, run_id: str, steps: tuple[int, int], most: int
