@@ -17,13 +17,23 @@ a row). Each is uploaded, every repeat, to a fresh project of one local sink by
 
 and, with `--before DIR`, `new@before` and `shared@before`: the same commands run from the
 wbmerge tree in DIR (`PYTHONPATH=DIR`), to compare two versions in one invocation. The
-machine is shared and noisy, so within every repeat the variants run one after the other
-in an order that rotates from repeat to repeat, and the sink (which fills up as the
-repeats go on) is the same for all. Reported: the median seconds of each variant and its
-ratio to the median of `plain`, as a markdown table. With `--like-wandb` the sink behaves
-like W&B (`sink serve --like-wandb`: counts 3 s late, a write cursor, sampled history, and
-W&B's rate limits of 2 file_stream requests a second per run and 500 requests a second per
-project, answered 429), and the table adds each variant's 429s per upload (median).
+machine is shared and noisy, so within every repeat the variants run one after the other in
+an order that rotates from repeat to repeat, and the sink (which fills up as the repeats go
+on) is the same for all. Reported: the median seconds of each variant (from its command's
+start to its end) and its ratio to the median of `plain`, as a markdown table. With
+`--like-wandb` the sink behaves like W&B (`sink serve --like-wandb`: counts 3 s late, a
+write cursor, sampled history, and W&B's rate limits of 2 file_stream requests a second per
+run and 500 requests a second per project, answered 429), and the table adds each variant's
+429s per upload (median).
+
+A second table gives each variant's CPU seconds (user + system, median): the uploader's
+(`wandb sync` and the wandb-core it starts) and, for wbmerge, its own (the `wbmerge sync`
+process, the relay and any other helper), with their ratio; the lines after it say whether
+`new` keeps its own to a quarter of the uploader's. Both come from the kernel's accounting
+of ended processes (`wait4`), not from samples of /proc, which miss what a process uses
+between the last sample and its end: every command runs under a subreaper that reaps the
+whole tree, and `wbmerge sync` under a hook that notes each child's CPU as wbmerge reaps
+it (see `cputime`).
 """
 
 from __future__ import annotations
@@ -41,6 +51,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from cputime import LINGER, Measured, run_measured  # noqa: E402
 
 from tests.support import synthetic  # noqa: E402
 from wbmerge.sink import SinkClient, read_api_key  # noqa: E402
@@ -127,24 +139,20 @@ def run_once(
     work: Path,
     before: Path | None,
     client: SinkClient,
-) -> float:
+) -> Measured:
     project = f"{variant.replace('@', '-')}-{ranks}-{repeat}"
     cmd, pythonpath = commands(variant, job, project, work, before)
     run_env = {**env, "PYTHONPATH": pythonpath, "WBMERGE_STATE_DIR": str(work / f"state-{project}")}
-    began = time.perf_counter()
     # in the tree it runs from: `python -m` puts the working directory first on sys.path
-    done = subprocess.run(
-        cmd, env=run_env, cwd=pythonpath, capture_output=True, text=True, timeout=TIMEOUT
-    )
-    seconds = time.perf_counter() - began
+    done, stderr = run_measured(cmd, run_env, pythonpath, TIMEOUT, hooked=variant != "plain")
     if done.returncode != 0:
-        raise SystemExit(f"{variant} of {ranks} ranks failed:\n{done.stderr[-2000:]}")
+        raise SystemExit(f"{variant} of {ranks} ranks failed:\n{stderr[-2000:]}")
     runs = len(client.runs(project=project))
     want = 1 if variant.startswith("shared") else ranks
     if runs != want:
         raise SystemExit(f"{variant} of {ranks} ranks: {runs} runs arrived, not {want}")
     shutil.rmtree(work / project, ignore_errors=True)
-    return seconds
+    return done
 
 
 def table(
@@ -165,6 +173,44 @@ def table(
             cells += [f"{statistics.median(refused[v, ranks]):.0f}" for v in variants]
         lines.append(f"| {ranks} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def cpu_medians(runs: list[Measured]) -> tuple[float | None, float]:
+    """The median CPU seconds of wbmerge's own processes (None for plain) and the uploader's."""
+    own = [run.own for run in runs if run.own is not None]
+    return (statistics.median(own) if own else None), statistics.median(r.uploader for r in runs)
+
+
+def cpu_table(
+    results: dict[tuple[str, int], list[Measured]], variants: list[str], ranks_of: list[int]
+) -> str:
+    """The markdown table of each variant's median CPU seconds: wbmerge's own, the
+    uploader's, and their ratio (of the medians)."""
+    heads = ["plain uploader CPU s"]
+    for v in variants[1:]:
+        heads += [f"{v} own CPU s", f"{v} uploader CPU s", f"{v} own / uploader"]
+    lines = ["| ranks | " + " | ".join(heads) + " |", "|" + " --- |" * (1 + len(heads))]
+    for ranks in ranks_of:
+        cells = [f"{cpu_medians(results['plain', ranks])[1]:.2f}"]
+        for v in variants[1:]:
+            own, uploader = cpu_medians(results[v, ranks])
+            cells += [f"{own:.2f}", f"{uploader:.2f}", f"{own / uploader:.2f}"]
+        lines.append(f"| {ranks} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdicts(results: dict[tuple[str, int], list[Measured]], ranks_of: list[int]) -> list[str]:
+    """Whether `new` mode keeps wbmerge's own CPU to a quarter of the uploader's (medians)."""
+    lines = []
+    for ranks in ranks_of:
+        if ("new", ranks) in results:
+            own, uploader = cpu_medians(results["new", ranks])
+            verdict = "yes" if own <= uploader / 4 else "NO"
+            lines.append(
+                f"new, {ranks} ranks: own {own:.2f} s <= 1/4 of the uploader's {uploader:.2f} s"
+                f" ({uploader / 4:.2f} s): {verdict}"
+            )
+    return lines
 
 
 def main() -> None:
@@ -223,7 +269,7 @@ def main() -> None:
         key = read_api_key(work / "sink")
         env.update(WANDB_BASE_URL=url, WANDB_API_KEY=key, WANDB_SILENT="true")
         client = SinkClient(url, key)
-        times: dict[tuple[str, int], list[float]] = {}
+        results: dict[tuple[str, int], list[Measured]] = {}
         refused: dict[tuple[str, int], list[int]] = {}
         try:
             for repeat in range(args.repeat):
@@ -231,15 +277,17 @@ def main() -> None:
                     shift = repeat % len(variants)  # each variant goes first in turn
                     for variant in variants[shift:] + variants[:shift]:
                         before_429s = throttled(client)
-                        seconds = run_once(
+                        done = run_once(
                             variant, ranks, jobs[ranks], repeat, env, work, args.before, client
                         )
-                        times.setdefault((variant, ranks), []).append(seconds)
+                        results.setdefault((variant, ranks), []).append(done)
                         refused.setdefault((variant, ranks), []).append(
                             throttled(client) - before_429s
                         )
+                        own = "" if done.own is None else f", own {done.own:5.2f} s"
                         print(
-                            f"  repeat {repeat} {ranks:>3} ranks {variant:>13}: {seconds:6.2f} s",
+                            f"  repeat {repeat} {ranks:>3} ranks {variant:>13}:"
+                            f" {done.seconds:6.2f} s; CPU: uploader {done.uploader:5.2f} s{own}",
                             flush=True,
                         )
         finally:
@@ -248,7 +296,14 @@ def main() -> None:
     latency = f", {args.latency * 1000:.0f} ms a request" if args.latency else ""
     latency += ", a sink like W&B" if args.like_wandb else ""
     print(f"\nmedian of {args.repeat}, {args.rows} rows per job, 20 metrics a row{latency}:\n")
+    times = {key: [run.seconds for run in runs] for key, runs in results.items()}
     print(table(times, variants, args.ranks, refused if args.like_wandb else None))
+    print(f"\nCPU seconds (user + system), median of {args.repeat}:\n")
+    print(cpu_table(results, variants, args.ranks))
+    print("", *verdicts(results, args.ranks), sep="\n")
+    left = sum(run.left for runs in results.values() for run in runs)
+    if left:
+        print(f"({left} processes outlived their command by {LINGER:.0f} s: CPU so far counted)")
 
 
 if __name__ == "__main__":
