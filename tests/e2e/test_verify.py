@@ -19,8 +19,10 @@ from click.testing import CliRunner
 
 from wbmerge.cli import main
 from wbmerge.sink import LikeWandb
+from wbmerge.training import RankInfo
 
 from ..conftest import interruptible, job_dir
+from ..support.ranklogs import config_record, exit_record, history_record, rank_log
 from ..support.sinktools import copy_runs, wandb_sync
 from ..verify.test_row_verification import drop_history_lines
 
@@ -256,3 +258,50 @@ def test_counts_that_lag_are_waited_for_and_said(make_sink, tmp_path):
     assert LATE not in result.stderr
     report = json.loads(result.stdout)
     assert all(run["problems"] == ["the server holds no such run"] for run in report["runs"])
+
+
+def two_ranks_of_lr(root: Path, rank_1_lr: float) -> None:
+    """A finished job of two ranks that log the same rows; rank 0 sets `lr` 0.1, rank 1
+    sets `rank_1_lr` (written anew over any earlier version of the job)."""
+    shutil.rmtree(root / "wandb", ignore_errors=True)
+    for rank, lr in ((0, 0.1), (1, rank_1_lr)):
+        info = RankInfo(rank, rank, 2, 2, 0, job_id="relabelled")
+        with rank_log(root, info, f"relabelled-{rank}", "p") as writer:
+            writer.write(config_record({"lr": lr}))
+            for step in range(4):
+                writer.write(history_record([("loss", str(step + rank))], step))
+            writer.write(exit_record(0))
+
+
+def test_a_shared_run_whose_server_config_holds_a_labelled_key_the_files_dropped_is_whole(
+    sink, tmp_path
+):
+    """A shared run's labelled config keys come and go as the ranks log: a sync sent
+    rank 1's own `lr`, and a later merge finds it the primary's, so it labels none. The
+    server keeps the key once sent, and the check after each upload does not count it
+    against the run; neither may `verify` or `sync --force`, or they would call the run
+    not whole, and send it again, every time; nor may `sync --resend` refuse the run."""
+    job = tmp_path / "job"
+    args = [job, "--run-mode", "shared", "-p", "p", "-e", "local"]
+    two_ranks_of_lr(job, 0.2)
+    assert cli(sink, tmp_path, "sync", *args).exit_code == 0
+    [run] = sink.client.runs(project="p")
+    held = sink.client.run("local", "p", run["id"])["config"]
+    labelled = [key for key in held if key.startswith("lr/")]
+    assert labelled and held["lr"] == 0.1, held  # (rank 1's own value, under its label)
+
+    two_ranks_of_lr(job, 0.1)
+    again = cli(sink, tmp_path, "sync", *args)
+    assert again.exit_code == 0, again.output
+    assert set(labelled) <= set(sink.client.run("local", "p", run["id"])["config"])
+
+    code, report, errors = verify(sink, tmp_path, *args)
+    assert (code, errors, problems_by_run(report)) == (0, [], {run["id"]: []})
+    forced = cli(sink, tmp_path, "sync", *args, "--force", "--json")
+    assert forced.exit_code == 0, forced.output
+    assert [r["status"] for r in json.loads(forced.stdout)["runs"]] == ["already complete"]
+    # nor is the key a reason to refuse sending the run again whole: it would pass after
+    resent = cli(sink, tmp_path, "sync", *args, "--resend", "--json")
+    assert resent.exit_code == 0, resent.output
+    assert [r["status"] for r in json.loads(resent.stdout)["runs"]] == ["uploaded"]
+    assert verify(sink, tmp_path, *args)[:2] == (0, report)

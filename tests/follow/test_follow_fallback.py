@@ -23,7 +23,7 @@ from ..support import synthetic
 from ..support.ranklogs import exit_record, history_record, rank_log
 from .test_follow import UPLOAD_TIMEOUT, follow_sink
 from .test_follow_incremental import Growing
-from .test_follow_saved import flip_a_byte, lose_it
+from .test_follow_saved import flip_a_byte, lose_it, saved_states
 
 SHARED = {"run_mode": "shared", "rank_scope": "global"}
 
@@ -143,20 +143,29 @@ def the_last_round(job: Path, live: Path, state: Path) -> list[RoundReport]:
         return [first, last]
 
 
-# name: (the rounds, the reason's words, said, the saved state forgotten)
+# name: (the rounds, the reason's words, said, the saved state forgotten, a state saved
+# before the fallback: without one, there is nothing on disk to forget or keep)
 CASES = {
-    "a rank starts": (a_rank_starts_late, "a rank or restart started", True, True),
-    "a log rewritten": (a_rank_rewritten, "no longer holds what was read of it", True, True),
+    "a rank starts": (a_rank_starts_late, "a rank or restart started", True, True, True),
+    "a log rewritten": (
+        a_rank_rewritten,
+        "no longer holds what was read of it",
+        True,
+        True,
+        True,
+    ),
     "state lost": (
         restarted_after(lose_it),
         "no state saved by a follower before this one",
         True,
         True,
+        False,
     ),
-    "state damaged": (restarted_after(flip_a_byte), "is damaged", True, True),
+    "state damaged": (restarted_after(flip_a_byte), "is damaged", True, True, True),
     "state a round behind": (
         a_state_a_round_behind,
         "a follower before this one saved does not fit (the server holds",
+        True,
         True,
         True,
     ),
@@ -165,10 +174,11 @@ CASES = {
         "the server holds 6 history rows, not what it sent",
         False,
         True,
+        False,
     ),
-    "upload refused": (a_sync_sent_rows_early, UNVERIFIED.reason, False, True),
-    "the last round": (the_last_round, LAST_ROUND.reason, False, False),
-    "a kind not kept": (every_ranks_system_metrics, NOT_KEPT.reason, False, False),
+    "upload refused": (a_sync_sent_rows_early, UNVERIFIED.reason, False, True, False),
+    "the last round": (the_last_round, LAST_ROUND.reason, False, False, True),
+    "a kind not kept": (every_ranks_system_metrics, NOT_KEPT.reason, False, False, False),
 }
 
 
@@ -176,25 +186,36 @@ CASES = {
 def test_each_fallback_is_acted_on_in_one_place_and_says_its_line(
     case, job, make_sink, monkeypatch, tmp_path, state
 ):
-    scenario, words, said, forget = CASES[case]
+    scenario, words, said, forget, held = CASES[case]
     acted: list[tuple[str, Fallback, RoundReport]] = []
+    # the saved states on disk just before and just after each fallback was acted on
+    on_disk: list[tuple[dict[Path, bytes], dict[Path, bytes]]] = []
     fall_back = Follower.fall_back
 
     def spy(self, run_id: str, fallback: Fallback, report: RoundReport) -> None:
         acted.append((run_id, fallback, report))
+        before = {path: path.read_bytes() for path in saved_states(state)}
         fall_back(self, run_id, fallback, report)
+        on_disk.append((before, {path: path.read_bytes() for path in saved_states(state)}))
 
     monkeypatch.setattr(Follower, "fall_back", spy)
     follow_sink(make_sink, monkeypatch, state)
     live = tmp_path / "live"
     live.mkdir()
     reports = scenario(job, live, state)
-    found = [(run_id, f, report) for run_id, f, report in acted if words in f.reason]
+    found = [
+        (run_id, f, report, disk)
+        for (run_id, f, report), disk in zip(acted, on_disk, strict=True)
+        if words in f.reason
+    ]
     assert found, [f.reason for _, f, _ in acted]
-    for run_id, fallback, report in found:
+    for run_id, fallback, report, (before, after) in found:
         assert (fallback.said, fallback.forget) == (said, forget)
         lines = [w for w in report.warnings if fallback.reason in w]
         assert lines == ([fallback.line(run_id)] if said else [])
+        # the one run's saved state went when it is forgotten, else it stayed as it was
+        assert len(before) == held
+        assert after == ({} if forget else before)
     # every "merged from scratch" a round said is the line of a fallback acted on
     lines = [w for report in reports for w in report.warnings if "merged from scratch" in w]
     made = {fallback.line(run_id) for run_id, fallback, _ in acted if fallback.said}

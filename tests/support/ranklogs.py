@@ -66,6 +66,16 @@ def summary_record(values: dict) -> bytes:
     return record.SerializeToString()
 
 
+def config_record(values: dict) -> bytes:
+    """A config record setting each of `values` (plain keys, JSON-encodable values), as
+    `config.update` makes wandb write one."""
+    record = pb.Record()
+    for key, value in values.items():
+        item = record.config.update.add()
+        item.key, item.value_json = key, json.dumps(value)
+    return record.SerializeToString()
+
+
 def console_record(text: str, stderr: bool = False) -> bytes:
     """A console record of stdout (or stderr) text, as wandb writes what a rank prints."""
     record = pb.Record()

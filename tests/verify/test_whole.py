@@ -189,6 +189,22 @@ def test_not_held_whole_names_what_a_whole_upload_would_change(
     assert not_held_whole(STAGED, held, listing, expected, logged, exit_code) == problems
 
 
+@pytest.mark.parametrize(
+    "config_checked, problems",
+    [
+        (True, ["config keys not in the files: lr/rank-1"]),
+        # a shared run: its labelled keys come and go as the ranks log (`Delivery.config_checked`)
+        (False, []),
+    ],
+)
+def test_a_config_key_no_record_sets_is_named_where_the_config_is_checked(config_checked, problems):
+    """The server keeps a key once sent: an earlier upload's `lr/rank-1` stays."""
+    held = replace(WHOLE, config_json=json.dumps({"lr": 0.1, "lr/rank-1": 0.2}))
+    expected = {"a.png": 90, "config.yaml": None}
+    found = not_held_whole(STAGED, held, LISTED, expected, UNNAMED, 0, config_checked)
+    assert found == problems
+
+
 SUMMARY = b'{"loss": 0.5, "_step": 9, "_runtime": 3.2, "_wandb": {"runtime": 3}}'
 CONFIG = b"_wandb:\n    value:\n        cli_version: 0.31.0\nlr:\n    value: 0.1\n"
 MADE = {"wandb-summary.json": SUMMARY, "config.yaml": CONFIG, "output.log": CONSOLE}

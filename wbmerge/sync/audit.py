@@ -25,6 +25,7 @@ from ..identify import discover, few, make_hints, selects_merged
 from ..plan import Target, app_url, as_logged, check_destination, run_url
 from ..upload import (
     Credentials,
+    Delivery,
     Held,
     ServerClient,
     ServerError,
@@ -37,12 +38,13 @@ from ..verify import (
     WHOLE,
     Mismatch,
     RunOnServer,
+    checked_config_keys,
     counts_behind,
     counts_caught_up,
     prove,
     resend_whole,
 )
-from ..wandbcore import StagedContent, logged_config_keys, read_staged
+from ..wandbcore import StagedContent, read_staged
 from .pipeline import PlannedJob, plan_jobs, sigterm_raises
 from .request import MergeRequest
 from .session import delivery_of
@@ -273,7 +275,7 @@ def _verify_job(
             )
             verdict.problems = prove(on_server, WHOLE)
             if verdict.problems:
-                verdict.mend = _mend(content, held, staged.log_path)
+                verdict.mend = _mend(content, held, made)
         except ServerError as exc:
             verdict.problems = [f"could not be verified: {exc}"]
             verdict.mend = "verify"
@@ -281,12 +283,12 @@ def _verify_job(
             shutil.rmtree(staged.run_dir, ignore_errors=True)
 
 
-def _mend(content: StagedContent, held: Held, log: Path) -> Literal["resend", "other ids"]:
+def _mend(content: StagedContent, held: Held, made: Delivery) -> Literal["resend", "other ids"]:
     """Whether `sync --resend` leaves a run that is not whole exact: not when the server
-    holds lines past the staged run's or config keys it lacks (`resend_whole`), which
-    sending again cannot remove."""
+    holds lines past the staged run's or config keys it lacks where its config is checked
+    (`resend_whole`, `Delivery.config_checked`), which sending again cannot remove."""
     try:
-        resend_whole(content, held, logged_config_keys(log))
+        resend_whole(content, held, checked_config_keys(made))
     except (Mismatch, ValueError):  # (ValueError: a config not JSON, which --resend refuses)
         return "other ids"
     return "resend"

@@ -53,6 +53,7 @@ from ..verify import (
     Mismatch,
     RowsLost,
     RunOnServer,
+    checked_config_keys,
     counts,
     counts_behind,
     counts_caught_up,
@@ -68,7 +69,7 @@ from ..verify import (
     with_last_row,
     write_remainder,
 )
-from ..wandbcore import StagedContent, logged_config_keys, read_staged
+from ..wandbcore import StagedContent, read_staged
 
 # Runs of one batch checked at once after their upload: one at a time, the checks of 256
 # small runs fell 2 s behind the upload (each waits on a server busy with the upload).
@@ -204,19 +205,18 @@ class Deliverer:
         resend = self.resend and held.exists and held.history_lines > 0
         self.relay.plan(delivery.run_id, 0 if resend else held.history_lines * held.exists)
         if resend:  # (each line replaces the one at its place: none may be left beyond)
-            resend_whole(self._content(delivery), held, logged_config_keys(delivery.log))
+            resend_whole(self._content(delivery), held, checked_config_keys(delivery))
             self._tell(f"sending {delivery.run_id} again whole, over the server's rows")
             return
-        # (a cut log's config is not the run's; a shared run's labelled keys come and go)
-        whole_log = delivery.row_before is None and delivery.config_from_log
         if not held.exists or not (held.history_lines or delivery.verified_before):
-            if held.exists and whole_log:
-                keeps_no_config(held, logged_config_keys(delivery.log))
+            if held.exists and (keys := checked_config_keys(delivery)) is not None:
+                keeps_no_config(held, keys)
             return  # (nothing to cut, nor to find whole: counted while the upload starts)
         content = self._content(delivery)
         plan = remainder(content, held, lambda index: _staged_row(delivery, index))
-        if whole_log:  # (after the rows: a refusal names rows first, as they are likelier)
-            keeps_no_config(held, logged_config_keys(delivery.log))
+        # (after the rows: a refusal names rows first, as they are likelier)
+        if (keys := checked_config_keys(delivery)) is not None:
+            keeps_no_config(held, keys)
         if plan.skip_history == len(content.step_items) and not shortfall(content, held):
             problems = prove(self._on_server(delivery, held, content), WHOLE)
             if delivery.refused:  # (rows lost inside the run: sending cannot fill them)

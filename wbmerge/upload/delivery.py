@@ -79,6 +79,15 @@ class Delivery:
     # held by the thread counting what the staged log holds (`content`), so it is counted once
     counting: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
+    @property
+    def config_checked(self) -> bool:
+        """Whether a config key the server holds that none of the staged log's records
+        sets fails the run: the one rule of every check of the config, after an upload,
+        of a run found whole, and before one. Not for a log cut already (its records are
+        not all the run's; a follow's last round sends the whole run and is checked), nor
+        for a shared run (`config_from_log`)."""
+        return self.row_before is None and self.config_from_log
+
 
 @dataclass
 class Progress:

@@ -16,7 +16,7 @@ after it, the server's run against the staged one. The modules, one job each:
 from __future__ import annotations
 
 from . import artifactcheck
-from .proof import AFTER_UPLOAD, WHOLE, RunOnServer, counts, prove
+from .proof import AFTER_UPLOAD, WHOLE, RunOnServer, checked_config_keys, counts, prove
 from .readback import (
     COUNTS_LAG,
     COUNTS_LATE,
@@ -53,6 +53,7 @@ __all__ = [
     "AFTER_UPLOAD",
     "WHOLE",
     "RunOnServer",
+    "checked_config_keys",
     "counts",
     "prove",
     "artifactcheck",

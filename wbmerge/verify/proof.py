@@ -52,14 +52,18 @@ def whole(run: RunOnServer) -> list[str]:
     )
 
 
+def checked_config_keys(delivery: Delivery) -> frozenset[str] | None:
+    """The config keys the staged log's records set, all a server may hold of the run;
+    None where its config is not checked so (`Delivery.config_checked`). The one source of
+    the keys for the check after an upload, of a run found whole, and before one."""
+    return logged_config_keys(delivery.log) if delivery.config_checked else None
+
+
 def config(run: RunOnServer) -> list[str]:
     """No config key that the files do not set: the server keeps a key once sent, so an
-    earlier upload of other files leaves its keys. A follow's round that sends a cut log
-    is not checked (the log's records are not all the run's; its last round sends the
-    whole run and is), nor a shared run (`Delivery.config_from_log`)."""
-    if run.delivery.row_before is not None or not run.delivery.config_from_log:
-        return []
-    return config_not_logged(run.held, logged_config_keys(run.delivery.log))
+    earlier upload of other files leaves its keys."""
+    keys = checked_config_keys(run.delivery)
+    return [] if keys is None else config_not_logged(run.held, keys)
 
 
 def saved_files(run: RunOnServer) -> list[str]:

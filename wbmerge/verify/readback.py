@@ -110,7 +110,9 @@ def not_whole_on_server(
             return ["the server lists no such run"]
         expected = files_expected(staged_files(delivery.run_dir / "files"), content)
         logged = read_logged_run(delivery.log, READ_BACK["output.log"])
-        problems = not_held_whole(content, held, listing, expected, logged, delivery.exit_code)
+        problems = not_held_whole(
+            content, held, listing, expected, logged, delivery.exit_code, delivery.config_checked
+        )
         if not problems:  # (every file at its size: only now is each worth hashing)
             sized = [name for name, size in expected.items() if size is not None]
             problems = files_changed(staged_md5s(delivery.run_dir / "files", sized), listing)

@@ -104,13 +104,16 @@ def remainder(
     return Remainder(have, resteps)
 
 
-def resend_whole(staged: StagedContent, held: Held, config_keys: Collection[str] = ()) -> Remainder:
+def resend_whole(
+    staged: StagedContent, held: Held, config_keys: Collection[str] | None = ()
+) -> Remainder:
     """The plan of `sync --resend`: all of `staged` again, each line over the one at its
     place (the relay puts wandb-core's first line at line 0). Lines are replaced, never
     removed, and the server merges the config it is sent into the one it holds, so a
     server holding more than is staged (history, system-metric or console lines, or a
     config key that none of the staged log's records sets, `config_keys`) is a Mismatch:
-    the run would keep them."""
+    the run would keep them. `config_keys` None: the config is not checked
+    (`Delivery.config_checked`), since a key left there does not fail the run."""
     rows = len(staged.step_items)
     if held.history_lines > rows:
         raise Mismatch(
@@ -126,7 +129,8 @@ def resend_whole(staged: StagedContent, held: Held, config_keys: Collection[str]
             f"{staged.console_lines} staged, and sending the run again cannot remove them",
             resend_mends=False,
         )
-    keeps_no_config(held, config_keys)
+    if config_keys is not None:
+        keeps_no_config(held, config_keys)
     return Remainder(0)
 
 
