@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from wbmerge.upload import Credentials, OtherWriter, ServerClient
+from wbmerge.upload import Credentials, OtherWriter, ServerClient, ServerError
 from wbmerge.upload.claims import PREFIX, Claims, Entry, entries_of, verdict
 
 NOW = 1_000_000.0
@@ -165,3 +165,19 @@ def test_writers_claiming_one_run_at_once_never_hold_it_together(client):
         thread.join(120)
     assert len(most) == 20 and max(most) == 1
     assert waits  # (the writers did meet: the check above was put to the test)
+
+
+def test_a_run_whose_read_back_failed_is_still_released(client, monkeypatch):
+    """The entry is set, then the server fails to answer: the writer's close releases the
+    entry all the same, so no other writer waits for it to run out."""
+    writer = claims(client, "w")
+
+    def fails(*args):
+        raise ServerError("the server went away")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(client, "held", fails)
+        with pytest.raises(ServerError):
+            writer.take("local", "p", "run")
+    writer.close()
+    assert entries_of(client.held("local", "p", "run").config_json)["w"].released

@@ -215,15 +215,17 @@ class Claims:
         stop = stop or threading.Event()
         while True:
             self._set(run, released=False)
+            self._hold(run)  # (from here on `close` releases it, whatever happens next)
             held = self.client.held(entity, project, run_id)
             found = verdict(entries_of(held.config_json), self.writer, time.time(), self.settle)
             if found.go:
-                self._hold(run)
                 if found.wait <= 0:
                     return held
                 if stop.wait(found.wait):
                     return None
                 return self.client.held(entity, project, run_id)
+            with self._lock:
+                self._held.discard(run)
             self._set(run, released=True)
             holder = found.holder
             assert holder is not None
