@@ -377,3 +377,59 @@ def test_rows_past_a_stale_tail_are_read_and_fail_the_run(tmp_path, tail):
     assert problems == [
         "the server holds rows at 2 steps that were not sent (steps 70, 1000000000000)"
     ]
+
+
+class RowsRead:
+    """A server holding `rows`, as read from a log with protobuf and `json` (sinktools),
+    not by wbmerge's reading of them."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def history_page(self, entity, project, run_id, steps, most):
+        return [row for row in self.rows if steps[0] <= row["_step"] < steps[1]][:most]
+
+
+@pytest.mark.parametrize("fault", [None, "lost", "changed on the server", "staged otherwise"])
+def test_the_staged_rows_are_compared_as_read_independently(tmp_path, fault):
+    """The staged rows the read-back compares (read the fast way for the rows wandb
+    writes, `sentrows.flat_row`) are the ones a reading by protobuf and `json` gives:
+    a row the server lost, a value changed on the server and a staged row that differs
+    from what the server holds each fail the check, and nothing else does."""
+    from wbmerge.log import pb, read_payloads, write_payloads
+    from wbmerge.upload import Delivery, Held
+    from wbmerge.verify import rows_not_held
+    from wbmerge.wandbcore import read_staged
+
+    source = synthetic_job(tmp_path, steps=200)
+    [log] = source.glob("wandb/*/run-*.wandb")
+    rows = expected_from_log(log).history
+    index = sampled(len(rows))[7]  # (a row whose values are compared)
+    step, key = rows[index]["_step"], next(k for k in rows[index] if not k.startswith("_"))
+    value = rows[index][key]
+    if fault == "lost":
+        del rows[index]
+    elif fault == "changed on the server":
+        rows[index] = {**rows[index], key: -1.5}
+    elif fault == "staged otherwise":  # the staged log holds another value in that row
+        payloads = list(read_payloads(log))
+        at = [i for i, p in enumerate(payloads) if pb.Record.FromString(p).HasField("history")]
+        record = pb.Record.FromString(payloads[at[index]])
+        item = next(i for i in record.history.item if list(i.nested_key) == [key])
+        item.value_json = "2.25"
+        payloads[at[index]] = record.SerializeToString()
+        write_payloads(log, payloads)
+    delivery = Delivery("flat", log.parent, log, "key", "fingerprint")
+    held = Held(True, len(rows), last_step=rows[-1]["_step"])
+    problems = rows_not_held(RowsRead(rows), "e", "p", delivery, held, read_staged(log))
+    assert (
+        problems
+        == {
+            None: [],
+            "lost": [f"the server lacks 1 of 200 rows sent (steps {step})"],
+            "changed on the server": [
+                f"the row at step {step} holds {key!r} = -1.5, sent {value!r}"
+            ],
+            "staged otherwise": [f"the row at step {step} holds {key!r} = {value!r}, sent 2.25"],
+        }[fault]
+    )

@@ -15,8 +15,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from wbmerge.log import pb
-from wbmerge.wandbcore import item_step, json_value, sent_steps, with_step
-from wbmerge.wandbcore.sentrows import NOT_JSON, bare_number, json_int
+from wbmerge.wandbcore import item_step, json_value, sent_steps, sentrows, with_step
+from wbmerge.wandbcore.sentrows import NOT_JSON, ROW_WAYS, bare_number, json_int
 
 from ..support.ranklogs import history_record
 from ..support.steprows import INT64_MAX, INT64_MIN, ODD_ROWS
@@ -194,3 +194,84 @@ def test_metric_values_are_read_without_the_parser():
     for text in (" 42", "42\n", "[1]", '"1"', "true", "null", ""):
         assert bare_number(text) is None, text
     assert bare_number("-nan") is NOT_JSON and bare_number("1-2") is NOT_JSON
+
+
+def same_row(a: dict, b: dict) -> bool:
+    """The same keys in the same order, each value read alike (`same_reading`), objects
+    and lists item by item."""
+    if list(a) != list(b):
+        return False
+    return all(same_value_read(a[key], b[key]) for key in a)
+
+
+def same_value_read(a, b) -> bool:
+    if type(a) is dict and type(b) is dict:
+        return same_row(a, b)
+    if type(a) is list and type(b) is list:
+        return len(a) == len(b) and all(map(same_value_read, a, b))
+    return same_reading(a, b)
+
+
+def history_of(items: list[tuple[str | None, list[str], str]]) -> pb.HistoryRecord:
+    """A history record of items (key, nested key, JSON text)."""
+    history = pb.HistoryRecord()
+    for key, nested, text in items:
+        item = history.item.add()
+        if key is not None:
+            item.key = key
+        item.nested_key.extend(nested)
+        item.value_json = text
+    return history
+
+
+REFERENCE_ROW, FLAT_ROW = ROW_WAYS["reference"], ROW_WAYS["flat"]
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [(None, ["loss"], "0.5"), (None, ["_step"], "3"), (None, ["acc"], "NaN")],
+        [("loss", [], "1"), ("loss", [], "2.5")],  # (the later item of a key wins)
+        [("", [], "1"), (None, ["x"], "2")],  # (an item with no key is dropped)
+        [(None, [""], "1")],  # (a nested key of one empty part is kept)
+        [(None, ["a", "b"], "1"), (None, ["a"], "2")],  # (nested: the reference's)
+        [(None, ["x"], "0042"), (None, ["y"], "Inf"), (None, ["z"], "+7")],
+        [(None, ["x"], "-NaN"), (None, ["y"], "-Infinity"), (None, ["z"], "1e400")],
+        [(None, ["x"], "9223372036854775808"), (None, ["y"], str(INT64_MIN))],
+        [(None, ["x"], "1,2"), (None, ["y"], "3")],  # (a text of two values is refused)
+        [(None, ["x"], ""), (None, ["y"], " 5\n"), (None, ["z"], "true")],
+        [(None, ["x"], '"\\ud800"'), (None, ["y"], "1")],  # (Go reads a lone half as U+FFFD)
+        [(None, ["x"], "[1, {}]"), (None, ["y"], '{"a": 1, "b": {}}')],
+        [(None, ["x"], "null"), (None, ["y"], "-0"), (None, ["z"], "-0.0")],
+    ],
+)
+def test_the_flat_row_is_the_reference_row(items):
+    history = history_of(items)
+    assert same_row(FLAT_ROW(history), REFERENCE_ROW(history)), items
+    assert same_row(FLAT_ROW(history, "x"), REFERENCE_ROW(history, "x"))
+
+
+def test_a_typed_value_is_read_by_the_reference():
+    """wandb writes a typed value beside the JSON text when told to; wandb-core takes it."""
+    history = history_of([(None, ["x"], "1"), (None, ["y"], "2")])
+    history.item[1].integer = 5
+    assert FLAT_ROW(history) == REFERENCE_ROW(history) == {"x": 1, "y": 5}
+
+
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "", "_step"]), NUMBERISH), max_size=6))
+@example([("a", "1"), ("b", "1 ,2")])
+@example([("a", "00"), ("b", "1]")])
+def test_any_flat_row_is_the_reference_row(pairs):
+    history = history_of([(None, [key], text) for key, text in pairs])
+    assert same_row(FLAT_ROW(history), REFERENCE_ROW(history)), pairs
+
+
+def test_the_rows_wandb_writes_are_read_flat(monkeypatch):
+    """The metrics of a row wandb writes take the flat way, not the reference's (which
+    would be as right, at several times the cost)."""
+    history = history_of([(None, [f"m{i}"], repr(i / 7)) for i in range(20)])
+    calls = []
+    original = sentrows.reference_row
+    monkeypatch.setattr(sentrows, "reference_row", lambda *a: calls.append(a) or original(*a))
+    row = FLAT_ROW(history)
+    assert calls == [] and row == {f"m{i}": i / 7 for i in range(20)}
