@@ -58,11 +58,26 @@ def manifest() -> dict:
 
 
 @pytest.fixture
-def sink(tmp_path_factory):
+def sink_like():
+    """What a test's `sink` and `make_sink()` behave like: the ideal server here. A directory
+    or module whose tests must hold on W&B overrides it with `like_wandb_by_default()`."""
+    return None
+
+
+def chosen_like(request, like):
+    """`like`, or the ideal server for a test marked `ideal_sink` (one that needs an exact
+    server)."""
+    return None if request.node.get_closest_marker("ideal_sink") else like
+
+
+@pytest.fixture
+def sink(tmp_path_factory, request, sink_like):
     """A real sink on a free loopback port with a fresh data dir; `.env` points wandb at it."""
     from .support.sinktools import SinkProcess
 
-    process = SinkProcess(tmp_path_factory.mktemp("sink") / "data")
+    process = SinkProcess(
+        tmp_path_factory.mktemp("sink") / "data", like=chosen_like(request, sink_like)
+    )
     process.data_dir.mkdir()
     process.start()
     yield process
@@ -83,16 +98,20 @@ def wandb_like_sink(tmp_path_factory):
 
 
 @pytest.fixture
-def make_sink(tmp_path_factory):
-    """Start sinks with options (faults, `like`: a `LikeWandb` of W&B's behaviours); all
-    are stopped after the test."""
+def make_sink(tmp_path_factory, request, sink_like):
+    """Start sinks with options (faults, `like`: a `LikeWandb` of W&B's behaviours, None for
+    the ideal server, the test's `sink_like` if not given); all are stopped after the test."""
     from .support.sinktools import SinkProcess
 
     started = []
+    default = chosen_like(request, sink_like)
 
-    def start(faults=(), allow_faults=False, like=None):
+    def start(faults=(), allow_faults=False, like=...):
         process = SinkProcess(
-            tmp_path_factory.mktemp("sink") / "data", tuple(faults), allow_faults, like
+            tmp_path_factory.mktemp("sink") / "data",
+            tuple(faults),
+            allow_faults,
+            default if like is ... else like,
         )
         process.data_dir.mkdir()
         started.append(process.start())

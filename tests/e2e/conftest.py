@@ -6,17 +6,16 @@ the exact server (counts at once, every request taken) keep the ideal `sink`.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 
 @pytest.fixture
-def sink(tmp_path_factory):
+def sink(tmp_path_factory, request):
     """A real sink like W&B on a free loopback port, with a fresh data dir."""
-    from ..support.sinktools import LIKE_WANDB, SinkProcess
+    from ..conftest import chosen_like
+    from ..support.sinktools import SinkProcess, like_wandb_by_default
 
-    like = None if os.environ.get("WBMERGE_TEST_SINK") == "ideal" else LIKE_WANDB
+    like = chosen_like(request, like_wandb_by_default())
     process = SinkProcess(tmp_path_factory.mktemp("sink") / "data", like=like)
     process.data_dir.mkdir()
     process.start()

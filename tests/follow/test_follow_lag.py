@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from wbmerge.follow import Follower, round_lines
+from wbmerge.follow import Follower, follow, round_lines
 from wbmerge.sink import LikeWandb
 from wbmerge.sync import MergeRequest
 
@@ -34,4 +34,34 @@ def test_follow_rounds_wait_for_late_counts_and_end_as_one_sync(
         job.grow(1.0)
         report = follower.round()
         assert report.done, round_lines(report)
+    assert_same_runs(sink, want)
+
+
+def test_a_round_longer_than_the_idle_timeout_does_not_end_a_job_still_writing(
+    make_sink, monkeypatch, tmp_path, state
+):
+    """A round on a server whose counts lag lasts longer than the idle timeout (the counts
+    are waited for); the ranks wrote meanwhile, so the follow goes on until they finish,
+    and ends done, not idle with every rank named unfinished."""
+    fixture = job_dir("one_node_4")
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
+    want = one_shot(monkeypatch, make_sink, fixture, request, tmp_path)
+    sink = make_sink(like=LikeWandb(lag=2.0))
+    use_sink(monkeypatch, sink)
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    job = GrowingJob(fixture, tmp_path / "live")
+    (tmp_path / "live").mkdir()
+    job.grow(0.3)
+    grown = iter((0.6, 1.0))
+    lines: list[str] = []
+
+    def write_more(report) -> None:
+        # (the ranks wrote while the round ran, as they do: seen by the next round)
+        lines.extend(round_lines(report))
+        job.grow(next(grown, 1.0))
+
+    result = follow(
+        request, interval=0.2, idle_timeout=1.0, timeout=UPLOAD_TIMEOUT, on_round=write_more
+    )
+    assert (result.unfinished, result.final_sync) == ([], None), lines
     assert_same_runs(sink, want)

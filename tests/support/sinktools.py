@@ -25,6 +25,13 @@ from wbmerge.sink import LikeWandb, LocalSink, SinkClient
 # W&B's 2-4 s so that the tests stay fast: long enough for a sync to ask in the gap.
 LIKE_WANDB = LikeWandb.all_on(lag=1.0)
 
+
+def like_wandb_by_default() -> LikeWandb | None:
+    """The sink of tests that must hold on W&B: `LIKE_WANDB`, or the ideal server when
+    `WBMERGE_TEST_SINK=ideal` (to tell a failure of the model from one of the code)."""
+    return None if os.environ.get("WBMERGE_TEST_SINK") == "ideal" else LIKE_WANDB
+
+
 CONSOLE_PREFIX = re.compile(r"^(ERROR )?\d{4}-\d\d-\d\dT[\d:.]+ ?")
 
 

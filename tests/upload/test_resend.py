@@ -14,10 +14,18 @@ from wbmerge.training import RankInfo
 
 from ..conftest import job_dir
 from ..support import synthetic
-from ..support.sinktools import content_of, expected_from_log
+from ..support.sinktools import content_of, expected_from_log, like_wandb_by_default
 from .test_upload_faults import assert_exactly_once
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def sink_like():
+    """Resending to a server like W&B (tests/conftest.py): what it mends must be mended there."""
+    return like_wandb_by_default()
+
+
 JOB = "edited"  # the job's id, and so its run's id
 
 

@@ -22,7 +22,15 @@ from wbmerge.upload.batches import PATIENCE, START_COST
 
 from ..conftest import job_dir
 from ..e2e.test_sync import assert_shared, sources_of
+from ..support.sinktools import like_wandb_by_default
 from .test_upload_faults import assert_exactly_once, processes_in
+
+
+@pytest.fixture
+def sink_like():
+    """Overlapped uploads to a server like W&B (tests/conftest.py): exactly once must hold there."""
+    return like_wandb_by_default()
+
 
 WAIT = 60  # seconds a callback waits for the other side; the overlap needs far less
 
@@ -186,6 +194,13 @@ class Events:
         if progress.message.startswith("incomplete "):
             self.failed.set()
 
+    def first_verified(self) -> str:
+        """The run of the first "verified <run>: ..." message (on a server like W&B, a line
+        saying it waits for late counts can come before it)."""
+        with self.lock:
+            first = next(m for m in self.messages if m.startswith("verified "))
+        return first.split()[1].rstrip(":")
+
 
 def new_mode(project: str) -> MergeRequest:
     return MergeRequest([job_dir("one_node_4")], run_mode="new", project=project, entity="local")
@@ -206,7 +221,7 @@ def test_the_first_run_is_verified_before_the_last_is_staged(env, tmp_path):
             seen_before_last.append(events.verified.wait(WAIT))
             if not seen_before_last[0]:
                 return
-            verified = events.messages[0].split()[1].rstrip(":")
+            verified = events.first_verified()
             run_dir = next(s.run_dir for s in events.staged if s.target.id == verified)
             removed.append(not run_dir.exists())
 
@@ -318,7 +333,7 @@ def test_ctrl_c_while_staging_goes_on_stops_the_uploads_and_keeps_the_verified(e
         events.staged.append(result)
         if len(events.staged) == 3:
             assert events.verified.wait(WAIT)
-            first.append(events.messages[0].split()[1].rstrip(":"))
+            first.append(events.first_verified())
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):

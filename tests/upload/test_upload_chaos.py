@@ -11,9 +11,18 @@ import time
 
 import pytest
 
+from ..support.sinktools import like_wandb_by_default
 from .test_upload_faults import assert_exactly_once, long_job, spawn  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def sink_like():
+    """Chaos on a server like W&B (tests/conftest.py): exactly once must hold there."""
+    return like_wandb_by_default()
+
+
 BUDGET = 90.0  # seconds for the random rounds; the final clean round comes after
 FAULTS = [
     "file_stream=400@2",

@@ -31,10 +31,19 @@ from ..support.sinktools import (
     console_text,
     content_of,
     expected_from_log,
+    like_wandb_by_default,
     system_metric_values,
 )
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def sink_like():
+    """Faults and reruns on a server like W&B (tests/conftest.py): they must hold there."""
+    return like_wandb_by_default()
+
+
 PRIMARY = sorted(job_dir("one_node_4").glob("wandb/*/run-*.wandb"))
 SOURCE_FILES = {"config.yaml", "requirements.txt", "wandb-metadata.json", "wandb-summary.json"}
 
@@ -391,6 +400,8 @@ def test_a_sync_without_the_ledger_reads_back_the_files_wandb_made(sink, tmp_pat
     assert_every_rank_exactly_once(sink, "readback")
 
 
+# (edits the sink's database directly: the W&B-like sink's late summary never sees that)
+@pytest.mark.ideal_sink
 def test_force_sends_runs_whose_summary_or_config_changed_on_the_server(sink, tmp_path):
     """Someone edited runs on the server after a verified sync (here: the sink's own
     database, as an edit in W&B's UI would): `--force` finds them no longer whole and sends

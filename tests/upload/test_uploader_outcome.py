@@ -21,8 +21,17 @@ from wbmerge.sync import Deliverer
 from wbmerge.upload import Credentials, Delivery, Ledger, ServerClient, Uploader
 
 from ..conftest import job_dir
+from ..support.sinktools import like_wandb_by_default
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def sink_like():
+    """The server's answers as a server like W&B gives them (tests/conftest.py)."""
+    return like_wandb_by_default()
+
+
 RUNS = sorted(job_dir("one_node_4").glob("wandb/offline-run-*"))[:2]
 IDS = sorted(run.name.rsplit("-", 1)[1] for run in RUNS)
 

@@ -111,7 +111,9 @@ def follow(
                 on_round(report)
             if report.done:
                 return FollowReport(report.number, follower.links(), report.targets)
-            if last_change is not None and time.monotonic() - last_change >= idle_timeout:
+            # Idle only when a round started the timeout after the last change and found
+            # none: a round longer than the timeout (late counts waited for) has not looked.
+            if last_change is not None and started - last_change >= idle_timeout:
                 break
             time.sleep(max(0.0, min(interval - (time.monotonic() - started), idle_timeout)))
         unfinished = follower.unfinished()
