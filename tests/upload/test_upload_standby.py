@@ -140,3 +140,24 @@ def test_a_deliverer_with_nothing_to_send_stops_its_waiting_uploader(sink, state
     wait_for(lambda: not working_in(workdir), seconds=120)
     assert last_stop() == 0
     assert sink.client.runs(project="none") == []
+
+
+def test_an_uploader_starts_its_own_wandb_core_whatever_its_parent_used(
+    sink, state, tmp_path, monkeypatch
+):
+    """A process that used wandb keeps its wandb-core in WANDB_SERVICE, which its children
+    inherit (a sync called from a notebook, or from a test process that ran wandb): the
+    uploader starts its own wandb-core all the same, in its working directory."""
+    from wandb.sdk.lib.service.service_token import UnixServiceToken
+
+    gone = UnixServiceToken(parent_pid=os.getpid(), path=str(tmp_path / "no-such-socket"))
+    monkeypatch.setenv("WANDB_SERVICE", gone.env_value)
+    run_dir, log = copy_run(tmp_path)
+    workdir = tmp_path / "staging" / "batch-0"
+    uploader = Uploader(credentials(sink), "inherited", "local", workdir)
+    uploader.start()
+    wait_for(lambda: len(working_in(workdir)) >= 2)  # wandb and its own wandb-core
+    outcome = uploader.run([run_dir], 1, lambda run_id: None, lambda: False)
+    assert outcome.returncode == 0, outcome.output
+    assert_arrived_whole(sink, "inherited", log)
+    wait_for(lambda: not working_in(workdir), seconds=120)

@@ -78,6 +78,11 @@ class Uploader:
         self.project, self.entity = project, entity
         self.workdir, self.timeout = workdir, timeout
         self.env = dict(os.environ if env is None else env)
+        # wandb notes the wandb-core a process started in that process's environment
+        # (WANDB_SERVICE), and a child that inherits it uses that wandb-core instead of
+        # starting its own: a sync called from a process that used wandb would upload
+        # through it, out of this uploader's supervision.
+        self.env.pop("WANDB_SERVICE", None)
         self.proc: subprocess.Popen | None = None
         self._lines: list[str] = []
         self._lock = threading.Lock()
