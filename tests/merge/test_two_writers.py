@@ -36,9 +36,21 @@ def job(tmp_path_factory):
     return root, expected_from_log(log)
 
 
-def spawn(sink, tmp_path, source, project, state, url=None):
+# A sync as an older wbmerge runs it, taking no turns on the server (`upload.claims`): it
+# reads what the server holds and sends, whoever else is sending. The relay is what keeps
+# such a writer from adding rows twice.
+NO_TURNS = (
+    "from wbmerge.upload import Claims; "
+    "Claims.take = lambda self, entity, project, run_id, stop=None, say=None: "
+    "self.client.held(entity, project, run_id); "
+    "from wbmerge.cli import main; main()"
+)
+
+
+def spawn(sink, tmp_path, source, project, state, url=None, takes_turns=True):
     """`wbmerge sync` of `source` in a process of its own, with the state directory `state`
-    and the server named `url` (the sink's own URL by default)."""
+    and the server named `url` (the sink's own URL by default); `takes_turns=False` as a
+    writer that takes no turns on the server."""
     env = {
         **sink.env,
         "WBMERGE_STATE_DIR": str(tmp_path / state),
@@ -51,7 +63,7 @@ def spawn(sink, tmp_path, source, project, state, url=None):
     (tmp_path / "home").mkdir(exist_ok=True)
     args = ["sync", "--json", str(source), "-p", project, "-e", "local"]
     return subprocess.Popen(
-        [sys.executable, "-m", "wbmerge.cli", *args],
+        [sys.executable, *(["-m", "wbmerge.cli"] if takes_turns else ["-c", NO_TURNS]), *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -114,10 +126,11 @@ def wait_until(condition, what, deadline=90):
 def test_a_sync_whose_uploader_starts_after_the_other_sent_its_rows_rewrites_them(
     make_sink, tmp_path, job
 ):
-    """The race in a fixed order: sync B plans from 0 rows while sync A's rows are refused
-    (500, retried by wandb-core); A's rows then land; only then is B's wandb-core told how
-    many rows the run holds (its UpsertBucket was refused until then), so it begins after
-    them. Without the relay B appended every row again."""
+    """The race in a fixed order: sync B, a writer that takes no turns (an older wbmerge),
+    plans from 0 rows while sync A's rows are refused (500, retried by wandb-core); A's rows
+    then land; only then is B's wandb-core told how many rows the run holds (its
+    UpsertBucket was refused until then), so it begins after them. Without the relay B
+    appended every row again."""
     source, want = job
     sink = make_sink(allow_faults=True)
     counts = lambda: sink.client.faults()["counts"]  # noqa: E731
@@ -125,7 +138,7 @@ def test_a_sync_whose_uploader_starts_after_the_other_sent_its_rows_rewrites_the
     first = spawn(sink, tmp_path, source, "ordered", "state-a")
     wait_until(lambda: counts().get("file_stream:history", 0) >= 1, "A sends rows")
     sink.client.set_faults(["file_stream:history=500", "graphql:UpsertBucket=500"])
-    second = spawn(sink, tmp_path, source, "ordered", "state-b")
+    second = spawn(sink, tmp_path, source, "ordered", "state-b", takes_turns=False)
     # B's wandb-core asks for the run only after B planned what to send (from 0 rows)
     wait_until(lambda: counts().get("graphql:UpsertBucket", 0) >= 1, "B's uploader starts")
     sink.client.set_faults(["graphql:UpsertBucket=500"])
