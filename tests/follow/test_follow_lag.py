@@ -14,18 +14,26 @@ from ..conftest import job_dir
 from .test_follow import UPLOAD_TIMEOUT, GrowingJob, assert_same_runs, one_shot, use_sink
 
 
+def lagging(fixture: str, run_mode: str, make_sink, monkeypatch, tmp_path, state) -> tuple:
+    """A follow's request over `tmp_path/live`, the one-shot sync it must equal, a sink whose
+    counts are 2 s late (made the one wandb talks to), and the job that grows there."""
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode=run_mode)
+    want = one_shot(monkeypatch, make_sink, job_dir(fixture), request, tmp_path)
+    sink = make_sink(like=LikeWandb(lag=2.0))
+    use_sink(monkeypatch, sink)
+    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
+    job = GrowingJob(job_dir(fixture), tmp_path / "live")
+    (tmp_path / "live").mkdir()
+    return request, want, sink, job
+
+
 @pytest.mark.parametrize("run_mode", ["shared", "new"])
 def test_follow_rounds_wait_for_late_counts_and_end_as_one_sync(
     run_mode, make_sink, monkeypatch, tmp_path, state
 ):
-    fixture = job_dir("two_nodes_2x2")
-    request = MergeRequest(paths=[tmp_path / "live"], run_mode=run_mode)
-    want = one_shot(monkeypatch, make_sink, fixture, request, tmp_path)
-    sink = make_sink(like=LikeWandb(lag=2.0))
-    use_sink(monkeypatch, sink)
-    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
-    job = GrowingJob(fixture, tmp_path / "live")
-    (tmp_path / "live").mkdir()
+    request, want, sink, job = lagging(
+        "two_nodes_2x2", run_mode, make_sink, monkeypatch, tmp_path, state
+    )
     with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
         for fraction in (0.35, 0.7):
             job.grow(fraction)
@@ -43,14 +51,9 @@ def test_a_round_longer_than_the_idle_timeout_does_not_end_a_job_still_writing(
     """A round on a server whose counts lag lasts longer than the idle timeout (the counts
     are waited for); the ranks wrote meanwhile, so the follow goes on until they finish,
     and ends done, not idle with every rank named unfinished."""
-    fixture = job_dir("one_node_4")
-    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
-    want = one_shot(monkeypatch, make_sink, fixture, request, tmp_path)
-    sink = make_sink(like=LikeWandb(lag=2.0))
-    use_sink(monkeypatch, sink)
-    monkeypatch.setenv("WBMERGE_STATE_DIR", str(state))
-    job = GrowingJob(fixture, tmp_path / "live")
-    (tmp_path / "live").mkdir()
+    request, want, sink, job = lagging(
+        "one_node_4", "shared", make_sink, monkeypatch, tmp_path, state
+    )
     job.grow(0.3)
     grown = iter((0.6, 1.0))
     lines: list[str] = []
