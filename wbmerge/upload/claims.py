@@ -234,11 +234,18 @@ class Claims:
                     f"{holder.names()} is sending it until its job ends; stop that follow "
                     "to send it from here"
                 )
-            if say is not None and (holder.names(), run_id) not in self._said:
-                self._said.add((holder.names(), run_id))
+            if say is not None and self._first_wait(holder.names(), run_id):
                 say(f"{run_id}: waiting for {holder.names()}, which is sending it")
             if stop.wait(self.poll * (1 + random.random() / 2)):
                 return None
+
+    def _first_wait(self, holder: str, run_id: str) -> bool:
+        """True the first time this run is waited for behind `holder` (preparer threads
+        ask at once)."""
+        with self._lock:
+            first = (holder, run_id) not in self._said
+            self._said.add((holder, run_id))
+            return first
 
     def close(self) -> None:
         """Release every run held (a writer that cannot is waited out by `TTL`)."""
