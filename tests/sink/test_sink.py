@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
+import time
 import urllib.request
 
 import pytest
@@ -122,6 +124,31 @@ def test_upload_survives_injected_errors(make_sink, tmp_path):
     for log in logs:
         got = assert_arrived(sink.client, "f", log)
         assert len(got["history"]) == 60  # nothing lost, nothing doubled
+
+
+def test_a_held_request_waits_until_the_faults_are_replaced(make_sink, tmp_path):
+    """`hold` keeps an upload in its middle for as long as the test needs: no row is kept
+    while the request waits, and once the test lifts the fault every row arrives once."""
+    sink = make_sink(["file_stream=hold"])
+    [log] = synthetic_runs(tmp_path, 1, steps=30)
+    ended = []
+    uploader = threading.Thread(
+        target=lambda: ended.append(wandb_sync(sink, [log.parent], "-p", "held"))
+    )
+    uploader.start()
+    deadline = time.monotonic() + 120
+    while not sink.client.faults()["faults"][0]["fired"]:
+        assert uploader.is_alive() and time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(2.0)  # (an unheld upload of 30 rows ends well within this)
+    run_id = expected_from_log(log).run_id
+    assert uploader.is_alive()
+    assert sink.client.run("local", "held", run_id)["history"] == []
+    sink.client.set_faults([])
+    uploader.join(timeout=300)
+    [result] = ended
+    assert result.returncode == 0, result.stderr
+    assert_arrived(sink.client, "held", log)
 
 
 def graphql(sink, query, variables, key=None):

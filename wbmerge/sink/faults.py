@@ -17,6 +17,10 @@ held, plus one), and only reading the rows back shows the hole. W&B has lost row
 wandb-core sends in it (`_wandb` -> `m`) and answers as if it kept them all: how the tests
 prove that a definition missing on the server fails the sync. `nocharts` (UpsertBucket only)
 keeps it without its custom charts (`_wandb` -> `visualize`), likewise.
+
+`hold` keeps each matching request waiting until the fault plan is replaced (a test sets
+new faults, or none): a writer held so stays in the middle of its upload for as long as a
+test needs, however slow the machine is.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import threading
 from dataclasses import dataclass, field
 
 _SPEC = re.compile(
-    r"^(?P<kind>[\w:*.-]+)=(?P<action>\d{3}|drop|lose|nometrics|nocharts|delay:[\d.]+)"
+    r"^(?P<kind>[\w:*.-]+)=(?P<action>\d{3}|drop|lose|hold|nometrics|nocharts|delay:[\d.]+)"
     r"(?:@(?P<nth>[\d,]+)(?P<onwards>\+)?)?(?:x(?P<times>\d+))?$"
 )
 
@@ -35,7 +39,7 @@ _SPEC = re.compile(
 @dataclass
 class Fault:
     kind: str  # graphql:UpsertBucket | file_stream | storage | *
-    action: str  # "429", "500", "drop", "lose", "delay:0.5"
+    action: str  # "429", "500", "drop", "lose", "hold", "delay:0.5"
     nth: tuple[int, ...] = ()  # 1-based request numbers of this kind; () = any
     times: int | None = None  # how often it may fire; None = unlimited
     fired: int = 0
@@ -98,6 +102,11 @@ class FaultPlan:
         with self._lock:
             self.faults = faults
             self.counts = {}
+
+    def holds(self, fault: Fault) -> bool:
+        """Whether `fault` (a `hold`) is still in force: until the plan is replaced."""
+        with self._lock:
+            return any(f is fault for f in self.faults)
 
     def summary(self) -> dict:
         with self._lock:

@@ -155,6 +155,8 @@ async def fault_injection(request: web.Request, handler: Any) -> web.StreamRespo
     for fault in plan.next(_kind(request, body)):
         if fault.delay:
             await asyncio.sleep(fault.delay)
+        while fault.action == "hold" and plan.holds(fault):
+            await asyncio.sleep(0.05)
         if fault.action == "drop":
             if request.transport is not None:
                 request.transport.abort()  # the client sees a connection reset mid-request
