@@ -221,6 +221,19 @@ def test_the_throttle_counts_requests_per_run_and_per_project(clock):
     assert throttle.admit("e", "other", None, 95) is None
 
 
+def test_a_rate_below_one_a_second_admits_one_request_in_its_period(clock):
+    """`run_requests=0.1`: one file_stream request of a run in any 10 s, so a test can make
+    the limit bite however slowly a loaded machine sends."""
+    throttle = wandblike.Throttle(Limits(run_requests=0.1))
+    assert throttle.admit("e", "p", "a", 10) is None
+    clock.now += 3.0
+    assert throttle.admit("e", "p", "a", 10) == pytest.approx(7.0)
+    assert throttle.admit("e", "p", "b", 10) is None  # (another run has its own)
+    clock.now += 7.0
+    assert throttle.admit("e", "p", "a", 10) is None
+    assert throttle.admit("e", "p", "a", 10) == pytest.approx(10.0)
+
+
 def post_file_stream(sink, body):
     token = base64.b64encode(f"api:{sink.api_key}".encode()).decode()
     request = urllib.request.Request(

@@ -191,14 +191,11 @@ class Throttle:
         with self._lock:
             waits = []
             if run is not None:
-                runs = _recent(
-                    self._run_requests.setdefault((entity, project, run), deque()), since
-                )
-                if len(runs) >= self.limits.run_requests:
-                    waits.append(runs[0] + WINDOW - now)
-            requests = _recent(self._project_requests.setdefault((entity, project), deque()), since)
-            if len(requests) >= self.limits.project_requests:
-                waits.append(requests[0] + WINDOW - now)
+                runs = self._run_requests.setdefault((entity, project, run), deque())
+                waits.append(_wait_for_rate(runs, self.limits.run_requests, now))
+            requests = self._project_requests.setdefault((entity, project), deque())
+            waits.append(_wait_for_rate(requests, self.limits.project_requests, now))
+            waits = [wait for wait in waits if wait is not None]
             sizes = self._project_bytes.setdefault((entity, project), deque())
             while sizes and sizes[0][0] <= since:
                 sizes.popleft()
@@ -215,10 +212,16 @@ class Throttle:
             return None
 
 
-def _recent(times: deque[float], since: float) -> deque[float]:
-    while times and times[0] <= since:
+def _wait_for_rate(times: deque[float], rate: float, now: float) -> float | None:
+    """Seconds until one more request fits `rate` requests a second, given the `times` of
+    those admitted (the old ones are dropped); None when it fits now. A rate below one is
+    counted over 1/rate seconds: 0.1 admits one request in any 10 s."""
+    window = max(WINDOW, 1 / rate)
+    while times and times[0] <= now - window:
         times.popleft()
-    return times
+    if len(times) >= rate * window:
+        return times[0] + window - now
+    return None
 
 
 def retry_after(seconds: float) -> str:
