@@ -6,7 +6,8 @@ short ones.
     python bench/bench_ranks.py --ranks 8 256 --merge-args="--rank-stats"   # what it costs
 
 Each job is written with `tests/support/synthetic.py`, then `wbmerge merge --run-mode shared` runs in
-a fresh process pinned to one core, `--repeat` times, into a fresh directory each time.
+a fresh process pinned to one core, `--repeat` times, into a fresh directory each time; the
+jobs take turns, so a machine's load that changes meanwhile does not move the ratios.
 Reported: the median wall time of the command (its start-up included) and its CPU time
 (user + system, which other work on a busy machine moves less), each with its ratio to the
 8-rank job's, and the largest peak RSS of that process (`ru_maxrss` from `wait4`). Prints a
@@ -96,29 +97,37 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="wbmerge-bench-ranks-") as tmp:
         work = Path(tmp)
+        jobs = {}
         for ranks in args.ranks:
-            steps = args.rows // ranks
-            job = work / f"job{ranks}"
+            jobs[ranks] = work / f"job{ranks}"
             synthetic.write_job(
-                job, ranks // PER_NODE, PER_NODE, steps, args.metrics, job_id=f"ranks{ranks}"
+                jobs[ranks],
+                ranks // PER_NODE,
+                PER_NODE,
+                args.rows // ranks,
+                args.metrics,
+                job_id=f"ranks{ranks}",
             )
-            runs = []
-            for i in range(args.repeat):
+        # The jobs take turns in each repeat, so a load that changes during the bench
+        # falls on all of them alike, not on the ratio.
+        runs: dict[int, list[tuple[float, float, float]]] = {ranks: [] for ranks in jobs}
+        for i in range(args.repeat):
+            for ranks, job in jobs.items():
                 out = work / f"out{ranks}-{i}"
-                runs.append(merge_once(job, out, args.timeout, extra))
+                runs[ranks].append(merge_once(job, out, args.timeout, extra))
                 shutil.rmtree(out)
+                print(f"  {ranks} ranks, run {i + 1}: {runs[ranks][-1]}", file=sys.stderr)
+        for ranks, done in runs.items():
             results.append(
                 {
                     "ranks": ranks,
-                    "steps": steps,
-                    "seconds": round(statistics.median(s for s, _, _ in runs), 2),
-                    "cpu_s": round(statistics.median(c for _, c, _ in runs), 2),
-                    "peak_rss_mb": round(max(rss for _, _, rss in runs)),
-                    "runs_s": [round(s, 2) for s, _, _ in runs],
+                    "steps": args.rows // ranks,
+                    "seconds": round(statistics.median(s for s, _, _ in done), 2),
+                    "cpu_s": round(statistics.median(c for _, c, _ in done), 2),
+                    "peak_rss_mb": round(max(rss for _, _, rss in done)),
+                    "runs_s": [round(s, 2) for s, _, _ in done],
                 }
             )
-            shutil.rmtree(job)
-            print(f"  {results[-1]}", file=sys.stderr, flush=True)
     base, base_cpu = results[0]["seconds"], results[0]["cpu_s"]
     shown = f" {args.merge_args}" if args.merge_args else ""
     print(
