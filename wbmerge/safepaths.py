@@ -91,14 +91,52 @@ def on_system_device(device: int) -> bool:
     return False
 
 
+class Resolver:
+    """`Path.resolve()` of many paths that share directories, each directory resolved once:
+    a path is its directory's resolved path joined with its name, followed (by `resolve`)
+    when that name is a symbolic link. A thousand runs of one job cost a thousand `lstat`s,
+    not one per component of each path."""
+
+    def __init__(self) -> None:
+        self._dirs: dict[str, str] = {"/": "/"}
+
+    def __call__(self, path: str | Path) -> Path:
+        text = os.fspath(path)
+        if not text.startswith("/"):  # (the working directory has no links: `getcwd`)
+            text = os.path.join(os.getcwd(), text)
+        return Path(self._resolved(text))
+
+    def _resolved(self, path: str) -> str:
+        found = self._dirs.get(path)
+        if found is not None:
+            return found
+        head, name = os.path.split(path)
+        if head == path:  # ("//", say)
+            return str(Path(path).resolve())
+        if name in ("", "."):  # (a trailing or doubled slash, `.`)
+            found = self._resolved(head)
+        elif name == "..":  # the parent of where the links before it lead
+            found = os.path.dirname(self._resolved(head))
+        else:
+            joined = os.path.join(self._resolved(head), name)
+            try:
+                link = stat.S_ISLNK(os.lstat(joined).st_mode)
+            except OSError:
+                link = False  # (missing: taken as it is, as `resolve` takes it)
+            found = str(Path(joined).resolve()) if link else joined
+        self._dirs[path] = found
+        return found
+
+
 def source_trees(paths: Iterable[str | Path], run_files: Iterable[Path]) -> list[Path]:
     """The directories a merge reads: every named directory (a named file's directory)
     and every run directory, with symbolic links resolved."""
+    resolve = Resolver()
     trees = []
     for raw in paths:
-        path = Path(raw).resolve()
+        path = resolve(raw)
         trees.append(path if path.is_dir() else path.parent)
-    trees.extend(Path(file).resolve().parent for file in run_files)
+    trees.extend(resolve(file).parent for file in run_files)
     return list(dict.fromkeys(trees))
 
 
@@ -110,8 +148,9 @@ def check_out_dir(out_dir: Path, trees: Iterable[Path], option: str = "--out") -
     directories are created exclusively, so none of them can replace a source.
     """
     out = out_dir.resolve()
+    within = {out, *out.parents}  # (`is_within` of each of a thousand run directories)
     for tree in trees:
-        if is_within(out, tree):
+        if tree in within:
             raise WbmergeError(
                 f"{option} {out_dir} is inside the source directory {tree}; "
                 "choose a directory outside the runs being merged (sources are never written)"

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from wbmerge.errors import WbmergeError
 from wbmerge.log import Steps
+from wbmerge.log import steps as steps_module
 
 
 class OneByOne:
@@ -89,3 +90,61 @@ def test_a_restart_from_far_below_zero_is_moved_exactly():
         steps.shifted(np.array(before, np.int64))
         steps.restart()
         assert steps.shifted(np.array([-(2**63), -(2**63) + 4])).tolist() == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(-1, 40),  # the last step placed before
+            st.sampled_from([None, 0, 3]),  # the restart's shift
+            st.lists(st.integers(0, 50), max_size=6),  # the read's raw steps
+        ),
+        max_size=6,
+    ),
+    st.booleans(),
+)
+def test_many_reads_are_placed_together_as_read_by_read(reads, rise):
+    """`PLACE_WAYS`: every way places each read's rows, and leaves each read's `Steps`, as
+    `place_rows` read by read does; `rise` makes most reads simply rise."""
+    if rise:
+        reads = [
+            (last, shift, sorted(set(s + last + 1 for s in raw))) for last, shift, raw in reads
+        ]
+    bounds = np.cumsum([0, *(len(raw) for _, _, raw in reads)])
+    raw = np.array([s for _, _, r in reads for s in r], np.int64)
+    answers = {}
+    for name, place in steps_module.PLACE_WAYS.items():
+        states = [Steps.at(last, shift) for last, shift, _ in reads]
+        placed = place(states, raw, bounds)
+        answers[name] = (placed.tolist(), [s.place_state() for s in states])
+    assert answers["together"] == answers["reference"]
+
+
+def test_reads_that_rise_are_taken_together_and_a_fall_is_not():
+    """The fast way takes a read whose rows rise above its last step; a read that repeats a
+    step, starts at or below its last step, or has a restart's shift is placed row by row."""
+    reads = [
+        (Steps.at(-1, None), [0, 1, 2]),  # rises: taken
+        (Steps.at(5, 0), [6, 9]),  # rises: taken
+        (Steps.at(5, 0), [7, 7]),  # repeats a step
+        (Steps.at(5, None), [5, 6]),  # starts at its last step: moved by 1
+        (Steps.at(5, 2), [8, 9]),  # shifted
+        (Steps.at(5, None), []),  # no rows
+        (Steps.at(1, None), [2, 3]),  # rises, after a read that ends higher
+    ]
+    bounds = np.cumsum([0, *(len(raw) for _, raw in reads)])
+    raw = np.array([s for _, r in reads for s in r], np.int64)
+    rising = steps_module.rising_reads([s for s, _ in reads], raw, bounds)
+    assert rising.tolist() == [True, True, False, False, False, False, True]
+    placed = steps_module.place_reads_together([s for s, _ in reads], raw, bounds)
+    assert placed.tolist() == [0, 1, 2, 6, 9, 7, -1, 6, 7, 10, 11, 2, 3]
+    assert [s.place_state() for s, _ in reads] == [
+        (2, 0),
+        (9, 0),
+        (7, 0),
+        (7, 1),
+        (11, 2),
+        (5, None),
+        (3, 0),
+    ]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from wandb.proto import wandb_internal_pb2 as pb
 
-from wbmerge.log import BLOCK_SIZE, read_records
-from wbmerge.merge import shared
+from wbmerge.log import BLOCK_SIZE, LogWriter, read_records
+from wbmerge.merge import rows, shared
 from wbmerge.sync import MergeRequest, merge_jobs
 from wbmerge.training import RankInfo
 
@@ -100,3 +100,27 @@ def test_the_merged_run_does_not_depend_on_how_much_is_read_at_a_time(tmp_path, 
         whole.warnings,
     )
     assert whole.history_rows > 0
+
+
+def test_the_rows_of_a_turn_are_written_in_bounded_batches(tmp_path, monkeypatch):
+    """Memory that does not grow with ranks: a turn that makes many merged rows at once
+    (every rank's first block, at a thousand ranks) hands them to the writer a batch at a
+    time, never all joined in one buffer; the log is the same as one written whole."""
+    for rank in RANKS:
+        write_rank(tmp_path / "job", rank)
+    request = MergeRequest([tmp_path / "job"], run_mode="shared")
+    [whole] = merge_jobs(request, tmp_path / "whole")
+    batches: list[int] = []
+    write_many = LogWriter.write_many
+
+    def counted(writer, data, starts, ends):
+        batches.append(len(data))
+        return write_many(writer, data, starts, ends)
+
+    monkeypatch.setattr(LogWriter, "write_many", counted)
+    monkeypatch.setattr(rows, "WRITE_BATCH", 4096)
+    [small] = merge_jobs(request, tmp_path / "small")
+    assert small.log_path.read_bytes() == whole.log_path.read_bytes()
+    largest_row = max(len(r.SerializeToString()) for r in read_records(whole.log_path))
+    assert len(batches) > 10
+    assert max(batches) < 4096 + largest_row

@@ -18,6 +18,7 @@ from pathlib import Path
 from ..errors import InputWarning, WbmergeError
 from ..log import records
 from ..plan import run_id_from_file
+from ..safepaths import Resolver
 from . import jobs
 from .jobs import Hints, RunFacts, few
 from .offlinerun import OfflineRun, read_identity, scan
@@ -33,6 +34,7 @@ def find_run_files(paths: Iterable[str | Path]) -> list[Path]:
     the directories named).
     """
     found: dict[Path, None] = {}
+    resolve = Resolver()
     for raw in paths:
         path = Path(raw)
         try:
@@ -50,7 +52,7 @@ def find_run_files(paths: Iterable[str | Path]) -> list[Path]:
         if not files:
             raise WbmergeError(f"{path}: no offline W&B run (no run-*.wandb file) found")
         for file in files:
-            found.setdefault(file.resolve(), None)
+            found.setdefault(resolve(file), None)
     return list(found)
 
 

@@ -14,7 +14,7 @@ from . import digest
 from .kinds import KINDS, PassThrough, Shared, passthrough_rewrites, shared_kept
 from .proto import item_path, pb
 from .records import read_records, record_kind
-from .steps import RESERVED, Steps, restep
+from .steps import RESERVED, Steps, place_reads, restep
 from .txlog import (
     BLOCK_SIZE,
     CHUNK_HEADER_SIZE,
@@ -68,6 +68,7 @@ __all__ = [
     "item_path",
     "items",
     "pb",
+    "place_reads",
     "read_frames",
     "read_head",
     "read_payloads",

@@ -137,7 +137,8 @@ def iter_frames(
     while not eof:
         # reads end on block boundaries (the first is short by the header), so the walk
         # uses up a read and the next one needs no bytes carried over
-        more = stream.read(read_size - len(buf) % BLOCK_SIZE if pos == len(buf) else read_size)
+        asked = read_size - len(buf) % BLOCK_SIZE if pos == len(buf) else read_size
+        more = stream.read(asked)
         eof = not more
         if more:
             cut = pos - pos % BLOCK_SIZE
@@ -159,6 +160,24 @@ def iter_frames(
             pos, partial, orphans = whole, walked.partials[0], False
             joined = [walked.joined] if walked.joined else []
             joined_at += len(walked.joined)
+        ended = 0 < len(more) < asked and pos < end and end % BLOCK_SIZE  # (after `more`)
+        if walk and ended and (walked is not None or whole <= pos):
+            # the log's last block, short of a whole one: walked too when its chunks fill
+            # it exactly (else the loop reads it, and says what is cut off); a thousand
+            # small logs each end in one
+            tail = walk_segments(buf, [pos], [end], [partial], [True])
+            if tail.ok[0]:
+                at_joined = np.where(tail.starts >= end, joined_at - end, 0)
+                fast = [tail.starts + at_joined, tail.ends + at_joined]
+                if walked is not None:
+                    fast = [
+                        np.concatenate([walked.starts, fast[0]]),
+                        np.concatenate([walked.ends, fast[1]]),
+                    ]
+                walked = Walked(b"", fast[0], fast[1], tail.counts, tail.ok, [])
+                joined += [tail.joined] if tail.joined else []
+                joined_at += len(tail.joined)
+                pos, partial, orphans = end, [], False
         while True:
             block_end = pos - pos % BLOCK_SIZE + BLOCK_SIZE
             if block_end - pos < CHUNK_HEADER_SIZE:

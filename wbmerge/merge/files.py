@@ -125,11 +125,12 @@ def _entries(
 ) -> Iterator[tuple[Source, str, Path, bool]]:
     """(source, name, the regular file to read, whether it was a link) of every entry of
     the sources' `files/` that the staged run takes."""
+    resolve = safepaths.Resolver()  # (the sources share their job's directories)
     for source in target.sources:
         files = source.path.parent / "files"
         if not files.is_dir() or files.is_symlink():
             continue
-        root = files.resolve()
+        root = resolve(files)
         primary = source.rank.rank == target.primary_rank
         recorded: list[str | None] = []  # the run's root, read when a link needs it
         for path, name in _file_entries(files):

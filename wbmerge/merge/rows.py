@@ -129,7 +129,7 @@ def write_merged(
         ]
     pieces: list[bytes] = []
     ends: list[int] = []
-    end = 0
+    end = written = 0
     for index, (a, b, step, slow) in enumerate(
         zip(
             firsts.tolist(),
@@ -156,7 +156,20 @@ def write_merged(
             pieces.extend(record_pieces)
             end += length
         ends.append(end)
-    writer.write_many(b"".join(pieces), [0, *ends[:-1]], ends)
+        if end >= WRITE_BATCH:
+            written += _write_batch(writer, pieces, ends)
+            pieces, ends, end = [], [], 0
+    return written + _write_batch(writer, pieces, ends)
+
+
+# The merged rows joined for one `write_many`: the rows of a turn can be every rank's
+# first block at once (32 MiB at 1024 ranks), which joined and framed whole would double.
+WRITE_BATCH = 1 << 20
+
+
+def _write_batch(writer: LogWriter, pieces: list[bytes], ends: list[int]) -> int:
+    if ends:
+        writer.write_many(b"".join(pieces), [0, *ends[:-1]], ends)
     return len(ends)
 
 

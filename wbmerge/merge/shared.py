@@ -30,6 +30,7 @@ from ..log import (
     Steps,
     items,
     pb,
+    place_reads,
     read_payloads,
     record_kind,
     records,
@@ -352,54 +353,66 @@ class SharedMerge:
         """Label the rows of a turn's reads, fold their summaries, and set aside the rest."""
         read_index = records.RecordIndex(frames)
         codes, history, rows = read_index.codes, read_index.history, read_index.rows
-        placed = np.empty(len(history), np.int64)
         ranges = np.cumsum([0, *(read.records for read in reads)])
         history_ranges = np.searchsorted(history, ranges)
-        for read, lo, hi, h_lo, h_hi in zip(
-            reads,
-            ranges[:-1].tolist(),
-            ranges[1:].tolist(),
-            history_ranges[:-1].tolist(),
-            history_ranges[1:].tolist(),
-            strict=True,
-        ):
-            state = self.states[read.rank]
-            source = self.by_rank[read.rank][read.source]
+        states = [self.states[read.rank] for read in reads]
+        for read, state in zip(reads, states, strict=True):
             if read.starts:
                 state.steps.restart()
                 state.exit_payload = None
-                state.spool = spools.writer(source)
-            before = state.steps.last
-            placed[h_lo:h_hi] = state.steps.place_rows(rows.steps[h_lo:h_hi])
-            state.last_rows = h_hi - h_lo
-            if h_hi > h_lo and state.steps.last >= 0:
+                state.spool = spools.writer(self.by_rank[read.rank][read.source])
+        befores = [state.steps.last for state in states]
+        # every read's rows placed at once (a read at a time where they do not simply rise)
+        placed = place_reads([state.steps for state in states], rows.steps, history_ranges)
+        counts = np.diff(history_ranges).tolist()
+        for read, state, count in zip(reads, states, counts, strict=True):
+            state.last_rows = count
+            if count and state.steps.last >= 0:
                 state.last_key = max(state.last_key, (state.steps.last, 0, read.rank))
-            others = lo + np.flatnonzero((codes[lo:hi] != _HISTORY) & (codes[lo:hi] != _SUMMARY))
-            if len(others):
-                # the last step placed before each other record: it follows that row
-                last = np.maximum.accumulate(np.concatenate([[before], placed[h_lo:h_hi]]))
-                at_row = np.searchsorted(history[h_lo:h_hi], others)
-                for record, after in zip(others.tolist(), last[at_row].tolist(), strict=True):
-                    event = self._other_event(
-                        frames.payload(record),
-                        read_index.kind(record),
-                        state,
-                        read.source,
-                        source,
-                        state.spool,
-                    )
-                    if event is not None:
-                        state.seq += 1
-                        key = (after, 1, read.rank, state.seq)
-                        self.events.append((key, event))
-                        state.last_key = max(state.last_key, key)
+        others = np.flatnonzero((codes != _HISTORY) & (codes != _SUMMARY))
+        if len(others):
+            # the step each other record follows: the last row placed before it in its read
+            # (a kept row is above every row before it), else its rank's last step before
+            read_of = np.searchsorted(ranges, others, "right") - 1
+            row_at = np.searchsorted(history, others)
+            kept_at = np.maximum.accumulate(np.where(placed >= 0, np.arange(len(placed)), -1))
+            before_row = kept_at[np.maximum(row_at - 1, 0)] if len(placed) else row_at - 1
+            in_read = (row_at > history_ranges[read_of]) & (before_row >= history_ranges[read_of])
+            after = np.where(
+                in_read,
+                placed[before_row] if len(placed) else 0,
+                np.array(befores, np.int64)[read_of],
+            )
+            for record, at, step in zip(
+                others.tolist(), read_of.tolist(), after.tolist(), strict=True
+            ):
+                read, state = reads[at], states[at]
+                event = self._other_event(
+                    frames.payload(record),
+                    read_index.kind(record),
+                    state,
+                    read.source,
+                    self.by_rank[read.rank][read.source],
+                    state.spool,
+                )
+                if event is not None:
+                    state.seq += 1
+                    key = (step, 1, read.rank, state.seq)
+                    self.events.append((key, event))
+                    state.last_key = max(state.last_key, key)
+        for read, state in zip(reads, states, strict=True):
             if read.ended:
                 complete = state.exit_payload is not None
                 more = read.source < len(self.by_rank[read.rank]) - 1
                 self._warn(
                     read.rank,
                     read.source,
-                    damage_warnings(source, read.report, complete or more, self.primary),
+                    damage_warnings(
+                        self.by_rank[read.rank][read.source],
+                        read.report,
+                        complete or more,
+                        self.primary,
+                    ),
                 )
         kept = placed >= 0
         slot_of_record = np.repeat(
