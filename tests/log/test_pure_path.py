@@ -40,3 +40,12 @@ def test_the_core_passes_on_the_python_twins_of_the_compiled_kernels():
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout.splitlines()[-1] and "skipped" not in result.stdout
+
+
+def test_a_build_older_than_a_kernel_uses_its_python_twin():
+    """An extension built before a kernel was added lacks it: the twin is used, and
+    importing wbmerge does not fail."""
+    from wbmerge.log.twins import twins
+
+    ways, way = twins(len, "_records", "a_kernel_not_built")
+    assert ways == {"python": len} and way == "python"

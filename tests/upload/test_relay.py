@@ -57,6 +57,21 @@ def test_lines_land_where_planned_whatever_offset_wandb_core_begins_at():
     assert json.loads(retried)["dropped"] == 0
 
 
+def test_a_body_goes_as_it_came_only_when_no_offset_moves():
+    """A body whose every offset is where wbmerge planned it is forwarded as it came, not
+    written again; one whose console alone moves is rewritten all the same."""
+    offsets = Offsets()
+    offsets.plan("run", 0)
+    raw = body(history=(0, ["a"]), events=(0, ["e"]), console=(0, ["c"]))
+    assert offsets.placed("run", raw) == (raw, None)
+    later = body(history=(1, ["b"]), console=(1, ["d"]))
+    assert offsets.placed("run", later) == (later, None)
+    offsets.plan("other", 0)
+    assert offsets_of(offsets.placed("other", body(history=(0, ["a"])))[0]) == {HISTORY: 0}
+    moved, _ = offsets.placed("other", body(history=(1, ["b"]), console=(12, ["c"])))
+    assert offsets_of(moved) == {HISTORY: 1, CONSOLE: 0}
+
+
 def test_a_new_plan_forgets_where_the_last_upload_of_the_run_began():
     offsets = Offsets()
     offsets.plan("run", 0)

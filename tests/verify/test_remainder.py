@@ -375,6 +375,9 @@ def test_what_a_splice_counts_is_what_the_staged_log_holds(tmp_path):
     for one in staged:
         assert one.content is not None, one.log_path
         assert one.content == read_staged(one.log_path), one.log_path
+        # (the config keys as the staged log sets them: its rewritten run record's too)
+        assert one.content.config_keys == logged_config_keys(one.log_path)
+        assert {"wbmerge", "lr"} <= one.content.config_keys
         assert len(one.content.history_steps) == 2000
         assert one.content.events > 0 and one.content.console_lines
 

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from wbmerge.cli import main
 from wbmerge.training import RankInfo
 from wbmerge.verify import halves, room, sampled, spans, windows
-from wbmerge.verify.rowcheck import compare_steps
+from wbmerge.verify.rowcheck import compare_steps, value_problem
 
 from ..support import synthetic
 from ..support.sinktools import expected_from_log
@@ -433,3 +433,39 @@ def test_the_staged_rows_are_compared_as_read_independently(tmp_path, fault):
             "staged otherwise": [f"the row at step {step} holds {key!r} = {value!r}, sent 2.25"],
         }[fault]
     )
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize(
+    "held, sent, same",
+    [
+        (1, 1, True),
+        (1.0, 1, True),  # (wandb-core writes the float 5.0 as `5`)
+        (NAN, NAN, True),
+        (0.0, -0.0, True),
+        ("a", "a", True),
+        (None, None, True),
+        (True, True, True),
+        (True, 1, False),  # (equal to `==`, not to W&B)
+        (1, True, False),
+        (False, 0, False),
+        (0.0, False, False),
+        (2, 1, False),
+        (1.5, NAN, False),
+        ("a", "b", False),
+        ("1", 1, False),
+        (None, 0, False),
+        ({"a": True}, {"a": 1}, False),
+        ({"a": 1.0}, {"a": 1}, True),
+        ([NAN], [NAN], True),
+    ],
+)
+def test_a_value_is_the_same_as_w_and_b_sees_it(held, sent, same):
+    """Each value of a sampled row is compared as W&B sees it: numbers by value, NaN equal
+    to NaN, a boolean never equal to a number, whichever way the comparison goes."""
+    problem = value_problem(7, {"_step": 7, "x": sent}, {"_step": 7, "_runtime": 1.0, "x": held})
+    assert (problem is None) is same, problem
+    if not same:
+        assert problem.startswith("the row at step 7 holds 'x' = "), problem

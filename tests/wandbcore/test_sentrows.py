@@ -275,3 +275,116 @@ def test_the_rows_wandb_writes_are_read_flat(monkeypatch):
     monkeypatch.setattr(sentrows, "reference_row", lambda *a: calls.append(a) or original(*a))
     row = FLAT_ROW(history)
     assert calls == [] and row == {f"m{i}": i / 7 for i in range(20)}
+
+
+COMPILED_ITEMS = sentrows.FLAT_ITEMS.get("compiled")
+needs_compiled = pytest.mark.skipif(COMPILED_ITEMS is None, reason="extension not built")
+
+
+def record_of(history: pb.HistoryRecord, step: int | None = 3) -> bytes:
+    record = pb.Record(num=9)
+    record.history.CopyFrom(history)
+    if step is not None:
+        record.history.step.num = step
+    return record.SerializeToString()
+
+
+def read_record(payload: bytes):
+    """A record's row by bytes (`record_row`) and by the reference, or the error of each."""
+    outcomes = []
+    for read in (sentrows.record_row, lambda p: REFERENCE_ROW(pb.Record.FromString(p).history)):
+        try:
+            outcomes.append(("row", read(payload)))
+        except Exception as exc:  # (compared: both must raise alike)
+            outcomes.append(("error", type(exc)))
+    return outcomes
+
+
+def assert_read_alike(payload: bytes) -> None:
+    (way, got), (reference_way, want) = read_record(payload)
+    assert way == reference_way, (payload, got, want)
+    assert got == want if way == "error" else same_row(got, want), (payload, got, want)
+
+
+# Item fields on the wire: tag, length, bytes (`key` 1, `nested_key` 2, `value_json` 16).
+def wire_item(*fields: tuple[bytes, bytes]) -> bytes:
+    body = b"".join(tag + bytes([len(value)]) + value for tag, value in fields)
+    return b"\x0a" + bytes([len(body)]) + body
+
+
+KEY, NESTED, TEXT = b"\x0a", b"\x12", b"\x82\x01"
+
+
+def wire_record(*items: bytes, extra: bytes = b"") -> bytes:
+    history = b"".join(items) + extra
+    return b"\x08\x09\x12" + bytes([len(history)]) + history
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        wire_record(wire_item((NESTED, b"x"), (TEXT, b"1"))),
+        wire_record(wire_item((KEY, b"a"), (KEY, b"b"), (TEXT, b"1"))),  # (the last key wins)
+        wire_record(wire_item((NESTED, b"a"), (NESTED, b"b"), (TEXT, b"1"))),  # (a nested path)
+        wire_record(wire_item((NESTED, b"x"), (TEXT, b"1"), (TEXT, b"2"))),  # (the last text)
+        wire_record(wire_item((NESTED, b"x"), (TEXT, b"2"))[:-1] + b"\x05\x07"),  # (typed)
+        wire_record(wire_item((KEY, b""), (TEXT, b"1")), wire_item((KEY, b"y"), (TEXT, b"2"))),
+        wire_record(wire_item((NESTED, b""), (TEXT, b"1"))),
+        wire_record(wire_item((NESTED, b"x"))),  # (no text: dropped by the parser)
+        wire_record(wire_item((NESTED, b"\xff"), (TEXT, b"1"))),  # (bad UTF-8: not protobuf)
+        wire_record(wire_item((NESTED, b"\xed\xa0\x80"), (TEXT, b"1"))),  # (a surrogate)
+        wire_record(wire_item((NESTED, b"x"), (TEXT, b"1")), extra=b"\x12\x02\x08\x01" * 2),
+        wire_record(wire_item((NESTED, b"x"), (TEXT, b"1")))
+        + b"\x12\x04"
+        + wire_item((NESTED, b"y")),  # (a second history field: merged by protobuf)
+        wire_record(wire_item((NESTED, b"x"), (TEXT, b"1")), extra=b"\xc2\x0c\x00"),  # (_info)
+        wire_record(wire_item((NESTED, b"x"), (TEXT, b"1"))) + b"\x28\x01",  # (another field)
+        wire_record(wire_item((NESTED, b"x"), (TEXT, b"1")))[:-1],  # (cut short)
+    ],
+)
+def test_a_record_read_by_its_bytes_is_read_as_protobuf_reads_it(payload):
+    """The compiled reader takes only records in wandb's shape, each field once; a field
+    set twice (protobuf keeps the last, or merges), a typed value, another field, bad
+    UTF-8 or a cut record goes to protobuf, which decides (and raises where it raises)."""
+    assert_read_alike(payload)
+
+
+@needs_compiled
+def test_a_typed_value_or_a_key_set_twice_is_never_read_by_the_bytes():
+    """The faults a reader of the bytes could make: take the JSON text where wandb-core
+    takes the typed value beside it, or the first of two keys where protobuf keeps the
+    last."""
+    typed = history_of([(None, ["x"], "1"), (None, ["y"], "2")])
+    typed.item[1].integer = 5
+    assert COMPILED_ITEMS(record_of(typed)) is None
+    assert sentrows.record_row(record_of(typed)) == {"x": 1, "y": 5}
+    twice = wire_record(wire_item((KEY, b"a"), (KEY, b"b"), (TEXT, b"1")))
+    assert COMPILED_ITEMS(twice) is None
+    assert sentrows.record_row(twice) == {"b": 1}
+
+
+@needs_compiled
+@pytest.mark.parametrize("step", [3, None])
+def test_the_rows_wandb_writes_are_read_by_their_bytes(step):
+    """A row as wandb writes it (with a step field, or none as wandb 0.16) is read in one
+    compiled call, its names and texts those protobuf gives, and its row the reference's."""
+    history = history_of([(None, [f"m{i}"], repr(i / 7)) for i in range(20)] + [("k", [], "1")])
+    payload = record_of(history, step)
+    keys, texts = COMPILED_ITEMS(payload)
+    assert keys == [f"m{i}" for i in range(20)] + ["k"]
+    assert texts == [repr(i / 7) for i in range(20)] + ["1"]
+    assert same_row(sentrows.record_row(payload), REFERENCE_ROW(history))
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from(["a", "b", "", "_step"]), NUMBERISH), max_size=5),
+    st.integers(0, 10**6),
+    st.binary(max_size=3),
+    st.booleans(),
+)
+def test_any_record_changed_by_a_byte_is_read_as_protobuf_reads_it(pairs, at, put, cut):
+    """Records in wandb's shape with bytes put in or cut out: read by their bytes, each
+    gives the reference's row, or the same error."""
+    payload = record_of(history_of([(None, [key], text) for key, text in pairs]))
+    at %= len(payload) + 1
+    assert_read_alike(payload[:at] + put + payload[at + cut :])

@@ -22,6 +22,6 @@ def twins(python: F, module: str, name: str) -> tuple[dict[str, F], str]:
     if not os.environ.get("WBMERGE_PURE"):
         try:
             ways["compiled"] = getattr(import_module(f".{module}", __package__), name)
-        except ImportError:
+        except (ImportError, AttributeError):  # (not built, or built before `name` was)
             pass
     return ways, "compiled" if "compiled" in ways else "python"

@@ -23,7 +23,7 @@ from ..log import (
     restep,
 )
 from ..plan import Source, Target
-from ..wandbcore import ContentCounter
+from ..wandbcore import ContentCounter, run_config_keys
 from .artifacts import ArtifactRecords
 from .console import console_and_stats
 from .files import files_record
@@ -203,9 +203,9 @@ def write_spliced(
     framing every record again.
 
     The check that the log can be copied reads every record anyway; with `count_content`
-    it also counts what the staged log will put on the server (`Outcome.content`: the
-    head's rewritten run record changes none of it), so that the upload need not read the
-    staged log again.
+    it also counts what the staged log will put on the server (`Outcome.content`: of the
+    head's rewritten run record only its config keys, taken as written), so that the
+    upload need not read the staged log again.
 
     Returns None, having written nothing, for any other log: damaged or truncated, without
     exactly one exit record, with a run or header record after the head, with a `files`
@@ -251,12 +251,19 @@ def write_spliced(
             return None  # a run or header record after the head: re-frame the whole log
         if set(kinds[: kinds.index("run")]) - {"header"}:
             return None  # records before the run record: moved after it record by record
-        for payload, kind in zip(payloads, kinds, strict=True):
-            writer.write(rewrite_run(payload, target, options) if kind == "run" else payload)
+        written = [
+            rewrite_run(payload, target, options) if kind == "run" else payload
+            for payload, kind in zip(payloads, kinds, strict=True)
+        ]
+        for payload in written:
+            writer.write(payload)
         writer.end_block(open_record)
         copied = report.records - len(payloads)  # (the bytes read, should the log grow)
         writer.copy_blocks(stream, blocks * BLOCK_SIZE, report.bytes_read, copied)
-    counted = content.content() if content is not None else None
+    counted = None
+    if content is not None:  # (every run record is in the head: their keys as written)
+        runs = [payload for payload, kind in zip(written, kinds, strict=True) if kind == "run"]
+        counted = content.content(run_config_keys(runs))
     return Outcome(exit_code=exit_code(exit_payload), content=counted)
 
 

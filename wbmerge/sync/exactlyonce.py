@@ -205,17 +205,20 @@ class Deliverer:
         resend = self.resend and held.exists and held.history_lines > 0
         self.relay.plan(delivery.run_id, 0 if resend else held.history_lines * held.exists)
         if resend:  # (each line replaces the one at its place: none may be left beyond)
-            resend_whole(self._content(delivery), held, checked_config_keys(delivery))
+            content = self._content(delivery)
+            resend_whole(content, held, checked_config_keys(delivery, content))
             self._tell(f"sending {delivery.run_id} again whole, over the server's rows")
             return
         if not held.exists or not (held.history_lines or delivery.verified_before):
-            if held.exists and (keys := checked_config_keys(delivery)) is not None:
+            if held.exists and delivery.config_checked:  # (its keys counted with the rest)
+                keys = checked_config_keys(delivery, self._content(delivery))
+                assert keys is not None  # (its config is checked)
                 keeps_no_config(held, keys)
             return  # (nothing to cut, nor to find whole: counted while the upload starts)
         content = self._content(delivery)
         plan = remainder(content, held, lambda index: _staged_row(delivery, index))
         # (after the rows: a refusal names rows first, as they are likelier)
-        if (keys := checked_config_keys(delivery)) is not None:
+        if (keys := checked_config_keys(delivery, content)) is not None:
             keeps_no_config(held, keys)
         if plan.skip_history == len(content.step_items) and not shortfall(content, held):
             problems = prove(self._on_server(delivery, held, content), WHOLE)

@@ -80,7 +80,33 @@ def _exiting(fields: list[str]) -> bool:
 
 
 def descendants(root: int) -> list[int]:
-    """Every process below `root`, found in one walk of /proc before anything is killed."""
+    """Every process below `root`, before anything is killed: read from each process's
+    lists of children, from `root` down (`/proc/PID/task/TID/children`, one a thread: a
+    child is listed under the thread that started it), which costs the tree's size, not
+    the machine's; where the kernel keeps no such lists, found in one walk of /proc
+    (`walked_descendants`)."""
+    if not Path(f"/proc/{root}/task/{root}/children").exists():
+        return walked_descendants(root)  # (or `root` is gone: then none are found)
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # (gone since its parent listed it)
+            continue
+        for thread in threads:
+            try:
+                children = Path(f"/proc/{pid}/task/{thread}/children").read_text().split()
+            except OSError:
+                continue
+            found += map(int, children)
+            todo += map(int, children)
+    return found
+
+
+def walked_descendants(root: int) -> list[int]:
+    """Every process below `root`, found in one walk of /proc (the reference of
+    `descendants`, and its way where the kernel keeps no lists of children)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").glob("[0-9]*"):
         if fields := stat_fields(int(entry.name)):

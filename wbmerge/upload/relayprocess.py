@@ -94,6 +94,7 @@ class Offsets:
                 return body, None
             if run_id in self.conflicts:
                 return None, None
+            moved = False
             for name in POSITIONAL:
                 chunk = files.get(name)
                 offset = chunk.get("offset", 0) if isinstance(chunk, dict) else None
@@ -109,7 +110,11 @@ class Offsets:
                     )
                     self.conflicts[run_id] = why
                     return None, why
-                chunk["offset"] = (planned if name == HISTORY else 0) + offset - first
+                placed = (planned if name == HISTORY else 0) + offset - first
+                moved = moved or placed != offset
+                chunk["offset"] = placed
+        if not moved:  # (every offset where wandb-core put it: the body as it came)
+            return body, None
         # (wandb-core's bodies hold strings, integers and booleans: written back the same)
         return json.dumps(request, separators=(",", ":")).encode(), None
 

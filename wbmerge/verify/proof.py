@@ -52,17 +52,25 @@ def whole(run: RunOnServer) -> list[str]:
     )
 
 
-def checked_config_keys(delivery: Delivery) -> frozenset[str] | None:
+def checked_config_keys(
+    delivery: Delivery, content: StagedContent | None = None
+) -> frozenset[str] | None:
     """The config keys the staged log's records set, all a server may hold of the run;
     None where its config is not checked so (`Delivery.config_checked`). The one source of
-    the keys for the check after an upload, of a run found whole, and before one."""
-    return logged_config_keys(delivery.log) if delivery.config_checked else None
+    the keys for the check after an upload, of a run found whole, and before one. Taken
+    from `content` where it counted them (`StagedContent.config_keys`, in the pass that
+    counted the rest), else read from the staged log."""
+    if not delivery.config_checked:
+        return None
+    if content is not None and content.config_keys is not None:
+        return content.config_keys
+    return logged_config_keys(delivery.log)
 
 
 def config(run: RunOnServer) -> list[str]:
     """No config key that the files do not set: the server keeps a key once sent, so an
     earlier upload of other files leaves its keys."""
-    keys = checked_config_keys(run.delivery)
+    keys = checked_config_keys(run.delivery, run.content)
     return [] if keys is None else config_not_logged(run.held, keys)
 
 

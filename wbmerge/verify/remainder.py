@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..log import LogWriter, pb, read_frames, records
+from ..log import LogWriter, read_frames, records
 from ..upload import Held
 from ..wandbcore import StagedContent, sentrows
 
@@ -237,7 +237,7 @@ def staged_rows(log: Path, indices: Sequence[int]) -> Iterator[tuple[int, dict]]
         history = read.history
         while at < len(wanted) and wanted[at] < seen + len(history):
             payload = read.frames.payload(int(history[wanted[at] - seen]))
-            yield wanted[at], sentrows.row_of(pb.Record.FromString(payload).history)
+            yield wanted[at], sentrows.record_row(payload)
             at += 1
         seen += len(history)
         if at == len(wanted):

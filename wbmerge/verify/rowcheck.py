@@ -40,6 +40,7 @@ SLACK = 4  # a window is asked for with room for this many times its rows
 SAMPLED_ROWS = 64  # rows whose values are compared when not every row is
 # The keys wandb-core adds to every row it sends, not in the staged row's items.
 ADDED_BY_UPLOAD = frozenset({"_step", "_runtime", "_timestamp"})
+_PLAIN = frozenset({int, float, str, bool, type(None)})
 
 
 def windows(order: Sequence[int], last_held: int | None, page: int = PAGE) -> list[tuple[int, int]]:
@@ -155,8 +156,13 @@ def value_problem(step: int, staged: dict, held: dict) -> str | None:
             continue
         if key not in held:
             return f"the row at step {step} lacks {key!r}"
-        if not same_value(held[key], value):
-            return f"the row at step {step} holds {key!r} = {held[key]!r}, sent {value!r}"
+        got = held[key]
+        # (a number or text of one type and equal is the same to `same_value`; NaN and
+        # containers, where `==` is not its rule, go to it)
+        if type(got) is type(value) and type(value) in _PLAIN and got == value:
+            continue
+        if not same_value(got, value):
+            return f"the row at step {step} holds {key!r} = {got!r}, sent {value!r}"
     extra = sorted(set(held) - set(staged) - ADDED_BY_UPLOAD)
     if extra:
         return f"the row at step {step} holds {extra[0]!r}, which was not sent"

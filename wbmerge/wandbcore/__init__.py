@@ -17,6 +17,7 @@ from .content import (
     logged_config_keys,
     read_logged_run,
     read_staged,
+    run_config_keys,
 )
 from .loggedentries import KEYED_KINDS, entries_missing, fold_logged_entries
 from .metricdefs import Definition, definitions_missing, held_definitions
@@ -42,6 +43,7 @@ __all__ = [
     "logged_config_keys",
     "read_logged_run",
     "read_staged",
+    "run_config_keys",
     "sent_steps",
     "sentrows",
     "with_step",

@@ -9,7 +9,7 @@ counts it on the way instead of reading it again.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -40,6 +40,9 @@ class StagedContent:
     # The charts and class names its config records leave in the run's config
     # (`loggedentries`): ((kind, key), value JSON) pairs.
     logged_entries: tuple[tuple[tuple[str, str], str], ...] = ()
+    # Every top-level config key its run and config records set (`logged_config_keys`),
+    # counted in the same pass; None where not counted.
+    config_keys: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "step_items", StepRuns.of(self.step_items))
@@ -70,6 +73,8 @@ class ContentCounter:
         self.metadata = False
         self.metrics: dict[DefinitionKey, Definition] = {}
         self.entries: Entries = {}
+        self.run_keys: set[str] = set()  # the config keys run records set
+        self.config_keys: set[str] = set()  # those config records set
 
     def add(self, read: records.RecordIndex) -> None:
         frames = read.frames
@@ -88,11 +93,16 @@ class ContentCounter:
         fold((pb.Record.FromString(frames.payload(i)).metric for i in metrics), self.metrics)
         for index in read.of("run", "config").tolist():
             record = pb.Record.FromString(frames.payload(index))
-            change = record.run.config if record.HasField("run") else record.config
+            is_run = record.HasField("run")
+            change = record.run.config if is_run else record.config
             fold_logged_entries(self.entries, change)
+            (self.run_keys if is_run else self.config_keys).update(_keys_set(change))
 
-    def content(self) -> StagedContent:
+    def content(self, run_keys: set[str] | None = None) -> StagedContent:
+        """What was counted; `run_keys`: the config keys of the run records as written,
+        where they were rewritten after they were counted (a splice's head)."""
         start = sentrows.starting_step(self.runs)
+        keys = self.run_keys if run_keys is None else run_keys
         return StagedContent(
             StepRuns.join(self.step_parts),
             self.events,
@@ -101,6 +111,7 @@ class ContentCounter:
             self.metadata,
             tuple(self.metrics.items()),
             tuple(self.entries.items()),
+            frozenset(self.config_keys | keys),
         )
 
 
@@ -194,6 +205,16 @@ def logged_config_keys(log: Path) -> frozenset[str]:
             change = record.run.config if record.HasField("run") else record.config
             keys.update(_keys_set(change))
     return frozenset(keys)
+
+
+def run_config_keys(payloads: Iterable[bytes]) -> set[str]:
+    """The top-level config keys the run records among `payloads` set."""
+    keys: set[str] = set()
+    for payload in payloads:
+        record = pb.Record.FromString(payload)
+        if record.HasField("run"):
+            keys.update(_keys_set(record.run.config))
+    return keys
 
 
 def _keys_set(change: pb.ConfigRecord) -> Iterator[str]:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from json.decoder import scanstring
 
 from ..log import item_path, pb
+from ..log.twins import twins
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 NOT_JSON = object()  # what `json_value` gives for a text wandb-core's parser refuses
@@ -224,22 +225,53 @@ def flat_row(history: pb.HistoryRecord, top: str | None = None) -> dict:
             return reference_row(history)
         keys.append(nested[0] if nested else item.key or None)  # (None: dropped, no key)
         texts.append(item.value_json)
+    row = _flat(keys, texts)
+    return reference_row(history) if row is None else row
+
+
+def _flat(keys: list[str | None], texts: list[str]) -> dict | None:
+    """The row of items of these names and texts when their texts are plain values (see
+    `flat_row`), else None."""
     text = ",".join(texts)
     if _NOT_SCALAR.search(text):
-        return reference_row(history)
+        return None
     try:
         values = json.loads(f"[{text}]")
     except ValueError:
-        return reference_row(history)
+        return None
     if len(values) != len(keys):  # (a text with a comma in it: more values than items)
-        return reference_row(history)
+        return None
     row: dict = {}
     for key, value in zip(keys, values, strict=True):
         if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
-            return reference_row(history)
+            return None
         if key is not None:
             row[key] = value
     return row
+
+
+def _no_flat_items(payload: bytes) -> None:
+    """The Python twin of `_records.flat_items`: it reads no record so, and every record
+    goes to protobuf (as `records.prove_nothing` proves none)."""
+    return None
+
+
+# A history record's names and texts read from its bytes, where it is in wandb's shape
+# (`wbmerge/log/_records.c`); None sends it to protobuf.
+FLAT_ITEMS, FLAT_ITEMS_WAY = twins(_no_flat_items, "_records", "flat_items")
+
+
+def record_row(payload: bytes) -> dict:
+    """`row_of` of a history record's bytes. With the flat way, a record in wandb's shape
+    has its names and texts read from its bytes in one compiled call rather than item by
+    item through protobuf; any other record, or a row whose texts are not plain values,
+    is parsed and read as before. Raises protobuf's DecodeError for a record that is not
+    valid protobuf."""
+    if row_of is flat_row and (items := FLAT_ITEMS[FLAT_ITEMS_WAY](payload)) is not None:
+        row = _flat(*items)
+        if row is not None:
+            return row
+    return row_of(pb.Record.FromString(payload).history)
 
 
 _NOT_SCALAR = re.compile(r'["\[\]{}]')
