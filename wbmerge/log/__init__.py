@@ -15,6 +15,7 @@ from .kinds import KINDS, PassThrough, Shared, passthrough_rewrites, shared_kept
 from .proto import item_path, pb
 from .records import read_records, record_kind
 from .steps import RESERVED, Steps, place_reads, restep
+from .twins import twins
 from .txlog import (
     BLOCK_SIZE,
     CHUNK_HEADER_SIZE,
@@ -78,6 +79,7 @@ __all__ = [
     "records",
     "restep",
     "skip_field",
+    "twins",
     "txlog",
     "varint",
     "walk_segments",

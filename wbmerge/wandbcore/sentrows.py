@@ -33,8 +33,7 @@ import re
 from collections.abc import Callable, Sequence
 from json.decoder import scanstring
 
-from ..log import item_path, pb
-from ..log.twins import twins
+from ..log import item_path, pb, twins
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 NOT_JSON = object()  # what `json_value` gives for a text wandb-core's parser refuses
