@@ -448,14 +448,17 @@ def test_a_shared_follow_of_ranks_that_log_artifacts_files_them_under_the_merged
     assert [name for name, _ in logged if name != "ckpt"] == [f"run-{JOB_ID}-samples"]
 
 
+@pytest.mark.parametrize("started_again", [True, False])
 def test_the_other_ranks_config_arrives_with_the_last_round_as_a_one_shot_sync_has_it(
-    job, make_sink, monkeypatch, tmp_path, state
+    started_again, job, make_sink, monkeypatch, tmp_path, state
 ):
     """Each rank sets its own `seed` early on; ranks 1-3 set `shards` early, and the primary
     sets it to the same value only near its end. A one-shot sync labels each other rank's
     `seed` and no `shards`. Live rounds (before and after the follower is started again)
     hold the primary's config only: had a round sent `shards/...` while the primary lacked
-    it, the server would keep it (an upload resumes from the server's config)."""
+    it, the server would keep it (an upload resumes from the server's config). The last
+    round sends the rest, whether merged from scratch (after a start again) or by the merge
+    kept since the first round."""
     own = tmp_path / "own"
     shutil.copytree(job, own)
     for rank, log in enumerate(sorted(own.rglob("run-*.wandb"))):
@@ -487,14 +490,22 @@ def test_the_other_ranks_config_arrives_with_the_last_round_as_a_one_shot_sync_h
         config = sink_runs(sink)[run_id]["config"]
         return {k: v for k, v in config.items() if k.startswith(("seed", "shards"))}
 
-    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
+    follower = Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT)
+    try:
         follow_rounds(follower, growing, (0.2, 0.4), sink, want, seen)
         assert live_config() == {"seed": 0}
-    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:  # started again
+        if started_again:
+            follower.close()
+            follower = Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT)
         follow_rounds(follower, growing, (0.7,), sink, want, seen)
         assert live_config() == {"seed": 0}
         growing.grow(1.0)
-        assert follower.round().done
+        report = follower.round()
+        assert report.done, round_lines(report)
+        [last] = report.targets
+        assert last.continued == (not started_again)  # (a state taken up ends from scratch)
+    finally:
+        follower.close()
     assert [t.continued for r in seen for t in r.targets] == [False, True, True]
     assert live_config() == added
     assert_same_runs(sink, want)
