@@ -132,11 +132,14 @@ def a_sync_sent_rows_early(job: Path, live: Path, state: Path) -> list[RoundRepo
 
 
 def the_last_round(job: Path, live: Path, state: Path) -> list[RoundReport]:
-    """Every rank finished: the last round is merged whole, as a one-shot sync merges it."""
+    """Every rank finished, and the merge was taken up from a saved state (its counts for
+    the check are not saved): the last round is merged whole, as a one-shot sync merges
+    it. (A merge kept by the same follower ends the run itself.)"""
     growing = Growing(job, live)
     with follower(MergeRequest(paths=[live], **SHARED)) as rounds:
         growing.grow(0.5)
         first = rounds.round()
+    with follower(MergeRequest(paths=[live], **SHARED)) as rounds:
         growing.grow(1.0)
         last = rounds.round()
         assert last.done

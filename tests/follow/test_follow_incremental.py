@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.follow import Follower, NotIncremental, ScannedLog, round_lines
+from wbmerge.follow import Follower, NotIncremental, ScannedLog, incremental, round_lines
 from wbmerge.follow.tails import LiveReaders
 from wbmerge.identify import read_identity, scan
-from wbmerge.log import BLOCK_SIZE, FILE_HEADER, pb, read_payloads, write_payloads
+from wbmerge.log import BLOCK_SIZE, FILE_HEADER, LogWriter, pb, read_payloads, write_payloads
 from wbmerge.sync import MergeRequest, sync
 
 from ..merge.test_merged_artifacts import JOB_ID, assert_checkpoint_of, output_artifacts, write_job
@@ -231,6 +231,8 @@ def test_incremental_rounds_end_as_one_sync(
         report = follower.round()
         assert report.done, round_lines(report)
     assert_same_runs(sink, want)
+    if run_mode == "shared":  # (the last round goes on from the kept merge too)
+        assert all(t.continued and t.final for t in report.targets), round_lines(report)
     sent = [t for report in seen for t in report.targets if t.status == "sent"]
     assert sum(t.added for t in sent) > 0
     continued = [t for t in sent if t.continued and t.added > 0]
@@ -238,6 +240,64 @@ def test_incremental_rounds_end_as_one_sync(
     # (only a rank that starts late makes a shared merge begin again)
     said = [w for r in seen for w in r.warnings if "merged from scratch" in w]
     assert all("a rank or restart started" in w for w in said) and len(said) <= 1, said
+
+
+def rows_changed(change):
+    """A LogWriter that writes each history record as `change` gives it (None: not at all)."""
+
+    class Changing(LogWriter):
+        def write(self, payload: bytes) -> None:
+            if pb.Record.FromString(payload).HasField("history"):
+                payload = change(payload)
+                if payload is None:
+                    return
+            super().write(payload)
+
+    return Changing
+
+
+@pytest.mark.parametrize("fault", ["row left out a round before", "value changed at the end"])
+def test_the_last_round_finds_what_the_kept_merge_got_wrong(
+    fault, job, make_sink, monkeypatch, tmp_path, state
+):
+    """The last round goes on from the kept merge and checks the run against the ranks'
+    logs by what the rounds counted as they went (the rows sent, the records read): a row
+    a round before left out of its staged log (rounds are not checked against logs still
+    growing), or a value the last round's log holds changed, fails the run; it is not sent
+    and not recorded synced."""
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared", rank_scope="global")
+    sink = follow_sink(make_sink, monkeypatch, state)
+    growing = Growing(job, tmp_path / "live")
+    (tmp_path / "live").mkdir()
+    changed: list[bytes] = []
+
+    def change_once(payload: bytes) -> bytes | None:
+        if changed:
+            return payload
+        changed.append(payload)
+        if fault.startswith("row"):
+            return None
+        record = pb.Record.FromString(payload)
+        [item] = [i for i in record.history.item if not i.key.startswith("_")][:1]
+        item.value_json = json.dumps(json.loads(item.value_json) + 0.5)
+        return record.SerializeToString()
+
+    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
+        for fraction in (0.2, 0.5, 1.0):
+            growing.grow(fraction)
+            with monkeypatch.context() as patch:
+                if fraction == (0.5 if fault.startswith("row") else 1.0):
+                    patch.setattr(incremental, "LogWriter", rows_changed(change_once))
+                report = follower.round()
+            [target] = report.targets
+            if fraction < 1.0:
+                assert (target.status, target.continued) == ("sent", fraction > 0.2)
+        assert changed
+        assert not report.done and target.status == "failed"
+        assert "the staged run lacks what its ranks logged" in target.problems[0]
+        assert "history key" in target.problems[0], target.problems
+        [run] = sink_runs(sink).values()
+        assert run["state"] == "running"
 
 
 def test_a_follower_restarted_goes_on_and_a_rank_rewritten_merges_again_from_scratch(
@@ -388,14 +448,17 @@ def test_a_shared_follow_of_ranks_that_log_artifacts_files_them_under_the_merged
     assert [name for name, _ in logged if name != "ckpt"] == [f"run-{JOB_ID}-samples"]
 
 
+@pytest.mark.parametrize("started_again", [True, False])
 def test_the_other_ranks_config_arrives_with_the_last_round_as_a_one_shot_sync_has_it(
-    job, make_sink, monkeypatch, tmp_path, state
+    started_again, job, make_sink, monkeypatch, tmp_path, state
 ):
     """Each rank sets its own `seed` early on; ranks 1-3 set `shards` early, and the primary
     sets it to the same value only near its end. A one-shot sync labels each other rank's
     `seed` and no `shards`. Live rounds (before and after the follower is started again)
     hold the primary's config only: had a round sent `shards/...` while the primary lacked
-    it, the server would keep it (an upload resumes from the server's config)."""
+    it, the server would keep it (an upload resumes from the server's config). The last
+    round sends the rest, whether merged from scratch (after a start again) or by the merge
+    kept since the first round."""
     own = tmp_path / "own"
     shutil.copytree(job, own)
     for rank, log in enumerate(sorted(own.rglob("run-*.wandb"))):
@@ -427,14 +490,22 @@ def test_the_other_ranks_config_arrives_with_the_last_round_as_a_one_shot_sync_h
         config = sink_runs(sink)[run_id]["config"]
         return {k: v for k, v in config.items() if k.startswith(("seed", "shards"))}
 
-    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
+    follower = Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT)
+    try:
         follow_rounds(follower, growing, (0.2, 0.4), sink, want, seen)
         assert live_config() == {"seed": 0}
-    with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:  # started again
+        if started_again:
+            follower.close()
+            follower = Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT)
         follow_rounds(follower, growing, (0.7,), sink, want, seen)
         assert live_config() == {"seed": 0}
         growing.grow(1.0)
-        assert follower.round().done
+        report = follower.round()
+        assert report.done, round_lines(report)
+        [last] = report.targets
+        assert last.continued == (not started_again)  # (a state taken up ends from scratch)
+    finally:
+        follower.close()
     assert [t.continued for r in seen for t in r.targets] == [False, True, True]
     assert live_config() == added
     assert_same_runs(sink, want)

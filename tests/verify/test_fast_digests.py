@@ -13,11 +13,17 @@ from collections.abc import Callable
 import pytest
 import xxhash
 
-from wbmerge.log import pb, read_payloads
+from wbmerge.log import Frames, pb, read_payloads, records
 from wbmerge.merge import DEFAULT_KEY_FORMAT
 from wbmerge.sync import MergeRequest, merge_jobs
 from wbmerge.training import RankInfo
-from wbmerge.verify.sourcecheck import fast_shortfall, source_shortfall
+from wbmerge.verify.sourcecheck import (
+    ExpectedFold,
+    continued_shortfall,
+    fast_hashes,
+    fast_shortfall,
+    source_shortfall,
+)
 
 from ..support.ranklogs import exit_record, history_record, rank_log
 from .test_source_check import once, rewrite
@@ -195,3 +201,24 @@ def test_values_whose_digest_collides_under_a_known_seed_are_named(tmp_path):
         == reference
         == [f"rank 0's history key 'loss/rank-0': {STEPS} values logged, other values staged"]
     )
+
+
+@pytest.mark.parametrize("change", [None, changed_value("note/rank-1", far_in)])
+def test_the_check_folded_a_read_at_a_time_names_what_the_whole_one_names(tmp_path, change):
+    """A follow folds the ranks' records as its merge reads them, a read at a time, and
+    counts the rows it sent (`ExpectedFold`, `rows_tally`): its last round's check gives the
+    lines of the check that reads every log whole, with the same seed."""
+    run = shared_run(tmp_path)
+    if change is not None:
+        rewrite(run.log_path, change)
+    hashes = fast_hashes(7)
+    fold = ExpectedFold(run.target, DEFAULT_KEY_FORMAT, None, hashes)
+    for source in run.target.sources:  # (a record at a time: a follow's reads end anywhere)
+        for read in records.read_indexed(source.path):
+            frames = read.frames
+            for at in range(len(frames)):
+                one = Frames(frames.data, frames.starts[at : at + 1], frames.ends[at : at + 1])
+                fold.add(source.rank.rank, 0, records.RecordIndex(one))
+    whole = fast_shortfall(run.target, run.log_path, DEFAULT_KEY_FORMAT, None, seed=7)
+    assert continued_shortfall(run.target, run.log_path, fold, hashes, {}) == whole
+    assert bool(whole) == (change is not None)

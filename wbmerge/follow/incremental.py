@@ -21,8 +21,14 @@ The merge is given up, and the next round merges from scratch, when anything doe
 on from what it read: a source added (a rank or restart started), a log truncated,
 rewritten or damaged (`tails.NotIncremental`, which `stage` turns into a `Fallback`), an
 upload not verified, or a server that holds other rows than this follow sent. The final
-round (every rank finished) is always a one-shot merge of the files, so the run ends as
-`wbmerge sync` makes it.
+round (every rank finished) goes on from the merge too, and ends its log as a one-shot
+merge ends it: the other ranks' config, the final summary, the real exit record. It is
+checked against the ranks' logs as a one-shot sync is, at the cost of what is new: the
+ranks' records are folded for the check as the merge reads them, round by round
+(`verify.ExpectedFold`), and the rows each round sent are tallied when staged
+(`verify.rows_tally`); only the last round's log is read again. Those counts live in this
+process only (their hash seed is never saved): a merge taken up from a saved state, or any
+merge that cannot go on, ends with a one-shot merge of the files.
 
 `state()` gives what a round needs to go on as plain values, O(keys) per rank plus the rows
 and records held back and the steps of the rows sent; the console and system-metric spool
@@ -44,7 +50,7 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ..log import LogWriter, Steps, item_path, pb
+from ..log import Frames, LogWriter, Steps, item_path, pb, records
 from ..log.wire import key_part
 from ..merge import (
     KeyTable,
@@ -59,8 +65,11 @@ from ..merge import (
     staged_with_files,
     write_console_and_stats,
 )
+from ..merge.readers import SourceRead
+from ..merge.runrecord import exit_code, exit_record
 from ..plan import Target
 from ..runtime import allow_open_files
+from ..verify import ExpectedFold, add_tallies, continued_shortfall, fast_hashes, rows_tally
 from ..wandbcore import StagedContent, StepRuns, read_staged, sentrows
 from .cut import running_exit_record
 from .fallback import Fallback, server_rows_differ
@@ -81,6 +90,31 @@ class _Recorder:
     def write_many(self, data: bytes, starts: list[int], ends: list[int]) -> None:
         view = memoryview(data)
         self.items += [(True, bytes(view[s:e])) for s, e in zip(starts, ends, strict=True)]
+
+
+class _Folded:
+    """The merge's readers, each read also folded by the source check (`ExpectedFold`):
+    the ranks' records are counted in the pass that merges them, not read again."""
+
+    def __init__(self, readers: LiveReaders, expected: ExpectedFold) -> None:
+        self.readers, self.expected = readers, expected
+
+    def live(self) -> list[int]:
+        return self.readers.live()
+
+    def read(self, ranks: list[int], blocks: int) -> tuple[Frames, list[SourceRead]]:
+        frames, reads = self.readers.read(ranks, blocks)
+        at = 0
+        for read in reads:
+            part = Frames(
+                frames.data,
+                frames.starts[at : at + read.records],
+                frames.ends[at : at + read.records],
+            )
+            at += read.records
+            if read.records:
+                self.expected.add(read.rank, read.source, records.RecordIndex(part))
+        return frames, reads
 
 
 def sources_of(target: Target) -> tuple:
@@ -110,6 +144,9 @@ class LiveRounds:
     and `sent` records what the server holds once the upload was verified. What is sent of
     the records other than rows is the subclass's to keep (`_keep`)."""
 
+    # Whether its last round goes on from it (`stage(final=True)`), its rows sent tallied.
+    ENDS_KEPT = False
+
     def __init__(self, target: Target, options: MergeOptions, scratch: Path) -> None:
         self.target, self.made_of = target, sources_of(target)
         self.options = options
@@ -123,28 +160,41 @@ class LiveRounds:
         self._round: tuple[object, bytes | None, bytes | None] | None = None
         self.rounds = 0  # rounds staged
         self.bytes_read = 0  # of the ranks' logs, by the last round
+        # The history values of the rows sent, tallied as the source check tallies a staged
+        # log (one seed for the merge's life, never saved), so that the last round's check
+        # reads only its own log; None when not known (a merge resumed from a saved state).
+        self._hashes = fast_hashes()
+        self._rows_tally: dict | None = {} if self.ENDS_KEPT else None
+        self._round_tally: dict | None = None  # (the round staged's, kept once verified)
+        # the ranks' records the merge read, folded as the source check folds them
+        self._expected: ExpectedFold | None = None
+        if self.ENDS_KEPT and not target.extra_system_sources:
+            hashes, key_format, per_rank = self._hashes, options.key_format, options.per_rank
+            self._expected = ExpectedFold(target, key_format, per_rank, hashes)
 
     def stage(
-        self, out_dir: Path, watermark: int | None, server_rows: int
+        self, out_dir: Path, watermark: int | None, server_rows: int, final: bool = False
     ) -> tuple[Staged, StagedContent | None] | Fallback:
         """Read what the ranks wrote since the last round and stage the round's log in
         `out_dir`, its rows up to `watermark` (None: all); with its whole content when the
         log continues the rounds sent (None: the log is whole, rows_cut 0). A `Fallback`
         when the round cannot go on from the last: the server holds other rows than were
         sent, or the files do not go on from what was read. (`NotIncremental` is raised deep
-        in the readers and the merge; it stops here.) Raises WbmergeError (a file went away)."""
+        in the readers and the merge; it stops here.) Raises WbmergeError (a file went away).
+        `final`: every rank finished; the log ends the run as a one-shot merge ends it (its
+        real exit record), and no row is held back."""
         try:
-            return self._stage(out_dir, watermark, server_rows)
+            return self._stage(out_dir, watermark, server_rows, final)
         except NotIncremental as exc:
             return Fallback(str(exc))
 
     def _stage(
-        self, out_dir: Path, watermark: int | None, server_rows: int
+        self, out_dir: Path, watermark: int | None, server_rows: int, final: bool
     ) -> tuple[Staged, StagedContent | None] | Fallback:
         raise NotImplementedError
 
     def _arrange(
-        self, written: list[tuple[bool, bytes]], left_out: bool, server_rows: int
+        self, written: list[tuple[bool, bytes]], left_out: bool, server_rows: int, final: bool
     ) -> tuple[list[tuple[bool, bytes]], bytes | None] | Fallback:
         """The round's records after the row held back by the rounds before, without its
         last row when no row is left out and the server lacks it (it waits for the round
@@ -158,7 +208,7 @@ class LiveRounds:
             written.insert(0, (True, self._held))
             rows += 1
         held = None
-        if rows and not left_out and server_rows < self.rows_sent + rows:
+        if rows and not left_out and not final and server_rows < self.rows_sent + rows:
             last_at = max(i for i, (is_row, _) in enumerate(written) if is_row)
             held = written.pop(last_at)[1]
         return written, held
@@ -170,6 +220,8 @@ class LiveRounds:
         (None: the log is whole, rows_cut 0)."""
         last_row = next((p for is_row, p in reversed(written) if is_row), None)
         self._round = (self._to_keep([p for is_row, p in written if not is_row]), held, last_row)
+        if self._rows_tally is not None:
+            self._round_tally = rows_tally(log, self._hashes)
         if not self.rows_sent:
             return None
         new = read_staged(log)
@@ -212,6 +264,9 @@ class LiveRounds:
         assert self._round is not None
         kept, held, last_row = self._round
         self._keep(kept)
+        if self._rows_tally is not None and self._round_tally is not None:
+            add_tallies(self._rows_tally, self._round_tally)
+        self._round_tally = None
         self._held = held
         self.rows_sent = len(content.step_items)
         self._step_items = content.step_items
@@ -230,7 +285,21 @@ class LiveRounds:
             "last_row": self._last_payload,
         }
 
+    @property
+    def can_end(self) -> bool:
+        """Whether the last round can go on from this merge: the rows sent were tallied in
+        this process (`source_shortfall`)."""
+        return self._rows_tally is not None and self._expected is not None
+
+    def source_shortfall(self, log: Path) -> list[str]:
+        """What the last round's staged `log` lacks of what the ranks logged, folded as the
+        merge read them; the rows the rounds before sent counted by their tallies
+        (`verify.continued_shortfall`)."""
+        assert self._rows_tally is not None and self._expected is not None
+        return continued_shortfall(self.target, log, self._expected, self._hashes, self._rows_tally)
+
     def _restore_rounds(self, saved: dict) -> None:
+        self._rows_tally = self._expected = None  # (not saved: the last round is from scratch)
         self.rounds, self.rows_sent = saved["rounds"], saved["rows_sent"]
         self._held = saved["held"]
         self._step_items = StepRuns.from_runs(saved["step_runs"])
@@ -335,6 +404,8 @@ class LiveShared(LiveRounds):
     process (else a temporary file in `scratch`); `saved`: a `state()` of the same target
     and options to go on from (its spool in `spool`). Raises NotIncremental when the files
     do not hold what `saved` read of them, ValueError when `saved` does not fit."""
+
+    ENDS_KEPT = True
 
     def __init__(
         self,
@@ -512,9 +583,10 @@ class LiveShared(LiveRounds):
         self._spools.close()
 
     def _stage(
-        self, out_dir: Path, watermark: int | None, server_rows: int
+        self, out_dir: Path, watermark: int | None, server_rows: int, final: bool
     ) -> tuple[Staged, StagedContent | None] | Fallback:
-        """`stage` for a shared merge: the ranks' new records merged up to `watermark`."""
+        """`stage` for a shared merge: the ranks' new records merged up to `watermark`;
+        the last round's (`final`) ends as `SharedMerge.run` ends a one-shot merge."""
         target = self.target
         self.rounds += 1
         allow_open_files(len(target.sources) + 1)
@@ -525,12 +597,19 @@ class LiveShared(LiveRounds):
             )
             self._readers.begin_round()
             read_before = self._readers.bytes_read
-            cap = None if watermark is None else (watermark, 2)  # (rows to it, and records after)
-            self.merge.take_turns(self._readers, self._spools, self._readers.open_ranks, cap)
+            # (rows to the watermark, and records after)
+            cap = None if watermark is None or final else (watermark, 2)
+            merge = self.merge
+            readers = (
+                self._readers if self._expected is None else _Folded(self._readers, self._expected)
+            )
+            merge.take_turns(readers, self._spools, self._readers.open_ranks, cap)
             self.bytes_read = self._readers.bytes_read - read_before
+            if final and (self._readers.open_ranks() or len(merge.pending) or merge.events):
+                raise NotIncremental("a rank's log is not read to its exit record")
             written = self._recorder.items
             self._recorder.items = []
-            arranged = self._arrange(written, bool(len(self.merge.pending)), server_rows)
+            arranged = self._arrange(written, bool(len(merge.pending)), server_rows, final)
             if isinstance(arranged, Fallback):
                 shutil.rmtree(run_dir, ignore_errors=True)
                 return arranged
@@ -542,14 +621,24 @@ class LiveShared(LiveRounds):
                     writer.write(payload)
                 for payload in self.merge.glob_definitions():
                     writer.write(payload)
-                write_console_and_stats(self.merge.by_rank, writer, self._spools)
-                writer.write(self.merge.summary_record())
-                writer.write(running_exit_record())
+                write_console_and_stats(merge.by_rank, writer, self._spools)
+                config = merge.config_record() if final else None
+                if config is not None:  # (the other ranks' config: a one-shot merge's end)
+                    writer.write(config)
+                writer.write(merge.summary_record())
+                code = exit_code(merge.states[merge.primary].exit_payload) if final else None
+                writer.write(running_exit_record() if code is None else exit_record(code))
                 staged.records = writer.records
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
         staged.metrics, staged.bound_notice = self.merge.metrics()
+        if final:
+            assert code is not None
+            staged.exit_code = code
+            for rank, sources in merge.by_rank.items():  # (as a one-shot merge says them)
+                for index in range(len(sources)):
+                    staged.warnings += merge.warnings.get((rank, index), [])
         return staged, self._finish(staged.log_path, written, held)
 
     def _keep(self, kept: object) -> None:

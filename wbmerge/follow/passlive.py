@@ -215,10 +215,11 @@ class LivePassthrough(LiveRounds):
         self._spools.close()
 
     def _stage(
-        self, out_dir: Path, watermark: int | None, server_rows: int
+        self, out_dir: Path, watermark: int | None, server_rows: int, final: bool
     ) -> tuple[Staged, StagedContent | None] | Fallback:
         """`stage` for a pass-through: the rank's new records as the one-shot passes them;
-        `NOT_YET` while its log has no run record."""
+        `NOT_YET` while its log has no run record. (Its last round merges from scratch.)"""
+        assert not final
         target = self.target
         self.rounds += 1
         self._readers.begin_round()
@@ -241,7 +242,7 @@ class LivePassthrough(LiveRounds):
                 cut,
             )
         written = [(kind == "history", payload) for kind, _, payload in waiting[:cut]]
-        arranged = self._arrange(written, cut < len(waiting), server_rows)
+        arranged = self._arrange(written, cut < len(waiting), server_rows, False)
         if isinstance(arranged, Fallback):
             return arranged
         written, held = arranged

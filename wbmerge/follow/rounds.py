@@ -6,9 +6,10 @@ plans the jobs as a one-shot sync does, and for every target whose files changed
 from what is readable now, keeps only its final rows (`cut`), and uploads it with the same
 `Deliverer` as `wbmerge sync`: the server is asked what it holds and only the rest is sent,
 so a row goes out once however many rounds stage it. A target whose ranks have all finished
-is staged whole, with its real exit record: its run gets its final state, and it is recorded
-in the ledger as a one-shot sync records it, so that a `wbmerge sync` afterwards finds it
-synced. Until then the ledger is not touched.
+is staged with its real exit record (by its kept merge, or whole), checked against the
+ranks' logs and its every row's step read back as a one-shot sync does: its run gets its
+final state, and it is recorded in the ledger as a one-shot sync records it, so that a
+`wbmerge sync` afterwards finds it synced. Until then the ledger is not touched.
 
 A shared or pass-through target's merge kept between rounds (`incremental`, `passlive`) is
 saved in the state directory after each verified round (`saved`), so that a follower
@@ -25,6 +26,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -316,9 +318,11 @@ class Follower:
             return None
         fingerprint = Ledger.fingerprint(target, settings)
         staged, content = None, None
-        if target.kind in _KEPT and not done:
+        if target.kind in _KEPT and (not done or self._ends_kept(target)):
             server_rows = self._server_rows(known, entity, plan.project, target.id)
-            found = self._stage_live(plan, target, ranks, workdir, server_rows, known, report)
+            found = self._stage_live(
+                plan, target, ranks, workdir, server_rows, known, report, final=done
+            )
         else:
             found = LAST_ROUND if done else NOT_KEPT
         if isinstance(found, Fallback):
@@ -364,14 +368,23 @@ class Follower:
         # (a live round's sources grow past what it staged: only the last is checked whole)
         options = plan.options(self.request) if done else None
         delivery = delivery_of(target, staged, known.key, fingerprint, options, final=done)
+        if done and target.id in self._staged_live:  # (its rows sent: counted when staged)
+            delivery.source_check = partial(self._live[target.id].source_shortfall, staged.log_path)
         if content is not None:  # (a log that continues the rounds sent: `incremental`)
             live = self._live[target.id]
             delivery.content, delivery.rows_cut = content, live.rows_sent
             delivery.row_before = live.row_before
-            delivery.steps_checked = content.history_steps[: live.rows_sent]
-        # A merge from scratch (the last round's: the run is then recorded synced) has every
-        # row read back: the server may have lost rows since a round before read them.
+            if not done:  # (the last round reads every row's step back, below)
+                delivery.steps_checked = content.history_steps[: live.rows_sent]
+        # The last round (the run is then recorded synced) reads every row's step back, as
+        # a one-shot sync does: the server may have lost rows since a round before read them.
         return target, delivery, now, staged.exit_code if done else None
+
+    def _ends_kept(self, target: Target) -> bool:
+        """Whether a target's last round goes on from its kept merge: one made in this
+        process for the same sources, which counted the rows it sent (`LiveShared`)."""
+        live = self._live.get(target.id)
+        return live is not None and live.can_end and live.made_of == sources_of(target)
 
     def _stage_live(
         self,
@@ -382,16 +395,20 @@ class Follower:
         server_rows: int,
         known: _Known,
         report: RoundReport,
+        final: bool = False,
     ) -> tuple[Staged, StagedContent | None] | Fallback:
         """Stage a target's round from its merge kept since the last round (made now if
         there is none, or if its sources changed: from the state a follower before this one
         saved, when it fits); a Fallback when that merge cannot go on (the caller acts on
-        it). Errors of the files and of a saved state are turned into one here."""
+        it). Errors of the files and of a saved state are turned into one here. `final`:
+        the last round, from the kept merge only (`_ends_kept`)."""
         self._staged_live.discard(target.id)
         live = self._live.get(target.id)
         if live is not None and live.made_of != sources_of(target):
             self.fall_back(target.id, restarted(), report)  # (and a new merge, below)
             live = None
+        if final and live is None:
+            return LAST_ROUND
         found: tuple[Staged, StagedContent | None] | Fallback
         resumed = False
         try:
@@ -402,7 +419,7 @@ class Follower:
                     self._check_on_server(
                         live, self.uploads.entity(plan.entity), plan.project, target.id
                     )
-            found = live.stage(workdir / "runs", watermark(target, ranks), server_rows)
+            found = live.stage(workdir / "runs", watermark(target, ranks), server_rows, final)
             self._bytes_read[target.id] = live.bytes_read
         except (NotIncremental, WbmergeError, OSError) as exc:
             found = Fallback(str(exc))
@@ -567,12 +584,14 @@ class Follower:
             assert delivery.content is not None
             rows = len(delivery.content.step_items)
             continued = False
-            if target.id in self._staged_live:
+            if target.id in self._staged_live and not delivery.final:
                 live = self._live[target.id]
                 continued = live.rounds > 1
                 live.sent(delivery.content)
                 self._save_live(target.id, live, report)
             elif delivery.final:
+                continued = target.id in self._staged_live
+                self._drop_live(target.id)
                 saved.remove(saved.directory(state_dir(), known.key))
             added = rows - (known.rows or 0)
             known.rows, known.final, known.exit_code = rows, delivery.final, code

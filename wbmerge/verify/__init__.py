@@ -39,7 +39,17 @@ from .remainder import (
     write_remainder,
 )
 from .rowcheck import halves, room, sampled, spans, windows
-from .sourcecheck import expected_of, lacking_line, source_shortfall
+from .sourcecheck import (
+    ExpectedFold,
+    ValueHashes,
+    add_tallies,
+    continued_shortfall,
+    expected_of,
+    fast_hashes,
+    lacking_line,
+    rows_tally,
+    source_shortfall,
+)
 from .whole import (
     made_files_stale,
     not_held_whole,
@@ -57,7 +67,13 @@ __all__ = [
     "counts",
     "prove",
     "artifactcheck",
+    "add_tallies",
+    "continued_shortfall",
     "expected_of",
+    "ExpectedFold",
+    "fast_hashes",
+    "rows_tally",
+    "ValueHashes",
     "halves",
     "history_row",
     "lacking_line",

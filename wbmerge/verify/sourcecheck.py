@@ -30,6 +30,12 @@ The fast check keeps the rule above: both sides are still read here, from the ra
 logs and the staged log, by the record reader alone; the copy proof compares the bytes
 of the rank's own log with the staged one, and never asks the merge what it copied.
 
+A follow's last round is checked by the same fold, kept between its rounds: each rank's
+records are folded as the follow's kept merge reads them (`ExpectedFold`), and the rows
+each round sent are tallied as it staged them (`rows_tally`); the last round's check then
+reads only its own log (`continued_shortfall`). The seed of those digests lives in the
+follower's memory only.
+
 What legitimately differs, and so is not counted:
 - W&B's own history and summary keys (`_step`, `_runtime`, `_timestamp`, `_wandb`):
   wandb-core sets them, a pass-through renumbers `_step` across restarts, and a shared run
@@ -545,6 +551,27 @@ def expected_of(
     `hashes`, as the staged side must be (`held_by`)."""
     per_rank = per_rank or PerRank()
     shared = target.kind == "shared"
+    expected = Holdings()
+    configs = []
+    for rank in _ranks(target, key_format, per_rank):
+        fold = RankFold(rank, shared, key_format, per_rank, hashes)
+        for source in rank.sources:
+            for read in records.read_indexed(source.path):
+                fold.add(read)
+            fold.end_source()
+        configs.append((rank, fold.into(expected)))
+    _expect_config(expected, configs, key_format)
+    for source in target.extra_system_sources:  # (auto --system-metrics all)
+        stats: dict[str, Tally] = {}
+        for read in records.read_indexed(source.path):
+            _stats(read, stats, _system_label(source.label))
+        _merge_into(expected, "system metric", expected.stats, stats, source.rank.rank)
+    return expected
+
+
+def _ranks(target: Target, key_format: str, per_rank: PerRank) -> list[_Rank]:
+    """The target's ranks, in the order of its sources, each with its naming rules."""
+    shared = target.kind == "shared"
     by_rank: dict[int, list[Source]] = {}
     for source in target.sources:
         by_rank.setdefault(source.rank.rank, []).append(source)
@@ -554,17 +581,45 @@ def expected_of(
         rename = _labeller(label, key_format, per_rank) if shared else _own
         system = _system_label(label) if shared else str
         ranks.append(_Rank(rank, label, sources, rename, system, rank == target.primary_rank))
-    expected = Holdings()
-    configs = [
-        (rank, _expect_rank(expected, rank, shared, key_format, per_rank, hashes)) for rank in ranks
-    ]
-    _expect_config(expected, configs, key_format)
-    for source in target.extra_system_sources:  # (auto --system-metrics all)
-        stats: dict[str, Tally] = {}
-        for read in records.read_indexed(source.path):
-            _stats(read, stats, _system_label(source.label))
-        _merge_into(expected, "system metric", expected.stats, stats, source.rank.rank)
-    return expected
+    return ranks
+
+
+class ExpectedFold:
+    """`expected_of` a read at a time: a follow's kept merge gives it the records its
+    readers read, each round (`add`), so that its last round's check folds only what is
+    new. The records are the follow's live reader's (`follow.tails`, tested to give each
+    record once, as the one-shot reader does); what they say is folded here by the rules
+    above, never by the merge's relabelling. Only for a target without other ranks'
+    system metrics (`auto --system-metrics all` is merged whole each round)."""
+
+    def __init__(
+        self, target: Target, key_format: str, per_rank: PerRank | None, hashes: ValueHashes
+    ) -> None:
+        if target.extra_system_sources:
+            raise ValueError("other ranks' system metrics are not folded a read at a time")
+        per_rank = per_rank or PerRank()
+        self.key_format = key_format
+        shared = target.kind == "shared"
+        self.folds = {
+            rank.rank: RankFold(rank, shared, key_format, per_rank, hashes)
+            for rank in _ranks(target, key_format, per_rank)
+        }
+        self._source = dict.fromkeys(self.folds, 0)  # (the source each rank is read in)
+
+    def add(self, rank: int, source: int, read: records.RecordIndex) -> None:
+        """Fold a read of `rank`'s source `source` (an index into its sources)."""
+        fold = self.folds[rank]
+        while self._source[rank] < source:
+            fold.end_source()
+            self._source[rank] += 1
+        fold.add(read)
+
+    def expected(self) -> Holdings:
+        """What the target must hold of everything added: once, when every log was read."""
+        expected = Holdings()
+        configs = [(fold.rank, fold.into(expected)) for fold in self.folds.values()]
+        _expect_config(expected, configs, self.key_format)
+        return expected
 
 
 def _merge_into(expected: Holdings, kind: str, into: dict, tallies: dict, rank: int) -> None:
@@ -596,79 +651,96 @@ def _expect_config(
             expected.origin[("config key", key)] = rank.rank
 
 
-def _expect_rank(
-    expected: Holdings,
-    rank: _Rank,
-    shared: bool,
-    key_format: str,
-    per_rank: PerRank,
-    hashes: ValueHashes,
-) -> dict[KeyPath, str]:
-    """Count what `rank`'s logs say the target must hold into `expected`; returns the
-    rank's config, folded (the target's config depends on the primary's: `_expect_config`)."""
-    history: dict[KeyPath, Tally] = {}
-    counter = _History(history, rank.rename, hashes)
-    summary: dict[KeyPath, bytes] = {}
-    config: dict[KeyPath, str] = {}
-    logged: dict[tuple[str, str], object] = {}
-    console: dict[str | None, Tally] = {}
-    logger: dict[str, Tally] = {}
-    stats: dict[str, Tally] = {}
-    definitions: list[pb.MetricRecord] = []
-    # A pass-through concatenates a rank's restarts, so a line one leaves open is continued
-    # by the next; a shared run ends it where the rank restarted (each line is labelled).
-    lines = _Lines(console)
-    for source in rank.sources:
-        for read in records.read_indexed(source.path):
-            counter.add(read)
-            _fold_summaries(read, summary, counter.target)
-            for at in read.of("run", "config", "metric").tolist():
-                record = pb.Record.FromString(read.frames.payload(at))
-                if record.HasField("metric"):
-                    definitions.append(record.metric)
-                elif record.HasField("config"):
-                    _fold_config(record.config, config)
-                    _fold_logged(record.config, logged)
-                elif record.HasField("run"):  # (a restart's: an update, as the docs say)
-                    _fold_config(record.run.config, config)
-                    _fold_logged(record.run.config, logged)
-            _console(read, lines)
-            _logger(read, logger, labelled=False)
-            _stats(read, stats, rank.system_rename)
+class RankFold:
+    """What one rank's logs say the target must hold, folded a read at a time, in order
+    (`add`), a source after another (`end_source`); `into` counts it into the target's."""
+
+    def __init__(
+        self,
+        rank: _Rank,
+        shared: bool,
+        key_format: str,
+        per_rank: PerRank,
+        hashes: ValueHashes,
+    ) -> None:
+        self.rank, self.shared = rank, shared
+        self.key_format, self.per_rank = key_format, per_rank
+        self.history: dict[KeyPath, Tally] = {}
+        self.counter = _History(self.history, rank.rename, hashes)
+        self.summary: dict[KeyPath, bytes] = {}
+        self.config: dict[KeyPath, str] = {}
+        self.logged: dict[tuple[str, str], object] = {}
+        self.console: dict[str | None, Tally] = {}
+        self.logger: dict[str, Tally] = {}
+        self.stats: dict[str, Tally] = {}
+        self.definitions: list[pb.MetricRecord] = []
+        # A pass-through concatenates a rank's restarts, so a line one leaves open is
+        # continued by the next; a shared run ends it where the rank restarted (each line
+        # is labelled).
+        self.lines = _Lines(self.console)
+
+    def add(self, read: records.RecordIndex) -> None:
+        rank = self.rank
+        self.counter.add(read)
+        _fold_summaries(read, self.summary, self.counter.target)
+        for at in read.of("run", "config", "metric").tolist():
+            record = pb.Record.FromString(read.frames.payload(at))
+            if record.HasField("metric"):
+                self.definitions.append(record.metric)
+            elif record.HasField("config"):
+                _fold_config(record.config, self.config)
+                _fold_logged(record.config, self.logged)
+            elif record.HasField("run"):  # (a restart's: an update, as the docs say)
+                _fold_config(record.run.config, self.config)
+                _fold_logged(record.run.config, self.logged)
+        _console(read, self.lines)
+        _logger(read, self.logger, labelled=False)
+        _stats(read, self.stats, rank.system_rename)
+
+    def end_source(self) -> None:
+        if self.shared:
+            self.lines.finish()
+
+    def into(self, expected: Holdings) -> dict[KeyPath, str]:
+        """Count what the rank's logs say the target must hold into `expected`; returns the
+        rank's config, folded (the target's config depends on the primary's:
+        `_expect_config`). Once, after the last read."""
+        rank, shared, key_format, per_rank = self.rank, self.shared, self.key_format, self.per_rank
+        counter, logger = self.counter, self.logger
+        self.lines.finish()
+        label = rank.label if shared else None
+        _merge_into(expected, "history key", expected.history, self.history, rank.rank)
+        _merge_into(expected, "system metric", expected.stats, self.stats, rank.rank)
+        if shared and "wandb" in logger:  # (each rank's lines under its label)
+            logger = {rank.label: logger.pop("wandb")}
+        _merge_into(expected, "wandb logger", expected.logger, logger, rank.rank)
+        if None in self.console:
+            console = {label: self.console[None]}
+            _merge_into(expected, "console", expected.console, console, rank.rank)
+        for key, value in self.summary.items():
+            expected.summary[key] = value
+            expected.origin[("summary key", key)] = rank.rank
+        for entry, value in _expected_logged(self.logged, rank, shared, key_format, counter.tops):
+            expected.logged[entry] = value
+            expected.origin[(LOGGED_KINDS[entry[0]], entry[1])] = rank.rank
+        last = expected.last_definitions
+        definitions = self.definitions
+        for definition in _definitions(definitions, rank, shared, key_format, per_rank, counter):
+            expected.metrics[definition] += 1
+            expected.origin[("metric definition", definition)] = rank.rank
+            defines = _defines(pb.MetricRecord.FromString(definition))
+            if expected.origin.get(("metric defined", defines), rank.rank) != rank.rank:
+                last[defines] = None  # (another rank's too: either may come last)
+            elif last.get(defines, b"") is not None:
+                last[defines] = definition
+            expected.origin[("metric defined", defines)] = rank.rank
         if shared:
-            lines.finish()
-    lines.finish()
-    label = rank.label if shared else None
-    _merge_into(expected, "history key", expected.history, history, rank.rank)
-    _merge_into(expected, "system metric", expected.stats, stats, rank.rank)
-    if shared and "wandb" in logger:  # (each rank's lines under its label)
-        logger = {rank.label: logger.pop("wandb")}
-    _merge_into(expected, "wandb logger", expected.logger, logger, rank.rank)
-    if None in console:
-        _merge_into(expected, "console", expected.console, {label: console[None]}, rank.rank)
-    for key, value in summary.items():
-        expected.summary[key] = value
-        expected.origin[("summary key", key)] = rank.rank
-    for entry, value in _expected_logged(logged, rank, shared, key_format, counter.tops):
-        expected.logged[entry] = value
-        expected.origin[(LOGGED_KINDS[entry[0]], entry[1])] = rank.rank
-    last = expected.last_definitions
-    for definition in _definitions(definitions, rank, shared, key_format, per_rank, counter):
-        expected.metrics[definition] += 1
-        expected.origin[("metric definition", definition)] = rank.rank
-        defines = _defines(pb.MetricRecord.FromString(definition))
-        if expected.origin.get(("metric defined", defines), rank.rank) != rank.rank:
-            last[defines] = None  # (another rank's too: either may come last)
-        elif last.get(defines, b"") is not None:
-            last[defines] = definition
-        expected.origin[("metric defined", defines)] = rank.rank
-    if shared:
-        for key, steps in _glob_bindings(
-            definitions, rank.label, key_format, per_rank, counter.tops
-        ).items():
-            expected.bindings[key] = steps
-            expected.origin[("metric glob", key)] = rank.rank
-    return config
+            for key, steps in _glob_bindings(
+                definitions, rank.label, key_format, per_rank, counter.tops
+            ).items():
+                expected.bindings[key] = steps
+                expected.origin[("metric glob", key)] = rank.rank
+        return self.config
 
 
 def _glob_bindings(
@@ -872,6 +944,38 @@ def fast_shortfall(
     expected = expected_of(target, key_format, per_rank, hashes)
     labelled = target.kind == "shared"
     return shortfall(expected, held_by(staged_log, labelled, hashes))
+
+
+def rows_tally(log: Path, hashes: ValueHashes) -> dict[KeyPath, Tally]:
+    """The history values of a staged log's rows, tallied as `held_by` tallies them: what a
+    follow's round sent, kept so that the last round's check reads only its own log."""
+    tallies: dict[KeyPath, Tally] = {}
+    history = _History(tallies, _own, hashes)
+    for read in records.read_indexed(log, read_size=STAGED_READ):
+        history.add(read)
+    return tallies
+
+
+def add_tallies(into: dict[KeyPath, Tally], tallies: dict[KeyPath, Tally]) -> None:
+    """Add `tallies` (`rows_tally`) into `into`: the rows of two logs, counted as one."""
+    for key, (count, digest) in tallies.items():
+        _add(into, key, count, digest)
+
+
+def continued_shortfall(
+    target: Target,
+    staged_log: Path,
+    expected: ExpectedFold,
+    hashes: ValueHashes,
+    rows_sent: dict[KeyPath, Tally],
+) -> list[str]:
+    """`fast_shortfall` of a staged log that continues logs sent before it (a follow's last
+    round), its sources folded a read at a time (`expected`) with `hashes`: every record
+    but their rows is in it, and their rows are `rows_sent`, tallied by `rows_tally` with
+    the same `hashes` when each was staged."""
+    held = held_by(staged_log, target.kind == "shared", hashes)
+    add_tallies(held.history, rows_sent)
+    return shortfall(expected.expected(), held)
 
 
 def _one_primary_log(target: Target) -> bool:
