@@ -57,16 +57,17 @@ from ..merge import (
     MergeOptions,
     Rows,
     SharedMerge,
+    SourceRead,
     Spools,
     Staged,
+    exit_code,
+    exit_record,
     name_id,
     names_of,
     new_run_dir,
     staged_with_files,
     write_console_and_stats,
 )
-from ..merge.readers import SourceRead
-from ..merge.runrecord import exit_code, exit_record
 from ..plan import Target
 from ..runtime import allow_open_files
 from ..verify import ExpectedFold, add_tallies, continued_shortfall, fast_hashes, rows_tally

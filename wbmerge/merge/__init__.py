@@ -29,7 +29,7 @@ from .metricglobs import glob_definitions
 from .options import DEFAULT_KEY_FORMAT, MergeOptions, check_key_format
 from .passthrough import HeldUntilTheRunRecord, passed_record
 from .readers import RankReaders, SourceRead
-from .runrecord import rewrite_run
+from .runrecord import exit_code, exit_record, rewrite_run
 from .staging import Staged, new_run_dir, stage, staged_with_files
 
 __all__ = [
@@ -48,6 +48,8 @@ __all__ = [
     "Staged",
     "check_files",
     "check_key_format",
+    "exit_code",
+    "exit_record",
     "files_from_dirs",
     "glob_definitions",
     "name_id",
