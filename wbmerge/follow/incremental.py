@@ -215,13 +215,14 @@ class LiveRounds:
         return written, held
 
     def _finish(
-        self, log: Path, written: list[tuple[bool, bytes]], held: bytes | None
+        self, log: Path, written: list[tuple[bool, bytes]], held: bytes | None, final: bool = False
     ) -> StagedContent | None:
         """The round's log is staged: its whole content when it continues the rounds sent
-        (None: the log is whole, rows_cut 0)."""
+        (None: the log is whole, rows_cut 0). The last round's rows are not tallied: its own
+        check reads its log (`source_shortfall`), and no round comes after to add them to."""
         last_row = next((p for is_row, p in reversed(written) if is_row), None)
         self._round = (self._to_keep([p for is_row, p in written if not is_row]), held, last_row)
-        if self._rows_tally is not None:
+        if self._rows_tally is not None and not final:
             self._round_tally = rows_tally(log, self._hashes)
         if not self.rows_sent:
             return None
@@ -640,7 +641,7 @@ class LiveShared(LiveRounds):
             for rank, sources in merge.by_rank.items():  # (as a one-shot merge says them)
                 for index in range(len(sources)):
                     staged.warnings += merge.warnings.get((rank, index), [])
-        return staged, self._finish(staged.log_path, written, held)
+        return staged, self._finish(staged.log_path, written, held, final)
 
     def _keep(self, kept: object) -> None:
         self._others_sent += kept  # type: ignore[arg-type]
