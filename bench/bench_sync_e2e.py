@@ -14,6 +14,8 @@ a row). Each is uploaded, every repeat, to a fresh project of one local sink by
   (wandb 0.31's `wandb sync` takes `-n` as the runs it uploads at a time);
 - `new`: `wbmerge sync JOB --run-mode new -n 8` (one run per rank, exactly once, verified);
 - `shared`: `wbmerge sync JOB --run-mode shared -n 8` (all ranks merged into one run);
+- `full` (asked for with `--modes`): `new` with `--verify full`, every row's values read
+  back and compared rather than a sample's;
 
 and, with `--before DIR`, `new@before` and `shared@before`: the same commands run from the
 wbmerge tree in DIR (`PYTHONPATH=DIR`), to compare two versions in one invocation. The
@@ -107,6 +109,8 @@ def commands(variant: str, job: Path, project: str, work: Path, before: Path | N
         return [[wandb, "sync", "-p", project, "-e", "local", "-n", "8", *dirs], str(ROOT)]
     mode, _, version = variant.partition("@")
     tree = before if version else ROOT
+    verify = ["--verify", "full"] if mode == "full" else []
+    mode = "new" if mode == "full" else mode
     cmd = [
         sys.executable,
         "-m",
@@ -121,6 +125,7 @@ def commands(variant: str, job: Path, project: str, work: Path, before: Path | N
         project,
         "-e",
         "local",
+        *verify,
     ]
     return [cmd, str(tree)]
 
@@ -229,7 +234,7 @@ def main() -> None:
         "--modes",
         nargs="+",
         default=["new", "shared"],
-        choices=["new", "shared"],
+        choices=["new", "shared", "full"],
         help="the wbmerge run modes to run beside plain",
     )
     parser.add_argument(

@@ -181,3 +181,24 @@ def test_a_run_whose_read_back_failed_is_still_released(client, monkeypatch):
             writer.take("local", "p", "run")
     writer.close()
     assert entries_of(client.held("local", "p", "run").config_json)["w"].released
+
+
+def test_a_run_released_early_is_neither_renewed_nor_released_again(client):
+    """A sync gives back each run once it is verified: its entry says released at once, the
+    renewals of the runs still held pass it over, and another writer takes it."""
+    holder = claims(client, "w", renew=0.05)
+    holder.take("local", "p", "done")
+    holder.take("local", "p", "sending")
+    holder.release("local", "p", "done")
+    released = entries_of(client.held("local", "p", "done").config_json)["w"]
+    assert released.released
+    renewed = entries_of(client.held("local", "p", "sending").config_json)["w"].until
+    deadline = time.monotonic() + 30
+    while entries_of(client.held("local", "p", "sending").config_json)["w"].until == renewed:
+        assert time.monotonic() < deadline, "never renewed"
+        time.sleep(0.05)
+    assert entries_of(client.held("local", "p", "done").config_json)["w"] == released
+    assert claims(client, "w2").take("local", "p", "done") is not None
+    holder.close()
+    assert entries_of(client.held("local", "p", "sending").config_json)["w"].released
+    assert entries_of(client.held("local", "p", "done").config_json)["w"] == released

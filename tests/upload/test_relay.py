@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import base64
 import gzip
+import http.client
+import io
 import json
 import threading
 import urllib.error
 import urllib.request
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from wbmerge.errors import WbmergeError
 from wbmerge.upload import Relay
-from wbmerge.upload.relayprocess import Offsets
+from wbmerge.upload.relayprocess import Offsets, parse_headers
 
 HISTORY, EVENTS, CONSOLE = "wandb-history.jsonl", "wandb-events.jsonl", "output.log"
 
@@ -222,3 +226,48 @@ def test_a_file_stream_body_the_relay_cannot_read_is_refused_and_told(sink, enco
     assert run_id == "packed"
     assert f"a file_stream body encoded as {encoding!r}" in why and "not forwarded" in why
     assert sink.client.runs("local", "relayed") == []
+
+
+# -- the relay's reading of header blocks ------------------------------------------------------
+
+HEADER_BLOCKS = [
+    b"Host: a\r\nContent-Length: 5\r\n\r\n",
+    b"Host: a\nX:  spaced  \n\n",
+    b"Host: a\r\nX-Folded: one\r\n two\r\n\r\n",  # (a folded field: the email parser's)
+    b"Host: a\r\nnot a header\r\nY: b\r\n\r\n",  # (a line without a colon ends the fields)
+    b"From nobody\r\nHost: a\r\n\r\n",
+    b"Host: a\r\nX: b\rc\r\n\r\n",  # (a bare CR ends a line to the email parser)
+    b": empty\r\nHost: a\r\n\r\n",
+    b"Host: a\r\nX: \xe9t\xe9\r\n\r\n",
+    b"Host: a\r\nX:\r\n\r\n",
+    b"Host: a\r\n",  # (cut short)
+    b"",
+    b"Host: a\r\nHost: b\r\n\r\n",
+    b"H\xe9st: a\r\n\r\n",
+    b"Host :a\r\n\r\n",
+]
+
+
+def same_message(block: bytes) -> None:
+    want = http.client.parse_headers(io.BytesIO(block))
+    got = parse_headers(io.BytesIO(block))
+    assert type(got) is type(want)
+    assert list(got.items()) == list(want.items()), block
+    assert [type(d) for d in got.defects] == [type(d) for d in want.defects], block
+
+
+@pytest.mark.parametrize("block", HEADER_BLOCKS)
+def test_the_relay_reads_a_header_block_as_http_client_does(block):
+    same_message(block)
+
+
+@given(st.lists(st.text("ab:\t \r\né-", max_size=12), max_size=6))
+def test_any_header_block_is_read_as_http_client_reads_it(lines):
+    same_message("".join(line + "\r\n" for line in lines).encode("iso-8859-1") + b"\r\n")
+
+
+def test_a_header_block_too_long_is_refused_as_http_client_refuses_it():
+    for block in (b"X: " + b"a" * 70000 + b"\r\n\r\n", b"X: a\r\n" * 101 + b"\r\n"):
+        for parse in (http.client.parse_headers, parse_headers):
+            with pytest.raises(http.client.HTTPException):
+                parse(io.BytesIO(block))

@@ -8,6 +8,7 @@ fails. What arrived is compared by value with the source `.wandb` files.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import threading
@@ -347,3 +348,35 @@ def test_ctrl_c_while_staging_goes_on_stops_the_uploads_and_keeps_the_verified(e
     assert status["fx-one-node-4-rank-3"] == "uploaded"  # never staged the first time
     for rank, want in ranks_expected().items():
         assert_exactly_once(env.client.run("local", "int", f"fx-one-node-4-rank-{rank}"), want)
+
+
+WRITERS = """query RunResumeStatus($project: String, $entity: String, $name: String!) {
+  model(name: $project, entityName: $entity) { bucket(name: $name, missingOk: true) { config } }
+}"""
+
+
+def writer_entries(sink, project: str, run_id: str) -> list[dict]:
+    """The writers' entries in a run's config on the sink (a hidden config key each)."""
+    answer = sink.client.graphql(WRITERS, {"project": project, "name": run_id})
+    config = json.loads(answer["data"]["model"]["bucket"]["config"])
+    return [item["value"] for key, item in config.items() if key.startswith("_wbmerge_writer/")]
+
+
+def test_a_verified_run_is_given_back_while_the_others_upload(env, tmp_path):
+    """A sync releases its claim on each run as soon as the run is verified, not when the
+    whole sync ends: another writer need not wait for the rest, and the releases are not
+    left to the end."""
+    events = Events()
+    seen: list[list[dict]] = []
+
+    def upload(progress) -> None:
+        events.upload(progress)
+        if progress.message.startswith("verified ") and not seen:
+            seen.append(writer_entries(env, "given", events.first_verified()))
+
+    report = sync(new_mode("given"), parallel=1, upload_progress=upload)
+    assert len(seen) == 1 and len(seen[0]) == 1 and seen[0][0]["released"]
+    assert sorted(t.status for t in report.targets) == ["uploaded"] * 4
+    for target in report.targets:
+        [entry] = writer_entries(env, "given", target.target.id)
+        assert entry["released"]

@@ -379,6 +379,43 @@ def test_rows_past_a_stale_tail_are_read_and_fail_the_run(tmp_path, tail):
     ]
 
 
+def test_a_run_of_one_page_is_read_back_in_one_request(tmp_path):
+    """The last window is asked for together with the steps past it: a run of fewer rows
+    than a page costs one request."""
+    from wbmerge.upload import Delivery, Held
+    from wbmerge.verify import rows_not_held
+    from wbmerge.wandbcore import read_staged
+
+    source = synthetic_job(tmp_path, steps=50)
+    [log] = source.glob("wandb/*/run-*.wandb")
+    server = RowsAsSent(log)
+    delivery = Delivery("one-page", log.parent, log, "key", "fingerprint")
+    held = Held(True, 50, last_step=49)
+    assert rows_not_held(server, "e", "p", delivery, held, read_staged(log)) == []
+    assert server.asked == [(-(2**63), 2**63 - 1)]
+
+
+def test_rows_past_the_last_step_that_fill_the_joined_window_are_read_as_before(tmp_path):
+    """A server holding more rows past the last step sent than the joined last window has
+    room for: the window is asked again as the last window and the steps past it, and the
+    run fails naming the rows that were not sent (not as a server whose pages all came
+    back full)."""
+    from wbmerge.upload import Delivery, Held
+    from wbmerge.verify import rows_not_held
+    from wbmerge.wandbcore import read_staged
+
+    source = synthetic_job(tmp_path, steps=50)
+    [log] = source.glob("wandb/*/run-*.wandb")
+    server = RowsAsSent(log)
+    server.rows += [{"_step": 100 + i, "loss": 1.0} for i in range(300)]
+    delivery = Delivery("past-the-end", log.parent, log, "key", "fingerprint")
+    problems = rows_not_held(
+        server, "e", "p", delivery, Held(True, 350, last_step=49), read_staged(log)
+    )
+    assert problems == ["the server holds rows at 16 steps that were not sent (steps 100-115)"]
+    assert server.asked == [(-(2**63), 2**63 - 1), (-(2**63), 50), (50, 2**63 - 1)]
+
+
 class RowsRead:
     """A server holding `rows`, as read from a log with protobuf and `json` (sinktools),
     not by wbmerge's reading of them."""

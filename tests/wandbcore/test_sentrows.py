@@ -8,6 +8,7 @@ uploader again.
 
 from __future__ import annotations
 
+import json
 import struct
 
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from wbmerge.log import pb
+from wbmerge.upload import read_json
 from wbmerge.wandbcore import item_step, json_value, sent_steps, sentrows, with_step
 from wbmerge.wandbcore.sentrows import NOT_JSON, ROW_WAYS, bare_number, json_int
 
@@ -249,6 +251,8 @@ def test_the_flat_row_is_the_reference_row(items):
     history = history_of(items)
     assert same_row(FLAT_ROW(history), REFERENCE_ROW(history)), items
     assert same_row(FLAT_ROW(history, "x"), REFERENCE_ROW(history, "x"))
+    # (the read-back reads the texts with orjson where it reads them as json does)
+    assert same_row(sentrows.record_row(record_of(history), read_json), REFERENCE_ROW(history))
 
 
 def test_a_typed_value_is_read_by_the_reference():
@@ -264,6 +268,24 @@ def test_a_typed_value_is_read_by_the_reference():
 def test_any_flat_row_is_the_reference_row(pairs):
     history = history_of([(None, [key], text) for key, text in pairs])
     assert same_row(FLAT_ROW(history), REFERENCE_ROW(history)), pairs
+    row = sentrows.record_row(record_of(history), read_json)
+    assert same_row(row, REFERENCE_ROW(history)), pairs
+
+
+def test_a_row_read_by_a_reader_unlike_json_is_not_the_reference_row():
+    """The comparison above sees a reader that reads a text otherwise than `json`: one that
+    reads an integer past int64 as the float it rounds to (as orjson alone does) makes a
+    row the reference does not."""
+
+    def rounds_big_integers(text: str) -> object:
+        return json.loads(
+            text, parse_int=lambda digits: float(digits) if len(digits) > 18 else int(digits)
+        )
+
+    history = history_of([(None, ["x"], "9223372036854775807"), (None, ["y"], "1")])
+    row = sentrows.record_row(record_of(history), rounds_big_integers)
+    assert not same_row(row, REFERENCE_ROW(history))
+    assert same_row(sentrows.record_row(record_of(history), read_json), REFERENCE_ROW(history))
 
 
 def test_the_rows_wandb_writes_are_read_flat(monkeypatch):

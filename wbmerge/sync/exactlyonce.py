@@ -116,13 +116,17 @@ class Deliverer:
         remove_verified: bool = False,
         every_value: bool = False,
         resend: bool = False,
+        release_verified: bool = False,
     ) -> None:
         """`resend`: send each run the server holds rows of whole again, from its first
         row, over what the server holds (`wbmerge sync --resend`, the way out of a run
         refused as not a beginning, or of rows lost inside it). `claims`: the session's
         hold on the runs it sends (None: no other writer is kept out); `say_waiting(run_id,
-        line)` is told that a run waits for another writer (else the progress callback)."""
+        line)` is told that a run waits for another writer (else the progress callback).
+        `release_verified`: give back each run's claim once it is verified whole (a sync
+        sends it no more), not when the session ends."""
         self.client, self.ledger_path = client, ledger.path
+        self.release_verified = release_verified
         self.resend = resend
         self.credentials, self.project, self.entity = credentials, project, entity
         self.workdir, self.timeout, self.owner = workdir, timeout, staging
@@ -696,6 +700,8 @@ class Deliverer:
                 )
                 return
         delivery.verified = True
+        if delivery.final and self.release_verified and self.claims is not None:
+            self.claims.release(self.entity, self.project, delivery.run_id)
         if self.remove_verified:
             shutil.rmtree(delivery.run_dir, ignore_errors=True)
 

@@ -90,6 +90,7 @@ class UploadSession:
         self.slots = UploadSlots(parallel)
         host = socket.gethostname()
         writer = writer_id(host, os.path.realpath(state_dir()))
+        self.kind = kind
         self.claims = Claims(self.client, writer, kind, host, os.getpid())
 
     def __enter__(self) -> UploadSession:
@@ -155,6 +156,7 @@ class UploadSession:
             remove_verified=self.remove_verified,
             every_value=self.every_value,
             resend=self.resend,
+            release_verified=self.kind == "sync",
         )
 
 

@@ -28,6 +28,7 @@ from .delivery import Delivery, DeliveryReport, Progress
 from .ledger import Ledger, run_locks, state_dir
 from .relay import Relay
 from .serverclient import Held, RunListing, ServerClient, ServerError
+from .serverjson import loads as read_json
 from .settle import wait_settled
 from .stagingdirs import (
     OwnerRecord,
@@ -58,6 +59,7 @@ __all__ = [
     "OtherWriter",
     "OwnerRecord",
     "Progress",
+    "read_json",
     "Relay",
     "run_locks",
     "RunListing",

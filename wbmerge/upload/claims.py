@@ -247,6 +247,17 @@ class Claims:
             self._said.add((holder, run_id))
             return first
 
+    def release(self, entity: str | None, project: str, run_id: str) -> None:
+        """Release one run this writer is done with (sent and verified) now rather than at
+        `close`: it is renewed no more, and its release is not left to the end of the
+        session, after the last upload, where a sync of 256 runs made 256 requests."""
+        run = (entity, project, run_id)
+        with self._lock:
+            if run not in self._held:
+                return
+            self._held.discard(run)
+        self._set(run, released=True, quiet=True)
+
     def close(self) -> None:
         """Release every run held (a writer that cannot is waited out by `TTL`)."""
         self._closed.set()

@@ -18,6 +18,7 @@ logs nothing.
 
 from __future__ import annotations
 
+import email.parser
 import http.client
 import json
 import re
@@ -55,6 +56,44 @@ UPSTREAM_TIMEOUT = 300.0  # seconds the server may take to answer one request
 _PIECE = 1 << 16  # bytes copied at a time between the two sides
 # The most a gzipped file_stream body may unzip to (wandb-core caps a body near 10 MiB).
 MAX_UNZIPPED = 64 << 20
+
+
+# http.client's bounds on a header block (its `_MAXLINE` and `_MAXHEADERS`).
+MAX_HEADER_LINE = 65536
+MAX_HEADERS = 100
+# A header line the email parser reads as one field, name and value (its `headerRE`, on one
+# line ended by CRLF or LF): any other line (folded, without a colon, a bare CR) sends the
+# block to the email parser itself.
+_PLAIN_FIELD = re.compile(r"([\041-\071\073-\176]+):([^\r\n]*)\r?\n")
+
+
+def parse_headers(
+    fp: object, _class: type[http.client.HTTPMessage] = http.client.HTTPMessage
+) -> http.client.HTTPMessage:
+    """`http.client.parse_headers`, the same message, built without the email parser where
+    every line is one plain field: the relay parses the headers of every request and of its
+    answer, and the email parser took 62 us a block rather than 10 us (0.75 s of the relay
+    in a sync of 64 runs). Raises as it does for a line too long or too many lines."""
+    lines = []
+    while True:
+        line = fp.readline(MAX_HEADER_LINE + 1)  # type: ignore[attr-defined]
+        if len(line) > MAX_HEADER_LINE:
+            raise http.client.LineTooLong("header line")
+        lines.append(line)
+        if len(lines) > MAX_HEADERS:
+            raise http.client.HTTPException(f"got more than {MAX_HEADERS} headers")
+        if line in (b"\r\n", b"\n", b""):
+            break
+    text = b"".join(lines).decode("iso-8859-1")
+    message = _class()
+    for line in lines[:-1] if lines[-1] in (b"\r\n", b"\n") else lines:
+        field = _PLAIN_FIELD.fullmatch(line.decode("iso-8859-1"))
+        if field is None:
+            return email.parser.Parser(_class=_class).parsestr(text)
+        # (as the email parser's compat32 policy keeps a field: the value's leading blanks
+        # and its line end dropped)
+        message.set_raw(field[1], field[2].lstrip(" \t"))
+    return message
 
 
 class Offsets:
@@ -355,6 +394,8 @@ def handler(
 
 def main(base_url: str) -> None:
     """Serve until standard input ends; plans come in on it, conflicts go out (see above)."""
+    # (both http.server and http.client read headers through this one function)
+    http.client.parse_headers = parse_headers
     offsets, token = Offsets(), secrets.token_urlsafe(24)
     out_lock = threading.Lock()
 

@@ -176,10 +176,16 @@ def rows_not_held(
     if floor is not None:
         todo = [(max(lo, floor), hi) for lo, hi in todo if hi > floor]
     # Past the last step sent and the server's tail, which can be stale (wandb PR #12668):
-    # any row there is one too many, so this window is read once, not halved.
+    # any row there is one too many, so this window is read once, not halved. It is asked
+    # for together with the last window (one request a run fewer, most runs holding one
+    # page); an answer that fills the two is read again as the two, as before.
     beyond = (todo[-1][1] if todo else INT64_MIN if floor is None else floor, INT64_MAX)
+    joined = None
     if beyond[0] < INT64_MAX:
-        todo.append(beyond)
+        if todo:
+            joined = todo[-1] = (todo[-1][0], INT64_MAX)
+        else:
+            todo.append(beyond)
     budget = MAX_REQUESTS_PER_WINDOW * len(todo) + MAX_REQUESTS_SPARE
     while todo:
         window = todo.pop(0)
@@ -196,6 +202,9 @@ def rows_not_held(
                 f"the server answered more rows than asked for ({len(rows)} of "
                 f"{most}) at steps {window[0]}-{window[1] - 1}"
             )
+        if len(rows) == most and window == joined:
+            todo[:0] = [(window[0], beyond[0]), beyond]
+            continue
         if len(rows) == most and halves(window) != [window] and window != beyond:
             todo[:0] = halves(window)  # (maybe a sample of a fuller window: read it in two)
             continue

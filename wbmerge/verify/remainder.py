@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..log import LogWriter, read_frames, records
-from ..upload import Held
+from ..upload import Held, read_json
 from ..wandbcore import StagedContent, sentrows
 
 
@@ -231,13 +231,14 @@ def history_row(log: Path, index: int) -> dict:
 
 def staged_rows(log: Path, indices: Sequence[int]) -> Iterator[tuple[int, dict]]:
     """History rows `indices` (rising) of a staged log as wandb-core sends them
-    (`sentrows.row_of`), in one pass; only those rows are parsed."""
+    (`sentrows.row_of`), in one pass; only those rows are parsed, their texts by orjson
+    where it reads them as `json` does (`upload.read_json`)."""
     wanted, at, seen = list(indices), 0, 0
     for read in records.read_indexed(log):
         history = read.history
         while at < len(wanted) and wanted[at] < seen + len(history):
             payload = read.frames.payload(int(history[wanted[at] - seen]))
-            yield wanted[at], sentrows.record_row(payload)
+            yield wanted[at], sentrows.record_row(payload, read_json)
             at += 1
         seen += len(history)
         if at == len(wanted):
