@@ -398,14 +398,19 @@ def bench_lag_held(
         added = writers[0].step - held
         for writer in writers:
             writer.finish()
-        deadline = time.monotonic() + 5 * interval + 600
+        finished = time.monotonic()
+        deadline = finished + 5 * interval + 600
         while follower.poll() is None and time.monotonic() < deadline:
             poll()
             time.sleep(0.5)
+        ended = time.monotonic() - finished
         poll()
         if len(seen) != added + 1:  # (the live rows, and the held row that waited for them)
             raise RuntimeError(f"{len(seen)} of {added + 1} rows arrived after the held ones")
-        lags = sorted(seen[s] - logged[s] for s in seen if s >= held)  # (the live rows)
+        live_steps = sorted(s for s in seen if s >= held)
+        lag = {s: seen[s] - logged[s] for s in live_steps}  # (the live rows)
+        lags = sorted(lag.values())
+        slowest = max(live_steps, key=lag.get)
         return {
             "held_steps": held,
             "ranks": ranks,
@@ -416,6 +421,13 @@ def bench_lag_held(
             "live_rows": added,
             "lag_median_s": round(statistics.median(lags), 1),
             "lag_max_s": round(max(lags), 1),
+            # (which live row waited longest, counted from the first: the first rows may
+            # wait for the first sync's check of the held rows, the last for the last round)
+            "lag_max_row": slowest - held,
+            "lag_first_s": round(lag[live_steps[0]], 1),
+            "lag_last_s": round(lag[live_steps[-1]], 1),
+            # from the ranks' exit records to the follower's end (its last round verified)
+            "follower_end_s": round(ended, 1),
             "follower_exit": follower.returncode,
         }
     finally:

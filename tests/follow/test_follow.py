@@ -15,6 +15,7 @@ import os
 import select
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from wbmerge.identify import discover
 from wbmerge.log import read_records
 from wbmerge.sync import MergeRequest, UploadFailed, sync
 from wbmerge.training import RankInfo
+from wbmerge.upload import ServerClient
 
 from ..conftest import interruptible, job_dir
 from ..merge.test_rank_stats_merge import over_the_bound
@@ -438,36 +440,115 @@ def test_a_job_whose_ranks_all_failed_waits_for_its_elastic_restart(
         assert (run["state"], len(run["history"])) == ("finished", 10)
 
 
-def test_rows_the_server_lost_after_a_round_are_found_by_the_last_round(
+def lost_rows_job(tmp_path: Path, *stages: int) -> None:
+    """Two ranks of job `lostrows` as they grow: at each stage's number of steps under
+    `at-{steps}` (the last finished), and at the first stage's under `live`."""
+    for steps in stages:
+        for rank in (0, 1):
+            info = RankInfo(rank, rank, 2, 2, 0, job_id="lostrows")
+            with rank_log(tmp_path / f"at-{steps}", info, f"lostrows-{rank}", "p") as writer:
+                for step in range(steps):
+                    writer.write(history_record([("loss", str(10 * rank + step))], step))
+                if steps == stages[-1]:
+                    writer.write(exit_record(0))
+    shutil.copytree(tmp_path / f"at-{stages[0]}", tmp_path / "live")
+
+
+def grow_lost_rows_job(tmp_path: Path, steps: int) -> None:
+    """The ranks of `lost_rows_job` go on to its stage of `steps` steps."""
+    for log in (tmp_path / f"at-{steps}").glob("wandb/*/run-*.wandb"):
+        live = tmp_path / "live" / log.relative_to(tmp_path / f"at-{steps}")
+        whole = log.read_bytes()
+        assert whole.startswith(live.read_bytes())
+        live.write_bytes(whole)
+
+
+def test_rows_the_server_lost_after_a_round_are_found_by_a_follower_started_again(
     make_sink, monkeypatch, tmp_path, state
 ):
     """A round sends and verifies rows 0-4 of two ranks; then the server loses rows 1 and 2
-    (its line count still covers them). The last round, after which the run is recorded
-    synced, reads every row back: it names the rows lost and the run is not verified."""
-    for root, steps in ((tmp_path / "live", 6), (tmp_path / "full", 8)):
-        for rank in (0, 1):
-            info = RankInfo(rank, rank, 2, 2, 0, job_id="lostrows")
-            with rank_log(root, info, f"lostrows-{rank}", "p") as writer:
-                for step in range(steps):
-                    writer.write(history_record([("loss", str(10 * rank + step))], step))
-                if steps == 8:
-                    writer.write(exit_record(0))
+    (its line count still covers them). A follower started again goes on from the saved
+    state: its live round reads back only its own rows, but it proved no row before, so its
+    last round, after which the run is recorded synced, reads every row back: it names the
+    rows lost and the run is not verified."""
+    lost_rows_job(tmp_path, 6, 7, 8)
     request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
     sink = follow_sink(make_sink, monkeypatch, state)
     with Follower(request, parallel=2, timeout=UPLOAD_TIMEOUT) as follower:
         [target] = follower.round().targets
         assert (target.status, target.rows) == ("sent", 5), target.problems
-        drop_history_lines(sink, "lostrows", range(1, 3))
-        for log in (tmp_path / "full").glob("wandb/*/run-*.wandb"):
-            live = tmp_path / "live" / log.relative_to(tmp_path / "full")
-            whole = log.read_bytes()
-            assert whole.startswith(live.read_bytes())  # (the ranks go on, and finish)
-            live.write_bytes(whole)
+    drop_history_lines(sink, "lostrows", range(1, 3))
+    with Follower(request, parallel=2, timeout=UPLOAD_TIMEOUT) as follower:
+        grow_lost_rows_job(tmp_path, 7)
+        [target] = follower.round().targets
+        assert (target.status, target.rows, target.continued) == ("sent", 6, True)
+        grow_lost_rows_job(tmp_path, 8)
         report = follower.round()
-        assert not report.done
-        [target] = report.targets
-        assert target.status == "failed"
-        assert "the server lacks 2 of 8 rows sent (steps 1-2)" in target.problems[0]
+    assert not report.done
+    [target] = report.targets
+    assert target.status == "failed"
+    assert "the server lacks 2 of 8 rows sent (steps 1-2)" in target.problems[0]
+
+
+def spoil_history_line(sink, run_id: str, offset: int, fault: str) -> bool:
+    """Once the sink holds line `offset + 1` of a run's history: lose line `offset` (its line
+    count still covers it), or change a value of it. Whether it did."""
+    with sqlite3.connect(sink.data_dir / "sink.sqlite3") as db:
+        [pk] = db.execute("SELECT pk FROM runs WHERE name = ?", (run_id,)).fetchone()
+        where = "run = ? AND stream = 'history' AND offset = ?"
+        if db.execute(f"SELECT 1 FROM lines WHERE {where}", (pk, offset + 1)).fetchone() is None:
+            spoiled = False
+        elif fault == "lost":
+            spoiled = db.execute(f"DELETE FROM lines WHERE {where}", (pk, offset)).rowcount == 1
+        else:
+            [line] = db.execute(f"SELECT line FROM lines WHERE {where}", (pk, offset)).fetchone()
+            row = json.loads(line)
+            row["loss/rank-1"] = 99.5
+            args = (json.dumps(row), pk, offset)
+            spoiled = db.execute(f"UPDATE lines SET line = ? WHERE {where}", args).rowcount == 1
+    db.close()
+    return spoiled
+
+
+@pytest.mark.parametrize("fault", ["lost", "changed"])
+def test_the_last_round_reads_back_only_the_rows_it_added_and_fails_on_a_fault_in_them(
+    fault, make_sink, monkeypatch, tmp_path, state
+):
+    """A round sends and verifies rows 0-4 of two ranks. The last round adds rows 5-7, and
+    the server, once it holds them, loses row 6 (its line count still covers it) or holds
+    another value in it. The last round reads back only the rows after those this follower
+    read back before, yet fails naming the row, and the run is not recorded synced."""
+    lost_rows_job(tmp_path, 6, 8)
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared")
+    sink = follow_sink(make_sink, monkeypatch, state)
+    asked: list[tuple[int, int]] = []
+    spoiled: list[bool] = []
+    read_page = ServerClient.history_page
+
+    def history_page(client, entity, project, run_id, steps, most):
+        if spoiled and not spoiled[-1]:
+            spoiled.append(spoil_history_line(sink, "lostrows", 6, fault))
+        asked.append(steps)
+        return read_page(client, entity, project, run_id, steps, most)
+
+    monkeypatch.setattr(ServerClient, "history_page", history_page)
+    with Follower(request, parallel=2, timeout=UPLOAD_TIMEOUT) as follower:
+        [target] = follower.round().targets
+        assert (target.status, target.rows) == ("sent", 5), target.problems
+        asked.clear()
+        spoiled.append(False)
+        grow_lost_rows_job(tmp_path, 8)
+        report = follower.round()
+    assert spoiled[-1]
+    assert not report.done
+    [target] = report.targets
+    assert target.status == "failed"
+    want = {
+        "lost": "the server lacks 1 of 8 rows sent (steps 6)",
+        "changed": "the row at step 6 holds 'loss/rank-1' = 99.5, sent 16",
+    }
+    assert target.problems[0] == want[fault]
+    assert min(start for start, _ in asked) == 5  # (rows 0-4 were not asked for again)
 
 
 @pytest.mark.parametrize("command", [["sync", "--follow"], ["follow"]], ids=" ".join)

@@ -6,10 +6,16 @@ plans the jobs as a one-shot sync does, and for every target whose files changed
 from what is readable now, keeps only its final rows (`cut`), and uploads it with the same
 `Deliverer` as `wbmerge sync`: the server is asked what it holds and only the rest is sent,
 so a row goes out once however many rounds stage it. A target whose ranks have all finished
-is staged with its real exit record (by its kept merge, or whole), checked against the
-ranks' logs and its every row's step read back as a one-shot sync does: its run gets its
-final state, and it is recorded in the ledger as a one-shot sync records it, so that a
-`wbmerge sync` afterwards finds it synced. Until then the ledger is not touched.
+is staged with its real exit record (by its kept merge, or whole) and checked against the
+ranks' logs: its run gets its final state, and it is recorded in the ledger as a one-shot
+sync records it, so that a `wbmerge sync` afterwards finds it synced. Until then the ledger
+is not touched.
+
+Every round reads back the rows it sent, the last one too. The rows that an earlier round
+of this process read back are not read again: the server's line count, which must equal
+the rows sent, covers them, and what is read starts after their last step. A follower
+started again proves every row once more in its last round (its rounds before it skip the
+rows the saved state says were sent and verified).
 
 A shared or pass-through target's merge kept between rounds (`incremental`, `passlive`) is
 saved in the state directory after each verified round (`saved`), so that a follower
@@ -23,7 +29,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -121,6 +127,10 @@ class _Known:
     finished_seen: tuple | None = None  # the signature when every rank was first seen done
     finished_at: float = 0.0  # when (time.monotonic()) it was first seen so
     over_bound_said: bool = False  # its metric count passed W&B's bound, and it was said
+    # The steps of the first rows of the run that this process read back after its own
+    # verified uploads (`Delivery.steps_checked`): a later round reads back only the rows
+    # after them. Kept in memory only, so a follower started again reads every row back.
+    proven: Sequence[int] = ()
 
     def unchanged(self, run_id: str) -> TargetRound:
         return TargetRound(
@@ -356,6 +366,7 @@ class Follower:
             cut.replace(staged.log_path)
             if live_cut.sent_early(server_rows):
                 known.rows = None  # (asked again next round: the run may have been deleted)
+                known.proven = ()
                 problem = (
                     f"the server holds {server_rows} history rows, past the "
                     f"{live_cut.rows_sent} that every rank has logged (another sync sent them "
@@ -374,10 +385,12 @@ class Follower:
             live = self._live[target.id]
             delivery.content, delivery.rows_cut = content, live.rows_sent
             delivery.row_before = live.row_before
-            if not done:  # (the last round reads every row's step back, below)
+            if not done:  # (the rows the rounds sent, some maybe by a follower before this one)
                 delivery.steps_checked = content.history_steps[: live.rows_sent]
-        # The last round (the run is then recorded synced) reads every row's step back, as
-        # a one-shot sync does: the server may have lost rows since a round before read them.
+        if done or content is None:
+            # Only the rows after those this process read back are read (the last round's
+            # too): the line count, which must equal the rows sent, covers the rest.
+            delivery.steps_checked = known.proven
         return target, delivery, now, staged.exit_code if done else None
 
     def _ends_kept(self, target: Target) -> bool:
@@ -579,10 +592,14 @@ class Follower:
                     TargetRound(target.id, "failed", known.rows or 0, problems=delivery.problems)
                 )
                 known.rows = None  # (what the server holds now is asked again next round)
+                known.proven = ()  # (and every row read back)
                 self.fall_back(target.id, UNVERIFIED, report)
                 continue
             assert delivery.content is not None
             rows = len(delivery.content.step_items)
+            if _begins(known.proven, delivery.steps_checked):
+                # (the read-back skipped only rows this process proved before, or none)
+                known.proven = delivery.content.history_steps
             continued = False
             if target.id in self._staged_live and not delivery.final:
                 live = self._live[target.id]
@@ -652,6 +669,11 @@ class Follower:
         """Let other syncs take the runs' locks (the last, one-shot sync needs them)."""
         self._locks.close()
         self._locks = ExitStack()
+
+
+def _begins(steps: Sequence[int], first: Sequence[int]) -> bool:
+    """Whether `steps` begins with `first`."""
+    return len(first) <= len(steps) and steps[: len(first)] == first
 
 
 def _json_object(text: str) -> dict:

@@ -225,7 +225,8 @@ def rows_not_held(
                 problem = value_problem(sent[index], staged_row, by_step[sent[index]])
                 differing += [problem] if problem else []
             pending = next(staged, None)
-    problems = compare_steps(order, held_steps).problems(len(order))
+    # (of all the rows sent: those before `checked` were read back by an earlier upload)
+    problems = compare_steps(order, held_steps).problems(checked + len(order))
     if differing:
         more = f" (and {len(differing) - 1} more rows differ)" if len(differing) > 1 else ""
         problems.append(differing[0] + more)
