@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from wbmerge.follow import Follower, NotIncremental, ScannedLog, incremental, round_lines
+from wbmerge.follow import Follower, NotIncremental, ScannedLog, incremental, passlive, round_lines
 from wbmerge.follow.tails import LiveReaders
 from wbmerge.identify import read_identity, scan
 from wbmerge.log import BLOCK_SIZE, FILE_HEADER, LogWriter, pb, read_payloads, write_payloads
@@ -231,8 +231,8 @@ def test_incremental_rounds_end_as_one_sync(
         report = follower.round()
         assert report.done, round_lines(report)
     assert_same_runs(sink, want)
-    if run_mode == "shared":  # (the last round goes on from the kept merge too)
-        assert all(t.continued and t.final for t in report.targets), round_lines(report)
+    # (the last round goes on from the kept merge too, a pass-through's as a shared one's)
+    assert all(t.continued and t.final for t in report.targets), round_lines(report)
     sent = [t for report in seen for t in report.targets if t.status == "sent"]
     assert sum(t.added for t in sent) > 0
     continued = [t for t in sent if t.continued and t.added > 0]
@@ -256,16 +256,17 @@ def rows_changed(change):
     return Changing
 
 
+@pytest.mark.parametrize("run_mode", ["shared", "new"])
 @pytest.mark.parametrize("fault", ["row left out a round before", "value changed at the end"])
 def test_the_last_round_finds_what_the_kept_merge_got_wrong(
-    fault, job, make_sink, monkeypatch, tmp_path, state
+    fault, run_mode, job, make_sink, monkeypatch, tmp_path, state
 ):
-    """The last round goes on from the kept merge and checks the run against the ranks'
-    logs by what the rounds counted as they went (the rows sent, the records read): a row
-    a round before left out of its staged log (rounds are not checked against logs still
-    growing), or a value the last round's log holds changed, fails the run; it is not sent
-    and not recorded synced."""
-    request = MergeRequest(paths=[tmp_path / "live"], run_mode="shared", rank_scope="global")
+    """The last round goes on from the kept merge (a shared one, or a pass-through's:
+    `passlive`) and checks the run against the ranks' logs by what the rounds counted as
+    they went (the rows sent, the records read): a row a round before left out of its
+    staged log (rounds are not checked against logs still growing), or a value the last
+    round's log holds changed, fails the run; it is not sent and not recorded synced."""
+    request = MergeRequest(paths=[tmp_path / "live"], run_mode=run_mode, rank_scope="global")
     sink = follow_sink(make_sink, monkeypatch, state)
     growing = Growing(job, tmp_path / "live")
     (tmp_path / "live").mkdir()
@@ -282,22 +283,27 @@ def test_the_last_round_finds_what_the_kept_merge_got_wrong(
         item.value_json = json.dumps(json.loads(item.value_json) + 0.5)
         return record.SerializeToString()
 
+    kept = incremental if run_mode == "shared" else passlive
     with Follower(request, parallel=4, timeout=UPLOAD_TIMEOUT) as follower:
         for fraction in (0.2, 0.5, 1.0):
             growing.grow(fraction)
             with monkeypatch.context() as patch:
                 if fraction == (0.5 if fault.startswith("row") else 1.0):
-                    patch.setattr(incremental, "LogWriter", rows_changed(change_once))
+                    patch.setattr(kept, "LogWriter", rows_changed(change_once))
                 report = follower.round()
-            [target] = report.targets
             if fraction < 1.0:
-                assert (target.status, target.continued) == ("sent", fraction > 0.2)
+                for target in report.targets:
+                    assert (target.status, target.continued) == ("sent", fraction > 0.2)
         assert changed
-        assert not report.done and target.status == "failed"
-        assert "the staged run lacks what its ranks logged" in target.problems[0]
-        assert "history key" in target.problems[0], target.problems
-        [run] = sink_runs(sink).values()
-        assert run["state"] == "running"
+        # (the first run staged in that round is changed: the others end as they should)
+        failed, *others = sorted(report.targets, key=lambda t: t.status != "failed")
+        assert not report.done and failed.status == "failed"
+        assert "the staged run lacks what its ranks logged" in failed.problems[0]
+        assert "history key" in failed.problems[0], failed.problems
+        assert all(t.status == "sent" and t.final and t.continued for t in others)
+        runs = sink_runs(sink)
+        assert runs.pop(failed.run_id)["state"] == "running"
+        assert [run["state"] for run in runs.values()] == ["finished"] * len(others)
 
 
 def test_a_follower_restarted_goes_on_and_a_rank_rewritten_merges_again_from_scratch(

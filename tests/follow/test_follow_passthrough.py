@@ -84,6 +84,14 @@ def test_pass_through_rounds_with_a_restart_end_as_one_sync(
         report = follower.round()
         assert report.done, round_lines(report)
     assert_same_runs(sink, want)
+    # (the last round goes on from the merge kept since the restart joined, and reads
+    # only what the ranks wrote since the round before)
+    assert all(t.continued and t.final for t in report.targets), round_lines(report)
+    assert (
+        0
+        < sum(t.bytes_read for t in report.targets)
+        < sum(log.stat().st_size for log in live.rglob("run-*.wandb")) // 4
+    )
     for report in seen:
         assert [t.status for t in report.targets] == ["sent"] * len(want), round_lines(report)
     # rank 0's run (the first target), before and after its restart joined: merged from

@@ -35,8 +35,8 @@ class Fallback:
 
 # A pass-through log with no run record yet: it comes soon, which is no fault to be said.
 NOT_YET = Fallback("its run record is not written yet", said=False)
-# Every rank finished and no kept merge can end the run (`LiveShared` made in this process
-# does): the last round is a one-shot merge of the files, as sync makes it.
+# Every rank finished and no kept merge can end the run (one made in this process for the
+# same sources does): the last round is a one-shot merge of the files, as sync makes it.
 LAST_ROUND = Fallback("every rank finished: the last round is merged whole", False, False)
 # A round's upload not verified: its problems say why; the next round merges from scratch.
 UNVERIFIED = Fallback("its upload was not verified", said=False)

@@ -16,10 +16,15 @@ summary, then the records read since (up to the first row past the watermark), t
 row held back while none is left out, and an exit record that leaves the run running.
 
 Anything a round cannot continue gives way to a merge from scratch (`stage` gives a
-`Fallback`): a log truncated, rewritten or damaged, a restart added, an artifact record (its files are
-copied into one round's staging), a head that is not what the one-shot would keep. The
-final round (every rank finished) is a one-shot merge of the files, so the run ends as
-`wbmerge sync` makes it. A target whose system metrics come from every rank (`auto` with
+`Fallback`): a log truncated, rewritten or damaged, a restart added, an artifact record (its
+files are copied into one round's staging), a head that is not what the one-shot would keep.
+The last round (every rank finished) goes on from the kept merge too, as a shared one does
+(`incremental`): it writes every record left, no row held back, then the last source's own
+exit record where the one-shot writes it, so the run ends as `wbmerge sync` makes it. It is
+checked against the rank's records folded as the rounds read them (`verify.ExpectedFold`),
+the rows sent before counted by their tallies: only its own log is read again. A merge
+taken up from a saved state (its counts live in memory only) ends with a one-shot merge of
+the files. A target whose system metrics come from every rank (`auto` with
 `--system-metrics all`) is merged from scratch every round.
 """
 
@@ -31,11 +36,13 @@ from pathlib import Path
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ..log import BLOCK_SIZE, Frames, LogWriter, Steps, items, pb, records, restep, wire
+from ..log import BLOCK_SIZE, Frames, LogWriter, ReadReport, Steps, items, pb, records, restep, wire
 from ..merge import (
     MergeOptions,
     Spools,
     Staged,
+    damage_warnings,
+    exit_code,
     new_run_dir,
     passed_record,
     rewrite_run,
@@ -58,6 +65,18 @@ _READ_BLOCKS = 128  # blocks a read takes (as the one-shot pass-through reads)
 _HEAD_LIMIT = 64 * BLOCK_SIZE  # records before the run record (`HeldUntilTheRunRecord`)
 
 
+# Rows without their own `_step` (not as wandb writes them) that wandb's uploader would
+# number from the run's start when a log continues the rows sent: the whole log moves them
+# to their steps (`verify.remainder`), so the last round is merged whole, as the normal course.
+_NUMBERED_OTHERWISE = Fallback("its rows would be numbered otherwise", said=False)
+
+
+def _numbered_otherwise(content: StagedContent, rows_sent: int) -> bool:
+    """Whether the rows after the first `rows_sent` would go to other steps than in a whole
+    upload, were the log cut there (as a round's log is)."""
+    return content.steps_sent_from(rows_sent) != content.history_steps[rows_sent:]
+
+
 class _NoArtifacts:
     """An artifact record's files are copied into one round's staging: merged from scratch."""
 
@@ -72,6 +91,8 @@ class LivePassthrough(LiveRounds):
     process (else a temporary file in `scratch`); `saved`: a `state()` of the same target
     and options to go on from. Raises NotIncremental when the files do not hold what
     `saved` read of them, ValueError when `saved` does not fit."""
+
+    ENDS_KEPT = True
 
     def __init__(
         self,
@@ -92,7 +113,10 @@ class LivePassthrough(LiveRounds):
         self._waiting: list[tuple[str | None, int, bytes]] = []
         # the summary sent: each key's last update (False) or removal (True), in order
         self._summary: dict[tuple[str, ...], tuple[bool, bytes]] = {}
-        self._warnings: list[str] = []  # (said by the final, one-shot round)
+        # what the one-shot pass-through says of each source (said by the last round)
+        self._warnings: dict[int, list[str]] = {}
+        self._exit: bytes | None = None  # the exit record of the source read last
+        self._ended: set[int] = set()  # the sources read with an exit record
         paths = {0: [s.path for s in target.sources]}
         first = target.sources[0]
         if saved is None:
@@ -218,21 +242,27 @@ class LivePassthrough(LiveRounds):
         self, out_dir: Path, watermark: int | None, server_rows: int, final: bool
     ) -> tuple[Staged, StagedContent | None] | Fallback:
         """`stage` for a pass-through: the rank's new records as the one-shot passes them;
-        `NOT_YET` while its log has no run record. (Its last round merges from scratch.)"""
-        assert not final
+        `NOT_YET` while its log has no run record. The last round's (`final`) ends as the
+        one-shot ends: every record left, then the last source's own exit record."""
         target = self.target
         self.rounds += 1
         self._readers.begin_round()
         read_before = self._readers.bytes_read
+        rank = target.sources[0].rank.rank
         while self._readers.live():
             frames, reads = self._readers.read([0], _READ_BLOCKS)
-            self._take(records.RecordIndex(frames), reads[0].source, reads[0].starts)
+            read = records.RecordIndex(frames)
+            if self._expected is not None and reads[0].records:  # (the last round's check)
+                self._expected.add(rank, reads[0].source, read)
+            self._take(read, reads[0].source, reads[0].starts)
         self.bytes_read = self._readers.bytes_read - read_before
         if not self._has_run:
             return NOT_YET
+        if final and (self._readers.open_ranks() or self._exit is None):
+            raise NotIncremental("its log is not read to its exit record")
         waiting = self._waiting
         cut = len(waiting)
-        if watermark is not None:
+        if watermark is not None and not final:
             cut = next(
                 (
                     i
@@ -242,7 +272,7 @@ class LivePassthrough(LiveRounds):
                 cut,
             )
         written = [(kind == "history", payload) for kind, _, payload in waiting[:cut]]
-        arranged = self._arrange(written, cut < len(waiting), server_rows, False)
+        arranged = self._arrange(written, cut < len(waiting), server_rows, final)
         if isinstance(arranged, Fallback):
             return arranged
         written, held = arranged
@@ -258,13 +288,24 @@ class LivePassthrough(LiveRounds):
                     writer.write(payload)
                 for _, payload in written:
                     writer.write(payload)
-                writer.write(running_exit_record())
+                writer.write(self._exit if final and self._exit else running_exit_record())
                 staged.records = writer.records
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
         del waiting[:cut]  # (what is left waits for the next round)
-        return staged, self._finish(staged.log_path, written, held)
+        content = self._finish(staged.log_path, written, held, final)
+        if final and content is not None and _numbered_otherwise(content, self.rows_sent):
+            shutil.rmtree(run_dir, ignore_errors=True)
+            return _NUMBERED_OTHERWISE
+        if final:  # (its exit code, and what the one-shot says of each source)
+            staged.exit_code = exit_code(self._exit)
+            for index, source in enumerate(target.sources):
+                staged.warnings += self._warnings.get(index, [])
+                staged.warnings += damage_warnings(
+                    source, ReadReport(), index in self._ended, target.primary_rank
+                )
+        return staged, content
 
     def _take(self, read: records.RecordIndex, index: int, starts: bool) -> None:
         """One read's records of source `index` as the one-shot pass-through writes them,
@@ -272,6 +313,7 @@ class LivePassthrough(LiveRounds):
         source = self.target.sources[index]
         if starts:
             self._steps.restart()
+            self._exit = None
         steps: dict[int, int] = {}
         moved: dict[int, int] = {}
         if len(read.history):
@@ -294,8 +336,10 @@ class LivePassthrough(LiveRounds):
         for i, (code, start, end) in enumerate(spans):
             kind = names[code]
             payload = bytes(view[start:end])
-            if kind == "exit":
-                continue  # (a round ends with one that leaves the run running)
+            if kind == "exit":  # (a round ends with one that leaves the run running)
+                self._exit = payload
+                self._ended.add(index)
+                continue
             if kind == "run" and index:  # a restart's: its config, where the restart starts
                 passed = passed_record(
                     kind,
@@ -303,7 +347,7 @@ class LivePassthrough(LiveRounds):
                     source,
                     self.options,
                     _NoArtifacts(),  # type: ignore[arg-type]
-                    self._warnings,
+                    self._warnings.setdefault(index, []),
                 )
                 if passed is None:
                     continue
@@ -327,7 +371,7 @@ class LivePassthrough(LiveRounds):
                     source,
                     self.options,
                     _NoArtifacts(),  # type: ignore[arg-type]
-                    self._warnings,
+                    self._warnings.setdefault(index, []),
                     moved.get(i),
                 )
                 if passed is None:

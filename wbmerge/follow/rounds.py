@@ -395,7 +395,8 @@ class Follower:
 
     def _ends_kept(self, target: Target) -> bool:
         """Whether a target's last round goes on from its kept merge: one made in this
-        process for the same sources, which counted the rows it sent (`LiveShared`)."""
+        process for the same sources, which counted the rows it sent (`LiveShared`,
+        `LivePassthrough`)."""
         live = self._live.get(target.id)
         return live is not None and live.can_end and live.made_of == sources_of(target)
 

@@ -27,6 +27,7 @@ from .console import Spools, write_console_and_stats
 from .files import check_files, files_from_dirs
 from .metricglobs import glob_definitions
 from .options import DEFAULT_KEY_FORMAT, MergeOptions, check_key_format
+from .outcome import damage_warnings
 from .passthrough import HeldUntilTheRunRecord, passed_record
 from .readers import RankReaders, SourceRead
 from .runrecord import exit_code, exit_record, rewrite_run
@@ -48,6 +49,7 @@ __all__ = [
     "Staged",
     "check_files",
     "check_key_format",
+    "damage_warnings",
     "exit_code",
     "exit_record",
     "files_from_dirs",
