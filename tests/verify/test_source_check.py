@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -390,3 +391,41 @@ def test_the_config_an_elastic_restart_starts_with_arrives(tmp_path, mode):
             assert attempts == {"attempt": 1, f"attempt/{label}": 11}
         else:
             assert attempts == {"attempt": 10 * run.target.primary_rank + 1}
+
+
+def test_a_check_waits_while_the_slots_are_taken_and_runs_once_one_is_free():
+    """A check of a staged run holds up to about 120 MB: no more than `CHECKS_AT_ONCE` run
+    at once in a process, however many runs are prepared side by side."""
+    from wbmerge.verify import sourcecheck
+
+    started = threading.Event()
+    answers: list[str | None] = []
+
+    def check() -> list[str]:
+        started.set()
+        return ["history key 'loss': 1 value of 2"]
+
+    for _ in range(sourcecheck.CHECKS_AT_ONCE):
+        sourcecheck.CHECK_SLOTS.acquire()
+    waiter = threading.Thread(target=lambda: answers.append(sourcecheck.lacking_line(check)))
+    try:
+        waiter.start()
+        assert not started.wait(timeout=1.0)  # (every slot is taken: it must not run)
+    finally:
+        sourcecheck.CHECK_SLOTS.release()  # (one slot free: it runs)
+        waiter.join(timeout=60)
+        for _ in range(sourcecheck.CHECKS_AT_ONCE - 1):
+            sourcecheck.CHECK_SLOTS.release()
+    assert started.is_set() and not waiter.is_alive()
+    [line] = answers
+    assert line is not None and "history key 'loss': 1 value of 2" in line
+
+    def unreadable() -> list[str]:
+        raise OSError("gone")
+
+    # (a check that raises gives its slot back: every slot can be taken again)
+    assert "could not be compared" in (sourcecheck.lacking_line(unreadable) or "")
+    for _ in range(sourcecheck.CHECKS_AT_ONCE):
+        assert sourcecheck.CHECK_SLOTS.acquire(timeout=5)
+    for _ in range(sourcecheck.CHECKS_AT_ONCE):
+        sourcecheck.CHECK_SLOTS.release()

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -1017,15 +1018,25 @@ CHECKS: dict[str, Callable[[Target, Path, str, PerRank | None], list[str]]] = {
 }
 
 
+# How many checks of staged runs a process runs at once (`lacking_line`). A check's read of
+# a staged log peaks at about 120 MB (`STAGED_READ`); the eight preparers of a follow's last
+# round checked eight pass-through runs side by side and held 690 MB. The checks share one
+# interpreter lock, so two at once keep two cores as busy as eight.
+CHECKS_AT_ONCE = 2
+CHECK_SLOTS = threading.BoundedSemaphore(CHECKS_AT_ONCE)
+
+
 def lacking_line(check: Callable[[], list[str]] | None) -> str | None:
     """The one line that says what a staged run lacks of its sources (`check`, say a
     `source_shortfall` with its arguments bound), or that they could not be compared; None
     when it lacks nothing (or there is nothing to check). Such a run is not sent: sending
-    it would record as synced a run that lacks what a rank logged."""
+    it would record as synced a run that lacks what a rank logged. It waits for one of
+    `CHECK_SLOTS`."""
     if check is None:
         return None
     try:
-        problems = check()  # (ValueError: a key that is no text; RecursionError: too deep)
+        with CHECK_SLOTS:
+            problems = check()  # (ValueError: a key that is no text; RecursionError: too deep)
     except (OSError, ValueError, DecodeError, RecursionError) as exc:
         return f"not sent: it could not be compared with its ranks' logs ({exc})"
     if not problems:
